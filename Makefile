@@ -1,0 +1,49 @@
+# eitri-agent: build, test, benchmark.
+#
+#   make test         everything CI runs: format, lint, generated-code check, tests
+#   make proto        regenerate src/pb/ from proto/ (no protoc needed)
+#   make bench        every benchmark; make bench-NAME runs one
+#
+# Each benchmark's last line is `bench=NAME key=value ...`.
+
+CARGO    ?= cargo
+PROTOGEN := contrib/protogen
+GENERATED := src/pb/eitri.agent.v1.rs
+BENCHES  := store
+
+.PHONY: all build test fmt-check clippy proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+
+all: build
+
+build:
+	$(CARGO) build --release --locked
+
+test: fmt-check clippy proto-check unit-tests
+
+fmt-check:
+	$(CARGO) fmt --check
+
+clippy:
+	$(CARGO) clippy --locked --all-targets -- -D warnings
+
+# nextest's summary is the run's last line; CI reads it.
+unit-tests:
+	$(CARGO) nextest run --locked --no-fail-fast
+
+proto:
+	$(CARGO) run --quiet --locked --manifest-path $(PROTOGEN)/Cargo.toml -- proto src/pb
+	rustfmt --edition 2024 $(GENERATED)
+
+# Regenerates into a temp dir and compares: fails when the committed code is
+# stale, and never touches the tree.
+proto-check:
+	@tmp=$$(mktemp -d) && \
+	$(CARGO) run --quiet --locked --manifest-path $(PROTOGEN)/Cargo.toml -- proto $$tmp && \
+	rustfmt --edition 2024 $$tmp/eitri.agent.v1.rs && \
+	if diff -u $(GENERATED) $$tmp/eitri.agent.v1.rs; then rm -rf $$tmp; \
+	else rm -rf $$tmp; echo "$(GENERATED) is stale: run make proto and commit it" >&2; exit 1; fi
+
+bench: $(addprefix bench-,$(BENCHES))
+
+$(addprefix bench-,$(BENCHES)): bench-%:
+	$(CARGO) bench --locked --bench $*

@@ -1,0 +1,17 @@
+//! The agent's domain types: what the engine reasons about.
+//!
+//! Wire types (`crate::pb`) are raw input from the network or a file; these
+//! are the checked form. Conversion (`crate::pb::convert`) validates once, so
+//! everything below it can trust an [`Id`] to be safe as a path component and
+//! a [`PowerState`] to be one of two values.
+
+mod id;
+mod report;
+mod spec;
+
+pub use id::{Id, IdError, MAX_ID_LEN, quote};
+pub use report::{QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus};
+pub use spec::{
+    DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,
+    WantedVm, WantedVolume,
+};

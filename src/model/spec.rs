@@ -1,0 +1,218 @@
+//! Desired state, in checked form.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::Id;
+
+/// Bounds on what one VM or volume may ask for. A request above them is a
+/// typo or an attack, not a workload this agent will try to place.
+pub struct Limits;
+
+impl Limits {
+    pub const MAX_VCPUS: u32 = 512;
+    /// 16 TiB of guest memory, in MiB.
+    pub const MAX_MEM_MB: u64 = 16 * 1024 * 1024;
+    /// 64 TiB of disk, in GiB (root disks and volumes alike).
+    pub const MAX_DISK_GB: u64 = 64 * 1024;
+    /// URLs, keys and certificates are single lines of at most this many bytes.
+    pub const MAX_LINE: usize = 16 * 1024;
+    /// Tenant user-data travels in the seed image; cloud-init itself refuses
+    /// far less, so this only stops a runaway control plane filling the disk.
+    pub const MAX_USER_DATA: usize = 4 * 1024 * 1024;
+    pub const MAX_USER_CA_KEYS: usize = 64;
+}
+
+/// The part of a VM's desired state that defines *what the VM is*. It is
+/// persisted in the VM's record; when it changes, the create budget resets.
+/// Power state and certificate material are deliberately not in it: they
+/// change what the VM is doing, not what it is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmSpec {
+    pub vm_id: Id,
+    /// Guest hostname; empty = none asked for.
+    pub name: String,
+    pub image_url: String,
+    /// Lowercase hex SHA-256 of the base image.
+    pub image_sha256: String,
+    pub cloud_init: String,
+    pub ssh_authorized_key: String,
+    /// Host network for the second NIC; empty = underlay only.
+    pub network: String,
+    pub volume_ids: Vec<Id>,
+    pub vcpus: u32,
+    pub mem_mb: u64,
+    pub disk_gb: u64,
+}
+
+/// Whether a VM should be (or is) running.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PowerState {
+    Running,
+    Stopped,
+}
+
+impl PowerState {
+    /// The reference's wire string.
+    pub fn as_wire(self) -> &'static str {
+        match self {
+            PowerState::Running => "running",
+            PowerState::Stopped => "stopped",
+        }
+    }
+
+    pub fn from_wire(raw: &str) -> Option<PowerState> {
+        match raw {
+            "running" => Some(PowerState::Running),
+            "stopped" => Some(PowerState::Stopped),
+            _ => None,
+        }
+    }
+
+    /// What a backend's liveness answer means as a power state.
+    pub fn observed(running: bool) -> PowerState {
+        if running {
+            PowerState::Running
+        } else {
+            PowerState::Stopped
+        }
+    }
+}
+
+/// Where a VM is in its life as the agent sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// Not yet created; a create is in progress or will be retried.
+    Creating,
+    /// Created and at (or being driven to) its desired power state.
+    Ready,
+    /// Needs attention: the error says why. Terminal for a create whose
+    /// budget is spent; otherwise the next tick tries again.
+    Failed,
+}
+
+impl Phase {
+    pub fn as_wire(self) -> &'static str {
+        match self {
+            Phase::Creating => "creating",
+            Phase::Ready => "ready",
+            Phase::Failed => "failed",
+        }
+    }
+
+    pub fn from_wire(raw: &str) -> Option<Phase> {
+        match raw {
+            "creating" => Some(Phase::Creating),
+            "ready" => Some(Phase::Ready),
+            "failed" => Some(Phase::Failed),
+            _ => None,
+        }
+    }
+}
+
+/// One VM the control plane wants on this host, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DesiredVm {
+    pub spec: VmSpec,
+    pub power: PowerState,
+    pub host_cert_required: bool,
+    /// OpenSSH host certificate; empty until the control plane issues one.
+    pub ssh_host_cert: String,
+    pub ssh_user_ca_keys: Vec<String>,
+}
+
+/// A VM entry of a snapshot: wanted, or deleted. A tombstone needs nothing
+/// but its id, and is honoured even when the rest of its entry would not
+/// pass validation: refusing to delete a VM because its deleted spec is odd
+/// would keep a customer's guest running against their wish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WantedVm {
+    Present(Box<DesiredVm>),
+    Tombstoned(Id),
+}
+
+impl WantedVm {
+    pub fn id(&self) -> &Id {
+        match self {
+            WantedVm::Present(d) => &d.spec.vm_id,
+            WantedVm::Tombstoned(id) => id,
+        }
+    }
+}
+
+/// One volume the control plane wants on this host, checked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeSpec {
+    pub volume_id: Id,
+    pub size_gb: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WantedVolume {
+    Present(VolumeSpec),
+    Tombstoned(Id),
+}
+
+impl WantedVolume {
+    pub fn id(&self) -> &Id {
+        match self {
+            WantedVolume::Present(v) => &v.volume_id,
+            WantedVolume::Tombstoned(id) => id,
+        }
+    }
+}
+
+/// An entry the agent refused to act on. When its id was valid the entry
+/// still *claims* that id: the engine must neither create nor reap anything
+/// under it, so a bad update to an existing VM leaves the VM alone instead
+/// of reading as "vanished" and destroying it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejected {
+    pub id: Option<Id>,
+    /// The id as sent, for the report row.
+    pub raw_id: String,
+    pub error: SpecError,
+}
+
+/// A snapshot, checked. Valid entries are ready to act on; invalid ones are
+/// kept apart with their reasons so they can be reported per VM.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub epoch: u64,
+    pub min_agent_version: String,
+    pub vms: Vec<WantedVm>,
+    pub volumes: Vec<WantedVolume>,
+    pub rejected_vms: Vec<Rejected>,
+    pub rejected_volumes: Vec<Rejected>,
+}
+
+/// Why one field of one entry was refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpecError {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+impl SpecError {
+    pub fn new(field: &'static str, problem: impl Into<String>) -> SpecError {
+        SpecError {
+            field,
+            problem: problem.into(),
+        }
+    }
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid {}: {}; fix the spec in the control plane",
+            self.field, self.problem
+        )
+    }
+}
+
+impl std::error::Error for SpecError {}

@@ -1,0 +1,434 @@
+//! Wire ⇄ domain conversion. Validation happens here, once: everything the
+//! control plane (or a desired file) sends is checked before any of it can
+//! name a path, size a file or reach a hypervisor's command line.
+//!
+//! A bad entry fails that entry alone. It is kept as a [`Rejected`] with its
+//! reason so the report can say which VM or volume was refused and why,
+//! while the rest of the snapshot is acted on.
+
+use std::collections::HashMap;
+
+use crate::model::{
+    DesiredVm, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report, Snapshot, SpecError,
+    VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm, WantedVolume, quote,
+};
+use crate::pb;
+
+/// Checks a wire snapshot. Never fails as a whole: bad entries become
+/// rejections. An id that appears twice is refused in every place it
+/// appears, since the agent cannot tell which entry the control plane meant.
+pub fn snapshot_from_wire(wire: &pb::Snapshot) -> Snapshot {
+    let mut snap = Snapshot {
+        epoch: wire.epoch,
+        min_agent_version: wire.min_agent_version.clone(),
+        ..Snapshot::default()
+    };
+    let vm_counts = count_ids(wire.vms.iter().map(|v| v.vm_id.as_str()));
+    for raw in &wire.vms {
+        match vm_from_wire(raw, vm_counts.get(raw.vm_id.as_str()).copied()) {
+            Ok(vm) => snap.vms.push(vm),
+            Err(rejected) => snap.rejected_vms.push(rejected),
+        }
+    }
+    let volume_counts = count_ids(wire.volumes.iter().map(|v| v.volume_id.as_str()));
+    for raw in &wire.volumes {
+        let count = volume_counts.get(raw.volume_id.as_str()).copied();
+        match volume_from_wire(raw, count) {
+            Ok(volume) => snap.volumes.push(volume),
+            Err(rejected) => snap.rejected_volumes.push(rejected),
+        }
+    }
+    snap
+}
+
+pub fn snapshot_to_wire(snap: &Snapshot) -> pb::Snapshot {
+    pb::Snapshot {
+        epoch: snap.epoch,
+        min_agent_version: snap.min_agent_version.clone(),
+        vms: snap.vms.iter().map(vm_to_wire).collect(),
+        volumes: snap.volumes.iter().map(volume_to_wire).collect(),
+    }
+}
+
+fn count_ids<'a>(ids: impl Iterator<Item = &'a str>) -> HashMap<&'a str, usize> {
+    let mut counts = HashMap::new();
+    for id in ids {
+        *counts.entry(id).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn duplicate_error(count: Option<usize>) -> Result<(), SpecError> {
+    match count {
+        Some(n) if n > 1 => Err(SpecError::new(
+            "vm_id",
+            format!("the id appears {n} times in one snapshot"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Checks one VM entry. `count` is how often its id appears in the snapshot.
+fn vm_from_wire(raw: &pb::VmSpec, count: Option<usize>) -> Result<WantedVm, Rejected> {
+    let id = Id::parse(&raw.vm_id).map_err(|e| Rejected {
+        id: None,
+        raw_id: raw.vm_id.clone(),
+        error: SpecError::new("vm_id", e.to_string()),
+    })?;
+    let reject = |error: SpecError| Rejected {
+        id: Some(id.clone()),
+        raw_id: raw.vm_id.clone(),
+        error,
+    };
+    duplicate_error(count).map_err(reject)?;
+    if raw.tombstoned {
+        return Ok(WantedVm::Tombstoned(id));
+    }
+    desired_vm(id.clone(), raw)
+        .map(|d| WantedVm::Present(Box::new(d)))
+        .map_err(reject)
+}
+
+fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
+    let power = PowerState::from_wire(&raw.power_state).ok_or_else(|| {
+        SpecError::new(
+            "power_state",
+            format!(
+                "{} is not \"running\" or \"stopped\"",
+                quote(&raw.power_state)
+            ),
+        )
+    })?;
+    let mut volume_ids = Vec::with_capacity(raw.volume_ids.len());
+    for v in &raw.volume_ids {
+        let id = Id::parse(v).map_err(|e| SpecError::new("volume_ids", e.to_string()))?;
+        if volume_ids.contains(&id) {
+            return Err(SpecError::new(
+                "volume_ids",
+                format!("volume {id} is attached twice"),
+            ));
+        }
+        volume_ids.push(id);
+    }
+    let ca_keys = raw
+        .ssh_user_ca_authorized_keys
+        .iter()
+        .map(|k| single_line("ssh_user_ca_authorized_keys", k))
+        .collect::<Result<Vec<_>, _>>()?;
+    if ca_keys.len() > Limits::MAX_USER_CA_KEYS {
+        return Err(SpecError::new(
+            "ssh_user_ca_authorized_keys",
+            format!(
+                "{} keys, at most {}",
+                ca_keys.len(),
+                Limits::MAX_USER_CA_KEYS
+            ),
+        ));
+    }
+    let spec = VmSpec {
+        vm_id,
+        name: hostname(&raw.name)?,
+        image_url: image_url(&raw.image_url)?,
+        image_sha256: sha256_hex(&raw.image_sha256)?,
+        cloud_init: user_data(&raw.cloud_init)?,
+        ssh_authorized_key: single_line("ssh_authorized_key", &raw.ssh_authorized_key)?,
+        network: network_name(&raw.network)?,
+        volume_ids,
+        vcpus: bounded("vcpus", raw.vcpus, u64::from(Limits::MAX_VCPUS))? as u32,
+        mem_mb: bounded("mem_mb", raw.mem_mb, Limits::MAX_MEM_MB)?,
+        disk_gb: bounded("disk_gb", raw.disk_gb, Limits::MAX_DISK_GB)?,
+    };
+    Ok(DesiredVm {
+        spec,
+        power,
+        host_cert_required: raw.host_cert_required,
+        ssh_host_cert: single_line("ssh_host_cert", &raw.ssh_host_cert)?,
+        ssh_user_ca_keys: ca_keys,
+    })
+}
+
+pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
+    match vm {
+        WantedVm::Tombstoned(id) => pb::VmSpec {
+            vm_id: id.to_string(),
+            tombstoned: true,
+            ..pb::VmSpec::default()
+        },
+        WantedVm::Present(d) => {
+            let s = &d.spec;
+            pb::VmSpec {
+                vm_id: s.vm_id.to_string(),
+                name: s.name.clone(),
+                image_url: s.image_url.clone(),
+                image_sha256: s.image_sha256.clone(),
+                cloud_init: s.cloud_init.clone(),
+                ssh_authorized_key: s.ssh_authorized_key.clone(),
+                network: s.network.clone(),
+                volume_ids: s.volume_ids.iter().map(Id::to_string).collect(),
+                vcpus: i64::from(s.vcpus),
+                mem_mb: s.mem_mb as i64,
+                disk_gb: s.disk_gb as i64,
+                power_state: d.power.as_wire().to_owned(),
+                tombstoned: false,
+                host_cert_required: d.host_cert_required,
+                ssh_host_cert: d.ssh_host_cert.clone(),
+                ssh_user_ca_authorized_keys: d.ssh_user_ca_keys.clone(),
+            }
+        }
+    }
+}
+
+fn volume_from_wire(raw: &pb::VolumeSpec, count: Option<usize>) -> Result<WantedVolume, Rejected> {
+    let id = Id::parse(&raw.volume_id).map_err(|e| Rejected {
+        id: None,
+        raw_id: raw.volume_id.clone(),
+        error: SpecError::new("volume_id", e.to_string()),
+    })?;
+    let reject = |error: SpecError| Rejected {
+        id: Some(id.clone()),
+        raw_id: raw.volume_id.clone(),
+        error,
+    };
+    duplicate_error(count).map_err(|mut e| {
+        e.field = "volume_id";
+        reject(e)
+    })?;
+    if raw.tombstoned {
+        return Ok(WantedVolume::Tombstoned(id));
+    }
+    let size_gb = i64::try_from(raw.size_gb).unwrap_or(i64::MAX);
+    let size_gb = bounded("size_gb", size_gb, Limits::MAX_DISK_GB).map_err(reject)?;
+    Ok(WantedVolume::Present(VolumeSpec {
+        volume_id: id,
+        size_gb,
+    }))
+}
+
+pub fn volume_to_wire(volume: &WantedVolume) -> pb::VolumeSpec {
+    match volume {
+        WantedVolume::Present(v) => pb::VolumeSpec {
+            volume_id: v.volume_id.to_string(),
+            size_gb: v.size_gb,
+            tombstoned: false,
+        },
+        WantedVolume::Tombstoned(id) => pb::VolumeSpec {
+            volume_id: id.to_string(),
+            size_gb: 0,
+            tombstoned: true,
+        },
+    }
+}
+
+pub fn report_to_wire(report: &Report) -> pb::Report {
+    pb::Report {
+        last_seen_epoch: report.last_seen_epoch,
+        vms: report.vms.iter().map(vm_status_to_wire).collect(),
+        quarantined: report
+            .quarantined
+            .iter()
+            .map(|q| pb::QuarantinedVm {
+                vm_id: q.vm_id.to_string(),
+                name: q.name.clone(),
+                vmspec_json: q.vmspec_json.clone(),
+                destroy_at_unix: q.destroy_at_unix,
+            })
+            .collect(),
+        destroyed: report.destroyed.iter().map(Id::to_string).collect(),
+        volumes: report
+            .volumes
+            .iter()
+            .map(|v| pb::VolumeStatus {
+                volume_id: v.volume_id.clone(),
+                state: v.state.as_wire().to_owned(),
+                size_gb: v.size_gb,
+                last_error: v.last_error.clone(),
+            })
+            .collect(),
+        fence_violation: report.fence_violation,
+    }
+}
+
+fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
+    pb::VmStatus {
+        vm_id: row.vm_id.clone(),
+        ip: row.ip.clone(),
+        network_ip: row.network_ip.clone(),
+        power_state: row.power.map(PowerState::as_wire).unwrap_or("").to_owned(),
+        phase: row.phase.map(Phase::as_wire).unwrap_or("").to_owned(),
+        last_error: row.last_error.clone(),
+        status_detail: row.status_detail.clone(),
+        ssh_host_pubkey: row.ssh_host_pubkey.clone(),
+    }
+}
+
+/// Reads a report back (e.g. the `report.json` a previous tick wrote). The
+/// report is the agent's own output, so an unknown enum string means the
+/// file is from a newer agent or damaged: an error, not a guess.
+pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
+    let mut report = Report {
+        last_seen_epoch: wire.last_seen_epoch,
+        fence_violation: wire.fence_violation,
+        ..Report::default()
+    };
+    for row in &wire.vms {
+        report.vms.push(VmStatus {
+            vm_id: row.vm_id.clone(),
+            ip: row.ip.clone(),
+            network_ip: row.network_ip.clone(),
+            power: optional_enum("power_state", &row.power_state, PowerState::from_wire)?,
+            phase: optional_enum("phase", &row.phase, Phase::from_wire)?,
+            last_error: row.last_error.clone(),
+            status_detail: row.status_detail.clone(),
+            ssh_host_pubkey: row.ssh_host_pubkey.clone(),
+        });
+    }
+    for q in &wire.quarantined {
+        report.quarantined.push(QuarantinedVm {
+            vm_id: Id::parse(&q.vm_id).map_err(|e| SpecError::new("vm_id", e.to_string()))?,
+            name: q.name.clone(),
+            vmspec_json: q.vmspec_json.clone(),
+            destroy_at_unix: q.destroy_at_unix,
+        });
+    }
+    for id in &wire.destroyed {
+        report
+            .destroyed
+            .push(Id::parse(id).map_err(|e| SpecError::new("destroyed", e.to_string()))?);
+    }
+    for v in &wire.volumes {
+        report.volumes.push(VolumeStatus {
+            volume_id: v.volume_id.clone(),
+            state: VolumeState::from_wire(&v.state).ok_or_else(|| {
+                SpecError::new("state", format!("unknown volume state {}", quote(&v.state)))
+            })?,
+            size_gb: v.size_gb,
+            last_error: v.last_error.clone(),
+        });
+    }
+    Ok(report)
+}
+
+fn optional_enum<T>(
+    field: &'static str,
+    raw: &str,
+    parse: fn(&str) -> Option<T>,
+) -> Result<Option<T>, SpecError> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    parse(raw)
+        .map(Some)
+        .ok_or_else(|| SpecError::new(field, format!("unknown value {}", quote(raw))))
+}
+
+fn bounded(field: &'static str, value: i64, max: u64) -> Result<u64, SpecError> {
+    match u64::try_from(value) {
+        Ok(v) if (1..=max).contains(&v) => Ok(v),
+        _ => Err(SpecError::new(
+            field,
+            format!("{value} is outside 1..={max}"),
+        )),
+    }
+}
+
+/// An RFC 1123 hostname, or empty. It is written into the seed's YAML and
+/// the guest's /etc/hostname, so anything else (a newline above all) is
+/// refused rather than escaped.
+fn hostname(raw: &str) -> Result<String, SpecError> {
+    if raw.is_empty() {
+        return Ok(String::new());
+    }
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if raw.len() <= 253 && raw.split('.').all(label_ok) {
+        Ok(raw.to_owned())
+    } else {
+        Err(SpecError::new(
+            "name",
+            format!(
+                "{} is not a hostname (dot-separated labels of 1-63 letters, digits and inner hyphens)",
+                quote(raw)
+            ),
+        ))
+    }
+}
+
+fn sha256_hex(raw: &str) -> Result<String, SpecError> {
+    if raw.len() == 64 && raw.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(raw.to_ascii_lowercase())
+    } else {
+        Err(SpecError::new(
+            "image_sha256",
+            format!("{} is not 64 hexadecimal characters", quote(raw)),
+        ))
+    }
+}
+
+/// The schemes the image cache serves. Which of them this build can fetch
+/// (https needs the TLS feature) is the image cache's answer, at fetch time.
+const IMAGE_SCHEMES: [&str; 3] = ["http://", "https://", "file://"];
+
+fn image_url(raw: &str) -> Result<String, SpecError> {
+    let field = "image_url";
+    let line = single_line(field, raw)?;
+    let scheme = IMAGE_SCHEMES
+        .iter()
+        .find(|s| line.len() > s.len() && line[..s.len()].eq_ignore_ascii_case(s));
+    match scheme {
+        Some(_) if !line.contains(' ') => Ok(line),
+        Some(_) => Err(SpecError::new(
+            field,
+            "a URL has no spaces; percent-encode them",
+        )),
+        None => Err(SpecError::new(
+            field,
+            format!("{} is not an http, https or file URL", quote(raw)),
+        )),
+    }
+}
+
+fn network_name(raw: &str) -> Result<String, SpecError> {
+    if raw.is_empty() {
+        return Ok(String::new());
+    }
+    Id::parse(raw)
+        .map(String::from)
+        .map_err(|e| SpecError::new("network", e.to_string()))
+}
+
+/// One line of text: a key, a certificate, a URL. A trailing newline (as
+/// pasted) is dropped; any other control character is refused, since these
+/// end up in files and YAML where a newline would start a new directive.
+fn single_line(field: &'static str, raw: &str) -> Result<String, SpecError> {
+    let line = raw.trim_end_matches(['\r', '\n']);
+    if line.len() > Limits::MAX_LINE {
+        return Err(SpecError::new(
+            field,
+            format!("{} bytes, at most {}", line.len(), Limits::MAX_LINE),
+        ));
+    }
+    if line.chars().any(char::is_control) {
+        return Err(SpecError::new(
+            field,
+            "it has a control character (a newline?); send one line",
+        ));
+    }
+    Ok(line.to_owned())
+}
+
+fn user_data(raw: &str) -> Result<String, SpecError> {
+    if raw.len() > Limits::MAX_USER_DATA {
+        return Err(SpecError::new(
+            "cloud_init",
+            format!("{} bytes, at most {}", raw.len(), Limits::MAX_USER_DATA),
+        ));
+    }
+    if raw.contains('\0') {
+        return Err(SpecError::new("cloud_init", "it has a NUL byte"));
+    }
+    Ok(raw.to_owned())
+}

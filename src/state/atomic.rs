@@ -1,0 +1,117 @@
+//! Crash-safe file replacement.
+//!
+//! 1. Write the new content to a temp file in the same directory (same
+//!    filesystem, so step 3 is atomic), named so loaders recognise and skip it.
+//! 2. fsync the temp file: its bytes are on disk before its name is.
+//! 3. rename over the target: readers see the old file or the new one, never
+//!    a torn one.
+//! 4. fsync the directory: the rename itself survives a power cut.
+//!
+//! A crash between 1 and 3 leaves a stray temp file and the old content;
+//! [`is_temp_name`] lets loaders ignore it and [`remove_stray_temps`] sweep it.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const TEMP_MARK: &str = ".tmp-";
+
+/// Distinguishes temp files of concurrent writers within one process; the
+/// pid distinguishes processes.
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Replaces `path` with `bytes` durably (see the module steps).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let dir = path
+        .parent()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
+    let name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no file name"))?;
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let temp = dir.join(format!(
+        ".{}{TEMP_MARK}{}-{n}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let result = write_synced(&temp, bytes).and_then(|()| fs::rename(&temp, path));
+    if let Err(e) = result {
+        // Best effort: the temp file is garbage whether or not this works,
+        // and loaders skip it either way.
+        let _ = fs::remove_file(&temp);
+        return Err(e);
+    }
+    sync_dir(dir)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut file = OpenOptions::new().write(true).create_new(true).open(path)?;
+    file.write_all(bytes)?;
+    file.sync_all()
+}
+
+/// fsyncs a directory so the entries created, renamed or removed in it are
+/// durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Whether a directory entry is a temp file of [`write_atomic`].
+pub fn is_temp_name(name: &str) -> bool {
+    name.starts_with('.') && name.contains(TEMP_MARK)
+}
+
+/// Removes temp files a crashed writer left in `dir`. Only safe while no
+/// writer is active, i.e. at open under the state-dir lock.
+pub fn remove_stray_temps(dir: &Path) -> io::Result<usize> {
+    let mut removed = 0;
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_name().to_str().is_some_and(is_temp_name) {
+            fs::remove_file(entry.path())?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_content_and_leaves_no_temp() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("f");
+        write_atomic(&path, b"one").expect("first write");
+
+        write_atomic(&path, b"two").expect("second write");
+
+        assert_eq!(fs::read(&path).expect("read"), b"two");
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("f")]);
+    }
+
+    #[test]
+    fn temp_names_are_recognised() {
+        assert!(is_temp_name(".record.json.tmp-12-0"));
+        assert!(!is_temp_name("record.json"));
+        assert!(!is_temp_name(".hidden"));
+    }
+
+    #[test]
+    fn sweeps_stray_temps_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        fs::write(dir.path().join(".epoch.tmp-1-0"), b"7").expect("temp");
+        fs::write(dir.path().join("epoch"), b"3").expect("real");
+
+        let removed = remove_stray_temps(dir.path()).expect("sweep");
+
+        assert_eq!(removed, 1);
+        assert!(dir.path().join("epoch").exists());
+    }
+}

@@ -1,0 +1,363 @@
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions, TryLockError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::{Mutex, RwLock};
+
+use super::atomic::{is_temp_name, remove_stray_temps, sync_dir, write_atomic};
+use super::record::Envelope;
+use super::{RECORD_FORMAT, Record, StoreError};
+use crate::model::Id;
+
+const RECORD_FILE: &str = "record.json";
+/// A VM directory being deleted is first renamed to a name with this prefix,
+/// so a crash mid-delete leaves something no loader mistakes for a VM.
+const DELETING_PREFIX: &str = ".deleting-";
+
+/// One VM's record as the store holds it.
+#[derive(Clone, Debug)]
+pub enum RecordSlot {
+    Readable(Arc<Record>),
+    /// Present on disk but not usable; the message says why.
+    Unreadable(Arc<str>),
+}
+
+/// The state directory, locked for this process's lifetime.
+pub struct Store {
+    root: PathBuf,
+    /// Held for its flock; released when the store is dropped.
+    _lock: File,
+    epoch: Mutex<u64>,
+    records: RwLock<BTreeMap<Id, RecordSlot>>,
+}
+
+static DELETE_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Store {
+    /// Opens (creating if needed) the state dir at `root` and takes its
+    /// lock. Fails at once, naming the dir, when another agent holds it.
+    pub fn open(root: &Path) -> Result<Store, StoreError> {
+        for dir in [
+            root.to_path_buf(),
+            root.join("vms"),
+            root.join("images"),
+            root.join("volumes"),
+        ] {
+            fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let lock_path = root.join("lock");
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|source| StoreError::OpenLock {
+                path: lock_path.clone(),
+                source,
+            })?;
+        match lock.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                return Err(StoreError::Locked {
+                    dir: root.to_path_buf(),
+                });
+            }
+            Err(TryLockError::Error(source)) => {
+                return Err(StoreError::OpenLock {
+                    path: lock_path,
+                    source,
+                });
+            }
+        }
+        sweep(root);
+        let epoch = read_epoch(&root.join("epoch"));
+        let records = scan_records(&root.join("vms"))?;
+        Ok(Store {
+            root: root.to_path_buf(),
+            _lock: lock,
+            epoch: Mutex::new(epoch),
+            records: RwLock::new(records),
+        })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The highest accepted epoch. An epoch file that could not be read at
+    /// open counts as 0 (and was logged): failing open means the next
+    /// snapshot is accepted rather than the host refusing all work.
+    pub fn epoch(&self) -> u64 {
+        *self.epoch.lock()
+    }
+
+    /// Records `epoch` as accepted. Only ever raises it; an equal epoch (the
+    /// same snapshot repeated every tick) costs no write.
+    pub fn save_epoch(&self, epoch: u64) -> Result<(), StoreError> {
+        let mut current = self.epoch.lock();
+        if epoch <= *current {
+            return Ok(());
+        }
+        let path = self.root.join("epoch");
+        write_atomic(&path, format!("{epoch}\n").as_bytes())
+            .map_err(|source| StoreError::WriteEpoch { path, source })?;
+        *current = epoch;
+        Ok(())
+    }
+
+    /// Every record, from memory.
+    pub fn load_all(&self) -> BTreeMap<Id, RecordSlot> {
+        self.records.read().clone()
+    }
+
+    /// One VM's record: `Ok(None)` when there is none, `Err` when there is
+    /// one that cannot be read.
+    pub fn get(&self, vm_id: &Id) -> Result<Option<Arc<Record>>, StoreError> {
+        match self.records.read().get(vm_id) {
+            None => Ok(None),
+            Some(RecordSlot::Readable(rec)) => Ok(Some(Arc::clone(rec))),
+            Some(RecordSlot::Unreadable(problem)) => Err(StoreError::UnreadableRecord {
+                vm_id: vm_id.clone(),
+                path: self.record_path(vm_id),
+                problem: problem.to_string(),
+            }),
+        }
+    }
+
+    /// Saves a record durably, then updates the in-memory copy. A failed
+    /// save changes neither.
+    pub fn save(&self, rec: &Record) -> Result<(), StoreError> {
+        let vm_id = &rec.spec.vm_id;
+        let dir = self.vm_dir(vm_id);
+        if !dir.is_dir() {
+            fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+            // The new directory's own name must survive a crash too.
+            sync_dir(&self.root.join("vms")).map_err(|source| StoreError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let bytes = serde_json::to_vec_pretty(&Envelope {
+            format: RECORD_FORMAT,
+            record: rec,
+        })
+        .map_err(|source| StoreError::EncodeRecord {
+            vm_id: vm_id.clone(),
+            source,
+        })?;
+        let path = self.record_path(vm_id);
+        write_atomic(&path, &bytes).map_err(|source| StoreError::WriteRecord {
+            vm_id: vm_id.clone(),
+            path,
+            source,
+        })?;
+        self.records
+            .write()
+            .insert(vm_id.clone(), RecordSlot::Readable(Arc::new(rec.clone())));
+        Ok(())
+    }
+
+    /// Deletes a VM: its record and everything in its directory (root disk,
+    /// seed, host key, …). Volumes live elsewhere and are never touched.
+    ///
+    /// The directory is first renamed aside (atomic, durable), so after a
+    /// crash the VM is either wholly present or gone; the renamed leftovers
+    /// are removed then, or at the next open.
+    pub fn delete(&self, vm_id: &Id) -> Result<(), StoreError> {
+        let dir = self.vm_dir(vm_id);
+        let vms = self.root.join("vms");
+        let n = DELETE_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let aside = vms.join(format!(
+            "{DELETING_PREFIX}{vm_id}-{}-{n}",
+            std::process::id()
+        ));
+        let delete_err = |source| StoreError::DeleteVm {
+            vm_id: vm_id.clone(),
+            path: dir.clone(),
+            source,
+        };
+        match fs::rename(&dir, &aside) {
+            Ok(()) => sync_dir(&vms).map_err(delete_err)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(delete_err(e)),
+        }
+        self.records.write().remove(vm_id);
+        if let Err(e) = fs::remove_dir_all(&aside)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            log::warn!(
+                "VM {vm_id} is deleted but {} could not be removed: {e}; it is retried at the next start",
+                aside.display()
+            );
+        }
+        Ok(())
+    }
+
+    pub fn vm_dir(&self, vm_id: &Id) -> PathBuf {
+        self.root.join("vms").join(vm_id.as_str())
+    }
+
+    pub fn record_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join(RECORD_FILE)
+    }
+
+    pub fn root_disk_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("disk.raw")
+    }
+
+    pub fn seed_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("seed.iso")
+    }
+
+    pub fn host_key_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("ssh_host_ed25519_key")
+    }
+
+    pub fn pidfile_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("hypervisor.pid")
+    }
+
+    /// The hypervisor's API socket. Unix socket paths are limited to 108
+    /// bytes, so a backend with a long state dir binds it through a short
+    /// path of its own choosing; this is where the VM's files expect it.
+    pub fn api_socket_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("api.sock")
+    }
+
+    pub fn serial_log_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("serial.log")
+    }
+
+    pub fn hypervisor_log_path(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("hypervisor.log")
+    }
+
+    pub fn images_dir(&self) -> PathBuf {
+        self.root.join("images")
+    }
+
+    pub fn volumes_dir(&self) -> PathBuf {
+        self.root.join("volumes")
+    }
+
+    pub fn volume_path(&self, volume_id: &Id) -> PathBuf {
+        self.volumes_dir().join(volume_id.as_str())
+    }
+}
+
+/// Removes what crashed writers left behind: stray temp files and VM
+/// directories that were mid-delete. Runs under the lock, before any writer.
+fn sweep(root: &Path) {
+    let vms = root.join("vms");
+    let mut dirs = vec![root.to_path_buf()];
+    if let Ok(entries) = fs::read_dir(&vms) {
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(DELETING_PREFIX) {
+                if let Err(e) = fs::remove_dir_all(entry.path()) {
+                    log::warn!("cannot finish deleting {}: {e}", entry.path().display());
+                }
+            } else if entry.path().is_dir() {
+                dirs.push(entry.path());
+            }
+        }
+    }
+    for dir in dirs {
+        if let Err(e) = remove_stray_temps(&dir) {
+            log::warn!("cannot sweep temp files in {}: {e}", dir.display());
+        }
+    }
+}
+
+fn read_epoch(path: &Path) -> u64 {
+    match fs::read_to_string(path) {
+        Ok(text) => text.trim().parse().unwrap_or_else(|e| {
+            log::warn!(
+                "epoch file {} holds {:?} ({e}); starting from epoch 0",
+                path.display(),
+                text.trim()
+            );
+            0
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => {
+            log::warn!(
+                "cannot read epoch file {} ({e}); starting from epoch 0",
+                path.display()
+            );
+            0
+        }
+    }
+}
+
+fn scan_records(vms: &Path) -> Result<BTreeMap<Id, RecordSlot>, StoreError> {
+    let scan_err = |source| StoreError::ScanDir {
+        path: vms.to_path_buf(),
+        source,
+    };
+    let mut records = BTreeMap::new();
+    for entry in fs::read_dir(vms).map_err(scan_err)? {
+        let entry = entry.map_err(scan_err)?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with('.') || is_temp_name(name) {
+            continue;
+        }
+        let Ok(vm_id) = Id::parse(name) else {
+            log::warn!(
+                "ignoring {}: not a VM id this agent would have written",
+                entry.path().display()
+            );
+            continue;
+        };
+        let path = entry.path().join(RECORD_FILE);
+        match fs::read(&path) {
+            Ok(bytes) => {
+                records.insert(vm_id.clone(), decode(&vm_id, &bytes));
+            }
+            // A directory with no record holds no VM: the record is always
+            // written before anything else in it.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                records.insert(vm_id, RecordSlot::Unreadable(e.to_string().into()));
+            }
+        }
+    }
+    Ok(records)
+}
+
+fn decode(vm_id: &Id, bytes: &[u8]) -> RecordSlot {
+    #[derive(serde::Deserialize)]
+    struct Format {
+        format: u32,
+    }
+    let format = match serde_json::from_slice::<Format>(bytes) {
+        Ok(f) => f.format,
+        Err(e) => return RecordSlot::Unreadable(format!("not a record: {e}").into()),
+    };
+    if format != RECORD_FORMAT {
+        return RecordSlot::Unreadable(
+            format!("record format {format}, this agent reads {RECORD_FORMAT}; was it written by a newer agent?").into(),
+        );
+    }
+    match serde_json::from_slice::<Envelope<Record>>(bytes) {
+        Ok(env) if env.record.spec.vm_id == *vm_id => RecordSlot::Readable(Arc::new(env.record)),
+        Ok(env) => RecordSlot::Unreadable(
+            format!(
+                "it names VM {} but lives in the directory of {vm_id}",
+                env.record.spec.vm_id
+            )
+            .into(),
+        ),
+        Err(e) => RecordSlot::Unreadable(format!("not a record: {e}").into()),
+    }
+}

@@ -1,0 +1,232 @@
+//! The state store's crash-safety and locking rules.
+
+use std::fs;
+
+use eitri_agent::model::{Id, VmSpec};
+use eitri_agent::state::{Record, RecordSlot, Store, StoreError};
+
+fn id(raw: &str) -> Id {
+    Id::parse(raw).expect("test id")
+}
+
+fn record(vm: &str, attempts: u32) -> Record {
+    let mut rec = Record::new(VmSpec {
+        vm_id: id(vm),
+        name: "web-1".into(),
+        image_url: "http://images.test/base.raw".into(),
+        image_sha256: "a".repeat(64),
+        cloud_init: "#cloud-config\n".into(),
+        ssh_authorized_key: "ssh-ed25519 AAAA test".into(),
+        network: String::new(),
+        volume_ids: vec![id("vol-1")],
+        vcpus: 2,
+        mem_mb: 512,
+        disk_gb: 4,
+    });
+    rec.create_attempts = attempts;
+    rec
+}
+
+#[test]
+fn saved_record_survives_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rec = record("vm-1", 2);
+    Store::open(dir.path())
+        .expect("open")
+        .save(&rec)
+        .expect("save");
+
+    let store = Store::open(dir.path()).expect("reopen");
+
+    let got = store.get(&id("vm-1")).expect("readable").expect("present");
+    assert_eq!(*got, rec);
+}
+
+#[test]
+fn interrupted_write_loads_the_old_record() {
+    // A crash after the temp file was written but before the rename leaves
+    // the temp file beside the old record.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let old = record("vm-1", 1);
+    let store = Store::open(dir.path()).expect("open");
+    store.save(&old).expect("save");
+    let temp = store.vm_dir(&id("vm-1")).join(".record.json.tmp-999-0");
+    fs::write(&temp, br#"{"format":1,"record":{"#).expect("half-written temp");
+    drop(store);
+
+    let store = Store::open(dir.path()).expect("reopen");
+
+    let got = store.get(&id("vm-1")).expect("readable").expect("present");
+    assert_eq!(*got, old);
+    assert!(!temp.exists(), "the stray temp file is swept at open");
+}
+
+#[test]
+fn truncated_record_is_unreadable_not_absent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    store.save(&record("vm-1", 1)).expect("save");
+    let path = store.record_path(&id("vm-1"));
+    let bytes = fs::read(&path).expect("read");
+    fs::write(&path, &bytes[..bytes.len() / 2]).expect("truncate");
+    drop(store);
+
+    let store = Store::open(dir.path()).expect("reopen");
+
+    let err = store.get(&id("vm-1")).expect_err("unreadable");
+    assert!(matches!(err, StoreError::UnreadableRecord { .. }), "{err}");
+    assert!(matches!(
+        store.load_all().get(&id("vm-1")),
+        Some(RecordSlot::Unreadable(_))
+    ));
+}
+
+#[test]
+fn record_of_a_newer_format_is_unreadable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    store.save(&record("vm-1", 1)).expect("save");
+    let path = store.record_path(&id("vm-1"));
+    let text = fs::read_to_string(&path).expect("read");
+    fs::write(&path, text.replace("\"format\": 1", "\"format\": 2")).expect("rewrite");
+    drop(store);
+
+    let store = Store::open(dir.path()).expect("reopen");
+
+    let err = store.get(&id("vm-1")).expect_err("newer format");
+    assert!(err.to_string().contains("newer agent"), "{err}");
+}
+
+#[test]
+fn absent_record_is_none() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+
+    let got = store.get(&id("nobody")).expect("no error");
+
+    assert!(got.is_none());
+}
+
+#[test]
+fn epoch_survives_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    Store::open(dir.path())
+        .expect("open")
+        .save_epoch(42)
+        .expect("save epoch");
+
+    let store = Store::open(dir.path()).expect("reopen");
+
+    assert_eq!(store.epoch(), 42);
+}
+
+#[test]
+fn epoch_only_rises() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    store.save_epoch(9).expect("save 9");
+
+    store.save_epoch(3).expect("save 3");
+
+    assert_eq!(store.epoch(), 9);
+}
+
+#[test]
+fn unreadable_epoch_fails_open_to_zero() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    fs::write(dir.path().join("epoch"), b"not a number").expect("garbage epoch");
+
+    let store = Store::open(dir.path()).expect("open");
+
+    assert_eq!(store.epoch(), 0);
+}
+
+#[test]
+fn second_store_on_a_locked_dir_fails_naming_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let _first = Store::open(dir.path()).expect("first");
+
+    let err = Store::open(dir.path()).err().expect("second must fail");
+
+    assert!(matches!(err, StoreError::Locked { .. }), "{err}");
+    assert!(
+        err.to_string().contains(&dir.path().display().to_string()),
+        "{err}"
+    );
+}
+
+#[test]
+fn lock_is_released_when_the_store_drops() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    drop(Store::open(dir.path()).expect("first"));
+
+    let second = Store::open(dir.path());
+
+    assert!(second.is_ok());
+}
+
+#[test]
+fn delete_removes_the_vm_directory_and_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    store.save(&record("vm-1", 1)).expect("save");
+    fs::write(store.root_disk_path(&id("vm-1")), b"disk").expect("disk");
+
+    store.delete(&id("vm-1")).expect("delete");
+
+    assert!(store.get(&id("vm-1")).expect("readable").is_none());
+    assert!(!store.vm_dir(&id("vm-1")).exists());
+}
+
+#[test]
+fn delete_never_touches_volumes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    store.save(&record("vm-1", 1)).expect("save");
+    let volume = store.volume_path(&id("vol-1"));
+    fs::write(&volume, b"customer data").expect("volume");
+
+    store.delete(&id("vm-1")).expect("delete");
+
+    assert_eq!(fs::read(&volume).expect("volume kept"), b"customer data");
+}
+
+#[test]
+fn half_finished_delete_is_completed_at_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let leftover = dir.path().join("vms/.deleting-vm-1-77-0");
+    fs::create_dir_all(&leftover).expect("leftover");
+    fs::write(leftover.join("disk.raw"), b"x").expect("file");
+
+    let store = Store::open(dir.path()).expect("open");
+
+    assert!(!leftover.exists());
+    assert!(store.load_all().is_empty());
+}
+
+#[test]
+fn directory_that_is_not_an_id_is_ignored() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    fs::create_dir_all(dir.path().join("vms/bad name")).expect("odd dir");
+
+    let store = Store::open(dir.path()).expect("open");
+
+    assert!(store.load_all().is_empty());
+}
+
+#[test]
+fn records_are_served_from_memory() {
+    // Removing the file behind the store's back does not change what it
+    // serves: this agent is the only writer, so memory is the truth.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path()).expect("open");
+    store.save(&record("vm-1", 1)).expect("save");
+    fs::remove_file(store.record_path(&id("vm-1"))).expect("remove");
+
+    let all = store.load_all();
+
+    assert!(matches!(
+        all.get(&id("vm-1")),
+        Some(RecordSlot::Readable(_))
+    ));
+}

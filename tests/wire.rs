@@ -1,0 +1,347 @@
+//! Wire ⇄ domain conversion: every field survives the round trip, and
+//! everything from the wire is validated before it can name a path.
+
+use eitri_agent::model::{
+    Id, Phase, PowerState, QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus, WantedVm,
+    WantedVolume,
+};
+use eitri_agent::pb::{self, convert};
+
+/// A wire VM with every field set to a distinct, valid value.
+fn full_vm(id: &str) -> pb::VmSpec {
+    pb::VmSpec {
+        vm_id: id.into(),
+        name: "web-1.example".into(),
+        image_url: "http://mirror.test/base.raw".into(),
+        image_sha256: "0123456789abcdef".repeat(4),
+        cloud_init: "#!/bin/sh\necho hi\n".into(),
+        ssh_authorized_key: "ssh-ed25519 AAAAkey user@test".into(),
+        network: "lan".into(),
+        volume_ids: vec!["vol-a".into(), "vol-b".into()],
+        vcpus: 4,
+        mem_mb: 2048,
+        disk_gb: 20,
+        power_state: "stopped".into(),
+        tombstoned: false,
+        host_cert_required: true,
+        ssh_host_cert: "ssh-ed25519-cert-v01@openssh.com AAAAcert".into(),
+        ssh_user_ca_authorized_keys: vec!["ssh-ed25519 AAAAca1".into(), "ssh-rsa AAAAca2".into()],
+    }
+}
+
+fn full_snapshot() -> pb::Snapshot {
+    pb::Snapshot {
+        epoch: 17,
+        min_agent_version: "1.2.0".into(),
+        vms: vec![
+            full_vm("vm-1"),
+            pb::VmSpec {
+                vm_id: "vm-gone".into(),
+                tombstoned: true,
+                ..Default::default()
+            },
+        ],
+        volumes: vec![
+            pb::VolumeSpec {
+                volume_id: "vol-a".into(),
+                size_gb: 10,
+                tombstoned: false,
+            },
+            pb::VolumeSpec {
+                volume_id: "vol-old".into(),
+                size_gb: 0,
+                tombstoned: true,
+            },
+        ],
+    }
+}
+
+fn only_vm(raw: pb::VmSpec) -> eitri_agent::model::Snapshot {
+    convert::snapshot_from_wire(&pb::Snapshot {
+        vms: vec![raw],
+        ..Default::default()
+    })
+}
+
+fn rejection(raw: pb::VmSpec) -> String {
+    let snap = only_vm(raw);
+    assert!(
+        snap.vms.is_empty(),
+        "expected a rejection, got {:?}",
+        snap.vms
+    );
+    snap.rejected_vms[0].error.to_string()
+}
+
+#[test]
+fn snapshot_round_trips_every_field() {
+    let wire = full_snapshot();
+
+    let back = convert::snapshot_to_wire(&convert::snapshot_from_wire(&wire));
+
+    assert_eq!(back, wire);
+}
+
+#[test]
+fn snapshot_fields_land_in_the_domain() {
+    let snap = convert::snapshot_from_wire(&full_snapshot());
+
+    let WantedVm::Present(d) = &snap.vms[0] else {
+        panic!("vm-1 should be present")
+    };
+    assert_eq!(d.power, PowerState::Stopped);
+    assert_eq!(d.spec.vcpus, 4);
+    assert_eq!(
+        d.spec.volume_ids,
+        vec![Id::parse("vol-a").unwrap(), Id::parse("vol-b").unwrap()]
+    );
+    assert_eq!(
+        snap.vms[1],
+        WantedVm::Tombstoned(Id::parse("vm-gone").unwrap())
+    );
+    assert_eq!(
+        snap.volumes[1],
+        WantedVolume::Tombstoned(Id::parse("vol-old").unwrap())
+    );
+}
+
+#[test]
+fn report_round_trips_every_field() {
+    let report = Report {
+        last_seen_epoch: 9,
+        vms: vec![
+            VmStatus {
+                vm_id: "vm-1".into(),
+                ip: "10.0.0.2".into(),
+                network_ip: "192.0.2.7".into(),
+                power: Some(PowerState::Running),
+                phase: Some(Phase::Ready),
+                last_error: "old error".into(),
+                status_detail: "booting".into(),
+                ssh_host_pubkey: "ssh-ed25519 AAAAhost".into(),
+            },
+            VmStatus {
+                vm_id: "vm-2".into(),
+                power: None,
+                phase: Some(Phase::Failed),
+                ..Default::default()
+            },
+        ],
+        quarantined: vec![QuarantinedVm {
+            vm_id: Id::parse("vm-q").unwrap(),
+            name: "q".into(),
+            vmspec_json: br#"{"vm_id":"vm-q"}"#.to_vec(),
+            destroy_at_unix: 1_700_000_000,
+        }],
+        destroyed: vec![Id::parse("vm-d").unwrap()],
+        volumes: vec![VolumeStatus {
+            volume_id: "vol-a".into(),
+            state: VolumeState::Tombstoned,
+            size_gb: 10,
+            last_error: "still attached to vm-1".into(),
+        }],
+        fence_violation: true,
+    };
+
+    let back = convert::report_from_wire(&convert::report_to_wire(&report)).expect("valid");
+
+    assert_eq!(back, report);
+}
+
+#[test]
+fn no_observation_is_an_empty_power_string() {
+    let wire = convert::report_to_wire(&Report {
+        vms: vec![VmStatus {
+            vm_id: "vm-1".into(),
+            power: None,
+            ..Default::default()
+        }],
+        ..Default::default()
+    });
+
+    assert_eq!(wire.vms[0].power_state, "");
+}
+
+#[test]
+fn snapshot_json_uses_the_proto_field_names_and_may_omit_the_epoch() {
+    let json = r#"{"vms":[{"vm_id":"vm-1","name":"a","image_url":"file:///img","image_sha256":"00000000000000000000000000000000000000000000000000000000000000ff","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"}]}"#;
+
+    let wire: pb::Snapshot = serde_json::from_str(json).expect("json");
+
+    let snap = convert::snapshot_from_wire(&wire);
+    assert_eq!(snap.epoch, 0);
+    assert_eq!(snap.vms.len(), 1, "rejected: {:?}", snap.rejected_vms);
+}
+
+#[test]
+fn bad_ids_are_refused_with_no_id_claimed() {
+    for raw in ["../x", "a/b", "..", "", &"x".repeat(65)] {
+        let snap = only_vm(pb::VmSpec {
+            vm_id: raw.to_string(),
+            ..full_vm("ignored")
+        });
+
+        assert!(snap.vms.is_empty(), "{raw:?} accepted");
+        assert_eq!(snap.rejected_vms[0].id, None, "{raw:?}");
+    }
+}
+
+#[test]
+fn a_bad_field_still_claims_a_valid_id() {
+    let snap = only_vm(pb::VmSpec {
+        vcpus: 0,
+        ..full_vm("vm-1")
+    });
+
+    assert_eq!(snap.rejected_vms[0].id, Some(Id::parse("vm-1").unwrap()));
+}
+
+#[test]
+fn sizes_must_be_positive_and_bounded() {
+    let cases = [
+        pb::VmSpec {
+            vcpus: 0,
+            ..full_vm("v")
+        },
+        pb::VmSpec {
+            vcpus: 513,
+            ..full_vm("v")
+        },
+        pb::VmSpec {
+            mem_mb: -1,
+            ..full_vm("v")
+        },
+        pb::VmSpec {
+            disk_gb: 0,
+            ..full_vm("v")
+        },
+        pb::VmSpec {
+            disk_gb: 1 << 40,
+            ..full_vm("v")
+        },
+    ];
+    for raw in cases {
+        let err = rejection(raw.clone());
+        assert!(err.contains("outside 1..="), "{raw:?}: {err}");
+    }
+}
+
+#[test]
+fn sha256_must_be_64_hex() {
+    let err = rejection(pb::VmSpec {
+        image_sha256: "abc".into(),
+        ..full_vm("v")
+    });
+
+    assert!(err.contains("image_sha256"), "{err}");
+}
+
+#[test]
+fn sha256_is_normalised_to_lowercase() {
+    let snap = only_vm(pb::VmSpec {
+        image_sha256: "AB".repeat(32),
+        ..full_vm("v")
+    });
+
+    let WantedVm::Present(d) = &snap.vms[0] else {
+        panic!("rejected")
+    };
+    assert_eq!(d.spec.image_sha256, "ab".repeat(32));
+}
+
+#[test]
+fn unknown_power_state_is_refused() {
+    let err = rejection(pb::VmSpec {
+        power_state: "paused".into(),
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("power_state") && err.contains("paused"),
+        "{err}"
+    );
+}
+
+#[test]
+fn hostname_with_a_newline_is_refused() {
+    let err = rejection(pb::VmSpec {
+        name: "web\nruncmd: [evil]".into(),
+        ..full_vm("v")
+    });
+
+    assert!(err.contains("invalid name"), "{err}");
+}
+
+#[test]
+fn unsupported_url_scheme_is_refused() {
+    let err = rejection(pb::VmSpec {
+        image_url: "ftp://mirror/base.raw".into(),
+        ..full_vm("v")
+    });
+
+    assert!(err.contains("image_url"), "{err}");
+}
+
+#[test]
+fn multi_line_key_is_refused() {
+    let err = rejection(pb::VmSpec {
+        ssh_authorized_key: "ssh-ed25519 AAAA\nssh-rsa BBBB".into(),
+        ..full_vm("v")
+    });
+
+    assert!(err.contains("ssh_authorized_key"), "{err}");
+}
+
+#[test]
+fn bad_volume_id_in_a_vm_is_refused() {
+    let err = rejection(pb::VmSpec {
+        volume_ids: vec!["../../etc".into()],
+        ..full_vm("v")
+    });
+
+    assert!(err.contains("volume_ids"), "{err}");
+}
+
+#[test]
+fn duplicate_vm_ids_are_all_refused() {
+    let snap = convert::snapshot_from_wire(&pb::Snapshot {
+        vms: vec![full_vm("twin"), full_vm("twin")],
+        ..Default::default()
+    });
+
+    assert!(snap.vms.is_empty());
+    assert_eq!(snap.rejected_vms.len(), 2);
+}
+
+#[test]
+fn tombstone_needs_only_a_valid_id() {
+    let snap = only_vm(pb::VmSpec {
+        vm_id: "vm-1".into(),
+        tombstoned: true,
+        power_state: "nonsense".into(),
+        ..Default::default()
+    });
+
+    assert_eq!(
+        snap.vms,
+        vec![WantedVm::Tombstoned(Id::parse("vm-1").unwrap())]
+    );
+}
+
+#[test]
+fn volume_size_must_be_positive() {
+    let snap = convert::snapshot_from_wire(&pb::Snapshot {
+        volumes: vec![pb::VolumeSpec {
+            volume_id: "vol-1".into(),
+            size_gb: 0,
+            tombstoned: false,
+        }],
+        ..Default::default()
+    });
+
+    assert!(snap.volumes.is_empty());
+    assert_eq!(
+        snap.rejected_volumes[0].id,
+        Some(Id::parse("vol-1").unwrap())
+    );
+}
