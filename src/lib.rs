@@ -8,9 +8,19 @@
 //! - [`model`]: checked domain types (ids, specs, power states, reports).
 //! - [`pb`]: wire types generated from `proto/`, and conversion to [`model`].
 //! - [`state`]: the crash-safe state directory.
+//! - [`reconcile`]: the engine: `Engine::step` routes a snapshot to one
+//!   worker thread per VM and aggregates their results into a report.
+//! - [`provision`]: the hypervisor backend seam.
+//! - [`deadline`], [`error`]: what every blocking, fallible call shares.
 //! - [`version`]: release ordering for the snapshot's version floor.
+//! - [`testkit`]: fakes of every seam, for engine tests and benchmarks.
 
+pub mod deadline;
+pub mod error;
 pub mod model;
 pub mod pb;
+pub mod provision;
+pub mod reconcile;
 pub mod state;
+pub mod testkit;
 pub mod version;

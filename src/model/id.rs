@@ -8,11 +8,15 @@ use serde::{Deserialize, Serialize};
 /// PATH_MAX and a tap or socket name derived from it can be made to fit.
 pub const MAX_ID_LEN: usize = 64;
 
-/// A VM or volume id: 1–64 characters of `[A-Za-z0-9._-]`, not `.` or `..`.
+/// A VM or volume id: 1–64 characters of `[A-Za-z0-9._-]`, starting with a
+/// letter, digit or `_`.
 ///
 /// The only way to get one is [`Id::parse`] (serde goes through it too), so a
 /// value of this type is always safe as a single path component: it has no
-/// `/`, cannot climb with `..`, and cannot be empty.
+/// `/`, cannot climb with `..`, and cannot be empty. The first character is
+/// narrower than the rest on purpose: a leading `.` would make a hidden file
+/// that collides with the store's own temp and marker names, and a leading
+/// `-` reads as a flag on any command line an id ends up in.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct Id(String);
@@ -25,6 +29,8 @@ impl Id {
             Some("it is longer than 64 characters")
         } else if raw == "." || raw == ".." {
             Some("it names a directory")
+        } else if raw.starts_with(['.', '-']) {
+            Some("it starts with . or -")
         } else if !raw
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
@@ -84,7 +90,7 @@ impl fmt::Display for IdError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "id {} is refused because {}; ids are 1-64 characters of A-Z a-z 0-9 . _ - and not . or ..",
+            "id {} is refused because {}; ids are 1-64 characters of A-Z a-z 0-9 . _ - that start with a letter, digit or _",
             self.shown, self.problem
         )
     }
@@ -115,7 +121,9 @@ mod tests {
 
     #[test]
     fn refuses_path_climbing_and_separators() {
-        for raw in ["../x", "a/b", "..", ".", "/abs", "a\\b", "x\0y"] {
+        for raw in [
+            "../x", "a/b", "..", ".", "/abs", "a\\b", "x\0y", ".hidden", "-rf",
+        ] {
             assert!(Id::parse(raw).is_err(), "{raw:?} must be refused");
         }
     }

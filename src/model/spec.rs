@@ -1,6 +1,7 @@
 //! Desired state, in checked form.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -130,7 +131,8 @@ pub struct DesiredVm {
 /// would keep a customer's guest running against their wish.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WantedVm {
-    Present(Box<DesiredVm>),
+    /// Shared: a worker holds it for as long as its pass runs.
+    Present(Arc<DesiredVm>),
     Tombstoned(Id),
 }
 

@@ -85,7 +85,7 @@ fn vm_from_wire(raw: &pb::VmSpec, count: Option<usize>) -> Result<WantedVm, Reje
         return Ok(WantedVm::Tombstoned(id));
     }
     desired_vm(id.clone(), raw)
-        .map(|d| WantedVm::Present(Box::new(d)))
+        .map(|d| WantedVm::Present(std::sync::Arc::new(d)))
         .map_err(reject)
 }
 

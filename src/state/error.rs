@@ -110,3 +110,7 @@ impl std::error::Error for StoreError {
         }
     }
 }
+
+/// A store failure is never permanent: a disk that is full or read-only
+/// now may not be on the next tick.
+impl crate::error::Failure for StoreError {}

@@ -251,6 +251,14 @@ impl Store {
     pub fn volume_path(&self, volume_id: &Id) -> PathBuf {
         self.volumes_dir().join(volume_id.as_str())
     }
+
+    /// Marks a volume the control plane deleted, so a report made without a
+    /// snapshot (the fence path) still says it is on its way out. Hidden, so
+    /// it can never be mistaken for a volume: ids never start with a dot.
+    pub fn volume_tombstone_path(&self, volume_id: &Id) -> PathBuf {
+        self.volumes_dir()
+            .join(format!(".tombstoned-{}", volume_id.as_str()))
+    }
 }
 
 /// Removes what crashed writers left behind: stray temp files and VM

@@ -1,0 +1,124 @@
+//! What every fallible seam under the engine shares: whether retrying can
+//! ever help, and how a chain of errors reads in one line.
+
+use std::error::Error;
+use std::fmt;
+
+/// An error from a provisioner or an artifact seam (image, seed, host key).
+///
+/// Permanence is a property of the error, asked through one method: a
+/// permanent error (a checksum mismatch, a disk that would shrink, a missing
+/// volume) makes a create terminal at once, because no retry can succeed.
+pub trait Failure: Error + Send + Sync + 'static {
+    fn is_permanent(&self) -> bool {
+        false
+    }
+}
+
+pub type BoxFailure = Box<dyn Failure>;
+
+impl<F: Failure> From<F> for BoxFailure {
+    fn from(f: F) -> BoxFailure {
+        Box::new(f)
+    }
+}
+
+/// A plain failure with a message, for seams with nothing richer to say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Simple {
+    pub message: String,
+    pub permanent: bool,
+}
+
+impl Simple {
+    pub fn transient(message: impl Into<String>) -> Simple {
+        Simple {
+            message: message.into(),
+            permanent: false,
+        }
+    }
+
+    pub fn permanent(message: impl Into<String>) -> Simple {
+        Simple {
+            message: message.into(),
+            permanent: true,
+        }
+    }
+}
+
+impl fmt::Display for Simple {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl Error for Simple {}
+
+impl Failure for Simple {
+    fn is_permanent(&self) -> bool {
+        self.permanent
+    }
+}
+
+/// The pass ran out of time. Never permanent: the engine refunds the create
+/// attempt of a pass that expired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeadlineExpired {
+    pub waiting_for: &'static str,
+}
+
+impl fmt::Display for DeadlineExpired {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the pass deadline passed while {}", self.waiting_for)
+    }
+}
+
+impl Error for DeadlineExpired {}
+impl Failure for DeadlineExpired {}
+
+/// Renders an error and its sources as one line, `outer: inner: root`,
+/// skipping a source whose text the outer message already ends with.
+pub fn chain(err: &(dyn Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut next = err.source();
+    while let Some(e) = next {
+        let text = e.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = e.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Outer(std::io::Error);
+    impl fmt::Display for Outer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("cannot save")
+        }
+    }
+    impl Error for Outer {
+        fn source(&self) -> Option<&(dyn Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn chain_joins_sources() {
+        let err = Outer(std::io::Error::other("disk full"));
+
+        assert_eq!(chain(&err), "cannot save: disk full");
+    }
+
+    #[test]
+    fn simple_errors_carry_permanence() {
+        assert!(Simple::permanent("x").is_permanent());
+        assert!(!Simple::transient("x").is_permanent());
+    }
+}

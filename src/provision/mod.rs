@@ -1,0 +1,63 @@
+//! The hypervisor backend seam: one VM's whole lifecycle on this host,
+//! networking included.
+//!
+//! Networking sits inside this seam rather than beside it because a VM's NIC
+//! is not lifecycled apart from the VM: cloud-hypervisor takes its tap as a
+//! launch argument and vfkit takes a virtio-net device, so on every backend
+//! "attach the NIC" is a step of "start the VM". What generalises across
+//! backends is data (the deterministic MAC, a VM's current address), which is
+//! why addresses are polled through [`Provisioner::address`] rather than
+//! returned by [`Provisioner::boot`].
+//!
+//! Every blocking method takes the pass's [`Deadline`] and must return by it
+//! (a deadline error is never permanent: the engine refunds the attempt).
+
+pub mod mac;
+
+use std::path::Path;
+
+use crate::deadline::Deadline;
+use crate::error::BoxFailure;
+use crate::model::{Id, VmSpec};
+
+pub trait Provisioner: Send + Sync {
+    /// Whether this backend can run a guest on this host at all.
+    fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure>;
+
+    /// Materialises the VM's root disk from a verified base image (clone and
+    /// grow). Root disk only: the rebuild path calls create again, so routing
+    /// a volume through here would destroy data meant to outlive the VM.
+    fn prepare_root_disk(
+        &self,
+        spec: &VmSpec,
+        base_image: &Path,
+        deadline: Deadline,
+    ) -> Result<(), BoxFailure>;
+
+    /// Starts the VM and attaches it to the host network. Idempotent: a VM
+    /// whose hypervisor is alive is never started twice.
+    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
+
+    /// Stops the guest (politely first); the VM's files stay.
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure>;
+
+    /// Stops the VM and releases every host resource it holds: its process,
+    /// its network attachment, its address reservation.
+    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure>;
+
+    /// Whether the VM's hypervisor is alive. Cheap: called on report paths.
+    fn running(&self, vm_id: &Id) -> bool;
+
+    /// What the hypervisor said before it stopped, or "" when the backend
+    /// has nothing to add. Asked when a guest that should run does not, so
+    /// the report says why, not only that.
+    fn failure_reason(&self, vm_id: &Id) -> String;
+
+    /// The VM's address on the host underlay, or "" when unknown.
+    fn address(&self, vm_id: &Id) -> String;
+
+    /// The address of the VM's second NIC on a named host network, or ""
+    /// when it has none or it is not learned yet. Learned late: someone
+    /// else's DHCP server grants it after boot.
+    fn network_address(&self, vm_id: &Id) -> String;
+}

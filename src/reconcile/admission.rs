@@ -1,0 +1,251 @@
+//! Admission: whether a VM may exist on this host (the quota ledger), and how
+//! many creates may do heavy I/O at once (the create slots). They are kept
+//! apart on purpose: quota is a durable decision about the host's capacity,
+//! a slot is transient scheduling that only shapes how fast work happens.
+
+use std::collections::HashMap;
+
+use crossbeam_channel::{Receiver, Sender, bounded};
+use parking_lot::Mutex;
+
+use crate::deadline::Deadline;
+use crate::error::DeadlineExpired;
+use crate::model::{Id, VmSpec};
+
+/// Host capacity caps; 0 = unlimited.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostCaps {
+    pub max_vcpus: u64,
+    pub max_mem_mb: u64,
+    pub max_disk_gb: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Compute {
+    vcpus: u64,
+    mem_mb: u64,
+    disk_gb: u64,
+}
+
+impl Compute {
+    fn of(spec: &VmSpec) -> Compute {
+        Compute {
+            vcpus: u64::from(spec.vcpus),
+            mem_mb: spec.mem_mb,
+            disk_gb: spec.disk_gb,
+        }
+    }
+}
+
+/// The compute committed to live VMs, under one lock: the one invariant
+/// that spans VMs, so concurrent workers can neither oversubscribe a cap
+/// nor count a VM twice.
+///
+/// A VM is committed when admitted for create, re-noted on every converge
+/// (so an un-quarantined VM counts again), and released when quarantined
+/// (its guest is stopped, its compute free).
+pub struct Ledger {
+    caps: HostCaps,
+    committed: Mutex<HashMap<Id, Compute>>,
+}
+
+impl Ledger {
+    pub fn new(caps: HostCaps) -> Ledger {
+        Ledger {
+            caps,
+            committed: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Commits `spec` if it fits under every cap, counting every other
+    /// committed VM (never this one twice: a retry replaces its own entry).
+    /// Returns the refusal, naming the cap, when it does not fit.
+    pub fn admit(&self, spec: &VmSpec) -> Result<(), String> {
+        let mut committed = self.committed.lock();
+        let mut need = Compute::of(spec);
+        for (id, c) in committed.iter() {
+            if *id != spec.vm_id {
+                need.vcpus += c.vcpus;
+                need.mem_mb += c.mem_mb;
+                need.disk_gb += c.disk_gb;
+            }
+        }
+        let over = |need: u64, cap: u64| cap > 0 && need > cap;
+        let refusal = if over(need.vcpus, self.caps.max_vcpus) {
+            Some(format!(
+                "host capacity limit reached: needs {} vcpus, host cap {}",
+                need.vcpus, self.caps.max_vcpus
+            ))
+        } else if over(need.mem_mb, self.caps.max_mem_mb) {
+            Some(format!(
+                "host capacity limit reached: needs {} MB memory, host cap {}",
+                need.mem_mb, self.caps.max_mem_mb
+            ))
+        } else if over(need.disk_gb, self.caps.max_disk_gb) {
+            Some(format!(
+                "host capacity limit reached: needs {} GB disk, host cap {}",
+                need.disk_gb, self.caps.max_disk_gb
+            ))
+        } else {
+            None
+        };
+        match refusal {
+            Some(why) => Err(why),
+            None => {
+                committed.insert(spec.vm_id.clone(), Compute::of(spec));
+                Ok(())
+            }
+        }
+    }
+
+    /// Counts an existing VM without a cap check: it is already on the host,
+    /// however it got there.
+    pub fn note(&self, spec: &VmSpec) {
+        self.committed
+            .lock()
+            .insert(spec.vm_id.clone(), Compute::of(spec));
+    }
+
+    pub fn release(&self, vm_id: &Id) {
+        self.committed.lock().remove(vm_id);
+    }
+}
+
+/// A counting semaphore over a bounded channel: a slot is taken by sending
+/// into it and given back by receiving. Zero slots means unlimited.
+pub struct CreateSlots {
+    slots: Option<(Sender<()>, Receiver<()>)>,
+}
+
+/// A held create slot; dropping it gives the slot back.
+pub struct SlotGuard<'a> {
+    slots: Option<&'a Receiver<()>>,
+}
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(rx) = self.slots {
+            // Cannot fail to find a token: this guard's own send put it there.
+            let _ = rx.try_recv();
+        }
+    }
+}
+
+impl CreateSlots {
+    pub fn new(max_concurrent: usize) -> CreateSlots {
+        CreateSlots {
+            slots: (max_concurrent > 0).then(|| bounded(max_concurrent)),
+        }
+    }
+
+    /// Waits for a slot until `deadline`, never longer, so a queued VM cannot
+    /// outlive its own pass.
+    pub fn acquire(&self, deadline: Deadline) -> Result<SlotGuard<'_>, DeadlineExpired> {
+        let Some((tx, rx)) = &self.slots else {
+            return Ok(SlotGuard { slots: None });
+        };
+        let sent = match deadline.instant() {
+            Some(at) => tx.send_deadline((), at).is_ok(),
+            None => tx.send(()).is_ok(),
+        };
+        if sent {
+            Ok(SlotGuard { slots: Some(rx) })
+        } else {
+            Err(DeadlineExpired {
+                waiting_for: "waiting for a create slot",
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Id;
+
+    fn spec(id: &str, vcpus: u32) -> VmSpec {
+        VmSpec {
+            vm_id: Id::parse(id).expect("id"),
+            name: String::new(),
+            image_url: "file:///x".into(),
+            image_sha256: "0".repeat(64),
+            cloud_init: String::new(),
+            ssh_authorized_key: String::new(),
+            network: String::new(),
+            volume_ids: vec![],
+            vcpus,
+            mem_mb: 100,
+            disk_gb: 1,
+        }
+    }
+
+    fn caps(max_vcpus: u64) -> HostCaps {
+        HostCaps {
+            max_vcpus,
+            ..HostCaps::default()
+        }
+    }
+
+    #[test]
+    fn admission_sums_other_vms() {
+        let ledger = Ledger::new(caps(4));
+        ledger.admit(&spec("a", 3)).expect("fits");
+
+        let err = ledger.admit(&spec("b", 2)).expect_err("over the cap");
+
+        assert_eq!(
+            err,
+            "host capacity limit reached: needs 5 vcpus, host cap 4"
+        );
+    }
+
+    #[test]
+    fn a_retry_does_not_count_itself_twice() {
+        let ledger = Ledger::new(caps(4));
+        ledger.admit(&spec("a", 3)).expect("first");
+
+        let again = ledger.admit(&spec("a", 3));
+
+        assert!(again.is_ok());
+    }
+
+    #[test]
+    fn release_frees_compute() {
+        let ledger = Ledger::new(caps(4));
+        ledger.admit(&spec("a", 3)).expect("first");
+        ledger.release(&Id::parse("a").expect("id"));
+
+        let b = ledger.admit(&spec("b", 4));
+
+        assert!(b.is_ok());
+    }
+
+    #[test]
+    fn zero_caps_are_unlimited() {
+        let ledger = Ledger::new(HostCaps::default());
+
+        let big = ledger.admit(&spec("a", 512));
+
+        assert!(big.is_ok());
+    }
+
+    #[test]
+    fn slots_refuse_past_the_deadline_when_full() {
+        let slots = CreateSlots::new(1);
+        let _held = slots.acquire(Deadline::NONE).expect("first slot");
+
+        let second = slots.acquire(Deadline::after(std::time::Duration::from_millis(10)));
+
+        assert!(second.is_err());
+    }
+
+    #[test]
+    fn a_dropped_guard_gives_its_slot_back() {
+        let slots = CreateSlots::new(1);
+        drop(slots.acquire(Deadline::NONE).expect("first slot"));
+
+        let again = slots.acquire(Deadline::after(std::time::Duration::from_millis(10)));
+
+        assert!(again.is_ok());
+    }
+}

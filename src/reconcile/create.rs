@@ -1,0 +1,328 @@
+//! Creating a VM: host key, admission, then image → root disk → seed → boot,
+//! narrated as it goes.
+//!
+//! Order, and why:
+//! 1. A spec change resets the attempt budget; a spent budget is terminal.
+//! 2. With `host_cert_required`, the host key is loaded or made and its
+//!    public line saved first, then the pass waits for the certificate.
+//! 3. Admission against the host caps. A refusal spends no attempt.
+//! 4. The attempt is counted and saved **before** any side effect, so a
+//!    crash mid-create still counts against the budget.
+//! 5. Preflight, a create slot (bounded by the deadline), the image, the root
+//!    disk, the seed, and (when desired running) the volumes check and boot.
+//! 6. Success writes the boot id, the create's completion witness.
+//!
+//! A failure before the deadline spends the attempt; a permanent one spends
+//! the whole budget; a failure after the deadline refunds the attempt (the
+//! VM only ran out of time, e.g. queued for a slot), and the refund wins
+//! over permanence: the next pass, with a fresh deadline, meets the
+//! permanent error again and ends it properly.
+
+use std::sync::Arc;
+
+use super::pass::{Core, VmResult};
+use super::seams::{Progress, SeedParams};
+use super::volumes;
+use super::workers::Publisher;
+use crate::deadline::Deadline;
+use crate::error::{BoxFailure, chain};
+use crate::model::{DesiredVm, Phase, PowerState};
+use crate::provision::mac;
+use crate::state::Record;
+
+impl Core {
+    pub(crate) fn create(
+        &self,
+        deadline: Deadline,
+        d: &DesiredVm,
+        prior: Option<&Record>,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = &d.spec.vm_id;
+        let mut rec = prior
+            .cloned()
+            .unwrap_or_else(|| Record::new(d.spec.clone()));
+        if prior.is_some() && rec.spec != d.spec {
+            rec.create_attempts = 0;
+            rec.last_error.clear();
+        }
+        if prior.is_some() && rec.create_attempts >= self.config.max_create_attempts {
+            let why = rec.last_error.clone();
+            res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
+            return;
+        }
+        let mut attempt = Attempt {
+            core: self,
+            deadline,
+            counted: false,
+        };
+
+        let mut host_key = None;
+        if d.host_cert_required {
+            rec.spec = d.spec.clone();
+            let key = match self
+                .host_keys
+                .load_or_create(&self.store.host_key_path(vm_id))
+            {
+                Ok(key) => key,
+                Err(e) => return attempt.fail(rec, e, res),
+            };
+            if rec.host_pubkey != key.public_line {
+                rec.host_pubkey = key.public_line.clone();
+                if let Err(e) = self.store.save(&rec) {
+                    return attempt.fail(rec, e.into(), res);
+                }
+            }
+            res.host_pubkey = rec.host_pubkey.clone();
+            if d.ssh_host_cert.is_empty() {
+                res.report(
+                    &rec,
+                    Some(PowerState::Stopped),
+                    Phase::Creating,
+                    "awaiting host certificate",
+                );
+                return;
+            }
+            host_key = Some(key);
+        }
+
+        rec.spec = d.spec.clone();
+        if let Err(why) = self.ledger.admit(&rec.spec) {
+            res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
+            return;
+        }
+
+        rec.create_attempts += 1;
+        rec.created_at = Some(self.host.now());
+        rec.last_error.clear();
+        if let Err(e) = self.store.save(&rec) {
+            rec.create_attempts -= 1;
+            return attempt.fail(rec, e.into(), res);
+        }
+        attempt.counted = true;
+
+        let narrator = Narrator::new(publisher, deadline, &rec, res);
+        if let Err(e) = self.prov.preflight(deadline) {
+            return attempt.fail(rec, e, res);
+        }
+        // Bounds how much create concurrency reaches the disk: N parallel
+        // creates are N downloads and N multi-GB copies on one device, which
+        // can starve the state dir and fill the disk with temporaries. A
+        // queued VM says so and waits, at most until its deadline, and a
+        // deadline failure is refunded: waiting costs it no attempt.
+        narrator.say("waiting for a create slot on this host");
+        let _slot = match self.slots.acquire(deadline) {
+            Ok(slot) => slot,
+            Err(e) => return attempt.fail(rec, e.into(), res),
+        };
+
+        narrator.say("downloading image");
+        let progress: Progress = {
+            let narrator = narrator.clone();
+            Arc::new(move |done, total| narrator.say(&download_detail(done, total)))
+        };
+        let base =
+            match self
+                .images
+                .resolve(&d.spec.image_url, &d.spec.image_sha256, deadline, progress)
+            {
+                Ok(path) => path,
+                Err(e) => return attempt.fail(rec, e, res),
+            };
+
+        narrator.say("preparing root disk");
+        if let Err(e) = self.prov.prepare_root_disk(&rec.spec, &base, deadline) {
+            return attempt.fail(rec, e, res);
+        }
+
+        // The guest learns its address from the host network by DHCP; no
+        // address is baked into the seed.
+        narrator.say("building the cloud-init seed");
+        let params = SeedParams {
+            hostname: d.spec.name.clone(),
+            instance_id: vm_id.to_string(),
+            ssh_authorized_key: d.spec.ssh_authorized_key.clone(),
+            user_data: d.spec.cloud_init.clone(),
+            ssh_user_ca_keys: ca_lines(&d.ssh_user_ca_keys),
+            ssh_host_key_pem: host_key.map(|k| k.private_pem).unwrap_or_default(),
+            ssh_host_cert: d.ssh_host_cert.clone(),
+            mac: mac::underlay(vm_id),
+            network_mac: if d.spec.network.is_empty() {
+                String::new()
+            } else {
+                mac::second_nic(vm_id)
+            },
+        };
+        if let Err(e) = self.seed.build(&self.store.seed_path(vm_id), &params) {
+            return attempt.fail(rec, e, res);
+        }
+
+        if d.power == PowerState::Running {
+            if let Err(e) = volumes::materialized(&self.store, &rec.spec) {
+                return attempt.fail(rec, e, res);
+            }
+            narrator.say("booting");
+            if let Err(e) = self.prov.boot(&rec.spec, deadline) {
+                return attempt.fail(rec, e, res);
+            }
+            self.note_address(&mut rec);
+        }
+
+        rec.boot_id = self.host.boot_id();
+        rec.stop_requested = d.power != PowerState::Running;
+        rec.last_error.clear();
+        self.save_best_effort(&rec);
+        res.report(&rec, Some(d.power), Phase::Ready, "");
+    }
+}
+
+/// The budget bookkeeping of one create attempt.
+struct Attempt<'a> {
+    core: &'a Core,
+    deadline: Deadline,
+    /// Whether this pass counted an attempt; only a counted one is refunded.
+    counted: bool,
+}
+
+impl Attempt<'_> {
+    fn fail(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
+        let max = self.core.config.max_create_attempts;
+        if self.deadline.expired() {
+            if self.counted {
+                rec.create_attempts = rec.create_attempts.saturating_sub(1);
+            }
+        } else if err.is_permanent() {
+            rec.create_attempts = max;
+        }
+        let err: &dyn std::error::Error = &*err;
+        rec.last_error = chain(err);
+        log::warn!(
+            "VM {}: create attempt {}/{max} failed: {}",
+            rec.spec.vm_id,
+            rec.create_attempts,
+            rec.last_error
+        );
+        self.core.save_best_effort(&rec);
+        let phase = if rec.create_attempts >= max {
+            Phase::Failed
+        } else {
+            Phase::Creating
+        };
+        let why = rec.last_error.clone();
+        res.report(&rec, Some(PowerState::Stopped), phase, why);
+    }
+}
+
+/// Publishes what a create is doing right now, on the row the VM would
+/// report anyway (creating, stopped, no error). `'static` and cheap to
+/// clone, so it can ride the image cache's progress callback.
+///
+/// A narrator of a pass past its deadline says nothing: the polite half of
+/// the guarantee. The load-bearing half is the publisher's generation
+/// check, since a deadline passing and a pass ending are not one instant.
+#[derive(Clone)]
+struct Narrator {
+    publisher: Option<Publisher>,
+    deadline: Deadline,
+    template: VmResult,
+}
+
+impl Narrator {
+    fn new(
+        publisher: Option<&Publisher>,
+        deadline: Deadline,
+        rec: &Record,
+        res: &VmResult,
+    ) -> Narrator {
+        let mut template = VmResult {
+            host_pubkey: res.host_pubkey.clone(),
+            ..VmResult::default()
+        };
+        template.report(rec, Some(PowerState::Stopped), Phase::Creating, "");
+        Narrator {
+            publisher: publisher.cloned(),
+            deadline,
+            template,
+        }
+    }
+
+    fn say(&self, detail: &str) {
+        let Some(publisher) = &self.publisher else {
+            return;
+        };
+        if self.deadline.expired() {
+            return;
+        }
+        let mut result = self.template.clone();
+        if let Some(row) = &mut result.row {
+            row.status_detail = detail.to_owned();
+        }
+        publisher.publish(result);
+    }
+}
+
+/// How far an image download has come, in the unit it reads best in: GiB
+/// from 1 GiB up, MiB below (an image is never smaller than a MiB, and
+/// kilobytes would look like a stall).
+pub(crate) fn download_detail(done: u64, total: Option<u64>) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    const GIB: f64 = (1u64 << 30) as f64;
+    let (scale, unit) = if done.max(total.unwrap_or(0)) >= 1 << 30 {
+        (GIB, "GiB")
+    } else {
+        (MIB, "MiB")
+    };
+    let done = done as f64 / scale;
+    match total {
+        Some(total) if total > 0 => {
+            format!(
+                "downloading image {done:.1}/{:.1} {unit}",
+                total as f64 / scale
+            )
+        }
+        _ => format!("downloading image {done:.1} {unit}"),
+    }
+}
+
+/// The tenant user-CA keys as the content of the guest's TrustedUserCAKeys
+/// file: one key per line, each newline-terminated; empty for none.
+fn ca_lines(keys: &[String]) -> String {
+    keys.iter().map(|k| format!("{k}\n")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detail_in_gib_with_total() {
+        let gib = 1u64 << 30;
+
+        let detail = download_detail(gib + gib / 5, Some(2 * gib));
+
+        assert_eq!(detail, "downloading image 1.2/2.0 GiB");
+    }
+
+    #[test]
+    fn detail_in_mib_below_a_gib() {
+        let mib = 1u64 << 20;
+
+        let detail = download_detail(300 * mib, Some(512 * mib));
+
+        assert_eq!(detail, "downloading image 300.0/512.0 MiB");
+    }
+
+    #[test]
+    fn detail_without_a_total() {
+        let detail = download_detail(5 << 20, None);
+
+        assert_eq!(detail, "downloading image 5.0 MiB");
+    }
+
+    #[test]
+    fn ca_lines_are_newline_terminated() {
+        assert_eq!(ca_lines(&["a".into(), "b".into()]), "a\nb\n");
+        assert_eq!(ca_lines(&[]), "");
+    }
+}

@@ -1,0 +1,230 @@
+//! One VM's reconcile pass: the whole unit of work a worker runs.
+//!
+//! A pass is bounded by `vm_timeout` (its [`Deadline`]), loads only its own
+//! VM's record, and either drives the VM toward desired (create or converge)
+//! or reaps it. The only cross-VM state it touches that the engine owns is
+//! the compute ledger; the image cache and the provisioner carry their own
+//! locking.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use super::EngineConfig;
+use super::admission::{CreateSlots, Ledger};
+use super::seams::{HostFacts, HostKeys, Images, SeedBuilder};
+use super::workers::Publisher;
+use crate::deadline::Deadline;
+use crate::model::{DesiredVm, Id, Phase, PowerState, QuarantinedVm, Report, VmStatus};
+use crate::provision::Provisioner;
+use crate::state::{Record, Store};
+
+/// One VM's slice of a snapshot. It holds the desired spec by `Arc`: the
+/// worker keeps it for as long as its pass runs, well past the step that
+/// delivered it.
+#[derive(Clone, Debug)]
+pub(crate) enum Assignment {
+    Desired(Arc<DesiredVm>),
+    /// Absent from desired state (vanished) or tombstoned: reap it. The two
+    /// differ in grace period, so the flag stays explicit.
+    Reap {
+        tombstoned: bool,
+    },
+}
+
+/// One VM's contribution to the host report: at most one row, or one
+/// quarantined entry.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct VmResult {
+    pub row: Option<VmStatus>,
+    pub quarantined: Option<QuarantinedVm>,
+    /// Stamped on the row when merged. Kept apart because it is
+    /// level-triggered: every row of a VM with a host key carries it, or the
+    /// control plane would forget the guest's certificate for a tick.
+    pub host_pubkey: String,
+}
+
+impl VmResult {
+    /// Sets this VM's row (a later call in the same pass replaces it).
+    pub fn report(
+        &mut self,
+        rec: &Record,
+        power: Option<PowerState>,
+        phase: Phase,
+        last_error: impl Into<String>,
+    ) {
+        self.row = Some(VmStatus {
+            vm_id: rec.spec.vm_id.to_string(),
+            ip: rec.ip.clone(),
+            network_ip: rec.network_ip.clone(),
+            power,
+            phase: Some(phase),
+            last_error: last_error.into(),
+            status_detail: String::new(),
+            ssh_host_pubkey: String::new(),
+        });
+    }
+
+    pub fn merge_into(mut self, report: &mut Report) {
+        if let Some(mut row) = self.row.take() {
+            row.ssh_host_pubkey = self.host_pubkey;
+            report.vms.push(row);
+        }
+        if let Some(q) = self.quarantined {
+            report.quarantined.push(q);
+        }
+    }
+}
+
+/// How a pass ended.
+pub(crate) enum PassOutcome {
+    Done(VmResult),
+    /// The pass did nothing (the record is unreadable). The VM's previous
+    /// row stands; `fallback` is used only when it has none.
+    Skipped {
+        fallback: VmResult,
+    },
+}
+
+/// What every pass shares: the store, the seams, the configuration and the
+/// admission state. Owned by the engine and each worker through an `Arc`.
+pub(crate) struct Core {
+    pub store: Arc<Store>,
+    pub prov: Arc<dyn Provisioner>,
+    pub images: Arc<dyn Images>,
+    pub seed: Arc<dyn SeedBuilder>,
+    pub host_keys: Arc<dyn HostKeys>,
+    pub host: Arc<dyn HostFacts>,
+    pub config: EngineConfig,
+    pub ledger: Ledger,
+    pub slots: CreateSlots,
+}
+
+impl Core {
+    pub(crate) fn reconcile_one(
+        &self,
+        vm_id: &Id,
+        assignment: &Assignment,
+        publisher: Option<&Publisher>,
+    ) -> PassOutcome {
+        let deadline = Deadline::from_timeout(self.config.vm_timeout);
+        let rec = match self.store.get(vm_id) {
+            Ok(rec) => rec,
+            Err(e) => {
+                // While this lasts the VM's row is frozen, so the log is the
+                // operator's signal; the worker logs it once per change.
+                let why = crate::error::chain(&e);
+                log::warn!("VM {vm_id}: skipping its pass: {why}");
+                return PassOutcome::Skipped {
+                    fallback: VmResult::failed_unobserved(vm_id, why),
+                };
+            }
+        };
+        let mut res = VmResult {
+            host_pubkey: rec
+                .as_ref()
+                .map(|r| r.host_pubkey.clone())
+                .unwrap_or_default(),
+            ..VmResult::default()
+        };
+        match assignment {
+            Assignment::Desired(desired) => {
+                let rec = rec.map(|r| self.unquarantine(r));
+                match rec {
+                    // The boot id is the create's completion witness: it is
+                    // written only after every side effect succeeded. A disk
+                    // left by a create that died before boot is not one.
+                    Some(rec) if !rec.boot_id.is_empty() => {
+                        self.converge(deadline, desired, (*rec).clone(), &mut res);
+                    }
+                    rec => self.create(deadline, desired, rec.as_deref(), &mut res, publisher),
+                }
+            }
+            Assignment::Reap { tombstoned } => {
+                if let Some(rec) = rec {
+                    self.reap(deadline, (*rec).clone(), *tombstoned, &mut res);
+                }
+            }
+        }
+        PassOutcome::Done(res)
+    }
+
+    /// A quarantined VM back in desired state leaves quarantine; converge
+    /// then counts its compute again.
+    fn unquarantine(&self, rec: Arc<Record>) -> Arc<Record> {
+        if rec.quarantined_at.is_none() {
+            return rec;
+        }
+        let mut back = (*rec).clone();
+        back.quarantined_at = None;
+        back.quarantine_tombstoned = false;
+        if let Err(e) = self.store.save(&back) {
+            log::warn!(
+                "VM {}: cannot save its return from quarantine: {e}",
+                back.spec.vm_id
+            );
+        }
+        log::info!(
+            "VM {}: back in desired state, leaving quarantine",
+            back.spec.vm_id
+        );
+        Arc::new(back)
+    }
+
+    /// Folds the backend's current answers for the VM's addresses into
+    /// `rec`, reporting whether either changed. Polled, not returned by boot:
+    /// the second NIC's address is granted by someone else's DHCP server and
+    /// arrives after boot.
+    pub(crate) fn note_address(&self, rec: &mut Record) -> bool {
+        let mut changed = false;
+        let ip = self.prov.address(&rec.spec.vm_id);
+        if !ip.is_empty() && ip != rec.ip {
+            rec.ip = ip;
+            changed = true;
+        }
+        let network_ip = self.prov.network_address(&rec.spec.vm_id);
+        if !network_ip.is_empty() && network_ip != rec.network_ip {
+            rec.network_ip = network_ip;
+            changed = true;
+        }
+        changed
+    }
+
+    pub(crate) fn grace_for(&self, rec: &Record) -> Duration {
+        if rec.quarantine_tombstoned {
+            self.config.tombstone_grace
+        } else {
+            self.config.vanish_grace
+        }
+    }
+
+    /// Saves a record whose save failing changes nothing this pass decides.
+    /// The failure is logged, and the next pass writes the record again.
+    pub(crate) fn save_best_effort(&self, rec: &Record) {
+        if let Err(e) = self.store.save(rec) {
+            log::error!("VM {}: {}", rec.spec.vm_id, crate::error::chain(&e));
+        }
+    }
+}
+
+/// The quarantined entry for a record: its spec as JSON, so the control
+/// plane can restore it, and when it will be destroyed.
+pub(crate) fn quarantined_entry(rec: &Record, grace: Duration) -> QuarantinedVm {
+    let since = rec.quarantined_at.unwrap_or(UNIX_EPOCH);
+    let destroy_at = since
+        .checked_add(grace)
+        .unwrap_or(since)
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    QuarantinedVm {
+        vm_id: rec.spec.vm_id.clone(),
+        name: rec.spec.name.clone(),
+        vmspec_json: serde_json::to_vec(&rec.spec).unwrap_or_default(),
+        destroy_at_unix: destroy_at,
+    }
+}
+
+/// Whether `grace` has passed since `since`. A clock that went backwards
+/// counts as no time passed: destroying early is the worse mistake.
+pub(crate) fn grace_expired(since: SystemTime, now: SystemTime, grace: Duration) -> bool {
+    now.duration_since(since).unwrap_or(Duration::ZERO) >= grace
+}

@@ -1,0 +1,78 @@
+//! Reaping a VM that left desired state (vanished) or was tombstoned.
+//!
+//! 1. Its compute is released: a quarantined guest is stopped.
+//! 2. First sight: quarantine it, with the stop intent saved **before** the
+//!    shutdown. If that save fails nothing is stopped; the next pass retries.
+//! 3. A vanished VM that is later tombstoned switches to the (shorter)
+//!    tombstone grace.
+//! 4. After its grace: destroy, then delete the record. A failed destroy
+//!    keeps the record, so the next pass tries again; until the record is
+//!    gone the VM is reported quarantined, never silently omitted.
+
+use super::pass::{Core, VmResult, grace_expired, quarantined_entry};
+use crate::deadline::Deadline;
+use crate::error::chain;
+use crate::state::Record;
+
+impl Core {
+    pub(crate) fn reap(
+        &self,
+        deadline: Deadline,
+        mut rec: Record,
+        tombstoned: bool,
+        res: &mut VmResult,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        self.ledger.release(&vm_id);
+        let now = self.host.now();
+        match rec.quarantined_at {
+            None => {
+                rec.quarantined_at = Some(now);
+                rec.quarantine_tombstoned = tombstoned;
+                rec.stop_requested = true;
+                if let Err(e) = self.store.save(&rec) {
+                    log::error!("VM {vm_id}: not quarantining it: {}", chain(&e));
+                    // Reported as entering quarantine, but nothing was done;
+                    // the next pass starts over.
+                    res.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
+                    return;
+                }
+                log::info!(
+                    "VM {vm_id}: {} from desired state; quarantined and stopping",
+                    if tombstoned { "tombstoned" } else { "gone" }
+                );
+                if let Err(e) = self.prov.shutdown(&vm_id, deadline) {
+                    let err: &dyn std::error::Error = &*e;
+                    log::warn!("VM {vm_id}: shutdown on quarantine failed: {}", chain(err));
+                }
+            }
+            Some(_) if tombstoned && !rec.quarantine_tombstoned => {
+                rec.quarantine_tombstoned = true;
+                self.save_best_effort(&rec);
+            }
+            Some(_) => {}
+        }
+
+        let grace = self.grace_for(&rec);
+        let since = rec.quarantined_at.unwrap_or(now);
+        if grace_expired(since, now, grace) {
+            match self.prov.destroy(&vm_id, deadline) {
+                Ok(()) => match self.store.delete(&vm_id) {
+                    Ok(()) => {
+                        log::info!("VM {vm_id}: destroyed");
+                        return;
+                    }
+                    Err(e) => log::error!("VM {vm_id}: destroyed, but {}", chain(&e)),
+                },
+                Err(e) => {
+                    let err: &dyn std::error::Error = &*e;
+                    log::warn!(
+                        "VM {vm_id}: destroy failed, retried next tick: {}",
+                        chain(err)
+                    );
+                }
+            }
+        }
+        res.quarantined = Some(quarantined_entry(&rec, grace));
+    }
+}

@@ -1,0 +1,537 @@
+//! Fakes of every engine seam, for engine tests and benchmarks.
+//!
+//! [`Fakes`] implements the provisioner, image cache, seed builder, host-key
+//! store and host facts at once, so a test sees every call in one ordered
+//! log. Each operation can be told, per VM (per URL for images), to fail
+//! transiently or permanently, to panic, or to block at a [`Gate`] until the
+//! test releases it or the pass's deadline passes. The fakes are passed to
+//! the engine through [`Fakes::seams`]; nothing in the agent switches on
+//! them.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::deadline::Deadline;
+use crate::error::{BoxFailure, DeadlineExpired, Simple};
+use crate::model::{DesiredVm, Id, PowerState, Snapshot, VmSpec, WantedVm};
+use crate::provision::Provisioner;
+use crate::reconcile::Seams;
+use crate::reconcile::seams::{
+    HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
+};
+
+/// An operation a fake can be told how to behave in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Op {
+    Preflight,
+    Resolve,
+    PrepareRootDisk,
+    Seed,
+    HostKey,
+    Boot,
+    Shutdown,
+    Destroy,
+}
+
+/// One call a fake received, in order across all seams.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Call {
+    Preflight,
+    Resolve { url: String },
+    PrepareRootDisk(Id),
+    Seed(Box<SeedParams>),
+    HostKey(PathBuf),
+    Boot(Id),
+    Shutdown(Id),
+    Destroy(Id),
+    Running(Id),
+    FailureReason(Id),
+    Address(Id),
+    NetworkAddress(Id),
+}
+
+impl Call {
+    /// Whether the call asks rather than acts.
+    pub fn is_query(&self) -> bool {
+        matches!(
+            self,
+            Call::Running(_) | Call::FailureReason(_) | Call::Address(_) | Call::NetworkAddress(_)
+        )
+    }
+}
+
+/// A barrier a fake call waits at until the test opens it, or until the
+/// pass's deadline passes (then the call fails as a deadline error would).
+#[derive(Default)]
+pub struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct GateState {
+    open: bool,
+    entered: usize,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Gate> {
+        Arc::new(Gate::default())
+    }
+
+    pub fn release(&self) {
+        self.state.lock().open = true;
+        self.changed.notify_all();
+    }
+
+    /// How many calls have arrived at this gate so far.
+    pub fn entered(&self) -> usize {
+        self.state.lock().entered
+    }
+
+    /// Waits until `n` calls have arrived, at most `timeout`; returns
+    /// whether they did. A bound for a test to fail on, not a measurement.
+    pub fn wait_entered(&self, n: usize, timeout: Duration) -> bool {
+        let until = Instant::now() + timeout;
+        let mut state = self.state.lock();
+        while state.entered < n {
+            if self.changed.wait_until(&mut state, until).timed_out() {
+                return state.entered >= n;
+            }
+        }
+        true
+    }
+
+    fn pass(&self, deadline: Deadline, honor_deadline: bool) -> Result<(), DeadlineExpired> {
+        let deadline = if honor_deadline {
+            deadline
+        } else {
+            Deadline::NONE
+        };
+        let mut state = self.state.lock();
+        state.entered += 1;
+        self.changed.notify_all();
+        while !state.open {
+            match deadline.instant() {
+                Some(at) => {
+                    if self.changed.wait_until(&mut state, at).timed_out() && !state.open {
+                        return Err(DeadlineExpired {
+                            waiting_for: "blocked in a fake call",
+                        });
+                    }
+                }
+                None => self.changed.wait(&mut state),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// (bytes done, total when known), as a download reports it.
+pub type ProgressStep = (u64, Option<u64>);
+
+#[derive(Clone, Default)]
+struct Rule {
+    fail: Option<Simple>,
+    gate: Option<Arc<Gate>>,
+    /// The gate is waited at even past the pass's deadline: a stuck call.
+    stalls: bool,
+    panic: bool,
+}
+
+/// Every seam, faked. See the module docs.
+pub struct Fakes {
+    calls: Mutex<Vec<Call>>,
+    rules: Mutex<HashMap<(Op, String), Rule>>,
+    running: Mutex<HashSet<Id>>,
+    addresses: Mutex<HashMap<Id, (String, String)>>,
+    reasons: Mutex<HashMap<Id, String>>,
+    progress: Mutex<HashMap<String, Vec<ProgressStep>>>,
+    callbacks: Mutex<HashMap<String, Progress>>,
+    in_flight: Mutex<HashMap<Op, (usize, usize)>>,
+    boot_id: Mutex<String>,
+    now: Mutex<SystemTime>,
+    delay: Mutex<Duration>,
+    keys_made: AtomicU64,
+}
+
+impl Fakes {
+    pub fn new() -> Arc<Fakes> {
+        Arc::new(Fakes {
+            calls: Mutex::new(Vec::new()),
+            rules: Mutex::new(HashMap::new()),
+            running: Mutex::new(HashSet::new()),
+            addresses: Mutex::new(HashMap::new()),
+            reasons: Mutex::new(HashMap::new()),
+            progress: Mutex::new(HashMap::new()),
+            callbacks: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashMap::new()),
+            boot_id: Mutex::new("boot-1".into()),
+            now: Mutex::new(SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000)),
+            delay: Mutex::new(Duration::ZERO),
+            keys_made: AtomicU64::new(0),
+        })
+    }
+
+    /// The engine's seams, all served by these fakes.
+    pub fn seams(self: &Arc<Self>) -> Seams {
+        Seams {
+            provisioner: Arc::clone(self) as Arc<dyn Provisioner>,
+            images: Arc::clone(self) as Arc<dyn Images>,
+            seed: Arc::clone(self) as Arc<dyn SeedBuilder>,
+            host_keys: Arc::clone(self) as Arc<dyn HostKeys>,
+            host: Arc::clone(self) as Arc<dyn HostFacts>,
+        }
+    }
+
+    // ── telling the fakes what to do ─────────────────────────────────────
+
+    /// `op` for `key` (a VM id; the URL for `Resolve`; "" for `Preflight`)
+    /// fails with a transient error from now on.
+    pub fn fail(&self, op: Op, key: &str, message: &str) {
+        self.rule(op, key).fail = Some(Simple::transient(message));
+    }
+
+    pub fn fail_permanently(&self, op: Op, key: &str, message: &str) {
+        self.rule(op, key).fail = Some(Simple::permanent(message));
+    }
+
+    pub fn panic_in(&self, op: Op, key: &str) {
+        self.rule(op, key).panic = true;
+    }
+
+    /// `op` for `key` blocks at the returned gate until it is released or
+    /// the pass's deadline passes.
+    pub fn block(&self, op: Op, key: &str) -> Arc<Gate> {
+        let gate = Gate::new();
+        self.rule(op, key).gate = Some(Arc::clone(&gate));
+        gate
+    }
+
+    /// Like [`Fakes::block`], but the call ignores the pass's deadline too:
+    /// a backend call that is stuck.
+    pub fn stall(&self, op: Op, key: &str) -> Arc<Gate> {
+        let gate = self.block(op, key);
+        self.rule(op, key).stalls = true;
+        gate
+    }
+
+    /// Makes `op` for `key` behave normally again.
+    pub fn clear(&self, op: Op, key: &str) {
+        self.rules.lock().remove(&(op, key.to_owned()));
+    }
+
+    fn rule(&self, op: Op, key: &str) -> parking_lot::MappedMutexGuard<'_, Rule> {
+        parking_lot::MutexGuard::map(self.rules.lock(), |rules| {
+            rules.entry((op, key.to_owned())).or_default()
+        })
+    }
+
+    /// Every fake call sleeps this long first (for benchmarks).
+    pub fn set_delay(&self, delay: Duration) {
+        *self.delay.lock() = delay;
+    }
+
+    /// The VM's hypervisor dies (or comes back) behind the agent's back.
+    pub fn set_running(&self, vm_id: &Id, running: bool) {
+        let mut set = self.running.lock();
+        if running {
+            set.insert(vm_id.clone());
+        } else {
+            set.remove(vm_id);
+        }
+    }
+
+    pub fn set_addresses(&self, vm_id: &Id, ip: &str, network_ip: &str) {
+        self.addresses
+            .lock()
+            .insert(vm_id.clone(), (ip.to_owned(), network_ip.to_owned()));
+    }
+
+    pub fn set_failure_reason(&self, vm_id: &Id, reason: &str) {
+        self.reasons.lock().insert(vm_id.clone(), reason.to_owned());
+    }
+
+    /// Progress the image fake reports for `url` before it returns (or
+    /// blocks).
+    pub fn set_progress(&self, url: &str, steps: Vec<ProgressStep>) {
+        self.progress.lock().insert(url.to_owned(), steps);
+    }
+
+    /// The progress callback the engine handed over for `url`, so a test can
+    /// fire it late, as a shared download thread would.
+    pub fn progress_callback(&self, url: &str) -> Option<Progress> {
+        self.callbacks.lock().get(url).cloned()
+    }
+
+    pub fn set_boot_id(&self, boot_id: &str) {
+        *self.boot_id.lock() = boot_id.to_owned();
+    }
+
+    pub fn advance_clock(&self, by: Duration) {
+        *self.now.lock() += by;
+    }
+
+    // ── reading what happened ────────────────────────────────────────────
+
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().clone()
+    }
+
+    /// Calls that act on the host (not queries such as `running`).
+    pub fn actions(&self) -> Vec<Call> {
+        self.calls().into_iter().filter(|c| !c.is_query()).collect()
+    }
+
+    pub fn count(&self, pred: impl Fn(&Call) -> bool) -> usize {
+        self.calls.lock().iter().filter(|c| pred(c)).count()
+    }
+
+    pub fn forget_calls(&self) {
+        self.calls.lock().clear();
+    }
+
+    /// The most calls of `op` that were ever in progress at once.
+    pub fn max_concurrent(&self, op: Op) -> usize {
+        self.in_flight.lock().get(&op).map_or(0, |&(_, max)| max)
+    }
+
+    // ── the behaviour every fake call shares ─────────────────────────────
+
+    fn record(&self, call: Call) {
+        self.calls.lock().push(call);
+    }
+
+    fn act(&self, op: Op, key: &str, deadline: Deadline) -> Result<(), BoxFailure> {
+        {
+            let mut flight = self.in_flight.lock();
+            let entry = flight.entry(op).or_default();
+            entry.0 += 1;
+            entry.1 = entry.1.max(entry.0);
+        }
+        let result = self.behave(op, key, deadline);
+        if let Some(entry) = self.in_flight.lock().get_mut(&op) {
+            entry.0 -= 1;
+        }
+        result
+    }
+
+    fn behave(&self, op: Op, key: &str, deadline: Deadline) -> Result<(), BoxFailure> {
+        let delay = *self.delay.lock();
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+        let rule = self
+            .rules
+            .lock()
+            .get(&(op, key.to_owned()))
+            .cloned()
+            .unwrap_or_default();
+        if let Some(gate) = rule.gate {
+            gate.pass(deadline, !rule.stalls)?;
+        }
+        if rule.panic {
+            panic!("injected panic in {op:?} for {key}");
+        }
+        match rule.fail {
+            Some(err) => Err(err.into()),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Provisioner for Fakes {
+    fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure> {
+        self.record(Call::Preflight);
+        self.act(Op::Preflight, "", deadline)
+    }
+
+    fn prepare_root_disk(
+        &self,
+        spec: &VmSpec,
+        _base: &Path,
+        deadline: Deadline,
+    ) -> Result<(), BoxFailure> {
+        self.record(Call::PrepareRootDisk(spec.vm_id.clone()));
+        self.act(Op::PrepareRootDisk, spec.vm_id.as_str(), deadline)
+    }
+
+    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+        self.record(Call::Boot(spec.vm_id.clone()));
+        self.act(Op::Boot, spec.vm_id.as_str(), deadline)?;
+        self.running.lock().insert(spec.vm_id.clone());
+        Ok(())
+    }
+
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+        self.record(Call::Shutdown(vm_id.clone()));
+        self.act(Op::Shutdown, vm_id.as_str(), deadline)?;
+        self.running.lock().remove(vm_id);
+        Ok(())
+    }
+
+    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+        self.record(Call::Destroy(vm_id.clone()));
+        self.act(Op::Destroy, vm_id.as_str(), deadline)?;
+        self.running.lock().remove(vm_id);
+        Ok(())
+    }
+
+    fn running(&self, vm_id: &Id) -> bool {
+        self.record(Call::Running(vm_id.clone()));
+        self.running.lock().contains(vm_id)
+    }
+
+    fn failure_reason(&self, vm_id: &Id) -> String {
+        self.record(Call::FailureReason(vm_id.clone()));
+        self.reasons.lock().get(vm_id).cloned().unwrap_or_default()
+    }
+
+    fn address(&self, vm_id: &Id) -> String {
+        self.record(Call::Address(vm_id.clone()));
+        self.addresses
+            .lock()
+            .get(vm_id)
+            .map(|a| a.0.clone())
+            .unwrap_or_default()
+    }
+
+    fn network_address(&self, vm_id: &Id) -> String {
+        self.record(Call::NetworkAddress(vm_id.clone()));
+        self.addresses
+            .lock()
+            .get(vm_id)
+            .map(|a| a.1.clone())
+            .unwrap_or_default()
+    }
+}
+
+impl Images for Fakes {
+    fn resolve(
+        &self,
+        url: &str,
+        sha256: &str,
+        deadline: Deadline,
+        progress: Progress,
+    ) -> Result<PathBuf, BoxFailure> {
+        self.record(Call::Resolve {
+            url: url.to_owned(),
+        });
+        self.callbacks
+            .lock()
+            .insert(url.to_owned(), Arc::clone(&progress));
+        let steps = self.progress.lock().get(url).cloned().unwrap_or_default();
+        for (done, total) in steps {
+            progress(done, total);
+        }
+        self.act(Op::Resolve, url, deadline)?;
+        Ok(PathBuf::from(format!("/fake/images/{sha256}")))
+    }
+}
+
+impl SeedBuilder for Fakes {
+    fn build(&self, _out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+        self.record(Call::Seed(Box::new(params.clone())));
+        self.act(Op::Seed, &params.instance_id, Deadline::NONE)
+    }
+}
+
+impl HostKeys for Fakes {
+    /// Persists a made-up key at `path` (creating its directory), so the
+    /// same key comes back after an engine restart, as with the real one.
+    fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
+        self.record(Call::HostKey(path.to_path_buf()));
+        let vm = path
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        self.act(Op::HostKey, &vm, Deadline::NONE)?;
+        let io = |e: std::io::Error| -> BoxFailure { Simple::transient(e.to_string()).into() };
+        if let Ok(text) = std::fs::read_to_string(path)
+            && let Some((public, private)) = text.split_once('\n')
+        {
+            return Ok(HostKey {
+                public_line: public.to_owned(),
+                private_pem: private.to_owned(),
+            });
+        }
+        let n = self.keys_made.fetch_add(1, Ordering::Relaxed);
+        let key = HostKey {
+            public_line: format!("ssh-ed25519 AAAAFAKE{n}{vm} fake"),
+            private_pem: format!("FAKE PRIVATE KEY {n}"),
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(io)?;
+        }
+        std::fs::write(path, format!("{}\n{}", key.public_line, key.private_pem)).map_err(io)?;
+        Ok(key)
+    }
+}
+
+impl HostFacts for Fakes {
+    fn boot_id(&self) -> String {
+        self.boot_id.lock().clone()
+    }
+
+    fn now(&self) -> SystemTime {
+        *self.now.lock()
+    }
+}
+
+// ── desired state builders ───────────────────────────────────────────────
+
+/// Parses a test id; panics on a bad one (a test bug).
+pub fn id(raw: &str) -> Id {
+    Id::parse(raw).unwrap_or_else(|e| panic!("test id: {e}"))
+}
+
+/// The image URL the builders give `vm`; the image fake is keyed by it.
+pub fn image_url(vm: &str) -> String {
+    format!("http://images.test/{vm}.raw")
+}
+
+/// A valid desired VM, running, 1 vCPU, 256 MiB, 1 GiB disk.
+pub fn desired(vm: &str) -> DesiredVm {
+    DesiredVm {
+        spec: VmSpec {
+            vm_id: id(vm),
+            name: vm.replace(['_', '.'], "-"),
+            image_url: image_url(vm),
+            image_sha256: "ab".repeat(32),
+            cloud_init: String::new(),
+            ssh_authorized_key: String::new(),
+            network: String::new(),
+            volume_ids: Vec::new(),
+            vcpus: 1,
+            mem_mb: 256,
+            disk_gb: 1,
+        },
+        power: PowerState::Running,
+        host_cert_required: false,
+        ssh_host_cert: String::new(),
+        ssh_user_ca_keys: Vec::new(),
+    }
+}
+
+pub fn present(d: DesiredVm) -> WantedVm {
+    WantedVm::Present(Arc::new(d))
+}
+
+pub fn tombstoned(vm: &str) -> WantedVm {
+    WantedVm::Tombstoned(id(vm))
+}
+
+/// A snapshot of `vms` at `epoch`.
+pub fn snapshot(epoch: u64, vms: Vec<WantedVm>) -> Snapshot {
+    Snapshot {
+        epoch,
+        vms,
+        ..Snapshot::default()
+    }
+}
