@@ -166,10 +166,13 @@ impl Workers {
             self.retiring.push(thread);
         }
         let new = spawn(vm_id, core, self.stack_bytes);
-        if let Some(assignment) = pending {
+        // A worker that did not start holds no work: nothing would ever take
+        // it, and the next delivery brings a newer assignment anyway.
+        if let Some(assignment) = pending
+            && new.thread.is_some()
+        {
             *new.shared.mailbox.lock() = Some(assignment);
-            // A fresh channel has room for one ring; a dead one is reported
-            // by `spawn` already.
+            // A fresh channel has room for this one ring.
             let _ = new.doorbell.try_send(());
         }
         self.live.insert(vm_id.clone(), new);
@@ -324,5 +327,71 @@ impl VmResult {
             }),
             ..VmResult::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(vm: &str, detail: &str) -> VmResult {
+        VmResult {
+            row: Some(VmStatus {
+                vm_id: vm.into(),
+                status_detail: detail.into(),
+                ..VmStatus::default()
+            }),
+            ..VmResult::default()
+        }
+    }
+
+    fn detail(shared: &WorkerShared) -> Option<String> {
+        shared.result().and_then(|r| r.row).map(|r| r.status_detail)
+    }
+
+    #[test]
+    fn skipped_pass_freezes_the_previous_row() {
+        let shared = WorkerShared::default();
+        let first = shared.begin_pass();
+        shared.end_pass(first, PassOutcome::Done(result("vm", "before")));
+        let second = shared.begin_pass();
+
+        shared.end_pass(
+            second,
+            PassOutcome::Skipped {
+                fallback: result("vm", "fallback"),
+            },
+        );
+
+        assert_eq!(detail(&shared).as_deref(), Some("before"));
+    }
+
+    #[test]
+    fn skipped_first_pass_uses_the_fallback() {
+        let shared = WorkerShared::default();
+        let first = shared.begin_pass();
+
+        shared.end_pass(
+            first,
+            PassOutcome::Skipped {
+                fallback: result("vm", "fallback"),
+            },
+        );
+
+        assert_eq!(detail(&shared).as_deref(), Some("fallback"));
+    }
+
+    #[test]
+    fn publish_from_an_ended_generation_is_dropped() {
+        let shared = WorkerShared::default();
+        let old = shared.begin_pass();
+        shared.end_pass(old, PassOutcome::Done(result("vm", "final")));
+        let current = shared.begin_pass();
+
+        shared.publish(old, result("vm", "late"));
+
+        assert_eq!(detail(&shared).as_deref(), Some("final"));
+        shared.publish(current, result("vm", "live"));
+        assert_eq!(detail(&shared).as_deref(), Some("live"));
     }
 }

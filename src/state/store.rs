@@ -134,16 +134,17 @@ impl Store {
     pub fn save(&self, rec: &Record) -> Result<(), StoreError> {
         let vm_id = &rec.spec.vm_id;
         let dir = self.vm_dir(vm_id);
+        let write_err = |path: PathBuf| {
+            move |source| StoreError::WriteRecord {
+                vm_id: vm_id.clone(),
+                path,
+                source,
+            }
+        };
         if !dir.is_dir() {
-            fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
-                path: dir.clone(),
-                source,
-            })?;
+            fs::create_dir_all(&dir).map_err(write_err(dir.clone()))?;
             // The new directory's own name must survive a crash too.
-            sync_dir(&self.root.join("vms")).map_err(|source| StoreError::CreateDir {
-                path: dir.clone(),
-                source,
-            })?;
+            sync_dir(&self.root.join("vms")).map_err(write_err(dir.clone()))?;
         }
         let bytes = serde_json::to_vec_pretty(&Envelope {
             format: RECORD_FORMAT,
@@ -154,11 +155,7 @@ impl Store {
             source,
         })?;
         let path = self.record_path(vm_id);
-        write_atomic(&path, &bytes).map_err(|source| StoreError::WriteRecord {
-            vm_id: vm_id.clone(),
-            path,
-            source,
-        })?;
+        write_atomic(&path, &bytes).map_err(write_err(path.clone()))?;
         self.records
             .write()
             .insert(vm_id.clone(), RecordSlot::Readable(Arc::new(rec.clone())));
