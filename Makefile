@@ -9,7 +9,7 @@
 CARGO    ?= cargo
 PROTOGEN := contrib/protogen
 GENERATED := src/pb/eitri.agent.v1.rs
-BENCHES  := store
+BENCHES  := store engine
 
 .PHONY: all build test fmt-check clippy proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 

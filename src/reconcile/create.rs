@@ -112,7 +112,7 @@ impl Core {
         // queued VM says so and waits, at most until its deadline, and a
         // deadline failure is refunded: waiting costs it no attempt.
         narrator.say("waiting for a create slot on this host");
-        let _slot = match self.slots.acquire(deadline) {
+        let slot = match self.slots.acquire(deadline) {
             Ok(slot) => slot,
             Err(e) => return attempt.fail(rec, e.into(), res),
         };
@@ -168,6 +168,8 @@ impl Core {
             }
             self.note_address(&mut rec);
         }
+        // The heavy part is over; the record write below needs no slot.
+        drop(slot);
 
         rec.boot_id = self.host.boot_id();
         rec.stop_requested = d.power != PowerState::Running;

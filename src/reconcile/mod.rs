@@ -28,7 +28,7 @@ pub mod seams;
 pub mod volumes;
 mod workers;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -185,7 +185,11 @@ impl Engine {
         }
         // A refused entry still claims its id: its worker (if any) is kept,
         // and the VM is neither created nor reaped.
-        let keep: HashSet<&Id> = assignments.keys().chain(claimed.iter().copied()).collect();
+        let keep: HashSet<&Id> = assignments
+            .keys()
+            .copied()
+            .chain(claimed.iter().copied())
+            .collect();
         workers.retire_absent(&keep);
 
         let mut report = Report {
@@ -194,6 +198,8 @@ impl Engine {
             ..Report::default()
         };
         workers.collect(&mut report, &claimed);
+        // Last, so the wakes and the passes they start cost this step nothing.
+        workers.ring();
         drop(workers);
         for rejected in &snap.rejected_vms {
             report.vms.push(self.rejected_row(rejected, &records));
@@ -241,12 +247,12 @@ impl Engine {
             volumes: volumes::sweep(&self.core.store),
             ..Report::default()
         };
-        for (vm_id, slot) in self.core.store.load_all() {
+        for (vm_id, slot) in self.core.store.load_all().iter() {
             let rec = match slot {
                 RecordSlot::Readable(rec) => rec,
                 RecordSlot::Unreadable(problem) => {
                     let why = format!("record unreadable: {problem}");
-                    VmResult::failed_unobserved(&vm_id, why).merge_into(&mut report);
+                    VmResult::failed_unobserved(vm_id, why).merge_into(&mut report);
                     continue;
                 }
             };
@@ -255,9 +261,9 @@ impl Engine {
                 ..VmResult::default()
             };
             if rec.quarantined_at.is_some() {
-                res.quarantined = Some(quarantined_entry(&rec, self.core.grace_for(&rec)));
+                res.quarantined = Some(quarantined_entry(rec, self.core.grace_for(rec)));
             } else {
-                let power = PowerState::observed(self.core.prov.running(&vm_id));
+                let power = PowerState::observed(self.core.prov.running(vm_id));
                 let phase = if !rec.last_error.is_empty() {
                     Phase::Failed
                 } else if rec.boot_id.is_empty() {
@@ -265,7 +271,7 @@ impl Engine {
                 } else {
                     Phase::Ready
                 };
-                res.report(&rec, Some(power), phase, rec.last_error.clone());
+                res.report(rec, Some(power), phase, rec.last_error.clone());
             }
             res.merge_into(&mut report);
         }
@@ -312,26 +318,26 @@ impl Drop for Engine {
 /// vanished VM to reap, both is a converge. A tombstoned VM with no record
 /// needs no pass (the destroy ack covers it), and a refused entry's id gets
 /// none either.
-fn assignments(
-    snap: &Snapshot,
-    records: &BTreeMap<Id, RecordSlot>,
+fn assignments<'a>(
+    snap: &'a Snapshot,
+    records: &'a BTreeMap<Id, RecordSlot>,
     claimed: &HashSet<&Id>,
-) -> BTreeMap<Id, Assignment> {
-    let mut out = BTreeMap::new();
+) -> HashMap<&'a Id, Assignment> {
+    let mut out = HashMap::with_capacity(snap.vms.len() + records.len());
     for wanted in &snap.vms {
         match wanted {
             WantedVm::Present(d) => {
-                out.insert(d.spec.vm_id.clone(), Assignment::Desired(Arc::clone(d)));
+                out.insert(&d.spec.vm_id, Assignment::Desired(Arc::clone(d)));
             }
             WantedVm::Tombstoned(id) if records.contains_key(id) => {
-                out.insert(id.clone(), Assignment::Reap { tombstoned: true });
+                out.insert(id, Assignment::Reap { tombstoned: true });
             }
             WantedVm::Tombstoned(_) => {}
         }
     }
     for id in records.keys() {
         if !out.contains_key(id) && !claimed.contains(id) {
-            out.insert(id.clone(), Assignment::Reap { tombstoned: false });
+            out.insert(id, Assignment::Reap { tombstoned: false });
         }
     }
     out

@@ -2,9 +2,13 @@
 //!
 //! Protocol between `Engine::step` (the router) and a VM's worker:
 //! 1. The router writes the VM's newest assignment into the worker's mailbox
-//!    (replacing any the worker has not taken yet: latest wins) and rings the
-//!    doorbell, a bounded(1) channel, so ringing never blocks and a worker
-//!    woken once sees every assignment written before it looked.
+//!    (replacing any the worker has not taken yet: latest wins). Once the
+//!    step's report is built, it hands the doorbells of every VM it wrote to
+//!    to the `router` thread, which rings them: a doorbell is a bounded(1)
+//!    channel, so ringing never blocks and a worker woken once sees every
+//!    assignment written before it looked. Ringing a thousand doorbells is a
+//!    thousand futex wakes, and the woken workers would preempt the step on
+//!    a small host; off the step's thread, the heartbeat pays for neither.
 //! 2. The worker takes the mailbox, starts a pass with a fresh generation,
 //!    and runs it. Mid-pass it may publish narration tagged with that
 //!    generation; when the pass ends it publishes the final result and
@@ -18,8 +22,9 @@
 //!    pass and the router joins it once it has finished.
 //!
 //! A pass that panics is caught on the worker and fails that VM's row; a
-//! worker whose thread is gone (it could not be spawned) is noticed on the
-//! next delivery, reported, and spawned again. Neither touches other VMs.
+//! worker whose thread is gone (it could not be spawned, or its loop ended)
+//! is noticed on the next delivery, reported, and spawned again. Neither
+//! touches other VMs.
 
 use std::collections::{HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
@@ -27,7 +32,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
+use crossbeam_channel::{Receiver, Sender, bounded};
 use parking_lot::Mutex;
 
 use super::pass::{Assignment, Core, PassOutcome, VmResult};
@@ -123,58 +128,99 @@ pub(crate) struct Workers {
     /// joined inline, since a worker may be inside a long pass.
     retiring: Vec<JoinHandle<()>>,
     stack_bytes: usize,
+    /// Doorbells of the assignments written this step, rung by
+    /// [`Workers::ring`].
+    to_ring: Vec<Sender<()>>,
+    ringer: Option<Ringer>,
+}
+
+/// The `router` thread: rings batches of doorbells off the step's thread.
+struct Ringer {
+    batches: Sender<Vec<Sender<()>>>,
+    thread: JoinHandle<()>,
 }
 
 impl Workers {
     pub(crate) fn new(stack_bytes: usize) -> Workers {
+        let (batches, rx) = crossbeam_channel::unbounded::<Vec<Sender<()>>>();
+        let ringer = std::thread::Builder::new()
+            .name("router".into())
+            .stack_size(stack_bytes)
+            .spawn(move || {
+                for batch in rx {
+                    for bell in batch {
+                        // Full: already ringing. Disconnected: the worker is
+                        // gone, which the next delivery notices and repairs.
+                        let _ = bell.try_send(());
+                    }
+                }
+            });
+        let ringer = match ringer {
+            Ok(thread) => Some(Ringer { batches, thread }),
+            Err(e) => {
+                log::warn!("cannot start the router thread ({e}); steps ring doorbells themselves");
+                None
+            }
+        };
         Workers {
             live: HashMap::new(),
             retiring: Vec::new(),
             stack_bytes,
+            to_ring: Vec::new(),
+            ringer,
         }
     }
 
-    /// Hands `vm_id` its newest assignment, starting its worker if it has
-    /// none and restarting it if its thread is gone.
+    /// Writes `vm_id`'s newest assignment into its worker's mailbox,
+    /// starting the worker if it has none and restarting it if its thread is
+    /// gone. The worker is woken by the next [`Workers::ring`].
     pub(crate) fn deliver(&mut self, vm_id: &Id, assignment: Assignment, core: &Arc<Core>) {
-        let handle = match self.live.get(vm_id) {
-            Some(h) => h,
+        let dead = self
+            .live
+            .get(vm_id)
+            .map(|h| h.thread.as_ref().is_none_or(JoinHandle::is_finished));
+        match dead {
             None => {
-                let h = spawn(vm_id, core, self.stack_bytes);
-                self.live.entry(vm_id.clone()).or_insert(h)
+                let handle = spawn(vm_id, core, self.stack_bytes);
+                self.live.insert(vm_id.clone(), handle);
             }
-        };
-        *handle.shared.mailbox.lock() = Some(assignment);
-        match handle.doorbell.try_send(()) {
-            // Full: the bell is already ringing and the worker will read the
-            // mailbox, which now holds this assignment.
-            Ok(()) | Err(TrySendError::Full(())) => {}
-            Err(TrySendError::Disconnected(())) => self.restart(vm_id, core),
+            Some(true) => self.restart(vm_id, core),
+            Some(false) => {}
         }
-    }
-
-    /// Replaces a worker whose thread is gone, moving its pending assignment
-    /// to the new one. If the new thread cannot start either, the VM's row
-    /// says so and the next delivery tries again.
-    fn restart(&mut self, vm_id: &Id, core: &Arc<Core>) {
-        let Some(old) = self.live.remove(vm_id) else {
+        let Some(handle) = self.live.get(vm_id) else {
             return;
         };
-        log::error!("VM {vm_id}: its worker thread is gone; starting a new one");
-        let pending = old.shared.mailbox.lock().take();
-        if let Some(thread) = old.thread {
-            self.retiring.push(thread);
+        // A worker that did not start takes no work: nothing would ever
+        // take it, and the next delivery brings a newer assignment anyway.
+        if handle.thread.is_some() {
+            *handle.shared.mailbox.lock() = Some(assignment);
+            self.to_ring.push(handle.doorbell.clone());
+        }
+    }
+
+    /// Wakes every worker that was delivered to since the last ring.
+    pub(crate) fn ring(&mut self) {
+        let batch = std::mem::take(&mut self.to_ring);
+        if batch.is_empty() {
+            return;
+        }
+        let undelivered = match &self.ringer {
+            Some(ringer) => ringer.batches.send(batch).err().map(|e| e.into_inner()),
+            None => Some(batch),
+        };
+        for bell in undelivered.into_iter().flatten() {
+            let _ = bell.try_send(());
+        }
+    }
+
+    /// Replaces a worker whose thread is gone. If the new thread cannot
+    /// start either, the VM's row says so and the next delivery tries again.
+    fn restart(&mut self, vm_id: &Id, core: &Arc<Core>) {
+        if let Some(old) = self.live.remove(vm_id) {
+            log::error!("VM {vm_id}: its worker thread is gone; starting a new one");
+            self.retiring.extend(old.thread);
         }
         let new = spawn(vm_id, core, self.stack_bytes);
-        // A worker that did not start holds no work: nothing would ever take
-        // it, and the next delivery brings a newer assignment anyway.
-        if let Some(assignment) = pending
-            && new.thread.is_some()
-        {
-            *new.shared.mailbox.lock() = Some(assignment);
-            // A fresh channel has room for this one ring.
-            let _ = new.doorbell.try_send(());
-        }
         self.live.insert(vm_id.clone(), new);
     }
 
@@ -227,6 +273,13 @@ impl Workers {
     /// it finishes by `deadline` (one stuck in a provisioner call is left to
     /// finish on its own; the process exiting ends it).
     pub(crate) fn stop_all(&mut self, deadline: Deadline) {
+        self.to_ring.clear();
+        // The router ends once its channel closes; joining it drops every
+        // doorbell clone it held, so the workers see theirs close.
+        if let Some(ringer) = self.ringer.take() {
+            drop(ringer.batches);
+            let _ = ringer.thread.join();
+        }
         let handles: Vec<_> = self.live.drain().map(|(_, h)| h).collect();
         for handle in handles {
             drop(handle.doorbell);
@@ -261,8 +314,7 @@ fn spawn(vm_id: &Id, core: &Arc<Core>, stack_bytes: usize) -> WorkerHandle {
     let thread = match thread {
         Ok(t) => Some(t),
         Err(e) => {
-            // The receiver went down with the closure, so the next delivery
-            // finds the doorbell disconnected and tries again.
+            // The next delivery finds no thread and tries again.
             log::error!("VM {vm_id}: cannot start its worker thread: {e}");
             shared.set_failed(
                 vm_id,

@@ -30,7 +30,10 @@ pub struct Store {
     /// Held for its flock; released when the store is dropped.
     _lock: File,
     epoch: Mutex<u64>,
-    records: RwLock<BTreeMap<Id, RecordSlot>>,
+    /// Copy-on-write: readers take the current map for the price of an
+    /// `Arc` clone, and a save copies it only while a reader still holds
+    /// the old one.
+    records: RwLock<Arc<BTreeMap<Id, RecordSlot>>>,
 }
 
 static DELETE_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -81,7 +84,7 @@ impl Store {
             root: root.to_path_buf(),
             _lock: lock,
             epoch: Mutex::new(epoch),
-            records: RwLock::new(records),
+            records: RwLock::new(Arc::new(records)),
         })
     }
 
@@ -110,9 +113,10 @@ impl Store {
         Ok(())
     }
 
-    /// Every record, from memory.
-    pub fn load_all(&self) -> BTreeMap<Id, RecordSlot> {
-        self.records.read().clone()
+    /// Every record, from memory: a consistent view that later saves do
+    /// not change.
+    pub fn load_all(&self) -> Arc<BTreeMap<Id, RecordSlot>> {
+        Arc::clone(&self.records.read())
     }
 
     /// One VM's record: `Ok(None)` when there is none, `Err` when there is
@@ -156,8 +160,7 @@ impl Store {
         })?;
         let path = self.record_path(vm_id);
         write_atomic(&path, &bytes).map_err(write_err(path.clone()))?;
-        self.records
-            .write()
+        Arc::make_mut(&mut self.records.write())
             .insert(vm_id.clone(), RecordSlot::Readable(Arc::new(rec.clone())));
         Ok(())
     }
@@ -186,7 +189,7 @@ impl Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(delete_err(e)),
         }
-        self.records.write().remove(vm_id);
+        Arc::make_mut(&mut self.records.write()).remove(vm_id);
         if let Err(e) = fs::remove_dir_all(&aside)
             && e.kind() != std::io::ErrorKind::NotFound
         {
