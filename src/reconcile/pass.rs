@@ -82,6 +82,7 @@ pub(crate) enum PassOutcome {
     /// row stands; `fallback` is used only when it has none.
     Skipped {
         fallback: VmResult,
+        why: String,
     },
 }
 
@@ -113,9 +114,9 @@ impl Core {
                 // While this lasts the VM's row is frozen, so the log is the
                 // operator's signal; the worker logs it once per change.
                 let why = crate::error::chain(&e);
-                log::warn!("VM {vm_id}: skipping its pass: {why}");
                 return PassOutcome::Skipped {
-                    fallback: VmResult::failed_unobserved(vm_id, why),
+                    fallback: VmResult::failed_unobserved(vm_id, why.clone()),
+                    why,
                 };
             }
         };

@@ -72,7 +72,7 @@ impl WorkerShared {
             PassOutcome::Done(result) => p.result = Some(result),
             // The VM's row stays frozen at what it last said; a VM that
             // never said anything gets the reason it is not being worked on.
-            PassOutcome::Skipped { fallback } => {
+            PassOutcome::Skipped { fallback, .. } => {
                 if p.result.is_none() {
                     p.result = Some(fallback);
                 }
@@ -332,6 +332,9 @@ fn spawn(vm_id: &Id, core: &Arc<Core>, stack_bytes: usize) -> WorkerHandle {
 
 /// The worker's loop: one pass per ring, on the newest assignment.
 fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>) {
+    // A VM skipped every tick for the same reason is logged once, not once a
+    // tick; a new reason, or recovery, is logged again.
+    let mut skipping: Option<String> = None;
     while rings.recv().is_ok() {
         let Some(assignment) = shared.mailbox.lock().take() else {
             continue;
@@ -352,6 +355,16 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
                 format!("internal error: the reconcile pass panicked ({what}); retried next tick"),
             ))
         });
+        match &outcome {
+            PassOutcome::Skipped { why, .. } if skipping.as_ref() != Some(why) => {
+                log::warn!("VM {vm_id}: not reconciling it: {why}");
+                skipping = Some(why.clone());
+            }
+            PassOutcome::Done(_) if skipping.take().is_some() => {
+                log::info!("VM {vm_id}: its record is readable again");
+            }
+            _ => {}
+        }
         shared.end_pass(generation, outcome);
     }
 }
@@ -412,6 +425,7 @@ mod tests {
             second,
             PassOutcome::Skipped {
                 fallback: result("vm", "fallback"),
+                why: "unreadable".into(),
             },
         );
 
@@ -427,6 +441,7 @@ mod tests {
             first,
             PassOutcome::Skipped {
                 fallback: result("vm", "fallback"),
+                why: "unreadable".into(),
             },
         );
 
