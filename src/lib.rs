@@ -15,12 +15,16 @@
 //! - [`version`]: release ordering for the snapshot's version floor.
 //! - [`testkit`]: fakes of every seam, for engine tests and benchmarks.
 
+pub mod config;
+pub mod daemon;
 pub mod deadline;
 pub mod error;
 pub mod model;
 pub mod pb;
 pub mod provision;
 pub mod reconcile;
+pub mod source;
 pub mod state;
+pub mod status;
 pub mod testkit;
 pub mod version;

@@ -1,38 +1,91 @@
 //! The `eitri-agent` binary: parse, run, print the error chain, exit.
+//!
+//! Exit codes: 0 done; 1 the daemon or a command failed; 2 the command line
+//! or environment is wrong (nothing was started).
 
+use std::collections::HashMap;
+use std::io::Write;
 use std::process::ExitCode;
+use std::time::SystemTime;
 
+use eitri_agent::config::{self, Command};
+use eitri_agent::status::ReportFile;
 use eitri_agent::version::AGENT_VERSION;
-
-const USAGE: &str = "\
-usage: eitri-agent [--version | --help]
-
-The host agent of the eitri microVM platform.
-
-Options:
-  --version   print the agent's release and exit
-  --help      print this help and exit
-";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    match args
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        ["--version"] | ["-V"] => {
+    let env: HashMap<String, String> = std::env::vars().collect();
+    let command = match config::parse(&args, &env) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("eitri-agent: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match command {
+        Command::Help => {
+            print!("{}", config::usage());
+            ExitCode::SUCCESS
+        }
+        Command::Version => {
             println!("eitri-agent {AGENT_VERSION}");
             ExitCode::SUCCESS
         }
-        [] | ["--help"] | ["-h"] => {
-            print!("{USAGE}");
-            ExitCode::SUCCESS
-        }
-        [other, ..] => {
-            eprintln!("eitri-agent: unknown argument {other:?}; see eitri-agent --help");
-            ExitCode::from(2)
+        Command::Status { state_dir, json } => match ReportFile::read(&state_dir) {
+            Ok(file) if json => match serde_json::to_string_pretty(&file) {
+                Ok(text) => {
+                    println!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(&e),
+            },
+            Ok(file) => {
+                print!("{}", file.render(SystemTime::now()));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("eitri-agent: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Run(config) => {
+            init_logging();
+            match eitri_agent::daemon::run(*config) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
         }
     }
+}
+
+/// Prints an error with its whole source chain, one cause per line.
+fn fail(err: &dyn std::error::Error) -> ExitCode {
+    let mut text = format!("eitri-agent: error: {err}");
+    let mut next = err.source();
+    while let Some(cause) = next {
+        text.push_str(&format!("\n  caused by: {cause}"));
+        next = cause.source();
+    }
+    eprintln!("{text}");
+    log::error!("{}", text.replace('\n', ";"));
+    ExitCode::FAILURE
+}
+
+/// One line per event on stderr: time, level, thread (`vm-<id>` for a VM's
+/// worker) and message. `EITRI_LOG` sets the level (default info).
+fn init_logging() {
+    env_logger::Builder::new()
+        .parse_filters(&std::env::var("EITRI_LOG").unwrap_or_else(|_| "info".into()))
+        .format(|buf, record| {
+            let thread = std::thread::current();
+            writeln!(
+                buf,
+                "{} {:<5} [{}] {}",
+                buf.timestamp_millis(),
+                record.level(),
+                thread.name().unwrap_or("main"),
+                record.args()
+            )
+        })
+        .init();
 }

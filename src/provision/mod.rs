@@ -13,6 +13,7 @@
 //! (a deadline error is never permanent: the engine refunds the attempt).
 
 pub mod mac;
+pub mod none;
 
 use std::path::Path;
 
@@ -60,4 +61,14 @@ pub trait Provisioner: Send + Sync {
     /// when it has none or it is not learned yet. Learned late: someone
     /// else's DHCP server grants it after boot.
     fn network_address(&self, vm_id: &Id) -> String;
+}
+
+/// The backend this host runs guests with. Until a hypervisor backend is
+/// built for this platform, it is [`none::NoBackend`], which refuses every
+/// create with a permanent error naming what is missing.
+pub fn for_host(guest: &crate::config::GuestBoot) -> std::sync::Arc<dyn Provisioner> {
+    std::sync::Arc::new(none::NoBackend::new(format!(
+        "no hypervisor backend for {} is built into this agent yet; VMs cannot be created on this host",
+        guest.hypervisor.display()
+    )))
 }

@@ -47,7 +47,7 @@ use crate::state::{RecordSlot, Store};
 use crate::version::{FloorVerdict, check_floor};
 
 /// How the engine behaves; the daemon fills it from flags.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// This binary's release, ordered against `min_agent_version`.
     pub agent_version: String,
@@ -238,12 +238,23 @@ impl Engine {
         self.workers.lock().stop_all(deadline);
     }
 
-    /// The read-only report for a stale snapshot: the host as the records
-    /// and the backend's liveness say it is, and the volumes as they lie.
+    /// The read-only report for a stale snapshot.
     fn fence_report(&self, current: u64) -> Report {
-        let mut report = Report {
+        Report {
             fence_violation: true,
             last_seen_epoch: current,
+            ..self.observe()
+        }
+    }
+
+    /// The host as the records and the backend's liveness say it is, and the
+    /// volumes as they lie, changing nothing and dispatching nothing. For an
+    /// agent with no desired state at all (a first start while the control
+    /// plane is down): stepping an empty snapshot instead would read every
+    /// VM as vanished and start reaping the host.
+    pub fn observe(&self) -> Report {
+        let mut report = Report {
+            last_seen_epoch: self.core.store.epoch(),
             volumes: volumes::sweep(&self.core.store),
             ..Report::default()
         };

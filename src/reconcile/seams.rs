@@ -97,3 +97,40 @@ impl HostFacts for SystemHost {
         SystemTime::now()
     }
 }
+
+/// The artifact seams of a build that cannot make guest artifacts: each
+/// call fails with a permanent error that says which part is missing.
+pub struct Unavailable;
+
+impl Unavailable {
+    fn refuse(what: &str) -> BoxFailure {
+        crate::error::Simple::permanent(format!(
+            "{what} is not available in this build of the agent"
+        ))
+        .into()
+    }
+}
+
+impl Images for Unavailable {
+    fn resolve(
+        &self,
+        _url: &str,
+        _sha256: &str,
+        _deadline: Deadline,
+        _progress: Progress,
+    ) -> Result<PathBuf, BoxFailure> {
+        Err(Unavailable::refuse("the image cache"))
+    }
+}
+
+impl SeedBuilder for Unavailable {
+    fn build(&self, _out: &Path, _params: &SeedParams) -> Result<(), BoxFailure> {
+        Err(Unavailable::refuse("the cloud-init seed builder"))
+    }
+}
+
+impl HostKeys for Unavailable {
+    fn load_or_create(&self, _path: &Path) -> Result<HostKey, BoxFailure> {
+        Err(Unavailable::refuse("guest host-key generation"))
+    }
+}

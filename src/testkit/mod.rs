@@ -8,6 +8,8 @@
 //! the engine through [`Fakes::seams`]; nothing in the agent switches on
 //! them.
 
+pub mod control_plane;
+
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

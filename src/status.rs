@@ -1,0 +1,234 @@
+//! `report.json` and `eitri-agent status`.
+//!
+//! Every tick, in both modes, the daemon writes its report atomically as
+//! `STATE_DIR/report.json`, with when it was written and how the last
+//! contact with the control plane went. `status` reads that file: it takes
+//! no lock, so it works beside a running agent.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::pb;
+use crate::state::atomic::write_atomic;
+
+pub const REPORT_FILE: &str = "report.json";
+const FORMAT: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReportFile {
+    pub format: u32,
+    pub written_at_unix_ms: u64,
+    pub host: pb::HostInfo,
+    /// Where desired state comes from.
+    pub source: String,
+    /// How the last contact with the source went: "ok", or why it failed.
+    pub contact: String,
+    pub report: pb::Report,
+}
+
+impl ReportFile {
+    pub fn new(
+        host: pb::HostInfo,
+        source: String,
+        contact: String,
+        report: pb::Report,
+    ) -> ReportFile {
+        let written_at_unix_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        ReportFile {
+            format: FORMAT,
+            written_at_unix_ms,
+            host,
+            source,
+            contact,
+            report,
+        }
+    }
+
+    pub fn write(&self, state_dir: &Path) -> std::io::Result<()> {
+        let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        write_atomic(&state_dir.join(REPORT_FILE), &json)
+    }
+
+    pub fn read(state_dir: &Path) -> Result<ReportFile, String> {
+        let path = state_dir.join(REPORT_FILE);
+        let bytes = std::fs::read(&path).map_err(|e| {
+            format!(
+                "cannot read {} ({e}); is the agent running with --state-dir {}?",
+                path.display(),
+                state_dir.display()
+            )
+        })?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{} is not a report: {e}", path.display()))
+    }
+
+    /// The report as a table for a person.
+    pub fn render(&self, now: SystemTime) -> String {
+        let written = UNIX_EPOCH + Duration::from_millis(self.written_at_unix_ms);
+        let age = now.duration_since(written).unwrap_or_default();
+        let r = &self.report;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "host {} (agent {}), report written {} ago, epoch {}{}",
+            self.host.host_id,
+            self.host.agent_version,
+            human(age),
+            r.last_seen_epoch,
+            if r.fence_violation {
+                " (FENCED: a stale snapshot was refused)"
+            } else {
+                ""
+            }
+        );
+        let _ = writeln!(
+            out,
+            "desired state: {}; last contact: {}",
+            self.source, self.contact
+        );
+        let rows: Vec<[String; 6]> = r
+            .vms
+            .iter()
+            .map(|v| {
+                let note = [v.status_detail.as_str(), v.last_error.as_str()]
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                [
+                    v.vm_id.clone(),
+                    dash(&v.power_state),
+                    dash(&v.phase),
+                    dash(&v.ip),
+                    dash(&v.network_ip),
+                    note,
+                ]
+            })
+            .collect();
+        out.push('\n');
+        table(
+            &mut out,
+            ["VM", "POWER", "PHASE", "IP", "NETWORK IP", "DETAIL / ERROR"],
+            &rows,
+        );
+        if !r.quarantined.is_empty() {
+            out.push_str("\nquarantined:\n");
+            for q in &r.quarantined {
+                let _ = writeln!(
+                    out,
+                    "  {} ({}), destroyed at unix {}",
+                    q.vm_id, q.name, q.destroy_at_unix
+                );
+            }
+        }
+        if !r.volumes.is_empty() {
+            out.push_str("\nvolumes:\n");
+            for v in &r.volumes {
+                let _ = writeln!(
+                    out,
+                    "  {} {} GiB {}{}",
+                    v.volume_id,
+                    v.size_gb,
+                    v.state,
+                    if v.last_error.is_empty() {
+                        String::new()
+                    } else {
+                        format!(": {}", v.last_error)
+                    }
+                );
+            }
+        }
+        out
+    }
+}
+
+fn dash(s: &str) -> String {
+    if s.is_empty() {
+        "-".into()
+    } else {
+        s.to_owned()
+    }
+}
+
+fn table<const N: usize>(out: &mut String, head: [&str; N], rows: &[[String; N]]) {
+    let mut width = head.map(str::len);
+    for row in rows {
+        for (w, cell) in width.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut l = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            if i + 1 == N {
+                l.push_str(cell);
+            } else {
+                let _ = write!(l, "{cell:<w$}  ", w = width[i]);
+            }
+        }
+        l.trim_end().to_owned()
+    };
+    let _ = writeln!(out, "{}", line(head.to_vec()));
+    if rows.is_empty() {
+        out.push_str("(no VMs)\n");
+    }
+    for row in rows {
+        let _ = writeln!(out, "{}", line(row.iter().map(String::as_str).collect()));
+    }
+}
+
+fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m", s / 60),
+        _ => format!("{}h", s / 3600),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_rows_and_age() {
+        let file = ReportFile {
+            written_at_unix_ms: 1_000_000,
+            ..ReportFile::new(
+                pb::HostInfo {
+                    host_id: "h1".into(),
+                    agent_version: "1.0.0".into(),
+                    ..Default::default()
+                },
+                "desired file /d.json".into(),
+                "ok".into(),
+                pb::Report {
+                    last_seen_epoch: 4,
+                    vms: vec![pb::VmStatus {
+                        vm_id: "vm-1".into(),
+                        power_state: "running".into(),
+                        phase: "ready".into(),
+                        ip: "10.0.0.2".into(),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                },
+            )
+        };
+
+        let text = file.render(UNIX_EPOCH + Duration::from_millis(1_042_000));
+
+        assert!(text.contains("written 42s ago"), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("vm-1") && l.contains("running") && l.contains("10.0.0.2")),
+            "{text}"
+        );
+    }
+}
