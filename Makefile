@@ -11,12 +11,20 @@ PROTOGEN := contrib/protogen
 GENERATED := src/pb/eitri.agent.v1.rs
 BENCHES  := store engine
 
-.PHONY: all build test fmt-check clippy proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+MUSL     := x86_64-unknown-linux-musl
+STATIC   := target/$(MUSL)/release/eitri-agent
+
+.PHONY: all build static test fmt-check clippy proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
 build:
 	$(CARGO) build --release --locked
+
+# A fully static, stripped binary for hosts (needs: rustup target add $(MUSL)).
+static:
+	$(CARGO) build --release --locked --target $(MUSL)
+	@ls -l $(STATIC)
 
 test: fmt-check clippy proto-check unit-tests
 
@@ -26,8 +34,9 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --locked --all-targets -- -D warnings
 
-# nextest's summary is the run's last line; CI reads it.
-unit-tests:
+# nextest's summary is the run's last line; CI reads it. The s6 test runs
+# the static binary, so it is built first.
+unit-tests: static
 	$(CARGO) nextest run --locked --no-fail-fast
 
 proto:

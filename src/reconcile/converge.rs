@@ -5,7 +5,7 @@
 //! stopped VM is stopped, not lost. A lost VM that should run is booted
 //! again: every VM is persistent.
 
-use super::pass::{Core, VmResult};
+use super::pass::{Core, VmResult, log_failure};
 use super::volumes;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
@@ -112,7 +112,11 @@ impl Core {
             Err(e) => {
                 let err: &dyn std::error::Error = &*e;
                 let why = chain(err);
-                log::warn!("VM {}: shutdown failed: {why}", rec.spec.vm_id);
+                log_failure(&rec.spec.vm_id, "shutdown failed", &rec.last_error, &why);
+                if rec.last_error != why {
+                    rec.last_error.clone_from(&why);
+                    self.save_best_effort(&rec);
+                }
                 let power = PowerState::observed(self.prov.running(&rec.spec.vm_id));
                 res.report(&rec, Some(power), Phase::Failed, why);
             }
@@ -122,12 +126,13 @@ impl Core {
     /// Records a failed boot with the hypervisor's own account of why.
     fn fail_converge(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
         let err: &dyn std::error::Error = &*err;
-        rec.last_error = chain(err);
+        let mut error = chain(err);
         let reason = self.prov.failure_reason(&rec.spec.vm_id);
         if !reason.is_empty() {
-            rec.last_error = format!("{}: {reason}", rec.last_error);
+            error = format!("{error}: {reason}");
         }
-        log::warn!("VM {}: boot failed: {}", rec.spec.vm_id, rec.last_error);
+        log_failure(&rec.spec.vm_id, "boot failed", &rec.last_error, &error);
+        rec.last_error = error;
         self.save_best_effort(&rec);
         let why = rec.last_error.clone();
         res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use super::pass::{Core, VmResult};
+use super::pass::{Core, VmResult, log_failure};
 use super::seams::{Progress, SeedParams};
 use super::volumes;
 use super::workers::Publisher;
@@ -198,12 +198,15 @@ impl Attempt<'_> {
             rec.create_attempts = max;
         }
         let err: &dyn std::error::Error = &*err;
-        rec.last_error = chain(err);
-        log::warn!(
-            "VM {}: create attempt {}/{max} failed: {}",
-            rec.spec.vm_id,
-            rec.create_attempts,
-            rec.last_error
+        let previous = std::mem::replace(&mut rec.last_error, chain(err));
+        log_failure(
+            &rec.spec.vm_id,
+            &format!(
+                "create failed ({} of {max} attempts spent)",
+                rec.create_attempts
+            ),
+            &previous,
+            &rec.last_error,
         );
         self.core.save_best_effort(&rec);
         let phase = if rec.create_attempts >= max {

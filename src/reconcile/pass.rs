@@ -207,6 +207,17 @@ impl Core {
     }
 }
 
+/// Logs a VM's failure at warn when it differs from the error its record
+/// already held, else at debug: a VM failing the same way every tick is one
+/// line in the log, not one a tick.
+pub(crate) fn log_failure(vm_id: &Id, what: &str, previous: &str, error: &str) {
+    if previous == error {
+        log::debug!("VM {vm_id}: {what} (again): {error}");
+    } else {
+        log::warn!("VM {vm_id}: {what}: {error}");
+    }
+}
+
 /// The quarantined entry for a record: its spec as JSON, so the control
 /// plane can restore it, and when it will be destroyed.
 pub(crate) fn quarantined_entry(rec: &Record, grace: Duration) -> QuarantinedVm {

@@ -1,0 +1,332 @@
+//! The real binary: flags, the lock, signals, readiness, standalone mode and
+//! `status`. Each agent runs in standalone mode in a temp dir (this build
+//! has no hypervisor backend, so VMs report why they cannot start; volumes
+//! are real files).
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+const BIN: &str = env!("CARGO_BIN_EXE_eitri-agent");
+/// A bound for a test to fail on, not a measurement.
+const PATIENCE: Duration = Duration::from_secs(15);
+
+fn eitri(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_clear()
+        .output()
+        .expect("run eitri-agent")
+}
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + PATIENCE;
+    while !done() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A running agent; killed if the test ends without stopping it.
+struct Agent {
+    child: Option<Child>,
+    state: PathBuf,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn start(dir: &Path, extra: &[&str]) -> Agent {
+        Agent::start_ticking(dir, "100ms", extra)
+    }
+
+    fn start_ticking(dir: &Path, tick: &str, extra: &[&str]) -> Agent {
+        let state = dir.join("state");
+        let log = dir.join("agent.log");
+        let desired = dir.join("desired.json");
+        let mut args = vec![
+            "run".to_string(),
+            "--state-dir".into(),
+            state.display().to_string(),
+            "--desired".into(),
+            desired.display().to_string(),
+            "--tick".into(),
+            tick.into(),
+            "--shutdown-grace".into(),
+            "5s".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let child = Command::new(BIN)
+            .args(&args)
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn agent");
+        Agent {
+            child: Some(child),
+            state,
+            log,
+        }
+    }
+
+    fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.as_ref().expect("running").id() as i32)
+    }
+
+    fn report(&self) -> Option<serde_json::Value> {
+        let text = std::fs::read(self.state.join("report.json")).ok()?;
+        serde_json::from_slice(&text).ok()
+    }
+
+    fn wait_report(
+        &self,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let mut last = None;
+        wait_for(what, || {
+            last = self.report().filter(|r| pred(r));
+            last.is_some()
+        });
+        last.expect("report")
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn stop(&mut self, signal: Signal) -> ExitStatus {
+        kill(self.pid(), signal).expect("signal");
+        let mut child = self.child.take().expect("running");
+        let until = Instant::now() + PATIENCE;
+        loop {
+            if let Some(status) = child.try_wait().expect("wait") {
+                return status;
+            }
+            if Instant::now() > until {
+                let _ = child.kill();
+                panic!("agent did not exit after {signal}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn desired(dir: &Path, json: &str) {
+    let path = dir.join("desired.json");
+    let temp = dir.join(".desired.tmp");
+    std::fs::write(&temp, json).expect("write desired");
+    std::fs::rename(temp, path).expect("rename desired");
+}
+
+const ONE_VOLUME: &str = r#"{"volumes":[{"volume_id":"data-1","size_gb":1}]}"#;
+const TWO_VOLUMES: &str =
+    r#"{"volumes":[{"volume_id":"data-1","size_gb":1},{"volume_id":"data-2","size_gb":1}]}"#;
+
+fn volumes(report: &serde_json::Value) -> Vec<String> {
+    report["report"]["volumes"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .filter_map(|v| v["volume_id"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn help_documents_every_flag() {
+    let out = eitri(&["--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.contains("--state-dir") && text.contains("EITRI_STATE_DIR"),
+        "{text}"
+    );
+    assert!(
+        text.contains("--notify-fd") && text.contains("[5s]"),
+        "{text}"
+    );
+}
+
+#[test]
+fn version_prints_the_release() {
+    let out = eitri(&["--version"]);
+
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("eitri-agent "));
+}
+
+#[test]
+fn bad_flag_value_exits_2_naming_the_flag() {
+    let out = eitri(&["run", "--desired", "/nonexistent", "--tick", "soon"]);
+
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tick"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn unknown_flag_exits_2() {
+    let out = eitri(&["run", "--turbo"]);
+
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--turbo"));
+}
+
+#[test]
+fn a_second_agent_on_the_same_state_dir_fails_naming_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let first = Agent::start(dir.path(), &[]);
+    first.wait_report("first report", |_| true);
+
+    let second = Command::new(BIN)
+        .args(["run", "--desired", "/dev/null", "--state-dir"])
+        .arg(&first.state)
+        .env_clear()
+        .output()
+        .expect("second agent");
+
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert_eq!(second.status.code(), Some(1));
+    assert!(
+        stderr.contains(&first.state.display().to_string()),
+        "{stderr}"
+    );
+    assert!(stderr.contains("in use by another eitri-agent"), "{stderr}");
+}
+
+#[test]
+fn sigterm_exits_0() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let mut agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("first report", |_| true);
+
+    let status = agent.stop(Signal::SIGTERM);
+
+    assert_eq!(status.code(), Some(0), "{}", agent.log_text());
+    assert!(agent.log_text().contains("stopped"));
+}
+
+#[test]
+fn notify_fd_gets_exactly_one_newline_after_the_first_report() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    // Inheritable on purpose: the agent must make it close-on-exec itself.
+    let (read_end, write_end) = nix::unistd::pipe().expect("pipe");
+    let fd = write_end.as_raw_fd().to_string();
+    let agent = Agent::start(dir.path(), &["--notify-fd", &fd]);
+    drop(write_end);
+
+    let mut got = Vec::new();
+    std::fs::File::from(read_end)
+        .read_to_end(&mut got)
+        .expect("read until the agent closes it");
+
+    assert_eq!(got, b"\n");
+    assert!(agent.report().is_some(), "written before readiness");
+}
+
+#[test]
+fn standalone_writes_report_json_and_status_prints_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(
+        dir.path(),
+        r#"{"vms":[{"vm_id":"web-1","name":"web-1","image_url":"http://mirror.test/a.raw","image_sha256":"00000000000000000000000000000000000000000000000000000000000000aa","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"}],"volumes":[{"volume_id":"data-1","size_gb":1}]}"#,
+    );
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("the VM's row", |r| {
+        r["report"]["vms"][0]["phase"] == "failed"
+    });
+
+    let table = eitri(&["status", "--state-dir", &agent.state.display().to_string()]);
+    let json = eitri(&[
+        "status",
+        "--json",
+        "--state-dir",
+        &agent.state.display().to_string(),
+    ]);
+
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(table.status.success(), "{table:?}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("web-1") && l.contains("failed")),
+        "{text}"
+    );
+    assert!(
+        text.contains("no hypervisor backend"),
+        "the reason is shown: {text}"
+    );
+    assert!(text.contains("data-1 1 GiB ready"), "{text}");
+    let parsed: serde_json::Value =
+        serde_json::from_slice(&json.stdout).expect("status --json is JSON");
+    assert_eq!(parsed["report"]["vms"][0]["vm_id"], "web-1");
+}
+
+#[test]
+fn status_without_a_report_says_where_it_looked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    let out = eitri(&["status", "--state-dir", &dir.path().display().to_string()]);
+
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("report.json"));
+}
+
+#[test]
+fn malformed_desired_file_keeps_the_previous_state() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("data-1", |r| volumes(r) == ["data-1"]);
+
+    desired(dir.path(), "{\"volumes\": [\n  {\"volume_id\": oops}\n]}");
+    let report = agent.wait_report("the parse error", |r| {
+        r["contact"]
+            .as_str()
+            .is_some_and(|c| c.contains("line 2, column"))
+    });
+
+    assert_eq!(volumes(&report), ["data-1"]);
+    assert!(agent.state.join("volumes/data-1").exists());
+    assert!(
+        agent.log_text().contains("line 2, column"),
+        "{}",
+        agent.log_text()
+    );
+}
+
+#[test]
+fn sighup_rereads_the_desired_file_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    // A tick so long that only the SIGHUP can explain a re-read.
+    let agent = Agent::start_ticking(dir.path(), "1h", &[]);
+    agent.wait_report("data-1", |r| volumes(r) == ["data-1"]);
+    desired(dir.path(), TWO_VOLUMES);
+
+    kill(agent.pid(), Signal::SIGHUP).expect("sighup");
+
+    agent.wait_report("data-2", |r| volumes(r) == ["data-1", "data-2"]);
+}
