@@ -15,10 +15,12 @@
 //! - [`version`]: release ordering for the snapshot's version floor.
 //! - [`testkit`]: fakes of every seam, for engine tests and benchmarks.
 
+pub mod base64;
 pub mod config;
 pub mod daemon;
 pub mod deadline;
 pub mod error;
+pub mod hostkey;
 pub mod model;
 pub mod pb;
 pub mod provision;

@@ -23,6 +23,12 @@ static COUNTER: AtomicU64 = AtomicU64::new(0);
 
 /// Replaces `path` with `bytes` durably (see the module steps).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    write_atomic_mode(path, bytes, 0o644)
+}
+
+/// [`write_atomic`] with the file's permission bits set from its creation,
+/// so a secret is never readable by others, not even for an instant.
+pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
@@ -35,7 +41,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
         name.to_string_lossy(),
         std::process::id()
     ));
-    let result = write_synced(&temp, bytes).and_then(|()| fs::rename(&temp, path));
+    let result = write_synced(&temp, bytes, mode).and_then(|()| fs::rename(&temp, path));
     if let Err(e) = result {
         // Best effort: the temp file is garbage whether or not this works,
         // and loaders skip it either way.
@@ -45,8 +51,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     sync_dir(dir)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut file = OpenOptions::new().write(true).create_new(true).open(path)?;
+fn write_synced(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)?;
     file.write_all(bytes)?;
     file.sync_all()
 }
