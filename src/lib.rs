@@ -19,6 +19,7 @@ pub mod base64;
 pub mod config;
 pub mod daemon;
 pub mod deadline;
+pub mod disk;
 pub mod error;
 pub mod hostkey;
 pub mod model;
