@@ -22,6 +22,7 @@ pub mod deadline;
 pub mod disk;
 pub mod error;
 pub mod hostkey;
+pub mod image;
 pub mod model;
 pub mod pb;
 pub mod provision;

@@ -35,6 +35,8 @@ pub use notify::Readiness;
 use crate::config::{Config, DesiredSource};
 use crate::deadline::Deadline;
 use crate::error::chain;
+use crate::hostkey::LocalHostKeys;
+use crate::image::ImageCache;
 use crate::model::Snapshot;
 use crate::pb::{self, convert};
 use crate::reconcile::seams::{HostFacts, SystemHost, Unavailable};
@@ -402,12 +404,11 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
     let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
     let host = Arc::new(SystemHost::new().map_err(DaemonError::BootId)?);
     let boot_id = host.boot_id();
-    let unavailable = Arc::new(Unavailable);
     let seams = Seams {
         provisioner: crate::provision::for_host(&config.guest),
-        images: unavailable.clone(),
-        seed: unavailable.clone(),
-        host_keys: unavailable,
+        images: Arc::new(ImageCache::new(store.images_dir())),
+        seed: Arc::new(Unavailable),
+        host_keys: Arc::new(LocalHostKeys),
         host,
     };
     let engine = Engine::new(Arc::clone(&store), seams, config.engine.clone());

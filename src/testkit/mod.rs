@@ -9,6 +9,7 @@
 //! them.
 
 pub mod control_plane;
+pub mod image_server;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

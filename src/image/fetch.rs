@@ -1,0 +1,177 @@
+//! One download: stream the source into a hidden partial file, hashing as
+//! the bytes pass, and name it by its digest only once the digest matches.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+use super::ImageError;
+use crate::state::atomic::sync_dir;
+
+/// Bytes read and hashed per step.
+const BLOCK: usize = 1 << 20;
+/// Progress is reported at most this often.
+const PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// Fetches `url` into `dir/<sha256>`, verifying it. `progress` gets
+/// (done, total when known) at a bounded rate.
+pub(super) fn fetch(
+    agent: &ureq::Agent,
+    dir: &Path,
+    url: &str,
+    sha256: &str,
+    progress: &mut dyn FnMut(u64, Option<u64>),
+) -> Result<PathBuf, ImageError> {
+    let (reader, total) = open(agent, url)?;
+    let partial = dir.join(format!(".partial-{sha256}-{}", std::process::id()));
+    let result = stream(reader, total, &partial, sha256, url, progress).and_then(|()| {
+        let target = dir.join(sha256);
+        fs::rename(&partial, &target).map_err(|e| ImageError::store(target.clone(), e))?;
+        sync_dir(dir).map_err(|e| ImageError::store(dir.to_path_buf(), e))?;
+        Ok(target)
+    });
+    if result.is_err() {
+        // Never leave a partial download that looks like progress.
+        let _ = fs::remove_file(&partial);
+    }
+    result
+}
+
+fn open(agent: &ureq::Agent, url: &str) -> Result<(Box<dyn Read + Send>, Option<u64>), ImageError> {
+    if let Some(path) = url.strip_prefix("file://") {
+        let path = Path::new(path);
+        if !path.is_absolute() {
+            return Err(ImageError::BadUrl {
+                url: url.into(),
+                why: "a file URL needs an absolute path (file:///srv/images/x.raw)".into(),
+            });
+        }
+        let file = File::open(path).map_err(|e| ImageError::Source {
+            url: url.into(),
+            permanent: e.kind() == io::ErrorKind::NotFound,
+            why: e.to_string(),
+        })?;
+        let len = file.metadata().ok().map(|m| m.len());
+        return Ok((Box::new(file), len));
+    }
+    let scheme_ok =
+        url.starts_with("http://") || (cfg!(feature = "tls") && url.starts_with("https://"));
+    if !scheme_ok {
+        return Err(ImageError::BadUrl {
+            url: url.into(),
+            why: if url.starts_with("https://") {
+                "this build has no TLS; serve the image over http:// or file://, or build with --features tls".into()
+            } else {
+                "only http://, https:// and file:// images are served".into()
+            },
+        });
+    }
+    let response = agent.get(url).call().map_err(|e| ImageError::Source {
+        url: url.into(),
+        permanent: false,
+        why: e.to_string(),
+    })?;
+    let status = response.status().as_u16();
+    if status != 200 {
+        // A 4xx will not change by asking again, except timeouts and
+        // rate limits; a 5xx might.
+        let permanent = (400..500).contains(&status) && status != 408 && status != 429;
+        return Err(ImageError::Source {
+            url: url.into(),
+            permanent,
+            why: format!("the server answered {status}"),
+        });
+    }
+    let total = response
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let reader = response
+        .into_body()
+        .into_with_config()
+        .limit(u64::MAX)
+        .reader();
+    Ok((Box::new(reader), total))
+}
+
+fn stream(
+    mut reader: Box<dyn Read + Send>,
+    total: Option<u64>,
+    partial: &Path,
+    sha256: &str,
+    url: &str,
+    progress: &mut dyn FnMut(u64, Option<u64>),
+) -> Result<(), ImageError> {
+    let store_err = |source| ImageError::store(partial.to_path_buf(), source);
+    let mut out = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(partial)
+        .map_err(store_err)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; BLOCK];
+    let mut done = 0u64;
+    let mut reported = Instant::now();
+    progress(0, total);
+    loop {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(ImageError::Source {
+                    url: url.into(),
+                    permanent: false,
+                    why: format!("the download broke off after {done} bytes: {e}"),
+                });
+            }
+        };
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n]).map_err(store_err)?;
+        done += n as u64;
+        if reported.elapsed() >= PROGRESS_EVERY {
+            progress(done, total);
+            reported = Instant::now();
+        }
+    }
+    progress(done, total);
+    if let Some(total) = total
+        && done != total
+    {
+        return Err(ImageError::Source {
+            url: url.into(),
+            permanent: false,
+            why: format!("the download ended after {done} of {total} bytes"),
+        });
+    }
+    let got = hex(&hasher.finalize());
+    if got != sha256 {
+        return Err(ImageError::Mismatch {
+            url: url.into(),
+            want: sha256.into(),
+            got,
+        });
+    }
+    out.sync_all().map_err(store_err)
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The sha256 of a file, streamed: for checking and for benchmarks.
+pub fn sha256_file(path: &Path) -> io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; BLOCK];
+    loop {
+        match file.read(&mut buf)? {
+            0 => return Ok(hex(&hasher.finalize())),
+            n => hasher.update(&buf[..n]),
+        }
+    }
+}

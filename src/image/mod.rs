@@ -1,0 +1,263 @@
+//! The image cache: (url, sha256) → a verified raw base image under
+//! `STATE_DIR/images/<sha256>`.
+//!
+//! - A file named by a digest has been verified against it, so a hit is a
+//!   stat: no re-download and no re-hash, across agent restarts too.
+//!   Downloads in progress live under hidden `.partial-*` names, which are
+//!   never mistaken for images and are swept at start.
+//! - Concurrent requests for one digest share **one** download, on its own
+//!   thread (`image-<sha8>`). A waiter whose pass deadline passes stops
+//!   waiting but does not cancel the download: it lands for the next pass.
+//! - The digest is computed while streaming. A mismatch deletes the partial
+//!   file and is permanent, naming both digests; so is a 4xx other than
+//!   408/429, or a missing file. Everything else is transient.
+
+mod fetch;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+pub use fetch::sha256_file;
+
+use crate::deadline::Deadline;
+use crate::error::{BoxFailure, DeadlineExpired, Failure};
+use crate::reconcile::seams::{Images, Progress};
+
+#[derive(Debug, Clone)]
+pub enum ImageError {
+    BadDigest {
+        sha256: String,
+    },
+    BadUrl {
+        url: String,
+        why: String,
+    },
+    Source {
+        url: String,
+        permanent: bool,
+        why: String,
+    },
+    Mismatch {
+        url: String,
+        want: String,
+        got: String,
+    },
+    Store {
+        path: PathBuf,
+        source: std::sync::Arc<std::io::Error>,
+    },
+}
+
+impl ImageError {
+    fn store(path: PathBuf, source: std::io::Error) -> ImageError {
+        ImageError::Store {
+            path,
+            source: Arc::new(source),
+        }
+    }
+}
+
+impl fmt::Display for ImageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ImageError::BadDigest { sha256 } => {
+                write!(f, "{sha256:?} is not a sha256 (64 hex characters)")
+            }
+            ImageError::BadUrl { url, why } => write!(f, "cannot fetch {url}: {why}"),
+            ImageError::Source { url, why, .. } => write!(f, "cannot fetch {url}: {why}"),
+            ImageError::Mismatch { url, want, got } => write!(
+                f,
+                "the image at {url} has sha256 {got}, but the spec says {want}; the download was deleted"
+            ),
+            ImageError::Store { path, source } => {
+                write!(f, "cannot write {}: {source}", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for ImageError {}
+
+impl Failure for ImageError {
+    fn is_permanent(&self) -> bool {
+        match self {
+            ImageError::BadDigest { .. }
+            | ImageError::BadUrl { .. }
+            | ImageError::Mismatch { .. } => true,
+            ImageError::Source { permanent, .. } => *permanent,
+            ImageError::Store { .. } => false,
+        }
+    }
+}
+
+/// One download that any number of passes may be waiting for.
+struct Download {
+    state: Mutex<DownloadState>,
+    changed: Condvar,
+}
+
+struct DownloadState {
+    result: Option<Result<PathBuf, ImageError>>,
+    listeners: Vec<Progress>,
+}
+
+pub struct ImageCache {
+    dir: PathBuf,
+    agent: ureq::Agent,
+    inflight: Arc<Mutex<HashMap<String, Arc<Download>>>>,
+}
+
+impl ImageCache {
+    /// A cache over `dir` (the state dir's `images/`). Partial downloads a
+    /// crashed agent left are removed.
+    pub fn new(dir: PathBuf) -> ImageCache {
+        if let Ok(entries) = fs::read_dir(&dir) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with(".partial-") {
+                    let _ = fs::remove_file(entry.path());
+                }
+            }
+        }
+        let agent = ureq::Agent::config_builder()
+            .timeout_connect(Some(Duration::from_secs(15)))
+            .timeout_recv_response(Some(Duration::from_secs(60)))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        ImageCache {
+            dir,
+            agent,
+            inflight: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    pub fn path_of(&self, sha256: &str) -> PathBuf {
+        self.dir.join(sha256)
+    }
+
+    /// The download of `sha256`: the running one, or a new one on its own
+    /// thread. Checked under the in-flight lock, so one digest is never
+    /// fetched twice at once, nor again once it landed.
+    fn download(
+        &self,
+        url: &str,
+        sha256: &str,
+        progress: Progress,
+    ) -> Result<Arc<Download>, ImageError> {
+        let mut inflight = self.inflight.lock();
+        if let Some(d) = inflight.get(sha256) {
+            d.state.lock().listeners.push(progress);
+            return Ok(Arc::clone(d));
+        }
+        let path = self.path_of(sha256);
+        if path.is_file() {
+            return Ok(Arc::new(Download::finished(Ok(path))));
+        }
+        let download = Arc::new(Download {
+            state: Mutex::new(DownloadState {
+                result: None,
+                listeners: vec![progress],
+            }),
+            changed: Condvar::new(),
+        });
+        let (agent, dir, url, sha) = (
+            self.agent.clone(),
+            self.dir.clone(),
+            url.to_owned(),
+            sha256.to_owned(),
+        );
+        let (registry, d) = (Arc::clone(&self.inflight), Arc::clone(&download));
+        std::thread::Builder::new()
+            .name(format!("image-{}", &sha[..8]))
+            .spawn(move || {
+                let mut report = |done: u64, total: Option<u64>| {
+                    let listeners = d.state.lock().listeners.clone();
+                    for listener in listeners {
+                        listener(done, total);
+                    }
+                };
+                let result = fetch::fetch(&agent, &dir, &url, &sha, &mut report);
+                match &result {
+                    Ok(_) => log::info!("image {sha}: downloaded and verified from {url}"),
+                    Err(e) => log::warn!("image {sha}: {e}"),
+                }
+                // Deregister first: a pass arriving after this finds the
+                // file (or, on failure, starts afresh).
+                registry.lock().remove(&sha);
+                let mut state = d.state.lock();
+                state.result = Some(result);
+                state.listeners.clear();
+                d.changed.notify_all();
+            })
+            .map_err(|e| ImageError::store(self.dir.clone(), e))?;
+        inflight.insert(sha256.to_owned(), Arc::clone(&download));
+        Ok(download)
+    }
+}
+
+impl Download {
+    fn finished(result: Result<PathBuf, ImageError>) -> Download {
+        Download {
+            state: Mutex::new(DownloadState {
+                result: Some(result),
+                listeners: Vec::new(),
+            }),
+            changed: Condvar::new(),
+        }
+    }
+}
+
+fn valid_digest(sha256: &str) -> bool {
+    sha256.len() == 64
+        && sha256
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+impl Images for ImageCache {
+    fn resolve(
+        &self,
+        url: &str,
+        sha256: &str,
+        deadline: Deadline,
+        progress: Progress,
+    ) -> Result<PathBuf, BoxFailure> {
+        if !valid_digest(sha256) {
+            return Err(ImageError::BadDigest {
+                sha256: sha256.into(),
+            }
+            .into());
+        }
+        let path = self.path_of(sha256);
+        if path.is_file() {
+            return Ok(path);
+        }
+        let download = self.download(url, sha256, progress)?;
+        let mut state = download.state.lock();
+        loop {
+            if let Some(result) = &state.result {
+                return result.clone().map_err(Into::into);
+            }
+            match deadline.instant() {
+                Some(at) => {
+                    if download.changed.wait_until(&mut state, at).timed_out()
+                        && state.result.is_none()
+                    {
+                        // The download goes on and lands for a later pass.
+                        return Err(DeadlineExpired {
+                            waiting_for: "waiting for the image download",
+                        }
+                        .into());
+                    }
+                }
+                None => download.changed.wait(&mut state),
+            }
+        }
+    }
+}

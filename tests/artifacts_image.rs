@@ -1,0 +1,328 @@
+//! The image cache against a local HTTP server and file URLs.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use eitri_agent::deadline::Deadline;
+use eitri_agent::image::{ImageCache, sha256_file};
+use eitri_agent::reconcile::seams::{Images, Progress};
+use eitri_agent::testkit::image_server::{ImageServer, Serve};
+use parking_lot::Mutex;
+
+/// A bound to fail on, not a measurement.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    image: PathBuf,
+    sha: String,
+}
+
+impl Fixture {
+    /// A 2 MiB image of varied bytes, and an empty cache dir.
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = dir.path().join("source.raw");
+        let bytes: Vec<u8> = (0..2u32 << 20)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        std::fs::write(&image, bytes).expect("image");
+        std::fs::create_dir_all(dir.path().join("images")).expect("images dir");
+        let sha = sha256_file(&image).expect("hash");
+        Fixture { dir, image, sha }
+    }
+
+    fn cache(&self) -> ImageCache {
+        ImageCache::new(self.images())
+    }
+
+    fn images(&self) -> PathBuf {
+        self.dir.path().join("images")
+    }
+}
+
+fn quiet() -> Progress {
+    Arc::new(|_, _| {})
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .expect("list")
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect()
+}
+
+#[test]
+fn a_download_is_verified_and_named_by_its_digest() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+
+    let path = f
+        .cache()
+        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .expect("fetched");
+
+    assert_eq!(path, f.images().join(&f.sha));
+    assert_eq!(sha256_file(&path).expect("hash"), f.sha);
+    assert_eq!(entries(&f.images()), vec![f.sha.clone()]);
+}
+
+#[test]
+fn a_digest_mismatch_is_permanent_and_leaves_no_file() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+    let wrong = "0".repeat(64);
+
+    let err = f
+        .cache()
+        .resolve(&server.url("a.raw"), &wrong, Deadline::NONE, quiet())
+        .expect_err("mismatch");
+
+    assert!(err.is_permanent());
+    assert!(
+        err.to_string().contains(&wrong) && err.to_string().contains(&f.sha),
+        "{err}"
+    );
+    assert!(
+        entries(&f.images()).is_empty(),
+        "{:?}",
+        entries(&f.images())
+    );
+}
+
+#[test]
+fn ten_threads_asking_for_one_image_cause_one_request() {
+    let f = Fixture::new();
+    // Slow enough that all ten ask while the one download runs.
+    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(5)))
+        .expect("server");
+    let cache = f.cache();
+    let url = server.url("a.raw");
+
+    let paths: Vec<PathBuf> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..10)
+            .map(|_| {
+                s.spawn(|| {
+                    cache
+                        .resolve(&url, &f.sha, Deadline::NONE, quiet())
+                        .expect("fetched")
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    });
+
+    assert_eq!(server.requests(), 1);
+    assert!(paths.iter().all(|p| *p == f.images().join(&f.sha)));
+}
+
+#[test]
+fn a_waiter_gives_up_at_its_deadline_while_the_download_completes() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(10)))
+        .expect("server");
+    let cache = f.cache();
+
+    let err = cache
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            Deadline::after(Duration::from_millis(100)),
+            quiet(),
+        )
+        .expect_err("gave up");
+
+    assert!(!err.is_permanent());
+    assert!(err.to_string().contains("deadline"), "{err}");
+    let landed = f.images().join(&f.sha);
+    let until = std::time::Instant::now() + PATIENCE;
+    while !landed.exists() && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(landed.exists(), "the download went on and landed");
+    assert_eq!(server.requests(), 1);
+}
+
+#[test]
+fn a_restarted_cache_finds_the_verified_image_without_network() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+    f.cache()
+        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .expect("fetched");
+    let before = server.requests();
+    drop(server);
+
+    let path = f
+        .cache()
+        .resolve(
+            "http://127.0.0.1:9/gone.raw",
+            &f.sha,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect("a hit");
+
+    assert_eq!(path, f.images().join(&f.sha));
+    assert_eq!(before, 1);
+}
+
+#[test]
+fn a_file_url_is_served() {
+    let f = Fixture::new();
+    let url = format!("file://{}", f.image.display());
+
+    let path = f
+        .cache()
+        .resolve(&url, &f.sha, Deadline::NONE, quiet())
+        .expect("copied");
+
+    assert_eq!(sha256_file(&path).expect("hash"), f.sha);
+}
+
+#[test]
+fn a_missing_file_is_permanent() {
+    let f = Fixture::new();
+
+    let err = f
+        .cache()
+        .resolve("file:///nonexistent/x.raw", &f.sha, Deadline::NONE, quiet())
+        .expect_err("missing");
+
+    assert!(err.is_permanent(), "{err}");
+}
+
+#[test]
+fn a_404_is_permanent() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Status(404)).expect("server");
+
+    let err = f
+        .cache()
+        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .expect_err("404");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("404"), "{err}");
+}
+
+#[test]
+fn a_429_and_a_503_are_transient() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Status(429)).expect("server");
+    let limited = f
+        .cache()
+        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .expect_err("429");
+    server.set(Serve::Status(503));
+
+    let unavailable = f
+        .cache()
+        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .expect_err("503");
+
+    assert!(!limited.is_permanent());
+    assert!(!unavailable.is_permanent());
+}
+
+#[test]
+fn a_refused_connection_is_transient() {
+    let f = Fixture::new();
+
+    let err = f
+        .cache()
+        .resolve("http://127.0.0.1:9/x.raw", &f.sha, Deadline::NONE, quiet())
+        .expect_err("refused");
+
+    assert!(!err.is_permanent());
+}
+
+#[test]
+fn an_unsupported_scheme_is_permanent() {
+    let f = Fixture::new();
+
+    let err = f
+        .cache()
+        .resolve("ftp://mirror/x.raw", &f.sha, Deadline::NONE, quiet())
+        .expect_err("ftp");
+
+    assert!(err.is_permanent());
+}
+
+#[test]
+fn a_digest_that_is_not_hex_is_permanent() {
+    let f = Fixture::new();
+
+    let err = f
+        .cache()
+        .resolve("file:///x", "../../etc/passwd", Deadline::NONE, quiet())
+        .expect_err("bad digest");
+
+    assert!(err.is_permanent());
+}
+
+#[test]
+fn progress_ends_at_the_total() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+
+    f.cache()
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            Deadline::NONE,
+            Arc::new(move |d, t| log.lock().push((d, t))),
+        )
+        .expect("fetched");
+
+    let seen = seen.lock();
+    assert_eq!(seen.last(), Some(&(2 << 20, Some(2 << 20))));
+}
+
+#[test]
+fn partial_downloads_left_by_a_crash_are_swept() {
+    let f = Fixture::new();
+    let partial = f.images().join(format!(".partial-{}-123", f.sha));
+    std::fs::write(&partial, b"half").expect("partial");
+
+    let _cache = f.cache();
+
+    assert!(!partial.exists());
+}
+
+/// A filesystem too small for the image: a tmpfs mounted for the test.
+struct SmallFs(PathBuf);
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_disk_fails_and_leaves_no_partial_file() {
+    let f = Fixture::new();
+    let small = f.dir.path().join("small");
+    std::fs::create_dir_all(&small).expect("mount point");
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=512k", "tmpfs"])
+        .arg(&small)
+        .status()
+        .expect("mount");
+    assert!(mounted.success(), "mounting a tmpfs needs root");
+    let _guard = SmallFs(small.clone());
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+
+    let err = ImageCache::new(small.clone())
+        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .expect_err("no space");
+
+    assert!(err.to_string().contains("No space left"), "{err}");
+    assert!(entries(&small).is_empty(), "{:?}", entries(&small));
+}
