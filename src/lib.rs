@@ -27,6 +27,7 @@ pub mod model;
 pub mod pb;
 pub mod provision;
 pub mod reconcile;
+pub mod seed;
 pub mod source;
 pub mod state;
 pub mod status;

@@ -39,8 +39,9 @@ use crate::hostkey::LocalHostKeys;
 use crate::image::ImageCache;
 use crate::model::Snapshot;
 use crate::pb::{self, convert};
-use crate::reconcile::seams::{HostFacts, SystemHost, Unavailable};
+use crate::reconcile::seams::{HostFacts, SystemHost};
 use crate::reconcile::{Engine, Seams};
+use crate::seed::NoCloudSeed;
 use crate::source::{FileSource, HttpSource, Source, SourceError};
 use crate::state::atomic::write_atomic;
 use crate::state::{Store, StoreError};
@@ -407,7 +408,7 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
     let seams = Seams {
         provisioner: crate::provision::for_host(&config.guest),
         images: Arc::new(ImageCache::new(store.images_dir())),
-        seed: Arc::new(Unavailable),
+        seed: Arc::new(NoCloudSeed),
         host_keys: Arc::new(LocalHostKeys),
         host,
     };

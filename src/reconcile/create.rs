@@ -145,6 +145,10 @@ impl Core {
             ssh_authorized_key: d.spec.ssh_authorized_key.clone(),
             user_data: d.spec.cloud_init.clone(),
             ssh_user_ca_keys: ca_lines(&d.ssh_user_ca_keys),
+            ssh_host_key_public: host_key
+                .as_ref()
+                .map(|k| k.public_line.clone())
+                .unwrap_or_default(),
             ssh_host_key_pem: host_key.map(|k| k.private_pem).unwrap_or_default(),
             ssh_host_cert: d.ssh_host_cert.clone(),
             mac: mac::underlay(vm_id),

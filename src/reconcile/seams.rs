@@ -37,6 +37,8 @@ pub struct SeedParams {
     /// The tenant user-CA keys as TrustedUserCAKeys content, one per line.
     pub ssh_user_ca_keys: String,
     pub ssh_host_key_pem: String,
+    /// The host key's public line, when there is a host key.
+    pub ssh_host_key_public: String,
     pub ssh_host_cert: String,
     /// MAC of the underlay NIC.
     pub mac: String,

@@ -1,0 +1,214 @@
+//! The cloud-init NoCloud seed: an ISO 9660 image labelled `cidata`.
+//!
+//! Files, and why each looks the way it does:
+//! - `meta-data`: `instance-id` is the VM id, stable forever, so cloud-init
+//!   never takes a rebuilt seed for a new instance (which would regenerate
+//!   host keys and re-run first-boot modules); `local-hostname`.
+//! - `user-data`: the tenant's user-data **byte for byte**, whatever it is (a
+//!   cloud-config, a shell script, a MIME archive).
+//! - `vendor-data`: the agent's own settings as a cloud-config: the
+//!   authorized key, the guest's host key and certificate, the tenant's user
+//!   CAs as a `TrustedUserCAKeys` drop-in, `ssh_deletekeys: false`. NoCloud
+//!   vendor-data is applied beside user-data, so the agent's part reaches the
+//!   guest even when the tenant's user-data is a script or a different
+//!   cloud-config; merging the two into one multipart user-data would have
+//!   meant re-encoding the tenant's bytes. (A tenant can still opt out with
+//!   `vendor_data: {enabled: false}`: their explicit choice.)
+//! - `network-config` (v2): each NIC matched by its deterministic MAC, DHCP
+//!   with the MAC as client id; no address is baked in. The site NIC takes no
+//!   routes, so the default route stays on the underlay.
+//!
+//! Every generated document is JSON, which is YAML too: a value from the
+//! wire can only ever be a quoted string, never a new directive.
+
+mod iso;
+
+use std::path::Path;
+use std::time::SystemTime;
+
+use serde_json::{Map, Value, json};
+
+use crate::error::{BoxFailure, Simple};
+use crate::reconcile::seams::{SeedBuilder, SeedParams};
+use crate::state::atomic::write_atomic_mode;
+
+pub const VOLUME_ID: &str = "cidata";
+
+/// Builds NoCloud seed images on the local disk.
+pub struct NoCloudSeed;
+
+impl SeedBuilder for NoCloudSeed {
+    fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+        check(params)?;
+        let meta = meta_data(params);
+        let vendor = vendor_data(params);
+        let network = network_config(params);
+        let files = [
+            iso::File {
+                name: "meta-data",
+                data: meta.as_bytes(),
+            },
+            iso::File {
+                name: "network-config",
+                data: network.as_bytes(),
+            },
+            iso::File {
+                name: "user-data",
+                data: params.user_data.as_bytes(),
+            },
+            iso::File {
+                name: "vendor-data",
+                data: vendor.as_bytes(),
+            },
+        ];
+        let image = iso::build(VOLUME_ID, &files, SystemTime::now());
+        // It carries the guest's private host key.
+        write_atomic_mode(out, &image, 0o600).map_err(|e| {
+            Simple::transient(format!(
+                "cannot write the seed image {}: {e}",
+                out.display()
+            ))
+            .into()
+        })
+    }
+}
+
+/// Refuses what must never reach a guest's configuration, even though the
+/// wire conversion already checked it: this is the last line before YAML.
+fn check(p: &SeedParams) -> Result<(), BoxFailure> {
+    let hostname_ok = p.hostname.is_empty()
+        || (p.hostname.len() <= 253
+            && p.hostname.split('.').all(|l| {
+                (1..=63).contains(&l.len())
+                    && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    && !l.starts_with('-')
+                    && !l.ends_with('-')
+            }));
+    if !hostname_ok {
+        return Err(Simple::permanent(format!(
+            "{:?} is not a valid hostname; the seed was not written",
+            p.hostname
+        ))
+        .into());
+    }
+    if p.instance_id.is_empty() || p.instance_id.chars().any(char::is_control) {
+        return Err(
+            Simple::permanent("the instance id is empty or has a control character").into(),
+        );
+    }
+    Ok(())
+}
+
+fn meta_data(p: &SeedParams) -> String {
+    let mut m = Map::new();
+    m.insert("instance-id".into(), json!(p.instance_id));
+    if !p.hostname.is_empty() {
+        m.insert("local-hostname".into(), json!(p.hostname));
+    }
+    pretty(&Value::Object(m))
+}
+
+fn vendor_data(p: &SeedParams) -> String {
+    let mut c = Map::new();
+    // Host keys the agent made (and the control plane certified) must
+    // survive cloud-init's first boot.
+    c.insert("ssh_deletekeys".into(), json!(false));
+    if !p.ssh_authorized_key.is_empty() {
+        c.insert("ssh_authorized_keys".into(), json!([p.ssh_authorized_key]));
+    }
+    if !p.ssh_host_key_pem.is_empty() {
+        let mut keys = Map::new();
+        keys.insert("ed25519_private".into(), json!(p.ssh_host_key_pem));
+        if !p.ssh_host_key_public.is_empty() {
+            keys.insert("ed25519_public".into(), json!(p.ssh_host_key_public));
+        }
+        if !p.ssh_host_cert.is_empty() {
+            keys.insert("ed25519_certificate".into(), json!(p.ssh_host_cert));
+        }
+        c.insert("ssh_keys".into(), Value::Object(keys));
+    }
+    if !p.ssh_user_ca_keys.is_empty() {
+        c.insert(
+            "write_files".into(),
+            json!([
+                {"path": "/etc/ssh/eitri_user_ca_keys", "permissions": "0644", "content": p.ssh_user_ca_keys},
+                {"path": "/etc/ssh/sshd_config.d/60-eitri-user-ca.conf", "permissions": "0644",
+                 "content": "TrustedUserCAKeys /etc/ssh/eitri_user_ca_keys\n"}
+            ]),
+        );
+    }
+    format!("#cloud-config\n{}", pretty(&Value::Object(c)))
+}
+
+fn network_config(p: &SeedParams) -> String {
+    let mut nics = Map::new();
+    nics.insert(
+        "underlay".into(),
+        json!({"match": {"macaddress": p.mac}, "dhcp4": true, "dhcp-identifier": "mac"}),
+    );
+    if !p.network_mac.is_empty() {
+        nics.insert(
+            "site".into(),
+            json!({"match": {"macaddress": p.network_mac}, "dhcp4": true, "dhcp-identifier": "mac",
+                   "dhcp4-overrides": {"use-routes": false, "route-metric": 1000}}),
+        );
+    }
+    pretty(&json!({"version": 2, "ethernets": nics}))
+}
+
+fn pretty(v: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(v).unwrap_or_else(|_| "{}".into());
+    s.push('\n');
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SeedParams {
+        SeedParams {
+            hostname: "web-1".into(),
+            instance_id: "vm-1".into(),
+            mac: "02:00:00:00:00:01".into(),
+            ..SeedParams::default()
+        }
+    }
+
+    #[test]
+    fn a_hostname_with_a_newline_is_refused() {
+        let p = SeedParams {
+            hostname: "web\nruncmd: [reboot]".into(),
+            ..params()
+        };
+
+        let err = check(&p).expect_err("refused");
+
+        assert!(err.is_permanent());
+    }
+
+    #[test]
+    fn the_site_nic_takes_no_routes() {
+        let p = SeedParams {
+            network_mac: "02:00:00:00:00:02".into(),
+            ..params()
+        };
+
+        let v: Value = serde_json::from_str(&network_config(&p)).expect("json");
+
+        assert_eq!(
+            v["ethernets"]["site"]["dhcp4-overrides"]["use-routes"],
+            json!(false)
+        );
+        assert_eq!(v["ethernets"]["underlay"]["dhcp-identifier"], json!("mac"));
+    }
+
+    #[test]
+    fn vendor_data_keeps_host_keys() {
+        let text = vendor_data(&params());
+
+        assert!(text.starts_with("#cloud-config\n"));
+        let v: Value = serde_json::from_str(&text["#cloud-config\n".len()..]).expect("json");
+        assert_eq!(v["ssh_deletekeys"], json!(false));
+    }
+}
