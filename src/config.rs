@@ -173,7 +173,14 @@ const SETTINGS: &[Setting] = &[
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
     Run(Box<Config>),
-    Status { state_dir: PathBuf, json: bool },
+    Status {
+        state_dir: PathBuf,
+        json: bool,
+    },
+    /// Delete cached images no VM record names.
+    ImagesPrune {
+        state_dir: PathBuf,
+    },
     Version,
     Help,
 }
@@ -237,6 +244,7 @@ pub fn usage() -> String {
     let mut out = String::from(
         "usage: eitri-agent run [FLAGS]        converge this host and report (the daemon)\n\
          \x20      eitri-agent status [--state-dir DIR] [--json]   show the last report\n\
+         \x20      eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses\n\
          \x20      eitri-agent --version | --help\n\n\
          The host agent of the eitri microVM platform. Give --desired FILE (standalone)\n\
          or --control-plane URL. Every flag may instead be set by the environment\n\
@@ -267,8 +275,17 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "--help" | "-h" | "help" => Ok(Command::Help),
         "run" => parse_run(rest, env).map(|c| Command::Run(Box::new(c))),
         "status" => parse_status(rest, env),
+        "images" => match rest.split_first() {
+            Some((sub, flags)) if sub == "prune" => {
+                let flags = flag_values(flags, &["state-dir"], &[])?;
+                Ok(Command::ImagesPrune {
+                    state_dir: state_dir_of(&flags, env),
+                })
+            }
+            _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
+        },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run and status (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, status and images prune (see eitri-agent --help)"
         ))),
     }
 }
@@ -315,15 +332,20 @@ fn flag_values<'a>(
 
 fn parse_status(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
     let flags = flag_values(args, &["state-dir"], &["json"])?;
-    let state_dir = flags
-        .get("state-dir")
-        .map(|s| s.to_string())
-        .or_else(|| env.get("EITRI_STATE_DIR").cloned())
-        .unwrap_or_else(|| "/var/lib/eitri".into());
     Ok(Command::Status {
-        state_dir: PathBuf::from(state_dir),
+        state_dir: state_dir_of(&flags, env),
         json: flags.contains_key("json"),
     })
+}
+
+fn state_dir_of(flags: &HashMap<String, &str>, env: &HashMap<String, String>) -> PathBuf {
+    PathBuf::from(
+        flags
+            .get("state-dir")
+            .map(|s| s.to_string())
+            .or_else(|| env.get("EITRI_STATE_DIR").cloned())
+            .unwrap_or_else(|| "/var/lib/eitri".into()),
+    )
 }
 
 /// Resolved raw values: flag, else environment, else default.

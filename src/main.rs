@@ -48,6 +48,29 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Command::ImagesPrune { state_dir } => {
+            let store = match eitri_agent::state::Store::open(&state_dir) {
+                Ok(store) => store,
+                Err(e) => return fail(&e),
+            };
+            match eitri_agent::image::prune(&store) {
+                Ok(pruned) => {
+                    for sha in &pruned.removed {
+                        println!("removed {sha}");
+                    }
+                    println!(
+                        "{} image(s) removed, {:.1} MiB freed",
+                        pruned.removed.len(),
+                        pruned.bytes as f64 / (1u64 << 20) as f64
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("eitri-agent: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Run(config) => {
             init_logging();
             match eitri_agent::daemon::run(*config) {

@@ -330,3 +330,61 @@ fn sighup_rereads_the_desired_file_at_once() {
 
     agent.wait_report("data-2", |r| volumes(r) == ["data-1", "data-2"]);
 }
+
+#[test]
+fn images_prune_keeps_every_image_a_vm_names() {
+    use eitri_agent::model::{Id, VmSpec};
+    use eitri_agent::state::{Record, Store};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (used, unused) = ("a".repeat(64), "b".repeat(64));
+    {
+        let store = Store::open(dir.path()).expect("store");
+        store
+            .save(&Record::new(VmSpec {
+                vm_id: Id::parse("vm-1").expect("id"),
+                name: String::new(),
+                image_url: "file:///x".into(),
+                image_sha256: used.clone(),
+                cloud_init: String::new(),
+                ssh_authorized_key: String::new(),
+                network: String::new(),
+                volume_ids: vec![],
+                vcpus: 1,
+                mem_mb: 128,
+                disk_gb: 1,
+            }))
+            .expect("record");
+        std::fs::write(store.images_dir().join(&used), b"used").expect("image");
+        std::fs::write(store.images_dir().join(&unused), b"unused").expect("image");
+    }
+
+    let out = eitri(&[
+        "images",
+        "prune",
+        "--state-dir",
+        &dir.path().display().to_string(),
+    ]);
+
+    assert!(out.status.success(), "{out:?}");
+    assert!(dir.path().join("images").join(&used).exists());
+    assert!(!dir.path().join("images").join(&unused).exists());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("removed {unused}")));
+}
+
+#[test]
+fn images_prune_refuses_while_an_agent_holds_the_state_dir() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("first report", |_| true);
+
+    let out = eitri(&[
+        "images",
+        "prune",
+        "--state-dir",
+        &agent.state.display().to_string(),
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by another eitri-agent"));
+}

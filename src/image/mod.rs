@@ -13,6 +13,7 @@
 //!   408/429, or a missing file. Everything else is transient.
 
 mod fetch;
+mod prune;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,6 +25,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 pub use fetch::sha256_file;
+pub use prune::{Pruned, prune};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
