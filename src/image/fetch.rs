@@ -13,6 +13,8 @@ use crate::state::atomic::sync_dir;
 
 /// Bytes read and hashed per step.
 const BLOCK: usize = 1 << 20;
+/// Blocks in flight between the download and the hasher.
+const PIPELINE: usize = 4;
 /// Progress is reported at most this often.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
@@ -112,32 +114,70 @@ fn stream(
         .truncate(true)
         .open(partial)
         .map_err(store_err)?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; BLOCK];
+    // Hashing runs on its own thread, fed the blocks this one has read and
+    // written: a download then takes as long as the slower of the network
+    // and the hash, not both. Blocks go back through `spare` for reuse.
+    let (full_tx, full_rx) = crossbeam_channel::bounded::<(Vec<u8>, usize)>(PIPELINE);
+    let (spare_tx, spare_rx) = crossbeam_channel::bounded::<Vec<u8>>(PIPELINE + 1);
+    for _ in 0..=PIPELINE {
+        let _ = spare_tx.send(vec![0u8; BLOCK]);
+    }
+    let hasher = std::thread::Builder::new()
+        .name("image-hash".into())
+        .spawn(move || {
+            let mut hasher = Sha256::new();
+            for (block, n) in full_rx {
+                hasher.update(&block[..n]);
+                if spare_tx.send(block).is_err() {
+                    break;
+                }
+            }
+            hex(&hasher.finalize())
+        })
+        .map_err(store_err)?;
     let mut done = 0u64;
     let mut reported = Instant::now();
     progress(0, total);
-    loop {
-        let n = match reader.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(ImageError::Source {
-                    url: url.into(),
-                    permanent: false,
-                    why: format!("the download broke off after {done} bytes: {e}"),
-                });
+    let copied = (|| {
+        loop {
+            let Ok(mut block) = spare_rx.recv() else {
+                return Err(ImageError::store(
+                    partial.to_path_buf(),
+                    io::Error::other("the hasher stopped"),
+                ));
+            };
+            let n = match reader.read(&mut block) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                    let _ = full_tx.send((block, 0));
+                    continue;
+                }
+                Err(e) => {
+                    return Err(ImageError::Source {
+                        url: url.into(),
+                        permanent: false,
+                        why: format!("the download broke off after {done} bytes: {e}"),
+                    });
+                }
+            };
+            out.write_all(&block[..n]).map_err(store_err)?;
+            done += n as u64;
+            if full_tx.send((block, n)).is_err() {
+                return Err(ImageError::store(
+                    partial.to_path_buf(),
+                    io::Error::other("the hasher stopped"),
+                ));
             }
-        };
-        hasher.update(&buf[..n]);
-        out.write_all(&buf[..n]).map_err(store_err)?;
-        done += n as u64;
-        if reported.elapsed() >= PROGRESS_EVERY {
-            progress(done, total);
-            reported = Instant::now();
+            if reported.elapsed() >= PROGRESS_EVERY {
+                progress(done, total);
+                reported = Instant::now();
+            }
         }
-    }
+    })();
+    drop(full_tx);
+    let got = hasher.join().unwrap_or_default();
+    copied?;
     progress(done, total);
     if let Some(total) = total
         && done != total
@@ -148,7 +188,6 @@ fn stream(
             why: format!("the download ended after {done} of {total} bytes"),
         });
     }
-    let got = hex(&hasher.finalize());
     if got != sha256 {
         return Err(ImageError::Mismatch {
             url: url.into(),
@@ -156,7 +195,7 @@ fn stream(
             got,
         });
     }
-    out.sync_all().map_err(store_err)
+    out.sync_data().map_err(store_err)
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
