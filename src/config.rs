@@ -156,6 +156,18 @@ const SETTINGS: &[Setting] = &[
         help: "guest kernel command line (with --kernel)",
     },
     Setting {
+        flag: "run-dir",
+        env: "EITRI_RUN_DIR",
+        default: "/run/eitri",
+        help: "directory for hypervisor API sockets (kept short: socket paths are limited to 108 bytes)",
+    },
+    Setting {
+        flag: "tap-prefix",
+        env: "EITRI_TAP_PREFIX",
+        default: "eitri",
+        help: "prefix of the agent's tap names; unheld taps with it are removed at start",
+    },
+    Setting {
         flag: "shutdown-grace",
         env: "EITRI_SHUTDOWN_GRACE",
         default: "30s",
@@ -205,6 +217,8 @@ pub struct ControlPlane {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestBoot {
     pub hypervisor: PathBuf,
+    pub run_dir: PathBuf,
+    pub tap_prefix: String,
     pub kernel: Option<PathBuf>,
     pub firmware: Option<PathBuf>,
     pub cmdline: String,
@@ -433,8 +447,19 @@ fn parse_run(args: &[String], env: &HashMap<String, String>) -> Result<Config, C
             }
         },
     };
+    let tap_prefix = raw.get("tap-prefix");
+    if tap_prefix.is_empty()
+        || tap_prefix.len() > 8
+        || !tap_prefix.bytes().all(|b| b.is_ascii_alphanumeric())
+    {
+        return Err(err(format!(
+            "--tap-prefix: {tap_prefix:?} must be 1-8 letters or digits (tap names are at most 15 bytes)"
+        )));
+    }
     let guest = GuestBoot {
         hypervisor: PathBuf::from(raw.get("hypervisor")),
+        run_dir: PathBuf::from(raw.get("run-dir")),
+        tap_prefix,
         kernel: raw.optional("kernel").map(PathBuf::from),
         firmware: raw.optional("firmware").map(PathBuf::from),
         cmdline: raw.get("cmdline"),

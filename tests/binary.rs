@@ -1,7 +1,7 @@
 //! The real binary: flags, the lock, signals, readiness, standalone mode and
-//! `status`. Each agent runs in standalone mode in a temp dir (this build
-//! has no hypervisor backend, so VMs report why they cannot start; volumes
-//! are real files).
+//! `status`. Each agent runs in standalone mode in a temp dir, pointed at a
+//! hypervisor that does not exist, so VMs report why they cannot start;
+//! volumes are real files.
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
@@ -58,6 +58,14 @@ impl Agent {
             tick.into(),
             "--shutdown-grace".into(),
             "5s".into(),
+            // Test-only names: the agent's start-up tap sweep must never
+            // touch a real host's links.
+            "--tap-prefix".into(),
+            "etbin".into(),
+            "--run-dir".into(),
+            dir.join("run").display().to_string(),
+            "--hypervisor".into(),
+            "/nonexistent/cloud-hypervisor".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = Command::new(BIN)
@@ -275,7 +283,7 @@ fn standalone_writes_report_json_and_status_prints_it() {
         "{text}"
     );
     assert!(
-        text.contains("no hypervisor backend"),
+        text.contains("/nonexistent/cloud-hypervisor is not an executable file"),
         "the reason is shown: {text}"
     );
     assert!(text.contains("data-1 1 GiB ready"), "{text}");

@@ -111,6 +111,12 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
     .expect("env");
     std::fs::write(env.join("EITRI_TICK"), "200ms").expect("env");
     std::fs::write(env.join("EITRI_SHUTDOWN_GRACE"), "5s").expect("env");
+    std::fs::write(env.join("EITRI_TAP_PREFIX"), "ets6").expect("env");
+    std::fs::write(
+        env.join("EITRI_RUN_DIR"),
+        dir.path().join("run").display().to_string(),
+    )
+    .expect("env");
     std::fs::write(
         dir.path().join("desired.json"),
         r#"{"volumes":[{"volume_id":"v1","size_gb":1}]}"#,

@@ -406,7 +406,7 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
     let host = Arc::new(SystemHost::new().map_err(DaemonError::BootId)?);
     let boot_id = host.boot_id();
     let seams = Seams {
-        provisioner: crate::provision::for_host(&config.guest),
+        provisioner: crate::provision::for_host(Arc::clone(&store), &config.guest),
         images: Arc::new(ImageCache::new(store.images_dir())),
         seed: Arc::new(NoCloudSeed),
         host_keys: Arc::new(LocalHostKeys),

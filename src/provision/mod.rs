@@ -12,8 +12,8 @@
 //! Every blocking method takes the pass's [`Deadline`] and must return by it
 //! (a deadline error is never permanent: the engine refunds the attempt).
 
+pub mod cloudhv;
 pub mod mac;
-pub mod none;
 
 use std::path::Path;
 
@@ -63,12 +63,22 @@ pub trait Provisioner: Send + Sync {
     fn network_address(&self, vm_id: &Id) -> String;
 }
 
-/// The backend this host runs guests with. Until a hypervisor backend is
-/// built for this platform, it is [`none::NoBackend`], which refuses every
-/// create with a permanent error naming what is missing.
-pub fn for_host(guest: &crate::config::GuestBoot) -> std::sync::Arc<dyn Provisioner> {
-    std::sync::Arc::new(none::NoBackend::new(format!(
-        "no hypervisor backend for {} is built into this agent yet; VMs cannot be created on this host",
-        guest.hypervisor.display()
-    )))
+/// The backend this host runs guests with: cloud-hypervisor on Linux.
+pub fn for_host(
+    store: std::sync::Arc<crate::state::Store>,
+    guest: &crate::config::GuestBoot,
+) -> std::sync::Arc<dyn Provisioner> {
+    std::sync::Arc::new(cloudhv::CloudHypervisor::new(
+        store,
+        cloudhv::CloudHvConfig {
+            hypervisor: guest.hypervisor.clone(),
+            kernel: guest.kernel.clone(),
+            firmware: guest.firmware.clone(),
+            cmdline: guest.cmdline.clone(),
+            run_dir: guest.run_dir.clone(),
+            tap_prefix: guest.tap_prefix.clone(),
+            boot_wait: std::time::Duration::from_secs(60),
+            stop: cloudhv::StopTimeouts::default(),
+        },
+    ))
 }

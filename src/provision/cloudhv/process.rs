@@ -1,0 +1,69 @@
+//! Hypervisor processes as the agent tracks them: a pidfile holding the pid
+//! **and** its start time, checked against /proc, so a pid the kernel has
+//! recycled for an unrelated process never counts as the VM.
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use nix::errno::Errno;
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+use crate::state::atomic::write_atomic;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tracked {
+    pub pid: i32,
+    /// Field 22 of /proc/<pid>/stat: clock ticks after boot.
+    pub start: u64,
+}
+
+/// State letter and start time of `pid`, from /proc/<pid>/stat.
+pub fn stat(pid: i32) -> Option<(char, u64)> {
+    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses; the
+    // fields after the last ')' are plain.
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first()?.chars().next()?;
+    let start = fields.get(19)?.parse().ok()?;
+    Some((state, start))
+}
+
+impl Tracked {
+    pub fn of(pid: i32) -> Option<Tracked> {
+        stat(pid).map(|(_, start)| Tracked { pid, start })
+    }
+
+    /// Alive, not a zombie, and the same process that was recorded.
+    pub fn alive(&self) -> bool {
+        matches!(stat(self.pid), Some((state, start)) if start == self.start && state != 'Z' && state != 'X')
+    }
+
+    pub fn read(path: &Path) -> Option<Tracked> {
+        let text = fs::read_to_string(path).ok()?;
+        let mut parts = text.split_whitespace();
+        Some(Tracked {
+            pid: parts.next()?.parse().ok()?,
+            start: parts.next()?.parse().ok()?,
+        })
+    }
+
+    pub fn write(&self, path: &Path) -> io::Result<()> {
+        write_atomic(path, format!("{} {}\n", self.pid, self.start).as_bytes())
+    }
+
+    /// Sends `signal`, unless the recorded process is gone (or the pid now
+    /// belongs to another process): a process that is already gone is
+    /// stopped, which is success.
+    pub fn signal(&self, signal: Signal) -> io::Result<()> {
+        if !self.alive() {
+            return Ok(());
+        }
+        match kill(Pid::from_raw(self.pid), signal) {
+            Ok(()) | Err(Errno::ESRCH) => Ok(()),
+            Err(e) => Err(io::Error::from(e)),
+        }
+    }
+}

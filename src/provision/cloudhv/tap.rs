@@ -1,0 +1,91 @@
+//! Guest taps, opened by the agent on /dev/net/tun and handed to the VMM as
+//! an inherited fd. Not persistent: the tap exists exactly as long as some
+//! process holds it, so a VMM that crashes (even by kill -9) leaks no tap.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+
+const TUNSETIFF: u64 = 0x4004_54ca;
+const TUNSETPERSIST: u64 = 0x4004_54cb;
+const IFF_TAP: i16 = 0x0002;
+const IFF_NO_PI: i16 = 0x1000;
+const IFF_VNET_HDR: i16 = 0x4000;
+
+/// `struct ifreq` as TUNSETIFF reads it: a name and the flags.
+#[repr(C)]
+struct IfReq {
+    name: [u8; 16],
+    flags: i16,
+    _pad: [u8; 22],
+}
+
+nix::ioctl_write_ptr_bad!(tunsetiff, TUNSETIFF, IfReq);
+nix::ioctl_write_int_bad!(tunsetpersist, TUNSETPERSIST);
+
+fn ifreq(name: &str, flags: i16) -> io::Result<IfReq> {
+    if name.is_empty() || name.len() > 15 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("tap name {name:?} is not 1-15 bytes"),
+        ));
+    }
+    let mut req = IfReq {
+        name: [0; 16],
+        flags,
+        _pad: [0; 22],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    Ok(req)
+}
+
+fn open_tun() -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(nix::libc::O_CLOEXEC)
+        .open("/dev/net/tun")
+}
+
+/// Creates (or attaches to) the tap `name`: tap, no packet info, with a
+/// virtio-net header, as cloud-hypervisor expects of an fd it is given.
+pub fn open(name: &str) -> io::Result<OwnedFd> {
+    let tun = open_tun()?;
+    let req = ifreq(name, IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)?;
+    // SAFETY: TUNSETIFF reads a `struct ifreq` (IfReq is laid out as one)
+    // through the pointer, which is valid for the call; the fd is open.
+    unsafe { tunsetiff(tun.as_raw_fd(), &req) }.map_err(io::Error::from)?;
+    Ok(OwnedFd::from(tun))
+}
+
+/// Whether a network link of this name exists.
+pub fn exists(name: &str) -> bool {
+    std::path::Path::new("/sys/class/net").join(name).exists()
+}
+
+/// Removes a tap nobody holds: attach, clear its persistence, let go. A tap
+/// a live VMM holds cannot be attached (EBUSY) and is left alone.
+pub fn remove(name: &str) -> io::Result<()> {
+    let tun = open_tun()?;
+    let req = ifreq(name, IFF_TAP | IFF_NO_PI)?;
+    // SAFETY: as in `open`.
+    unsafe { tunsetiff(tun.as_raw_fd(), &req) }.map_err(io::Error::from)?;
+    // SAFETY: TUNSETPERSIST takes its flag by value; the fd is the tun fd
+    // just attached.
+    unsafe { tunsetpersist(tun.as_raw_fd(), 0) }.map_err(io::Error::from)?;
+    Ok(())
+}
+
+/// Links whose name starts with `prefix`.
+pub fn with_prefix(prefix: &str) -> Vec<String> {
+    std::fs::read_dir("/sys/class/net")
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| n.starts_with(prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,569 @@
+//! The cloud-hypervisor backend against the project's stand-in hypervisor:
+//! real forks, real sockets, real taps, real signals. Through the engine
+//! where the rule is the engine's.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eitri_agent::deadline::Deadline;
+use eitri_agent::hostkey::LocalHostKeys;
+use eitri_agent::image::{ImageCache, sha256_file};
+use eitri_agent::model::{Phase, PowerState, Snapshot};
+use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
+use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
+use eitri_agent::seed::NoCloudSeed;
+use eitri_agent::state::Store;
+use eitri_agent::testkit::{Fakes, desired, id, present, snapshot, tombstoned};
+
+const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+/// A bound for a test to fail on, not a measurement.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+struct Host {
+    dir: tempfile::TempDir,
+    store: Arc<Store>,
+    cfg: CloudHvConfig,
+    backend: Arc<CloudHypervisor>,
+    fakes: Arc<Fakes>,
+    engine: Option<Engine>,
+    base_url: String,
+    base_sha: String,
+    /// Destroy every VM on drop; off for the old half of a restart.
+    cleanup: bool,
+}
+
+/// A tap prefix of this test process alone: parallel tests never touch
+/// each other's links, and no real host names a link like this.
+fn tap_prefix() -> String {
+    format!("et{:04x}", std::process::id() & 0xffff)
+}
+
+/// A launcher that runs the stand-in with knobs set.
+fn launcher(dir: &Path, knobs: &[(&str, &str)]) -> PathBuf {
+    let path = dir.join(format!("hv-{}", knobs.len()));
+    let env: String = knobs.iter().map(|(k, v)| format!("{k}='{v}' ")).collect();
+    std::fs::write(&path, format!("#!/bin/sh\n{env}exec {STANDIN} \"$@\"\n")).expect("launcher");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
+impl Host {
+    fn new(knobs: &[(&str, &str)]) -> Host {
+        let dir = tempfile::tempdir().expect("tempdir");
+        Host::in_dir(dir, knobs)
+    }
+
+    fn in_dir(dir: tempfile::TempDir, knobs: &[(&str, &str)]) -> Host {
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"not really a kernel").expect("kernel");
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![0x5a; 1 << 20]).expect("base image");
+        let base_sha = sha256_file(&base).expect("hash");
+        let cfg = CloudHvConfig {
+            hypervisor: launcher(dir.path(), knobs),
+            kernel: Some(kernel),
+            firmware: None,
+            cmdline: "console=ttyS0".into(),
+            run_dir: dir.path().join("run"),
+            tap_prefix: tap_prefix(),
+            boot_wait: Duration::from_secs(5),
+            stop: StopTimeouts {
+                power_button: Duration::from_millis(500),
+                vmm_shutdown: Duration::from_millis(500),
+                terminate: Duration::from_millis(300),
+            },
+        };
+        let store = Arc::new(Store::open(&dir.path().join("state")).expect("store"));
+        let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg.clone()));
+        let fakes = Fakes::new();
+        let mut host = Host {
+            base_url: format!("file://{}", base.display()),
+            dir,
+            store,
+            cfg,
+            backend,
+            fakes,
+            engine: None,
+            base_sha,
+            cleanup: true,
+        };
+        host.engine = Some(host.make_engine());
+        host
+    }
+
+    fn make_engine(&self) -> Engine {
+        let seams = Seams {
+            provisioner: Arc::clone(&self.backend) as Arc<dyn Provisioner>,
+            images: Arc::new(ImageCache::new(self.store.images_dir())),
+            seed: Arc::new(NoCloudSeed),
+            host_keys: Arc::new(LocalHostKeys),
+            host: self.fakes.seams().host,
+        };
+        let config = EngineConfig {
+            agent_version: "1.0.0".into(),
+            vm_timeout: Some(Duration::from_secs(30)),
+            tombstone_grace: Duration::ZERO,
+            ..EngineConfig::default()
+        };
+        Engine::new(Arc::clone(&self.store), seams, config)
+    }
+
+    /// A new agent over the same state dir and host: the old engine,
+    /// backend and store are dropped (releasing the lock), the VMMs live on.
+    fn restart(mut self) -> Host {
+        drop(self.engine.take());
+        self.cleanup = false;
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("tempdir"));
+        let (cfg, fakes, base_url, base_sha) = (
+            self.cfg.clone(),
+            Arc::clone(&self.fakes),
+            self.base_url.clone(),
+            self.base_sha.clone(),
+        );
+        drop(self);
+        let store = Arc::new(Store::open(&dir.path().join("state")).expect("reopen"));
+        let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg.clone()));
+        let mut host = Host {
+            dir,
+            store,
+            cfg,
+            backend,
+            fakes,
+            engine: None,
+            base_url,
+            base_sha,
+            cleanup: true,
+        };
+        host.engine = Some(host.make_engine());
+        host
+    }
+
+    fn engine(&self) -> &Engine {
+        self.engine.as_ref().expect("engine")
+    }
+
+    fn vm(&self, vm: &str) -> Snapshot {
+        let mut d = desired(vm);
+        d.spec.image_url = self.base_url.clone();
+        d.spec.image_sha256 = self.base_sha.clone();
+        snapshot(1, vec![present(d)])
+    }
+
+    fn tick(&self, snap: &Snapshot) -> eitri_agent::model::Report {
+        let report = self.engine().step(snap);
+        assert!(
+            self.engine().wait_idle(Deadline::after(PATIENCE)),
+            "engine did not go idle"
+        );
+        report
+    }
+
+    fn row(&self, vm: &str) -> eitri_agent::model::VmStatus {
+        self.engine()
+            .published()
+            .vms
+            .into_iter()
+            .find(|r| r.vm_id == vm)
+            .unwrap_or_else(|| panic!("no row for {vm}"))
+    }
+
+    fn pid(&self, vm: &str) -> Option<i32> {
+        let text = std::fs::read_to_string(self.store.pidfile_path(&id(vm))).ok()?;
+        text.split_whitespace().next()?.parse().ok()
+    }
+
+    fn spec(&self, vm: &str) -> eitri_agent::model::VmSpec {
+        let mut spec = desired(vm).spec;
+        spec.image_url = self.base_url.clone();
+        spec
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if !self.cleanup {
+            return;
+        }
+        // Leave no stand-in running behind a failed test.
+        for link in std::fs::read_dir(self.store.root().join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if let Ok(vm) = eitri_agent::model::Id::parse(&link.file_name().to_string_lossy()) {
+                let _ = self
+                    .backend
+                    .destroy(&vm, Deadline::after(Duration::from_secs(5)));
+            }
+        }
+    }
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        let state = s
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next());
+        state != Some("Z")
+    })
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + PATIENCE;
+    while !done() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Stand-in processes serving this socket.
+fn processes_serving(socket: &Path) -> usize {
+    let needle = format!("path={}", socket.display());
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .chars()
+                .all(|c| c.is_ascii_digit())
+        })
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == needle.as_bytes()))
+        })
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|p| p.parse().ok())
+                .is_some_and(alive)
+        })
+        .count()
+}
+
+#[test]
+fn a_created_vm_boots_and_runs() {
+    let h = Host::new(&[]);
+
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Ready)),
+        "{row:?}"
+    );
+    assert!(h.pid("vm-1").is_some_and(alive));
+    let serial = std::fs::read_to_string(h.store.serial_log_path(&id("vm-1"))).expect("serial");
+    assert!(serial.contains("booting"), "{serial}");
+}
+
+#[test]
+fn booting_twice_starts_one_process() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+
+    h.backend.boot(&spec, Deadline::NONE).expect("first boot");
+    let first = h.pid("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("second boot");
+
+    assert_eq!(h.pid("vm-1"), first);
+    assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
+}
+
+#[test]
+fn an_agent_restart_adopts_the_running_hypervisor() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let before = h.pid("vm-1").expect("pid");
+
+    let h = h.restart();
+    h.tick(&h.vm("vm-1"));
+
+    assert_eq!(h.pid("vm-1"), Some(before), "no new process");
+    assert!(alive(before));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
+}
+
+#[test]
+fn a_killed_hypervisor_is_booted_again() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let before = h.pid("vm-1").expect("pid");
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(before),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    wait_until("the VMM to die", || !h.backend.running(&id("vm-1")));
+    h.tick(&h.vm("vm-1"));
+
+    let after = h.pid("vm-1").expect("pid");
+    assert_ne!(after, before);
+    assert!(alive(after));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+}
+
+#[test]
+fn a_crashed_hypervisors_last_words_reach_the_row() {
+    let h = Host::new(&[("STANDIN_CRASH_AFTER_MS", "300")]);
+    h.tick(&h.vm("vm-1"));
+    wait_until("the crash", || !h.backend.running(&id("vm-1")));
+    // From now on it cannot even start: the next boot fails, and the row
+    // says why the last one died.
+    std::fs::write(&h.cfg.hypervisor, "#!/bin/sh\nexit 1\n").expect("break the launcher");
+
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Failed));
+    assert!(
+        row.last_error.contains("KVM internal error"),
+        "{}",
+        row.last_error
+    );
+}
+
+#[test]
+fn a_hypervisor_that_ignores_shutdown_is_gone_within_the_bound() {
+    let h = Host::new(&[("STANDIN_IGNORE_SHUTDOWN", "1")]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+
+    h.backend
+        .shutdown(&id("vm-1"), Deadline::NONE)
+        .expect("stopped");
+
+    assert!(!alive(pid));
+    assert!(!h.backend.running(&id("vm-1")));
+}
+
+#[test]
+fn destroy_leaves_no_process_socket_pidfile_tap_or_directory() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let pid = h.pid("vm-1").expect("pid");
+    let socket = h.backend.socket_path(&id("vm-1"));
+    let tap = h.backend.tap_name(&id("vm-1"));
+    assert!(
+        Path::new("/sys/class/net").join(&tap).exists(),
+        "the tap exists while the VMM runs"
+    );
+
+    h.tick(&snapshot(2, vec![tombstoned("vm-1")]));
+
+    assert!(!alive(pid));
+    assert!(!socket.exists());
+    assert!(!PathBuf::from(format!("{}.lock", socket.display())).exists());
+    assert!(!Path::new("/sys/class/net").join(&tap).exists());
+    assert!(!h.store.vm_dir(&id("vm-1")).exists());
+}
+
+#[test]
+fn the_tap_dies_with_a_killed_hypervisor() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
+    let pid = h.pid("vm-1").expect("pid");
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+
+    wait_until("the tap to go", || !tap.exists());
+}
+
+#[test]
+fn the_hypervisor_inherits_no_agent_fd() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+
+    let fds: Vec<(String, String)> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .flatten()
+        .map(|e| {
+            let target = std::fs::read_link(e.path())
+                .map(|t| t.display().to_string())
+                .unwrap_or_default();
+            (e.file_name().to_string_lossy().into_owned(), target)
+        })
+        .collect();
+
+    let target = |fd: &str| fds.iter().find(|(n, _)| n == fd).map(|(_, t)| t.as_str());
+    assert_eq!(target("0"), Some("/dev/null"));
+    assert_eq!(target("3"), Some("/dev/net/tun"), "{fds:?}");
+    let lock = h.store.root().join("lock").display().to_string();
+    assert!(
+        fds.iter().all(|(_, t)| *t != lock),
+        "the state-dir lock leaked: {fds:?}"
+    );
+    assert!(h.dir.path().exists());
+}
+
+#[test]
+fn a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    let fds_before = std::fs::read_dir("/proc/self/fd").expect("fds").count();
+
+    for _ in 0..100 {
+        h.backend.boot(&spec, Deadline::NONE).expect("boot");
+        h.backend
+            .destroy(&id("vm-1"), Deadline::NONE)
+            .expect("destroy");
+    }
+
+    let me = std::process::id().to_string();
+    let zombies = std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|s| {
+            let rest: Vec<&str> = s
+                .rsplit(')')
+                .next()
+                .unwrap_or("")
+                .split_whitespace()
+                .collect();
+            rest.first() == Some(&"Z") && rest.get(1) == Some(&me.as_str())
+        })
+        .count();
+    wait_until("fds to settle", || {
+        std::fs::read_dir("/proc/self/fd").expect("fds").count() <= fds_before
+    });
+    assert_eq!(zombies, 0);
+}
+
+#[test]
+fn a_pidfile_naming_an_unrelated_process_reads_not_running() {
+    let h = Host::new(&[]);
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .expect("sleep");
+    let pid = sleeper.id();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    let start = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().nth(19))
+        .expect("start time");
+    std::fs::create_dir_all(h.store.vm_dir(&id("vm-1"))).expect("dir");
+    std::fs::write(
+        h.store.pidfile_path(&id("vm-1")),
+        format!("{pid} {start}\n"),
+    )
+    .expect("pidfile");
+
+    let running = h.backend.running(&id("vm-1"));
+
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    assert!(!running);
+}
+
+#[test]
+fn a_hypervisor_that_never_opens_its_socket_is_killed_and_explained() {
+    let mut h = Host::new(&[("STANDIN_NO_SOCKET", "1")]);
+    h.cfg.boot_wait = Duration::from_millis(500);
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    let spec = h.spec("vm-1");
+
+    let err = h
+        .backend
+        .boot(&spec, Deadline::NONE)
+        .expect_err("never came up");
+
+    assert!(err.to_string().contains("did not say Running"), "{err}");
+    let pid = h.pid("vm-1").expect("pid");
+    assert!(!alive(pid));
+}
+
+#[test]
+fn a_hypervisor_that_fails_at_start_says_why() {
+    let h = Host::new(&[("STANDIN_FAIL_START", "cannot open /dev/kvm: busy")]);
+    let spec = h.spec("vm-1");
+
+    let err = h.backend.boot(&spec, Deadline::NONE).expect_err("failed");
+
+    assert!(
+        err.to_string().contains("cannot open /dev/kvm: busy"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_long_state_dir_still_gets_a_short_socket() {
+    let outer = tempfile::tempdir().expect("tempdir");
+    let deep = outer.path().join("d".repeat(100)).join("e".repeat(100));
+    std::fs::create_dir_all(&deep).expect("deep dir");
+    let dir = tempfile::tempdir_in(&deep).expect("deep tempdir");
+    let mut h = Host::in_dir(dir, &[]);
+    // Sockets live apart from the state dir (/run/eitri in production).
+    let run = tempfile::tempdir().expect("run dir");
+    h.cfg.run_dir = run.path().to_path_buf();
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    assert!(
+        h.store.vm_dir(&id("vm-1")).as_os_str().len() > 200,
+        "the state dir is long"
+    );
+    let spec = h.spec("vm-1");
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    assert!(h.backend.socket_path(&id("vm-1")).as_os_str().len() < 108);
+    assert!(h.backend.running(&id("vm-1")));
+}
+
+#[test]
+fn preflight_names_a_missing_hypervisor() {
+    let mut h = Host::new(&[]);
+    h.cfg.hypervisor = h.dir.path().join("no-such-hypervisor");
+    let backend = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+
+    let err = backend.preflight(Deadline::NONE).expect_err("missing");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("no-such-hypervisor"), "{err}");
+}
+
+#[test]
+fn preflight_refuses_an_old_hypervisor() {
+    let h = Host::new(&[]);
+    let old = h.dir.path().join("old-hv");
+    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v30.0'\n").expect("old");
+    std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let backend = CloudHypervisor::new(
+        Arc::clone(&h.store),
+        CloudHvConfig {
+            hypervisor: old,
+            ..h.cfg.clone()
+        },
+    );
+
+    let err = backend.preflight(Deadline::NONE).expect_err("too old");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("v40 or later"), "{err}");
+}
+
+#[test]
+fn preflight_passes_with_the_stand_in() {
+    let h = Host::new(&[]);
+
+    let ok = h.backend.preflight(Deadline::NONE);
+
+    assert!(ok.is_ok(), "{:?}", ok.err().map(|e| e.to_string()));
+}

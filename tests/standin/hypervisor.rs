@@ -1,0 +1,270 @@
+//! A stand-in for cloud-hypervisor, for tests only (built with the
+//! `standin` feature, never installed). It takes the real CLI, serves the
+//! real API on the real socket, leaves the same files behind, and misbehaves
+//! on request. See `shared/cloud-hypervisor.md` for what it imitates:
+//!
+//! - `--version` prints `cloud-hypervisor v53.0`.
+//! - A live socket makes a second instance exit 1 ("already in use"); a
+//!   stale one is replaced. `<socket>.lock` is created and stays.
+//! - The API answers keep-alive with an empty reason phrase and never closes
+//!   the connection itself.
+//! - `vm.shutdown` keeps the process alive; `vmm.shutdown` answers 200,
+//!   removes the socket and exits 0.
+//! - The serial file is truncated at start and gets a boot line.
+//!
+//! Knobs, from the environment:
+//! - `STANDIN_FAIL_START=msg`: log msg, exit 1 at once.
+//! - `STANDIN_NO_SOCKET=1`: never open the socket.
+//! - `STANDIN_CRASH_AFTER_MS=n`: after n ms log a KVM error and exit 1, as a
+//!   VMM does when a vCPU hits an internal KVM error.
+//! - `STANDIN_IGNORE_SHUTDOWN=1`: ignore power-button, vmm.shutdown and
+//!   SIGTERM (only SIGKILL stops it).
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+struct Args {
+    flags: HashMap<String, Vec<String>>,
+}
+
+impl Args {
+    fn parse() -> Args {
+        let mut flags: HashMap<String, Vec<String>> = HashMap::new();
+        let mut current = String::new();
+        for arg in std::env::args().skip(1) {
+            if arg.starts_with('-') {
+                current = arg.trim_start_matches('-').to_owned();
+                flags.entry(current.clone()).or_default();
+            } else {
+                flags.entry(current.clone()).or_default().push(arg);
+            }
+        }
+        Args { flags }
+    }
+
+    fn has(&self, flag: &str) -> bool {
+        self.flags.contains_key(flag)
+    }
+
+    /// The `key=` value of a flag's first option list, e.g. path of
+    /// `--api-socket path=/x`.
+    fn option(&self, flag: &str, key: &str) -> Option<String> {
+        self.flags.get(flag)?.iter().find_map(|v| {
+            v.split(',')
+                .find_map(|kv| kv.strip_prefix(&format!("{key}=")).map(str::to_owned))
+        })
+    }
+}
+
+fn knob(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+struct Log(Option<Mutex<File>>);
+
+impl Log {
+    fn line(&self, text: &str) {
+        match &self.0 {
+            Some(f) => {
+                if let Ok(mut f) = f.lock() {
+                    let _ = writeln!(f, "cloud-hypervisor: {text}");
+                }
+            }
+            None => eprintln!("cloud-hypervisor: {text}"),
+        }
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    if args.has("version") {
+        println!("cloud-hypervisor v53.0");
+        return;
+    }
+    let log = Arc::new(Log(args
+        .flags
+        .get("log-file")
+        .and_then(|v| v.first())
+        .and_then(|p| OpenOptions::new().create(true).append(true).open(p).ok())
+        .map(Mutex::new)));
+    if let Some(msg) = knob("STANDIN_FAIL_START") {
+        log.line(&format!("Error: {msg}"));
+        std::process::exit(1);
+    }
+    if knob("STANDIN_IGNORE_SHUTDOWN").is_some() {
+        // SAFETY: setting SIGTERM's disposition to ignore installs no
+        // handler code; it is done before any other thread exists.
+        unsafe {
+            let _ = nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGTERM,
+                nix::sys::signal::SigHandler::SigIgn,
+            );
+        }
+    }
+    if let Some(serial) = args.option("serial", "file") {
+        let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
+    }
+    // The NIC's fd is held for the process's life, like a real VMM holds its
+    // tap: the tap exists exactly as long as this process does.
+    let _net_fd = args.option("net", "fd");
+    if let Some(ms) = knob("STANDIN_CRASH_AFTER_MS").and_then(|v| v.parse::<u64>().ok()) {
+        let log = Arc::clone(&log);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            log.line("Error running VM: vCPU error: KVM internal error (emulation failure)");
+            std::process::exit(1);
+        });
+    }
+    if knob("STANDIN_NO_SOCKET").is_some() {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    let Some(socket) = args.option("api-socket", "path").map(PathBuf::from) else {
+        log.line("Error: no --api-socket path=");
+        std::process::exit(1);
+    };
+    if UnixStream::connect(&socket).is_ok() {
+        log.line(&format!(
+            "Error: API socket {} is already in use by another running instance",
+            socket.display()
+        ));
+        std::process::exit(1);
+    }
+    let _ = std::fs::remove_file(&socket);
+    let lock_path = PathBuf::from(format!("{}.lock", socket.display()));
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path);
+    let _held = lock.ok().filter(|f| f.try_lock().is_ok());
+    let listener = match UnixListener::bind(&socket) {
+        Ok(l) => l,
+        Err(e) => {
+            log.line(&format!("Error: cannot bind {}: {e}", socket.display()));
+            std::process::exit(1);
+        }
+    };
+    log.line("VM booted");
+    let state = Arc::new(Mutex::new(String::from("Running")));
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let (state, log, socket) = (Arc::clone(&state), Arc::clone(&log), socket.clone());
+        std::thread::spawn(move || serve(conn, &state, &log, &socket));
+    }
+}
+
+fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: &Path) {
+    let Ok(write_half) = conn.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(conn);
+    let mut out = write_half;
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut parts = line.split_whitespace();
+        let (method, path) = (
+            parts.next().unwrap_or("").to_owned(),
+            parts.next().unwrap_or("").to_owned(),
+        );
+        let mut len = 0usize;
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h).unwrap_or(0) == 0 {
+                return;
+            }
+            if h == "\r\n" {
+                break;
+            }
+            if let Some((n, v)) = h.split_once(':')
+                && n.eq_ignore_ascii_case("content-length")
+            {
+                len = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut body = vec![0u8; len];
+        if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        let ignore = knob("STANDIN_IGNORE_SHUTDOWN").is_some();
+        let (code, reply, then_exit) = {
+            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+            match (method.as_str(), path.as_str()) {
+                ("GET", "/api/v1/vmm.ping") => (
+                    200,
+                    format!(
+                        r#"{{"build_version":"v53.0-standin","version":"53.0.0","pid":{},"features":[]}}"#,
+                        std::process::id()
+                    ),
+                    false,
+                ),
+                ("GET", "/api/v1/vm.info") if *s == "Deleted" => (
+                    404,
+                    r#"["Error from API","The VM info is not available","VM is not created"]"#
+                        .to_owned(),
+                    false,
+                ),
+                ("GET", "/api/v1/vm.info") => (
+                    200,
+                    format!(r#"{{"state":"{s}","config":{{}},"memory_actual_size":0}}"#),
+                    false,
+                ),
+                ("PUT", "/api/v1/vm.boot") | ("PUT", "/api/v1/vm.resume") => {
+                    *s = "Running".into();
+                    (204, String::new(), false)
+                }
+                ("PUT", "/api/v1/vm.shutdown") => {
+                    *s = "Created".into();
+                    (204, String::new(), false)
+                }
+                ("PUT", "/api/v1/vm.power-button") => {
+                    if !ignore {
+                        // The guest hears the button and powers off.
+                        *s = "Shutdown".into();
+                    }
+                    (204, String::new(), false)
+                }
+                ("PUT", "/api/v1/vm.pause") => {
+                    *s = "Paused".into();
+                    (204, String::new(), false)
+                }
+                ("PUT", "/api/v1/vm.delete") => {
+                    *s = "Deleted".into();
+                    (204, String::new(), false)
+                }
+                ("PUT", "/api/v1/vmm.shutdown") => (200, String::new(), !ignore),
+                _ => (
+                    404,
+                    r#"["Error from API","unknown endpoint"]"#.to_owned(),
+                    false,
+                ),
+            }
+        };
+        let head = format!(
+            "HTTP/1.1 {code} \r\nServer: Cloud Hypervisor API\r\nConnection: keep-alive\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            reply.len()
+        );
+        if out
+            .write_all(head.as_bytes())
+            .and_then(|()| out.write_all(reply.as_bytes()))
+            .is_err()
+        {
+            return;
+        }
+        let _ = out.flush();
+        if then_exit {
+            log.line("VMM shutdown");
+            let _ = std::fs::remove_file(socket);
+            std::process::exit(0);
+        }
+    }
+}
