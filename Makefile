@@ -9,7 +9,7 @@
 CARGO    ?= cargo
 PROTOGEN := contrib/protogen
 GENERATED := src/pb/eitri.agent.v1.rs
-BENCHES  := store engine storage
+BENCHES  := store engine storage boot
 
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
@@ -55,4 +55,4 @@ proto-check:
 bench: $(addprefix bench-,$(BENCHES))
 
 $(addprefix bench-,$(BENCHES)): bench-%:
-	$(CARGO) bench --locked --bench $*
+	$(CARGO) bench --locked --features standin --bench $*

@@ -56,6 +56,22 @@ impl Host {
         Host::in_dir(dir, knobs)
     }
 
+    /// A host whose hypervisor is a real cloud-hypervisor booting `kernel`.
+    /// The root disk is `EITRI_TEST_GUEST_IMAGE` when set, else a blank one.
+    fn real(hypervisor: PathBuf, kernel: PathBuf) -> Host {
+        let mut h = Host::new(&[]);
+        h.cfg.hypervisor = hypervisor;
+        h.cfg.kernel = Some(kernel);
+        h.cfg.boot_wait = Duration::from_secs(30);
+        if let Some(image) = std::env::var_os("EITRI_TEST_GUEST_IMAGE") {
+            h.base_sha = sha256_file(Path::new(&image)).expect("hash the guest image");
+            h.base_url = format!("file://{}", PathBuf::from(image).display());
+        }
+        h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+        h.engine = Some(h.make_engine());
+        h
+    }
+
     fn in_dir(dir: tempfile::TempDir, knobs: &[(&str, &str)]) -> Host {
         let kernel = dir.path().join("vmlinux");
         std::fs::write(&kernel, b"not really a kernel").expect("kernel");
@@ -245,10 +261,7 @@ fn processes_serving(socket: &Path) -> usize {
         .count()
 }
 
-#[test]
-fn a_created_vm_boots_and_runs() {
-    let h = Host::new(&[]);
-
+fn a_created_vm_boots_and_runs_on(h: Host) {
     h.tick(&h.vm("vm-1"));
 
     let row = h.row("vm-1");
@@ -262,9 +275,7 @@ fn a_created_vm_boots_and_runs() {
     assert!(serial.contains("booting"), "{serial}");
 }
 
-#[test]
-fn booting_twice_starts_one_process() {
-    let h = Host::new(&[]);
+fn booting_twice_starts_one_process_on(h: Host) {
     let spec = h.spec("vm-1");
 
     h.backend.boot(&spec, Deadline::NONE).expect("first boot");
@@ -275,9 +286,7 @@ fn booting_twice_starts_one_process() {
     assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
 }
 
-#[test]
-fn an_agent_restart_adopts_the_running_hypervisor() {
-    let h = Host::new(&[]);
+fn an_agent_restart_adopts_the_running_hypervisor_on(h: Host) {
     h.tick(&h.vm("vm-1"));
     let before = h.pid("vm-1").expect("pid");
 
@@ -290,9 +299,7 @@ fn an_agent_restart_adopts_the_running_hypervisor() {
     assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
 }
 
-#[test]
-fn a_killed_hypervisor_is_booted_again() {
-    let h = Host::new(&[]);
+fn a_killed_hypervisor_is_booted_again_on(h: Host) {
     h.tick(&h.vm("vm-1"));
     let before = h.pid("vm-1").expect("pid");
 
@@ -345,9 +352,7 @@ fn a_hypervisor_that_ignores_shutdown_is_gone_within_the_bound() {
     assert!(!h.backend.running(&id("vm-1")));
 }
 
-#[test]
-fn destroy_leaves_no_process_socket_pidfile_tap_or_directory() {
-    let h = Host::new(&[]);
+fn destroy_leaves_no_process_socket_pidfile_tap_or_directory_on(h: Host) {
     h.tick(&h.vm("vm-1"));
     let pid = h.pid("vm-1").expect("pid");
     let socket = h.backend.socket_path(&id("vm-1"));
@@ -366,9 +371,7 @@ fn destroy_leaves_no_process_socket_pidfile_tap_or_directory() {
     assert!(!h.store.vm_dir(&id("vm-1")).exists());
 }
 
-#[test]
-fn the_tap_dies_with_a_killed_hypervisor() {
-    let h = Host::new(&[]);
+fn the_tap_dies_with_a_killed_hypervisor_on(h: Host) {
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
@@ -383,9 +386,7 @@ fn the_tap_dies_with_a_killed_hypervisor() {
     wait_until("the tap to go", || !tap.exists());
 }
 
-#[test]
-fn the_hypervisor_inherits_no_agent_fd() {
-    let h = Host::new(&[]);
+fn the_hypervisor_inherits_no_agent_fd_on(h: Host) {
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let pid = h.pid("vm-1").expect("pid");
@@ -412,9 +413,7 @@ fn the_hypervisor_inherits_no_agent_fd() {
     assert!(h.dir.path().exists());
 }
 
-#[test]
-fn a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd() {
-    let h = Host::new(&[]);
+fn a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on(h: Host) {
     let spec = h.spec("vm-1");
     let fds_before = std::fs::read_dir("/proc/self/fd").expect("fds").count();
 
@@ -559,11 +558,49 @@ fn preflight_refuses_an_old_hypervisor() {
     assert!(err.to_string().contains("v40 or later"), "{err}");
 }
 
-#[test]
-fn preflight_passes_with_the_stand_in() {
-    let h = Host::new(&[]);
-
+fn preflight_passes_on(h: Host) {
     let ok = h.backend.preflight(Deadline::NONE);
 
     assert!(ok.is_ok(), "{:?}", ok.err().map(|e| e.to_string()));
 }
+
+// ── the same scenarios, against the stand-in and a real hypervisor ──────
+
+/// A host driving a real cloud-hypervisor, when the environment names one
+/// and a guest kernel it can boot; else the reason the scenario is skipped.
+fn real_host() -> Result<Host, String> {
+    let hv = std::env::var_os("EITRI_TEST_CLOUD_HYPERVISOR");
+    let kernel = std::env::var_os("EITRI_TEST_GUEST_KERNEL");
+    match (hv, kernel) {
+        (Some(hv), Some(kernel)) => Ok(Host::real(PathBuf::from(hv), PathBuf::from(kernel))),
+        _ => Err("set EITRI_TEST_CLOUD_HYPERVISOR (a cloud-hypervisor binary) and EITRI_TEST_GUEST_KERNEL (a PVH kernel it boots) to run this against a real hypervisor".into()),
+    }
+}
+
+macro_rules! both {
+    ($($scenario:ident),* $(,)?) => {
+        mod with_stand_in {
+            $(#[test] fn $scenario() { super::$scenario(super::Host::new(&[])); })*
+        }
+        mod with_real_hypervisor {
+            $(#[test] fn $scenario() {
+                match super::real_host() {
+                    Ok(h) => super::$scenario(h),
+                    Err(why) => println!("SKIPPED {}: {why}", stringify!($scenario)),
+                }
+            })*
+        }
+    };
+}
+
+both!(
+    a_created_vm_boots_and_runs_on,
+    booting_twice_starts_one_process_on,
+    an_agent_restart_adopts_the_running_hypervisor_on,
+    a_killed_hypervisor_is_booted_again_on,
+    destroy_leaves_no_process_socket_pidfile_tap_or_directory_on,
+    the_tap_dies_with_a_killed_hypervisor_on,
+    the_hypervisor_inherits_no_agent_fd_on,
+    a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on,
+    preflight_passes_on
+);

@@ -293,6 +293,7 @@ impl CloudHypervisor {
     ) -> Result<(), BoxFailure> {
         let socket = self.socket_path(vm_id);
         let until = deadline.capped(self.cfg.boot_wait);
+        let started = Instant::now();
         loop {
             if !tracked.alive() {
                 let reason = self.failure_reason(vm_id);
@@ -322,7 +323,14 @@ impl CloudHypervisor {
                 ))
                 .into());
             }
-            std::thread::sleep(Duration::from_millis(2));
+            // A VMM's API is up a few ms after exec: poll finely at first,
+            // then back off so a slow guest costs no CPU.
+            let pause = if started.elapsed() < Duration::from_millis(50) {
+                Duration::from_micros(250)
+            } else {
+                Duration::from_millis(5)
+            };
+            std::thread::sleep(pause);
         }
     }
 
