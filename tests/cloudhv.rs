@@ -92,17 +92,28 @@ impl Host {
                 terminate: Duration::from_millis(300),
             },
         };
+        let base_url = format!("file://{}", base.display());
+        Host::assemble(dir, cfg, Fakes::new(), base_url, base_sha)
+    }
+
+    /// A host over `dir`'s state dir, with a fresh backend and engine.
+    fn assemble(
+        dir: tempfile::TempDir,
+        cfg: CloudHvConfig,
+        fakes: Arc<Fakes>,
+        base_url: String,
+        base_sha: String,
+    ) -> Host {
         let store = Arc::new(Store::open(&dir.path().join("state")).expect("store"));
         let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg.clone()));
-        let fakes = Fakes::new();
         let mut host = Host {
-            base_url: format!("file://{}", base.display()),
             dir,
             store,
             cfg,
             backend,
             fakes,
             engine: None,
+            base_url,
             base_sha,
             cleanup: true,
         };
@@ -140,21 +151,7 @@ impl Host {
             self.base_sha.clone(),
         );
         drop(self);
-        let store = Arc::new(Store::open(&dir.path().join("state")).expect("reopen"));
-        let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg.clone()));
-        let mut host = Host {
-            dir,
-            store,
-            cfg,
-            backend,
-            fakes,
-            engine: None,
-            base_url,
-            base_sha,
-            cleanup: true,
-        };
-        host.engine = Some(host.make_engine());
-        host
+        Host::assemble(dir, cfg, fakes, base_url, base_sha)
     }
 
     fn engine(&self) -> &Engine {

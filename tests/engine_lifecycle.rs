@@ -352,13 +352,7 @@ fn failed_destroy_is_retried_next_tick() {
 
 #[test]
 fn returning_vm_leaves_quarantine_and_counts_again() {
-    let h = Harness::with_config(EngineConfig {
-        caps: HostCaps {
-            max_vcpus: 1,
-            ..HostCaps::default()
-        },
-        ..config()
-    });
+    let h = Harness::with_config(one_vcpu_host());
     h.tick(&running("vm-a"));
     h.tick(&snapshot(2, vec![]));
 
@@ -378,13 +372,7 @@ fn returning_vm_leaves_quarantine_and_counts_again() {
 
 #[test]
 fn reaping_releases_compute() {
-    let h = Harness::with_config(EngineConfig {
-        caps: HostCaps {
-            max_vcpus: 1,
-            ..HostCaps::default()
-        },
-        ..config()
-    });
+    let h = Harness::with_config(one_vcpu_host());
     h.tick(&running("vm-a"));
 
     let row = h.tick_until(&snapshot(2, vec![present(desired("vm-b"))]), "vm-b", |r| {

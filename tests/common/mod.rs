@@ -47,8 +47,10 @@ impl Harness {
     }
 
     pub fn with_config(config: EngineConfig) -> Harness {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let fakes = Fakes::new();
+        Harness::open(tempfile::tempdir().expect("tempdir"), Fakes::new(), config)
+    }
+
+    fn open(dir: tempfile::TempDir, fakes: Arc<Fakes>, config: EngineConfig) -> Harness {
         let store = Arc::new(Store::open(dir.path()).expect("store"));
         let engine = Engine::new(Arc::clone(&store), fakes.seams(), config.clone());
         Harness {
@@ -72,15 +74,7 @@ impl Harness {
         } = self;
         drop(engine);
         drop(store);
-        let store = Arc::new(Store::open(dir.path()).expect("reopen store"));
-        let engine = Engine::new(Arc::clone(&store), fakes.seams(), config.clone());
-        Harness {
-            dir,
-            store,
-            fakes,
-            engine,
-            config,
-        }
+        Harness::open(dir, fakes, config)
     }
 
     /// One tick: step, then wait until every pass it started has ended.

@@ -556,6 +556,13 @@ impl Provisioner for CloudHypervisor {
     fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
         self.stop(vm_id, deadline)?;
         let tap = self.tap_name(vm_id);
+        // The kernel unregisters a tap asynchronously once its last fd
+        // closes, so a VMM that just exited can leave its link for a moment:
+        // give it that moment before removing a (persistent) leftover.
+        let settle = Deadline::after(Duration::from_secs(2));
+        while tap::exists(&tap) && !settle.expired() {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         if tap::exists(&tap)
             && let Err(e) = tap::remove(&tap)
         {
