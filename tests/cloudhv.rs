@@ -601,3 +601,48 @@ both!(
     a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on,
     preflight_passes_on
 );
+
+/// Deletes a test link on the way out, whatever happened.
+struct Link(String);
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.0])
+            .output();
+    }
+}
+
+#[test]
+fn a_leaked_tap_with_the_agents_prefix_is_removed_at_start() {
+    let h = Host::new(&[]);
+    // A persistent tap, as `ip tuntap add` (or another agent's bug) leaves.
+    let leaked = Link(format!("{}leak", tap_prefix()));
+    let made = std::process::Command::new("ip")
+        .args(["tuntap", "add", "dev", &leaked.0, "mode", "tap"])
+        .status()
+        .expect("ip");
+    assert!(made.success());
+    assert!(Path::new("/sys/class/net").join(&leaked.0).exists());
+
+    let _restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+
+    assert!(
+        !Path::new("/sys/class/net").join(&leaked.0).exists(),
+        "{} was not removed",
+        leaked.0
+    );
+}
+
+#[test]
+fn a_tap_a_live_vmm_holds_survives_a_restart() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
+
+    let _restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+
+    assert!(tap.exists());
+    assert!(h.backend.running(&id("vm-1")));
+}
