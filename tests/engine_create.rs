@@ -419,6 +419,15 @@ fn at_most_n_creates_hold_a_slot_at_once() {
     let snap = snapshot(1, names.iter().map(|n| present(desired(n))).collect());
     h.engine.step(&snap);
 
+    // Once the holders are inside the image call, nobody can move: the
+    // holders have said "downloading", the rest are queued for a slot.
+    let until = std::time::Instant::now() + SETTLE;
+    while gates.iter().map(|g| g.entered()).sum::<usize>() < SLOTS
+        && std::time::Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let inside_at_peak = gates.iter().map(|g| g.entered()).sum::<usize>();
     let details: Vec<String> = names.iter().map(|n| wait_for_detail(&h, n)).collect();
     let downloading = details
         .iter()
@@ -434,7 +443,12 @@ fn at_most_n_creates_hold_a_slot_at_once() {
     h.idle();
 
     assert_eq!((downloading, queued), (SLOTS, VMS - SLOTS), "{details:?}");
-    assert_eq!(h.fakes.max_concurrent(Op::Resolve), SLOTS);
+    assert_eq!(inside_at_peak, SLOTS);
+    assert_eq!(
+        h.fakes.max_concurrent(Op::Resolve),
+        SLOTS,
+        "never more than the slots allow"
+    );
     assert!(names.iter().all(|n| h.row(n).phase == Some(Phase::Ready)));
 }
 
