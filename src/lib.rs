@@ -24,6 +24,7 @@ pub mod error;
 pub mod hostkey;
 pub mod image;
 pub mod model;
+pub mod net;
 pub mod pb;
 pub mod provision;
 pub mod reconcile;

@@ -1,0 +1,320 @@
+//! Underlay addresses: one per VM, sticky by MAC, never two live VMs on one.
+//!
+//! 1. The first choice is derived from the VM id, so a VM usually gets the
+//!    same address on any host and across re-creation.
+//! 2. A taken choice probes linearly to the next free address.
+//! 3. The MAC → address map is written (temp → fsync → rename) **before**
+//!    an address is handed out, so a crash can never hand one out twice.
+//! 4. An address is released at destroy, not at stop: a stopped VM keeps it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+use sha2::{Digest, Sha256};
+
+use crate::model::Id;
+use crate::state::atomic::write_atomic;
+
+/// An IPv4 subnet: the gateway takes the first host address, guests the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Subnet {
+    pub network: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Subnet {
+    /// Parses `a.b.c.d/n`, refusing host bits and subnets too small for a
+    /// gateway and a guest.
+    pub fn parse(text: &str) -> Result<Subnet, String> {
+        let (addr, prefix) = text
+            .split_once('/')
+            .ok_or_else(|| format!("{text:?} is not an a.b.c.d/n subnet"))?;
+        let network: Ipv4Addr = addr
+            .parse()
+            .map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
+        let prefix: u8 = prefix
+            .parse()
+            .ok()
+            .filter(|p| (8..=29).contains(p))
+            .ok_or_else(|| format!("/{prefix} must be between /8 and /29"))?;
+        let subnet = Subnet { network, prefix };
+        if u32::from(network) & !subnet.mask_bits() != 0 {
+            return Err(format!(
+                "{text} has host bits set; did you mean {}/{prefix}?",
+                Ipv4Addr::from(u32::from(network) & subnet.mask_bits())
+            ));
+        }
+        Ok(subnet)
+    }
+
+    fn mask_bits(&self) -> u32 {
+        u32::MAX << (32 - u32::from(self.prefix))
+    }
+
+    pub fn netmask(&self) -> Ipv4Addr {
+        Ipv4Addr::from(self.mask_bits())
+    }
+
+    pub fn gateway(&self) -> Ipv4Addr {
+        Ipv4Addr::from(u32::from(self.network) + 1)
+    }
+
+    /// Guest addresses: after the gateway, before the broadcast address.
+    fn guests(&self) -> (u32, u32) {
+        let first = u32::from(self.network) + 2;
+        let last = (u32::from(self.network) | !self.mask_bits()) - 1;
+        (first, last)
+    }
+
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) & self.mask_bits() == u32::from(self.network)
+    }
+}
+
+impl fmt::Display for Subnet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.prefix)
+    }
+}
+
+#[derive(Debug)]
+pub enum AddressError {
+    Full {
+        subnet: Subnet,
+    },
+    Unreadable {
+        path: PathBuf,
+        problem: String,
+    },
+    Save {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl fmt::Display for AddressError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AddressError::Full { subnet } => write!(
+                f,
+                "no free address left in {subnet}; use a larger --underlay-subnet"
+            ),
+            AddressError::Unreadable { path, problem } => write!(
+                f,
+                "the address map {} is unreadable ({problem}); no address is handed out until it is repaired, since a fresh map could give a live VM's address away",
+                path.display()
+            ),
+            AddressError::Save { path, .. } => {
+                write!(f, "cannot save the address map {}", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for AddressError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AddressError::Save { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl crate::error::Failure for AddressError {
+    fn is_permanent(&self) -> bool {
+        matches!(self, AddressError::Full { .. })
+    }
+}
+
+/// The persisted MAC → address map of one subnet.
+pub struct Addresses {
+    path: PathBuf,
+    subnet: Subnet,
+    map: Mutex<BTreeMap<String, Ipv4Addr>>,
+}
+
+impl Addresses {
+    /// Loads the map at `path` (absent = empty). An unreadable map is an
+    /// error: starting from nothing could hand a live VM's address to another.
+    pub fn open(path: &Path, subnet: Subnet) -> Result<Addresses, AddressError> {
+        let map = match std::fs::read(path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| AddressError::Unreadable {
+                path: path.to_path_buf(),
+                problem: e.to_string(),
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => {
+                return Err(AddressError::Unreadable {
+                    path: path.to_path_buf(),
+                    problem: e.to_string(),
+                });
+            }
+        };
+        Ok(Addresses {
+            path: path.to_path_buf(),
+            subnet,
+            map: Mutex::new(map),
+        })
+    }
+
+    pub fn subnet(&self) -> Subnet {
+        self.subnet
+    }
+
+    pub fn get(&self, mac: &str) -> Option<Ipv4Addr> {
+        self.map.lock().get(mac).copied()
+    }
+
+    /// The VM's address: the one it has, or a new one, saved before it is
+    /// returned.
+    pub fn allocate(&self, vm_id: &Id, mac: &str) -> Result<Ipv4Addr, AddressError> {
+        let mut map = self.map.lock();
+        if let Some(ip) = map.get(mac) {
+            return Ok(*ip);
+        }
+        let (first, last) = self.subnet.guests();
+        let size = last - first + 1;
+        let digest = Sha256::digest(vm_id.as_str().as_bytes());
+        let start = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % size;
+        let taken: std::collections::HashSet<Ipv4Addr> = map.values().copied().collect();
+        let ip = (0..size)
+            .map(|i| Ipv4Addr::from(first + (start + i) % size))
+            .find(|ip| !taken.contains(ip))
+            .ok_or(AddressError::Full {
+                subnet: self.subnet,
+            })?;
+        map.insert(mac.to_owned(), ip);
+        if let Err(source) = self.save(&map) {
+            map.remove(mac);
+            return Err(AddressError::Save {
+                path: self.path.clone(),
+                source,
+            });
+        }
+        Ok(ip)
+    }
+
+    /// Frees the VM's address (at destroy).
+    pub fn release(&self, mac: &str) -> Result<(), AddressError> {
+        let mut map = self.map.lock();
+        if map.remove(mac).is_some() {
+            self.save(&map).map_err(|source| AddressError::Save {
+                path: self.path.clone(),
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn save(&self, map: &BTreeMap<String, Ipv4Addr>) -> std::io::Result<()> {
+        if let Some(dir) = self.path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        write_atomic(
+            &self.path,
+            &serde_json::to_vec_pretty(map).map_err(std::io::Error::other)?,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> Id {
+        Id::parse(s).expect("id")
+    }
+
+    fn small() -> Subnet {
+        Subnet::parse("192.0.2.0/29").expect("subnet")
+    }
+
+    #[test]
+    fn the_first_choice_depends_on_the_vm_id_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Addresses::open(
+            &dir.path().join("a.json"),
+            Subnet::parse("100.77.0.0/16").expect("net"),
+        )
+        .expect("open");
+        let b = Addresses::open(
+            &dir.path().join("b.json"),
+            Subnet::parse("100.77.0.0/16").expect("net"),
+        )
+        .expect("open");
+
+        assert_eq!(
+            a.allocate(&id("vm-1"), "02:00:00:00:00:01").ok(),
+            b.allocate(&id("vm-1"), "02:aa:00:00:00:01").ok()
+        );
+    }
+
+    #[test]
+    fn collisions_probe_to_distinct_addresses_until_full() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Addresses::open(&dir.path().join("a.json"), small()).expect("open");
+
+        let ips: Vec<Ipv4Addr> = (0..5)
+            .map(|n| {
+                a.allocate(&id(&format!("vm-{n}")), &format!("mac-{n}"))
+                    .expect("room")
+            })
+            .collect();
+        let full = a.allocate(&id("vm-5"), "mac-5");
+
+        let distinct: std::collections::HashSet<_> = ips.iter().collect();
+        assert_eq!(distinct.len(), 5, "a /29 has 5 guest addresses: {ips:?}");
+        assert!(
+            ips.iter()
+                .all(|ip| small().contains(*ip) && *ip != small().gateway())
+        );
+        assert!(matches!(full, Err(AddressError::Full { .. })));
+    }
+
+    #[test]
+    fn an_address_survives_a_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        let ip = Addresses::open(&path, small())
+            .expect("open")
+            .allocate(&id("vm-1"), "mac-1")
+            .expect("ip");
+
+        let again = Addresses::open(&path, small()).expect("reopen");
+
+        assert_eq!(again.get("mac-1"), Some(ip));
+    }
+
+    #[test]
+    fn release_frees_the_address() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Addresses::open(&dir.path().join("a.json"), small()).expect("open");
+        let ip = a.allocate(&id("vm-1"), "mac-1").expect("ip");
+
+        a.release("mac-1").expect("release");
+
+        assert_eq!(a.get("mac-1"), None);
+        assert_eq!(a.allocate(&id("vm-1"), "mac-1").ok(), Some(ip));
+    }
+
+    #[test]
+    fn an_unreadable_map_hands_out_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        std::fs::write(&path, b"{not json").expect("write");
+
+        let err = Addresses::open(&path, small()).err().expect("refused");
+
+        assert!(err.to_string().contains("unreadable"), "{err}");
+    }
+
+    #[test]
+    fn subnets_with_host_bits_are_refused() {
+        let err = Subnet::parse("10.0.0.5/24").expect_err("host bits");
+
+        assert!(err.contains("10.0.0.0/24"), "{err}");
+    }
+}
