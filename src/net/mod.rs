@@ -7,3 +7,4 @@
 
 pub mod addresses;
 pub mod dhcp;
+pub mod underlay;

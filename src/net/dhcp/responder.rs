@@ -52,19 +52,40 @@ fn ifindex(name: &str) -> io::Result<i32> {
     }
 }
 
+/// The interface's MAC, from the kernel of this process's network
+/// namespace (SIOCGIFHWADDR; /sys may show another namespace).
 fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
-    let text = std::fs::read_to_string(format!("/sys/class/net/{name}/address"))?;
-    let bytes: Vec<u8> = text
-        .trim()
-        .split(':')
-        .filter_map(|h| u8::from_str_radix(h, 16).ok())
-        .collect();
-    bytes.try_into().map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("{name} has no Ethernet address"),
-        )
-    })
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("bad interface name {name:?}"),
+        ));
+    }
+    // SAFETY: plain socket(2); the result is checked and owned below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket(2) and is owned by no one else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; zeroed is a valid value for it.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR reads the name from and writes the address into
+    // `req`, a valid ifreq for the duration of the call.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: after SIOCGIFHWADDR succeeds the union holds ifru_hwaddr.
+    let data = unsafe { req.ifr_ifru.ifru_hwaddr.sa_data };
+    let mut mac = [0u8; 6];
+    for (dst, src) in mac.iter_mut().zip(data.iter()) {
+        *dst = *src as u8;
+    }
+    Ok(mac)
 }
 
 /// A packet socket bound to `iface`, receiving every protocol.
