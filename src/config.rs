@@ -156,6 +156,24 @@ const SETTINGS: &[Setting] = &[
         help: "guest kernel command line (with --kernel)",
     },
     Setting {
+        flag: "underlay-bridge",
+        env: "EITRI_UNDERLAY_BRIDGE",
+        default: "eitri0",
+        help: "the agent's bridge for guest NICs (empty: no guest networking)",
+    },
+    Setting {
+        flag: "underlay-subnet",
+        env: "EITRI_UNDERLAY_SUBNET",
+        default: "100.77.0.0/16",
+        help: "guest underlay subnet; the bridge takes its first address",
+    },
+    Setting {
+        flag: "guest-dns",
+        env: "EITRI_GUEST_DNS",
+        default: "",
+        help: "DNS servers told to guests, comma-separated (default: the host's non-loopback resolvers)",
+    },
+    Setting {
         flag: "run-dir",
         env: "EITRI_RUN_DIR",
         default: "/run/eitri",
@@ -216,6 +234,9 @@ pub struct ControlPlane {
 /// How guests boot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestBoot {
+    /// `None` when guest networking is off.
+    pub underlay: Option<crate::net::underlay::UnderlayConfig>,
+    pub guest_dns: Vec<std::net::Ipv4Addr>,
     pub hypervisor: PathBuf,
     pub run_dir: PathBuf,
     pub tap_prefix: String,
@@ -456,7 +477,41 @@ fn parse_run(args: &[String], env: &HashMap<String, String>) -> Result<Config, C
             "--tap-prefix: {tap_prefix:?} must be 1-8 letters or digits (tap names are at most 15 bytes)"
         )));
     }
+    let underlay = match raw.optional("underlay-bridge") {
+        None => None,
+        Some(bridge) => {
+            if bridge.len() > 15
+                || !bridge
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            {
+                return Err(err(format!(
+                    "--underlay-bridge: {bridge:?} is not a link name (1-15 letters, digits, - or _)"
+                )));
+            }
+            let subnet = crate::net::addresses::Subnet::parse(&raw.get("underlay-subnet"))
+                .map_err(|e| err(format!("--underlay-subnet: {e}")))?;
+            Some(crate::net::underlay::UnderlayConfig {
+                bridge,
+                subnet,
+                table: "eitri".into(),
+            })
+        }
+    };
+    let guest_dns = match raw.optional("guest-dns") {
+        Some(list) => list
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse()
+                    .map_err(|_| err(format!("--guest-dns: {s:?} is not an IPv4 address")))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        None => host_resolvers(),
+    };
     let guest = GuestBoot {
+        underlay,
+        guest_dns,
         hypervisor: PathBuf::from(raw.get("hypervisor")),
         run_dir: PathBuf::from(raw.get("run-dir")),
         tap_prefix,
@@ -526,6 +581,17 @@ fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> 
         request_timeout: raw.duration("request-timeout")?,
         max_response_bytes,
     })
+}
+
+/// The host's own DNS servers, less loopback ones a guest cannot reach.
+fn host_resolvers() -> Vec<std::net::Ipv4Addr> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("nameserver"))
+        .filter_map(|v| v.trim().parse::<std::net::Ipv4Addr>().ok())
+        .filter(|ip| !ip.is_loopback())
+        .collect()
 }
 
 /// `/etc/machine-id`, else the kernel's hostname, else "unknown-host".

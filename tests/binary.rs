@@ -66,6 +66,8 @@ impl Agent {
             dir.join("run").display().to_string(),
             "--hypervisor".into(),
             "/nonexistent/cloud-hypervisor".into(),
+            // No bridge or firewall table on the test machine's host.
+            "--underlay-bridge=".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = Command::new(BIN)

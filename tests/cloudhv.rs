@@ -2,6 +2,7 @@
 //! real forks, real sockets, real taps, real signals. Through the engine
 //! where the rule is the engine's.
 
+use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -86,6 +87,7 @@ impl Host {
             run_dir: dir.path().join("run"),
             tap_prefix: tap_prefix(),
             boot_wait: Duration::from_secs(5),
+            network: None,
             stop: StopTimeouts {
                 power_button: Duration::from_millis(500),
                 vmm_shutdown: Duration::from_millis(500),
@@ -645,4 +647,45 @@ fn a_tap_a_live_vmm_holds_survives_a_restart() {
 
     assert!(tap.exists());
     assert!(h.backend.running(&id("vm-1")));
+}
+
+#[test]
+fn a_booted_vm_has_its_address_and_its_tap_on_the_bridge_until_destroyed() {
+    // A network namespace of this test's own: the bridge and NAT table
+    // never touch the host's.
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    let mut h = Host::new(&[]);
+    let subnet = eitri_agent::net::addresses::Subnet::parse("100.77.0.0/16").expect("subnet");
+    let network = eitri_agent::net::host::HostNetwork::setup(
+        eitri_agent::net::underlay::UnderlayConfig {
+            bridge: "etbr0".into(),
+            subnet,
+            table: "eitri_test".into(),
+        },
+        h.store.root(),
+        vec![],
+    )
+    .expect("network");
+    h.cfg.network = Some(Arc::new(network));
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    let spec = h.spec("vm-1");
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let address = h.backend.address(&id("vm-1"));
+    let port = std::process::Command::new("ip")
+        .args(["-d", "link", "show", &h.backend.tap_name(&id("vm-1"))])
+        .output()
+        .expect("ip");
+    h.backend
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroy");
+
+    let ip: Ipv4Addr = address.parse().expect("an address right after boot");
+    assert!(subnet.contains(ip) && ip != subnet.gateway(), "{ip}");
+    let port = String::from_utf8_lossy(&port.stdout);
+    assert!(
+        port.contains("master etbr0") && port.contains("isolated on"),
+        "{port}"
+    );
+    assert_eq!(h.backend.address(&id("vm-1")), "", "released at destroy");
 }

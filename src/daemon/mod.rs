@@ -405,8 +405,27 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
     let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
     let host = Arc::new(SystemHost::new().map_err(DaemonError::BootId)?);
     let boot_id = host.boot_id();
+    // Without its network a VM still boots; the log and the VM's missing
+    // address say why it is unreachable.
+    let network =
+        config.guest.underlay.clone().and_then(
+            |underlay| match crate::net::host::HostNetwork::setup(
+                underlay,
+                store.root(),
+                config.guest.guest_dns.clone(),
+            ) {
+                Ok(n) => Some(Arc::new(n)),
+                Err(e) => {
+                    log::error!(
+                        "guest networking is off: {}",
+                        chain(&*e as &dyn std::error::Error)
+                    );
+                    None
+                }
+            },
+        );
     let seams = Seams {
-        provisioner: crate::provision::for_host(Arc::clone(&store), &config.guest),
+        provisioner: crate::provision::for_host(Arc::clone(&store), &config.guest, network),
         images: Arc::new(ImageCache::new(store.images_dir())),
         seed: Arc::new(NoCloudSeed),
         host_keys: Arc::new(LocalHostKeys),

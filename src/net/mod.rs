@@ -7,4 +7,5 @@
 
 pub mod addresses;
 pub mod dhcp;
+pub mod host;
 pub mod underlay;

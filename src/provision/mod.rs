@@ -67,6 +67,7 @@ pub trait Provisioner: Send + Sync {
 pub fn for_host(
     store: std::sync::Arc<crate::state::Store>,
     guest: &crate::config::GuestBoot,
+    network: Option<std::sync::Arc<crate::net::host::HostNetwork>>,
 ) -> std::sync::Arc<dyn Provisioner> {
     std::sync::Arc::new(cloudhv::CloudHypervisor::new(
         store,
@@ -79,6 +80,7 @@ pub fn for_host(
             tap_prefix: guest.tap_prefix.clone(),
             boot_wait: std::time::Duration::from_secs(60),
             stop: cloudhv::StopTimeouts::default(),
+            network,
         },
     ))
 }

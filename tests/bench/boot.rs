@@ -47,6 +47,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             tap_prefix: format!("eb{:04x}", std::process::id() & 0xffff),
             boot_wait: Duration::from_secs(10),
             stop: StopTimeouts::default(),
+            network: None,
         },
     );
     let spec = desired("bench-vm").spec;

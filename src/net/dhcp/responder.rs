@@ -183,8 +183,21 @@ fn serve(fd: &OwnedFd, lease: &Lease, our_mac: [u8; 6], stop: &AtomicBool, stats
     while !stop.load(Ordering::Relaxed) {
         // SAFETY: `buf` is valid for writes of its length.
         let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n <= 0 {
-            continue; // timeout (to look at `stop`), or an interrupted call
+        if n < 0 {
+            let err = io::Error::last_os_error();
+            match err.kind() {
+                // The receive timeout (to look at `stop`), or a signal.
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => continue,
+                // The interface went away (its VMM exited): nothing left to
+                // answer; the next boot starts a new responder.
+                _ => {
+                    log::debug!("DHCP responder for {:02x?} ends: {err}", lease.mac);
+                    return;
+                }
+            }
+        }
+        if n == 0 {
+            continue;
         }
         let frame = &buf[..n as usize];
         // Only the VM's own frames to the server port are ours to read; the

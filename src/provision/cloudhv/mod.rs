@@ -73,7 +73,7 @@ impl Default for StopTimeouts {
     }
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct CloudHvConfig {
     pub hypervisor: PathBuf,
     pub kernel: Option<PathBuf>,
@@ -88,6 +88,8 @@ pub struct CloudHvConfig {
     /// Bound on waiting for a new VMM's API to say Running.
     pub boot_wait: Duration,
     pub stop: StopTimeouts,
+    /// The host network taps join; `None` leaves taps unconnected.
+    pub network: Option<Arc<crate::net::host::HostNetwork>>,
 }
 
 pub struct CloudHypervisor {
@@ -172,6 +174,10 @@ impl CloudHypervisor {
         let tap_name = self.tap_name(vm_id);
         let tap =
             tap::open(&tap_name).map_err(|e| transient(&format!("open its tap {tap_name}"), e))?;
+        if let Some(network) = &self.cfg.network {
+            let ip = network.plug(vm_id, &tap_name, &mac::underlay(vm_id))?;
+            log::info!("VM {vm_id}: {ip} on its tap {tap_name}");
+        }
         let log_path = self.store.hypervisor_log_path(vm_id);
         let log = OpenOptions::new()
             .create(true)
@@ -584,6 +590,9 @@ impl Provisioner for CloudHypervisor {
             }
         }
         self.exits.lock().remove(vm_id);
+        if let Some(network) = &self.cfg.network {
+            network.release(vm_id, &mac::underlay(vm_id))?;
+        }
         Ok(())
     }
 
@@ -600,8 +609,13 @@ impl Provisioner for CloudHypervisor {
         }
     }
 
-    fn address(&self, _vm_id: &Id) -> String {
-        String::new()
+    fn address(&self, vm_id: &Id) -> String {
+        self.cfg
+            .network
+            .as_ref()
+            .and_then(|n| n.address(&mac::underlay(vm_id)))
+            .map(|ip| ip.to_string())
+            .unwrap_or_default()
     }
 
     fn network_address(&self, _vm_id: &Id) -> String {
