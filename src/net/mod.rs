@@ -8,4 +8,5 @@
 pub mod addresses;
 pub mod dhcp;
 pub mod host;
+pub mod packet;
 pub mod underlay;

@@ -1,0 +1,155 @@
+//! A packet socket bound to one interface: whole Ethernet frames in and
+//! out, every protocol (ETH_P_ALL: an ETH_P_IP packet socket on a bridge
+//! port receives nothing).
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use nix::libc;
+
+pub struct PacketSocket {
+    fd: OwnedFd,
+    mac: [u8; 6],
+}
+
+impl PacketSocket {
+    /// Opens a packet socket on `iface`; `timeout` bounds each receive.
+    pub fn open(iface: &str, timeout: Option<Duration>) -> io::Result<PacketSocket> {
+        let fd = packet_socket(iface)?;
+        if let Some(t) = timeout {
+            let tv = libc::timeval {
+                tv_sec: t.as_secs() as libc::time_t,
+                tv_usec: libc::suseconds_t::from(t.subsec_micros()),
+            };
+            // SAFETY: SO_RCVTIMEO takes a timeval, passed with its size.
+            let rc = unsafe {
+                libc::setsockopt(
+                    fd.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVTIMEO,
+                    std::ptr::from_ref(&tv).cast(),
+                    std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+                )
+            };
+            if rc < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        let mac = interface_mac(iface)?;
+        Ok(PacketSocket { fd, mac })
+    }
+
+    /// The interface's own MAC.
+    pub fn mac(&self) -> [u8; 6] {
+        self.mac
+    }
+
+    /// One frame into `buf`; its length.
+    pub fn recv(&self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for writes of its length.
+        let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// Sends one whole frame out of the interface.
+    pub fn send(&self, frame: &[u8]) -> io::Result<()> {
+        // SAFETY: `frame` is valid for reads of its length; the socket is
+        // bound to the interface, so send(2) needs no address.
+        let n = unsafe { libc::send(self.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+}
+
+fn ifindex(name: &str) -> io::Result<i32> {
+    let c = CString::new(name)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "interface name has a NUL"))?;
+    // SAFETY: `c` is a valid NUL-terminated string for the call.
+    let index = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if index == 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(index as i32)
+    }
+}
+
+/// The interface's MAC, from the kernel of this process's network
+/// namespace (SIOCGIFHWADDR; /sys may show another namespace).
+fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("bad interface name {name:?}"),
+        ));
+    }
+    // SAFETY: plain socket(2); the result is checked and owned below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket(2) and is owned by no one else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; zeroed is a valid value for it.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFHWADDR reads the name from and writes the address into
+    // `req`, a valid ifreq for the duration of the call.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: after SIOCGIFHWADDR succeeds the union holds ifru_hwaddr.
+    let data = unsafe { req.ifr_ifru.ifru_hwaddr.sa_data };
+    let mut mac = [0u8; 6];
+    for (dst, src) in mac.iter_mut().zip(data.iter()) {
+        *dst = *src as u8;
+    }
+    Ok(mac)
+}
+
+/// A packet socket bound to `iface`, receiving every protocol.
+fn packet_socket(iface: &str) -> io::Result<OwnedFd> {
+    let index = ifindex(iface)?;
+    let proto = (libc::ETH_P_ALL as u16).to_be();
+    // SAFETY: plain socket(2); the result is checked before use.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            i32::from(proto),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket(2) and is owned by no one else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_ll is plain data; zeroed is a valid value for it.
+    let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    addr.sll_family = libc::AF_PACKET as u16;
+    addr.sll_protocol = proto;
+    addr.sll_ifindex = index;
+    // SAFETY: `addr` is a valid sockaddr_ll and its size is passed with it.
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            std::ptr::from_ref(&addr).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
