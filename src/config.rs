@@ -168,6 +168,12 @@ const SETTINGS: &[Setting] = &[
         help: "guest underlay subnet; the bridge takes its first address",
     },
     Setting {
+        flag: "host-network",
+        env: "EITRI_HOST_NETWORK",
+        default: "",
+        help: "named host networks for a VM's second NIC: NAME=BRIDGE[,NAME=BRIDGE] (default: none)",
+    },
+    Setting {
         flag: "guest-dns",
         env: "EITRI_GUEST_DNS",
         default: "",
@@ -237,6 +243,8 @@ pub struct GuestBoot {
     /// `None` when guest networking is off.
     pub underlay: Option<crate::net::underlay::UnderlayConfig>,
     pub guest_dns: Vec<std::net::Ipv4Addr>,
+    /// Named host networks: name → site bridge.
+    pub host_networks: HashMap<String, String>,
     pub hypervisor: PathBuf,
     pub run_dir: PathBuf,
     pub tap_prefix: String,
@@ -509,9 +517,28 @@ fn parse_run(args: &[String], env: &HashMap<String, String>) -> Result<Config, C
             .collect::<Result<Vec<_>, _>>()?,
         None => host_resolvers(),
     };
+    let mut host_networks = HashMap::new();
+    for pair in raw
+        .optional("host-network")
+        .iter()
+        .flat_map(|v| v.split(','))
+    {
+        let Some((name, bridge)) = pair.trim().split_once('=') else {
+            return Err(err(format!("--host-network: {pair:?} is not NAME=BRIDGE")));
+        };
+        crate::model::Id::parse(name)
+            .map_err(|e| err(format!("--host-network: network name {e}")))?;
+        if bridge.is_empty() || bridge.len() > 15 {
+            return Err(err(format!(
+                "--host-network: {bridge:?} is not a link name"
+            )));
+        }
+        host_networks.insert(name.to_owned(), bridge.to_owned());
+    }
     let guest = GuestBoot {
         underlay,
         guest_dns,
+        host_networks,
         hypervisor: PathBuf::from(raw.get("hypervisor")),
         run_dir: PathBuf::from(raw.get("run-dir")),
         tap_prefix,

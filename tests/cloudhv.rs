@@ -664,6 +664,7 @@ fn a_booted_vm_has_its_address_and_its_tap_on_the_bridge_until_destroyed() {
         },
         h.store.root(),
         vec![],
+        std::collections::HashMap::new(),
     )
     .expect("network");
     h.cfg.network = Some(Arc::new(network));

@@ -413,6 +413,7 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
                 underlay,
                 store.root(),
                 config.guest.guest_dns.clone(),
+                config.guest.host_networks.clone(),
             ) {
                 Ok(n) => Some(Arc::new(n)),
                 Err(e) => {

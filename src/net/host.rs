@@ -10,8 +10,11 @@ use std::path::Path;
 
 use parking_lot::Mutex;
 
+use std::sync::Arc;
+
 use super::addresses::{AddressError, Addresses};
 use super::dhcp::{Lease, Responder};
+use super::snoop::{Learned, Snooper};
 use super::underlay::{Underlay, UnderlayConfig};
 use crate::error::{BoxFailure, Simple};
 use crate::model::Id;
@@ -22,6 +25,10 @@ pub struct HostNetwork {
     dns: Vec<Ipv4Addr>,
     lease_secs: u32,
     responders: Mutex<HashMap<Id, Responder>>,
+    /// Named host networks: name → the site bridge a second NIC joins.
+    named: HashMap<String, String>,
+    learned: Arc<Learned>,
+    snoopers: Mutex<HashMap<Id, Snooper>>,
 }
 
 impl HostNetwork {
@@ -30,6 +37,7 @@ impl HostNetwork {
         cfg: UnderlayConfig,
         state_dir: &Path,
         dns: Vec<Ipv4Addr>,
+        named: HashMap<String, String>,
     ) -> Result<HostNetwork, BoxFailure> {
         let addresses = Addresses::open(&state_dir.join("net/addresses.json"), cfg.subnet)
             .map_err(|e: AddressError| -> BoxFailure { e.into() })?;
@@ -40,6 +48,9 @@ impl HostNetwork {
             dns,
             lease_secs: 3600,
             responders: Mutex::new(HashMap::new()),
+            named,
+            learned: Arc::new(Learned::open(&state_dir.join("net/learned.json"))),
+            snoopers: Mutex::new(HashMap::new()),
         })
     }
 
@@ -69,9 +80,51 @@ impl HostNetwork {
         self.addresses.get(mac)
     }
 
-    /// Disconnects a destroyed VM and frees its address.
-    pub fn release(&self, vm_id: &Id, mac: &str) -> Result<(), BoxFailure> {
+    /// Connects a VM's second tap to the named host network's bridge and
+    /// starts learning the address the site's DHCP server grants it.
+    pub fn plug_named(
+        &self,
+        vm_id: &Id,
+        network: &str,
+        tap: &str,
+        mac: &str,
+    ) -> Result<(), BoxFailure> {
+        let Some(bridge) = self.named.get(network) else {
+            let mut served: Vec<&str> = self.named.keys().map(String::as_str).collect();
+            served.sort_unstable();
+            return Err(Simple::permanent(format!(
+                "host network {network:?} is not served on this host (served: {}); add it with --host-network {network}=BRIDGE",
+                if served.is_empty() { "none".to_owned() } else { served.join(", ") }
+            ))
+            .into());
+        };
+        super::underlay::join(tap, bridge)?;
+        let mac_bytes = parse_mac(mac).ok_or_else(|| -> BoxFailure {
+            Simple::permanent(format!("{mac:?} is not a MAC address")).into()
+        })?;
+        let snooper = Snooper::start(tap, mac_bytes, Arc::clone(&self.learned)).map_err(
+            |e| -> BoxFailure { Simple::transient(format!("cannot watch {tap}: {e}")).into() },
+        )?;
+        self.snoopers.lock().insert(vm_id.clone(), snooper);
+        Ok(())
+    }
+
+    /// Whether this host serves the named network.
+    pub fn serves(&self, network: &str) -> bool {
+        self.named.contains_key(network)
+    }
+
+    /// The address learned for a second NIC's MAC, while its lease lasts.
+    pub fn network_address(&self, mac: &str) -> Option<Ipv4Addr> {
+        self.learned.get(mac)
+    }
+
+    /// Disconnects a destroyed VM, frees its address and forgets what was
+    /// learned of its second NIC.
+    pub fn release(&self, vm_id: &Id, mac: &str, second_mac: &str) -> Result<(), BoxFailure> {
         self.responders.lock().remove(vm_id);
+        self.snoopers.lock().remove(vm_id);
+        self.learned.forget(second_mac);
         self.addresses.release(mac).map_err(Into::into)
     }
 }

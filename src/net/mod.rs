@@ -9,4 +9,5 @@ pub mod addresses;
 pub mod dhcp;
 pub mod host;
 pub mod packet;
+pub mod snoop;
 pub mod underlay;

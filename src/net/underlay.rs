@@ -284,3 +284,11 @@ fn accept_through_drop_policy(cfg: &UnderlayConfig) {
         }
     }
 }
+
+/// Makes `iface` an up port of `bridge` (a site bridge: not isolated, the
+/// site's own rules apply there).
+pub fn join(iface: &str, bridge: &str) -> Result<(), NetError> {
+    run("ip", &["link", "set", iface, "master", bridge], None)?;
+    run("ip", &["link", "set", iface, "up"], None)?;
+    Ok(())
+}

@@ -145,6 +145,14 @@ impl CloudHypervisor {
         format!("{}{}", self.cfg.tap_prefix, &self.digest(vm_id)[..room])
     }
 
+    /// The second NIC's tap: the same, its last character made `s`.
+    pub fn site_tap_name(&self, vm_id: &Id) -> String {
+        let mut name = self.tap_name(vm_id);
+        name.pop();
+        name.push('s');
+        name
+    }
+
     fn tracked(&self, vm_id: &Id) -> Option<Tracked> {
         Tracked::read(&self.store.pidfile_path(vm_id))
     }
@@ -178,6 +186,28 @@ impl CloudHypervisor {
             let ip = network.plug(vm_id, &tap_name, &mac::underlay(vm_id))?;
             log::info!("VM {vm_id}: {ip} on its tap {tap_name}");
         }
+        // The second NIC, on a named host network: its own tap, joined to
+        // the site's bridge, its address learned from the site's DHCP.
+        let site_tap = if spec.network.is_empty() {
+            None
+        } else {
+            let Some(network) = self
+                .cfg
+                .network
+                .as_ref()
+                .filter(|n| n.serves(&spec.network))
+            else {
+                return Err(Simple::permanent(format!(
+                    "host network {:?} is not served on this host; add it with --host-network {}=BRIDGE",
+                    spec.network, spec.network
+                ))
+                .into());
+            };
+            let name = self.site_tap_name(vm_id);
+            let fd = tap::open(&name).map_err(|e| transient(&format!("open its tap {name}"), e))?;
+            network.plug_named(vm_id, &spec.network, &name, &mac::second_nic(vm_id))?;
+            Some(fd)
+        };
         let log_path = self.store.hypervisor_log_path(vm_id);
         let log = OpenOptions::new()
             .create(true)
@@ -215,8 +245,11 @@ impl CloudHypervisor {
             cmd.arg(format!("path={}", self.store.volume_path(volume).display()));
         }
         cmd.arg("--net")
-            .arg(format!("fd=3,mac={}", mac::underlay(vm_id)))
-            .arg("--serial")
+            .arg(format!("fd=3,mac={}", mac::underlay(vm_id)));
+        if site_tap.is_some() {
+            cmd.arg(format!("fd=4,mac={}", mac::second_nic(vm_id)));
+        }
+        cmd.arg("--serial")
             .arg(format!(
                 "file={}",
                 self.store.serial_log_path(vm_id).display()
@@ -233,6 +266,7 @@ impl CloudHypervisor {
             .stdout(log)
             .stderr(log2);
         let tap_fd = tap.as_raw_fd();
+        let site_fd = site_tap.as_ref().map(AsRawFd::as_raw_fd);
         // SAFETY: the closure runs in the forked child before exec and calls
         // only async-signal-safe functions (setsid, dup2, fcntl); it touches
         // no memory shared with the parent's other threads.
@@ -250,6 +284,14 @@ impl CloudHypervisor {
                 } else if nix::libc::dup2(tap_fd, 3) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // The site tap's fd is never 3 (fd 3 is taken above), and a
+                // dup2 onto 4 clears close-on-exec.
+                if let Some(fd) = site_fd
+                    && fd != 4
+                    && nix::libc::dup2(fd, 4) < 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
                 Ok(())
             });
         }
@@ -260,8 +302,10 @@ impl CloudHypervisor {
             ))
             .into()
         })?;
-        // The VMM holds the tap now; the agent's copy must not keep it alive.
+        // The VMM holds the taps now; the agent's copies must not keep them
+        // alive.
         drop(tap);
+        drop(site_tap);
         let pid = child.id() as i32;
         let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
         if let Err(e) = tracked.write(&self.store.pidfile_path(vm_id)) {
@@ -561,18 +605,19 @@ impl Provisioner for CloudHypervisor {
 
     fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
         self.stop(vm_id, deadline)?;
-        let tap = self.tap_name(vm_id);
-        // The kernel unregisters a tap asynchronously once its last fd
-        // closes, so a VMM that just exited can leave its link for a moment:
-        // give it that moment before removing a (persistent) leftover.
-        let settle = Deadline::after(Duration::from_secs(2));
-        while tap::exists(&tap) && !settle.expired() {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if tap::exists(&tap)
-            && let Err(e) = tap::remove(&tap)
-        {
-            return Err(Simple::transient(format!("cannot remove tap {tap}: {e}")).into());
+        for tap in [self.tap_name(vm_id), self.site_tap_name(vm_id)] {
+            // The kernel unregisters a tap asynchronously once its last fd
+            // closes, so a VMM that just exited can leave its link for a
+            // moment: give it that moment before removing a leftover.
+            let settle = Deadline::after(Duration::from_secs(2));
+            while tap::exists(&tap) && !settle.expired() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if tap::exists(&tap)
+                && let Err(e) = tap::remove(&tap)
+            {
+                return Err(Simple::transient(format!("cannot remove tap {tap}: {e}")).into());
+            }
         }
         let socket = self.socket_path(vm_id);
         let lock = PathBuf::from(format!("{}.lock", socket.display()));
@@ -591,7 +636,7 @@ impl Provisioner for CloudHypervisor {
         }
         self.exits.lock().remove(vm_id);
         if let Some(network) = &self.cfg.network {
-            network.release(vm_id, &mac::underlay(vm_id))?;
+            network.release(vm_id, &mac::underlay(vm_id), &mac::second_nic(vm_id))?;
         }
         Ok(())
     }
@@ -618,8 +663,13 @@ impl Provisioner for CloudHypervisor {
             .unwrap_or_default()
     }
 
-    fn network_address(&self, _vm_id: &Id) -> String {
-        String::new()
+    fn network_address(&self, vm_id: &Id) -> String {
+        self.cfg
+            .network
+            .as_ref()
+            .and_then(|n| n.network_address(&mac::second_nic(vm_id)))
+            .map(|ip| ip.to_string())
+            .unwrap_or_default()
     }
 }
 
