@@ -27,6 +27,10 @@ pub struct ReportFile {
     /// How the last contact with the source went: "ok", or why it failed.
     pub contact: String,
     pub report: pb::Report,
+    /// Lasting facts about this host an operator should know (e.g. guest
+    /// networking is host-only).
+    #[serde(default)]
+    pub notes: Vec<String>,
 }
 
 impl ReportFile {
@@ -46,6 +50,7 @@ impl ReportFile {
             source,
             contact,
             report,
+            notes: Vec::new(),
         }
     }
 
@@ -91,6 +96,9 @@ impl ReportFile {
             "desired state: {}; last contact: {}",
             self.source, self.contact
         );
+        for note in &self.notes {
+            let _ = writeln!(out, "note: {note}");
+        }
         let rows: Vec<[String; 6]> = r
             .vms
             .iter()

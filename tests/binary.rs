@@ -289,6 +289,7 @@ fn standalone_writes_report_json_and_status_prints_it() {
         "the reason is shown: {text}"
     );
     assert!(text.contains("data-1 1 GiB ready"), "{text}");
+    assert!(text.contains("note: guest networking is off"), "{text}");
     let parsed: serde_json::Value =
         serde_json::from_slice(&json.stdout).expect("status --json is JSON");
     assert_eq!(parsed["report"]["vms"][0]["vm_id"], "web-1");

@@ -74,6 +74,7 @@ fn agent_in(dir: tempfile::TempDir, fakes: Arc<Fakes>, url: &str) -> Agent {
             // Always the top of the window, so the ceiling is observable.
             jitter: Box::new(|| 1.0),
             readiness: None,
+            notes: vec![],
         },
     );
     Agent {

@@ -179,3 +179,100 @@ fn another_mac_gets_nothing_from_this_vms_responder() {
     assert_eq!(got, None);
     assert_eq!(responder.stats().answered.load(Ordering::Relaxed), 0);
 }
+
+/// A veth pair in a namespace of this test's own: the responder on one
+/// end, a raw client (with the lease's MAC) on the other.
+fn private_pair() -> eitri_agent::net::packet::PacketSocket {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    ip(&[
+        "link", "add", "etfh", "type", "veth", "peer", "name", "etfc",
+    ]);
+    ip(&["link", "set", "etfc", "address", &mac_text(GUEST_MAC)]);
+    ip(&["link", "set", "etfh", "up"]);
+    ip(&["link", "set", "etfc", "up"]);
+    eitri_agent::net::packet::PacketSocket::open(
+        "etfc",
+        Some(std::time::Duration::from_millis(100)),
+    )
+    .expect("client socket")
+}
+
+fn discover(xid: u32) -> Vec<u8> {
+    use eitri_agent::net::dhcp::codec::{Kind, Message, build_frame, option};
+    let m = Message {
+        op: 1,
+        xid,
+        secs: 0,
+        flags: 0,
+        ciaddr: Ipv4Addr::UNSPECIFIED,
+        yiaddr: Ipv4Addr::UNSPECIFIED,
+        siaddr: Ipv4Addr::UNSPECIFIED,
+        giaddr: Ipv4Addr::UNSPECIFIED,
+        chaddr: GUEST_MAC,
+        options: vec![(option::MESSAGE_TYPE, vec![Kind::Discover.byte()])],
+    };
+    build_frame(
+        GUEST_MAC,
+        [0xff; 6],
+        (Ipv4Addr::UNSPECIFIED, 68),
+        (Ipv4Addr::BROADCAST, 67),
+        &m.encode(),
+    )
+}
+
+fn settle_until(what: &str, done: impl Fn() -> bool) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < until,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn a_guest_flooding_dhcp_is_rate_limited() {
+    let client = private_pair();
+    let responder = Responder::start("etfh", lease()).expect("responder");
+
+    // A flood to the responder (200 in about 20 ms, where it refills 10
+    // answers a second), paced just enough that no frame is lost in the
+    // socket's receive buffer: this counts answers, not drops.
+    for xid in 0..200 {
+        client.send(&discover(xid)).expect("send");
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    settle_until("every request to be seen", || {
+        responder.stats().requests.load(Ordering::Relaxed) == 200
+    });
+
+    let answered = responder.stats().answered.load(Ordering::Relaxed);
+    assert!(
+        answered < 40,
+        "a burst of 20 plus what refills while sending; got {answered}"
+    );
+    assert!(responder.stats().rate_limited.load(Ordering::Relaxed) >= 160);
+}
+
+#[test]
+fn malformed_packets_are_counted_and_dropped() {
+    let client = private_pair();
+    let responder = Responder::start("etfh", lease()).expect("responder");
+    let garbage = eitri_agent::net::dhcp::codec::build_frame(
+        GUEST_MAC,
+        [0xff; 6],
+        (Ipv4Addr::UNSPECIFIED, 68),
+        (Ipv4Addr::BROADCAST, 67),
+        b"not a dhcp message at all",
+    );
+
+    for _ in 0..5 {
+        client.send(&garbage).expect("send");
+    }
+    settle_until("the garbage to be seen", || {
+        responder.stats().malformed.load(Ordering::Relaxed) == 5
+    });
+
+    assert_eq!(responder.stats().answered.load(Ordering::Relaxed), 0);
+}

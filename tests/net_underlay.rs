@@ -111,102 +111,239 @@ fn an_attached_port_is_isolated() {
     assert!(detail.contains("isolated on"), "{detail}");
 }
 
-#[test]
-fn a_guest_reaches_a_remote_namespace_through_the_nat() {
-    private_network();
-    let tag = format!("{:x}", std::process::id() & 0xffff);
-    let (guest, remote) = (format!("etg{tag}"), format!("etr{tag}"));
-    let _cleanup = Namespaces(vec![guest.clone(), remote.clone()]);
-    let underlay = Underlay::setup(config()).expect("setup");
-    // The guest: a namespace behind a bridge port, as a VM behind its tap.
-    ip(&["netns", "add", &guest]);
-    ip(&[
-        "link", "add", "etgport", "type", "veth", "peer", "name", "eth0", "netns", &guest,
-    ]);
-    ip(&[
-        "-n",
-        &guest,
-        "link",
-        "set",
-        "eth0",
-        "address",
-        "02:e1:00:00:00:07",
-    ]);
-    ip(&["-n", &guest, "link", "set", "eth0", "up"]);
-    underlay.attach("etgport").expect("attach");
-    // The remote: reachable from this host, with no route back to guests.
-    ip(&["netns", "add", &remote]);
-    ip(&[
-        "link", "add", "etremote", "type", "veth", "peer", "name", "eth0", "netns", &remote,
-    ]);
-    ip(&["addr", "add", "198.51.100.1/24", "dev", "etremote"]);
-    ip(&["link", "set", "etremote", "up"]);
-    ip(&[
-        "-n",
-        &remote,
-        "addr",
-        "add",
-        "198.51.100.2/24",
-        "dev",
-        "eth0",
-    ]);
-    ip(&["-n", &remote, "link", "set", "eth0", "up"]);
-    let _dhcp = Responder::start(
+/// A guest namespace behind a bridge port (as a VM behind its tap) and a
+/// "remote" namespace reachable from the host with no route back to the
+/// guests. Removed on drop.
+struct Topology {
+    guest: String,
+    remote: String,
+    _cleanup: Namespaces,
+}
+
+impl Topology {
+    fn new(underlay: &Underlay) -> Topology {
+        let tag = format!("{:x}", std::process::id() & 0xffff);
+        let (guest, remote) = (format!("etg{tag}"), format!("etr{tag}"));
+        let cleanup = Namespaces(vec![guest.clone(), remote.clone()]);
+        ip(&["netns", "add", &guest]);
+        ip(&[
+            "link", "add", "etgport", "type", "veth", "peer", "name", "eth0", "netns", &guest,
+        ]);
+        ip(&[
+            "-n",
+            &guest,
+            "link",
+            "set",
+            "eth0",
+            "address",
+            "02:e1:00:00:00:07",
+        ]);
+        ip(&["-n", &guest, "link", "set", "eth0", "up"]);
+        underlay.attach("etgport").expect("attach");
+        ip(&["netns", "add", &remote]);
+        ip(&[
+            "link", "add", "etremote", "type", "veth", "peer", "name", "eth0", "netns", &remote,
+        ]);
+        ip(&["addr", "add", "198.51.100.1/24", "dev", "etremote"]);
+        ip(&["link", "set", "etremote", "up"]);
+        ip(&[
+            "-n",
+            &remote,
+            "addr",
+            "add",
+            "198.51.100.2/24",
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", &remote, "link", "set", "eth0", "up"]);
+        Topology {
+            guest,
+            remote,
+            _cleanup: cleanup,
+        }
+    }
+
+    /// A script for udhcpc that configures the guest and logs each event.
+    fn script(&self, dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+        let script = dir.join("configure.sh");
+        let events = dir.join("events");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh
+case \"$1\" in bound|renew) ip addr flush dev \"$interface\"; ip addr add \"$ip/16\" dev \"$interface\"; ip route replace default via \"$router\" ;; esac\necho \"$1 $ip\" >> {}\n",
+                events.display()
+            ),
+        )
+        .expect("script");
+        Command::new("chmod")
+            .arg("+x")
+            .arg(&script)
+            .status()
+            .expect("chmod");
+        (script, events)
+    }
+
+    fn lease_and_ping(&self) -> bool {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (script, _) = self.script(dir.path());
+        let dhcp = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.guest,
+                "udhcpc",
+                "-i",
+                "eth0",
+                "-f",
+                "-q",
+                "-n",
+                "-t",
+                "3",
+                "-T",
+                "1",
+                "-s",
+            ])
+            .arg(&script)
+            .output()
+            .expect("udhcpc");
+        assert!(
+            dhcp.status.success(),
+            "no lease: {}",
+            String::from_utf8_lossy(&dhcp.stderr)
+        );
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.guest,
+                "ping",
+                "-c",
+                "1",
+                "-W",
+                "3",
+                "198.51.100.2",
+            ])
+            .output()
+            .expect("ping")
+            .status
+            .success()
+    }
+}
+
+fn responder(address: Ipv4Addr) -> Responder {
+    Responder::start(
         "etgport",
         Lease {
             mac: GUEST_MAC,
-            ip: Ipv4Addr::new(100, 77, 5, 5),
+            ip: address,
             netmask: Ipv4Addr::new(255, 255, 0, 0),
             gateway: Ipv4Addr::new(100, 77, 0, 1),
             dns: vec![],
             lease_secs: 3600,
         },
     )
-    .expect("responder");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let script = dir.path().join("configure.sh");
-    std::fs::write(
-        &script,
-        "#!/bin/sh\ncase \"$1\" in bound) ip addr add \"$ip/16\" dev \"$interface\"; ip route add default via \"$router\" ;; esac\n",
-    )
-    .expect("script");
-    Command::new("chmod")
-        .arg("+x")
-        .arg(&script)
+    .expect("responder")
+}
+
+#[test]
+fn a_guest_reaches_a_remote_namespace_through_the_nat() {
+    private_network();
+    let underlay = Underlay::setup(config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
+
+    let reached = topology.lease_and_ping();
+
+    assert!(reached, "no reply from {} through the NAT", topology.remote);
+}
+
+#[test]
+fn a_forward_policy_of_drop_is_handled() {
+    private_network();
+    // What Docker leaves on a host: iptables FORWARD policy DROP.
+    let dropped = Command::new("iptables")
+        .args(["-P", "FORWARD", "DROP"])
         .status()
-        .expect("chmod");
-    let dhcp = Command::new("ip")
-        .args([
-            "netns", "exec", &guest, "udhcpc", "-i", "eth0", "-f", "-q", "-n", "-t", "3", "-T",
-            "1", "-s",
-        ])
-        .arg(&script)
-        .output()
-        .expect("udhcpc");
-    assert!(
-        dhcp.status.success(),
-        "no lease: {}",
-        String::from_utf8_lossy(&dhcp.stderr)
-    );
+        .expect("iptables");
+    assert!(dropped.success());
+    let underlay = Underlay::setup(config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
 
-    let ping = Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &guest,
-            "ping",
-            "-c",
-            "1",
-            "-W",
-            "3",
-            "198.51.100.2",
-        ])
-        .output()
-        .expect("ping");
+    let reached = topology.lease_and_ping();
 
-    assert!(
-        ping.status.success(),
-        "{}",
-        String::from_utf8_lossy(&ping.stdout)
+    assert!(reached, "the DROP policy swallowed the guest's traffic");
+}
+
+/// Waits until `file` has a line equal to `line`.
+fn wait_for_line(file: &std::path::Path, line: &str) {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        if text.lines().any(|l| l == line) {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "no {line:?} in {text:?}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// udhcpc in the background, killed on drop.
+struct Client(std::process::Child);
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_renewal_is_acked_and_naked_once_the_address_changed() {
+    private_network();
+    let underlay = Underlay::setup(config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (script, events) = topology.script(dir.path());
+    let first = responder(Ipv4Addr::new(100, 77, 5, 5));
+    let client = Client(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &topology.guest,
+                "udhcpc",
+                "-i",
+                "eth0",
+                "-f",
+                "-t",
+                "5",
+                "-T",
+                "1",
+                "-s",
+            ])
+            .arg(&script)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("udhcpc"),
     );
+    wait_for_line(&events, "bound 100.77.5.5");
+    let renew = || {
+        // ip netns exec runs udhcpc in place of itself: the child is it.
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(client.0.id() as i32),
+            nix::sys::signal::Signal::SIGUSR1,
+        )
+        .expect("SIGUSR1");
+    };
+
+    renew();
+    wait_for_line(&events, "renew 100.77.5.5");
+    drop(first);
+    let _second = responder(Ipv4Addr::new(100, 77, 6, 6));
+    renew();
+
+    wait_for_line(&events, "bound 100.77.6.6");
 }

@@ -111,6 +111,8 @@ pub struct Parts {
     /// Jitter draws in `[0, 1)`.
     pub jitter: Box<dyn FnMut() -> f64 + Send>,
     pub readiness: Option<Readiness>,
+    /// Lasting facts for `status` (e.g. networking is host-only).
+    pub notes: Vec<String>,
 }
 
 pub struct Daemon {
@@ -127,6 +129,7 @@ pub struct Daemon {
     last: Option<(pb::Snapshot, Snapshot)>,
     last_contact: String,
     logged: LogOnce,
+    notes: Vec<String>,
 }
 
 impl Daemon {
@@ -154,6 +157,7 @@ impl Daemon {
             last,
             last_contact: "not yet".into(),
             logged: LogOnce::default(),
+            notes: parts.notes,
         }
     }
 
@@ -224,12 +228,15 @@ impl Daemon {
     }
 
     fn write_report(&mut self, report: &pb::Report) {
-        let file = ReportFile::new(
-            self.host.clone(),
-            self.source.describe(),
-            self.last_contact.clone(),
-            report.clone(),
-        );
+        let file = ReportFile {
+            notes: self.notes.clone(),
+            ..ReportFile::new(
+                self.host.clone(),
+                self.source.describe(),
+                self.last_contact.clone(),
+                report.clone(),
+            )
+        };
         match file.write(self.store.root()) {
             Ok(()) => {
                 if let Some(readiness) = self.readiness.take() {
@@ -407,24 +414,35 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
     let boot_id = host.boot_id();
     // Without its network a VM still boots; the log and the VM's missing
     // address say why it is unreachable.
-    let network =
-        config.guest.underlay.clone().and_then(
-            |underlay| match crate::net::host::HostNetwork::setup(
-                underlay,
-                store.root(),
-                config.guest.guest_dns.clone(),
-                config.guest.host_networks.clone(),
-            ) {
-                Ok(n) => Some(Arc::new(n)),
-                Err(e) => {
-                    log::error!(
-                        "guest networking is off: {}",
-                        chain(&*e as &dyn std::error::Error)
+    let mut notes = Vec::new();
+    let network = match config.guest.underlay.clone() {
+        None => {
+            notes.push("guest networking is off (--underlay-bridge is empty)".to_owned());
+            None
+        }
+        Some(underlay) => match crate::net::host::HostNetwork::setup(
+            underlay,
+            store.root(),
+            config.guest.guest_dns.clone(),
+            config.guest.host_networks.clone(),
+        ) {
+            Ok(n) => {
+                if n.nat() == crate::net::underlay::Nat::HostOnly {
+                    notes.push(
+                        "guest networking is host-only: neither nft nor iptables is installed"
+                            .to_owned(),
                     );
-                    None
                 }
-            },
-        );
+                Some(Arc::new(n))
+            }
+            Err(e) => {
+                let why = chain(&*e as &dyn std::error::Error);
+                log::error!("guest networking is off: {why}");
+                notes.push(format!("guest networking is off: {why}"));
+                None
+            }
+        },
+    };
     let seams = Seams {
         provisioner: crate::provision::for_host(Arc::clone(&store), &config.guest, network),
         images: Arc::new(ImageCache::new(store.images_dir())),
@@ -458,6 +476,7 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
             clock: Box::new(SystemClock::new()),
             jitter: Box::new(move || rng.next_unit()),
             readiness,
+            notes,
         },
     );
     daemon.run(&rx, config.shutdown_grace);

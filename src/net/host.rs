@@ -109,6 +109,11 @@ impl HostNetwork {
         Ok(())
     }
 
+    /// How guests reach beyond the host.
+    pub fn nat(&self) -> super::underlay::Nat {
+        self.underlay.nat()
+    }
+
     /// Whether this host serves the named network.
     pub fn serves(&self, network: &str) -> bool {
         self.named.contains_key(network)
