@@ -690,3 +690,59 @@ fn a_booted_vm_has_its_address_and_its_tap_on_the_bridge_until_destroyed() {
     );
     assert_eq!(h.backend.address(&id("vm-1")), "", "released at destroy");
 }
+
+#[test]
+fn after_a_vmm_crash_an_agent_crash_and_a_destroy_no_link_with_the_prefix_remains() {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    let mut h = Host::new(&[]);
+    let network = eitri_agent::net::host::HostNetwork::setup(
+        eitri_agent::net::underlay::UnderlayConfig {
+            bridge: "etbr0".into(),
+            subnet: eitri_agent::net::addresses::Subnet::parse("100.77.0.0/16").expect("subnet"),
+            table: "eitri_test".into(),
+        },
+        h.store.root(),
+        vec![],
+        std::collections::HashMap::new(),
+    )
+    .expect("network");
+    h.cfg.network = Some(Arc::new(network));
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot vm-1");
+    h.backend
+        .boot(&h.spec("vm-2"), Deadline::NONE)
+        .expect("boot vm-2");
+    let crashed = h.pid("vm-1").expect("pid");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(crashed),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    wait_until("the VMM to die", || !alive(crashed));
+
+    // The agent "crashes": a new backend over the same state, then the
+    // control plane deletes what is left.
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    restarted
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroy vm-1");
+    restarted
+        .destroy(&id("vm-2"), Deadline::NONE)
+        .expect("destroy vm-2");
+
+    let links = String::from_utf8_lossy(
+        &std::process::Command::new("ip")
+            .args(["-o", "link", "show"])
+            .output()
+            .expect("ip")
+            .stdout,
+    )
+    .into_owned();
+    let ours: Vec<&str> = links
+        .lines()
+        .filter(|l| l.contains(&format!(": {}", tap_prefix())))
+        .collect();
+    assert!(ours.is_empty(), "{ours:?}");
+}

@@ -347,3 +347,75 @@ fn a_renewal_is_acked_and_naked_once_the_address_changed() {
 
     wait_for_line(&events, "bound 100.77.6.6");
 }
+
+/// Puts failing stand-ins for `tools` first on PATH, as if they were not
+/// installed. Called first thing in a test, while its process has no other
+/// thread (nextest runs each test in its own process).
+fn without(tools: &[&str]) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for tool in tools {
+        let path = dir.path().join(tool);
+        std::fs::write(&path, "#!/bin/sh\nexit 127\n").expect("stand-in");
+        Command::new("chmod")
+            .arg("+x")
+            .arg(&path)
+            .status()
+            .expect("chmod");
+    }
+    let path = format!(
+        "{}:{}",
+        dir.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // SAFETY: no other thread of this process reads the environment now.
+    unsafe { std::env::set_var("PATH", path) };
+    dir
+}
+
+#[test]
+fn without_nft_iptables_does_the_nat() {
+    let _fakes = without(&["nft"]);
+    private_network();
+    let underlay = Underlay::setup(config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
+
+    let reached = topology.lease_and_ping();
+
+    assert_eq!(underlay.nat(), Nat::Iptables);
+    assert!(
+        reached,
+        "no reply from {} through iptables' NAT",
+        topology.remote
+    );
+}
+
+#[test]
+fn without_nft_and_iptables_guests_reach_the_host_only() {
+    let _fakes = without(&["nft", "iptables"]);
+    private_network();
+    let underlay = Underlay::setup(config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
+
+    let reached_remote = topology.lease_and_ping();
+    let reached_host = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &topology.guest,
+            "ping",
+            "-c",
+            "1",
+            "-W",
+            "2",
+            "100.77.0.1",
+        ])
+        .status()
+        .expect("ping")
+        .success();
+
+    assert_eq!(underlay.nat(), Nat::HostOnly);
+    assert!(reached_host, "the guest reaches its gateway on this host");
+    assert!(!reached_remote, "and nothing beyond it");
+}

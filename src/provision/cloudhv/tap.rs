@@ -59,9 +59,14 @@ pub fn open(name: &str) -> io::Result<OwnedFd> {
     Ok(OwnedFd::from(tun))
 }
 
-/// Whether a network link of this name exists.
+/// Whether a network link of this name exists, in this process's network
+/// namespace (asked of the kernel; /sys shows the namespace that mounted it).
 pub fn exists(name: &str) -> bool {
-    std::path::Path::new("/sys/class/net").join(name).exists()
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated string for the call.
+    unsafe { nix::libc::if_nametoindex(c.as_ptr()) != 0 }
 }
 
 /// Removes a tap nobody holds: attach, clear its persistence, let go. A tap
@@ -77,15 +82,27 @@ pub fn remove(name: &str) -> io::Result<()> {
     Ok(())
 }
 
-/// Links whose name starts with `prefix`.
+/// Links whose name starts with `prefix`, in this network namespace.
 pub fn with_prefix(prefix: &str) -> Vec<String> {
-    std::fs::read_dir("/sys/class/net")
-        .map(|entries| {
-            entries
-                .flatten()
-                .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|n| n.starts_with(prefix))
-                .collect()
-        })
-        .unwrap_or_default()
+    let mut names = Vec::new();
+    // SAFETY: if_nameindex returns an array terminated by a zero entry (or
+    // null on failure), valid until if_freenameindex, which is called once.
+    unsafe {
+        let list = nix::libc::if_nameindex();
+        if list.is_null() {
+            return names;
+        }
+        let mut entry = list;
+        while (*entry).if_index != 0 && !(*entry).if_name.is_null() {
+            let name = std::ffi::CStr::from_ptr((*entry).if_name)
+                .to_string_lossy()
+                .into_owned();
+            if name.starts_with(prefix) {
+                names.push(name);
+            }
+            entry = entry.add(1);
+        }
+        nix::libc::if_freenameindex(list);
+    }
+    names
 }
