@@ -156,6 +156,22 @@ impl Host {
         Host::assemble(dir, cfg, fakes, base_url, base_sha)
     }
 
+    /// Gives the backend a host network (call in a private namespace).
+    fn connect(&mut self) {
+        let network = eitri_agent::net::host::HostNetwork::setup(
+            eitri_agent::testkit::net::underlay_config(),
+            self.store.root(),
+            vec![],
+            std::collections::HashMap::new(),
+        )
+        .expect("network");
+        self.cfg.network = Some(Arc::new(network));
+        self.backend = Arc::new(CloudHypervisor::new(
+            Arc::clone(&self.store),
+            self.cfg.clone(),
+        ));
+    }
+
     fn engine(&self) -> &Engine {
         self.engine.as_ref().expect("engine")
     }
@@ -653,22 +669,10 @@ fn a_tap_a_live_vmm_holds_survives_a_restart() {
 fn a_booted_vm_has_its_address_and_its_tap_on_the_bridge_until_destroyed() {
     // A network namespace of this test's own: the bridge and NAT table
     // never touch the host's.
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    eitri_agent::testkit::net::private_network();
     let mut h = Host::new(&[]);
-    let subnet = eitri_agent::net::addresses::Subnet::parse("100.77.0.0/16").expect("subnet");
-    let network = eitri_agent::net::host::HostNetwork::setup(
-        eitri_agent::net::underlay::UnderlayConfig {
-            bridge: "etbr0".into(),
-            subnet,
-            table: "eitri_test".into(),
-        },
-        h.store.root(),
-        vec![],
-        std::collections::HashMap::new(),
-    )
-    .expect("network");
-    h.cfg.network = Some(Arc::new(network));
-    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.connect();
+    let subnet = eitri_agent::testkit::net::underlay_config().subnet;
     let spec = h.spec("vm-1");
 
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
@@ -693,21 +697,9 @@ fn a_booted_vm_has_its_address_and_its_tap_on_the_bridge_until_destroyed() {
 
 #[test]
 fn after_a_vmm_crash_an_agent_crash_and_a_destroy_no_link_with_the_prefix_remains() {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    eitri_agent::testkit::net::private_network();
     let mut h = Host::new(&[]);
-    let network = eitri_agent::net::host::HostNetwork::setup(
-        eitri_agent::net::underlay::UnderlayConfig {
-            bridge: "etbr0".into(),
-            subnet: eitri_agent::net::addresses::Subnet::parse("100.77.0.0/16").expect("subnet"),
-            table: "eitri_test".into(),
-        },
-        h.store.root(),
-        vec![],
-        std::collections::HashMap::new(),
-    )
-    .expect("network");
-    h.cfg.network = Some(Arc::new(network));
-    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.connect();
     h.backend
         .boot(&h.spec("vm-1"), Deadline::NONE)
         .expect("boot vm-1");

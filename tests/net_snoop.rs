@@ -9,20 +9,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use eitri_agent::model::Id;
-use eitri_agent::net::addresses::Subnet;
 use eitri_agent::net::host::HostNetwork;
-use eitri_agent::net::underlay::UnderlayConfig;
+use eitri_agent::testkit::net::{ip, private_network, script, udhcpc, underlay_config};
 
 const SECOND_MAC: &str = "02:e1:00:00:00:77";
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 struct Cleanup {
     namespaces: Vec<String>,
@@ -43,11 +33,7 @@ impl Drop for Cleanup {
 
 fn host_network(state: &std::path::Path) -> HostNetwork {
     HostNetwork::setup(
-        UnderlayConfig {
-            bridge: "etbr0".into(),
-            subnet: Subnet::parse("100.77.0.0/16").expect("subnet"),
-            table: "eitri_test".into(),
-        },
+        underlay_config(),
         state,
         vec![],
         HashMap::from([("site".to_owned(), "etsite".to_owned())]),
@@ -57,7 +43,7 @@ fn host_network(state: &std::path::Path) -> HostNetwork {
 
 #[test]
 fn the_address_the_site_grants_is_learned_and_survives_a_restart() {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    private_network();
     let tag = format!("{:x}", std::process::id() & 0xffff);
     let (site_ns, guest_ns) = (format!("etdn{tag}"), format!("etgn{tag}"));
     let dir = tempfile::tempdir().expect("tempdir");
@@ -115,30 +101,17 @@ fn the_address_the_site_grants_is_learned_and_survives_a_restart() {
     network
         .plug_named(&vm, "site", "etsnp", SECOND_MAC)
         .expect("plugged");
-    let script = dir.path().join("script.sh");
+    let run = dir.path().join("script.sh");
     let granted = dir.path().join("granted");
-    std::fs::write(
-        &script,
-        format!(
-            "#!/bin/sh\n[ \"$1\" = bound ] && echo \"$ip\" > {}\nexit 0\n",
+    script(
+        &run,
+        &format!(
+            "[ \"$1\" = bound ] && echo \"$ip\" > {}\nexit 0\n",
             granted.display()
         ),
-    )
-    .expect("script");
-    Command::new("chmod")
-        .arg("+x")
-        .arg(&script)
-        .status()
-        .expect("chmod");
+    );
 
-    let dhcp = Command::new("ip")
-        .args([
-            "netns", "exec", &guest_ns, "udhcpc", "-i", "eth1", "-f", "-q", "-n", "-t", "5", "-T",
-            "1", "-s",
-        ])
-        .arg(&script)
-        .output()
-        .expect("udhcpc");
+    let dhcp = udhcpc(&guest_ns, "eth1", &run, &[]);
     assert!(
         dhcp.status.success(),
         "the site granted nothing: {}",
@@ -171,7 +144,7 @@ fn the_address_the_site_grants_is_learned_and_survives_a_restart() {
 
 #[test]
 fn an_unknown_host_network_is_a_permanent_error_naming_the_served_ones() {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare (needs root)");
+    private_network();
     let dir = tempfile::tempdir().expect("tempdir");
     ip(&["link", "add", "etsite", "type", "bridge"]);
     let network = host_network(dir.path());

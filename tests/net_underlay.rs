@@ -6,33 +6,13 @@
 use std::net::Ipv4Addr;
 use std::process::Command;
 
-use eitri_agent::net::addresses::Subnet;
-use eitri_agent::net::dhcp::{Lease, Responder};
-use eitri_agent::net::underlay::{Nat, Underlay, UnderlayConfig};
+use eitri_agent::net::dhcp::Responder;
+use eitri_agent::net::underlay::{Nat, Underlay};
+use eitri_agent::testkit::net::{
+    Namespaces, ip, lease, private_network, script, udhcpc, underlay_config,
+};
 
 const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x07];
-
-fn private_network() {
-    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
-        .expect("unshare a network namespace (needs root)");
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("ip");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn config() -> UnderlayConfig {
-    UnderlayConfig {
-        bridge: "etbr0".into(),
-        subnet: Subnet::parse("100.77.0.0/16").expect("subnet"),
-        table: "eitri_test".into(),
-    }
-}
 
 fn nft_table() -> String {
     let out = Command::new("nft")
@@ -42,24 +22,13 @@ fn nft_table() -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Named namespaces, deleted on drop.
-struct Namespaces(Vec<String>);
-
-impl Drop for Namespaces {
-    fn drop(&mut self) {
-        for ns in &self.0 {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
-    }
-}
-
 #[test]
 fn nat_applied_twice_is_what_applying_it_once_left() {
     private_network();
-    Underlay::setup(config()).expect("first");
+    Underlay::setup(underlay_config()).expect("first");
     let once = nft_table();
 
-    let second = Underlay::setup(config()).expect("second");
+    let second = Underlay::setup(underlay_config()).expect("second");
 
     assert_eq!(second.nat(), Nat::Nft);
     assert!(once.contains("masquerade"), "{once}");
@@ -70,7 +39,7 @@ fn nat_applied_twice_is_what_applying_it_once_left() {
 fn the_bridge_holds_the_gateway_and_forwarding_is_on() {
     private_network();
 
-    Underlay::setup(config()).expect("setup");
+    Underlay::setup(underlay_config()).expect("setup");
 
     let addrs = String::from_utf8_lossy(
         &Command::new("ip")
@@ -92,7 +61,7 @@ fn the_bridge_holds_the_gateway_and_forwarding_is_on() {
 #[test]
 fn an_attached_port_is_isolated() {
     private_network();
-    let underlay = Underlay::setup(config()).expect("setup");
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
     ip(&[
         "link", "add", "etport0", "type", "veth", "peer", "name", "etport1",
     ]);
@@ -165,48 +134,21 @@ impl Topology {
 
     /// A script for udhcpc that configures the guest and logs each event.
     fn script(&self, dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
-        let script = dir.join("configure.sh");
-        let events = dir.join("events");
-        std::fs::write(
-            &script,
-            format!(
-                "#!/bin/sh
-case \"$1\" in bound|renew) ip addr flush dev \"$interface\"; ip addr add \"$ip/16\" dev \"$interface\"; ip route replace default via \"$router\" ;; esac\necho \"$1 $ip\" >> {}\n",
+        let (run, events) = (dir.join("configure.sh"), dir.join("events"));
+        script(
+            &run,
+            &format!(
+                "case \"$1\" in bound|renew) ip addr flush dev \"$interface\"; ip addr add \"$ip/16\" dev \"$interface\"; ip route replace default via \"$router\" ;; esac\necho \"$1 $ip\" >> {}\n",
                 events.display()
             ),
-        )
-        .expect("script");
-        Command::new("chmod")
-            .arg("+x")
-            .arg(&script)
-            .status()
-            .expect("chmod");
-        (script, events)
+        );
+        (run, events)
     }
 
     fn lease_and_ping(&self) -> bool {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (script, _) = self.script(dir.path());
-        let dhcp = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &self.guest,
-                "udhcpc",
-                "-i",
-                "eth0",
-                "-f",
-                "-q",
-                "-n",
-                "-t",
-                "3",
-                "-T",
-                "1",
-                "-s",
-            ])
-            .arg(&script)
-            .output()
-            .expect("udhcpc");
+        let (run, _) = self.script(dir.path());
+        let dhcp = udhcpc(&self.guest, "eth0", &run, &[]);
         assert!(
             dhcp.status.success(),
             "no lease: {}",
@@ -232,24 +174,13 @@ case \"$1\" in bound|renew) ip addr flush dev \"$interface\"; ip addr add \"$ip/
 }
 
 fn responder(address: Ipv4Addr) -> Responder {
-    Responder::start(
-        "etgport",
-        Lease {
-            mac: GUEST_MAC,
-            ip: address,
-            netmask: Ipv4Addr::new(255, 255, 0, 0),
-            gateway: Ipv4Addr::new(100, 77, 0, 1),
-            dns: vec![],
-            lease_secs: 3600,
-        },
-    )
-    .expect("responder")
+    Responder::start("etgport", lease(GUEST_MAC, address)).expect("responder")
 }
 
 #[test]
 fn a_guest_reaches_a_remote_namespace_through_the_nat() {
     private_network();
-    let underlay = Underlay::setup(config()).expect("setup");
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
     let topology = Topology::new(&underlay);
     let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
 
@@ -267,7 +198,7 @@ fn a_forward_policy_of_drop_is_handled() {
         .status()
         .expect("iptables");
     assert!(dropped.success());
-    let underlay = Underlay::setup(config()).expect("setup");
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
     let topology = Topology::new(&underlay);
     let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
 
@@ -302,7 +233,7 @@ impl Drop for Client {
 #[test]
 fn a_renewal_is_acked_and_naked_once_the_address_changed() {
     private_network();
-    let underlay = Underlay::setup(config()).expect("setup");
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
     let topology = Topology::new(&underlay);
     let dir = tempfile::tempdir().expect("tempdir");
     let (script, events) = topology.script(dir.path());
@@ -354,13 +285,7 @@ fn a_renewal_is_acked_and_naked_once_the_address_changed() {
 fn without(tools: &[&str]) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
     for tool in tools {
-        let path = dir.path().join(tool);
-        std::fs::write(&path, "#!/bin/sh\nexit 127\n").expect("stand-in");
-        Command::new("chmod")
-            .arg("+x")
-            .arg(&path)
-            .status()
-            .expect("chmod");
+        script(&dir.path().join(tool), "exit 127\n");
     }
     let path = format!(
         "{}:{}",
@@ -376,7 +301,7 @@ fn without(tools: &[&str]) -> tempfile::TempDir {
 fn without_nft_iptables_does_the_nat() {
     let _fakes = without(&["nft"]);
     private_network();
-    let underlay = Underlay::setup(config()).expect("setup");
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
     let topology = Topology::new(&underlay);
     let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
 
@@ -394,7 +319,7 @@ fn without_nft_iptables_does_the_nat() {
 fn without_nft_and_iptables_guests_reach_the_host_only() {
     let _fakes = without(&["nft", "iptables"]);
     private_network();
-    let underlay = Underlay::setup(config()).expect("setup");
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
     let topology = Topology::new(&underlay);
     let _dhcp = responder(Ipv4Addr::new(100, 77, 5, 5));
 

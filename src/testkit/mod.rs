@@ -10,6 +10,7 @@
 
 pub mod control_plane;
 pub mod image_server;
+pub mod net;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -13,9 +13,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use eitri_agent::net::dhcp::codec::{Frame, Kind, Message, build_frame, option};
-use eitri_agent::net::dhcp::{Lease, Responder};
+use eitri_agent::net::dhcp::Responder;
+use eitri_agent::net::dhcp::codec::{Frame, Kind, Message};
 use eitri_agent::net::packet::PacketSocket;
+use eitri_agent::testkit::net::{client_frame, lease};
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x42];
 const ROUNDS: usize = 40;
@@ -32,29 +33,7 @@ fn ip(args: &[&str]) -> Res<()> {
 }
 
 fn message(kind: Kind, xid: u32, requested: Option<Ipv4Addr>) -> Vec<u8> {
-    let mut options = vec![(option::MESSAGE_TYPE, vec![kind.byte()])];
-    if let Some(ip) = requested {
-        options.push((option::REQUESTED_IP, ip.octets().to_vec()));
-    }
-    let m = Message {
-        op: 1,
-        xid,
-        secs: 0,
-        flags: 0,
-        ciaddr: Ipv4Addr::UNSPECIFIED,
-        yiaddr: Ipv4Addr::UNSPECIFIED,
-        siaddr: Ipv4Addr::UNSPECIFIED,
-        giaddr: Ipv4Addr::UNSPECIFIED,
-        chaddr: CLIENT_MAC,
-        options,
-    };
-    build_frame(
-        CLIENT_MAC,
-        [0xff; 6],
-        (Ipv4Addr::UNSPECIFIED, 68),
-        (Ipv4Addr::BROADCAST, 67),
-        &m.encode(),
-    )
+    client_frame(CLIENT_MAC, kind, xid, requested)
 }
 
 /// Sends `frame` and waits for a frame `accept` takes; the time between.
@@ -142,14 +121,7 @@ fn main() -> Res<()> {
     stop.store(true, Ordering::Relaxed);
     let _ = echo.join();
 
-    let lease = Lease {
-        mac: CLIENT_MAC,
-        ip: Ipv4Addr::new(100, 77, 0, 42),
-        netmask: Ipv4Addr::new(255, 255, 0, 0),
-        gateway: Ipv4Addr::new(100, 77, 0, 1),
-        dns: vec![Ipv4Addr::new(100, 77, 0, 1)],
-        lease_secs: 3600,
-    };
+    let lease = lease(CLIENT_MAC, Ipv4Addr::new(100, 77, 0, 42));
     let _responder = Responder::start("etnh", lease.clone())?;
     std::thread::sleep(Duration::from_millis(50));
     let (mut offers, mut acks) = (Vec::new(), Vec::new());

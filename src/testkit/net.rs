@@ -1,0 +1,114 @@
+//! Network test support: a private network namespace, links, named
+//! namespaces removed on drop, a one-shot DHCP client, and DHCP frames and
+//! leases for the responder. Every name it makes is test-only.
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use crate::net::addresses::Subnet;
+use crate::net::dhcp::Lease;
+use crate::net::dhcp::codec::{Kind, Message, build_frame, option};
+use crate::net::underlay::UnderlayConfig;
+
+/// Moves this test process into a network namespace of its own, so what
+/// it builds never touches the host's links or firewall. Call it first,
+/// while the process has one thread (nextest runs a test per process).
+pub fn private_network() {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+        .unwrap_or_else(|e| panic!("unshare a network namespace (needs root): {e}"));
+}
+
+/// Runs `ip` and fails the test, with its stderr, if it fails.
+pub fn ip(args: &[&str]) {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("ip: {e}"));
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Named namespaces, deleted on drop.
+pub struct Namespaces(pub Vec<String>);
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// One lease attempt of busybox udhcpc on `iface` in namespace `ns`, with
+/// `script` run on each event; `extra` arguments are passed on.
+pub fn udhcpc(ns: &str, iface: &str, script: &Path, extra: &[&str]) -> Output {
+    Command::new("ip")
+        .args([
+            "netns", "exec", ns, "udhcpc", "-i", iface, "-f", "-q", "-n", "-t", "5", "-T", "1",
+            "-s",
+        ])
+        .arg(script)
+        .args(extra)
+        .output()
+        .unwrap_or_else(|e| panic!("udhcpc (busybox): {e}"))
+}
+
+/// Writes an executable shell script.
+pub fn script(path: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("#!/bin/sh\n{body}")).unwrap_or_else(|e| panic!("script: {e}"));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("chmod: {e}"));
+}
+
+/// The tests' underlay: bridge `etbr0`, 100.77.0.0/16, table `eitri_test`.
+pub fn underlay_config() -> UnderlayConfig {
+    UnderlayConfig {
+        bridge: "etbr0".into(),
+        subnet: Subnet::parse("100.77.0.0/16").unwrap_or_else(|e| panic!("{e}")),
+        table: "eitri_test".into(),
+    }
+}
+
+/// A lease on the tests' underlay.
+pub fn lease(mac: [u8; 6], ip: Ipv4Addr) -> Lease {
+    Lease {
+        mac,
+        ip,
+        netmask: Ipv4Addr::new(255, 255, 0, 0),
+        gateway: Ipv4Addr::new(100, 77, 0, 1),
+        dns: vec![Ipv4Addr::new(100, 77, 0, 1)],
+        lease_secs: 3600,
+    }
+}
+
+/// A client's DHCP message in a broadcast frame from `mac`.
+pub fn client_frame(mac: [u8; 6], kind: Kind, xid: u32, requested: Option<Ipv4Addr>) -> Vec<u8> {
+    let mut options = vec![(option::MESSAGE_TYPE, vec![kind.byte()])];
+    if let Some(ip) = requested {
+        options.push((option::REQUESTED_IP, ip.octets().to_vec()));
+    }
+    let m = Message {
+        op: 1,
+        xid,
+        secs: 0,
+        flags: 0,
+        ciaddr: Ipv4Addr::UNSPECIFIED,
+        yiaddr: Ipv4Addr::UNSPECIFIED,
+        siaddr: Ipv4Addr::UNSPECIFIED,
+        giaddr: Ipv4Addr::UNSPECIFIED,
+        chaddr: mac,
+        options,
+    };
+    build_frame(
+        mac,
+        [0xff; 6],
+        (Ipv4Addr::UNSPECIFIED, 68),
+        (Ipv4Addr::BROADCAST, 67),
+        &m.encode(),
+    )
+}
