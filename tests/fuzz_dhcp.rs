@@ -35,21 +35,14 @@ fn seed_frames() -> Vec<Vec<u8>> {
         .iter()
         .map(|k| {
             let m = Message {
-                op: 1,
-                xid: 9,
-                secs: 0,
                 flags: 0x8000,
-                ciaddr: Ipv4Addr::UNSPECIFIED,
-                yiaddr: Ipv4Addr::UNSPECIFIED,
-                siaddr: Ipv4Addr::UNSPECIFIED,
-                giaddr: Ipv4Addr::UNSPECIFIED,
-                chaddr: [2, 0, 0, 0, 0, 1],
                 options: vec![
                     (option::MESSAGE_TYPE, vec![k.byte()]),
                     (option::REQUESTED_IP, vec![100, 77, 0, 9]),
                     (option::SERVER_ID, vec![100, 77, 0, 1]),
                     (option::CLIENT_ID, vec![255, 1, 2, 3, 4]),
                 ],
+                ..Message::new(1, 9, [2, 0, 0, 0, 0, 1])
             };
             build_frame(
                 [2, 0, 0, 0, 0, 1],

@@ -217,19 +217,12 @@ mod tests {
 
     fn dhcp(kind: Kind, yiaddr: Ipv4Addr) -> Vec<u8> {
         let m = Message {
-            op: 2,
-            xid: 1,
-            secs: 0,
-            flags: 0,
-            ciaddr: Ipv4Addr::UNSPECIFIED,
             yiaddr,
-            siaddr: Ipv4Addr::UNSPECIFIED,
-            giaddr: Ipv4Addr::UNSPECIFIED,
-            chaddr: MAC,
             options: vec![
                 (option::MESSAGE_TYPE, vec![kind.byte()]),
                 (option::LEASE_TIME, 600u32.to_be_bytes().to_vec()),
             ],
+            ..Message::new(2, 1, MAC)
         };
         build_frame(
             [2, 9, 9, 9, 9, 9],

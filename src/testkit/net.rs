@@ -93,16 +93,8 @@ pub fn client_frame(mac: [u8; 6], kind: Kind, xid: u32, requested: Option<Ipv4Ad
         options.push((option::REQUESTED_IP, ip.octets().to_vec()));
     }
     let m = Message {
-        op: 1,
-        xid,
-        secs: 0,
-        flags: 0,
-        ciaddr: Ipv4Addr::UNSPECIFIED,
-        yiaddr: Ipv4Addr::UNSPECIFIED,
-        siaddr: Ipv4Addr::UNSPECIFIED,
-        giaddr: Ipv4Addr::UNSPECIFIED,
-        chaddr: mac,
         options,
+        ..Message::new(1, xid, mac)
     };
     build_frame(
         mac,

@@ -109,6 +109,22 @@ fn ip(b: &[u8]) -> Ipv4Addr {
 }
 
 impl Message {
+    /// A message with every address unspecified and no options.
+    pub fn new(op: u8, xid: u32, chaddr: [u8; 6]) -> Message {
+        Message {
+            op,
+            xid,
+            secs: 0,
+            flags: 0,
+            ciaddr: Ipv4Addr::UNSPECIFIED,
+            yiaddr: Ipv4Addr::UNSPECIFIED,
+            siaddr: Ipv4Addr::UNSPECIFIED,
+            giaddr: Ipv4Addr::UNSPECIFIED,
+            chaddr,
+            options: Vec::new(),
+        }
+    }
+
     pub fn parse(b: &[u8]) -> Result<Message, Malformed> {
         if b.len() < FIXED + MAGIC.len() {
             return Err(Malformed::Short("BOOTP header"));
@@ -361,19 +377,11 @@ mod tests {
 
     fn discover() -> Message {
         Message {
-            op: 1,
-            xid: 0x1234_5678,
-            secs: 0,
-            flags: 0,
-            ciaddr: Ipv4Addr::UNSPECIFIED,
-            yiaddr: Ipv4Addr::UNSPECIFIED,
-            siaddr: Ipv4Addr::UNSPECIFIED,
-            giaddr: Ipv4Addr::UNSPECIFIED,
-            chaddr: [2, 0, 0, 0, 0, 1],
             options: vec![
                 (option::MESSAGE_TYPE, vec![1]),
                 (option::CLIENT_ID, vec![0xff, 1, 2, 3]),
             ],
+            ..Message::new(1, 0x1234_5678, [2, 0, 0, 0, 0, 1])
         }
     }
 

@@ -76,16 +76,12 @@ pub fn respond(lease: &Lease, req: &Message) -> Option<Message> {
 
 fn base(req: &Message, yiaddr: Ipv4Addr, options: Vec<(u8, Vec<u8>)>) -> Message {
     Message {
-        op: 2,
-        xid: req.xid,
-        secs: 0,
         flags: req.flags,
         ciaddr: req.ciaddr,
         yiaddr,
-        siaddr: Ipv4Addr::UNSPECIFIED,
         giaddr: req.giaddr,
-        chaddr: req.chaddr,
         options,
+        ..Message::new(2, req.xid, req.chaddr)
     }
 }
 
@@ -146,16 +142,8 @@ mod tests {
         let mut all = vec![(option::MESSAGE_TYPE, vec![kind.byte()])];
         all.extend(options);
         Message {
-            op: 1,
-            xid: 7,
-            secs: 0,
-            flags: 0,
-            ciaddr: Ipv4Addr::UNSPECIFIED,
-            yiaddr: Ipv4Addr::UNSPECIFIED,
-            siaddr: Ipv4Addr::UNSPECIFIED,
-            giaddr: Ipv4Addr::UNSPECIFIED,
-            chaddr: MAC,
             options: all,
+            ..Message::new(1, 7, MAC)
         }
     }
 
