@@ -19,9 +19,11 @@ impl PacketSocket {
     pub fn open(iface: &str, timeout: Option<Duration>) -> io::Result<PacketSocket> {
         let fd = packet_socket(iface)?;
         if let Some(t) = timeout {
+            // Cast to whatever the platform's libc declares (musl and glibc
+            // differ in these fields' types).
             let tv = libc::timeval {
-                tv_sec: t.as_secs() as libc::time_t,
-                tv_usec: libc::suseconds_t::from(t.subsec_micros()),
+                tv_sec: t.as_secs() as _,
+                tv_usec: t.subsec_micros() as _,
             };
             // SAFETY: SO_RCVTIMEO takes a timeval, passed with its size.
             let rc = unsafe {
@@ -105,7 +107,7 @@ fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
     }
     // SAFETY: SIOCGIFHWADDR reads the name from and writes the address into
     // `req`, a valid ifreq for the duration of the call.
-    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) };
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFHWADDR as _, &mut req) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
