@@ -97,6 +97,9 @@ pub struct CloudHypervisor {
     cfg: CloudHvConfig,
     /// Exit statuses of children this process spawned, kept by their reapers.
     exits: Arc<Mutex<HashMap<Id, ExitStatus>>>,
+    /// Pids of children spawned and not yet reaped: a stop waits for the
+    /// reaper too, so when it returns no zombie of the VM is left.
+    unreaped: Arc<Mutex<std::collections::HashSet<i32>>>,
 }
 
 impl CloudHypervisor {
@@ -121,6 +124,7 @@ impl CloudHypervisor {
             store,
             cfg,
             exits: Arc::new(Mutex::new(HashMap::new())),
+            unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
         }
     }
 
@@ -314,7 +318,12 @@ impl CloudHypervisor {
             return Err(transient("write its pidfile", e));
         }
         self.exits.lock().remove(vm_id);
-        let (exits, id) = (Arc::clone(&self.exits), vm_id.clone());
+        self.unreaped.lock().insert(pid);
+        let (exits, unreaped, id) = (
+            Arc::clone(&self.exits),
+            Arc::clone(&self.unreaped),
+            vm_id.clone(),
+        );
         let reaper = std::thread::Builder::new()
             .name(format!("reap-{vm_id}"))
             .stack_size(64 * 1024)
@@ -323,6 +332,7 @@ impl CloudHypervisor {
                     log::info!("VM {id}: hypervisor {pid} exited ({})", describe(status));
                     exits.lock().insert(id, status);
                 }
+                unreaped.lock().remove(&pid);
             });
         if let Err(e) = reaper {
             // Without a reaper the child would become a zombie: stop it now.
@@ -384,8 +394,10 @@ impl CloudHypervisor {
         }
     }
 
+    /// Waits until the process is gone and, if it was this agent's child,
+    /// reaped (a zombie reads as not alive, but is still a process).
     fn wait_gone(&self, tracked: Tracked, bound: Deadline) -> bool {
-        while tracked.alive() {
+        while tracked.alive() || self.unreaped.lock().contains(&tracked.pid) {
             if bound.expired() {
                 return false;
             }
@@ -401,6 +413,11 @@ impl CloudHypervisor {
 
     fn stop(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
         let Some(tracked) = self.alive(vm_id) else {
+            // Already dead; if it was this agent's child, let its reaper
+            // finish, so no zombie outlives the stop.
+            if let Some(dead) = self.tracked(vm_id) {
+                self.wait_gone(dead, Deadline::after(Duration::from_secs(2)));
+            }
             return Ok(());
         };
         let socket = self.socket_path(vm_id);
