@@ -170,6 +170,7 @@ impl Host {
             Arc::clone(&self.store),
             self.cfg.clone(),
         ));
+        self.engine = Some(self.make_engine());
     }
 
     fn engine(&self) -> &Engine {
@@ -737,4 +738,33 @@ fn after_a_vmm_crash_an_agent_crash_and_a_destroy_no_link_with_the_prefix_remain
         .filter(|l| l.contains(&format!(": {}", tap_prefix())))
         .collect();
     assert!(ours.is_empty(), "{ours:?}");
+}
+
+#[test]
+fn an_agent_restart_serves_the_adopted_vms_network_again() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.tick(&h.vm("vm-1"));
+    let address = h.backend.address(&id("vm-1"));
+    assert!(!address.is_empty());
+
+    // The agent restarts: its responders died with it; the VMM did not.
+    h.cfg.network = None;
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    let network = Arc::new(
+        eitri_agent::net::host::HostNetwork::setup(
+            eitri_agent::testkit::net::underlay_config(),
+            h.store.root(),
+            vec![],
+            std::collections::HashMap::new(),
+        )
+        .expect("network"),
+    );
+    h.cfg.network = Some(Arc::clone(&network));
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+
+    assert!(network.serves_dhcp(&id("vm-1")));
+    assert_eq!(restarted.address(&id("vm-1")), address);
+    assert!(restarted.running(&id("vm-1")));
 }

@@ -76,6 +76,11 @@ impl HostNetwork {
         Ok(ip)
     }
 
+    /// Whether a DHCP responder is serving this VM.
+    pub fn serves_dhcp(&self, vm_id: &Id) -> bool {
+        self.responders.lock().contains_key(vm_id)
+    }
+
     pub fn address(&self, mac: &str) -> Option<Ipv4Addr> {
         self.addresses.get(mac)
     }

@@ -120,11 +120,46 @@ impl CloudHypervisor {
                 log::info!("removed leaked tap {link}");
             }
         }
-        CloudHypervisor {
+        let backend = CloudHypervisor {
             store,
             cfg,
             exits: Arc::new(Mutex::new(HashMap::new())),
             unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
+        };
+        backend.readopt_networks();
+        backend
+    }
+
+    /// Serves the guests of VMMs that outlived the previous agent: their DHCP
+    /// responders and snoopers lived in that agent's process, and a guest
+    /// renewing its lease with nobody answering would lose its address.
+    fn readopt_networks(&self) {
+        let Some(network) = &self.cfg.network else {
+            return;
+        };
+        for slot in self.store.load_all().values() {
+            let crate::state::RecordSlot::Readable(rec) = slot else {
+                continue;
+            };
+            let vm_id = &rec.spec.vm_id;
+            if self.alive(vm_id).is_none() {
+                continue;
+            }
+            let mut plugged = network
+                .plug(vm_id, &self.tap_name(vm_id), &mac::underlay(vm_id))
+                .map(drop);
+            if plugged.is_ok() && !rec.spec.network.is_empty() {
+                plugged = network.plug_named(
+                    vm_id,
+                    &rec.spec.network,
+                    &self.site_tap_name(vm_id),
+                    &mac::second_nic(vm_id),
+                );
+            }
+            match plugged {
+                Ok(()) => log::info!("VM {vm_id}: adopted; serving its network again"),
+                Err(e) => log::error!("VM {vm_id}: adopted, but its network is not served: {e}"),
+            }
         }
     }
 
