@@ -22,28 +22,29 @@
 //! makes them lost.
 
 mod api;
+mod preflight;
 mod process;
+mod spawn;
+mod stop;
 mod tap;
 
 use std::collections::HashMap;
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::{Read, Seek, SeekFrom};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::ExitStatus;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use nix::sys::signal::Signal;
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 
 use self::process::Tracked;
 use super::{Provisioner, mac};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, DeadlineExpired, Simple};
+use crate::error::{BoxFailure, Simple};
 use crate::model::{Id, VmSpec};
 use crate::state::Store;
 
@@ -208,318 +209,6 @@ impl CloudHypervisor {
             .any(|arg| arg == socket.as_bytes())
             .then_some(tracked)
     }
-
-    fn spawn(&self, spec: &VmSpec) -> Result<Tracked, BoxFailure> {
-        let vm_id = &spec.vm_id;
-        let transient = |what: &str, e: std::io::Error| -> BoxFailure {
-            Simple::transient(format!("VM {vm_id}: cannot {what}: {e}")).into()
-        };
-        fs::create_dir_all(self.store.vm_dir(vm_id))
-            .map_err(|e| transient("create its directory", e))?;
-        let socket = self.socket_path(vm_id);
-        let _ = fs::remove_file(&socket);
-        let tap_name = self.tap_name(vm_id);
-        let tap =
-            tap::open(&tap_name).map_err(|e| transient(&format!("open its tap {tap_name}"), e))?;
-        if let Some(network) = &self.cfg.network {
-            let ip = network.plug(vm_id, &tap_name, &mac::underlay(vm_id))?;
-            log::info!("VM {vm_id}: {ip} on its tap {tap_name}");
-        }
-        // The second NIC, on a named host network: its own tap, joined to
-        // the site's bridge, its address learned from the site's DHCP.
-        let site_tap = if spec.network.is_empty() {
-            None
-        } else {
-            let Some(network) = self
-                .cfg
-                .network
-                .as_ref()
-                .filter(|n| n.serves(&spec.network))
-            else {
-                return Err(Simple::permanent(format!(
-                    "host network {:?} is not served on this host; add it with --host-network {}=BRIDGE",
-                    spec.network, spec.network
-                ))
-                .into());
-            };
-            let name = self.site_tap_name(vm_id);
-            let fd = tap::open(&name).map_err(|e| transient(&format!("open its tap {name}"), e))?;
-            network.plug_named(vm_id, &spec.network, &name, &mac::second_nic(vm_id))?;
-            Some(fd)
-        };
-        let log_path = self.store.hypervisor_log_path(vm_id);
-        let log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(0o600)
-            .open(&log_path)
-            .map_err(|e| transient("open its log", e))?;
-        let log2 = log.try_clone().map_err(|e| transient("open its log", e))?;
-
-        let mut cmd = Command::new(&self.cfg.hypervisor);
-        cmd.arg("--api-socket")
-            .arg(format!("path={}", socket.display()));
-        match (&self.cfg.kernel, &self.cfg.firmware) {
-            (Some(kernel), _) => {
-                cmd.arg("--kernel")
-                    .arg(kernel)
-                    .arg("--cmdline")
-                    .arg(&self.cfg.cmdline);
-            }
-            (None, Some(firmware)) => {
-                cmd.arg("--firmware").arg(firmware);
-            }
-            (None, None) => {}
-        }
-        cmd.arg("--disk")
-            .arg(format!(
-                "path={}",
-                self.store.root_disk_path(vm_id).display()
-            ))
-            .arg(format!(
-                "path={},readonly=on",
-                self.store.seed_path(vm_id).display()
-            ));
-        for volume in &spec.volume_ids {
-            cmd.arg(format!("path={}", self.store.volume_path(volume).display()));
-        }
-        cmd.arg("--net")
-            .arg(format!("fd=3,mac={}", mac::underlay(vm_id)));
-        if site_tap.is_some() {
-            cmd.arg(format!("fd=4,mac={}", mac::second_nic(vm_id)));
-        }
-        cmd.arg("--serial")
-            .arg(format!(
-                "file={}",
-                self.store.serial_log_path(vm_id).display()
-            ))
-            .arg("--console")
-            .arg("off")
-            .arg("--cpus")
-            .arg(format!("boot={}", spec.vcpus))
-            .arg("--memory")
-            .arg(format!("size={}M", spec.mem_mb))
-            .arg("--log-file")
-            .arg(&log_path)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
-        let tap_fd = tap.as_raw_fd();
-        let site_fd = site_tap.as_ref().map(AsRawFd::as_raw_fd);
-        // SAFETY: the closure runs in the forked child before exec and calls
-        // only async-signal-safe functions (setsid, dup2, fcntl); it touches
-        // no memory shared with the parent's other threads.
-        unsafe {
-            cmd.pre_exec(move || {
-                nix::unistd::setsid().map_err(std::io::Error::from)?;
-                if tap_fd == 3 {
-                    // dup2 onto itself keeps close-on-exec: clear it instead.
-                    let fd = std::os::fd::BorrowedFd::borrow_raw(3);
-                    nix::fcntl::fcntl(
-                        fd,
-                        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
-                    )
-                    .map_err(std::io::Error::from)?;
-                } else if nix::libc::dup2(tap_fd, 3) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The site tap's fd is never 3 (fd 3 is taken above), and a
-                // dup2 onto 4 clears close-on-exec.
-                if let Some(fd) = site_fd
-                    && fd != 4
-                    && nix::libc::dup2(fd, 4) < 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = cmd.spawn().map_err(|e| -> BoxFailure {
-            Simple::transient(format!(
-                "cannot start {}: {e}",
-                self.cfg.hypervisor.display()
-            ))
-            .into()
-        })?;
-        // The VMM holds the taps now; the agent's copies must not keep them
-        // alive.
-        drop(tap);
-        drop(site_tap);
-        let pid = child.id() as i32;
-        let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
-        if let Err(e) = tracked.write(&self.store.pidfile_path(vm_id)) {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(transient("write its pidfile", e));
-        }
-        self.exits.lock().remove(vm_id);
-        self.unreaped.lock().insert(pid);
-        let (exits, unreaped, id) = (
-            Arc::clone(&self.exits),
-            Arc::clone(&self.unreaped),
-            vm_id.clone(),
-        );
-        let reaper = std::thread::Builder::new()
-            .name(format!("reap-{vm_id}"))
-            .stack_size(64 * 1024)
-            .spawn(move || {
-                if let Ok(status) = child.wait() {
-                    log::info!("VM {id}: hypervisor {pid} exited ({})", describe(status));
-                    exits.lock().insert(id, status);
-                }
-                unreaped.lock().remove(&pid);
-            });
-        if let Err(e) = reaper {
-            // Without a reaper the child would become a zombie: stop it now.
-            let _ = tracked.signal(Signal::SIGKILL);
-            return Err(transient("start its reaper thread", e));
-        }
-        log::info!("VM {vm_id}: hypervisor started (pid {pid})");
-        Ok(tracked)
-    }
-
-    /// Waits until the new VMM's API says Running, it exits, or time runs
-    /// out; the latter two kill it and fail with its own account.
-    fn await_running(
-        &self,
-        vm_id: &Id,
-        tracked: Tracked,
-        deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
-        let socket = self.socket_path(vm_id);
-        let until = deadline.capped(self.cfg.boot_wait);
-        let started = Instant::now();
-        loop {
-            if !tracked.alive() {
-                let reason = self.failure_reason(vm_id);
-                return Err(Simple::transient(format!(
-                    "the hypervisor exited during boot: {reason}"
-                ))
-                .into());
-            }
-            if api::vm_state(&socket, Duration::from_millis(500)).as_deref() == Some("Running") {
-                return Ok(());
-            }
-            if until.expired() {
-                self.kill(tracked);
-                let reason = self.failure_reason(vm_id);
-                if deadline.expired() {
-                    log::warn!(
-                        "VM {vm_id}: killed a hypervisor that did not boot in time: {reason}"
-                    );
-                    return Err(DeadlineExpired {
-                        waiting_for: "waiting for the hypervisor's API",
-                    }
-                    .into());
-                }
-                return Err(Simple::transient(format!(
-                    "the hypervisor's API did not say Running within {}s; killed it: {reason}",
-                    self.cfg.boot_wait.as_secs()
-                ))
-                .into());
-            }
-            // A VMM's API is up a few ms after exec: poll finely at first,
-            // then back off so a slow guest costs no CPU.
-            let pause = if started.elapsed() < Duration::from_millis(50) {
-                Duration::from_micros(250)
-            } else {
-                Duration::from_millis(5)
-            };
-            std::thread::sleep(pause);
-        }
-    }
-
-    /// Waits until the process is gone and, if it was this agent's child,
-    /// reaped (a zombie reads as not alive, but is still a process).
-    fn wait_gone(&self, tracked: Tracked, bound: Deadline) -> bool {
-        while tracked.alive() || self.unreaped.lock().contains(&tracked.pid) {
-            if bound.expired() {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        true
-    }
-
-    fn kill(&self, tracked: Tracked) {
-        let _ = tracked.signal(Signal::SIGKILL);
-        self.wait_gone(tracked, Deadline::after(Duration::from_secs(5)));
-    }
-
-    fn stop(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
-        let Some(tracked) = self.alive(vm_id) else {
-            // Already dead; if it was this agent's child, let its reaper
-            // finish, so no zombie outlives the stop.
-            if let Some(dead) = self.tracked(vm_id) {
-                self.wait_gone(dead, Deadline::after(Duration::from_secs(2)));
-            }
-            return Ok(());
-        };
-        let socket = self.socket_path(vm_id);
-        let call = |path: &str| {
-            let _ = api::call(&socket, "PUT", path, Duration::from_secs(2));
-        };
-        if !deadline.expired() {
-            call("/api/v1/vm.power-button");
-            let bound = deadline.capped(self.cfg.stop.power_button);
-            loop {
-                let state = api::vm_state(&socket, Duration::from_millis(500));
-                if !tracked.alive()
-                    || matches!(state.as_deref(), Some("Shutdown" | "Created"))
-                    || bound.expired()
-                {
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            call("/api/v1/vmm.shutdown");
-            if self.wait_gone(tracked, deadline.capped(self.cfg.stop.vmm_shutdown)) {
-                return Ok(());
-            }
-            log::warn!("VM {vm_id}: hypervisor ignored shutdown; sending SIGTERM");
-            let _ = tracked.signal(Signal::SIGTERM);
-            if self.wait_gone(tracked, deadline.capped(self.cfg.stop.terminate)) {
-                return Ok(());
-            }
-        }
-        log::warn!("VM {vm_id}: killing hypervisor {}", tracked.pid);
-        tracked.signal(Signal::SIGKILL).map_err(|e| -> BoxFailure {
-            Simple::transient(format!("cannot kill hypervisor {}: {e}", tracked.pid)).into()
-        })?;
-        if self.wait_gone(tracked, Deadline::after(Duration::from_secs(5))) {
-            Ok(())
-        } else {
-            Err(Simple::transient(format!("hypervisor {} survived SIGKILL", tracked.pid)).into())
-        }
-    }
-
-    /// The first line `--version` prints, within a bound.
-    fn version(&self) -> Result<String, String> {
-        let mut child = Command::new(&self.cfg.hypervisor)
-            .arg("--version")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| e.to_string())?;
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            match child.try_wait() {
-                Ok(Some(_)) => break,
-                Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err("--version did not answer within 5s".into());
-                }
-            }
-        }
-        let mut out = String::new();
-        if let Some(mut stdout) = child.stdout.take() {
-            let _ = stdout.read_to_string(&mut out);
-        }
-        Ok(out.lines().next().unwrap_or("").trim().to_owned())
-    }
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -528,12 +217,6 @@ fn describe(status: ExitStatus) -> String {
         (None, Some(signal)) => format!("killed by signal {signal}"),
         _ => "unknown status".into(),
     }
-}
-
-/// The major version in `cloud-hypervisor v53.0[-suffix]`.
-fn major_version(line: &str) -> Option<u32> {
-    let v = line.split_whitespace().find(|w| w.starts_with('v'))?;
-    v[1..].split(['.', '-']).next()?.parse().ok()
 }
 
 /// The last lines of a log, at most `REASON_BYTES`, on one line.
@@ -554,65 +237,9 @@ fn log_tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(3)..].join(" | ")
 }
 
-fn permanent(msg: String) -> Result<(), BoxFailure> {
-    Err(Simple::permanent(msg).into())
-}
-
 impl Provisioner for CloudHypervisor {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
-        let hv = &self.cfg.hypervisor;
-        let found = if hv.components().count() > 1 {
-            Some(hv.clone())
-        } else {
-            std::env::var_os("PATH").and_then(|paths| {
-                std::env::split_paths(&paths)
-                    .map(|d| d.join(hv))
-                    .find(|p| p.is_file())
-            })
-        };
-        let Some(path) = found.filter(|p| {
-            p.metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        }) else {
-            return permanent(format!(
-                "the hypervisor {} is not an executable file; install cloud-hypervisor v{MIN_VERSION} or later, or point --hypervisor at it",
-                hv.display()
-            ));
-        };
-        match self.version().map(|line| (major_version(&line), line)) {
-            Ok((Some(major), _)) if major >= MIN_VERSION => {}
-            Ok((_, line)) => {
-                return permanent(format!(
-                    "{} reports version {line:?}; this agent needs cloud-hypervisor v{MIN_VERSION} or later",
-                    path.display()
-                ));
-            }
-            Err(e) => {
-                return Err(Simple::transient(format!(
-                    "cannot ask {} its version: {e}",
-                    path.display()
-                ))
-                .into());
-            }
-        }
-        if let Err(e) = OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-            return permanent(format!(
-                "cannot open /dev/kvm read-write ({e}); load kvm_intel or kvm_amd and give the agent access to it"
-            ));
-        }
-        if !Path::new("/dev/net/tun").exists() {
-            return permanent("/dev/net/tun is missing; load the tun module (modprobe tun)".into());
-        }
-        match (&self.cfg.kernel, &self.cfg.firmware) {
-            (Some(p), _) | (None, Some(p)) if p.is_file() => Ok(()),
-            (Some(p), _) | (None, Some(p)) => permanent(format!(
-                "the guest boot file {} does not exist; fix --kernel or --firmware",
-                p.display()
-            )),
-            (None, None) => permanent(
-                "no guest kernel or firmware is configured; give --kernel or --firmware".into(),
-            ),
-        }
+        self.check_host()
     }
 
     fn prepare_root_disk(
@@ -722,17 +349,5 @@ impl Provisioner for CloudHypervisor {
             .and_then(|n| n.network_address(&mac::second_nic(vm_id)))
             .map(|ip| ip.to_string())
             .unwrap_or_default()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn versions_are_read_from_the_banner() {
-        assert_eq!(major_version("cloud-hypervisor v53.0"), Some(53));
-        assert_eq!(major_version("cloud-hypervisor v41.0-dirty"), Some(41));
-        assert_eq!(major_version("something else"), None);
     }
 }

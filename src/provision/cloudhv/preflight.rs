@@ -1,0 +1,120 @@
+//! Whether this host can run guests with cloud-hypervisor at all: each
+//! missing piece is a permanent error that names it and says how to fix it.
+
+use std::fs::OpenOptions;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{CloudHypervisor, MIN_VERSION};
+use crate::error::{BoxFailure, Simple};
+
+impl CloudHypervisor {
+    pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
+        let hv = &self.cfg.hypervisor;
+        let found = if hv.components().count() > 1 {
+            Some(hv.clone())
+        } else {
+            std::env::var_os("PATH").and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|d| d.join(hv))
+                    .find(|p| p.is_file())
+            })
+        };
+        let Some(path) = found.filter(|p| {
+            p.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        }) else {
+            return permanent(format!(
+                "the hypervisor {} is not an executable file; install cloud-hypervisor v{MIN_VERSION} or later, or point --hypervisor at it",
+                hv.display()
+            ));
+        };
+        match self.version().map(|line| (major_version(&line), line)) {
+            Ok((Some(major), _)) if major >= MIN_VERSION => {}
+            Ok((_, line)) => {
+                return permanent(format!(
+                    "{} reports version {line:?}; this agent needs cloud-hypervisor v{MIN_VERSION} or later",
+                    path.display()
+                ));
+            }
+            Err(e) => {
+                return Err(Simple::transient(format!(
+                    "cannot ask {} its version: {e}",
+                    path.display()
+                ))
+                .into());
+            }
+        }
+        if let Err(e) = OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+            return permanent(format!(
+                "cannot open /dev/kvm read-write ({e}); load kvm_intel or kvm_amd and give the agent access to it"
+            ));
+        }
+        if !Path::new("/dev/net/tun").exists() {
+            return permanent("/dev/net/tun is missing; load the tun module (modprobe tun)".into());
+        }
+        match (&self.cfg.kernel, &self.cfg.firmware) {
+            (Some(p), _) | (None, Some(p)) if p.is_file() => Ok(()),
+            (Some(p), _) | (None, Some(p)) => permanent(format!(
+                "the guest boot file {} does not exist; fix --kernel or --firmware",
+                p.display()
+            )),
+            (None, None) => permanent(
+                "no guest kernel or firmware is configured; give --kernel or --firmware".into(),
+            ),
+        }
+    }
+
+    /// The first line `--version` prints, within a bound.
+    fn version(&self) -> Result<String, String> {
+        let mut child = Command::new(&self.cfg.hypervisor)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())?;
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+                _ => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err("--version did not answer within 5s".into());
+                }
+            }
+        }
+        let mut out = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            let _ = stdout.read_to_string(&mut out);
+        }
+        Ok(out.lines().next().unwrap_or("").trim().to_owned())
+    }
+}
+
+/// The major version in `cloud-hypervisor v53.0[-suffix]`.
+fn major_version(line: &str) -> Option<u32> {
+    let v = line.split_whitespace().find(|w| w.starts_with('v'))?;
+    v[1..].split(['.', '-']).next()?.parse().ok()
+}
+
+fn permanent(msg: String) -> Result<(), BoxFailure> {
+    Err(Simple::permanent(msg).into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_read_from_the_banner() {
+        assert_eq!(major_version("cloud-hypervisor v53.0"), Some(53));
+        assert_eq!(major_version("cloud-hypervisor v41.0-dirty"), Some(41));
+        assert_eq!(major_version("something else"), None);
+    }
+}
