@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::{Kind, build_frame};
 use eitri_agent::net::packet::PacketSocket;
-use eitri_agent::net::snoop::mac_text;
+use eitri_agent::provision::mac::text as mac_text;
 use eitri_agent::testkit::net::{
     Namespaces, client_frame, ip, lease, private_network, script, udhcpc,
 };

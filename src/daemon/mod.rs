@@ -196,19 +196,22 @@ impl Daemon {
                 // the epoch out, or reset it.
                 wire.epoch = wire.epoch.max(self.store.epoch());
             }
-            let snap = convert::snapshot_from_wire(&wire);
-            for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
-                self.logged
-                    .warn(&format!("{}: {}", rejected.raw_id, rejected.error));
-            }
-            if snap.epoch < self.store.epoch() {
-                // Answered with the fence report, never kept as "last".
-                return convert::report_to_wire(&self.engine.step(&snap));
-            }
-            if self.last.as_ref().is_none_or(|(old, _)| *old != wire) {
+            // A control plane sends the same snapshot tick after tick:
+            // validate and convert only what changed.
+            let unchanged = self.last.as_ref().is_some_and(|(old, _)| *old == wire);
+            if !unchanged {
+                let snap = convert::snapshot_from_wire(&wire);
+                for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
+                    self.logged
+                        .warn(&format!("{}: {}", rejected.raw_id, rejected.error));
+                }
+                if snap.epoch < self.store.epoch() {
+                    // Answered with the fence report, never kept as "last".
+                    return convert::report_to_wire(&self.engine.step(&snap));
+                }
                 self.persist_last(&wire);
+                self.last = Some((wire, snap));
             }
-            self.last = Some((wire, snap));
         }
         let report = match &self.last {
             Some((_, snap)) => self.engine.step(snap),

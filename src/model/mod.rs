@@ -13,5 +13,5 @@ pub use id::{Id, IdError, MAX_ID_LEN, quote};
 pub use report::{QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus};
 pub use spec::{
     DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,
-    WantedVm, WantedVolume,
+    WantedVm, WantedVolume, is_hostname,
 };

@@ -7,6 +7,19 @@ use serde::{Deserialize, Serialize};
 
 use super::Id;
 
+/// Whether `name` is an RFC 1123 hostname: dot-separated labels of 1-63
+/// letters, digits and inner hyphens, 253 bytes at most. A hostname ends up
+/// in YAML and /etc/hostname, so this is the whole check, not a hint.
+pub fn is_hostname(name: &str) -> bool {
+    name.len() <= 253
+        && name.split('.').all(|l| {
+            (1..=63).contains(&l.len())
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        })
+}
+
 /// Bounds on what one VM or volume may ask for. A request above them is a
 /// typo or an attack, not a workload this agent will try to place.
 pub struct Limits;

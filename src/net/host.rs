@@ -60,7 +60,7 @@ impl HostNetwork {
         self.underlay.attach(tap)?;
         let subnet = self.underlay.subnet();
         let lease = Lease {
-            mac: parse_mac(mac).ok_or_else(|| -> BoxFailure {
+            mac: crate::provision::mac::parse(mac).ok_or_else(|| -> BoxFailure {
                 Simple::permanent(format!("{mac:?} is not a MAC address")).into()
             })?,
             ip,
@@ -104,7 +104,7 @@ impl HostNetwork {
             .into());
         };
         super::underlay::join(tap, bridge)?;
-        let mac_bytes = parse_mac(mac).ok_or_else(|| -> BoxFailure {
+        let mac_bytes = crate::provision::mac::parse(mac).ok_or_else(|| -> BoxFailure {
             Simple::permanent(format!("{mac:?} is not a MAC address")).into()
         })?;
         let snooper = Snooper::start(tap, mac_bytes, Arc::clone(&self.learned)).map_err(
@@ -137,12 +137,4 @@ impl HostNetwork {
         self.learned.forget(second_mac);
         self.addresses.release(mac).map_err(Into::into)
     }
-}
-
-fn parse_mac(text: &str) -> Option<[u8; 6]> {
-    let bytes: Vec<u8> = text
-        .split(':')
-        .map(|h| u8::from_str_radix(h, 16).ok())
-        .collect::<Option<_>>()?;
-    bytes.try_into().ok()
 }

@@ -105,13 +105,6 @@ impl Learned {
     }
 }
 
-pub fn mac_text(mac: [u8; 6]) -> String {
-    mac.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
-}
-
 /// What one frame teaches about `mac`'s address.
 enum Lesson {
     Learn(Ipv4Addr, Option<u64>),
@@ -162,7 +155,7 @@ impl Snooper {
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = Arc::clone(&stop);
-            let key = mac_text(mac);
+            let key = crate::provision::mac::text(mac);
             std::thread::Builder::new()
                 .name(format!("snoop-{iface}"))
                 .stack_size(128 * 1024)

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 
+use crate::model::is_hostname;
 use crate::model::{
     DesiredVm, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report, Snapshot, SpecError,
     VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm, WantedVolume, quote,
@@ -338,13 +339,7 @@ fn hostname(raw: &str) -> Result<String, SpecError> {
     if raw.is_empty() {
         return Ok(String::new());
     }
-    let label_ok = |l: &str| {
-        (1..=63).contains(&l.len())
-            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-            && !l.starts_with('-')
-            && !l.ends_with('-')
-    };
-    if raw.len() <= 253 && raw.split('.').all(label_ok) {
+    if is_hostname(raw) {
         Ok(raw.to_owned())
     } else {
         Err(SpecError::new(

@@ -27,10 +27,28 @@ fn derive(role: &str, vm_id: &Id) -> String {
     let mut mac = [0u8; 6];
     mac.copy_from_slice(&digest[..6]);
     mac[0] = (mac[0] | 0b10) & !0b1;
+    text(mac)
+}
+
+/// `02:ab:…`, the form `ip`, cloud-init and cloud-hypervisor all take.
+pub fn text(mac: [u8; 6]) -> String {
     mac.iter()
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
         .join(":")
+}
+
+/// Reads `02:ab:…` back; `None` for anything else.
+pub fn parse(text: &str) -> Option<[u8; 6]> {
+    let bytes: Vec<u8> = text
+        .split(':')
+        .map(|h| {
+            (h.len() == 2)
+                .then(|| u8::from_str_radix(h, 16).ok())
+                .flatten()
+        })
+        .collect::<Option<_>>()?;
+    bytes.try_into().ok()
 }
 
 #[cfg(test)]
@@ -50,6 +68,14 @@ mod tests {
     fn differs_by_role_and_id() {
         assert_ne!(underlay(&id("vm-1")), second_nic(&id("vm-1")));
         assert_ne!(underlay(&id("vm-1")), underlay(&id("vm-2")));
+    }
+
+    #[test]
+    fn text_round_trips() {
+        let mac = [0x02, 0xab, 0, 1, 0xfe, 0x10];
+
+        assert_eq!(parse(&text(mac)), Some(mac));
+        assert_eq!(parse("02:ab:00"), None);
     }
 
     #[test]

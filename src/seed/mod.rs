@@ -29,6 +29,7 @@ use std::time::SystemTime;
 use serde_json::{Map, Value, json};
 
 use crate::error::{BoxFailure, Simple};
+use crate::model::is_hostname;
 use crate::reconcile::seams::{SeedBuilder, SeedParams};
 use crate::state::atomic::write_atomic_mode;
 
@@ -76,14 +77,7 @@ impl SeedBuilder for NoCloudSeed {
 /// Refuses what must never reach a guest's configuration, even though the
 /// wire conversion already checked it: this is the last line before YAML.
 fn check(p: &SeedParams) -> Result<(), BoxFailure> {
-    let hostname_ok = p.hostname.is_empty()
-        || (p.hostname.len() <= 253
-            && p.hostname.split('.').all(|l| {
-                (1..=63).contains(&l.len())
-                    && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-                    && !l.starts_with('-')
-                    && !l.ends_with('-')
-            }));
+    let hostname_ok = p.hostname.is_empty() || is_hostname(&p.hostname);
     if !hostname_ok {
         return Err(Simple::permanent(format!(
             "{:?} is not a valid hostname; the seed was not written",
