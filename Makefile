@@ -1,6 +1,6 @@
 # eitri-agent: build, test, benchmark.
 #
-#   make test         everything CI runs: format, lint, generated-code check, tests
+#   make test         everything CI runs: format, lint, programs and generated-code checks, tests
 #   make proto        regenerate src/pb/ from proto/ (no protoc needed)
 #   make bench        every benchmark; make bench-NAME runs one
 #
@@ -14,7 +14,7 @@ BENCHES  := store engine storage boot net
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: all build static test fmt-check clippy proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -26,13 +26,17 @@ static:
 	$(CARGO) build --release --locked --target $(MUSL)
 	@ls -l $(STATIC)
 
-test: fmt-check clippy proto-check unit-tests
+test: fmt-check clippy programs-check proto-check unit-tests
 
 fmt-check:
 	$(CARGO) fmt --check
 
 clippy:
 	$(CARGO) clippy --locked --all-targets --features standin -- -D warnings
+
+# Every program the code or its tests run is installed by .ci/run.
+programs-check:
+	.ci/check-programs
 
 # nextest's summary is the run's last line; CI reads it. The s6 test runs
 # the static binary, so it is built first.

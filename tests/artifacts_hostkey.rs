@@ -1,13 +1,12 @@
 //! Guest host keys, checked by OpenSSH's own ssh-keygen.
 
 use std::os::unix::fs::PermissionsExt;
-use std::process::Command;
 
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::reconcile::seams::HostKeys;
 
 fn ssh_keygen(args: &[&str], key: &std::path::Path) -> String {
-    let out = Command::new("ssh-keygen")
+    let out = eitri_agent::testkit::tools::tool("ssh-keygen")
         .args(args)
         .arg(key)
         .output()
@@ -73,7 +72,7 @@ fn the_same_key_comes_back_on_the_next_load() {
 fn a_key_made_by_ssh_keygen_is_loaded() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("key");
-    let made = Command::new("ssh-keygen")
+    let made = eitri_agent::testkit::tools::tool("ssh-keygen")
         .args([
             "-q",
             "-t",

@@ -2,7 +2,6 @@
 //! isoinfo (genisoimage), xorriso and blkid.
 
 use std::path::Path;
-use std::process::Command;
 
 use eitri_agent::reconcile::seams::{SeedBuilder, SeedParams};
 use eitri_agent::seed::NoCloudSeed;
@@ -32,7 +31,7 @@ fn built(dir: &Path) -> std::path::PathBuf {
 }
 
 fn run(cmd: &str, args: &[&str], iso: &Path) -> Vec<u8> {
-    let out = Command::new(cmd)
+    let out = eitri_agent::testkit::tools::tool(cmd)
         .args(args)
         .arg(iso)
         .output()
@@ -177,7 +176,7 @@ fn xorriso_extracts_the_same_files() {
     let iso = built(dir.path());
     let out = dir.path().join("extracted");
 
-    let status = Command::new("xorriso")
+    let status = eitri_agent::testkit::tools::tool("xorriso")
         .args(["-osirrox", "on", "-indev"])
         .arg(&iso)
         .args(["-extract", "/"])

@@ -62,6 +62,7 @@ fn the_address_the_site_grants_is_learned_and_survives_a_restart() {
     ip(&["link", "set", "etdnh", "up"]);
     ip(&["-n", &site_ns, "addr", "add", "192.0.2.1/24", "dev", "eth0"]);
     ip(&["-n", &site_ns, "link", "set", "eth0", "up"]);
+    eitri_agent::testkit::tools::require("dnsmasq");
     let leases = dir.path().join("dnsmasq.leases");
     cleanup.dnsmasq = Some(
         Command::new("ip")

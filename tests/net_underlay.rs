@@ -11,11 +11,12 @@ use eitri_agent::net::underlay::{Nat, Underlay};
 use eitri_agent::testkit::net::{
     Namespaces, ip, lease, private_network, script, udhcpc, underlay_config,
 };
+use eitri_agent::testkit::tools::{require, tool};
 
 const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x07];
 
 fn nft_table() -> String {
-    let out = Command::new("nft")
+    let out = tool("nft")
         .args(["list", "table", "ip", "eitri_test"])
         .output()
         .expect("nft");
@@ -146,6 +147,7 @@ impl Topology {
     }
 
     fn lease_and_ping(&self) -> bool {
+        require("ping");
         let dir = tempfile::tempdir().expect("tempdir");
         let (run, _) = self.script(dir.path());
         let dhcp = udhcpc(&self.guest, "eth0", &run, &[]);
@@ -193,7 +195,7 @@ fn a_guest_reaches_a_remote_namespace_through_the_nat() {
 fn a_forward_policy_of_drop_is_handled() {
     private_network();
     // What Docker leaves on a host: iptables FORWARD policy DROP.
-    let dropped = Command::new("iptables")
+    let dropped = tool("iptables")
         .args(["-P", "FORWARD", "DROP"])
         .status()
         .expect("iptables");
@@ -238,6 +240,7 @@ fn a_renewal_is_acked_and_naked_once_the_address_changed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (script, events) = topology.script(dir.path());
     let first = responder(Ipv4Addr::new(100, 77, 5, 5));
+    require("udhcpc");
     let client = Client(
         Command::new("ip")
             .args([
@@ -299,6 +302,7 @@ fn without(tools: &[&str]) -> tempfile::TempDir {
 
 #[test]
 fn without_nft_iptables_does_the_nat() {
+    require("iptables");
     let _fakes = without(&["nft"]);
     private_network();
     let underlay = Underlay::setup(underlay_config()).expect("setup");

@@ -1,12 +1,14 @@
 //! The static binary under a real s6-svscan, with the service dir shipped in
 //! contrib/s6: it becomes ready (s6-svwait -U), and a stop is clean.
 //!
-//! Needs `make static` and Debian's s6. Without them the test says so and
-//! passes, except under CI (`CI` set), where `.ci/run` installs both and
-//! their absence is a failure.
+//! Needs `make static` (which `make test` runs first) and Debian's s6
+//! (which `.ci/run` installs); without either it fails, naming what is
+//! missing: a test that skips itself is a hole nobody sees in CI.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
+
+use eitri_agent::testkit::tools::{require, tool};
 
 fn static_binary() -> PathBuf {
     std::env::var_os("EITRI_STATIC_BIN").map_or_else(
@@ -18,32 +20,21 @@ fn static_binary() -> PathBuf {
     )
 }
 
-fn missing_prerequisite() -> Option<String> {
-    if !static_binary().is_file() {
-        return Some(format!(
-            "{} is not built (make static)",
-            static_binary().display()
-        ));
-    }
-    let have = |tool: &str| {
-        Command::new(tool)
-            .arg("-h")
-            .stderr(Stdio::null())
-            .stdout(Stdio::null())
-            .status()
-            .is_ok()
-    };
-    [
-        "s6-svscan",
-        "s6-svwait",
-        "s6-svc",
-        "s6-svstat",
-        "s6-envdir",
-        "s6-log",
-    ]
-    .iter()
-    .find(|t| !have(t))
-    .map(|t| format!("{t} is not installed (apt-get install s6)"))
+/// Fails the test, naming it, when a program or the static binary is missing.
+fn require_prerequisites() {
+    assert!(
+        static_binary().is_file(),
+        "{} is not built; run make static (make test does)",
+        static_binary().display()
+    );
+    // One call each, not a loop: make programs-check reads these names.
+    require("s6-svscan");
+    require("s6-svscanctl");
+    require("s6-svwait");
+    require("s6-svc");
+    require("s6-svstat");
+    require("s6-envdir");
+    require("s6-log");
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -63,31 +54,24 @@ struct Scanner(Child, PathBuf);
 
 impl Drop for Scanner {
     fn drop(&mut self) {
-        let _ = Command::new("s6-svscanctl").arg("-t").arg(&self.1).status();
+        let _ = tool("s6-svscanctl").arg("-t").arg(&self.1).status();
         if self.0.wait().is_err() {
             let _ = self.0.kill();
         }
     }
 }
 
-fn s6(tool: &str, args: &[&str], service: &Path) -> std::process::Output {
-    Command::new(tool)
+fn s6(program: &str, args: &[&str], service: &Path) -> std::process::Output {
+    tool(program)
         .args(args)
         .arg(service)
         .output()
-        .expect(tool)
+        .unwrap_or_else(|e| panic!("{program}: {e}"))
 }
 
 #[test]
 fn static_binary_runs_under_s6_and_stops_cleanly() {
-    if let Some(why) = missing_prerequisite() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "CI must provide it: {why}"
-        );
-        println!("SKIPPED: {why}");
-        return;
-    }
+    require_prerequisites();
     let dir = tempfile::tempdir().expect("tempdir");
     let bin = dir.path().join("bin");
     std::fs::create_dir_all(&bin).expect("bin");
@@ -128,7 +112,7 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
     let log_dir = dir.path().join("log");
 
     let scanner = Scanner(
-        Command::new("s6-svscan")
+        tool("s6-svscan")
             .arg(&scan)
             .env_clear()
             .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))

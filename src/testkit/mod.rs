@@ -11,6 +11,7 @@
 pub mod control_plane;
 pub mod image_server;
 pub mod net;
+pub mod tools;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 
 use std::net::Ipv4Addr;
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use crate::net::addresses::Subnet;
 use crate::net::dhcp::Lease;
@@ -21,7 +21,7 @@ pub fn private_network() {
 
 /// Runs `ip` and fails the test, with its stderr, if it fails.
 pub fn ip(args: &[&str]) {
-    let out = Command::new("ip")
+    let out = super::tools::tool("ip")
         .args(args)
         .output()
         .unwrap_or_else(|e| panic!("ip: {e}"));
@@ -38,7 +38,7 @@ pub struct Namespaces(pub Vec<String>);
 impl Drop for Namespaces {
     fn drop(&mut self) {
         for ns in &self.0 {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+            let _ = super::tools::tool("ip").args(["netns", "del", ns]).output();
         }
     }
 }
@@ -46,7 +46,8 @@ impl Drop for Namespaces {
 /// One lease attempt of busybox udhcpc on `iface` in namespace `ns`, with
 /// `script` run on each event; `extra` arguments are passed on.
 pub fn udhcpc(ns: &str, iface: &str, script: &Path, extra: &[&str]) -> Output {
-    Command::new("ip")
+    super::tools::require("udhcpc");
+    super::tools::tool("ip")
         .args([
             "netns", "exec", ns, "udhcpc", "-i", iface, "-f", "-q", "-n", "-t", "5", "-T", "1",
             "-s",

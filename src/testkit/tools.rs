@@ -1,0 +1,58 @@
+//! The external programs tests drive (`ip`, `nft`, `udhcpc`, `s6-svscan`, …),
+//! looked up before use so a missing one fails the test with its name and the
+//! fix, not with a bare `NotFound` from deep inside a helper.
+//!
+//! Every program named here, or in a `Command::new("…")` anywhere in the
+//! tree, must be in `.ci/run`'s `need` table: `make programs-check` fails
+//! otherwise, because CI runs on a fresh machine where nothing installed by
+//! hand exists.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// Where `program` is on `PATH`. Panics, naming it, when it is not there.
+pub fn require(program: &str) -> PathBuf {
+    find(program).unwrap_or_else(|| {
+        panic!(
+            "this test runs `{program}`, which is not installed on this machine; \
+             .ci/run installs it (its `need` table names the Debian package)"
+        )
+    })
+}
+
+/// A command for `program`, after [`require`] found it.
+pub fn tool(program: &str) -> Command {
+    Command::new(require(program))
+}
+
+/// The first executable file called `program` on `PATH`.
+pub fn find(program: &str) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|p| {
+            p.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_a_program_every_system_has() {
+        assert!(find("sh").is_some());
+    }
+
+    /// Through a constant: a literal here would read as a program the
+    /// tests run to `make programs-check`.
+    const MISSING: &str = "no-such-program-eitri";
+
+    #[test]
+    #[should_panic(expected = "`no-such-program-eitri` is not installed")]
+    fn a_missing_program_is_named() {
+        require(MISSING);
+    }
+}
