@@ -14,6 +14,19 @@ use eitri_agent::version::AGENT_VERSION;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    // Before anything else: a supervisor's SIGTERM in the daemon's first
+    // milliseconds must be an orderly stop, not death by the default action.
+    let signals = if args.first().is_some_and(|a| a == "run") {
+        match eitri_agent::daemon::Signals::install() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("eitri-agent: cannot install the signal handlers: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        None
+    };
     let env: HashMap<String, String> = std::env::vars().collect();
     let command = match config::parse(&args, &env) {
         Ok(c) => c,
@@ -73,7 +86,11 @@ fn main() -> ExitCode {
         }
         Command::Run(config) => {
             init_logging();
-            match eitri_agent::daemon::run(*config) {
+            let Some(signals) = signals else {
+                eprintln!("eitri-agent: internal error: run without signal handlers");
+                return ExitCode::FAILURE;
+            };
+            match eitri_agent::daemon::run(*config, signals) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => fail(&e),
             }

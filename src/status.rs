@@ -31,6 +31,10 @@ pub struct ReportFile {
     /// networking is host-only).
     #[serde(default)]
     pub notes: Vec<String>,
+    /// The agent's tick: a report much older than this is stale (the agent
+    /// is stopped, or cannot write).
+    #[serde(default)]
+    pub tick_ms: u64,
 }
 
 impl ReportFile {
@@ -51,7 +55,16 @@ impl ReportFile {
             contact,
             report,
             notes: Vec::new(),
+            tick_ms: 0,
         }
+    }
+
+    /// Whether the report is older than three ticks at `now`: an agent that
+    /// runs writes one at least every tick.
+    pub fn is_stale(&self, now: SystemTime) -> bool {
+        let written = UNIX_EPOCH + Duration::from_millis(self.written_at_unix_ms);
+        let age = now.duration_since(written).unwrap_or_default();
+        self.tick_ms > 0 && age > Duration::from_millis(self.tick_ms.saturating_mul(3))
     }
 
     pub fn write(&self, state_dir: &Path) -> std::io::Result<()> {
@@ -80,10 +93,15 @@ impl ReportFile {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "host {} (agent {}), report written {} ago, epoch {}{}",
+            "host {} (agent {}), report written {} ago{}, epoch {}{}",
             self.host.host_id,
             self.host.agent_version,
             human(age),
+            if self.is_stale(now) {
+                " (STALE: the agent writes one every tick; is it running, and can it write its state dir?)"
+            } else {
+                ""
+            },
             r.last_seen_epoch,
             if r.fence_violation {
                 " (FENCED: a stale snapshot was refused)"

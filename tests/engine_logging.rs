@@ -2,45 +2,13 @@
 
 mod common;
 
-use std::sync::OnceLock;
-
 use common::Harness;
 use eitri_agent::model::{PowerState, Snapshot};
+use eitri_agent::testkit::logs::capture;
 use eitri_agent::testkit::{Op, desired, id, present, snapshot};
-use parking_lot::Mutex;
-
-/// Captures every log record of this test process.
-struct Capture(Mutex<Vec<(log::Level, String)>>);
-
-impl log::Log for Capture {
-    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
-        true
-    }
-    fn log(&self, record: &log::Record<'_>) {
-        self.0
-            .lock()
-            .push((record.level(), record.args().to_string()));
-    }
-    fn flush(&self) {}
-}
-
-fn capture() -> &'static Capture {
-    static CAPTURE: OnceLock<&'static Capture> = OnceLock::new();
-    CAPTURE.get_or_init(|| {
-        let c: &'static Capture = Box::leak(Box::new(Capture(Mutex::new(Vec::new()))));
-        log::set_logger(c).expect("one logger per test process");
-        log::set_max_level(log::LevelFilter::Debug);
-        c
-    })
-}
 
 fn warnings_about(text: &str) -> usize {
-    capture()
-        .0
-        .lock()
-        .iter()
-        .filter(|(level, msg)| *level == log::Level::Warn && msg.contains(text))
-        .count()
+    capture().count(log::Level::Warn, text)
 }
 
 fn running(vm: &str) -> Snapshot {

@@ -279,7 +279,7 @@ fn step_never_waits_on_a_stuck_vm() {
 }
 
 #[test]
-fn vm_that_never_published_has_no_row() {
+fn a_recorded_vm_is_reported_from_its_record_before_its_first_pass_ends() {
     let h = Harness::with_config(EngineConfig {
         vm_timeout: None,
         ..config()
@@ -293,13 +293,41 @@ fn vm_that_never_published_has_no_row() {
     let report = h.engine.step(&snap);
     assert!(gate.wait_entered(1, SETTLE));
     let again = h.engine.step(&snap);
-
-    assert!(report.vms.is_empty());
-    assert!(
-        again.vms.is_empty(),
-        "a converge pass publishes only when it ends"
-    );
     gate.release();
+
+    // What the host has, read from the record and the backend: the VM was
+    // created, and its hypervisor is not running now.
+    let row = |r: &eitri_agent::model::Report| {
+        r.vms
+            .iter()
+            .find(|v| v.vm_id == "vm-1")
+            .map(|v| (v.power, v.phase))
+    };
+    assert_eq!(
+        row(&report),
+        Some((Some(PowerState::Stopped), Some(Phase::Ready)))
+    );
+    assert_eq!(row(&again), row(&report), "the pass has not ended yet");
+}
+
+#[test]
+fn a_new_vm_is_reported_queued_in_the_step_that_first_names_it() {
+    let h = Harness::new();
+    let gate = h.fakes.block(Op::Preflight, "");
+
+    let report = h.engine.step(&snapshot(1, vec![present(desired("vm-1"))]));
+    gate.release();
+    h.idle();
+
+    let row = report
+        .vms
+        .iter()
+        .find(|v| v.vm_id == "vm-1")
+        .expect("a row");
+    assert_eq!(
+        (row.power, row.phase, row.status_detail.as_str()),
+        (Some(PowerState::Stopped), Some(Phase::Creating), "queued")
+    );
 }
 
 #[test]

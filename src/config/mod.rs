@@ -46,7 +46,6 @@ pub struct ControlPlane {
     pub token_file: Option<PathBuf>,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
-    pub max_response_bytes: u64,
 }
 
 /// How guests boot.
@@ -75,6 +74,11 @@ pub struct Config {
     pub backoff_max: Duration,
     pub shutdown_grace: Duration,
     pub notify_fd: Option<i32>,
+    /// Bounds on one snapshot, from either source.
+    pub limits: crate::source::SnapshotLimits,
+    /// An HTTP proxy for the control plane and image downloads; never taken
+    /// from the environment.
+    pub proxy: Option<String>,
     pub guest: GuestBoot,
     pub engine: EngineConfig,
 }
@@ -391,6 +395,8 @@ fn parse_run(args: &[String], env: &HashMap<String, String>) -> Result<Config, C
         backoff_max: raw.duration("backoff-max")?,
         shutdown_grace: raw.duration("shutdown-grace")?,
         notify_fd,
+        limits: snapshot_limits(&raw)?,
+        proxy: proxy(&raw)?,
         guest,
         engine,
     })
@@ -409,16 +415,41 @@ fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> 
             format!("--control-plane: {url:?} is not an http:// URL")
         }));
     }
-    let max_response_bytes = raw.number("max-response-bytes")?;
-    if max_response_bytes < 1024 {
-        return Err(err("--max-response-bytes must be at least 1024"));
-    }
     Ok(ControlPlane {
         base_url: url.to_owned(),
         token_file: raw.optional("token-file").map(PathBuf::from),
         connect_timeout: raw.duration("connect-timeout")?,
         request_timeout: raw.duration("request-timeout")?,
-        max_response_bytes,
+    })
+}
+
+fn proxy(raw: &Raw<'_>) -> Result<Option<String>, ConfigError> {
+    let proxy = raw.optional("proxy");
+    if let Some(p) = &proxy {
+        ureq::Proxy::new(p).map_err(|e| {
+            err(format!(
+                "--proxy: {p:?} is not a proxy URL ({e}); write http://HOST:PORT"
+            ))
+        })?;
+    }
+    Ok(proxy)
+}
+
+fn snapshot_limits(raw: &Raw<'_>) -> Result<crate::source::SnapshotLimits, ConfigError> {
+    let max_bytes = raw.number("max-response-bytes")?;
+    if max_bytes < 1024 {
+        return Err(err("--max-response-bytes must be at least 1024"));
+    }
+    let count = |flag: &str| -> Result<usize, ConfigError> {
+        match raw.number(flag)? {
+            0 => Err(err(format!("--{flag} must be at least 1"))),
+            n => usize::try_from(n).map_err(|_| err(format!("--{flag} is too large"))),
+        }
+    };
+    Ok(crate::source::SnapshotLimits {
+        max_bytes,
+        max_vms: count("max-vms")?,
+        max_volumes: count("max-volumes")?,
     })
 }
 

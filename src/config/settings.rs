@@ -63,7 +63,25 @@ pub(super) const SETTINGS: &[Setting] = &[
         flag: "max-response-bytes",
         env: "EITRI_MAX_RESPONSE_BYTES",
         default: "16777216",
-        help: "control plane: largest response body accepted",
+        help: "largest snapshot read, in bytes: a control plane's answer or the desired file",
+    },
+    Setting {
+        flag: "max-vms",
+        env: "EITRI_MAX_VMS",
+        default: "10000",
+        help: "most VM entries one snapshot may hold; counted before it is decoded",
+    },
+    Setting {
+        flag: "max-volumes",
+        env: "EITRI_MAX_VOLUMES",
+        default: "10000",
+        help: "most volume entries one snapshot may hold; counted before it is decoded",
+    },
+    Setting {
+        flag: "proxy",
+        env: "EITRI_PROXY",
+        default: "",
+        help: "HTTP proxy for the control plane and image downloads (http_proxy and the like are ignored)",
     },
     Setting {
         flag: "backoff-max",

@@ -1,24 +1,29 @@
-//! The daemon: the tick loop, signals, readiness and a graceful stop.
+//! The daemon: the main loop, signals, readiness and a graceful stop.
 //!
-//! Each tick:
-//! 1. If contact is due (always, unless backing off after failures), fetch
-//!    desired state. A new snapshot the engine will accept becomes the last
-//!    snapshot, persisted atomically so an agent restarted during an outage
-//!    still has it.
-//! 2. Step the engine with the last snapshot: every tick, reachable or not,
-//!    so a crashed VM is restarted even while the control plane is down.
-//!    With no snapshot ever, observe the host instead of stepping an empty
-//!    one (which would reap every VM as vanished).
-//! 3. Write `report.json` atomically; after the first, signal readiness.
-//! 4. If contact is due and the fetch went through, send the report. A
-//!    failure backs off with jitter; success resets the backoff. The report
-//!    sent on return is always the newest.
-//!
-//! Signals arrive as messages: SIGTERM/SIGINT stop ticking, give in-flight
-//! passes the shutdown grace, and return; VMs keep running. SIGHUP re-reads
-//! the desired file at once.
+//! Three kinds of thread meet here, and only the first may ever wait on
+//! the network:
+//! - `source` (see [`exchange`]): contacts the control plane or reads the
+//!   desired file, hands new desired state over, sends the newest report.
+//! - `main` (this module): acts on events the moment they arrive, and
+//!   steps the engine at every tick as the level-triggered safety net:
+//!   1. New desired state: check its epoch (a stale snapshot from a
+//!      control plane is fenced: logged once, never kept, and every report
+//!      says so until a current one arrives), convert and validate it, keep
+//!      it (persisted, so an agent restarted during an outage still has
+//!      it), and step the engine with it at once.
+//!   2. A tick: step the engine with the last desired state (reachable or
+//!      not, so a crashed VM is restarted while the control plane is down),
+//!      or observe the host if there has never been any (stepping an empty
+//!      snapshot would reap every VM as vanished).
+//!   3. A VM's row changed between steps (a pass ended, a crashed VM was
+//!      repaired): report it at once, at most every [`MIN_WRITE_GAP`].
+//!   4. Every report is published to the exchange and written to
+//!      `report.json` atomically; after the first, readiness is signalled.
+//! - `signals`: SIGTERM/SIGINT stop the loop (passes in flight get the
+//!   shutdown grace, VMs keep running); SIGHUP re-reads the desired file.
 
 mod backoff;
+pub mod exchange;
 mod notify;
 mod signals;
 
@@ -26,34 +31,51 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::{Receiver, select};
 use prost::Message;
 
 pub use backoff::{Backoff, XorShift};
+pub use exchange::{Contact, Exchange, ExchangeThread, Link};
 pub use notify::Readiness;
+pub use signals::Signals;
 
 use crate::config::{Config, DesiredSource};
 use crate::deadline::Deadline;
 use crate::error::chain;
-use crate::hostkey::LocalHostKeys;
 use crate::image::ImageCache;
+use crate::logonce::LogOnce;
 use crate::model::Snapshot;
 use crate::pb::{self, convert};
 use crate::reconcile::seams::{HostFacts, SystemHost};
 use crate::reconcile::{Engine, Seams};
 use crate::seed::NoCloudSeed;
-use crate::source::{FileSource, HttpSource, Source, SourceError};
+use crate::source::{Desired, FileSource, HttpSource, Source, SourceError};
 use crate::state::atomic::write_atomic;
 use crate::state::{Store, StoreError};
 use crate::status::ReportFile;
 
 const LAST_SNAPSHOT: &str = "snapshot.pb";
 
-/// What the tick loop is told from outside.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Control {
+/// The shortest gap between two change-driven `report.json` writes: a burst
+/// of rows changing (a hundred VMs booting) is a few writes, not a hundred.
+const MIN_WRITE_GAP: Duration = Duration::from_millis(10);
+
+/// What the main loop is told from outside.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// SIGTERM or SIGINT.
     Shutdown,
+    /// SIGHUP: read the desired file afresh.
     Reload,
+    /// The exchange handed over new desired state.
+    Desired,
+    /// The contact state changed; `report.json` says it.
+    Contact,
+    /// Step now, as at a tick; `done` is told once the step's report is
+    /// out (a test waiting for exactly that step).
+    Step {
+        done: Option<crossbeam_channel::Sender<()>>,
+    },
 }
 
 /// Monotonic time since an arbitrary start; a fake in tests.
@@ -81,35 +103,17 @@ impl Clock for SystemClock {
     }
 }
 
-/// How one tick's contact with the source went.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Contact {
-    /// Backing off; the next contact is due in this long.
-    Waiting {
-        due_in: Duration,
-    },
-    Ok,
-    /// Failed; the next contact waits this long.
-    Failed {
-        error: String,
-        retry_in: Duration,
-    },
-}
-
-pub struct Tick {
-    pub report: pb::Report,
-    pub contact: Contact,
-}
-
-/// What a daemon is made of; the daemon's own settings come from `Config`.
+/// What the main loop is made of; its own settings come from `Config`.
 pub struct Parts {
     pub store: Arc<Store>,
-    pub engine: Engine,
-    pub source: Box<dyn Source>,
+    pub engine: Arc<Engine>,
+    pub link: Arc<Link>,
     pub host: pb::HostInfo,
-    pub clock: Box<dyn Clock>,
-    /// Jitter draws in `[0, 1)`.
-    pub jitter: Box<dyn FnMut() -> f64 + Send>,
+    /// What the source is called in logs and `status`.
+    pub source: String,
+    /// Whether snapshots come from a control plane (and fence), or from a
+    /// file (and never do).
+    pub remote: bool,
     pub readiness: Option<Readiness>,
     /// Lasting facts for `status` (e.g. networking is host-only).
     pub notes: Vec<String>,
@@ -117,25 +121,29 @@ pub struct Parts {
 
 pub struct Daemon {
     store: Arc<Store>,
-    engine: Engine,
-    source: Box<dyn Source>,
+    engine: Arc<Engine>,
+    link: Arc<Link>,
     host: pb::HostInfo,
-    clock: Box<dyn Clock>,
-    jitter: Box<dyn FnMut() -> f64 + Send>,
+    source: String,
+    remote: bool,
     readiness: Option<Readiness>,
-    tick: Duration,
-    backoff: Backoff,
-    next_contact: Duration,
-    last: Option<(pb::Snapshot, Snapshot)>,
-    last_contact: String,
-    logged: LogOnce,
     notes: Vec<String>,
+    tick: Duration,
+    /// The last accepted desired state, as read and as checked.
+    last: Option<(Desired, Snapshot)>,
+    /// The epoch of the stale snapshot the control plane sent last, while
+    /// it sends stale ones.
+    fenced: Option<u64>,
+    logs: LogOnce,
+    /// When `report.json` was last written, and whether a change waits.
+    written: Option<Instant>,
+    dirty: bool,
 }
 
 impl Daemon {
-    /// Builds the daemon, loading the last accepted snapshot if one was
+    /// Builds the main loop, loading the last accepted snapshot if one was
     /// persisted (a restart during an outage keeps converging).
-    pub fn new(tick: Duration, backoff_max: Duration, parts: Parts) -> Daemon {
+    pub fn new(tick: Duration, parts: Parts) -> Daemon {
         let last = load_last(&parts.store);
         if let Some((_, snap)) = &last {
             log::info!(
@@ -146,175 +154,245 @@ impl Daemon {
         Daemon {
             store: parts.store,
             engine: parts.engine,
-            source: parts.source,
+            link: parts.link,
             host: parts.host,
-            clock: parts.clock,
-            jitter: parts.jitter,
+            source: parts.source,
+            remote: parts.remote,
             readiness: parts.readiness,
-            tick,
-            backoff: Backoff::new(tick, backoff_max),
-            next_contact: Duration::ZERO,
-            last,
-            last_contact: "not yet".into(),
-            logged: LogOnce::default(),
             notes: parts.notes,
+            tick,
+            last,
+            fenced: None,
+            logs: LogOnce::new(),
+            written: None,
+            dirty: false,
         }
     }
 
-    pub fn engine(&self) -> &Engine {
+    pub fn engine(&self) -> &Arc<Engine> {
         &self.engine
     }
 
-    /// One tick (see the module steps).
-    pub fn tick(&mut self) -> Tick {
-        let now = self.clock.now();
-        let due = !self.source.is_remote() || now >= self.next_contact;
-        let mut failure = None;
-        let mut fresh = None;
-        if due {
-            match self.source.fetch(&self.host) {
-                Ok(Some(wire)) => fresh = Some(wire),
-                Ok(None) => {}
-                Err(e) => failure = Some(e),
-            }
-        }
-        let report = self.step(fresh);
-        self.write_report(&report);
-        if due && failure.is_none() {
-            failure = self.source.send_report(&self.host, &report).err();
-        }
-        let contact = self.settle_contact(now, due, failure);
-        Tick { report, contact }
-    }
-
-    /// Steps the engine with the newest snapshot it will accept, or the last
-    /// one; observes the host when there has never been one.
-    fn step(&mut self, fresh: Option<pb::Snapshot>) -> pb::Report {
-        if let Some(mut wire) = fresh {
-            if !self.source.is_remote() {
-                // Standalone mode never fences: a hand-written file may leave
-                // the epoch out, or reset it.
-                wire.epoch = wire.epoch.max(self.store.epoch());
-            }
-            // A control plane sends the same snapshot tick after tick:
-            // validate and convert only what changed.
-            let unchanged = self.last.as_ref().is_some_and(|(old, _)| *old == wire);
-            if !unchanged {
-                let snap = convert::snapshot_from_wire(&wire);
-                for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
-                    self.logged
-                        .warn(&format!("{}: {}", rejected.raw_id, rejected.error));
-                }
-                if snap.epoch < self.store.epoch() {
-                    // Answered with the fence report, never kept as "last".
-                    return convert::report_to_wire(&self.engine.step(&snap));
-                }
-                self.persist_last(&wire);
-                self.last = Some((wire, snap));
-            }
-        }
-        let report = match &self.last {
-            Some((_, snap)) => self.engine.step(snap),
-            None => self.engine.observe(),
-        };
-        convert::report_to_wire(&report)
-    }
-
-    fn persist_last(&self, wire: &pb::Snapshot) {
-        let path = self.store.root().join(LAST_SNAPSHOT);
-        if let Err(e) = write_atomic(&path, &wire.encode_to_vec()) {
-            log::error!(
-                "cannot persist the last snapshot to {}: {e}",
-                path.display()
-            );
-        }
-    }
-
-    fn write_report(&mut self, report: &pb::Report) {
-        let file = ReportFile {
-            notes: self.notes.clone(),
-            ..ReportFile::new(
-                self.host.clone(),
-                self.source.describe(),
-                self.last_contact.clone(),
-                report.clone(),
-            )
-        };
-        match file.write(self.store.root()) {
-            Ok(()) => {
-                if let Some(readiness) = self.readiness.take() {
-                    readiness.signal();
-                }
-            }
-            Err(e) => self.logged.error(&format!("cannot write report.json: {e}")),
-        }
-    }
-
-    fn settle_contact(
-        &mut self,
-        now: Duration,
-        due: bool,
-        failure: Option<SourceError>,
-    ) -> Contact {
-        if !due {
-            return Contact::Waiting {
-                due_in: self.next_contact.saturating_sub(now),
-            };
-        }
-        match failure {
-            None => {
-                if self.backoff.failures() > 0 {
-                    log::info!("{} reachable again", self.source.describe());
-                }
-                self.backoff.reset();
-                self.logged.clear();
-                self.next_contact = now;
-                self.last_contact = "ok".into();
-                Contact::Ok
-            }
-            Some(e) => {
-                let error = chain(&e);
-                let retry_in = if self.source.is_remote() {
-                    self.backoff.fail((self.jitter)())
-                } else {
-                    Duration::ZERO
-                };
-                self.next_contact = now + retry_in;
-                self.logged.warn(&error);
-                self.last_contact = error.clone();
-                Contact::Failed { error, retry_in }
-            }
-        }
-    }
-
-    /// Ticks until told to stop, then gives in-flight passes `grace`.
-    pub fn run(mut self, control: &Receiver<Control>, grace: Duration) {
+    /// Runs until told to stop (see the module steps), then stops the
+    /// exchange and gives passes in flight `grace`, all within `grace`.
+    pub fn run(
+        mut self,
+        events: &Receiver<Event>,
+        exchange: Option<ExchangeThread>,
+        grace: Duration,
+    ) {
+        let changes = self.engine.changes().clone();
+        self.step(None);
+        let mut next_tick = Instant::now() + self.tick;
         loop {
-            self.tick();
-            match control.recv_timeout(self.tick) {
-                Ok(Control::Shutdown) | Err(RecvTimeoutError::Disconnected) => break,
-                Ok(Control::Reload) => {
-                    log::info!("reloading {}", self.source.describe());
-                    self.source.reload();
-                }
-                Err(RecvTimeoutError::Timeout) => {}
+            let wake = match self.write_due_at() {
+                Some(at) => at.min(next_tick),
+                None => next_tick,
+            };
+            select! {
+                recv(events) -> event => match event {
+                    Ok(Event::Shutdown) | Err(_) => break,
+                    Ok(Event::Reload) => {
+                        log::info!("reloading {}", self.source);
+                        if let Some(x) = &exchange {
+                            x.reload();
+                        }
+                    }
+                    Ok(Event::Desired) => {
+                        if let Some((seq, desired)) = self.link.take_desired() {
+                            self.accept(desired);
+                            self.step(Some(seq));
+                        }
+                    }
+                    Ok(Event::Contact) => self.dirty = true,
+                    Ok(Event::Step { done }) => {
+                        self.step(None);
+                        next_tick = Instant::now() + self.tick;
+                        if let Some(done) = done {
+                            let _ = done.send(());
+                        }
+                    }
+                },
+                recv(changes) -> _ => self.dirty = true,
+                default(wake.saturating_duration_since(Instant::now())) => {}
+            }
+            if Instant::now() >= next_tick {
+                self.step(None);
+                next_tick = Instant::now() + self.tick;
+            }
+            if self.write_due_at().is_some_and(|at| at <= Instant::now()) {
+                self.report_changes();
             }
         }
         log::info!(
             "stopping: passes in flight get up to {}s; VMs keep running",
             grace.as_secs()
         );
-        self.engine.shutdown(Deadline::after(grace));
+        let deadline = Deadline::after(grace);
+        if let Some(x) = &exchange {
+            x.ask_to_stop();
+        }
+        self.engine.shutdown(deadline);
+        if let Some(x) = exchange {
+            x.join(deadline);
+        }
+    }
+
+    /// When a waiting change may be written: at once, or once the last
+    /// write is [`MIN_WRITE_GAP`] old.
+    fn write_due_at(&self) -> Option<Instant> {
+        if !self.dirty {
+            return None;
+        }
+        Some(match self.written {
+            Some(at) => at + MIN_WRITE_GAP,
+            None => Instant::now(),
+        })
+    }
+
+    /// Takes new desired state (see the module's step 1).
+    fn accept(&mut self, desired: Desired) {
+        let Desired {
+            mut wire,
+            refused_vms,
+            refused_volumes,
+        } = desired;
+        let current = self.store.epoch();
+        if self.remote && wire.epoch < current {
+            self.logs.warn(
+                "fence",
+                &format!(
+                    "refusing a stale snapshot: its epoch {} is older than the accepted epoch {current}; keeping the last accepted desired state, and reporting the fence",
+                    wire.epoch
+                ),
+            );
+            self.fenced = Some(wire.epoch);
+            return;
+        }
+        if !self.remote {
+            // Standalone mode never fences: a hand-written file may leave
+            // the epoch out, or reset it.
+            wire.epoch = wire.epoch.max(current);
+        }
+        if self.fenced.take().is_some() {
+            self.logs.clear("fence");
+            log::info!("snapshot epoch {} accepted; no longer fenced", wire.epoch);
+        }
+        let desired = Desired {
+            wire,
+            refused_vms,
+            refused_volumes,
+        };
+        // A control plane sends the same snapshot tick after tick: check
+        // and convert only what changed.
+        if self.last.as_ref().is_some_and(|(old, _)| *old == desired) {
+            return;
+        }
+        let mut snap = convert::snapshot_from_wire(&desired.wire);
+        snap.refuse_more(desired.refused_vms.clone(), desired.refused_volumes.clone());
+        self.logs.clear_prefix("rejected/");
+        for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
+            self.logs.warn(
+                &format!("rejected/{}", rejected.raw_id),
+                &format!(
+                    "refusing the entry {}: {}",
+                    crate::model::quote(&rejected.raw_id),
+                    rejected.error
+                ),
+            );
+        }
+        self.persist_last(&desired.wire);
+        self.last = Some((desired, snap));
+    }
+
+    /// Steps the engine (the module's steps 1 and 2) and reports.
+    fn step(&mut self, reflects: Option<u64>) {
+        let report = match &self.last {
+            Some((_, snap)) => self.engine.step(snap),
+            None => self.engine.observe(),
+        };
+        self.publish(&report, reflects);
+    }
+
+    /// Reports the rows that changed since the last report, dispatching
+    /// nothing (the module's step 3).
+    fn report_changes(&mut self) {
+        let report = match &self.last {
+            Some((_, snap)) => self.engine.report(snap),
+            None => self.engine.observe(),
+        };
+        self.publish(&report, None);
+    }
+
+    fn publish(&mut self, report: &crate::model::Report, reflects: Option<u64>) {
+        let mut wire = convert::report_to_wire(report);
+        if self.fenced.is_some() {
+            wire.fence_violation = true;
+        }
+        self.link.publish(wire.clone(), reflects);
+        self.write_report(wire);
+        self.written = Some(Instant::now());
+        self.dirty = false;
+    }
+
+    fn persist_last(&self, wire: &pb::Snapshot) {
+        let path = self.store.root().join(LAST_SNAPSHOT);
+        if let Err(e) = write_atomic(&path, &wire.encode_to_vec()) {
+            self.logs.error(
+                "persist",
+                &format!(
+                    "cannot persist the last snapshot to {}: {e}",
+                    path.display()
+                ),
+            );
+        }
+    }
+
+    fn write_report(&mut self, report: pb::Report) {
+        let file = ReportFile {
+            notes: self.notes.clone(),
+            tick_ms: u64::try_from(self.tick.as_millis()).unwrap_or(u64::MAX),
+            ..ReportFile::new(
+                self.host.clone(),
+                self.source.clone(),
+                self.link.contact(),
+                report,
+            )
+        };
+        match file.write(self.store.root()) {
+            Ok(()) => {
+                if self.logs.clear("report") {
+                    log::info!("report.json is written again");
+                }
+                if let Some(readiness) = self.readiness.take() {
+                    readiness.signal();
+                }
+            }
+            Err(e) => {
+                self.logs.error(
+                    "report",
+                    &format!(
+                        "cannot write report.json: {e}; it goes stale until this is fixed (status shows its age)"
+                    ),
+                );
+            }
+        }
     }
 }
 
-fn load_last(store: &Store) -> Option<(pb::Snapshot, Snapshot)> {
+fn load_last(store: &Store) -> Option<(Desired, Snapshot)> {
     let path = store.root().join(LAST_SNAPSHOT);
     let bytes = std::fs::read(&path).ok()?;
     match pb::Snapshot::decode(bytes.as_slice()) {
         Ok(wire) => {
             let snap = convert::snapshot_from_wire(&wire);
-            Some((wire, snap))
+            Some((
+                Desired {
+                    wire,
+                    ..Desired::default()
+                },
+                snap,
+            ))
         }
         Err(e) => {
             log::warn!("ignoring the last snapshot at {}: {e}", path.display());
@@ -323,49 +401,23 @@ fn load_last(store: &Store) -> Option<(pb::Snapshot, Snapshot)> {
     }
 }
 
-/// Logs a message when it differs from the last one, or once a minute while
-/// it repeats: a failure on every tick is one line, not thousands.
-#[derive(Default)]
-struct LogOnce {
-    last: Option<(String, Instant)>,
-}
-
-impl LogOnce {
-    fn should(&mut self, msg: &str) -> bool {
-        let fresh = match &self.last {
-            Some((m, at)) => m != msg || at.elapsed() >= Duration::from_secs(60),
-            None => true,
-        };
-        if fresh {
-            self.last = Some((msg.to_owned(), Instant::now()));
-        }
-        fresh
-    }
-
-    fn warn(&mut self, msg: &str) {
-        if self.should(msg) {
-            log::warn!("{msg}");
-        }
-    }
-
-    fn error(&mut self, msg: &str) {
-        if self.should(msg) {
-            log::error!("{msg}");
-        }
-    }
-
-    fn clear(&mut self) {
-        self.last = None;
-    }
-}
-
 /// Why the daemon could not start.
 #[derive(Debug)]
 pub enum DaemonError {
     Store(StoreError),
     BootId(std::io::Error),
-    Notify { fd: i32, source: nix::Error },
+    Notify {
+        fd: i32,
+        source: nix::Error,
+    },
     Signals(std::io::Error),
+    /// The token file cannot be used (unreadable, or readable by others).
+    Token(SourceError),
+    /// A thread the daemon needs could not be started.
+    Thread {
+        name: &'static str,
+        source: std::io::Error,
+    },
 }
 
 impl std::fmt::Display for DaemonError {
@@ -379,6 +431,8 @@ impl std::fmt::Display for DaemonError {
                 write!(f, "--notify-fd {fd} is not an open file descriptor")
             }
             DaemonError::Signals(_) => f.write_str("cannot install the signal handlers"),
+            DaemonError::Token(_) => f.write_str("cannot use the token file"),
+            DaemonError::Thread { name, .. } => write!(f, "cannot start the {name} thread"),
         }
     }
 }
@@ -389,6 +443,8 @@ impl std::error::Error for DaemonError {
             DaemonError::Store(e) => Some(e),
             DaemonError::BootId(e) | DaemonError::Signals(e) => Some(e),
             DaemonError::Notify { source, .. } => Some(source),
+            DaemonError::Token(e) => Some(e),
+            DaemonError::Thread { source, .. } => Some(source),
         }
     }
 }
@@ -406,12 +462,23 @@ pub fn host_info(config: &Config, boot_id: String) -> pb::HostInfo {
 }
 
 /// Runs the daemon with the host's real parts until SIGTERM or SIGINT.
-pub fn run(config: Config) -> Result<(), DaemonError> {
+/// `signals` were installed first thing in `main`, so a signal that came
+/// while the agent was starting is acted on, not fatal.
+pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     // Take the readiness fd first, so no child can inherit it.
     let readiness = config
         .notify_fd
         .map(|fd| Readiness::adopt(fd).map_err(|source| DaemonError::Notify { fd, source }))
         .transpose()?;
+    if let DesiredSource::ControlPlane(cp) = &config.source
+        && let Some(token) = &cp.token_file
+    {
+        crate::source::check_token_mode(token).map_err(DaemonError::Token)?;
+    }
+    let (events, rx) = crossbeam_channel::unbounded();
+    let signal_thread = signals
+        .spawn(events.clone())
+        .map_err(DaemonError::Signals)?;
     let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
     let host = Arc::new(SystemHost::new().map_err(DaemonError::BootId)?);
     let boot_id = host.boot_id();
@@ -448,42 +515,66 @@ pub fn run(config: Config) -> Result<(), DaemonError> {
     };
     let seams = Seams {
         provisioner: crate::provision::for_host(Arc::clone(&store), &config.guest, network),
-        images: Arc::new(ImageCache::new(store.images_dir())),
+        images: Arc::new(ImageCache::with_proxy(
+            store.images_dir(),
+            config.proxy.as_deref(),
+        )),
         seed: Arc::new(NoCloudSeed),
-        host_keys: Arc::new(LocalHostKeys),
+        host_keys: Arc::new(crate::hostkey::LocalHostKeys),
         host,
     };
-    let engine = Engine::new(Arc::clone(&store), seams, config.engine.clone());
+    let engine = Arc::new(Engine::new(
+        Arc::clone(&store),
+        seams,
+        config.engine.clone(),
+    ));
     let source: Box<dyn Source> = match &config.source {
-        DesiredSource::File(path) => Box::new(FileSource::new(PathBuf::from(path))),
-        DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(cp.clone())),
+        DesiredSource::File(path) => Box::new(FileSource::new(PathBuf::from(path), config.limits)),
+        DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(
+            cp.clone(),
+            config.limits,
+            config.proxy.as_deref(),
+        )),
     };
-    let (tx, rx) = crossbeam_channel::unbounded();
-    let signals = signals::spawn(tx).map_err(DaemonError::Signals)?;
+    let (remote, described) = (source.is_remote(), source.describe());
     log::info!(
-        "eitri-agent {} starting: host {}, state dir {}, {}",
+        "eitri-agent {} starting: host {}, state dir {}, {described}",
         crate::version::AGENT_VERSION,
         config.host_id,
         config.state_dir.display(),
-        source.describe()
     );
+    let link = Link::new(events);
+    let info = host_info(&config, boot_id);
     let mut rng = XorShift::seeded();
-    let daemon = Daemon::new(
+    let exchange = Exchange::new(
+        source,
+        info.clone(),
         config.tick,
         config.backoff_max,
+        Box::new(SystemClock::new()),
+        Box::new(move || rng.next_unit()),
+        Arc::clone(&link),
+    )
+    .spawn()
+    .map_err(|source| DaemonError::Thread {
+        name: "source",
+        source,
+    })?;
+    let daemon = Daemon::new(
+        config.tick,
         Parts {
-            host: host_info(&config, boot_id),
             store,
             engine,
-            source,
-            clock: Box::new(SystemClock::new()),
-            jitter: Box::new(move || rng.next_unit()),
+            link,
+            host: info,
+            source: described,
+            remote,
             readiness,
             notes,
         },
     );
-    daemon.run(&rx, config.shutdown_grace);
-    signals.stop();
+    daemon.run(&rx, Some(exchange), config.shutdown_grace);
+    signal_thread.stop();
     log::info!("stopped");
     Ok(())
 }

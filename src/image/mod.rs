@@ -117,8 +117,15 @@ pub struct ImageCache {
 
 impl ImageCache {
     /// A cache over `dir` (the state dir's `images/`). Partial downloads a
-    /// crashed agent left are removed.
+    /// crashed agent left are removed. Downloads go direct: proxy variables
+    /// in the environment are ignored (see [`ImageCache::with_proxy`]).
     pub fn new(dir: PathBuf) -> ImageCache {
+        ImageCache::with_proxy(dir, None)
+    }
+
+    /// As [`ImageCache::new`], downloading through `proxy` (an operator's
+    /// `--proxy`, already checked) when one is given.
+    pub fn with_proxy(dir: PathBuf, proxy: Option<&str>) -> ImageCache {
         if let Ok(entries) = fs::read_dir(&dir) {
             for entry in entries.flatten() {
                 if entry.file_name().to_string_lossy().starts_with(".partial-") {
@@ -130,6 +137,7 @@ impl ImageCache {
             .timeout_connect(Some(Duration::from_secs(15)))
             .timeout_recv_response(Some(Duration::from_secs(60)))
             .http_status_as_error(false)
+            .proxy(proxy.and_then(|p| ureq::Proxy::new(p).ok()))
             .build()
             .into();
         ImageCache {

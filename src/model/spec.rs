@@ -204,6 +204,50 @@ pub struct Snapshot {
     pub rejected_volumes: Vec<Rejected>,
 }
 
+impl Snapshot {
+    /// Adds entries a source refused before they could be converted (a
+    /// desired-file entry of the wrong shape). An id such an entry claims
+    /// is refused among the valid entries too, as an id sent twice is: the
+    /// agent cannot tell which of the two was meant.
+    pub fn refuse_more(&mut self, vms: Vec<Rejected>, volumes: Vec<Rejected>) {
+        fn take<T>(
+            valid: &mut Vec<T>,
+            rejected: &mut Vec<Rejected>,
+            refused: Vec<Rejected>,
+            id_of: impl Fn(&T) -> &Id,
+            field: &'static str,
+        ) {
+            for r in &refused {
+                let Some(id) = &r.id else { continue };
+                let before = valid.len();
+                valid.retain(|v| id_of(v) != id);
+                if valid.len() < before {
+                    rejected.push(Rejected {
+                        id: Some(id.clone()),
+                        raw_id: id.to_string(),
+                        error: SpecError::new(field, "the id appears twice in one snapshot"),
+                    });
+                }
+            }
+            rejected.extend(refused);
+        }
+        take(
+            &mut self.vms,
+            &mut self.rejected_vms,
+            vms,
+            WantedVm::id,
+            "vm_id",
+        );
+        take(
+            &mut self.volumes,
+            &mut self.rejected_volumes,
+            volumes,
+            WantedVolume::id,
+            "volume_id",
+        );
+    }
+}
+
 /// Why one field of one entry was refused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpecError {
@@ -224,7 +268,7 @@ impl fmt::Display for SpecError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "invalid {}: {}; fix the spec in the control plane",
+            "invalid {}: {}; fix this entry of the desired state",
             self.field, self.problem
         )
     }

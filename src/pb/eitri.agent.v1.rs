@@ -2,6 +2,7 @@
 /// The host's whole desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(default)]
+#[serde(deny_unknown_fields)]
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Snapshot {
     /// Monotonic version of desired state. The agent persists the highest epoch
@@ -26,6 +27,7 @@ pub struct Snapshot {
 /// One VM's desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(default)]
+#[serde(deny_unknown_fields)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct VmSpec {
     /// Stable identity: 1-64 characters of \[A-Za-z0-9._-\], not "." or "..".
@@ -86,6 +88,7 @@ pub struct VmSpec {
 /// One volume's desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(default)]
+#[serde(deny_unknown_fields)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct VolumeSpec {
     /// Stable identity, same rules as VMSpec.vm_id. Names a file on the host.

@@ -8,5 +8,7 @@ mod generated {
 }
 
 pub mod convert;
+mod prescan;
 
 pub use generated::*;
+pub use prescan::{EntryCounts, count_snapshot_entries};

@@ -16,10 +16,15 @@ pub mod cloudhv;
 pub mod mac;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, VmSpec};
+
+/// Told the id of a VM whose hypervisor process ended, for whatever reason.
+/// Called from the backend's own threads: it must not block.
+pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
 
 pub trait Provisioner: Send + Sync {
     /// Whether this backend can run a guest on this host at all.
@@ -61,6 +66,14 @@ pub trait Provisioner: Send + Sync {
     /// when it has none or it is not learned yet. Learned late: someone
     /// else's DHCP server grants it after boot.
     fn network_address(&self, vm_id: &Id) -> String;
+
+    /// Registers who to tell the moment a VM's hypervisor exits, so a guest
+    /// that crashed is repaired at once instead of at the next tick. The
+    /// engine registers itself once, at construction; it decides (by the
+    /// same rules as a tick) whether the exit needs anything done, so a
+    /// backend reports every exit, asked for or not. A backend that cannot
+    /// tell leaves repair to the tick.
+    fn watch_exits(&self, _listener: ExitListener) {}
 }
 
 /// The backend this host runs guests with: cloud-hypervisor on Linux.

@@ -5,7 +5,7 @@
 //! stopped VM is stopped, not lost. A lost VM that should run is booted
 //! again: every VM is persistent.
 
-use super::pass::{Core, VmResult, log_failure};
+use super::pass::{Core, VmResult};
 use super::volumes;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
@@ -87,6 +87,7 @@ impl Core {
         rec.stop_requested = false;
         rec.last_error.clear();
         self.save_best_effort(&rec);
+        self.forget_logs(&rec.spec.vm_id);
         log::info!("VM {}: booted", rec.spec.vm_id);
         res.report(&rec, Some(PowerState::Running), Phase::Ready, "");
     }
@@ -98,7 +99,11 @@ impl Core {
         rec.stop_requested = true;
         if let Err(e) = self.store.save(&rec) {
             let why = chain(&e);
-            log::error!("VM {}: not stopping it: {why}", rec.spec.vm_id);
+            let vm_id = &rec.spec.vm_id;
+            self.logs.error(
+                &format!("{vm_id}/stop"),
+                &format!("VM {vm_id}: not stopping it: {why}"),
+            );
             return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
         }
         match self.prov.shutdown(&rec.spec.vm_id, deadline) {
@@ -112,7 +117,7 @@ impl Core {
             Err(e) => {
                 let err: &dyn std::error::Error = &*e;
                 let why = chain(err);
-                log_failure(&rec.spec.vm_id, "shutdown failed", &rec.last_error, &why);
+                self.log_failure(&rec.spec.vm_id, "shutdown failed", &why);
                 if rec.last_error != why {
                     rec.last_error.clone_from(&why);
                     self.save_best_effort(&rec);
@@ -131,7 +136,7 @@ impl Core {
         if !reason.is_empty() {
             error = format!("{error}: {reason}");
         }
-        log_failure(&rec.spec.vm_id, "boot failed", &rec.last_error, &error);
+        self.log_failure(&rec.spec.vm_id, "boot failed", &error);
         rec.last_error = error;
         self.save_best_effort(&rec);
         let why = rec.last_error.clone();

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use super::pass::{Core, VmResult, log_failure};
+use super::pass::{Core, VmResult};
 use super::seams::{Progress, SeedParams};
 use super::volumes;
 use super::workers::Publisher;
@@ -179,6 +179,7 @@ impl Core {
         rec.stop_requested = d.power != PowerState::Running;
         rec.last_error.clear();
         self.save_best_effort(&rec);
+        self.forget_logs(vm_id);
         res.report(&rec, Some(d.power), Phase::Ready, "");
     }
 }
@@ -202,14 +203,13 @@ impl Attempt<'_> {
             rec.create_attempts = max;
         }
         let err: &dyn std::error::Error = &*err;
-        let previous = std::mem::replace(&mut rec.last_error, chain(err));
-        log_failure(
+        rec.last_error = chain(err);
+        self.core.log_failure(
             &rec.spec.vm_id,
             &format!(
                 "create failed ({} of {max} attempts spent)",
                 rec.create_attempts
             ),
-            &previous,
             &rec.last_error,
         );
         self.core.save_best_effort(&rec);

@@ -12,12 +12,18 @@
 //! 3. **Volumes**, synchronously, so a VM arriving with its volume in one
 //!    snapshot finds the file when its pass boots it.
 //! 4. **Dispatch.** Each VM in the union of desired state and local records
-//!    gets its slice of the snapshot on its own worker thread.
+//!    gets its slice of the snapshot on its own worker thread. A VM seen for
+//!    the first time starts with a row (`queued`, or what its record says),
+//!    so it is in this very report.
 //! 5. **Aggregate.** The report is each worker's last published result plus
-//!    the destroy ack; it never waits on a worker.
+//!    the destroy ack, one row per id; it never waits on a worker.
 //!
 //! Every call re-examines the whole state, so repeating a snapshot is
 //! idempotent, and whatever one tick could not do the next one retries.
+//! Between steps, two things happen without one: a hypervisor that exits
+//! wakes its VM's worker at once (the provisioner's exit watch), and every
+//! change of a published row rings [`Engine::changes`], so the daemon can
+//! report it through [`Engine::report`] without dispatching anything.
 
 mod admission;
 mod converge;
@@ -29,19 +35,23 @@ pub mod volumes;
 mod workers;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use crossbeam_channel::{Receiver, bounded};
 use parking_lot::Mutex;
 
 pub use admission::HostCaps;
 use admission::{CreateSlots, Ledger};
-use pass::{Assignment, Core, VmResult, quarantined_entry};
+use pass::{Assignment, Core};
 use seams::{HostFacts, HostKeys, Images, SeedBuilder};
-use workers::Workers;
+use workers::{Pokes, Workers};
 
 use crate::deadline::Deadline;
-use crate::model::{Id, Phase, PowerState, Rejected, Report, Snapshot, VmStatus, WantedVm};
+use crate::logonce::LogOnce;
+use crate::model::{
+    Id, Phase, PowerState, Rejected, Report, Snapshot, VmStatus, VolumeStatus, WantedVm,
+};
 use crate::provision::Provisioner;
 use crate::state::{RecordSlot, Store};
 use crate::version::{FloorVerdict, check_floor};
@@ -99,12 +109,31 @@ pub struct Seams {
 pub struct Engine {
     core: Arc<Core>,
     workers: Mutex<Workers>,
+    /// Rung whenever a VM's published result changes.
+    changes: Receiver<()>,
+    /// The volume rows of the last step, for reports made between steps.
+    volumes: Mutex<Vec<VolumeStatus>>,
+    /// The reason the current snapshot is refused, once logged.
+    refusing: Mutex<Option<String>>,
+}
+
+/// What the engine makes of a snapshot before acting on it.
+enum Verdict {
+    /// Older than the stored epoch: nothing changes.
+    Fenced {
+        current: u64,
+    },
+    /// Below its version floor: reported, not acted on.
+    Refused(String),
+    Accepted,
 }
 
 impl Engine {
     /// Builds the engine over an open store. The compute ledger is rebuilt
     /// from the records, so the first step accounts for every VM that
     /// survived a restart (quarantined ones excluded: their compute is free).
+    /// The engine asks the provisioner to tell it of every hypervisor exit,
+    /// and runs that VM's pass at once.
     pub fn new(store: Arc<Store>, seams: Seams, config: EngineConfig) -> Engine {
         let ledger = Ledger::new(config.caps);
         for slot in store.load_all().values() {
@@ -126,62 +155,95 @@ impl Engine {
             config,
             ledger,
             slots,
+            logs: LogOnce::new(),
         };
+        let (changed, changes) = bounded(1);
+        let workers = Workers::new(stack, changed);
+        // Weak: a dropped engine must stop being poked, and the backend
+        // (which holds the listener) must not keep the workers alive.
+        let pokes: Weak<Pokes> = Arc::downgrade(&workers.pokes());
+        core.prov.watch_exits(Arc::new(move |vm_id: &Id| {
+            if let Some(pokes) = pokes.upgrade()
+                && pokes.poke(vm_id)
+            {
+                log::debug!("VM {vm_id}: its hypervisor exited; checking it now");
+            }
+        }));
         Engine {
             core: Arc::new(core),
-            workers: Mutex::new(Workers::new(stack)),
+            workers: Mutex::new(workers),
+            changes,
+            volumes: Mutex::new(Vec::new()),
+            refusing: Mutex::new(None),
+        }
+    }
+
+    /// Rings whenever a VM's published result changes (a pass ended with a
+    /// different row, or narrated a new step), so the caller can report it
+    /// without waiting for the next step. Bounded(1): a burst of changes is
+    /// one wake.
+    pub fn changes(&self) -> &Receiver<()> {
+        &self.changes
+    }
+
+    fn verdict(&self, snap: &Snapshot) -> Verdict {
+        let current = self.core.store.epoch();
+        if snap.epoch < current {
+            return Verdict::Fenced { current };
+        }
+        let version = &self.core.config.agent_version;
+        match check_floor(version, &snap.min_agent_version) {
+            FloorVerdict::Allowed => Verdict::Accepted,
+            FloorVerdict::Below => Verdict::Refused(format!(
+                "agent {version} is below this snapshot's floor {}; upgrade the agent",
+                snap.min_agent_version
+            )),
+            FloorVerdict::UnreadableFloor => Verdict::Refused(format!(
+                "this snapshot's floor {:?} is not a version agent {version} can compare; fix min_agent_version or upgrade the agent",
+                snap.min_agent_version
+            )),
         }
     }
 
     /// Routes one snapshot to the VM workers and returns the host's report
     /// (see the module steps). Never waits for a worker: a VM busy in a long
-    /// operation reports its last published row, or none yet.
+    /// operation reports its last published row, and a VM named for the
+    /// first time reports `queued`.
     pub fn step(&self, snap: &Snapshot) -> Report {
         let store = &self.core.store;
-        let current = store.epoch();
-        if snap.epoch < current {
-            return self.fence_report(current);
+        match self.verdict(snap) {
+            Verdict::Fenced { current } => return self.fence_report(current),
+            Verdict::Refused(reason) => {
+                if let Err(e) = store.save_epoch(snap.epoch) {
+                    self.core.logs.error("epoch", &crate::error::chain(&e));
+                }
+                return self.refuse(snap, reason);
+            }
+            Verdict::Accepted => {}
         }
         if let Err(e) = store.save_epoch(snap.epoch) {
-            log::error!("{}", crate::error::chain(&e));
+            self.core.logs.error("epoch", &crate::error::chain(&e));
         }
-        match check_floor(&self.core.config.agent_version, &snap.min_agent_version) {
-            FloorVerdict::Allowed => {}
-            FloorVerdict::Below => {
-                return refuse(
-                    snap,
-                    format!(
-                        "agent {} is below this snapshot's floor {}; upgrade the agent",
-                        self.core.config.agent_version, snap.min_agent_version
-                    ),
-                );
-            }
-            FloorVerdict::UnreadableFloor => {
-                return refuse(
-                    snap,
-                    format!(
-                        "this snapshot's floor {:?} is not a version agent {} can compare; fix min_agent_version or upgrade the agent",
-                        snap.min_agent_version, self.core.config.agent_version
-                    ),
-                );
-            }
+        if self.refusing.lock().take().is_some() {
+            log::info!("snapshot {} is within this agent's floor again", snap.epoch);
         }
 
         // One record read serves the tick: dispatch slices it, and the
         // destroy ack is computed against it, before this tick's passes run.
         let records = store.load_all();
         let volumes = volumes::converge(store, snap, &records);
-        let claimed: HashSet<&Id> = snap
-            .rejected_vms
-            .iter()
-            .filter_map(|r| r.id.as_ref())
-            .collect();
+        self.volumes.lock().clone_from(&volumes);
+        let claimed = claimed_ids(snap);
 
         let mut workers = self.workers.lock();
         workers.join_finished();
         let assignments = assignments(snap, &records, &claimed);
         for (vm_id, assignment) in &assignments {
-            workers.deliver(vm_id, assignment.clone(), &self.core);
+            let initial = || {
+                self.core
+                    .initial_result(vm_id, assignment, records.get(*vm_id))
+            };
+            workers.deliver(vm_id, assignment.clone(), &self.core, initial);
         }
         // A refused entry still claims its id: its worker (if any) is kept,
         // and the VM is neither created nor reaped.
@@ -191,20 +253,53 @@ impl Engine {
             .chain(claimed.iter().copied())
             .collect();
         workers.retire_absent(&keep);
+        let report = self.aggregate(snap, &workers, &records, volumes, &claimed);
+        // Last, so the wakes and the passes they start cost this step nothing.
+        workers.ring();
+        report
+    }
 
+    /// The report for `snap` as the host stands now, dispatching nothing:
+    /// every VM's last published row, the last step's volumes, the refused
+    /// entries and the destroy ack. Made between steps, when a pass changed
+    /// a VM's row, so the change is reported without waiting for a tick.
+    pub fn report(&self, snap: &Snapshot) -> Report {
+        match self.verdict(snap) {
+            Verdict::Fenced { current } => self.fence_report(current),
+            Verdict::Refused(reason) => self.refuse(snap, reason),
+            Verdict::Accepted => {
+                let records = self.core.store.load_all();
+                let volumes = self.volumes.lock().clone();
+                let claimed = claimed_ids(snap);
+                let workers = self.workers.lock();
+                self.aggregate(snap, &workers, &records, volumes, &claimed)
+            }
+        }
+    }
+
+    fn aggregate(
+        &self,
+        snap: &Snapshot,
+        workers: &Workers,
+        records: &BTreeMap<Id, RecordSlot>,
+        volumes: Vec<VolumeStatus>,
+        claimed: &HashSet<&Id>,
+    ) -> Report {
         let mut report = Report {
             last_seen_epoch: snap.epoch,
             volumes,
             ..Report::default()
         };
-        workers.collect(&mut report, &claimed);
-        // Last, so the wakes and the passes they start cost this step nothing.
-        workers.ring();
-        drop(workers);
+        workers.collect(&mut report, claimed);
+        // One row per id: a control plane keyed on vm_id cannot use two. An
+        // id sent twice is refused in both places, and said once.
+        let mut said = HashSet::new();
         for rejected in &snap.rejected_vms {
-            report.vms.push(self.rejected_row(rejected, &records));
+            if said.insert(rejected.raw_id.as_str()) {
+                report.vms.push(self.rejected_row(rejected, records));
+            }
         }
-        report.destroyed = destroyed_ack(snap, &records);
+        report.destroyed = destroyed_ack(snap, records);
         sort(&mut report);
         report
     }
@@ -238,7 +333,12 @@ impl Engine {
         self.workers.lock().stop_all(deadline);
     }
 
-    /// The read-only report for a stale snapshot.
+    /// The read-only report for a snapshot older than the stored epoch:
+    /// the host as the records say, flagged as fenced.
+    pub fn fenced(&self) -> Report {
+        self.fence_report(self.core.store.epoch())
+    }
+
     fn fence_report(&self, current: u64) -> Report {
         Report {
             fence_violation: true,
@@ -259,32 +359,60 @@ impl Engine {
             ..Report::default()
         };
         for (vm_id, slot) in self.core.store.load_all().iter() {
-            let rec = match slot {
-                RecordSlot::Readable(rec) => rec,
-                RecordSlot::Unreadable(problem) => {
-                    let why = format!("record unreadable: {problem}");
-                    VmResult::failed_unobserved(vm_id, why).merge_into(&mut report);
-                    continue;
-                }
-            };
-            let mut res = VmResult {
-                host_pubkey: rec.host_pubkey.clone(),
-                ..VmResult::default()
-            };
-            if rec.quarantined_at.is_some() {
-                res.quarantined = Some(quarantined_entry(rec, self.core.grace_for(rec)));
-            } else {
-                let power = PowerState::observed(self.core.prov.running(vm_id));
-                let phase = if !rec.last_error.is_empty() {
-                    Phase::Failed
-                } else if rec.boot_id.is_empty() {
-                    Phase::Creating
-                } else {
-                    Phase::Ready
-                };
-                res.report(rec, Some(power), phase, rec.last_error.clone());
+            self.core.observed(vm_id, slot).merge_into(&mut report);
+        }
+        sort(&mut report);
+        report
+    }
+
+    /// A snapshot this agent is too old to read: nothing is dispatched, every
+    /// VM it names is failed with the reason, and every VM the host has is
+    /// still reported as it is (a VM absent from the refused snapshot must
+    /// not drop out of sight). Logged once per change of reason.
+    ///
+    /// A VM the host has keeps its observed power; one it does not have is
+    /// reported with power unobserved, never "stopped": the control plane
+    /// persists what a report claims. Tombstoned entries get no row: hanging
+    /// an upgrade error on a VM on its way out leaves a failure nobody can
+    /// clear. The volumes are swept as they lie, as for a fenced snapshot:
+    /// a report that named none would read upward as "every tombstoned
+    /// volume is gone".
+    fn refuse(&self, snap: &Snapshot, reason: String) -> Report {
+        {
+            let mut refusing = self.refusing.lock();
+            if refusing.as_deref() != Some(reason.as_str()) {
+                log::error!("refusing snapshot {}: {reason}", snap.epoch);
+                *refusing = Some(reason.clone());
             }
-            res.merge_into(&mut report);
+        }
+        let mut report = Report {
+            last_seen_epoch: snap.epoch,
+            ..self.observe()
+        };
+        let present = snap.vms.iter().filter_map(|w| match w {
+            WantedVm::Present(d) => Some(d.spec.vm_id.to_string()),
+            WantedVm::Tombstoned(_) => None,
+        });
+        let refused = snap.rejected_vms.iter().map(|r| r.raw_id.clone());
+        let mut said = HashSet::new();
+        for vm_id in present.chain(refused) {
+            if !said.insert(vm_id.clone()) {
+                continue;
+            }
+            match report.vms.iter_mut().find(|row| row.vm_id == vm_id) {
+                Some(row) => {
+                    row.phase = Some(Phase::Failed);
+                    row.last_error.clone_from(&reason);
+                    row.status_detail.clear();
+                }
+                None => report.vms.push(VmStatus {
+                    vm_id,
+                    power: None,
+                    phase: Some(Phase::Failed),
+                    last_error: reason.clone(),
+                    ..VmStatus::default()
+                }),
+            }
         }
         sort(&mut report);
         report
@@ -324,6 +452,14 @@ impl Drop for Engine {
     }
 }
 
+/// The ids refused entries claim: no pass creates or reaps under them.
+fn claimed_ids(snap: &Snapshot) -> HashSet<&Id> {
+    snap.rejected_vms
+        .iter()
+        .filter_map(|r| r.id.as_ref())
+        .collect()
+}
+
 /// Slices a snapshot into one assignment per VM over the union of desired
 /// state and local records: desired-only is a create, record-only is a
 /// vanished VM to reap, both is a converge. A tombstoned VM with no record
@@ -354,9 +490,7 @@ fn assignments<'a>(
     out
 }
 
-/// Tombstoned VMs this host holds no record of, computed against the record
-/// view read before this tick's passes ran: the ack lands a tick or more
-/// after the pass that deleted the record, never in the same one.
+/// Tombstoned VMs this host holds no record of.
 fn destroyed_ack(snap: &Snapshot, records: &BTreeMap<Id, RecordSlot>) -> Vec<Id> {
     snap.vms
         .iter()
@@ -365,43 +499,6 @@ fn destroyed_ack(snap: &Snapshot, records: &BTreeMap<Id, RecordSlot>) -> Vec<Id>
             _ => None,
         })
         .collect()
-}
-
-/// Every VM in the snapshot, failed for one reason, power unobserved: this
-/// path looks at nothing, and the control plane persists what a report
-/// claims, so "stopped" here would be a fleet-wide lie about running guests.
-/// Tombstoned VMs are skipped: hanging an upgrade error on a VM on its way
-/// out would leave a failure nobody can clear.
-///
-/// It carries no volumes. That is safe only because an agent refusing a
-/// snapshot is below its floor, and snapshots that carry volumes set their
-/// floor at or above the first volume-aware release; if a floor is ever
-/// raised past that, this must sweep and report volumes too, or the refusal
-/// reads upward as "every tombstoned volume is gone".
-fn refuse(snap: &Snapshot, reason: String) -> Report {
-    log::error!("refusing snapshot {}: {reason}", snap.epoch);
-    let present = snap.vms.iter().filter_map(|w| match w {
-        WantedVm::Present(d) => Some(d.spec.vm_id.to_string()),
-        WantedVm::Tombstoned(_) => None,
-    });
-    let refused = snap.rejected_vms.iter().map(|r| r.raw_id.clone());
-    let vms = present
-        .chain(refused)
-        .map(|vm_id| VmStatus {
-            vm_id,
-            power: None,
-            phase: Some(Phase::Failed),
-            last_error: reason.clone(),
-            ..VmStatus::default()
-        })
-        .collect();
-    let mut report = Report {
-        last_seen_epoch: snap.epoch,
-        vms,
-        ..Report::default()
-    };
-    sort(&mut report);
-    report
 }
 
 /// Orders a report by id, so reports diff cleanly from tick to tick.

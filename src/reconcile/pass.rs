@@ -14,9 +14,10 @@ use super::admission::{CreateSlots, Ledger};
 use super::seams::{HostFacts, HostKeys, Images, SeedBuilder};
 use super::workers::Publisher;
 use crate::deadline::Deadline;
+use crate::logonce::LogOnce;
 use crate::model::{DesiredVm, Id, Phase, PowerState, QuarantinedVm, Report, VmStatus};
 use crate::provision::Provisioner;
-use crate::state::{Record, Store};
+use crate::state::{Record, RecordSlot, Store};
 
 /// One VM's slice of a snapshot. It holds the desired spec by `Arc`: the
 /// worker keeps it for as long as its pass runs, well past the step that
@@ -33,7 +34,7 @@ pub(crate) enum Assignment {
 
 /// One VM's contribution to the host report: at most one row, or one
 /// quarantined entry.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct VmResult {
     pub row: Option<VmStatus>,
     pub quarantined: Option<QuarantinedVm>,
@@ -44,6 +45,21 @@ pub(crate) struct VmResult {
 }
 
 impl VmResult {
+    /// The row of a VM the host does not have yet, waiting for its first
+    /// pass: nothing runs (stopped), being created, `queued`.
+    pub fn queued(vm_id: &Id) -> VmResult {
+        VmResult {
+            row: Some(VmStatus {
+                vm_id: vm_id.to_string(),
+                power: Some(PowerState::Stopped),
+                phase: Some(Phase::Creating),
+                status_detail: "queued".into(),
+                ..VmStatus::default()
+            }),
+            ..VmResult::default()
+        }
+    }
+
     /// Sets this VM's row (a later call in the same pass replaces it).
     pub fn report(
         &mut self,
@@ -98,6 +114,9 @@ pub(crate) struct Core {
     pub config: EngineConfig,
     pub ledger: Ledger,
     pub slots: CreateSlots,
+    /// Per-VM log memory (subjects `<vm_id>/<what>`): a VM failing the same
+    /// way every pass is one line, not one a tick.
+    pub logs: LogOnce,
 }
 
 impl Core {
@@ -149,6 +168,65 @@ impl Core {
         PassOutcome::Done(res)
     }
 
+    /// What the host has for a VM, from its record and the backend's
+    /// liveness, changing nothing: its quarantined entry, or its row.
+    pub(crate) fn observed(&self, vm_id: &Id, slot: &RecordSlot) -> VmResult {
+        let rec = match slot {
+            RecordSlot::Readable(rec) => rec,
+            RecordSlot::Unreadable(problem) => {
+                return VmResult::failed_unobserved(vm_id, format!("record unreadable: {problem}"));
+            }
+        };
+        let mut res = VmResult {
+            host_pubkey: rec.host_pubkey.clone(),
+            ..VmResult::default()
+        };
+        if rec.quarantined_at.is_some() {
+            res.quarantined = Some(quarantined_entry(rec, self.grace_for(rec)));
+        } else {
+            let power = PowerState::observed(self.prov.running(vm_id));
+            let phase = if !rec.last_error.is_empty() {
+                Phase::Failed
+            } else if rec.boot_id.is_empty() {
+                Phase::Creating
+            } else {
+                Phase::Ready
+            };
+            res.report(rec, Some(power), phase, rec.last_error.clone());
+        }
+        res
+    }
+
+    /// The row a VM starts with when its worker is made, before its first
+    /// pass has said anything: what its record says, or `queued` for a VM
+    /// the host has never had. A VM to reap with no record has no row.
+    pub(crate) fn initial_result(
+        &self,
+        vm_id: &Id,
+        assignment: &Assignment,
+        slot: Option<&RecordSlot>,
+    ) -> Option<VmResult> {
+        match (slot, assignment) {
+            (Some(slot), _) => Some(self.observed(vm_id, slot)),
+            (None, Assignment::Desired(_)) => Some(VmResult::queued(vm_id)),
+            (None, Assignment::Reap { .. }) => None,
+        }
+    }
+
+    /// Logs a VM's failure once per change (see [`LogOnce`]).
+    pub(crate) fn log_failure(&self, vm_id: &Id, what: &str, error: &str) {
+        self.logs.warn(
+            &format!("{vm_id}/{what}"),
+            &format!("VM {vm_id}: {what}: {error}"),
+        );
+    }
+
+    /// Forgets what was logged about a VM: it recovered, or is gone, so the
+    /// same failure later is news again.
+    pub(crate) fn forget_logs(&self, vm_id: &Id) {
+        self.logs.clear_prefix(&format!("{vm_id}/"));
+    }
+
     /// A quarantined VM back in desired state leaves quarantine; converge
     /// then counts its compute again.
     fn unquarantine(&self, rec: Arc<Record>) -> Arc<Record> {
@@ -159,9 +237,10 @@ impl Core {
         back.quarantined_at = None;
         back.quarantine_tombstoned = false;
         if let Err(e) = self.store.save(&back) {
-            log::warn!(
-                "VM {}: cannot save its return from quarantine: {e}",
-                back.spec.vm_id
+            let vm_id = &back.spec.vm_id;
+            self.logs.warn(
+                &format!("{vm_id}/unquarantine"),
+                &format!("VM {vm_id}: cannot save its return from quarantine: {e}"),
             );
         }
         log::info!(
@@ -201,20 +280,13 @@ impl Core {
     /// Saves a record whose save failing changes nothing this pass decides.
     /// The failure is logged, and the next pass writes the record again.
     pub(crate) fn save_best_effort(&self, rec: &Record) {
+        let vm_id = &rec.spec.vm_id;
         if let Err(e) = self.store.save(rec) {
-            log::error!("VM {}: {}", rec.spec.vm_id, crate::error::chain(&e));
+            self.logs.error(
+                &format!("{vm_id}/save"),
+                &format!("VM {vm_id}: {}", crate::error::chain(&e)),
+            );
         }
-    }
-}
-
-/// Logs a VM's failure at warn when it differs from the error its record
-/// already held, else at debug: a VM failing the same way every tick is one
-/// line in the log, not one a tick.
-pub(crate) fn log_failure(vm_id: &Id, what: &str, previous: &str, error: &str) {
-    if previous == error {
-        log::debug!("VM {vm_id}: {what} (again): {error}");
-    } else {
-        log::warn!("VM {vm_id}: {what}: {error}");
     }
 }
 

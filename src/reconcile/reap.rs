@@ -31,7 +31,10 @@ impl Core {
                 rec.quarantine_tombstoned = tombstoned;
                 rec.stop_requested = true;
                 if let Err(e) = self.store.save(&rec) {
-                    log::error!("VM {vm_id}: not quarantining it: {}", chain(&e));
+                    self.logs.error(
+                        &format!("{vm_id}/quarantine"),
+                        &format!("VM {vm_id}: not quarantining it: {}", chain(&e)),
+                    );
                     // Reported as entering quarantine, but nothing was done;
                     // the next pass starts over.
                     res.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
@@ -60,15 +63,24 @@ impl Core {
                 Ok(()) => match self.store.delete(&vm_id) {
                     Ok(()) => {
                         log::info!("VM {vm_id}: destroyed");
+                        self.forget_logs(&vm_id);
                         return;
                     }
-                    Err(e) => log::error!("VM {vm_id}: destroyed, but {}", chain(&e)),
+                    Err(e) => {
+                        self.logs.error(
+                            &format!("{vm_id}/delete"),
+                            &format!("VM {vm_id}: destroyed, but {}", chain(&e)),
+                        );
+                    }
                 },
                 Err(e) => {
                     let err: &dyn std::error::Error = &*e;
-                    log::warn!(
-                        "VM {vm_id}: destroy failed, retried next tick: {}",
-                        chain(err)
+                    self.logs.warn(
+                        &format!("{vm_id}/destroy"),
+                        &format!(
+                            "VM {vm_id}: destroy failed, retried next tick: {}",
+                            chain(err)
+                        ),
                     );
                 }
             }

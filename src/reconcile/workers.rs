@@ -20,6 +20,16 @@
 //!    worker busy for minutes delays nothing.
 //! 5. Retiring a worker drops its doorbell; the worker ends after its current
 //!    pass and the router joins it once it has finished.
+//! 6. A poke (a VMM exited on its own) runs a pass at once without a step:
+//!    the worker's newest assignment is put back in its mailbox, unless a
+//!    newer one is already waiting there, and its doorbell rung. The rules
+//!    the pass applies are the tick's: a poke only changes *when* it runs.
+//!    At most one poke per [`POKE_SPACING`] per VM runs at once; a VMM that
+//!    keeps crashing as soon as it boots is retried at the tick's pace, not
+//!    as fast as it can crash.
+//! 7. Whenever a worker's published result changes, the engine's change
+//!    doorbell rings (bounded(1): many changes, one wake), so the daemon can
+//!    write the report at once instead of at the next tick.
 //!
 //! A pass that panics is caught on the worker and fails that VM's row; a
 //! worker whose thread is gone (it could not be spawned, or its loop ended)
@@ -30,7 +40,7 @@ use std::collections::{HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, bounded};
 use parking_lot::Mutex;
@@ -39,11 +49,19 @@ use super::pass::{Assignment, Core, PassOutcome, VmResult};
 use crate::deadline::Deadline;
 use crate::model::{Id, Phase, Report, VmStatus};
 
+/// How soon after one poke of a VM another may run a pass at once.
+pub(crate) const POKE_SPACING: Duration = Duration::from_secs(10);
+
 /// What a worker shares with the router.
-#[derive(Default)]
 pub(crate) struct WorkerShared {
     mailbox: Mutex<Option<Assignment>>,
+    /// The newest assignment ever delivered: what a poke runs again.
+    last: Mutex<Option<Assignment>>,
     published: Mutex<Published>,
+    /// The engine's change doorbell.
+    changed: Sender<()>,
+    /// When a poke last ran a pass for this VM.
+    poked: Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
@@ -55,6 +73,29 @@ struct Published {
 }
 
 impl WorkerShared {
+    fn new(changed: Sender<()>, initial: Option<VmResult>) -> WorkerShared {
+        WorkerShared {
+            mailbox: Mutex::new(None),
+            last: Mutex::new(None),
+            published: Mutex::new(Published {
+                result: initial,
+                ..Published::default()
+            }),
+            changed,
+            poked: Mutex::new(None),
+        }
+    }
+
+    /// Replaces the published result, ringing the change doorbell when it
+    /// differs. Full means a wake is already pending; disconnected means
+    /// nobody listens. Neither is this worker's business.
+    fn set_result(&self, p: &mut Published, result: VmResult) {
+        if p.result.as_ref() != Some(&result) {
+            p.result = Some(result);
+            let _ = self.changed.try_send(());
+        }
+    }
+
     fn begin_pass(&self) -> u64 {
         let mut p = self.published.lock();
         p.last_generation += 1;
@@ -69,12 +110,12 @@ impl WorkerShared {
         }
         p.live = None;
         match outcome {
-            PassOutcome::Done(result) => p.result = Some(result),
+            PassOutcome::Done(result) => self.set_result(&mut p, result),
             // The VM's row stays frozen at what it last said; a VM that
             // never said anything gets the reason it is not being worked on.
             PassOutcome::Skipped { fallback, .. } => {
                 if p.result.is_none() {
-                    p.result = Some(fallback);
+                    self.set_result(&mut p, fallback);
                 }
             }
         }
@@ -83,12 +124,13 @@ impl WorkerShared {
     fn publish(&self, generation: u64, result: VmResult) {
         let mut p = self.published.lock();
         if p.live == Some(generation) {
-            p.result = Some(result);
+            self.set_result(&mut p, result);
         }
     }
 
     fn set_failed(&self, vm_id: &Id, why: String) {
-        self.published.lock().result = Some(VmResult::failed_unobserved(vm_id, why));
+        let mut p = self.published.lock();
+        self.set_result(&mut p, VmResult::failed_unobserved(vm_id, why));
     }
 
     fn is_idle(&self) -> bool {
@@ -121,6 +163,62 @@ struct WorkerHandle {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Every live worker's shared half and doorbell, by VM: what a poke needs.
+/// Kept apart from the worker table, under a lock held only for a lookup,
+/// so a poke (from a reaper thread) never waits on a step, nor on a
+/// shutdown that holds the table while passes finish.
+#[derive(Default)]
+pub(crate) struct Pokes(Mutex<HashMap<Id, Pokeable>>);
+
+/// A worker's shared half and its doorbell.
+type Pokeable = (Arc<WorkerShared>, Sender<()>);
+
+impl Pokes {
+    /// Runs a pass for `vm_id` at once, on its newest assignment (see the
+    /// module's step 6). Returns whether a pass was asked for: a VM with no
+    /// worker, or whose worker never got an assignment, has nothing to run.
+    pub(crate) fn poke(&self, vm_id: &Id) -> bool {
+        let Some((shared, doorbell)) = self.0.lock().get(vm_id).cloned() else {
+            return false;
+        };
+        {
+            let mut poked = shared.poked.lock();
+            if poked.is_some_and(|at| at.elapsed() < POKE_SPACING) {
+                log::debug!("VM {vm_id}: poked again within {POKE_SPACING:?}; left to the tick");
+                return false;
+            }
+            *poked = Some(Instant::now());
+        }
+        {
+            let mut mailbox = shared.mailbox.lock();
+            if mailbox.is_none() {
+                *mailbox = shared.last.lock().clone();
+            }
+            if mailbox.is_none() {
+                return false;
+            }
+        }
+        // Full: a pass is already due, and it takes the mailbox.
+        let _ = doorbell.try_send(());
+        true
+    }
+
+    fn insert(&self, vm_id: &Id, handle: &WorkerHandle) {
+        self.0.lock().insert(
+            vm_id.clone(),
+            (Arc::clone(&handle.shared), handle.doorbell.clone()),
+        );
+    }
+
+    fn remove(&self, vm_id: &Id) {
+        self.0.lock().remove(vm_id);
+    }
+
+    fn clear(&self) {
+        self.0.lock().clear();
+    }
+}
+
 /// Every VM's worker, owned by the engine's router.
 pub(crate) struct Workers {
     live: HashMap<Id, WorkerHandle>,
@@ -132,6 +230,8 @@ pub(crate) struct Workers {
     /// [`Workers::ring`].
     to_ring: Vec<Sender<()>>,
     ringer: Option<Ringer>,
+    pokes: Arc<Pokes>,
+    changed: Sender<()>,
 }
 
 /// The `router` thread: rings batches of doorbells off the step's thread.
@@ -141,7 +241,8 @@ struct Ringer {
 }
 
 impl Workers {
-    pub(crate) fn new(stack_bytes: usize) -> Workers {
+    /// `changed` is the engine's change doorbell (see step 7).
+    pub(crate) fn new(stack_bytes: usize, changed: Sender<()>) -> Workers {
         let (batches, rx) = crossbeam_channel::unbounded::<Vec<Sender<()>>>();
         let ringer = std::thread::Builder::new()
             .name("router".into())
@@ -168,20 +269,34 @@ impl Workers {
             stack_bytes,
             to_ring: Vec::new(),
             ringer,
+            pokes: Arc::new(Pokes::default()),
+            changed,
         }
+    }
+
+    pub(crate) fn pokes(&self) -> Arc<Pokes> {
+        Arc::clone(&self.pokes)
     }
 
     /// Writes `vm_id`'s newest assignment into its worker's mailbox,
     /// starting the worker if it has none and restarting it if its thread is
-    /// gone. The worker is woken by the next [`Workers::ring`].
-    pub(crate) fn deliver(&mut self, vm_id: &Id, assignment: Assignment, core: &Arc<Core>) {
+    /// gone. The worker is woken by the next [`Workers::ring`]. A new worker
+    /// starts with `initial()` as its row, so the VM is in the very report
+    /// of the step that first names it, not one tick later.
+    pub(crate) fn deliver(
+        &mut self,
+        vm_id: &Id,
+        assignment: Assignment,
+        core: &Arc<Core>,
+        initial: impl FnOnce() -> Option<VmResult>,
+    ) {
         let dead = self
             .live
             .get(vm_id)
             .map(|h| h.thread.as_ref().is_none_or(JoinHandle::is_finished));
         match dead {
             None => {
-                let handle = spawn(vm_id, core, self.stack_bytes);
+                let handle = self.spawn(vm_id, core, initial());
                 self.live.insert(vm_id.clone(), handle);
             }
             Some(true) => self.restart(vm_id, core),
@@ -193,7 +308,8 @@ impl Workers {
         // A worker that did not start takes no work: nothing would ever
         // take it, and the next delivery brings a newer assignment anyway.
         if handle.thread.is_some() {
-            *handle.shared.mailbox.lock() = Some(assignment);
+            *handle.shared.mailbox.lock() = Some(assignment.clone());
+            *handle.shared.last.lock() = Some(assignment);
             self.to_ring.push(handle.doorbell.clone());
         }
     }
@@ -216,12 +332,20 @@ impl Workers {
     /// Replaces a worker whose thread is gone. If the new thread cannot
     /// start either, the VM's row says so and the next delivery tries again.
     fn restart(&mut self, vm_id: &Id, core: &Arc<Core>) {
+        let mut last = None;
         if let Some(old) = self.live.remove(vm_id) {
             log::error!("VM {vm_id}: its worker thread is gone; starting a new one");
+            last = old.shared.result();
             self.retiring.extend(old.thread);
         }
-        let new = spawn(vm_id, core, self.stack_bytes);
+        let new = self.spawn(vm_id, core, last);
         self.live.insert(vm_id.clone(), new);
+    }
+
+    fn spawn(&self, vm_id: &Id, core: &Arc<Core>, initial: Option<VmResult>) -> WorkerHandle {
+        let handle = spawn(vm_id, core, self.stack_bytes, self.changed.clone(), initial);
+        self.pokes.insert(vm_id, &handle);
+        handle
     }
 
     /// Retires the workers of VMs not in `keep`.
@@ -233,6 +357,7 @@ impl Workers {
             .cloned()
             .collect();
         for id in gone {
+            self.pokes.remove(&id);
             if let Some(handle) = self.live.remove(&id) {
                 // Dropping `handle.doorbell` is the stop signal.
                 self.retiring.extend(handle.thread);
@@ -270,10 +395,13 @@ impl Workers {
     }
 
     /// Stops every worker: no new passes start, and each thread is joined if
-    /// it finishes by `deadline` (one stuck in a provisioner call is left to
-    /// finish on its own; the process exiting ends it).
+    /// it finishes by `deadline`. One stuck in a provisioner call is detached
+    /// and left to finish on its own (the process exiting ends it): a second
+    /// `stop_all` (the engine's drop after the daemon's shutdown) must not
+    /// wait for it all over again.
     pub(crate) fn stop_all(&mut self, deadline: Deadline) {
         self.to_ring.clear();
+        self.pokes.clear();
         // The router ends once its channel closes; joining it drops every
         // doorbell clone it held, so the workers see theirs close.
         if let Some(ringer) = self.ringer.take() {
@@ -297,13 +425,21 @@ impl Workers {
                 "{} VM worker(s) still inside a pass at shutdown; leaving them to finish",
                 self.retiring.len()
             );
+            // Dropping a JoinHandle detaches its thread.
+            self.retiring.clear();
         }
     }
 }
 
-fn spawn(vm_id: &Id, core: &Arc<Core>, stack_bytes: usize) -> WorkerHandle {
+fn spawn(
+    vm_id: &Id,
+    core: &Arc<Core>,
+    stack_bytes: usize,
+    changed: Sender<()>,
+    initial: Option<VmResult>,
+) -> WorkerHandle {
     let (doorbell, rings) = bounded(1);
-    let shared = Arc::new(WorkerShared::default());
+    let shared = Arc::new(WorkerShared::new(changed, initial));
     let thread = {
         let (vm_id, core, shared) = (vm_id.clone(), Arc::clone(core), Arc::clone(&shared));
         std::thread::Builder::new()
@@ -410,13 +546,17 @@ mod tests {
         }
     }
 
+    fn shared() -> WorkerShared {
+        WorkerShared::new(bounded(1).0, None)
+    }
+
     fn detail(shared: &WorkerShared) -> Option<String> {
         shared.result().and_then(|r| r.row).map(|r| r.status_detail)
     }
 
     #[test]
     fn skipped_pass_freezes_the_previous_row() {
-        let shared = WorkerShared::default();
+        let shared = shared();
         let first = shared.begin_pass();
         shared.end_pass(first, PassOutcome::Done(result("vm", "before")));
         let second = shared.begin_pass();
@@ -434,7 +574,7 @@ mod tests {
 
     #[test]
     fn skipped_first_pass_uses_the_fallback() {
-        let shared = WorkerShared::default();
+        let shared = shared();
         let first = shared.begin_pass();
 
         shared.end_pass(
@@ -450,7 +590,7 @@ mod tests {
 
     #[test]
     fn publish_from_an_ended_generation_is_dropped() {
-        let shared = WorkerShared::default();
+        let shared = shared();
         let old = shared.begin_pass();
         shared.end_pass(old, PassOutcome::Done(result("vm", "final")));
         let current = shared.begin_pass();

@@ -1,18 +1,42 @@
-//! Standalone mode: desired state from a JSON file (the proto's field names).
+//! Standalone mode: desired state from a JSON file with the proto's field
+//! names.
+//!
+//! Reading, in order:
+//! 1. stat the file; unchanged since the last read means nothing new, but a
+//!    file that was bad is reported bad again: its error stands, in the log
+//!    once and in every contact, until the file is fixed.
+//! 2. Read at most the byte limit.
+//! 3. The top level: an object of `epoch`, `min_agent_version`, `vms` and
+//!    `volumes`. A syntax error, an unknown key or a wrong type there makes
+//!    the whole file bad, and the previous desired state stands. Entries are
+//!    counted against the limits as they are read, and kept as raw text.
+//! 4. Each entry on its own, key by key: a misspelt key (`"vcpu"`) or a
+//!    wrong type (`"vcpus": "2"`, `1.5`, `2^70`) refuses that entry alone,
+//!    naming the key and its line, while the rest of the file is acted on,
+//!    as a bad entry from a control plane is. A refused entry with a valid
+//!    id still claims it: the VM is left alone, never reaped.
 
+use std::collections::HashSet;
+use std::fmt;
 use std::fs;
+use std::io::Read;
 use std::path::PathBuf;
 use std::time::SystemTime;
 
-use super::{Source, SourceError};
+use serde::de::{self, DeserializeOwned, DeserializeSeed, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use super::{Desired, SnapshotLimits, Source, SourceError};
+use crate::model::{Id, Rejected, SpecError};
 use crate::pb;
 
-/// Re-reads the file when its size, modification time or inode changes. A
-/// malformed version is reported once and the previous desired state kept;
-/// the next change is read again.
 pub struct FileSource {
     path: PathBuf,
+    limits: SnapshotLimits,
     seen: Option<Stamp>,
+    /// Why the file as it stands cannot be read, repeated at every contact.
+    broken: Option<Broken>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -22,14 +46,35 @@ struct Stamp {
     inode: u64,
 }
 
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Broken {
+    line: usize,
+    column: usize,
+    problem: String,
+}
+
 impl FileSource {
-    pub fn new(path: PathBuf) -> FileSource {
-        FileSource { path, seen: None }
+    pub fn new(path: PathBuf, limits: SnapshotLimits) -> FileSource {
+        FileSource {
+            path,
+            limits,
+            seen: None,
+            broken: None,
+        }
+    }
+
+    fn malformed(&self, broken: &Broken) -> SourceError {
+        SourceError::Malformed {
+            path: self.path.clone(),
+            line: broken.line,
+            column: broken.column,
+            problem: broken.problem.clone(),
+        }
     }
 }
 
 impl Source for FileSource {
-    fn fetch(&mut self, _host: &pb::HostInfo) -> Result<Option<pb::Snapshot>, SourceError> {
+    fn fetch(&mut self, _host: &pb::HostInfo) -> Result<Option<Desired>, SourceError> {
         use std::os::unix::fs::MetadataExt;
         let read_err = |source| SourceError::ReadFile {
             path: self.path.clone(),
@@ -42,20 +87,42 @@ impl Source for FileSource {
             inode: meta.ino(),
         };
         if self.seen == Some(stamp) {
-            return Ok(None);
+            return match &self.broken {
+                Some(broken) => Err(self.malformed(broken)),
+                None => Ok(None),
+            };
         }
-        let text = fs::read(&self.path).map_err(read_err)?;
-        // Marked seen before parsing: a malformed version is reported once,
-        // not on every tick until someone fixes it.
-        self.seen = Some(stamp);
-        serde_json::from_slice(&text)
-            .map(Some)
-            .map_err(|e| SourceError::Malformed {
-                path: self.path.clone(),
-                line: e.line(),
-                column: e.column(),
-                problem: e.to_string(),
+        let mut text = String::new();
+        fs::File::open(&self.path)
+            .and_then(|f| {
+                f.take(self.limits.max_bytes.saturating_add(1))
+                    .read_to_string(&mut text)
             })
+            .map_err(read_err)?;
+        self.seen = Some(stamp);
+        let parsed = if text.len() as u64 > self.limits.max_bytes {
+            Err(Broken {
+                line: 1,
+                column: 1,
+                problem: format!(
+                    "the file is larger than {} bytes; raise --max-response-bytes if that is expected",
+                    self.limits.max_bytes
+                ),
+            })
+        } else {
+            parse(&text, self.limits)
+        };
+        match parsed {
+            Ok(desired) => {
+                self.broken = None;
+                Ok(Some(desired))
+            }
+            Err(broken) => {
+                let err = self.malformed(&broken);
+                self.broken = Some(broken);
+                Err(err)
+            }
+        }
     }
 
     fn send_report(
@@ -76,5 +143,288 @@ impl Source for FileSource {
 
     fn describe(&self) -> String {
         format!("desired file {}", self.path.display())
+    }
+
+    #[cfg(target_os = "linux")]
+    fn watch(
+        &mut self,
+        changed: crossbeam_channel::Sender<()>,
+    ) -> std::io::Result<Option<super::Watcher>> {
+        super::Watcher::start(&self.path, changed).map(Some)
+    }
+}
+
+/// Reads a desired file's text (steps 3 and 4 of the module).
+fn parse(text: &str, limits: SnapshotLimits) -> Result<Desired, Broken> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let top = TopLevel { limits }
+        .deserialize(&mut de)
+        .and_then(|top| de.end().map(|()| top))
+        .map_err(|e| Broken {
+            line: e.line(),
+            column: e.column(),
+            problem: e.to_string(),
+        })?;
+    let mut desired = Desired {
+        wire: pb::Snapshot {
+            epoch: top.epoch,
+            min_agent_version: top.min_agent_version,
+            ..pb::Snapshot::default()
+        },
+        ..Desired::default()
+    };
+    for raw in top.vms {
+        match entry(text, raw, "vm_id") {
+            Ok(vm) => desired.wire.vms.push(vm),
+            Err(rejected) => desired.refused_vms.push(rejected),
+        }
+    }
+    for raw in top.volumes {
+        match entry(text, raw, "volume_id") {
+            Ok(volume) => desired.wire.volumes.push(volume),
+            Err(rejected) => desired.refused_volumes.push(rejected),
+        }
+    }
+    Ok(desired)
+}
+
+/// One entry, checked key by key so the error names the key and its line.
+fn entry<T: DeserializeOwned>(text: &str, raw: &RawValue, id_key: &str) -> Result<T, Rejected> {
+    let body = raw.get();
+    let line = line_at(text, offset_in(text, body));
+    let refuse = |id: Option<Id>, raw_id: String, problem: String| Rejected {
+        id,
+        raw_id,
+        error: SpecError::new("entry", problem),
+    };
+    let Ok(map) = serde_json::from_str::<Map<String, Value>>(body) else {
+        return Err(refuse(
+            None,
+            String::new(),
+            format!("the entry at line {line} is not an object"),
+        ));
+    };
+    let raw_id = map
+        .get(id_key)
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let id = Id::parse(&raw_id).ok();
+    for (key, value) in &map {
+        let alone = Value::Object(Map::from_iter([(key.clone(), value.clone())]));
+        if let Err(e) = serde_json::from_value::<T>(alone) {
+            let key_line = line + line_at(body, body.find(&format!("\"{key}\"")).unwrap_or(0)) - 1;
+            return Err(refuse(
+                id,
+                raw_id,
+                format!("{key:?} at line {key_line}: {e}"),
+            ));
+        }
+    }
+    serde_json::from_value(Value::Object(map))
+        .map_err(|e| refuse(id, raw_id.clone(), format!("the entry at line {line}: {e}")))
+}
+
+/// Where `part` (a slice of `text`) starts in it.
+fn offset_in(text: &str, part: &str) -> usize {
+    (part.as_ptr() as usize)
+        .checked_sub(text.as_ptr() as usize)
+        .filter(|o| *o <= text.len())
+        .unwrap_or(0)
+}
+
+/// The 1-based line of byte `offset` in `text`.
+fn line_at(text: &str, offset: usize) -> usize {
+    text.as_bytes()[..offset.min(text.len())]
+        .iter()
+        .filter(|b| **b == b'\n')
+        .count()
+        + 1
+}
+
+/// The top level of a desired file, its entries left as raw text.
+#[derive(Default)]
+struct TopLevelValue<'a> {
+    epoch: u64,
+    min_agent_version: String,
+    vms: Vec<&'a RawValue>,
+    volumes: Vec<&'a RawValue>,
+}
+
+struct TopLevel {
+    limits: SnapshotLimits,
+}
+
+impl<'de> DeserializeSeed<'de> for TopLevel {
+    type Value = TopLevelValue<'de>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for TopLevel {
+    type Value = TopLevelValue<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object with epoch, min_agent_version, vms and volumes")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = TopLevelValue::default();
+        let mut seen = HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(de::Error::custom(format!("the key {key:?} is given twice")));
+            }
+            match key.as_str() {
+                "epoch" => out.epoch = map.next_value()?,
+                "min_agent_version" => out.min_agent_version = map.next_value()?,
+                "vms" => {
+                    out.vms = map.next_value_seed(Entries {
+                        max: self.limits.max_vms,
+                        what: "VM",
+                        flag: "--max-vms",
+                    })?;
+                }
+                "volumes" => {
+                    out.volumes = map.next_value_seed(Entries {
+                        max: self.limits.max_volumes,
+                        what: "volume",
+                        flag: "--max-volumes",
+                    })?;
+                }
+                other => {
+                    return Err(de::Error::custom(format!(
+                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms and volumes"
+                    )));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A list of entries kept as raw text, refused past `max` while it is
+/// read, before a larger list costs memory.
+struct Entries {
+    max: usize,
+    what: &'static str,
+    flag: &'static str,
+}
+
+impl<'de> DeserializeSeed<'de> for Entries {
+    type Value = Vec<&'de RawValue>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Entries {
+    type Value = Vec<&'de RawValue>;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a list of {} entries", self.what)
+    }
+
+    fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Self::Value, S::Error> {
+        let mut out = Vec::new();
+        while let Some(entry) = seq.next_element::<&'de RawValue>()? {
+            if out.len() == self.max {
+                return Err(de::Error::custom(format!(
+                    "more than {} {} entries; raise {} if this host really takes that many",
+                    self.max, self.what, self.flag
+                )));
+            }
+            out.push(entry);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(text: &str) -> Result<Desired, Broken> {
+        parse(text, SnapshotLimits::default())
+    }
+
+    #[test]
+    fn a_misspelt_key_refuses_that_entry_only_naming_key_and_line() {
+        let text = "{\"vms\": [\n  {\"vm_id\": \"a\", \"vcpus\": 1},\n  {\"vm_id\": \"b\",\n   \"vcpu\": 2}\n]}";
+
+        let desired = read(text).expect("the file as a whole is fine");
+
+        assert_eq!(desired.wire.vms.len(), 1);
+        assert_eq!(desired.refused_vms.len(), 1);
+        let refused = &desired.refused_vms[0];
+        assert_eq!(refused.raw_id, "b");
+        assert_eq!(refused.id, Some(Id::parse("b").expect("id")));
+        let why = refused.error.to_string();
+        assert!(
+            why.contains("\"vcpu\" at line 4") && why.contains("unknown field"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn wrong_types_refuse_the_entry_naming_the_key() {
+        for value in ["\"2\"", "1.5", "1180591620717411303424"] {
+            let text = format!("{{\"vms\": [{{\"vm_id\": \"a\", \"vcpus\": {value}}}]}}");
+
+            let desired = read(&text).expect("the file as a whole is fine");
+
+            assert!(desired.wire.vms.is_empty(), "{value}");
+            let why = desired.refused_vms[0].error.to_string();
+            assert!(why.contains("\"vcpus\" at line 1"), "{value}: {why}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_top_level_key_makes_the_file_bad() {
+        let broken = read("{\n\"vm\": []\n}").expect_err("bad file");
+
+        assert_eq!(broken.line, 2);
+        assert!(
+            broken.problem.contains("unknown key \"vm\""),
+            "{}",
+            broken.problem
+        );
+    }
+
+    #[test]
+    fn more_entries_than_the_limit_are_refused_while_reading() {
+        let limits = SnapshotLimits {
+            max_vms: 2,
+            ..SnapshotLimits::default()
+        };
+
+        let broken = parse("{\"vms\": [{}, {}, {}]}", limits).expect_err("too many");
+
+        assert!(
+            broken.problem.contains("more than 2 VM entries"),
+            "{}",
+            broken.problem
+        );
+    }
+
+    #[test]
+    fn a_bad_file_is_reported_at_every_contact_until_it_changes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("desired.json");
+        std::fs::write(&path, "{not json").expect("write");
+        let mut source = FileSource::new(path.clone(), SnapshotLimits::default());
+        let host = pb::HostInfo::default();
+
+        let first = source.fetch(&host);
+        let second = source.fetch(&host);
+        std::fs::write(&path, "{}").expect("fix");
+        let fixed = source.fetch(&host);
+
+        assert!(matches!(first, Err(SourceError::Malformed { .. })));
+        assert!(matches!(second, Err(SourceError::Malformed { .. })));
+        assert!(matches!(fixed, Ok(Some(_))));
     }
 }

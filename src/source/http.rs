@@ -4,65 +4,69 @@
 //! 2. `POST {base}/v1/agent/report` with a `ReportRequest` → `ReportResponse`.
 //!
 //! Both carry `Authorization: Bearer` from the token file (re-read each
-//! time, so a rotated token is picked up without a restart), both have a
-//! connect and a whole-request timeout, and every answer is read with a size
-//! cap: a misbehaving control plane can slow a tick down, never wedge the
-//! agent or exhaust its memory.
+//! time, so a rotated token is picked up without a restart; refused while
+//! group or others can read it), both have a connect and a whole-request
+//! timeout, and every answer is read with a size cap and its entries
+//! counted before it is decoded: a misbehaving control plane can slow the
+//! exchange down, never wedge the agent or exhaust its memory.
+//!
+//! Redirects are refused, not followed: a redirected POST comes back as a
+//! GET without its body or token, possibly from another host, and its
+//! answer would be taken as desired state. Proxies come from `--proxy`
+//! only, never from `http_proxy` and friends in the environment: an agent
+//! started with a stray variable must not send its token elsewhere.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 
 use prost::Message;
 
-use super::{Source, SourceError};
+use super::{Desired, SnapshotLimits, Source, SourceError};
 use crate::config::ControlPlane;
 use crate::pb;
 
 pub struct HttpSource {
     agent: ureq::Agent,
     cp: ControlPlane,
-    warned_token_mode: bool,
+    limits: SnapshotLimits,
 }
 
 const PROTOBUF: &str = "application/x-protobuf";
 
 impl HttpSource {
-    pub fn new(cp: ControlPlane) -> HttpSource {
+    /// `proxy`: the operator's `--proxy`, already checked; `None` goes
+    /// direct whatever the environment says.
+    pub fn new(cp: ControlPlane, limits: SnapshotLimits, proxy: Option<&str>) -> HttpSource {
+        let proxy = proxy.and_then(|p| ureq::Proxy::new(p).ok());
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_connect(Some(cp.connect_timeout))
             .timeout_global(Some(cp.request_timeout))
             .http_status_as_error(false)
+            .max_redirects(0)
+            .proxy(proxy)
             .user_agent(format!("eitri-agent/{}", crate::version::AGENT_VERSION))
             .build()
             .into();
-        HttpSource {
-            agent,
-            cp,
-            warned_token_mode: false,
-        }
+        HttpSource { agent, cp, limits }
     }
 
-    fn token(&mut self) -> Result<Option<String>, SourceError> {
+    fn limits(&self) -> SnapshotLimits {
+        self.limits
+    }
+
+    fn token(&self) -> Result<Option<String>, SourceError> {
         let Some(path) = &self.cp.token_file else {
             return Ok(None);
         };
-        let token_err = |source| SourceError::Token {
+        check_token_mode(path)?;
+        let token = fs::read_to_string(path).map_err(|source| SourceError::Token {
             path: path.clone(),
             source,
-        };
-        let meta = fs::metadata(path).map_err(token_err)?;
-        if meta.permissions().mode() & 0o077 != 0 && !self.warned_token_mode {
-            log::warn!(
-                "the token file {} is readable by group or others; chmod 600 it",
-                path.display()
-            );
-            self.warned_token_mode = true;
-        }
-        let token = fs::read_to_string(path).map_err(token_err)?;
+        })?;
         Ok(Some(token.trim().to_owned()))
     }
 
-    fn post(&mut self, path: &str, body: Vec<u8>) -> Result<Vec<u8>, SourceError> {
+    fn post(&self, path: &str, body: Vec<u8>) -> Result<Vec<u8>, SourceError> {
         let url = format!("{}{path}", self.cp.base_url);
         let token = self.token()?;
         let mut request = self
@@ -81,13 +85,26 @@ impl HttpSource {
         let status = response.status().as_u16();
         match status {
             200..=299 => {}
+            300..=399 => {
+                let location = response
+                    .headers()
+                    .get("location")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or("nowhere")
+                    .to_owned();
+                return Err(SourceError::Redirected {
+                    url,
+                    status,
+                    location,
+                });
+            }
             401 | 403 => return Err(SourceError::TokenRejected { url, status }),
             _ => return Err(SourceError::Status { url, status }),
         }
         response
             .body_mut()
             .with_config()
-            .limit(self.cp.max_response_bytes)
+            .limit(self.limits().max_bytes)
             .read_to_vec()
             .map_err(|e| match e {
                 ureq::Error::BodyExceedsLimit(limit) => SourceError::TooLarge {
@@ -100,18 +117,24 @@ impl HttpSource {
 }
 
 impl Source for HttpSource {
-    fn fetch(&mut self, host: &pb::HostInfo) -> Result<Option<pb::Snapshot>, SourceError> {
+    fn fetch(&mut self, host: &pb::HostInfo) -> Result<Option<Desired>, SourceError> {
         let body = pb::SnapshotRequest {
             host: Some(host.clone()),
         }
         .encode_to_vec();
         let answer = self.post("/v1/agent/snapshot", body)?;
-        pb::Snapshot::decode(answer.as_slice())
-            .map(Some)
-            .map_err(|e| SourceError::Garbage {
-                url: format!("{}/v1/agent/snapshot", self.cp.base_url),
-                problem: e.to_string(),
-            })
+        let url = format!("{}/v1/agent/snapshot", self.cp.base_url);
+        let garbage = |problem: String| SourceError::Garbage {
+            url: url.clone(),
+            problem,
+        };
+        let counts = pb::count_snapshot_entries(&answer).map_err(garbage)?;
+        self.limits().check(&url, counts.vms, counts.volumes)?;
+        let wire = pb::Snapshot::decode(answer.as_slice()).map_err(|e| garbage(e.to_string()))?;
+        Ok(Some(Desired {
+            wire,
+            ..Desired::default()
+        }))
     }
 
     fn send_report(&mut self, host: &pb::HostInfo, report: &pb::Report) -> Result<(), SourceError> {
@@ -130,4 +153,22 @@ impl Source for HttpSource {
     fn describe(&self) -> String {
         format!("control plane {}", self.cp.base_url)
     }
+}
+
+/// Refuses a token file that group or others can read: the token is the
+/// host's identity to the control plane, and anyone on this host who can
+/// read it can speak as this agent.
+pub fn check_token_mode(path: &std::path::Path) -> Result<(), SourceError> {
+    let meta = fs::metadata(path).map_err(|source| SourceError::Token {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(SourceError::TokenMode {
+            path: path.to_path_buf(),
+            mode,
+        });
+    }
+    Ok(())
 }

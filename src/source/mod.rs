@@ -1,24 +1,84 @@
 //! Where desired state comes from, and where reports go: a control plane
-//! over HTTP, or a local file in standalone mode.
+//! over HTTP, or a local file in standalone mode. Either way the exchange
+//! runs on its own thread (see `daemon::exchange`), so nothing local ever
+//! waits on it.
 
 mod file;
 mod http;
+#[cfg(target_os = "linux")]
+mod watch;
 
 use std::fmt;
 use std::path::PathBuf;
 
-pub use file::FileSource;
-pub use http::HttpSource;
+use crossbeam_channel::Sender;
 
+pub use file::FileSource;
+pub use http::{HttpSource, check_token_mode};
+#[cfg(target_os = "linux")]
+pub use watch::Watcher;
+
+use crate::model::Rejected;
 use crate::pb;
+
+/// Bounds on one snapshot, checked before it is decoded: a small answer can
+/// otherwise expand into gigabytes of entries (see `pb::prescan`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotLimits {
+    /// The largest answer or desired file read, in bytes.
+    pub max_bytes: u64,
+    pub max_vms: usize,
+    pub max_volumes: usize,
+}
+
+impl Default for SnapshotLimits {
+    fn default() -> SnapshotLimits {
+        SnapshotLimits {
+            max_bytes: 16 << 20,
+            max_vms: 10_000,
+            max_volumes: 10_000,
+        }
+    }
+}
+
+impl SnapshotLimits {
+    /// Refuses more entries than the limits allow, naming the flag to raise.
+    pub fn check(&self, from: &str, vms: usize, volumes: usize) -> Result<(), SourceError> {
+        let over = |what, count, max, flag| SourceError::TooManyEntries {
+            from: from.to_owned(),
+            what,
+            count,
+            max,
+            flag,
+        };
+        if vms > self.max_vms {
+            return Err(over("VM", vms, self.max_vms, "--max-vms"));
+        }
+        if volumes > self.max_volumes {
+            return Err(over("volume", volumes, self.max_volumes, "--max-volumes"));
+        }
+        Ok(())
+    }
+}
+
+/// Desired state as a source read it: the snapshot, and the entries the
+/// source itself could not read (a desired-file entry with a bad type or an
+/// unknown key). Those are refused one by one, as a bad entry from a
+/// control plane is, and still claim their ids.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Desired {
+    pub wire: pb::Snapshot,
+    pub refused_vms: Vec<Rejected>,
+    pub refused_volumes: Vec<Rejected>,
+}
 
 pub trait Source: Send {
     /// Fetches desired state; `Ok(None)` when there is nothing new (a file
     /// that did not change).
-    fn fetch(&mut self, host: &pb::HostInfo) -> Result<Option<pb::Snapshot>, SourceError>;
+    fn fetch(&mut self, host: &pb::HostInfo) -> Result<Option<Desired>, SourceError>;
 
     /// Hands a report upward. A file source has no one to hand it to; its
-    /// reports are the `report.json` every tick writes anyway.
+    /// reports are the `report.json` the daemon writes anyway.
     fn send_report(&mut self, host: &pb::HostInfo, report: &pb::Report) -> Result<(), SourceError>;
 
     /// A remote source's snapshots carry an epoch that fences, and its
@@ -30,6 +90,14 @@ pub trait Source: Send {
 
     /// What to call this source in logs and `status`.
     fn describe(&self) -> String;
+
+    /// Starts telling `changed` whenever there is something new to fetch
+    /// before the next contact would look (the desired file was written).
+    /// `Ok(None)`: nothing to watch; the tick is the only trigger.
+    #[cfg(target_os = "linux")]
+    fn watch(&mut self, _changed: Sender<()>) -> std::io::Result<Option<Watcher>> {
+        Ok(None)
+    }
 }
 
 /// Why a fetch or a report did not go through.
@@ -49,6 +117,13 @@ pub enum SourceError {
         url: String,
         status: u16,
     },
+    /// A 3xx: redirects are refused, since a redirected POST loses its body
+    /// or its token, and may land on another host.
+    Redirected {
+        url: String,
+        status: u16,
+        location: String,
+    },
     /// The answer was not a message of the expected type.
     Garbage {
         url: String,
@@ -58,15 +133,29 @@ pub enum SourceError {
         url: String,
         limit: u64,
     },
+    /// More entries than the agent takes, counted before decoding.
+    TooManyEntries {
+        from: String,
+        what: &'static str,
+        count: usize,
+        max: usize,
+        flag: &'static str,
+    },
     Token {
         path: PathBuf,
         source: std::io::Error,
+    },
+    /// The token file is readable by group or others.
+    TokenMode {
+        path: PathBuf,
+        mode: u32,
     },
     ReadFile {
         path: PathBuf,
         source: std::io::Error,
     },
-    /// The desired file is not a valid Snapshot; the previous one stands.
+    /// The desired file is not a valid Snapshot as a whole; the previous
+    /// desired state stands. Said at every contact until the file changes.
     Malformed {
         path: PathBuf,
         line: usize,
@@ -88,6 +177,15 @@ impl fmt::Display for SourceError {
             SourceError::Status { url, status } => {
                 write!(f, "the control plane answered {status} to {url}")
             }
+            SourceError::Redirected {
+                url,
+                status,
+                location,
+            } => write!(
+                f,
+                "the control plane answered {status} to {url}, redirecting to {}; redirects are refused (a redirected request loses its token or reaches another host): point --control-plane at the final address",
+                crate::model::quote(location)
+            ),
             SourceError::Garbage { url, problem } => {
                 write!(
                     f,
@@ -98,9 +196,25 @@ impl fmt::Display for SourceError {
                 f,
                 "the control plane's answer to {url} is larger than {limit} bytes; raise --max-response-bytes if that is expected"
             ),
+            SourceError::TooManyEntries {
+                from,
+                what,
+                count,
+                max,
+                flag,
+            } => write!(
+                f,
+                "the snapshot from {from} has {count} {what} entries, more than {max}; refused before decoding it. Raise {flag} if this host really takes that many"
+            ),
             SourceError::Token { path, .. } => {
                 write!(f, "cannot read the token file {}", path.display())
             }
+            SourceError::TokenMode { path, mode } => write!(
+                f,
+                "the token file {} is readable by group or others (mode {mode:04o}); refusing to send a secret anyone on this host can read: chmod 600 {}",
+                path.display(),
+                path.display()
+            ),
             SourceError::ReadFile { path, .. } => {
                 write!(f, "cannot read the desired file {}", path.display())
             }

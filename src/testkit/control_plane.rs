@@ -27,6 +27,10 @@ pub enum Answer {
     Garbage,
     /// 200 with a body of this many bytes.
     Oversized(usize),
+    /// 200 with exactly these bytes.
+    Raw(Vec<u8>),
+    /// 301 to this location.
+    Redirect(String),
     /// Waits this long before answering with the inner answer.
     Slow(Duration, Box<Answer>),
 }
@@ -140,13 +144,18 @@ impl Drop for FakeControlPlane {
     }
 }
 
-fn serve(listener: &TcpListener, state: &Mutex<State>, stop: &AtomicBool) {
+/// Each connection on a thread of its own: a slow answer (a control plane
+/// that hangs) neither delays the next request nor the fake's shutdown.
+fn serve(listener: &TcpListener, state: &Arc<Mutex<State>>, stop: &AtomicBool) {
     for conn in listener.incoming() {
         if stop.load(Ordering::Relaxed) {
             return;
         }
         if let Ok(conn) = conn {
-            let _ = handle(conn, state);
+            let state = Arc::clone(state);
+            let _ = std::thread::Builder::new()
+                .name("fake-cp-conn".into())
+                .spawn(move || handle(conn, &state));
         }
     }
 }
@@ -192,10 +201,16 @@ fn handle(conn: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
 }
 
 fn respond(mut conn: TcpStream, answer: Answer) -> std::io::Result<()> {
+    let mut extra = String::new();
     let (status, body) = match answer {
         Answer::Slow(wait, inner) => {
             std::thread::sleep(wait);
             return respond(conn, *inner);
+        }
+        Answer::Raw(bytes) => (200, bytes),
+        Answer::Redirect(location) => {
+            extra = format!("Location: {location}\r\n");
+            (301, Vec::new())
         }
         Answer::Snapshot(s) => (200, s.encode_to_vec()),
         Answer::Accepted => (200, Vec::new()),
@@ -206,7 +221,7 @@ fn respond(mut conn: TcpStream, answer: Answer) -> std::io::Result<()> {
     };
     write!(
         conn,
-        "HTTP/1.1 {status} \r\nContent-Type: application/x-protobuf\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "HTTP/1.1 {status} \r\n{extra}Content-Type: application/x-protobuf\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     )?;
     conn.write_all(&body)?;

@@ -10,6 +10,7 @@
 
 pub mod control_plane;
 pub mod image_server;
+pub mod logs;
 pub mod net;
 pub mod tools;
 
@@ -24,7 +25,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Simple};
 use crate::model::{DesiredVm, Id, PowerState, Snapshot, VmSpec, WantedVm};
-use crate::provision::Provisioner;
+use crate::provision::{ExitListener, Provisioner};
 use crate::reconcile::Seams;
 use crate::reconcile::seams::{
     HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
@@ -165,6 +166,7 @@ pub struct Fakes {
     delay: Mutex<Duration>,
     keys_made: AtomicU64,
     recording: std::sync::atomic::AtomicBool,
+    exits: Mutex<Option<ExitListener>>,
 }
 
 impl Fakes {
@@ -184,6 +186,7 @@ impl Fakes {
             delay: Mutex::new(Duration::ZERO),
             keys_made: AtomicU64::new(0),
             recording: std::sync::atomic::AtomicBool::new(true),
+            exits: Mutex::new(None),
         })
     }
 
@@ -252,7 +255,18 @@ impl Fakes {
         *self.delay.lock() = delay;
     }
 
-    /// The VM's hypervisor dies (or comes back) behind the agent's back.
+    /// The VM's hypervisor dies and, as a real backend's reaper does, the
+    /// fake tells the engine at once (see [`Provisioner::watch_exits`]).
+    pub fn kill(&self, vm_id: &Id) {
+        self.running.lock().remove(vm_id);
+        let listener = self.exits.lock().clone();
+        if let Some(listener) = listener {
+            listener(vm_id);
+        }
+    }
+
+    /// The VM's hypervisor dies (or comes back) behind the agent's back,
+    /// unnoticed until the engine next asks: a backend with no exit watch.
     pub fn set_running(&self, vm_id: &Id, running: bool) {
         let mut set = self.running.lock();
         if running {
@@ -446,6 +460,10 @@ impl Provisioner for Fakes {
             .get(vm_id)
             .map(|a| a.1.clone())
             .unwrap_or_default()
+    }
+
+    fn watch_exits(&self, listener: ExitListener) {
+        *self.exits.lock() = Some(listener);
     }
 }
 

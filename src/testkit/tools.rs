@@ -51,7 +51,7 @@ mod tests {
     const MISSING: &str = "no-such-program-eitri";
 
     #[test]
-    #[should_panic(expected = "`no-such-program-eitri` is not installed")]
+    #[should_panic(expected = "`no-such-program-eitri`, which is not installed")]
     fn a_missing_program_is_named() {
         require(MISSING);
     }

@@ -39,6 +39,12 @@ fn generate(proto_dir: &Path, out_dir: &Path) -> Result<(), Box<dyn std::error::
             ".eitri.agent.v1",
             "#[derive(serde::Serialize, serde::Deserialize)]\n#[serde(default)]",
         )
+        // What a person writes in a desired file is checked key by key: a
+        // misspelt key ("vcpu") is refused, naming it, instead of silently
+        // leaving its field at zero.
+        .type_attribute(".eitri.agent.v1.Snapshot", "#[serde(deny_unknown_fields)]")
+        .type_attribute(".eitri.agent.v1.VMSpec", "#[serde(deny_unknown_fields)]")
+        .type_attribute(".eitri.agent.v1.VolumeSpec", "#[serde(deny_unknown_fields)]")
         .compile_fds(descriptors)?;
     Ok(())
 }

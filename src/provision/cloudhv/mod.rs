@@ -20,6 +20,10 @@
 //! After an agent restart, VMMs are found again through their pidfiles and
 //! /proc; none is restarted. Only a changed boot id (the engine's business)
 //! makes them lost.
+//!
+//! Every VMM exit is told to the engine the moment it happens (a child's by
+//! its reaper, an adopted VMM's by the `vmm-exits` watch), so a guest that
+//! crashed is booted again at once, not at the next tick.
 
 mod api;
 mod preflight;
@@ -27,6 +31,7 @@ mod process;
 mod spawn;
 mod stop;
 mod tap;
+mod watch;
 
 use std::collections::HashMap;
 use std::fs;
@@ -42,7 +47,8 @@ use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 
 use self::process::Tracked;
-use super::{Provisioner, mac};
+use self::watch::{ExitWatch, Listener};
+use super::{ExitListener, Provisioner, mac};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Simple};
 use crate::model::{Id, VmSpec};
@@ -101,6 +107,11 @@ pub struct CloudHypervisor {
     /// Pids of children spawned and not yet reaped: a stop waits for the
     /// reaper too, so when it returns no zombie of the VM is left.
     unreaped: Arc<Mutex<std::collections::HashSet<i32>>>,
+    /// Who is told of each VMM exit (the engine).
+    listener: Listener,
+    /// Exits of adopted VMMs; `None` if its thread could not start (then
+    /// those exits are seen at the tick).
+    watch: Option<ExitWatch>,
 }
 
 impl CloudHypervisor {
@@ -121,31 +132,46 @@ impl CloudHypervisor {
                 log::info!("removed leaked tap {link}");
             }
         }
+        let listener = Listener::default();
+        let watch = ExitWatch::start(listener.clone())
+            .inspect_err(|e| {
+                log::warn!(
+                    "cannot watch adopted hypervisors ({e}); their exits are seen at the tick"
+                );
+            })
+            .ok();
         let backend = CloudHypervisor {
             store,
             cfg,
             exits: Arc::new(Mutex::new(HashMap::new())),
             unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
+            listener,
+            watch,
         };
-        backend.readopt_networks();
+        backend.adopt();
         backend
     }
 
-    /// Serves the guests of VMMs that outlived the previous agent: their DHCP
-    /// responders and snoopers lived in that agent's process, and a guest
-    /// renewing its lease with nobody answering would lose its address.
-    fn readopt_networks(&self) {
-        let Some(network) = &self.cfg.network else {
-            return;
-        };
+    /// Takes over the VMMs that outlived the previous agent: their exits are
+    /// watched from now on, and their guests' networks served again (their
+    /// DHCP responders and snoopers lived in that agent's process, and a
+    /// guest renewing its lease with nobody answering would lose its
+    /// address).
+    fn adopt(&self) {
         for slot in self.store.load_all().values() {
             let crate::state::RecordSlot::Readable(rec) = slot else {
                 continue;
             };
             let vm_id = &rec.spec.vm_id;
-            if self.alive(vm_id).is_none() {
+            let Some(tracked) = self.alive(vm_id) else {
                 continue;
+            };
+            if let Some(watch) = &self.watch {
+                watch.watch(vm_id, tracked);
             }
+            let Some(network) = &self.cfg.network else {
+                continue;
+            };
             let mut plugged = network
                 .plug(vm_id, &self.tap_name(vm_id), &mac::underlay(vm_id))
                 .map(drop);
@@ -349,5 +375,9 @@ impl Provisioner for CloudHypervisor {
             .and_then(|n| n.network_address(&mac::second_nic(vm_id)))
             .map(|ip| ip.to_string())
             .unwrap_or_default()
+    }
+
+    fn watch_exits(&self, listener: ExitListener) {
+        self.listener.set(listener);
     }
 }

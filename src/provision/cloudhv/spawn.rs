@@ -165,9 +165,10 @@ impl CloudHypervisor {
         }
         self.exits.lock().remove(vm_id);
         self.unreaped.lock().insert(pid);
-        let (exits, unreaped, id) = (
+        let (exits, unreaped, listener, id) = (
             Arc::clone(&self.exits),
             Arc::clone(&self.unreaped),
+            self.listener.clone(),
             vm_id.clone(),
         );
         let reaper = std::thread::Builder::new()
@@ -176,9 +177,12 @@ impl CloudHypervisor {
             .spawn(move || {
                 if let Ok(status) = child.wait() {
                     log::info!("VM {id}: hypervisor {pid} exited ({})", describe(status));
-                    exits.lock().insert(id, status);
+                    exits.lock().insert(id.clone(), status);
                 }
+                // Reaped first: a stop waiting for this child must be free
+                // to return before the engine hears of the exit.
                 unreaped.lock().remove(&pid);
+                listener.exited(&id);
             });
         if let Err(e) = reaper {
             // Without a reaper the child would become a zombie: stop it now.
