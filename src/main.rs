@@ -12,10 +12,33 @@ use eitri_agent::config::{self, Command};
 use eitri_agent::status::ReportFile;
 use eitri_agent::version::AGENT_VERSION;
 
+/// The stop signals are blocked before `main` runs, from the binary's
+/// initialisers: a supervisor's SIGTERM in the daemon's first milliseconds
+/// then waits, pending, until the handlers are installed, and is an orderly
+/// stop rather than death by the default action. (Only the dynamic loader's
+/// own time, before any of the agent's code runs, is left uncovered; the
+/// static build has next to none.)
+#[cfg(any(target_os = "linux", target_os = "macos"))]
+#[used]
+#[cfg_attr(target_os = "linux", unsafe(link_section = ".init_array"))]
+#[cfg_attr(target_os = "macos", unsafe(link_section = "__DATA,__mod_init_func"))]
+static HOLD_STOP_SIGNALS: extern "C" fn() = hold_stop_signals;
+
+extern "C" fn hold_stop_signals() {
+    let _ = stop_signals().thread_block();
+}
+
+fn stop_signals() -> nix::sys::signal::SigSet {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    for signal in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        set.add(signal);
+    }
+    set
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    // Before anything else: a supervisor's SIGTERM in the daemon's first
-    // milliseconds must be an orderly stop, not death by the default action.
     let signals = if args.first().is_some_and(|a| a == "run") {
         match eitri_agent::daemon::Signals::install() {
             Ok(s) => Some(s),
@@ -27,6 +50,10 @@ fn main() -> ExitCode {
     } else {
         None
     };
+    // Handled from here on (by the handlers just installed, or the default
+    // action for a command that is not the daemon): a signal that came
+    // while they were blocked is delivered now.
+    let _ = stop_signals().thread_unblock();
     let env: HashMap<String, String> = std::env::vars().collect();
     let command = match config::parse(&args, &env) {
         Ok(c) => c,

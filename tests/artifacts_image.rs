@@ -296,27 +296,12 @@ fn partial_downloads_left_by_a_crash_are_swept() {
     assert!(!partial.exists());
 }
 
-/// A filesystem too small for the image: a tmpfs mounted for the test.
-struct SmallFs(PathBuf);
-
-impl Drop for SmallFs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn a_full_disk_fails_and_leaves_no_partial_file() {
     let f = Fixture::new();
-    let small = f.dir.path().join("small");
-    std::fs::create_dir_all(&small).expect("mount point");
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=512k", "tmpfs"])
-        .arg(&small)
-        .status()
-        .expect("mount");
-    assert!(mounted.success(), "mounting a tmpfs needs root");
-    let _guard = SmallFs(small.clone());
+    // A filesystem too small for the image.
+    let tmpfs = eitri_agent::testkit::tmpfs::Tmpfs::mount(&f.dir.path().join("small"), "512k");
+    let small = tmpfs.path().to_path_buf();
     let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
 
     let err = ImageCache::new(small.clone())

@@ -5,6 +5,7 @@
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -398,4 +399,149 @@ fn images_prune_refuses_while_an_agent_holds_the_state_dir() {
 
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use by another eitri-agent"));
+}
+
+#[test]
+fn a_desired_file_change_is_acted_on_without_waiting_for_the_tick() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    // A tick so long that only the file watch can explain a re-read.
+    let agent = Agent::start_ticking(dir.path(), "1h", &[]);
+    agent.wait_report("data-1", |r| volumes(r) == ["data-1"]);
+
+    desired(dir.path(), TWO_VOLUMES);
+
+    agent.wait_report("data-2", |r| volumes(r) == ["data-1", "data-2"]);
+}
+
+#[test]
+fn a_bad_desired_file_is_reported_until_it_is_fixed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let agent = Agent::start(dir.path(), &[]);
+    let first = agent.wait_report("data-1", |r| volumes(r) == ["data-1"]);
+    let bad = |r: &serde_json::Value| {
+        r["contact"]
+            .as_str()
+            .is_some_and(|c| c.contains("not a valid snapshot"))
+    };
+
+    desired(dir.path(), "{\"volumes\": [}");
+    let broken = agent.wait_report("the parse error", bad);
+    // Ten ticks later (at 100 ms) it is still said, not replaced by "ok".
+    agent.wait_report("a report ten ticks on", |r| {
+        r["written_at_unix_ms"].as_u64() > broken["written_at_unix_ms"].as_u64().map(|t| t + 1000)
+    });
+    let later = agent.report().expect("report");
+    desired(dir.path(), TWO_VOLUMES);
+    let fixed = agent.wait_report("the fix", |r| r["contact"] == "ok");
+
+    assert_eq!(first["contact"], "ok");
+    assert!(bad(&later), "{}", later["contact"]);
+    assert_eq!(volumes(&fixed), ["data-1", "data-2"]);
+}
+
+#[test]
+fn a_bad_entry_refuses_that_entry_only_naming_its_key_and_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(
+        dir.path(),
+        "{\"volumes\": [{\"volume_id\": \"data-1\", \"size_gb\": 1}],\n \"vms\": [\n  {\"vm_id\": \"web-1\",\n   \"vcpu\": 2}\n]}",
+    );
+
+    let agent = Agent::start(dir.path(), &[]);
+    let report = agent.wait_report("web-1's row", |r| r["report"]["vms"][0]["vm_id"] == "web-1");
+
+    let error = report["report"]["vms"][0]["last_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert_eq!(report["report"]["vms"][0]["phase"], "failed");
+    assert!(
+        error.contains("\"vcpu\" at line 4") && error.contains("unknown field"),
+        "{error}"
+    );
+    assert_eq!(
+        volumes(&report),
+        ["data-1"],
+        "the rest of the file is acted on"
+    );
+    assert_eq!(report["contact"], "ok");
+}
+
+/// A SIGTERM that arrives before the agent's handlers exist, made
+/// deterministic: the child blocks it and raises it before exec, so the
+/// agent starts with it pending, as if a supervisor had sent it in the
+/// agent's first instants. It must be an orderly stop (exit 0), not death
+/// by the signal, and not a signal left blocked for ever.
+#[test]
+fn a_sigterm_pending_at_start_is_an_orderly_stop() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let mut cmd = Command::new(BIN);
+    cmd.args(["run", "--desired"])
+        .arg(dir.path().join("desired.json"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .args(["--underlay-bridge=", "--tap-prefix", "etbin", "--run-dir"])
+        .arg(dir.path().join("run"))
+        .env_clear()
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: runs in the forked child before exec, calling only
+    // async-signal-safe functions (sigprocmask, kill).
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut set = nix::sys::signal::SigSet::empty();
+            set.add(Signal::SIGTERM);
+            set.thread_block()?;
+            kill(nix::unistd::getpid(), Signal::SIGTERM)?;
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().expect("agent");
+
+    let until = Instant::now() + PATIENCE;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("the agent never acted on the pending SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+
+    assert_eq!((status.code(), status.signal()), (Some(0), None));
+}
+
+#[test]
+fn a_token_file_others_can_read_stops_the_start_naming_the_fix() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").expect("token");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+
+    let out = Command::new(BIN)
+        .args([
+            "run",
+            "--control-plane",
+            "http://127.0.0.1:9",
+            "--state-dir",
+        ])
+        .arg(dir.path().join("state"))
+        .arg("--token-file")
+        .arg(&token)
+        .env_clear()
+        .output()
+        .expect("agent");
+
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("chmod 600 {}", token.display())),
+        "{stderr}"
+    );
 }

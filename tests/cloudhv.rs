@@ -315,8 +315,9 @@ fn an_agent_restart_adopts_the_running_hypervisor_on(h: Host) {
     assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
 }
 
-fn a_killed_hypervisor_is_booted_again_on(h: Host) {
-    h.tick(&h.vm("vm-1"));
+/// Kills the VM's hypervisor with SIGKILL, and waits, with no step, for
+/// another one to be running in its place.
+fn kill_and_see_it_booted_again(h: &Host) -> (i32, i32) {
     let before = h.pid("vm-1").expect("pid");
 
     nix::sys::signal::kill(
@@ -324,25 +325,53 @@ fn a_killed_hypervisor_is_booted_again_on(h: Host) {
         nix::sys::signal::Signal::SIGKILL,
     )
     .expect("kill -9");
-    wait_until("the VMM to die", || !h.backend.running(&id("vm-1")));
+    wait_until("a new hypervisor, with no step", || {
+        h.pid("vm-1")
+            .is_some_and(|p| p != before && alive(p) && h.backend.running(&id("vm-1")))
+    });
+
+    (before, h.pid("vm-1").expect("pid"))
+}
+
+fn a_killed_hypervisor_is_booted_again_without_a_tick_on(h: Host) {
     h.tick(&h.vm("vm-1"));
 
-    let after = h.pid("vm-1").expect("pid");
-    assert_ne!(after, before);
+    let (before, after) = kill_and_see_it_booted_again(&h);
+
+    assert!(!alive(before));
     assert!(alive(after));
+    assert!(h.engine().wait_idle(Deadline::after(PATIENCE)));
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+}
+
+fn an_adopted_hypervisor_killed_is_booted_again_without_a_tick_on(h: Host) {
+    h.tick(&h.vm("vm-1"));
+    // The VMM outlives this agent: the next one's backend did not fork it,
+    // so no reaper waits for it; the exit watch must.
+    let h = h.restart();
+    h.tick(&h.vm("vm-1"));
+
+    let (before, after) = kill_and_see_it_booted_again(&h);
+
+    assert!(!alive(before));
+    assert!(alive(after));
 }
 
 #[test]
 fn a_crashed_hypervisors_last_words_reach_the_row() {
     let h = Host::new(&[("STANDIN_CRASH_AFTER_MS", "300")]);
     h.tick(&h.vm("vm-1"));
-    wait_until("the crash", || !h.backend.running(&id("vm-1")));
-    // From now on it cannot even start: the next boot fails, and the row
-    // says why the last one died.
+    // From now on it cannot even start: when it crashes, the boot that
+    // repairs it at once fails, and the row says why the last one died.
     std::fs::write(&h.cfg.hypervisor, "#!/bin/sh\nexit 1\n").expect("break the launcher");
 
-    h.tick(&h.vm("vm-1"));
+    wait_until("the repair to fail", || {
+        h.engine()
+            .published()
+            .vms
+            .iter()
+            .any(|r| r.vm_id == "vm-1" && r.phase == Some(Phase::Failed))
+    });
 
     let row = h.row("vm-1");
     assert_eq!(row.phase, Some(Phase::Failed));
@@ -613,7 +642,8 @@ both!(
     a_created_vm_boots_and_runs_on,
     booting_twice_starts_one_process_on,
     an_agent_restart_adopts_the_running_hypervisor_on,
-    a_killed_hypervisor_is_booted_again_on,
+    a_killed_hypervisor_is_booted_again_without_a_tick_on,
+    an_adopted_hypervisor_killed_is_booted_again_without_a_tick_on,
     destroy_leaves_no_process_socket_pidfile_tap_or_directory_on,
     the_tap_dies_with_a_killed_hypervisor_on,
     the_hypervisor_inherits_no_agent_fd_on,

@@ -870,3 +870,33 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
     // A bound to fail on: before, the engine's drop waited 5 s more.
     assert!(took < grace + Duration::from_secs(2), "took {took:?}");
 }
+
+#[test]
+fn a_full_disk_is_a_few_lines_in_the_log_not_lines_every_tick() {
+    let log = capture();
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot_with("vm-1", 1)));
+    let root = tempfile::tempdir().expect("tempdir");
+    let disk = eitri_agent::testkit::tmpfs::Tmpfs::mount(&root.path().join("state"), "2m");
+    let dir = tempfile::TempDir::new_in(disk.path()).expect("state dir");
+    write_token(dir.path(), 0o600);
+    let mut a = agent_in(dir, Fakes::new(), &cp.url(), config(), limits());
+    a.tick();
+    disk.fill();
+    // vm-1 is to stop (its stop intent cannot be saved), vm-2 is new (its
+    // create attempt cannot be saved), and report.json cannot be written.
+    let mut snap = snapshot_with("vm-1", 2);
+    snap.vms[0].power_state = "stopped".into();
+    snap.vms.push(wire_vm("vm-2"));
+    cp.answer_snapshots(Answer::Snapshot(snap));
+
+    for _ in 0..5 {
+        a.tick_when_due();
+    }
+
+    let lines = |text| log.count(log::Level::Error, text) + log.count(log::Level::Warn, text);
+    assert_eq!(lines("cannot write report.json"), 1);
+    assert_eq!(lines("VM vm-1: not stopping it"), 1);
+    assert_eq!(lines("VM vm-2: create failed"), 1);
+    drop(a);
+}

@@ -33,3 +33,17 @@ fn a_boot_failing_every_tick_is_warned_once_per_change() {
     assert_eq!(warnings_about("boot failed: no space left"), 1);
     assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
 }
+
+#[test]
+fn a_refused_snapshot_is_logged_once_while_it_repeats() {
+    let log = capture();
+    let h = Harness::new();
+    let mut snap = running("vm-1");
+    snap.min_agent_version = "1.2.0".into();
+
+    for _ in 0..5 {
+        h.tick(&snap);
+    }
+
+    assert_eq!(log.count(log::Level::Error, "refusing snapshot"), 1);
+}

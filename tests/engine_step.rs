@@ -163,6 +163,36 @@ fn agent_below_the_floor_refuses_every_vm_unobserved() {
     assert!(h.fakes.calls().is_empty(), "nothing dispatched");
 }
 
+#[test]
+fn a_refused_snapshot_still_reports_every_vm_the_host_runs() {
+    let h = Harness::new();
+    h.tick(&snapshot(1, vec![present(desired("vm-old"))]));
+    // The refused snapshot no longer names vm-old: the host still runs it,
+    // and the control plane must not lose sight of it.
+    let mut snap = snapshot(2, vec![present(desired("vm-new"))]);
+    snap.min_agent_version = "1.2.0".into();
+
+    let report = h.tick(&snap);
+
+    let old = report
+        .vms
+        .iter()
+        .find(|r| r.vm_id == "vm-old")
+        .expect("vm-old is still reported");
+    assert_eq!(old.power, Some(PowerState::Running));
+    let new = report
+        .vms
+        .iter()
+        .find(|r| r.vm_id == "vm-new")
+        .expect("vm-new is refused");
+    assert_eq!((new.power, new.phase), (None, Some(Phase::Failed)));
+    assert_eq!(
+        h.fakes.count(|c| matches!(c, Call::Shutdown(_))),
+        0,
+        "nothing is reaped while refusing"
+    );
+}
+
 fn unversioned_agent_creates(agent_version: &str) -> Option<Phase> {
     let h = Harness::with_config(EngineConfig {
         agent_version: agent_version.into(),

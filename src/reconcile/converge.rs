@@ -5,8 +5,9 @@
 //! stopped VM is stopped, not lost. A lost VM that should run is booted
 //! again: every VM is persistent.
 
-use super::pass::{Core, VmResult};
+use super::pass::{Core, Narrator, VmResult};
 use super::volumes;
+use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
 use crate::model::{DesiredVm, Phase, PowerState};
@@ -19,6 +20,7 @@ impl Core {
         d: &DesiredVm,
         mut rec: Record,
         res: &mut VmResult,
+        publisher: Option<&Publisher>,
     ) {
         // Keeps the ledger true for every live VM, however it got here (an
         // un-quarantined VM's compute was released).
@@ -29,16 +31,29 @@ impl Core {
             self.save_best_effort(&rec);
         }
 
-        let lost = rec.boot_id != boot_id || (!running && !rec.stop_requested);
+        let rebooted = rec.boot_id != boot_id;
+        let lost = rebooted || (!running && !rec.stop_requested);
         if lost {
-            if !running && !rec.stop_requested {
-                log::warn!(
-                    "VM {}: lost (its hypervisor is gone without a stop request)",
-                    rec.spec.vm_id
-                );
-            }
+            let why = if rebooted {
+                "the host rebooted"
+            } else {
+                "its hypervisor is gone without a stop request"
+            };
+            log::warn!("VM {}: lost ({why})", rec.spec.vm_id);
             match d.power {
-                PowerState::Running => self.boot(deadline, rec, Some(boot_id), res),
+                PowerState::Running => {
+                    // Said before the boot: the guest is down until it ends.
+                    Narrator::new(
+                        publisher,
+                        deadline,
+                        res,
+                        &rec,
+                        PowerState::Stopped,
+                        Phase::Ready,
+                    )
+                    .say(&format!("booting again: {why}"));
+                    self.boot(deadline, rec, Some(boot_id), res);
+                }
                 PowerState::Stopped => {
                     rec.boot_id = boot_id;
                     rec.stop_requested = true;

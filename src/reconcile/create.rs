@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use super::pass::{Core, VmResult};
+use super::pass::{Core, Narrator, VmResult};
 use super::seams::{Progress, SeedParams};
 use super::volumes;
 use super::workers::Publisher;
@@ -102,7 +102,14 @@ impl Core {
         }
         attempt.counted = true;
 
-        let narrator = Narrator::new(publisher, deadline, &rec, res);
+        let narrator = Narrator::new(
+            publisher,
+            deadline,
+            res,
+            &rec,
+            PowerState::Stopped,
+            Phase::Creating,
+        );
         if let Err(e) = self.prov.preflight(deadline) {
             return attempt.fail(rec, e, res);
         }
@@ -220,54 +227,6 @@ impl Attempt<'_> {
         };
         let why = rec.last_error.clone();
         res.report(&rec, Some(PowerState::Stopped), phase, why);
-    }
-}
-
-/// Publishes what a create is doing right now, on the row the VM would
-/// report anyway (creating, stopped, no error). `'static` and cheap to
-/// clone, so it can ride the image cache's progress callback.
-///
-/// A narrator of a pass past its deadline says nothing: the polite half of
-/// the guarantee. The load-bearing half is the publisher's generation
-/// check, since a deadline passing and a pass ending are not one instant.
-#[derive(Clone)]
-struct Narrator {
-    publisher: Option<Publisher>,
-    deadline: Deadline,
-    template: VmResult,
-}
-
-impl Narrator {
-    fn new(
-        publisher: Option<&Publisher>,
-        deadline: Deadline,
-        rec: &Record,
-        res: &VmResult,
-    ) -> Narrator {
-        let mut template = VmResult {
-            host_pubkey: res.host_pubkey.clone(),
-            ..VmResult::default()
-        };
-        template.report(rec, Some(PowerState::Stopped), Phase::Creating, "");
-        Narrator {
-            publisher: publisher.cloned(),
-            deadline,
-            template,
-        }
-    }
-
-    fn say(&self, detail: &str) {
-        let Some(publisher) = &self.publisher else {
-            return;
-        };
-        if self.deadline.expired() {
-            return;
-        }
-        let mut result = self.template.clone();
-        if let Some(row) = &mut result.row {
-            row.status_detail = detail.to_owned();
-        }
-        publisher.publish(result);
     }
 }
 

@@ -91,6 +91,56 @@ impl VmResult {
     }
 }
 
+/// Publishes what a pass is doing right now, on the row the VM would
+/// report anyway (for a create: creating, stopped, no error). `'static`
+/// and cheap to clone, so it can ride the image cache's progress callback.
+///
+/// A narrator of a pass past its deadline says nothing: the polite half of
+/// the guarantee. The load-bearing half is the publisher's generation
+/// check, since a deadline passing and a pass ending are not one instant.
+#[derive(Clone)]
+pub(crate) struct Narrator {
+    publisher: Option<Publisher>,
+    deadline: Deadline,
+    template: VmResult,
+}
+
+impl Narrator {
+    pub(crate) fn new(
+        publisher: Option<&Publisher>,
+        deadline: Deadline,
+        res: &VmResult,
+        rec: &Record,
+        power: PowerState,
+        phase: Phase,
+    ) -> Narrator {
+        let mut template = VmResult {
+            host_pubkey: res.host_pubkey.clone(),
+            ..VmResult::default()
+        };
+        template.report(rec, Some(power), phase, "");
+        Narrator {
+            publisher: publisher.cloned(),
+            deadline,
+            template,
+        }
+    }
+
+    pub(crate) fn say(&self, detail: &str) {
+        let Some(publisher) = &self.publisher else {
+            return;
+        };
+        if self.deadline.expired() {
+            return;
+        }
+        let mut result = self.template.clone();
+        if let Some(row) = &mut result.row {
+            row.status_detail = detail.to_owned();
+        }
+        publisher.publish(result);
+    }
+}
+
 /// How a pass ended.
 pub(crate) enum PassOutcome {
     Done(VmResult),
@@ -154,7 +204,7 @@ impl Core {
                     // written only after every side effect succeeded. A disk
                     // left by a create that died before boot is not one.
                     Some(rec) if !rec.boot_id.is_empty() => {
-                        self.converge(deadline, desired, (*rec).clone(), &mut res);
+                        self.converge(deadline, desired, (*rec).clone(), &mut res, publisher);
                     }
                     rec => self.create(deadline, desired, rec.as_deref(), &mut res, publisher),
                 }
