@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::pb;
-use crate::state::atomic::write_atomic;
+use crate::state::atomic::replace_unsynced;
 
 pub const REPORT_FILE: &str = "report.json";
 const FORMAT: u32 = 1;
@@ -67,9 +67,12 @@ impl ReportFile {
         self.tick_ms > 0 && age > Duration::from_millis(self.tick_ms.saturating_mul(3))
     }
 
+    /// Replaces `report.json` atomically for readers, unsynced: it is a
+    /// view of memory rewritten every tick, not state (see
+    /// [`replace_unsynced`]).
     pub fn write(&self, state_dir: &Path) -> std::io::Result<()> {
         let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        write_atomic(&state_dir.join(REPORT_FILE), &json)
+        replace_unsynced(&state_dir.join(REPORT_FILE), &json)
     }
 
     pub fn read(state_dir: &Path) -> Result<ReportFile, String> {

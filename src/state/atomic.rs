@@ -29,6 +29,25 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// [`write_atomic`] with the file's permission bits set from its creation,
 /// so a secret is never readable by others, not even for an instant.
 pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    replace(path, bytes, mode, Durability::Synced)
+}
+
+/// Replaces `path` atomically for its readers (steps 1 and 3 only), without
+/// the fsyncs that make it survive a power cut. Only for files that are not
+/// state: `report.json` is rewritten from memory at every tick, so after a
+/// power cut a stale, empty or missing one costs nothing, while two fsyncs
+/// per write would delay every report a VM's change triggers.
+pub fn replace_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    replace(path, bytes, 0o644, Durability::Unsynced)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    Synced,
+    Unsynced,
+}
+
+fn replace(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::Result<()> {
     let dir = path
         .parent()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "path has no directory"))?;
@@ -41,17 +60,20 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()>
         name.to_string_lossy(),
         std::process::id()
     ));
-    let result = write_synced(&temp, bytes, mode).and_then(|()| fs::rename(&temp, path));
+    let result = write_temp(&temp, bytes, mode, durability).and_then(|()| fs::rename(&temp, path));
     if let Err(e) = result {
         // Best effort: the temp file is garbage whether or not this works,
         // and loaders skip it either way.
         let _ = fs::remove_file(&temp);
         return Err(e);
     }
-    sync_dir(dir)
+    match durability {
+        Durability::Synced => sync_dir(dir),
+        Durability::Unsynced => Ok(()),
+    }
 }
 
-fn write_synced(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+fn write_temp(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = OpenOptions::new()
         .write(true)
@@ -59,7 +81,10 @@ fn write_synced(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
         .mode(mode)
         .open(path)?;
     file.write_all(bytes)?;
-    file.sync_all()
+    match durability {
+        Durability::Synced => file.sync_all(),
+        Durability::Unsynced => Ok(()),
+    }
 }
 
 /// fsyncs a directory so the entries created, renamed or removed in it are

@@ -30,7 +30,7 @@ mod preflight;
 mod process;
 mod spawn;
 mod stop;
-mod tap;
+pub mod tap;
 mod watch;
 
 use std::collections::HashMap;
