@@ -260,4 +260,24 @@ mod tests {
             "{text}"
         );
     }
+
+    #[test]
+    fn a_report_older_than_three_ticks_is_marked_stale() {
+        let file = ReportFile {
+            written_at_unix_ms: 1_000_000,
+            tick_ms: 5_000,
+            ..ReportFile::new(
+                pb::HostInfo::default(),
+                "desired file /d.json".into(),
+                "ok".into(),
+                pb::Report::default(),
+            )
+        };
+
+        let fresh = file.render(UNIX_EPOCH + Duration::from_millis(1_000_000 + 14_000));
+        let stale = file.render(UNIX_EPOCH + Duration::from_millis(1_000_000 + 16_000));
+
+        assert!(!fresh.contains("STALE"), "{fresh}");
+        assert!(stale.contains("STALE"), "{stale}");
+    }
 }
