@@ -14,7 +14,6 @@ use ed25519_dalek::SigningKey;
 
 use crate::base64;
 use crate::error::{BoxFailure, Simple};
-use crate::reconcile::seams::{HostKey, HostKeys};
 use crate::state::atomic::write_atomic_mode;
 
 const KEY_TYPE: &str = "ssh-ed25519";
@@ -22,11 +21,20 @@ const MAGIC: &[u8] = b"openssh-key-v1\0";
 const BEGIN: &str = "-----BEGIN OPENSSH PRIVATE KEY-----";
 const END: &str = "-----END OPENSSH PRIVATE KEY-----";
 
+/// A guest SSH host key: the public line is reported for certification, the
+/// private PEM goes into the seed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostKey {
+    pub public_line: String,
+    pub private_pem: String,
+}
+
 /// Host keys on the local disk, made from the kernel's random source.
 pub struct LocalHostKeys;
 
-impl HostKeys for LocalHostKeys {
-    fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
+impl LocalHostKeys {
+    /// The key stored at `path`, or a new one made and stored there.
+    pub fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
         match fs::read_to_string(path) {
             Ok(pem) => parse(&pem).ok_or_else(|| {
                 Simple::permanent(format!(

@@ -21,6 +21,7 @@ pub mod daemon;
 pub mod deadline;
 pub mod disk;
 pub mod error;
+pub mod hex;
 pub mod hostkey;
 pub mod image;
 pub mod logonce;

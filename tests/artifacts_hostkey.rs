@@ -3,7 +3,6 @@
 use std::os::unix::fs::PermissionsExt;
 
 use eitri_agent::hostkey::LocalHostKeys;
-use eitri_agent::reconcile::seams::HostKeys;
 
 fn ssh_keygen(args: &[&str], key: &std::path::Path) -> String {
     let out = eitri_agent::testkit::tools::tool("ssh-keygen")

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use eitri_agent::deadline::Deadline;
+use eitri_agent::image::Progress;
 use eitri_agent::image::{ImageCache, sha256_file};
-use eitri_agent::reconcile::seams::{Images, Progress};
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 use parking_lot::Mutex;
 

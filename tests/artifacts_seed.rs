@@ -3,8 +3,8 @@
 
 use std::path::Path;
 
-use eitri_agent::reconcile::seams::{SeedBuilder, SeedParams};
 use eitri_agent::seed::NoCloudSeed;
+use eitri_agent::seed::SeedParams;
 
 const SCRIPT: &str = "#!/bin/sh\r\necho 'tenant: \"quoted\" # not yaml'\r\nexit 0\n";
 

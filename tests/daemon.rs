@@ -16,12 +16,11 @@ use std::time::Duration;
 
 use common::{SETTLE, config};
 use crossbeam_channel::Sender;
-use eitri_agent::config::ControlPlane;
 use eitri_agent::daemon::{Clock, Contact, Daemon, Event, Exchange, Link, Parts};
 use eitri_agent::deadline::Deadline;
 use eitri_agent::pb;
 use eitri_agent::reconcile::{Engine, EngineConfig};
-use eitri_agent::source::{HttpSource, SnapshotLimits};
+use eitri_agent::source::{ControlPlane, HttpSource, SnapshotLimits};
 use eitri_agent::state::Store;
 use eitri_agent::status::ReportFile;
 use eitri_agent::testkit::control_plane::{Answer, FakeControlPlane};

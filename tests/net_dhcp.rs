@@ -6,10 +6,10 @@ use std::net::Ipv4Addr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use eitri_agent::model::Mac;
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::{Kind, build_frame};
 use eitri_agent::net::packet::PacketSocket;
-use eitri_agent::provision::mac::text as mac_text;
 use eitri_agent::testkit::net::{
     Namespaces, client_frame, ip, lease, private_network, script, udhcpc,
 };
@@ -38,7 +38,7 @@ impl Wire {
             "set",
             "eth0",
             "address",
-            &mac_text(guest_mac),
+            &Mac::from(guest_mac).to_string(),
         ]);
         ip(&["link", "set", &host, "up"]);
         ip(&["-n", &ns, "link", "set", "eth0", "up"]);
@@ -129,7 +129,13 @@ fn private_pair() -> PacketSocket {
     ip(&[
         "link", "add", "etfh", "type", "veth", "peer", "name", "etfc",
     ]);
-    ip(&["link", "set", "etfc", "address", &mac_text(GUEST_MAC)]);
+    ip(&[
+        "link",
+        "set",
+        "etfc",
+        "address",
+        &Mac::from(GUEST_MAC).to_string(),
+    ]);
     ip(&["link", "set", "etfh", "up"]);
     ip(&["link", "set", "etfc", "up"]);
     PacketSocket::open("etfc", Some(Duration::from_millis(100))).expect("client socket")

@@ -8,11 +8,15 @@ use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use eitri_agent::model::Id;
+use eitri_agent::model::{Id, Mac};
 use eitri_agent::net::host::HostNetwork;
 use eitri_agent::testkit::net::{ip, private_network, script, udhcpc, underlay_config};
 
 const SECOND_MAC: &str = "02:e1:00:00:00:77";
+
+fn second_mac() -> Mac {
+    Mac::parse(SECOND_MAC).expect("a MAC")
+}
 
 struct Cleanup {
     namespaces: Vec<String>,
@@ -100,7 +104,7 @@ fn the_address_the_site_grants_is_learned_and_survives_a_restart() {
     let vm = Id::parse("vm-1").expect("id");
     let network = host_network(&state);
     network
-        .plug_named(&vm, "site", "etsnp", SECOND_MAC)
+        .plug_named(&vm, "site", "etsnp", second_mac())
         .expect("plugged");
     let run = dir.path().join("script.sh");
     let granted = dir.path().join("granted");
@@ -124,16 +128,16 @@ fn the_address_the_site_grants_is_learned_and_survives_a_restart() {
         .parse()
         .expect("an address");
     let until = Instant::now() + Duration::from_secs(10);
-    while network.network_address(SECOND_MAC) != Some(granted) && Instant::now() < until {
+    while network.network_address(second_mac()) != Some(granted) && Instant::now() < until {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let learned = network.network_address(SECOND_MAC);
+    let learned = network.network_address(second_mac());
     drop(network);
     let restarted = host_network(&state);
 
     assert_eq!(learned, Some(granted));
     assert_eq!(
-        restarted.network_address(SECOND_MAC),
+        restarted.network_address(second_mac()),
         Some(granted),
         "remembered across a restart"
     );
@@ -151,7 +155,12 @@ fn an_unknown_host_network_is_a_permanent_error_naming_the_served_ones() {
     let network = host_network(dir.path());
 
     let err = network
-        .plug_named(&Id::parse("vm-1").expect("id"), "lab", "etnope", SECOND_MAC)
+        .plug_named(
+            &Id::parse("vm-1").expect("id"),
+            "lab",
+            "etnope",
+            second_mac(),
+        )
         .expect_err("unknown");
 
     assert!(err.is_permanent());

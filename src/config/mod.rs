@@ -11,7 +11,9 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::provision::GuestBoot;
 use crate::reconcile::{EngineConfig, HostCaps};
+use crate::source::ControlPlane;
 
 mod settings;
 
@@ -38,30 +40,6 @@ pub enum Command {
 pub enum DesiredSource {
     File(PathBuf),
     ControlPlane(ControlPlane),
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ControlPlane {
-    pub base_url: String,
-    pub token_file: Option<PathBuf>,
-    pub connect_timeout: Duration,
-    pub request_timeout: Duration,
-}
-
-/// How guests boot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GuestBoot {
-    /// `None` when guest networking is off.
-    pub underlay: Option<crate::net::underlay::UnderlayConfig>,
-    pub guest_dns: Vec<std::net::Ipv4Addr>,
-    /// Named host networks: name → site bridge.
-    pub host_networks: HashMap<String, String>,
-    pub hypervisor: PathBuf,
-    pub run_dir: PathBuf,
-    pub tap_prefix: String,
-    pub kernel: Option<PathBuf>,
-    pub firmware: Option<PathBuf>,
-    pub cmdline: String,
 }
 
 /// The daemon's validated settings.

@@ -132,7 +132,7 @@ fn stream(
                     break;
                 }
             }
-            hex(&hasher.finalize())
+            crate::hex::encode(&hasher.finalize())
         })
         .map_err(store_err)?;
     let mut done = 0u64;
@@ -198,10 +198,6 @@ fn stream(
     out.sync_data().map_err(store_err)
 }
 
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 /// The sha256 of a file, streamed: for checking and for benchmarks.
 pub fn sha256_file(path: &Path) -> io::Result<String> {
     let mut file = File::open(path)?;
@@ -209,7 +205,7 @@ pub fn sha256_file(path: &Path) -> io::Result<String> {
     let mut buf = vec![0u8; BLOCK];
     loop {
         match file.read(&mut buf)? {
-            0 => return Ok(hex(&hasher.finalize())),
+            0 => return Ok(crate::hex::encode(&hasher.finalize())),
             n => hasher.update(&buf[..n]),
         }
     }

@@ -29,7 +29,11 @@ pub use prune::{Pruned, prune};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
-use crate::reconcile::seams::{Images, Progress};
+
+/// Called as an image download advances: (bytes done, total when known).
+/// It may be called from a shared download thread after the pass that asked
+/// gave up; the engine's generation check makes such late calls harmless.
+pub type Progress = Arc<dyn Fn(u64, Option<u64>) + Send + Sync>;
 
 #[derive(Debug, Clone)]
 pub enum ImageError {
@@ -230,8 +234,12 @@ fn valid_digest(sha256: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-impl Images for ImageCache {
-    fn resolve(
+impl ImageCache {
+    /// The verified base image for `sha256`: the cached one, or downloaded
+    /// from `url` (one download per digest, however many VMs ask), within
+    /// `deadline`. A download outliving its deadline goes on and lands for
+    /// a later pass.
+    pub fn resolve(
         &self,
         url: &str,
         sha256: &str,

@@ -6,10 +6,12 @@
 //! a [`PowerState`] to be one of two values.
 
 mod id;
+mod mac;
 mod report;
 mod spec;
 
 pub use id::{Id, IdError, MAX_ID_LEN, quote};
+pub use mac::Mac;
 pub use report::{QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus};
 pub use spec::{
     DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,

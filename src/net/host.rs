@@ -17,7 +17,7 @@ use super::dhcp::{Lease, Responder};
 use super::snoop::{Learned, Snooper};
 use super::underlay::{Underlay, UnderlayConfig};
 use crate::error::{BoxFailure, Simple};
-use crate::model::Id;
+use crate::model::{Id, Mac};
 
 pub struct HostNetwork {
     underlay: Underlay,
@@ -55,14 +55,12 @@ impl HostNetwork {
     }
 
     /// Connects a VM's freshly opened tap: address, bridge port, responder.
-    pub fn plug(&self, vm_id: &Id, tap: &str, mac: &str) -> Result<Ipv4Addr, BoxFailure> {
-        let ip = self.addresses.allocate(vm_id, mac)?;
+    pub fn plug(&self, vm_id: &Id, tap: &str, mac: Mac) -> Result<Ipv4Addr, BoxFailure> {
+        let ip = self.addresses.allocate(vm_id, &mac.to_string())?;
         self.underlay.attach(tap)?;
         let subnet = self.underlay.subnet();
         let lease = Lease {
-            mac: crate::provision::mac::parse(mac).ok_or_else(|| -> BoxFailure {
-                Simple::permanent(format!("{mac:?} is not a MAC address")).into()
-            })?,
+            mac: mac.octets(),
             ip,
             netmask: subnet.netmask(),
             gateway: subnet.gateway(),
@@ -81,8 +79,8 @@ impl HostNetwork {
         self.responders.lock().contains_key(vm_id)
     }
 
-    pub fn address(&self, mac: &str) -> Option<Ipv4Addr> {
-        self.addresses.get(mac)
+    pub fn address(&self, mac: Mac) -> Option<Ipv4Addr> {
+        self.addresses.get(&mac.to_string())
     }
 
     /// Connects a VM's second tap to the named host network's bridge and
@@ -92,7 +90,7 @@ impl HostNetwork {
         vm_id: &Id,
         network: &str,
         tap: &str,
-        mac: &str,
+        mac: Mac,
     ) -> Result<(), BoxFailure> {
         let Some(bridge) = self.named.get(network) else {
             let mut served: Vec<&str> = self.named.keys().map(String::as_str).collect();
@@ -104,12 +102,10 @@ impl HostNetwork {
             .into());
         };
         super::underlay::join(tap, bridge)?;
-        let mac_bytes = crate::provision::mac::parse(mac).ok_or_else(|| -> BoxFailure {
-            Simple::permanent(format!("{mac:?} is not a MAC address")).into()
-        })?;
-        let snooper = Snooper::start(tap, mac_bytes, Arc::clone(&self.learned)).map_err(
-            |e| -> BoxFailure { Simple::transient(format!("cannot watch {tap}: {e}")).into() },
-        )?;
+        let snooper =
+            Snooper::start(tap, mac, Arc::clone(&self.learned)).map_err(|e| -> BoxFailure {
+                Simple::transient(format!("cannot watch {tap}: {e}")).into()
+            })?;
         self.snoopers.lock().insert(vm_id.clone(), snooper);
         Ok(())
     }
@@ -125,16 +121,16 @@ impl HostNetwork {
     }
 
     /// The address learned for a second NIC's MAC, while its lease lasts.
-    pub fn network_address(&self, mac: &str) -> Option<Ipv4Addr> {
-        self.learned.get(mac)
+    pub fn network_address(&self, mac: Mac) -> Option<Ipv4Addr> {
+        self.learned.get(&mac.to_string())
     }
 
     /// Disconnects a destroyed VM, frees its address and forgets what was
     /// learned of its second NIC.
-    pub fn release(&self, vm_id: &Id, mac: &str, second_mac: &str) -> Result<(), BoxFailure> {
+    pub fn release(&self, vm_id: &Id, mac: Mac, second_mac: Mac) -> Result<(), BoxFailure> {
         self.responders.lock().remove(vm_id);
         self.snoopers.lock().remove(vm_id);
-        self.learned.forget(second_mac);
-        self.addresses.release(mac).map_err(Into::into)
+        self.learned.forget(&second_mac.to_string());
+        self.addresses.release(&mac.to_string()).map_err(Into::into)
     }
 }

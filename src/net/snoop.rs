@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use super::dhcp::codec::{Frame, Kind, Message, option};
 use super::packet::PacketSocket;
+use crate::model::Mac;
 use crate::state::atomic::write_atomic;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -150,12 +151,12 @@ pub struct Snooper {
 }
 
 impl Snooper {
-    pub fn start(iface: &str, mac: [u8; 6], learned: Arc<Learned>) -> std::io::Result<Snooper> {
+    pub fn start(iface: &str, mac: Mac, learned: Arc<Learned>) -> std::io::Result<Snooper> {
+        let (key, mac) = (mac.to_string(), mac.octets());
         let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = Arc::clone(&stop);
-            let key = crate::provision::mac::text(mac);
             std::thread::Builder::new()
                 .name(format!("snoop-{iface}"))
                 .stack_size(128 * 1024)

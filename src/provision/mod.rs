@@ -13,9 +13,9 @@
 //! (a deadline error is never permanent: the engine refunds the attempt).
 
 pub mod cloudhv;
-pub mod mac;
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::deadline::Deadline;
@@ -76,10 +76,27 @@ pub trait Provisioner: Send + Sync {
     fn watch_exits(&self, _listener: ExitListener) {}
 }
 
+/// How guests boot on this host, and the network they join: built from
+/// the flags by `config`, used by the backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestBoot {
+    /// `None` when guest networking is off.
+    pub underlay: Option<crate::net::underlay::UnderlayConfig>,
+    pub guest_dns: Vec<std::net::Ipv4Addr>,
+    /// Named host networks: name → site bridge.
+    pub host_networks: HashMap<String, String>,
+    pub hypervisor: PathBuf,
+    pub run_dir: PathBuf,
+    pub tap_prefix: String,
+    pub kernel: Option<PathBuf>,
+    pub firmware: Option<PathBuf>,
+    pub cmdline: String,
+}
+
 /// The backend this host runs guests with: cloud-hypervisor on Linux.
 pub fn for_host(
     store: std::sync::Arc<crate::state::Store>,
-    guest: &crate::config::GuestBoot,
+    guest: &GuestBoot,
     network: Option<std::sync::Arc<crate::net::host::HostNetwork>>,
 ) -> std::sync::Arc<dyn Provisioner> {
     std::sync::Arc::new(cloudhv::CloudHypervisor::new(

@@ -26,8 +26,7 @@ use super::volumes;
 use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
-use crate::model::{DesiredVm, Phase, PowerState};
-use crate::provision::mac;
+use crate::model::{DesiredVm, Mac, Phase, PowerState};
 use crate::state::Record;
 
 impl Core {
@@ -158,11 +157,11 @@ impl Core {
                 .unwrap_or_default(),
             ssh_host_key_pem: host_key.map(|k| k.private_pem).unwrap_or_default(),
             ssh_host_cert: d.ssh_host_cert.clone(),
-            mac: mac::underlay(vm_id),
+            mac: Mac::underlay(vm_id).to_string(),
             network_mac: if d.spec.network.is_empty() {
                 String::new()
             } else {
-                mac::second_nic(vm_id)
+                Mac::second_nic(vm_id).to_string()
             },
         };
         if let Err(e) = self.seed.build(&self.store.seed_path(vm_id), &params) {

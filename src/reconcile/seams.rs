@@ -1,17 +1,21 @@
 //! What the engine needs from the rest of the agent, as traits so each can
 //! be a real implementation in the daemon and a fake in engine tests.
+//!
+//! The traits live here, with their consumer, and so do their
+//! implementations for the real parts: the image cache, the seed builder
+//! and the host-key store sit below the engine and know nothing of it.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::SystemTime;
 
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
-
-/// Called as an image download advances: (bytes done, total when known).
-/// It may be called from a shared download thread after the pass that asked
-/// gave up; the engine's generation check makes such late calls harmless.
-pub type Progress = Arc<dyn Fn(u64, Option<u64>) + Send + Sync>;
+pub use crate::hostkey::HostKey;
+use crate::hostkey::LocalHostKeys;
+use crate::image::ImageCache;
+pub use crate::image::Progress;
+use crate::seed::NoCloudSeed;
+pub use crate::seed::SeedParams;
 
 /// Resolves an image URL and digest to a verified local base image,
 /// fetching it when needed.
@@ -25,38 +29,9 @@ pub trait Images: Send + Sync {
     ) -> Result<PathBuf, BoxFailure>;
 }
 
-/// What the cloud-init seed of one VM holds.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SeedParams {
-    pub hostname: String,
-    /// Stable forever (the VM id), so cloud-init never regenerates host keys.
-    pub instance_id: String,
-    pub ssh_authorized_key: String,
-    /// Tenant user-data, byte for byte.
-    pub user_data: String,
-    /// The tenant user-CA keys as TrustedUserCAKeys content, one per line.
-    pub ssh_user_ca_keys: String,
-    pub ssh_host_key_pem: String,
-    /// The host key's public line, when there is a host key.
-    pub ssh_host_key_public: String,
-    pub ssh_host_cert: String,
-    /// MAC of the underlay NIC.
-    pub mac: String,
-    /// MAC of the second NIC; empty when the VM has none.
-    pub network_mac: String,
-}
-
 /// Builds the cloud-init NoCloud seed image at a path, atomically.
 pub trait SeedBuilder: Send + Sync {
     fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure>;
-}
-
-/// A guest SSH host key: the public line is reported for certification, the
-/// private PEM goes into the seed.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HostKey {
-    pub public_line: String,
-    pub private_pem: String,
 }
 
 /// Loads the host key stored at a path, creating and persisting one when
@@ -97,5 +72,29 @@ impl HostFacts for SystemHost {
 
     fn now(&self) -> SystemTime {
         SystemTime::now()
+    }
+}
+
+impl Images for ImageCache {
+    fn resolve(
+        &self,
+        url: &str,
+        sha256: &str,
+        deadline: Deadline,
+        progress: Progress,
+    ) -> Result<PathBuf, BoxFailure> {
+        ImageCache::resolve(self, url, sha256, deadline, progress)
+    }
+}
+
+impl SeedBuilder for NoCloudSeed {
+    fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+        NoCloudSeed::build(self, out, params)
+    }
+}
+
+impl HostKeys for LocalHostKeys {
+    fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
+        LocalHostKeys::load_or_create(self, path)
     }
 }

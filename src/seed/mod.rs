@@ -30,16 +30,37 @@ use serde_json::{Map, Value, json};
 
 use crate::error::{BoxFailure, Simple};
 use crate::model::is_hostname;
-use crate::reconcile::seams::{SeedBuilder, SeedParams};
 use crate::state::atomic::write_atomic_mode;
 
 pub const VOLUME_ID: &str = "cidata";
 
+/// What the cloud-init seed of one VM holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SeedParams {
+    pub hostname: String,
+    /// Stable forever (the VM id), so cloud-init never regenerates host keys.
+    pub instance_id: String,
+    pub ssh_authorized_key: String,
+    /// Tenant user-data, byte for byte.
+    pub user_data: String,
+    /// The tenant user-CA keys as TrustedUserCAKeys content, one per line.
+    pub ssh_user_ca_keys: String,
+    pub ssh_host_key_pem: String,
+    /// The host key's public line, when there is a host key.
+    pub ssh_host_key_public: String,
+    pub ssh_host_cert: String,
+    /// MAC of the underlay NIC.
+    pub mac: String,
+    /// MAC of the second NIC; empty when the VM has none.
+    pub network_mac: String,
+}
+
 /// Builds NoCloud seed images on the local disk.
 pub struct NoCloudSeed;
 
-impl SeedBuilder for NoCloudSeed {
-    fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+impl NoCloudSeed {
+    /// Builds the seed image for `params` at `out`, atomically.
+    pub fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
         check(params)?;
         let meta = meta_data(params);
         let vendor = vendor_data(params);

@@ -18,12 +18,22 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use prost::Message;
 
 use super::{Desired, SnapshotLimits, Source, SourceError};
-use crate::config::ControlPlane;
 use crate::pb;
+
+/// Where the control plane is and how to talk to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlPlane {
+    pub base_url: String,
+    pub token_file: Option<PathBuf>,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+}
 
 pub struct HttpSource {
     agent: ureq::Agent,

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use crossbeam_channel::Sender;
 
 pub use file::FileSource;
-pub use http::{HttpSource, check_token_mode};
+pub use http::{ControlPlane, HttpSource, check_token_mode};
 #[cfg(target_os = "linux")]
 pub use watch::Watcher;
 

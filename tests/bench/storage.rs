@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::{ImageCache, sha256_file};
-use eitri_agent::reconcile::seams::Images;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

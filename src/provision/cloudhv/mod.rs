@@ -48,10 +48,10 @@ use sha2::{Digest, Sha256};
 
 use self::process::Tracked;
 use self::watch::{ExitWatch, Listener};
-use super::{ExitListener, Provisioner, mac};
+use super::{ExitListener, Provisioner};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Simple};
-use crate::model::{Id, VmSpec};
+use crate::model::{Id, Mac, VmSpec};
 use crate::state::Store;
 
 /// The oldest cloud-hypervisor this backend drives.
@@ -173,14 +173,14 @@ impl CloudHypervisor {
                 continue;
             };
             let mut plugged = network
-                .plug(vm_id, &self.tap_name(vm_id), &mac::underlay(vm_id))
+                .plug(vm_id, &self.tap_name(vm_id), Mac::underlay(vm_id))
                 .map(drop);
             if plugged.is_ok() && !rec.spec.network.is_empty() {
                 plugged = network.plug_named(
                     vm_id,
                     &rec.spec.network,
                     &self.site_tap_name(vm_id),
-                    &mac::second_nic(vm_id),
+                    Mac::second_nic(vm_id),
                 );
             }
             match plugged {
@@ -196,7 +196,7 @@ impl CloudHypervisor {
             .chain_update([0])
             .chain_update(vm_id.as_str())
             .finalize();
-        d.iter().map(|b| format!("{b:02x}")).collect()
+        crate::hex::encode(&d)
     }
 
     pub fn socket_path(&self, vm_id: &Id) -> PathBuf {
@@ -341,7 +341,7 @@ impl Provisioner for CloudHypervisor {
         }
         self.exits.lock().remove(vm_id);
         if let Some(network) = &self.cfg.network {
-            network.release(vm_id, &mac::underlay(vm_id), &mac::second_nic(vm_id))?;
+            network.release(vm_id, Mac::underlay(vm_id), Mac::second_nic(vm_id))?;
         }
         Ok(())
     }
@@ -363,7 +363,7 @@ impl Provisioner for CloudHypervisor {
         self.cfg
             .network
             .as_ref()
-            .and_then(|n| n.address(&mac::underlay(vm_id)))
+            .and_then(|n| n.address(Mac::underlay(vm_id)))
             .map(|ip| ip.to_string())
             .unwrap_or_default()
     }
@@ -372,7 +372,7 @@ impl Provisioner for CloudHypervisor {
         self.cfg
             .network
             .as_ref()
-            .and_then(|n| n.network_address(&mac::second_nic(vm_id)))
+            .and_then(|n| n.network_address(Mac::second_nic(vm_id)))
             .map(|ip| ip.to_string())
             .unwrap_or_default()
     }

@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use super::process::Tracked;
-use super::{CloudHypervisor, api, describe, mac, tap};
+use super::{CloudHypervisor, api, describe, tap};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Simple};
-use crate::model::{Id, VmSpec};
+use crate::model::{Id, Mac, VmSpec};
 use crate::provision::Provisioner;
 
 impl CloudHypervisor {
@@ -33,7 +33,7 @@ impl CloudHypervisor {
         let tap =
             tap::open(&tap_name).map_err(|e| transient(&format!("open its tap {tap_name}"), e))?;
         if let Some(network) = &self.cfg.network {
-            let ip = network.plug(vm_id, &tap_name, &mac::underlay(vm_id))?;
+            let ip = network.plug(vm_id, &tap_name, Mac::underlay(vm_id))?;
             log::info!("VM {vm_id}: {ip} on its tap {tap_name}");
         }
         // The second NIC, on a named host network: its own tap, joined to
@@ -55,7 +55,7 @@ impl CloudHypervisor {
             };
             let name = self.site_tap_name(vm_id);
             let fd = tap::open(&name).map_err(|e| transient(&format!("open its tap {name}"), e))?;
-            network.plug_named(vm_id, &spec.network, &name, &mac::second_nic(vm_id))?;
+            network.plug_named(vm_id, &spec.network, &name, Mac::second_nic(vm_id))?;
             Some(fd)
         };
         let log_path = self.store.hypervisor_log_path(vm_id);
@@ -95,9 +95,9 @@ impl CloudHypervisor {
             cmd.arg(format!("path={}", self.store.volume_path(volume).display()));
         }
         cmd.arg("--net")
-            .arg(format!("fd=3,mac={}", mac::underlay(vm_id)));
+            .arg(format!("fd=3,mac={}", Mac::underlay(vm_id)));
         if site_tap.is_some() {
-            cmd.arg(format!("fd=4,mac={}", mac::second_nic(vm_id)));
+            cmd.arg(format!("fd=4,mac={}", Mac::second_nic(vm_id)));
         }
         cmd.arg("--serial")
             .arg(format!(

@@ -1,0 +1,183 @@
+//! The import layers DESIGN.md draws, checked over the source: a module
+//! imports only from its own layer or below, and modules of one layer never
+//! import each other in a circle. A new module must be given a layer here.
+//!
+//! Layers, lowest first:
+//! 0. model and the small pieces everything shares (errors, deadlines, hex,
+//!    log-once, wake-ups, versions)
+//! 1. state, pb
+//! 2. provision, net, image, seed, disk, hostkey
+//! 3. reconcile
+//! 4. source, config, status
+//! 5. daemon
+//! 6. testkit (fakes of everything, for tests) and the binary
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+const LAYERS: &[(&str, u8)] = &[
+    ("model", 0),
+    ("base64", 0),
+    ("deadline", 0),
+    ("error", 0),
+    ("hex", 0),
+    ("logonce", 0),
+    ("version", 0),
+    ("wakeup", 0),
+    ("state", 1),
+    ("pb", 1),
+    ("provision", 2),
+    ("net", 2),
+    ("image", 2),
+    ("seed", 2),
+    ("disk", 2),
+    ("hostkey", 2),
+    ("reconcile", 3),
+    ("source", 4),
+    ("config", 4),
+    ("status", 4),
+    ("daemon", 5),
+    ("testkit", 6),
+    ("main", 6),
+];
+
+/// Every `crate::x` (or `eitri_agent::x`, from the binary) a source file
+/// names, outside comments.
+fn imports(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        let code = line.split("//").next().unwrap_or("");
+        for prefix in ["crate::", "eitri_agent::"] {
+            for (at, _) in code.match_indices(prefix) {
+                let rest = &code[at + prefix.len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                if !name.is_empty() {
+                    out.insert(name);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What a layering breaks: imports upward, and circles within a layer.
+fn violations(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    let layer = |m: &str| LAYERS.iter().find(|(n, _)| *n == m).map(|(_, l)| *l);
+    let mut out = Vec::new();
+    for (from, targets) in edges {
+        let Some(lf) = layer(from) else {
+            out.push(format!(
+                "{from} has no layer: give it one in tests/layers.rs"
+            ));
+            continue;
+        };
+        for to in targets {
+            match layer(to) {
+                None => out.push(format!("{to} has no layer: give it one in tests/layers.rs")),
+                Some(lt) if lt > lf => {
+                    out.push(format!("{from} (layer {lf}) imports {to} (layer {lt})"))
+                }
+                _ => {}
+            }
+        }
+    }
+    // A circle: a module that reaches itself through other modules.
+    for start in edges.keys() {
+        let mut seen = BTreeSet::new();
+        let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
+        while let Some((at, path)) = stack.pop() {
+            for next in edges.get(&at).into_iter().flatten() {
+                if next == start {
+                    let mut circle = path.clone();
+                    circle.push(start.clone());
+                    // Reported once, from its smallest member.
+                    if path.iter().all(|m| m >= start) {
+                        out.push(format!("import circle: {}", circle.join(" -> ")));
+                    }
+                } else if seen.insert(next.clone()) {
+                    let mut longer = path.clone();
+                    longer.push(next.clone());
+                    stack.push((next.clone(), longer));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn module_edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut stack = vec![src.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("read src").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let relative = path.strip_prefix(src).expect("under src");
+            let first = relative
+                .components()
+                .next()
+                .and_then(|c| c.as_os_str().to_str())
+                .unwrap_or_default();
+            let module = first.trim_end_matches(".rs").to_owned();
+            if module == "lib" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("read source");
+            let targets = edges.entry(module.clone()).or_default();
+            targets.extend(imports(&text).into_iter().filter(|t| *t != module));
+        }
+    }
+    edges
+}
+
+#[test]
+fn no_module_imports_upward_or_in_a_circle() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+
+    let found = violations(&module_edges(&src));
+
+    assert!(found.is_empty(), "layering broken:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_check_catches_an_upward_import_and_a_circle() {
+    let edges: BTreeMap<String, BTreeSet<String>> = [
+        ("provision", &["config"][..]),
+        ("net", &["image"][..]),
+        ("image", &["net"][..]),
+    ]
+    .into_iter()
+    .map(|(m, ts)| (m.to_owned(), ts.iter().map(|t| t.to_string()).collect()))
+    .collect();
+
+    let found = violations(&edges);
+
+    assert!(
+        found.contains(&"provision (layer 2) imports config (layer 4)".to_owned()),
+        "{found:?}"
+    );
+    assert!(
+        found.contains(&"import circle: image -> net -> image".to_owned()),
+        "{found:?}"
+    );
+}
+
+#[test]
+fn imports_are_read_from_code_not_comments() {
+    let text =
+        "use crate::model::Id;\n// see crate::daemon for why\nlet x = crate::hex::encode(b);";
+
+    assert_eq!(
+        imports(text),
+        ["hex".to_owned(), "model".to_owned()].into_iter().collect()
+    );
+}
