@@ -16,8 +16,66 @@ use super::addresses::{AddressError, Addresses};
 use super::dhcp::{Lease, Responder};
 use super::snoop::{Learned, Snooper};
 use super::underlay::{Underlay, UnderlayConfig};
-use crate::error::{BoxFailure, Simple};
+use crate::error::{BoxFailure, Failure};
 use crate::model::{Id, Mac};
+
+/// What can go wrong plugging a VM into the host's networks, beyond the
+/// address map (`AddressError`) and the underlay's commands (`NetError`).
+#[derive(Debug)]
+pub enum HostNetError {
+    Responder {
+        tap: String,
+        source: std::io::Error,
+    },
+    Snoop {
+        tap: String,
+        source: std::io::Error,
+    },
+    /// The spec's second NIC names a network this host does not serve.
+    NotServed {
+        network: String,
+        served: Vec<String>,
+    },
+}
+
+impl std::fmt::Display for HostNetError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostNetError::Responder { tap, .. } => {
+                write!(f, "cannot start the DHCP responder on {tap}")
+            }
+            HostNetError::Snoop { tap, .. } => write!(f, "cannot watch {tap}"),
+            HostNetError::NotServed { network, served } => write!(
+                f,
+                "host network {network:?} is not served on this host (served: {}); add it with --host-network {network}=BRIDGE",
+                if served.is_empty() {
+                    "none".to_owned()
+                } else {
+                    served.join(", ")
+                }
+            ),
+        }
+    }
+}
+
+impl std::error::Error for HostNetError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            HostNetError::Responder { source, .. } | HostNetError::Snoop { source, .. } => {
+                Some(source)
+            }
+            HostNetError::NotServed { .. } => None,
+        }
+    }
+}
+
+impl Failure for HostNetError {
+    /// A network this host does not serve stays unserved; the rest is a
+    /// moment's trouble.
+    fn is_permanent(&self) -> bool {
+        matches!(self, HostNetError::NotServed { .. })
+    }
+}
 
 pub struct HostNetwork {
     underlay: Underlay,
@@ -67,8 +125,9 @@ impl HostNetwork {
             dns: self.dns.clone(),
             lease_secs: self.lease_secs,
         };
-        let responder = Responder::start(tap, lease).map_err(|e| -> BoxFailure {
-            Simple::transient(format!("cannot start the DHCP responder on {tap}: {e}")).into()
+        let responder = Responder::start(tap, lease).map_err(|source| HostNetError::Responder {
+            tap: tap.to_owned(),
+            source,
         })?;
         self.responders.lock().insert(vm_id.clone(), responder);
         Ok(ip)
@@ -93,19 +152,21 @@ impl HostNetwork {
         mac: Mac,
     ) -> Result<(), BoxFailure> {
         let Some(bridge) = self.named.get(network) else {
-            let mut served: Vec<&str> = self.named.keys().map(String::as_str).collect();
+            let mut served: Vec<String> = self.named.keys().cloned().collect();
             served.sort_unstable();
-            return Err(Simple::permanent(format!(
-                "host network {network:?} is not served on this host (served: {}); add it with --host-network {network}=BRIDGE",
-                if served.is_empty() { "none".to_owned() } else { served.join(", ") }
-            ))
+            return Err(HostNetError::NotServed {
+                network: network.to_owned(),
+                served,
+            }
             .into());
         };
         super::underlay::join(tap, bridge)?;
-        let snooper =
-            Snooper::start(tap, mac, Arc::clone(&self.learned)).map_err(|e| -> BoxFailure {
-                Simple::transient(format!("cannot watch {tap}: {e}")).into()
-            })?;
+        let snooper = Snooper::start(tap, mac, Arc::clone(&self.learned)).map_err(|source| {
+            HostNetError::Snoop {
+                tap: tap.to_owned(),
+                source,
+            }
+        })?;
         self.snoopers.lock().insert(vm_id.clone(), snooper);
         Ok(())
     }

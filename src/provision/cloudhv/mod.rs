@@ -26,6 +26,8 @@
 //! crashed is booted again at once, not at the next tick.
 
 mod api;
+pub mod argv;
+mod error;
 mod preflight;
 mod process;
 mod spawn;
@@ -46,11 +48,12 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use sha2::{Digest, Sha256};
 
+pub use self::error::CloudHvError;
 use self::process::Tracked;
 use self::watch::{ExitWatch, Listener};
 use super::{ExitListener, Provisioner};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, Simple};
+use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
 use crate::state::Store;
 
@@ -274,17 +277,18 @@ impl Provisioner for CloudHypervisor {
         base: &Path,
         deadline: Deadline,
     ) -> Result<(), BoxFailure> {
-        if self.alive(&spec.vm_id).is_some() {
-            // A create retried after its record save failed must not clone
-            // over the disk of a guest that is running on it.
-            return Err(Simple::transient(format!(
-                "VM {}: refusing to replace the root disk of a running hypervisor",
-                spec.vm_id
-            ))
+        let vm_id = &spec.vm_id;
+        if self.alive(vm_id).is_some() {
+            return Err(CloudHvError::DiskInUse {
+                vm_id: vm_id.clone(),
+            }
             .into());
         }
-        fs::create_dir_all(self.store.vm_dir(&spec.vm_id)).map_err(|e| -> BoxFailure {
-            Simple::transient(format!("cannot create the VM directory: {e}")).into()
+        let dir = self.store.vm_dir(vm_id);
+        fs::create_dir_all(&dir).map_err(|source| CloudHvError::VmDir {
+            vm_id: vm_id.clone(),
+            path: dir,
+            source,
         })?;
         crate::disk::prepare(
             base,
@@ -319,9 +323,14 @@ impl Provisioner for CloudHypervisor {
                 std::thread::sleep(Duration::from_millis(5));
             }
             if tap::exists(&tap)
-                && let Err(e) = tap::remove(&tap)
+                && let Err(source) = tap::remove(&tap)
             {
-                return Err(Simple::transient(format!("cannot remove tap {tap}: {e}")).into());
+                return Err(CloudHvError::RemoveTap {
+                    vm_id: vm_id.clone(),
+                    tap,
+                    source,
+                }
+                .into());
             }
         }
         let socket = self.socket_path(vm_id);
@@ -330,11 +339,12 @@ impl Provisioner for CloudHypervisor {
             match fs::remove_file(&path) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(Simple::transient(format!(
-                        "cannot remove {}: {e}",
-                        path.display()
-                    ))
+                Err(source) => {
+                    return Err(CloudHvError::RemoveFile {
+                        vm_id: vm_id.clone(),
+                        path,
+                        source,
+                    }
                     .into());
                 }
             }

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{CloudHypervisor, MIN_VERSION};
-use crate::error::{BoxFailure, Simple};
+use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
+use crate::error::BoxFailure;
 
 impl CloudHypervisor {
     pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
@@ -27,44 +27,32 @@ impl CloudHypervisor {
             p.metadata()
                 .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
         }) else {
-            return permanent(format!(
-                "the hypervisor {} is not an executable file; install cloud-hypervisor v{MIN_VERSION} or later, or point --hypervisor at it",
-                hv.display()
-            ));
+            return Err(CloudHvError::NotExecutable { path: hv.clone() }.into());
         };
         match self.version().map(|line| (major_version(&line), line)) {
             Ok((Some(major), _)) if major >= MIN_VERSION => {}
-            Ok((_, line)) => {
-                return permanent(format!(
-                    "{} reports version {line:?}; this agent needs cloud-hypervisor v{MIN_VERSION} or later",
-                    path.display()
-                ));
-            }
-            Err(e) => {
-                return Err(Simple::transient(format!(
-                    "cannot ask {} its version: {e}",
-                    path.display()
-                ))
+            Ok((_, banner)) => {
+                return Err(CloudHvError::TooOld {
+                    path,
+                    banner,
+                    min: MIN_VERSION,
+                }
                 .into());
             }
+            Err(problem) => return Err(CloudHvError::Version { path, problem }.into()),
         }
-        if let Err(e) = OpenOptions::new().read(true).write(true).open("/dev/kvm") {
-            return permanent(format!(
-                "cannot open /dev/kvm read-write ({e}); load kvm_intel or kvm_amd and give the agent access to it"
-            ));
+        if let Err(source) = OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+            return Err(CloudHvError::Kvm { source }.into());
         }
         if !Path::new("/dev/net/tun").exists() {
-            return permanent("/dev/net/tun is missing; load the tun module (modprobe tun)".into());
+            return Err(CloudHvError::NoTun.into());
         }
         match (&self.cfg.kernel, &self.cfg.firmware) {
             (Some(p), _) | (None, Some(p)) if p.is_file() => Ok(()),
-            (Some(p), _) | (None, Some(p)) => permanent(format!(
-                "the guest boot file {} does not exist; fix --kernel or --firmware",
-                p.display()
-            )),
-            (None, None) => permanent(
-                "no guest kernel or firmware is configured; give --kernel or --firmware".into(),
-            ),
+            (Some(p), _) | (None, Some(p)) => {
+                Err(CloudHvError::BootFileMissing { path: p.clone() }.into())
+            }
+            (None, None) => Err(CloudHvError::NoBootFile.into()),
         }
     }
 
@@ -101,10 +89,6 @@ impl CloudHypervisor {
 fn major_version(line: &str) -> Option<u32> {
     let v = line.split_whitespace().find(|w| w.starts_with('v'))?;
     v[1..].split(['.', '-']).next()?.parse().ok()
-}
-
-fn permanent(msg: String) -> Result<(), BoxFailure> {
-    Err(Simple::permanent(msg).into())
 }
 
 #[cfg(test)]

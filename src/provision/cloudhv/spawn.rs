@@ -1,167 +1,228 @@
-//! Starting a VMM: its taps and network, the fork (own session, fd 3 and
-//! 4 the taps, output to its log), the pidfile and reaper, and the wait
-//! for its API to say Running.
+//! Starting a VMM, in order:
+//! 1. Its directory, and no stale API socket.
+//! 2. Its NICs: taps opened on /dev/net/tun (not persistent: a tap lives
+//!    exactly as long as a process holds it) and joined to the host's
+//!    networks.
+//! 3. Its command line, from [`argv`] (pure).
+//! 4. The fork: own session, stdin /dev/null, output appended to its log,
+//!    the taps moved onto fds 3, 4, … and nothing else inherited (every fd
+//!    the agent opens is close-on-exec).
+//! 5. Its pidfile (pid and start time, atomically) and its reaper thread.
+//! 6. The wait for its API to say Running (see [`CloudHypervisor::await_running`]).
 
 use std::fs::{self, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
+use super::argv::{GuestImage, Nic, VmFiles, argv};
+use super::error::CloudHvError;
 use super::process::Tracked;
 use super::{CloudHypervisor, api, describe, tap};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, DeadlineExpired, Simple};
+use crate::error::{BoxFailure, DeadlineExpired};
 use crate::model::{Id, Mac, VmSpec};
 use crate::provision::Provisioner;
 
+/// The VMM's first NIC is this fd, the second the next one.
+const FIRST_NIC_FD: i32 = 3;
+/// A VM has an underlay NIC and at most one on a named host network.
+const MAX_NICS: usize = 2;
+
+/// In the forked child: puts `fds[i]` on `first + i`, whatever numbers they
+/// have now. Each is first copied above every target (an fd already sitting
+/// on a target, say the site tap on 3 when fd 3 happened to be free, would
+/// otherwise be overwritten by the first dup2), close-on-exec so the copies
+/// vanish at exec; then dup2 puts each in place, which clears
+/// close-on-exec on the target.
+fn place_fds(fds: &[i32], first: i32) -> std::io::Result<()> {
+    let above = first + fds.len() as i32;
+    let mut high = [-1; MAX_NICS];
+    for (copy, fd) in high.iter_mut().zip(fds) {
+        // SAFETY: F_DUPFD_CLOEXEC on an fd this process holds open; it
+        // returns a new fd or -1 and touches no memory.
+        *copy = unsafe { nix::libc::fcntl(*fd, nix::libc::F_DUPFD_CLOEXEC, above) };
+        if *copy < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    for (i, copy) in high.iter().take(fds.len()).enumerate() {
+        // SAFETY: dup2 between two fds of this process; it touches no memory.
+        if unsafe { nix::libc::dup2(*copy, first + i as i32) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 impl CloudHypervisor {
+    /// Starts the VM's VMM (see the module steps) and returns it, tracked.
     pub(super) fn spawn(&self, spec: &VmSpec) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
-        let transient = |what: &str, e: std::io::Error| -> BoxFailure {
-            Simple::transient(format!("VM {vm_id}: cannot {what}: {e}")).into()
-        };
-        fs::create_dir_all(self.store.vm_dir(vm_id))
-            .map_err(|e| transient("create its directory", e))?;
-        let socket = self.socket_path(vm_id);
-        let _ = fs::remove_file(&socket);
-        let tap_name = self.tap_name(vm_id);
-        let tap =
-            tap::open(&tap_name).map_err(|e| transient(&format!("open its tap {tap_name}"), e))?;
-        if let Some(network) = &self.cfg.network {
-            let ip = network.plug(vm_id, &tap_name, Mac::underlay(vm_id))?;
-            log::info!("VM {vm_id}: {ip} on its tap {tap_name}");
+        let dir = self.store.vm_dir(vm_id);
+        fs::create_dir_all(&dir).map_err(|source| CloudHvError::VmDir {
+            vm_id: vm_id.clone(),
+            path: dir,
+            source,
+        })?;
+        let files = self.files(spec);
+        // A stale socket of a VMM that died: the new one binds its own.
+        let _ = fs::remove_file(&files.api_socket);
+        let taps = self.prepare_nics(spec)?;
+        let nics: Vec<Nic> = taps
+            .iter()
+            .enumerate()
+            .map(|(i, (_, mac))| Nic {
+                fd: FIRST_NIC_FD + i as i32,
+                mac: *mac,
+            })
+            .collect();
+        let args = argv(self.guest_image(), &files, &nics, spec.vcpus, spec.mem_mb);
+        let child = self.fork(vm_id, &args, &taps, &files.log)?;
+        // The VMM holds the taps now; the agent's copies must not keep them
+        // alive after it exits.
+        drop(taps);
+        self.track(vm_id, child)
+    }
+
+    /// Where the VM's files are, as its command line names them.
+    fn files(&self, spec: &VmSpec) -> VmFiles {
+        let vm_id = &spec.vm_id;
+        VmFiles {
+            api_socket: self.socket_path(vm_id),
+            root_disk: self.store.root_disk_path(vm_id),
+            seed: self.store.seed_path(vm_id),
+            volumes: spec
+                .volume_ids
+                .iter()
+                .map(|v| self.store.volume_path(v))
+                .collect(),
+            serial_log: self.store.serial_log_path(vm_id),
+            log: self.store.hypervisor_log_path(vm_id),
         }
-        // The second NIC, on a named host network: its own tap, joined to
-        // the site's bridge, its address learned from the site's DHCP.
-        let site_tap = if spec.network.is_empty() {
-            None
-        } else {
+    }
+
+    fn guest_image(&self) -> Option<GuestImage<'_>> {
+        match (&self.cfg.kernel, &self.cfg.firmware) {
+            (Some(kernel), _) => Some(GuestImage::Kernel {
+                kernel,
+                cmdline: &self.cfg.cmdline,
+            }),
+            (None, Some(firmware)) => Some(GuestImage::Firmware(firmware)),
+            (None, None) => None,
+        }
+    }
+
+    /// Opens the VM's taps and joins them to the host's networks: the
+    /// underlay NIC always; a second NIC on the named host network the spec
+    /// asks for, its address learned from the site's own DHCP.
+    fn prepare_nics(&self, spec: &VmSpec) -> Result<Vec<(OwnedFd, Mac)>, BoxFailure> {
+        let vm_id = &spec.vm_id;
+        let open = |name: String| {
+            tap::open(&name).map_err(|source| CloudHvError::OpenTap {
+                vm_id: vm_id.clone(),
+                tap: name,
+                source,
+            })
+        };
+        let mut taps = Vec::with_capacity(2);
+        let name = self.tap_name(vm_id);
+        let mac = Mac::underlay(vm_id);
+        taps.push((open(name.clone())?, mac));
+        if let Some(network) = &self.cfg.network {
+            let ip = network.plug(vm_id, &name, mac)?;
+            log::info!("VM {vm_id}: {ip} on its tap {name}");
+        }
+        if !spec.network.is_empty() {
             let Some(network) = self
                 .cfg
                 .network
                 .as_ref()
                 .filter(|n| n.serves(&spec.network))
             else {
-                return Err(Simple::permanent(format!(
-                    "host network {:?} is not served on this host; add it with --host-network {}=BRIDGE",
-                    spec.network, spec.network
-                ))
+                return Err(CloudHvError::NetworkNotServed {
+                    vm_id: vm_id.clone(),
+                    network: spec.network.clone(),
+                }
                 .into());
             };
             let name = self.site_tap_name(vm_id);
-            let fd = tap::open(&name).map_err(|e| transient(&format!("open its tap {name}"), e))?;
-            network.plug_named(vm_id, &spec.network, &name, Mac::second_nic(vm_id))?;
-            Some(fd)
+            let mac = Mac::second_nic(vm_id);
+            taps.push((open(name.clone())?, mac));
+            network.plug_named(vm_id, &spec.network, &name, mac)?;
+        }
+        Ok(taps)
+    }
+
+    /// Forks the VMM: in its own session (signals to the agent's group never
+    /// reach it, and it outlives the agent), stdin from /dev/null, output
+    /// appended to its log, and its taps as fds 3, 4, … in NIC order.
+    fn fork(
+        &self,
+        vm_id: &Id,
+        args: &[std::ffi::OsString],
+        taps: &[(OwnedFd, Mac)],
+        log_path: &std::path::Path,
+    ) -> Result<Child, BoxFailure> {
+        let open_log = |source| CloudHvError::OpenLog {
+            vm_id: vm_id.clone(),
+            path: log_path.to_path_buf(),
+            source,
         };
-        let log_path = self.store.hypervisor_log_path(vm_id);
         let log = OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
-            .open(&log_path)
-            .map_err(|e| transient("open its log", e))?;
-        let log2 = log.try_clone().map_err(|e| transient("open its log", e))?;
-
+            .open(log_path)
+            .map_err(open_log)?;
+        let log2 = log.try_clone().map_err(open_log)?;
+        let mut fds = [-1; MAX_NICS];
+        for (slot, (tap, _)) in fds.iter_mut().zip(taps) {
+            *slot = tap.as_raw_fd();
+        }
+        let count = taps.len().min(MAX_NICS);
         let mut cmd = Command::new(&self.cfg.hypervisor);
-        cmd.arg("--api-socket")
-            .arg(format!("path={}", socket.display()));
-        match (&self.cfg.kernel, &self.cfg.firmware) {
-            (Some(kernel), _) => {
-                cmd.arg("--kernel")
-                    .arg(kernel)
-                    .arg("--cmdline")
-                    .arg(&self.cfg.cmdline);
-            }
-            (None, Some(firmware)) => {
-                cmd.arg("--firmware").arg(firmware);
-            }
-            (None, None) => {}
-        }
-        cmd.arg("--disk")
-            .arg(format!(
-                "path={}",
-                self.store.root_disk_path(vm_id).display()
-            ))
-            .arg(format!(
-                "path={},readonly=on",
-                self.store.seed_path(vm_id).display()
-            ));
-        for volume in &spec.volume_ids {
-            cmd.arg(format!("path={}", self.store.volume_path(volume).display()));
-        }
-        cmd.arg("--net")
-            .arg(format!("fd=3,mac={}", Mac::underlay(vm_id)));
-        if site_tap.is_some() {
-            cmd.arg(format!("fd=4,mac={}", Mac::second_nic(vm_id)));
-        }
-        cmd.arg("--serial")
-            .arg(format!(
-                "file={}",
-                self.store.serial_log_path(vm_id).display()
-            ))
-            .arg("--console")
-            .arg("off")
-            .arg("--cpus")
-            .arg(format!("boot={}", spec.vcpus))
-            .arg("--memory")
-            .arg(format!("size={}M", spec.mem_mb))
-            .arg("--log-file")
-            .arg(&log_path)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
-        let tap_fd = tap.as_raw_fd();
-        let site_fd = site_tap.as_ref().map(AsRawFd::as_raw_fd);
+        cmd.args(args).stdin(Stdio::null()).stdout(log).stderr(log2);
         // SAFETY: the closure runs in the forked child before exec and calls
-        // only async-signal-safe functions (setsid, dup2, fcntl); it touches
-        // no memory shared with the parent's other threads.
+        // only async-signal-safe functions (setsid, fcntl, dup2) on fixed-size
+        // data captured by value; it allocates nothing and touches no memory
+        // shared with the parent's other threads.
         unsafe {
             cmd.pre_exec(move || {
                 nix::unistd::setsid().map_err(std::io::Error::from)?;
-                if tap_fd == 3 {
-                    // dup2 onto itself keeps close-on-exec: clear it instead.
-                    let fd = std::os::fd::BorrowedFd::borrow_raw(3);
-                    nix::fcntl::fcntl(
-                        fd,
-                        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()),
-                    )
-                    .map_err(std::io::Error::from)?;
-                } else if nix::libc::dup2(tap_fd, 3) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // The site tap's fd is never 3 (fd 3 is taken above), and a
-                // dup2 onto 4 clears close-on-exec.
-                if let Some(fd) = site_fd
-                    && fd != 4
-                    && nix::libc::dup2(fd, 4) < 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
+                place_fds(&fds[..count], FIRST_NIC_FD)
             });
         }
-        let mut child = cmd.spawn().map_err(|e| -> BoxFailure {
-            Simple::transient(format!(
-                "cannot start {}: {e}",
-                self.cfg.hypervisor.display()
-            ))
+        cmd.spawn().map_err(|source| {
+            CloudHvError::Start {
+                vm_id: vm_id.clone(),
+                program: self.cfg.hypervisor.clone(),
+                source,
+            }
             .into()
-        })?;
-        // The VMM holds the taps now; the agent's copies must not keep them
-        // alive.
-        drop(tap);
-        drop(site_tap);
+        })
+    }
+
+    /// Records the new VMM (pidfile with its start time) and starts the
+    /// thread that reaps it and tells the engine when it exits.
+    fn track(&self, vm_id: &Id, mut child: Child) -> Result<Tracked, BoxFailure> {
         let pid = child.id() as i32;
         let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
-        if let Err(e) = tracked.write(&self.store.pidfile_path(vm_id)) {
+        let pidfile = self.store.pidfile_path(vm_id);
+        if let Err(source) = tracked.write(&pidfile) {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(transient("write its pidfile", e));
+            return Err(CloudHvError::Pidfile {
+                vm_id: vm_id.clone(),
+                path: pidfile,
+                source,
+            }
+            .into());
         }
         self.exits.lock().remove(vm_id);
         self.unreaped.lock().insert(pid);
@@ -184,10 +245,16 @@ impl CloudHypervisor {
                 unreaped.lock().remove(&pid);
                 listener.exited(&id);
             });
-        if let Err(e) = reaper {
-            // Without a reaper the child would become a zombie: stop it now.
+        if let Err(source) = reaper {
+            // Without a reaper the child would become a zombie: end it here.
+            self.unreaped.lock().remove(&pid);
             let _ = tracked.signal(Signal::SIGKILL);
-            return Err(transient("start its reaper thread", e));
+            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+            return Err(CloudHvError::Reaper {
+                vm_id: vm_id.clone(),
+                source,
+            }
+            .into());
         }
         log::info!("VM {vm_id}: hypervisor started (pid {pid})");
         Ok(tracked)
@@ -206,10 +273,10 @@ impl CloudHypervisor {
         let started = Instant::now();
         loop {
             if !tracked.alive() {
-                let reason = self.failure_reason(vm_id);
-                return Err(Simple::transient(format!(
-                    "the hypervisor exited during boot: {reason}"
-                ))
+                return Err(CloudHvError::ExitedDuringBoot {
+                    vm_id: vm_id.clone(),
+                    reason: self.failure_reason(vm_id),
+                }
                 .into());
             }
             if api::vm_state(&socket, Duration::from_millis(500)).as_deref() == Some("Running") {
@@ -227,10 +294,11 @@ impl CloudHypervisor {
                     }
                     .into());
                 }
-                return Err(Simple::transient(format!(
-                    "the hypervisor's API did not say Running within {}s; killed it: {reason}",
-                    self.cfg.boot_wait.as_secs()
-                ))
+                return Err(CloudHvError::BootTimeout {
+                    vm_id: vm_id.clone(),
+                    waited: self.cfg.boot_wait,
+                    reason,
+                }
                 .into());
             }
             // A VMM's API is up a few ms after exec: poll finely at first,
@@ -242,5 +310,55 @@ impl CloudHypervisor {
             };
             std::thread::sleep(pause);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    fn inode(fd: i32) -> u64 {
+        // SAFETY: fstat on an open fd into a zeroed stat buffer we own.
+        unsafe {
+            let mut st: nix::libc::stat = std::mem::zeroed();
+            assert_eq!(nix::libc::fstat(fd, &mut st), 0);
+            st.st_ino
+        }
+    }
+
+    /// The site tap may sit on fd 3 (fd 3 free when it was opened): it must
+    /// still end up on 4, and the underlay tap on 3. Run in a forked child,
+    /// since it rearranges the process's fds.
+    #[test]
+    fn each_tap_lands_on_its_fd_even_when_one_sits_on_anothers_target() {
+        let (underlay, _w1) = nix::unistd::pipe().expect("pipe");
+        let (site, _w2) = nix::unistd::pipe().expect("pipe");
+        let (want_3, want_4) = (inode(underlay.as_raw_fd()), inode(site.as_raw_fd()));
+
+        // SAFETY: the child calls only async-signal-safe functions (dup2,
+        // fcntl, fstat, _exit) and allocates nothing.
+        let pid = match unsafe { nix::unistd::fork() }.expect("fork") {
+            nix::unistd::ForkResult::Child => {
+                let code = unsafe {
+                    // The underlay tap somewhere high, the site tap on fd 3,
+                    // as if fd 3 had been free when it was opened.
+                    let high = nix::libc::fcntl(underlay.as_raw_fd(), nix::libc::F_DUPFD, 20);
+                    if high < 0 || nix::libc::dup2(site.as_raw_fd(), 3) < 0 {
+                        nix::libc::_exit(2);
+                    }
+                    let placed = place_fds(&[high, 3], 3).is_ok();
+                    let mut st: nix::libc::stat = std::mem::zeroed();
+                    let on_3 = nix::libc::fstat(3, &mut st) == 0 && st.st_ino == want_3;
+                    let on_4 = nix::libc::fstat(4, &mut st) == 0 && st.st_ino == want_4;
+                    if placed && on_3 && on_4 { 0 } else { 1 }
+                };
+                unsafe { nix::libc::_exit(code) }
+            }
+            nix::unistd::ForkResult::Parent { child } => child,
+        };
+
+        let status = nix::sys::wait::waitpid(pid, None).expect("wait");
+        assert_eq!(status, nix::sys::wait::WaitStatus::Exited(pid, 0));
     }
 }

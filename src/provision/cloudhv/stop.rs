@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+use super::error::CloudHvError;
 use super::process::Tracked;
 use super::{CloudHypervisor, api};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, Simple};
+use crate::error::BoxFailure;
 use crate::model::Id;
 
 impl CloudHypervisor {
@@ -67,13 +68,21 @@ impl CloudHypervisor {
             }
         }
         log::warn!("VM {vm_id}: killing hypervisor {}", tracked.pid);
-        tracked.signal(Signal::SIGKILL).map_err(|e| -> BoxFailure {
-            Simple::transient(format!("cannot kill hypervisor {}: {e}", tracked.pid)).into()
-        })?;
+        tracked
+            .signal(Signal::SIGKILL)
+            .map_err(|source| CloudHvError::Kill {
+                vm_id: vm_id.clone(),
+                pid: tracked.pid,
+                source,
+            })?;
         if self.wait_gone(tracked, Deadline::after(Duration::from_secs(5))) {
             Ok(())
         } else {
-            Err(Simple::transient(format!("hypervisor {} survived SIGKILL", tracked.pid)).into())
+            Err(CloudHvError::SurvivedKill {
+                vm_id: vm_id.clone(),
+                pid: tracked.pid,
+            }
+            .into())
         }
     }
 }

@@ -1,0 +1,213 @@
+//! The VMM's command line: a pure function of what the VM is, how guests
+//! boot, and where the VM's files are. Nothing here touches the host, so
+//! every shape of it is tested as golden output, without root.
+//!
+//! The flags are cloud-hypervisor's (see `shared/cloud-hypervisor.md`):
+//! the API socket, the guest's kernel or firmware, the disks (root, then the
+//! seed read-only, then the volumes in the spec's order), one `--net` per NIC
+//! as an inherited tap fd, serial output to a file and the virtio console
+//! off (it would be the agent's tty), CPUs, memory, and the VMM's own log.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use crate::model::Mac;
+
+/// How guests boot on this host.
+#[derive(Clone, Copy, Debug)]
+pub enum GuestImage<'a> {
+    /// A PVH kernel, with its command line.
+    Kernel { kernel: &'a Path, cmdline: &'a str },
+    /// Firmware (hypervisor-fw, CLOUDHV.fd) that boots the root disk.
+    Firmware(&'a Path),
+}
+
+/// Where one VM's files are.
+#[derive(Clone, Debug)]
+pub struct VmFiles {
+    pub api_socket: PathBuf,
+    pub root_disk: PathBuf,
+    pub seed: PathBuf,
+    pub volumes: Vec<PathBuf>,
+    pub serial_log: PathBuf,
+    pub log: PathBuf,
+}
+
+/// A NIC as the VMM is given it: a tap fd it inherits, and the guest MAC.
+#[derive(Clone, Copy, Debug)]
+pub struct Nic {
+    pub fd: i32,
+    pub mac: Mac,
+}
+
+/// The arguments after the program name.
+pub fn argv(
+    image: Option<GuestImage<'_>>,
+    files: &VmFiles,
+    nics: &[Nic],
+    vcpus: u32,
+    mem_mb: u64,
+) -> Vec<OsString> {
+    let mut args: Vec<OsString> = Vec::new();
+    let mut arg = |a: OsString| args.push(a);
+    arg("--api-socket".into());
+    arg(option("path=", &files.api_socket, ""));
+    match image {
+        Some(GuestImage::Kernel { kernel, cmdline }) => {
+            arg("--kernel".into());
+            arg(kernel.into());
+            arg("--cmdline".into());
+            arg(cmdline.into());
+        }
+        Some(GuestImage::Firmware(firmware)) => {
+            arg("--firmware".into());
+            arg(firmware.into());
+        }
+        None => {}
+    }
+    arg("--disk".into());
+    arg(option("path=", &files.root_disk, ""));
+    arg(option("path=", &files.seed, ",readonly=on"));
+    for volume in &files.volumes {
+        arg(option("path=", volume, ""));
+    }
+    if !nics.is_empty() {
+        arg("--net".into());
+        for nic in nics {
+            arg(format!("fd={},mac={}", nic.fd, nic.mac).into());
+        }
+    }
+    arg("--serial".into());
+    arg(option("file=", &files.serial_log, ""));
+    arg("--console".into());
+    arg("off".into());
+    arg("--cpus".into());
+    arg(format!("boot={vcpus}").into());
+    arg("--memory".into());
+    arg(format!("size={mem_mb}M").into());
+    arg("--log-file".into());
+    arg(files.log.clone().into_os_string());
+    args
+}
+
+/// `key` + the path + `rest`, as one argument, whatever bytes the path has.
+fn option(key: &str, path: &Path, rest: &str) -> OsString {
+    let mut out = OsString::from(key);
+    out.push(path);
+    out.push(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(volumes: &[&str]) -> VmFiles {
+        VmFiles {
+            api_socket: "/run/eitri/0a1b2c3d4e5f6071.sock".into(),
+            root_disk: "/var/lib/eitri/vms/web-1/disk.raw".into(),
+            seed: "/var/lib/eitri/vms/web-1/seed.iso".into(),
+            volumes: volumes.iter().map(PathBuf::from).collect(),
+            serial_log: "/var/lib/eitri/vms/web-1/serial.log".into(),
+            log: "/var/lib/eitri/vms/web-1/hypervisor.log".into(),
+        }
+    }
+
+    fn kernel() -> Option<GuestImage<'static>> {
+        Some(GuestImage::Kernel {
+            kernel: Path::new("/srv/vmlinux"),
+            cmdline: "console=ttyS0 root=/dev/vda1 rw",
+        })
+    }
+
+    fn nic(fd: i32, last: u8) -> Nic {
+        Nic {
+            fd,
+            mac: Mac::from([0x02, 0, 0, 0, 0, last]),
+        }
+    }
+
+    fn text(args: Vec<OsString>) -> Vec<String> {
+        args.into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn kernel_boot_with_one_nic() {
+        let args = argv(kernel(), &files(&[]), &[nic(3, 1)], 2, 512);
+
+        assert_eq!(
+            text(args),
+            [
+                "--api-socket",
+                "path=/run/eitri/0a1b2c3d4e5f6071.sock",
+                "--kernel",
+                "/srv/vmlinux",
+                "--cmdline",
+                "console=ttyS0 root=/dev/vda1 rw",
+                "--disk",
+                "path=/var/lib/eitri/vms/web-1/disk.raw",
+                "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on",
+                "--net",
+                "fd=3,mac=02:00:00:00:00:01",
+                "--serial",
+                "file=/var/lib/eitri/vms/web-1/serial.log",
+                "--console",
+                "off",
+                "--cpus",
+                "boot=2",
+                "--memory",
+                "size=512M",
+                "--log-file",
+                "/var/lib/eitri/vms/web-1/hypervisor.log",
+            ]
+        );
+    }
+
+    #[test]
+    fn firmware_boot_with_volumes_and_two_nics() {
+        let image = Some(GuestImage::Firmware(Path::new("/srv/CLOUDHV.fd")));
+        let volumes = [
+            "/var/lib/eitri/volumes/data-1",
+            "/var/lib/eitri/volumes/logs",
+        ];
+
+        let args = argv(image, &files(&volumes), &[nic(3, 1), nic(4, 2)], 1, 128);
+
+        assert_eq!(
+            text(args),
+            [
+                "--api-socket",
+                "path=/run/eitri/0a1b2c3d4e5f6071.sock",
+                "--firmware",
+                "/srv/CLOUDHV.fd",
+                "--disk",
+                "path=/var/lib/eitri/vms/web-1/disk.raw",
+                "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on",
+                "path=/var/lib/eitri/volumes/data-1",
+                "path=/var/lib/eitri/volumes/logs",
+                "--net",
+                "fd=3,mac=02:00:00:00:00:01",
+                "fd=4,mac=02:00:00:00:00:02",
+                "--serial",
+                "file=/var/lib/eitri/vms/web-1/serial.log",
+                "--console",
+                "off",
+                "--cpus",
+                "boot=1",
+                "--memory",
+                "size=128M",
+                "--log-file",
+                "/var/lib/eitri/vms/web-1/hypervisor.log",
+            ]
+        );
+    }
+
+    #[test]
+    fn no_nic_means_no_net_flag() {
+        let args = text(argv(kernel(), &files(&[]), &[], 1, 64));
+
+        assert!(!args.iter().any(|a| a == "--net"), "{args:?}");
+    }
+}

@@ -1,0 +1,294 @@
+//! The cloud-hypervisor backend's errors: each names the VM, the file or
+//! process it is about, and keeps its cause as a source, so the report and
+//! the log read "VM web-1: cannot open its tap eitri3fa2c9: Device or
+//! resource busy" and a caller can still ask what the cause was.
+//! Permanence (no retry can succeed) is asked through [`Failure`].
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::Failure;
+use crate::model::Id;
+
+#[derive(Debug)]
+pub enum CloudHvError {
+    // ── whether this host can run guests at all (preflight) ──────────────
+    /// The configured hypervisor is not an executable file.
+    NotExecutable {
+        path: PathBuf,
+    },
+    /// `--version` named a release older than the backend drives.
+    TooOld {
+        path: PathBuf,
+        banner: String,
+        min: u32,
+    },
+    /// `--version` could not be asked.
+    Version {
+        path: PathBuf,
+        problem: String,
+    },
+    Kvm {
+        source: io::Error,
+    },
+    NoTun,
+    /// `--kernel` or `--firmware` names no file.
+    BootFileMissing {
+        path: PathBuf,
+    },
+    NoBootFile,
+
+    // ── one VM ────────────────────────────────────────────────────────────
+    /// Its directory under the state dir could not be made.
+    VmDir {
+        vm_id: Id,
+        path: PathBuf,
+        source: io::Error,
+    },
+    /// A create retried after its record save failed must not clone over
+    /// the disk of a guest running on it.
+    DiskInUse {
+        vm_id: Id,
+    },
+    OpenTap {
+        vm_id: Id,
+        tap: String,
+        source: io::Error,
+    },
+    /// The spec's second NIC names a network this host does not serve.
+    NetworkNotServed {
+        vm_id: Id,
+        network: String,
+    },
+    OpenLog {
+        vm_id: Id,
+        path: PathBuf,
+        source: io::Error,
+    },
+    Start {
+        vm_id: Id,
+        program: PathBuf,
+        source: io::Error,
+    },
+    Pidfile {
+        vm_id: Id,
+        path: PathBuf,
+        source: io::Error,
+    },
+    Reaper {
+        vm_id: Id,
+        source: io::Error,
+    },
+    /// The new VMM exited before its API said Running.
+    ExitedDuringBoot {
+        vm_id: Id,
+        reason: String,
+    },
+    /// The new VMM's API did not say Running in time; it was killed.
+    BootTimeout {
+        vm_id: Id,
+        waited: Duration,
+        reason: String,
+    },
+    Kill {
+        vm_id: Id,
+        pid: i32,
+        source: io::Error,
+    },
+    SurvivedKill {
+        vm_id: Id,
+        pid: i32,
+    },
+    RemoveTap {
+        vm_id: Id,
+        tap: String,
+        source: io::Error,
+    },
+    RemoveFile {
+        vm_id: Id,
+        path: PathBuf,
+        source: io::Error,
+    },
+}
+
+impl fmt::Display for CloudHvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use CloudHvError as E;
+        match self {
+            E::NotExecutable { path } => write!(
+                f,
+                "the hypervisor {} is not an executable file; install cloud-hypervisor v{} or later, or point --hypervisor at it",
+                path.display(),
+                super::MIN_VERSION
+            ),
+            E::TooOld { path, banner, min } => write!(
+                f,
+                "{} reports version {banner:?}; this agent needs cloud-hypervisor v{min} or later",
+                path.display()
+            ),
+            E::Version { path, problem } => {
+                write!(f, "cannot ask {} its version: {problem}", path.display())
+            }
+            E::Kvm { .. } => f.write_str(
+                "cannot open /dev/kvm read-write; load kvm_intel or kvm_amd and give the agent access to it",
+            ),
+            E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
+            E::BootFileMissing { path } => write!(
+                f,
+                "the guest boot file {} does not exist; fix --kernel or --firmware",
+                path.display()
+            ),
+            E::NoBootFile => {
+                f.write_str("no guest kernel or firmware is configured; give --kernel or --firmware")
+            }
+            E::VmDir { vm_id, path, .. } => {
+                write!(f, "VM {vm_id}: cannot create its directory {}", path.display())
+            }
+            E::DiskInUse { vm_id } => write!(
+                f,
+                "VM {vm_id}: refusing to replace the root disk of a running hypervisor"
+            ),
+            E::OpenTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot open its tap {tap}"),
+            E::NetworkNotServed { vm_id, network } => write!(
+                f,
+                "VM {vm_id}: host network {network:?} is not served on this host; add it with --host-network {network}=BRIDGE"
+            ),
+            E::OpenLog { vm_id, path, .. } => {
+                write!(f, "VM {vm_id}: cannot open its log {}", path.display())
+            }
+            E::Start { vm_id, program, .. } => {
+                write!(f, "VM {vm_id}: cannot start {}", program.display())
+            }
+            E::Pidfile { vm_id, path, .. } => {
+                write!(f, "VM {vm_id}: cannot write its pidfile {}", path.display())
+            }
+            E::Reaper { vm_id, .. } => {
+                write!(f, "VM {vm_id}: cannot start the thread that reaps its hypervisor")
+            }
+            E::ExitedDuringBoot { reason, .. } => {
+                write!(f, "the hypervisor exited during boot: {reason}")
+            }
+            E::BootTimeout { waited, reason, .. } => write!(
+                f,
+                "the hypervisor's API did not say Running within {}s; killed it: {reason}",
+                waited.as_secs()
+            ),
+            E::Kill { vm_id, pid, .. } => {
+                write!(f, "VM {vm_id}: cannot kill hypervisor {pid}")
+            }
+            E::SurvivedKill { vm_id, pid } => {
+                write!(f, "VM {vm_id}: hypervisor {pid} survived SIGKILL")
+            }
+            E::RemoveTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot remove tap {tap}"),
+            E::RemoveFile { vm_id, path, .. } => {
+                write!(f, "VM {vm_id}: cannot remove {}", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for CloudHvError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        use CloudHvError as E;
+        match self {
+            E::Kvm { source }
+            | E::VmDir { source, .. }
+            | E::OpenTap { source, .. }
+            | E::OpenLog { source, .. }
+            | E::Start { source, .. }
+            | E::Pidfile { source, .. }
+            | E::Reaper { source, .. }
+            | E::Kill { source, .. }
+            | E::RemoveTap { source, .. }
+            | E::RemoveFile { source, .. } => Some(source),
+            E::NotExecutable { .. }
+            | E::TooOld { .. }
+            | E::Version { .. }
+            | E::NoTun
+            | E::BootFileMissing { .. }
+            | E::NoBootFile
+            | E::DiskInUse { .. }
+            | E::NetworkNotServed { .. }
+            | E::ExitedDuringBoot { .. }
+            | E::BootTimeout { .. }
+            | E::SurvivedKill { .. } => None,
+        }
+    }
+}
+
+impl Failure for CloudHvError {
+    /// Permanent: what this host lacks, and a network it does not serve; no
+    /// retry of the same spec on the same host can succeed. Everything else
+    /// is about a moment (a busy tap, a VMM that crashed, a full disk).
+    fn is_permanent(&self) -> bool {
+        use CloudHvError as E;
+        match self {
+            E::NotExecutable { .. }
+            | E::TooOld { .. }
+            | E::Kvm { .. }
+            | E::NoTun
+            | E::BootFileMissing { .. }
+            | E::NoBootFile
+            | E::NetworkNotServed { .. } => true,
+            E::Version { .. }
+            | E::VmDir { .. }
+            | E::DiskInUse { .. }
+            | E::OpenTap { .. }
+            | E::OpenLog { .. }
+            | E::Start { .. }
+            | E::Pidfile { .. }
+            | E::Reaper { .. }
+            | E::ExitedDuringBoot { .. }
+            | E::BootTimeout { .. }
+            | E::Kill { .. }
+            | E::SurvivedKill { .. }
+            | E::RemoveTap { .. }
+            | E::RemoveFile { .. } => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::chain;
+
+    fn vm() -> Id {
+        Id::parse("web-1").expect("id")
+    }
+
+    #[test]
+    fn a_cause_is_kept_as_the_source_not_flattened() {
+        let err = CloudHvError::OpenTap {
+            vm_id: vm(),
+            tap: "eitri3fa2c9".into(),
+            source: io::Error::from_raw_os_error(16),
+        };
+
+        assert_eq!(err.to_string(), "VM web-1: cannot open its tap eitri3fa2c9");
+        assert!(std::error::Error::source(&err).is_some());
+        assert!(
+            chain(&err).ends_with("Device or resource busy (os error 16)"),
+            "{}",
+            chain(&err)
+        );
+    }
+
+    #[test]
+    fn what_the_host_lacks_is_permanent_and_a_busy_tap_is_not() {
+        let unserved = CloudHvError::NetworkNotServed {
+            vm_id: vm(),
+            network: "lab".into(),
+        };
+        let busy = CloudHvError::OpenTap {
+            vm_id: vm(),
+            tap: "t".into(),
+            source: io::Error::from_raw_os_error(16),
+        };
+
+        assert!(unserved.is_permanent());
+        assert!(!busy.is_permanent());
+    }
+}
