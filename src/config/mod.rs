@@ -12,12 +12,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::provision::GuestBoot;
-use crate::reconcile::{EngineConfig, HostCaps};
+use crate::reconcile::EngineConfig;
 use crate::source::ControlPlane;
 
+mod run;
 mod settings;
 
-use settings::SETTINGS;
+use settings::Key;
 
 /// What the binary was asked to do.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,12 +43,15 @@ pub enum DesiredSource {
     ControlPlane(ControlPlane),
 }
 
-/// The daemon's validated settings.
+/// The daemon's validated settings. What is to be found out from the host
+/// rather than the flags (its id, its DNS servers) is left `None` here and
+/// discovered by the daemon when it starts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub state_dir: PathBuf,
     pub source: DesiredSource,
-    pub host_id: String,
+    /// `--host-id`; `None`: the daemon reads /etc/machine-id.
+    pub host_id: Option<String>,
     pub tick: Duration,
     pub backoff_max: Duration,
     pub shutdown_grace: Duration,
@@ -72,7 +76,7 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-fn err(msg: impl Into<String>) -> ConfigError {
+pub(super) fn err(msg: impl Into<String>) -> ConfigError {
     ConfigError(msg.into())
 }
 
@@ -87,7 +91,7 @@ pub fn usage() -> String {
          or --control-plane URL. Every flag may instead be set by the environment\n\
          variable shown; the flag wins.\n\nFlags of `run` (default in brackets):\n",
     );
-    for s in SETTINGS {
+    for s in Key::ALL.iter().map(|k| k.setting()) {
         let default = if s.default.is_empty() {
             "none"
         } else {
@@ -110,7 +114,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
     match verb.as_str() {
         "--version" | "-V" | "version" => Ok(Command::Version),
         "--help" | "-h" | "help" => Ok(Command::Help),
-        "run" => parse_run(rest, env).map(|c| Command::Run(Box::new(c))),
+        "run" => run::parse(rest, env).map(|c| Command::Run(Box::new(c))),
         "status" => parse_status(rest, env),
         "images" => match rest.split_first() {
             Some((sub, flags)) if sub == "prune" => {
@@ -129,7 +133,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
 
 /// Splits `--flag value` and `--flag=value` pairs, refusing unknown flags
 /// and flags given twice.
-fn flag_values<'a>(
+pub(super) fn flag_values<'a>(
     args: &'a [String],
     known: &[&str],
     switches: &[&str],
@@ -183,273 +187,6 @@ fn state_dir_of(flags: &HashMap<String, &str>, env: &HashMap<String, String>) ->
             .or_else(|| env.get("EITRI_STATE_DIR").cloned())
             .unwrap_or_else(|| "/var/lib/eitri".into()),
     )
-}
-
-/// Resolved raw values: flag, else environment, else default.
-struct Raw<'a> {
-    flags: HashMap<String, &'a str>,
-    env: &'a HashMap<String, String>,
-}
-
-impl Raw<'_> {
-    fn get(&self, flag: &str) -> String {
-        let setting = SETTINGS.iter().find(|s| s.flag == flag);
-        if let Some(v) = self.flags.get(flag) {
-            return (*v).to_owned();
-        }
-        match setting {
-            Some(s) => self
-                .env
-                .get(s.env)
-                .cloned()
-                .unwrap_or_else(|| s.default.to_owned()),
-            None => String::new(),
-        }
-    }
-
-    fn optional(&self, flag: &str) -> Option<String> {
-        Some(self.get(flag)).filter(|v| !v.trim().is_empty())
-    }
-
-    fn duration(&self, flag: &str) -> Result<Duration, ConfigError> {
-        let raw = self.get(flag);
-        parse_duration(&raw).ok_or_else(|| {
-            err(format!(
-                "--{flag}: {raw:?} is not a duration; write a number with a unit, e.g. 500ms, 30s, 15m, 24h"
-            ))
-        })
-    }
-
-    fn number(&self, flag: &str) -> Result<u64, ConfigError> {
-        let raw = self.get(flag);
-        raw.trim()
-            .parse()
-            .map_err(|_| err(format!("--{flag}: {raw:?} is not a whole number")))
-    }
-}
-
-fn parse_run(args: &[String], env: &HashMap<String, String>) -> Result<Config, ConfigError> {
-    let known: Vec<&str> = SETTINGS.iter().map(|s| s.flag).collect();
-    let raw = Raw {
-        flags: flag_values(args, &known, &[])?,
-        env,
-    };
-
-    let state_dir = PathBuf::from(raw.get("state-dir"));
-    if state_dir.as_os_str().is_empty() {
-        return Err(err(
-            "--state-dir is empty; give the directory the agent keeps its state in",
-        ));
-    }
-    let source = match (raw.optional("desired"), raw.optional("control-plane")) {
-        (Some(file), None) => DesiredSource::File(PathBuf::from(file)),
-        (None, Some(url)) => DesiredSource::ControlPlane(control_plane(&raw, &url)?),
-        (Some(_), Some(_)) => {
-            return Err(err(
-                "--desired and --control-plane are both set; choose one",
-            ));
-        }
-        (None, None) => {
-            return Err(err(
-                "no desired state: give --desired FILE (standalone) or --control-plane URL",
-            ));
-        }
-    };
-    let tick = raw.duration("tick")?;
-    if tick.is_zero() {
-        return Err(err("--tick must be longer than 0"));
-    }
-    let notify_fd = match raw.optional("notify-fd") {
-        None => None,
-        Some(v) => match v.trim().parse::<i32>() {
-            Ok(fd) if fd >= 3 => Some(fd),
-            _ => {
-                return Err(err(format!(
-                    "--notify-fd: {v:?} is not a file descriptor of 3 or more"
-                )));
-            }
-        },
-    };
-    let tap_prefix = raw.get("tap-prefix");
-    if tap_prefix.is_empty()
-        || tap_prefix.len() > 8
-        || !tap_prefix.bytes().all(|b| b.is_ascii_alphanumeric())
-    {
-        return Err(err(format!(
-            "--tap-prefix: {tap_prefix:?} must be 1-8 letters or digits (tap names are at most 15 bytes)"
-        )));
-    }
-    let underlay = match raw.optional("underlay-bridge") {
-        None => None,
-        Some(bridge) => {
-            if bridge.len() > 15
-                || !bridge
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            {
-                return Err(err(format!(
-                    "--underlay-bridge: {bridge:?} is not a link name (1-15 letters, digits, - or _)"
-                )));
-            }
-            let subnet = crate::net::addresses::Subnet::parse(&raw.get("underlay-subnet"))
-                .map_err(|e| err(format!("--underlay-subnet: {e}")))?;
-            Some(crate::net::underlay::UnderlayConfig {
-                bridge,
-                subnet,
-                table: "eitri".into(),
-            })
-        }
-    };
-    let guest_dns = match raw.optional("guest-dns") {
-        Some(list) => list
-            .split(',')
-            .map(|s| {
-                s.trim()
-                    .parse()
-                    .map_err(|_| err(format!("--guest-dns: {s:?} is not an IPv4 address")))
-            })
-            .collect::<Result<Vec<_>, _>>()?,
-        None => host_resolvers(),
-    };
-    let mut host_networks = HashMap::new();
-    for pair in raw
-        .optional("host-network")
-        .iter()
-        .flat_map(|v| v.split(','))
-    {
-        let Some((name, bridge)) = pair.trim().split_once('=') else {
-            return Err(err(format!("--host-network: {pair:?} is not NAME=BRIDGE")));
-        };
-        crate::model::Id::parse(name)
-            .map_err(|e| err(format!("--host-network: network name {e}")))?;
-        if bridge.is_empty() || bridge.len() > 15 {
-            return Err(err(format!(
-                "--host-network: {bridge:?} is not a link name"
-            )));
-        }
-        host_networks.insert(name.to_owned(), bridge.to_owned());
-    }
-    let guest = GuestBoot {
-        underlay,
-        guest_dns,
-        host_networks,
-        hypervisor: PathBuf::from(raw.get("hypervisor")),
-        run_dir: PathBuf::from(raw.get("run-dir")),
-        tap_prefix,
-        kernel: raw.optional("kernel").map(PathBuf::from),
-        firmware: raw.optional("firmware").map(PathBuf::from),
-        cmdline: raw.get("cmdline"),
-    };
-    if guest.kernel.is_some() && guest.firmware.is_some() {
-        return Err(err(
-            "--kernel and --firmware are both set; a guest boots one or the other",
-        ));
-    }
-    let vm_timeout = raw.duration("vm-timeout")?;
-    let max_create_attempts = raw.number("max-create-attempts")?;
-    if !(1..=1000).contains(&max_create_attempts) {
-        return Err(err("--max-create-attempts must be between 1 and 1000"));
-    }
-    let engine = EngineConfig {
-        vm_timeout: (!vm_timeout.is_zero()).then_some(vm_timeout),
-        tombstone_grace: raw.duration("tombstone-grace")?,
-        vanish_grace: raw.duration("vanish-grace")?,
-        max_create_attempts: max_create_attempts as u32,
-        max_concurrent_creates: raw.number("max-concurrent-creates")? as usize,
-        caps: HostCaps {
-            max_vcpus: raw.number("max-vcpus")?,
-            max_mem_mb: raw.number("max-mem-mb")?,
-            max_disk_gb: raw.number("max-disk-gb")?,
-        },
-        ..EngineConfig::default()
-    };
-    Ok(Config {
-        state_dir,
-        source,
-        host_id: raw
-            .optional("host-id")
-            .map_or_else(default_host_id, |h| h.trim().to_owned()),
-        tick,
-        backoff_max: raw.duration("backoff-max")?,
-        shutdown_grace: raw.duration("shutdown-grace")?,
-        notify_fd,
-        limits: snapshot_limits(&raw)?,
-        proxy: proxy(&raw)?,
-        guest,
-        engine,
-    })
-}
-
-fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> {
-    let url = url.trim().trim_end_matches('/');
-    let tls = cfg!(feature = "tls");
-    let scheme_ok = url.starts_with("http://") || (tls && url.starts_with("https://"));
-    if !scheme_ok {
-        return Err(err(if url.starts_with("https://") {
-            format!(
-                "--control-plane: {url:?} needs TLS, and this build has none; rebuild with --features tls or use http://"
-            )
-        } else {
-            format!("--control-plane: {url:?} is not an http:// URL")
-        }));
-    }
-    Ok(ControlPlane {
-        base_url: url.to_owned(),
-        token_file: raw.optional("token-file").map(PathBuf::from),
-        connect_timeout: raw.duration("connect-timeout")?,
-        request_timeout: raw.duration("request-timeout")?,
-    })
-}
-
-fn proxy(raw: &Raw<'_>) -> Result<Option<String>, ConfigError> {
-    let proxy = raw.optional("proxy");
-    if let Some(p) = &proxy {
-        ureq::Proxy::new(p).map_err(|e| {
-            err(format!(
-                "--proxy: {p:?} is not a proxy URL ({e}); write http://HOST:PORT"
-            ))
-        })?;
-    }
-    Ok(proxy)
-}
-
-fn snapshot_limits(raw: &Raw<'_>) -> Result<crate::source::SnapshotLimits, ConfigError> {
-    let max_bytes = raw.number("max-response-bytes")?;
-    if max_bytes < 1024 {
-        return Err(err("--max-response-bytes must be at least 1024"));
-    }
-    let count = |flag: &str| -> Result<usize, ConfigError> {
-        match raw.number(flag)? {
-            0 => Err(err(format!("--{flag} must be at least 1"))),
-            n => usize::try_from(n).map_err(|_| err(format!("--{flag} is too large"))),
-        }
-    };
-    Ok(crate::source::SnapshotLimits {
-        max_bytes,
-        max_vms: count("max-vms")?,
-        max_volumes: count("max-volumes")?,
-    })
-}
-
-/// The host's own DNS servers, less loopback ones a guest cannot reach.
-fn host_resolvers() -> Vec<std::net::Ipv4Addr> {
-    std::fs::read_to_string("/etc/resolv.conf")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.strip_prefix("nameserver"))
-        .filter_map(|v| v.trim().parse::<std::net::Ipv4Addr>().ok())
-        .filter(|ip| !ip.is_loopback())
-        .collect()
-}
-
-/// `/etc/machine-id`, else the kernel's hostname, else "unknown-host".
-fn default_host_id() -> String {
-    ["/etc/machine-id", "/proc/sys/kernel/hostname"]
-        .iter()
-        .filter_map(|p| std::fs::read_to_string(p).ok())
-        .map(|s| s.trim().to_owned())
-        .find(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown-host".into())
 }
 
 /// `500ms`, `30s`, `15m`, `24h`, or `0`.
@@ -569,7 +306,7 @@ mod tests {
     fn help_documents_every_flag_with_its_default() {
         let help = usage();
 
-        for s in SETTINGS {
+        for s in Key::ALL.iter().map(|k| k.setting()) {
             assert!(help.contains(&format!("--{}", s.flag)), "{}", s.flag);
             assert!(help.contains(s.env), "{}", s.env);
         }
@@ -589,5 +326,21 @@ mod tests {
                 json: true
             }
         );
+    }
+
+    #[test]
+    fn host_id_and_guest_dns_are_left_to_the_daemon_unless_given() {
+        let c = run(&["run", "--desired", "/d"], &[]).expect("valid");
+
+        assert_eq!(c.host_id, None);
+        assert_eq!(c.guest.guest_dns, None);
+    }
+
+    #[test]
+    fn a_state_dir_with_a_comma_is_refused() {
+        let e =
+            run(&["run", "--desired", "/d", "--state-dir", "/srv/a,b"], &[]).expect_err("comma");
+
+        assert!(e.to_string().starts_with("--state-dir:"), "{e}");
     }
 }

@@ -23,6 +23,7 @@
 //!   shutdown grace, VMs keep running); SIGHUP re-reads the desired file.
 
 mod backoff;
+mod discover;
 pub mod exchange;
 mod notify;
 mod signals;
@@ -450,9 +451,9 @@ impl std::error::Error for DaemonError {
 }
 
 /// The host's self-description, sent with every request.
-pub fn host_info(config: &Config, boot_id: String) -> pb::HostInfo {
+pub fn host_info(config: &Config, host_id: String, boot_id: String) -> pb::HostInfo {
     pb::HostInfo {
-        host_id: config.host_id.clone(),
+        host_id,
         agent_version: crate::version::AGENT_VERSION.to_owned(),
         boot_id,
         max_vcpus: config.engine.caps.max_vcpus as i64,
@@ -493,7 +494,11 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         Some(underlay) => match crate::net::host::HostNetwork::setup(
             underlay,
             store.root(),
-            config.guest.guest_dns.clone(),
+            config
+                .guest
+                .guest_dns
+                .clone()
+                .unwrap_or_else(discover::resolvers),
             config.guest.host_networks.clone(),
         ) {
             Ok(n) => {
@@ -537,14 +542,14 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         )),
     };
     let (remote, described) = (source.is_remote(), source.describe());
+    let host_id = config.host_id.clone().unwrap_or_else(discover::host_id);
     log::info!(
-        "eitri-agent {} starting: host {}, state dir {}, {described}",
+        "eitri-agent {} starting: host {host_id}, state dir {}, {described}",
         crate::version::AGENT_VERSION,
-        config.host_id,
         config.state_dir.display(),
     );
     let link = Link::new(events);
-    let info = host_info(&config, boot_id);
+    let info = host_info(&config, host_id, boot_id);
     let mut rng = XorShift::seeded();
     let exchange = Exchange::new(
         source,

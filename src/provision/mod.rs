@@ -82,7 +82,9 @@ pub trait Provisioner: Send + Sync {
 pub struct GuestBoot {
     /// `None` when guest networking is off.
     pub underlay: Option<crate::net::underlay::UnderlayConfig>,
-    pub guest_dns: Vec<std::net::Ipv4Addr>,
+    /// DNS servers told to guests; `None`: the host's own (the daemon
+    /// reads them when it starts).
+    pub guest_dns: Option<Vec<std::net::Ipv4Addr>>,
     /// Named host networks: name → site bridge.
     pub host_networks: HashMap<String, String>,
     pub hypervisor: PathBuf,

@@ -1,0 +1,313 @@
+//! `run`'s settings: each raw value (flag, else environment, else default)
+//! is looked up by [`Key`], then checked and built into one part of the
+//! [`Config`] by the function that owns that part: where desired state
+//! comes from, how guests boot and the networks they join, how the engine
+//! behaves, and the daemon's own timing. Nothing here reads the host; what
+//! must be discovered there is left `None` for the daemon.
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::settings::Key;
+use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
+use crate::net::addresses::Subnet;
+use crate::net::underlay::UnderlayConfig;
+use crate::provision::GuestBoot;
+use crate::reconcile::{EngineConfig, HostCaps};
+use crate::source::{ControlPlane, SnapshotLimits};
+
+/// Parses `run`'s arguments, with `env` for fallbacks.
+pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Config, ConfigError> {
+    let known: Vec<&str> = Key::ALL.iter().map(|k| k.setting().flag).collect();
+    let raw = Raw {
+        flags: flag_values(args, &known, &[])?,
+        env,
+    };
+    Ok(Config {
+        state_dir: state_dir(&raw)?,
+        source: source(&raw)?,
+        host_id: raw.optional(Key::HostId).map(|h| h.trim().to_owned()),
+        tick: tick(&raw)?,
+        backoff_max: raw.duration(Key::BackoffMax)?,
+        shutdown_grace: raw.duration(Key::ShutdownGrace)?,
+        notify_fd: notify_fd(&raw)?,
+        limits: snapshot_limits(&raw)?,
+        proxy: proxy(&raw)?,
+        guest: guest_boot(&raw)?,
+        engine: engine(&raw)?,
+    })
+}
+
+/// Raw values: flag, else environment, else default.
+struct Raw<'a> {
+    flags: HashMap<String, &'a str>,
+    env: &'a HashMap<String, String>,
+}
+
+impl Raw<'_> {
+    fn get(&self, key: Key) -> String {
+        let setting = key.setting();
+        match self.flags.get(setting.flag) {
+            Some(v) => (*v).to_owned(),
+            None => self
+                .env
+                .get(setting.env)
+                .cloned()
+                .unwrap_or_else(|| setting.default.to_owned()),
+        }
+    }
+
+    /// The value, `None` when it is empty or blank.
+    fn optional(&self, key: Key) -> Option<String> {
+        Some(self.get(key)).filter(|v| !v.trim().is_empty())
+    }
+
+    fn duration(&self, key: Key) -> Result<Duration, ConfigError> {
+        let raw = self.get(key);
+        parse_duration(&raw).ok_or_else(|| {
+            err(format!(
+                "--{}: {raw:?} is not a duration; write a number with a unit, e.g. 500ms, 30s, 15m, 24h",
+                key.setting().flag
+            ))
+        })
+    }
+
+    fn number(&self, key: Key) -> Result<u64, ConfigError> {
+        let raw = self.get(key);
+        raw.trim().parse().map_err(|_| {
+            err(format!(
+                "--{}: {raw:?} is not a whole number",
+                key.setting().flag
+            ))
+        })
+    }
+}
+
+/// A directory the VMM is told about as `path=…` in an option list, which
+/// cloud-hypervisor splits on commas.
+fn no_comma(key: Key, path: &str) -> Result<(), ConfigError> {
+    if path.contains(',') {
+        return Err(err(format!(
+            "--{}: {path:?} has a comma, which cloud-hypervisor reads as the end of a path; choose a directory without one",
+            key.setting().flag
+        )));
+    }
+    Ok(())
+}
+
+fn state_dir(raw: &Raw<'_>) -> Result<PathBuf, ConfigError> {
+    let dir = raw.get(Key::StateDir);
+    if dir.is_empty() {
+        return Err(err(
+            "--state-dir is empty; give the directory the agent keeps its state in",
+        ));
+    }
+    no_comma(Key::StateDir, &dir)?;
+    Ok(PathBuf::from(dir))
+}
+
+fn tick(raw: &Raw<'_>) -> Result<Duration, ConfigError> {
+    let tick = raw.duration(Key::Tick)?;
+    if tick.is_zero() {
+        return Err(err("--tick must be longer than 0"));
+    }
+    Ok(tick)
+}
+
+fn notify_fd(raw: &Raw<'_>) -> Result<Option<i32>, ConfigError> {
+    let Some(v) = raw.optional(Key::NotifyFd) else {
+        return Ok(None);
+    };
+    match v.trim().parse::<i32>() {
+        Ok(fd) if fd >= 3 => Ok(Some(fd)),
+        _ => Err(err(format!(
+            "--notify-fd: {v:?} is not a file descriptor of 3 or more"
+        ))),
+    }
+}
+
+// ── where desired state comes from ──────────────────────────────────────
+
+fn source(raw: &Raw<'_>) -> Result<DesiredSource, ConfigError> {
+    match (raw.optional(Key::Desired), raw.optional(Key::ControlPlane)) {
+        (Some(file), None) => Ok(DesiredSource::File(PathBuf::from(file))),
+        (None, Some(url)) => control_plane(raw, &url).map(DesiredSource::ControlPlane),
+        (Some(_), Some(_)) => Err(err(
+            "--desired and --control-plane are both set; choose one",
+        )),
+        (None, None) => Err(err(
+            "no desired state: give --desired FILE (standalone) or --control-plane URL",
+        )),
+    }
+}
+
+fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> {
+    let url = url.trim().trim_end_matches('/');
+    let tls = cfg!(feature = "tls");
+    let scheme_ok = url.starts_with("http://") || (tls && url.starts_with("https://"));
+    if !scheme_ok {
+        return Err(err(if url.starts_with("https://") {
+            format!(
+                "--control-plane: {url:?} needs TLS, and this build has none; rebuild with --features tls or use http://"
+            )
+        } else {
+            format!("--control-plane: {url:?} is not an http:// URL")
+        }));
+    }
+    Ok(ControlPlane {
+        base_url: url.to_owned(),
+        token_file: raw.optional(Key::TokenFile).map(PathBuf::from),
+        connect_timeout: raw.duration(Key::ConnectTimeout)?,
+        request_timeout: raw.duration(Key::RequestTimeout)?,
+    })
+}
+
+fn proxy(raw: &Raw<'_>) -> Result<Option<String>, ConfigError> {
+    let proxy = raw.optional(Key::Proxy);
+    if let Some(p) = &proxy {
+        ureq::Proxy::new(p).map_err(|e| {
+            err(format!(
+                "--proxy: {p:?} is not a proxy URL ({e}); write http://HOST:PORT"
+            ))
+        })?;
+    }
+    Ok(proxy)
+}
+
+fn snapshot_limits(raw: &Raw<'_>) -> Result<SnapshotLimits, ConfigError> {
+    let max_bytes = raw.number(Key::MaxResponseBytes)?;
+    if max_bytes < 1024 {
+        return Err(err("--max-response-bytes must be at least 1024"));
+    }
+    let count = |key: Key| -> Result<usize, ConfigError> {
+        let flag = key.setting().flag;
+        match raw.number(key)? {
+            0 => Err(err(format!("--{flag} must be at least 1"))),
+            n => usize::try_from(n).map_err(|_| err(format!("--{flag} is too large"))),
+        }
+    };
+    Ok(SnapshotLimits {
+        max_bytes,
+        max_vms: count(Key::MaxVms)?,
+        max_volumes: count(Key::MaxVolumes)?,
+    })
+}
+
+// ── how guests boot, and their networks ─────────────────────────────────
+
+fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
+    let tap_prefix = raw.get(Key::TapPrefix);
+    if tap_prefix.is_empty()
+        || tap_prefix.len() > 8
+        || !tap_prefix.bytes().all(|b| b.is_ascii_alphanumeric())
+    {
+        return Err(err(format!(
+            "--tap-prefix: {tap_prefix:?} must be 1-8 letters or digits (tap names are at most 15 bytes)"
+        )));
+    }
+    let run_dir = raw.get(Key::RunDir);
+    no_comma(Key::RunDir, &run_dir)?;
+    let kernel = raw.optional(Key::Kernel).map(PathBuf::from);
+    let firmware = raw.optional(Key::Firmware).map(PathBuf::from);
+    if kernel.is_some() && firmware.is_some() {
+        return Err(err(
+            "--kernel and --firmware are both set; a guest boots one or the other",
+        ));
+    }
+    Ok(GuestBoot {
+        underlay: underlay(raw)?,
+        guest_dns: guest_dns(raw)?,
+        host_networks: host_networks(raw)?,
+        hypervisor: PathBuf::from(raw.get(Key::Hypervisor)),
+        run_dir: PathBuf::from(run_dir),
+        tap_prefix,
+        kernel,
+        firmware,
+        cmdline: raw.get(Key::Cmdline),
+    })
+}
+
+fn underlay(raw: &Raw<'_>) -> Result<Option<UnderlayConfig>, ConfigError> {
+    let Some(bridge) = raw.optional(Key::UnderlayBridge) else {
+        return Ok(None);
+    };
+    if bridge.len() > 15
+        || !bridge
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(err(format!(
+            "--underlay-bridge: {bridge:?} is not a link name (1-15 letters, digits, - or _)"
+        )));
+    }
+    let subnet = Subnet::parse(&raw.get(Key::UnderlaySubnet))
+        .map_err(|e| err(format!("--underlay-subnet: {e}")))?;
+    Ok(Some(UnderlayConfig {
+        bridge,
+        subnet,
+        table: "eitri".into(),
+    }))
+}
+
+/// `--guest-dns`; `None` when not given: the daemon then tells guests the
+/// host's own resolvers.
+fn guest_dns(raw: &Raw<'_>) -> Result<Option<Vec<Ipv4Addr>>, ConfigError> {
+    let Some(list) = raw.optional(Key::GuestDns) else {
+        return Ok(None);
+    };
+    list.split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .map_err(|_| err(format!("--guest-dns: {s:?} is not an IPv4 address")))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn host_networks(raw: &Raw<'_>) -> Result<HashMap<String, String>, ConfigError> {
+    let mut networks = HashMap::new();
+    for pair in raw
+        .optional(Key::HostNetwork)
+        .iter()
+        .flat_map(|v| v.split(','))
+    {
+        let Some((name, bridge)) = pair.trim().split_once('=') else {
+            return Err(err(format!("--host-network: {pair:?} is not NAME=BRIDGE")));
+        };
+        crate::model::Id::parse(name)
+            .map_err(|e| err(format!("--host-network: network name {e}")))?;
+        if bridge.is_empty() || bridge.len() > 15 {
+            return Err(err(format!(
+                "--host-network: {bridge:?} is not a link name"
+            )));
+        }
+        networks.insert(name.to_owned(), bridge.to_owned());
+    }
+    Ok(networks)
+}
+
+// ── how the engine behaves ───────────────────────────────────────────────
+
+fn engine(raw: &Raw<'_>) -> Result<EngineConfig, ConfigError> {
+    let vm_timeout = raw.duration(Key::VmTimeout)?;
+    let max_create_attempts = raw.number(Key::MaxCreateAttempts)?;
+    if !(1..=1000).contains(&max_create_attempts) {
+        return Err(err("--max-create-attempts must be between 1 and 1000"));
+    }
+    Ok(EngineConfig {
+        vm_timeout: (!vm_timeout.is_zero()).then_some(vm_timeout),
+        tombstone_grace: raw.duration(Key::TombstoneGrace)?,
+        vanish_grace: raw.duration(Key::VanishGrace)?,
+        max_create_attempts: max_create_attempts as u32,
+        max_concurrent_creates: raw.number(Key::MaxConcurrentCreates)? as usize,
+        caps: HostCaps {
+            max_vcpus: raw.number(Key::MaxVcpus)?,
+            max_mem_mb: raw.number(Key::MaxMemMb)?,
+            max_disk_gb: raw.number(Key::MaxDiskGb)?,
+        },
+        ..EngineConfig::default()
+    })
+}
