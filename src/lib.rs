@@ -35,5 +35,5 @@ pub mod source;
 pub mod state;
 pub mod status;
 pub mod testkit;
+pub mod threads;
 pub mod version;
-pub mod wakeup;

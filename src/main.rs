@@ -83,10 +83,7 @@ fn main() -> ExitCode {
                 print!("{}", file.render(SystemTime::now()));
                 ExitCode::SUCCESS
             }
-            Err(e) => {
-                eprintln!("eitri-agent: {e}");
-                ExitCode::FAILURE
-            }
+            Err(e) => fail(&e),
         },
         Command::ImagesPrune { state_dir } => {
             let store = match eitri_agent::state::Store::open(&state_dir) {
@@ -105,10 +102,7 @@ fn main() -> ExitCode {
                     );
                     ExitCode::SUCCESS
                 }
-                Err(e) => {
-                    eprintln!("eitri-agent: {e}");
-                    ExitCode::FAILURE
-                }
+                Err(e) => fail(&e),
             }
         }
         Command::Run(config) => {

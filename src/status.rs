@@ -17,6 +17,44 @@ use crate::state::atomic::replace_unsynced;
 pub const REPORT_FILE: &str = "report.json";
 const FORMAT: u32 = 1;
 
+/// Why `status` has no report to show.
+#[derive(Debug)]
+pub enum StatusError {
+    Read {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    NotAReport {
+        path: std::path::PathBuf,
+        source: serde_json::Error,
+    },
+}
+
+impl std::fmt::Display for StatusError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StatusError::Read { path, .. } => write!(
+                f,
+                "cannot read {}; is the agent running with --state-dir {}?",
+                path.display(),
+                path.parent().unwrap_or(path).display()
+            ),
+            StatusError::NotAReport { path, .. } => {
+                write!(f, "{} is not a report", path.display())
+            }
+        }
+    }
+}
+
+impl std::error::Error for StatusError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            StatusError::Read { source, .. } => Some(source),
+            StatusError::NotAReport { source, .. } => Some(source),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReportFile {
     pub format: u32,
@@ -75,17 +113,13 @@ impl ReportFile {
         replace_unsynced(&state_dir.join(REPORT_FILE), &json)
     }
 
-    pub fn read(state_dir: &Path) -> Result<ReportFile, String> {
+    pub fn read(state_dir: &Path) -> Result<ReportFile, StatusError> {
         let path = state_dir.join(REPORT_FILE);
-        let bytes = std::fs::read(&path).map_err(|e| {
-            format!(
-                "cannot read {} ({e}); is the agent running with --state-dir {}?",
-                path.display(),
-                state_dir.display()
-            )
+        let bytes = std::fs::read(&path).map_err(|source| StatusError::Read {
+            path: path.clone(),
+            source,
         })?;
-        serde_json::from_slice(&bytes)
-            .map_err(|e| format!("{} is not a report: {e}", path.display()))
+        serde_json::from_slice(&bytes).map_err(|source| StatusError::NotAReport { path, source })
     }
 
     /// The report as a table for a person.

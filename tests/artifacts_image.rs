@@ -291,8 +291,9 @@ fn partial_downloads_left_by_a_crash_are_swept() {
     let partial = f.images().join(format!(".partial-{}-123", f.sha));
     std::fs::write(&partial, b"half").expect("partial");
 
-    let _cache = f.cache();
+    let removed = f.cache().sweep_partials();
 
+    assert_eq!(removed, 1);
     assert!(!partial.exists());
 }
 

@@ -302,8 +302,13 @@ fn status_without_a_report_says_where_it_looked() {
 
     let out = eitri(&["status", "--state-dir", &dir.path().display().to_string()]);
 
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("report.json"));
+    assert!(stderr.contains("report.json"), "{stderr}");
+    assert!(
+        stderr.contains("caused by: No such file or directory"),
+        "the cause is printed too: {stderr}"
+    );
 }
 
 #[test]

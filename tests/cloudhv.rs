@@ -69,6 +69,7 @@ impl Host {
             h.base_url = format!("file://{}", PathBuf::from(image).display());
         }
         h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+        h.backend.recover();
         h.engine = Some(h.make_engine());
         h
     }
@@ -108,6 +109,8 @@ impl Host {
     ) -> Host {
         let store = Arc::new(Store::open(&dir.path().join("state")).expect("store"));
         let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg.clone()));
+        // What the daemon's start-up recovery asks of the backend.
+        backend.recover();
         let mut host = Host {
             dir,
             store,
@@ -170,6 +173,7 @@ impl Host {
             Arc::clone(&self.store),
             self.cfg.clone(),
         ));
+        self.backend.recover();
         self.engine = Some(self.make_engine());
     }
 
@@ -674,7 +678,8 @@ fn a_leaked_tap_with_the_agents_prefix_is_removed_at_start() {
     assert!(made.success());
     assert!(Path::new("/sys/class/net").join(&leaked.0).exists());
 
-    let _restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    restarted.recover();
 
     assert!(
         !Path::new("/sys/class/net").join(&leaked.0).exists(),
@@ -690,7 +695,8 @@ fn a_tap_a_live_vmm_holds_survives_a_restart() {
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
 
-    let _restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    restarted.recover();
 
     assert!(tap.exists());
     assert!(h.backend.running(&id("vm-1")));
@@ -793,6 +799,7 @@ fn an_agent_restart_serves_the_adopted_vms_network_again() {
     );
     h.cfg.network = Some(Arc::clone(&network));
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    restarted.recover();
 
     assert!(network.serves_dhcp(&id("vm-1")));
     assert_eq!(restarted.address(&id("vm-1")), address);

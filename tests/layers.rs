@@ -23,7 +23,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("hex", 0),
     ("logonce", 0),
     ("version", 0),
-    ("wakeup", 0),
+    ("threads", 0),
     ("state", 1),
     ("pb", 1),
     ("provision", 2),

@@ -55,10 +55,11 @@ fn interrupted_write_loads_the_old_record() {
     drop(store);
 
     let store = Store::open(dir.path()).expect("reopen");
+    store.sweep();
 
     let got = store.get(&id("vm-1")).expect("readable").expect("present");
     assert_eq!(*got, old);
-    assert!(!temp.exists(), "the stray temp file is swept at open");
+    assert!(!temp.exists(), "the stray temp file is swept at start");
 }
 
 #[test]
@@ -192,13 +193,14 @@ fn delete_never_touches_volumes() {
 }
 
 #[test]
-fn half_finished_delete_is_completed_at_open() {
+fn half_finished_delete_is_completed_by_the_start_up_sweep() {
     let dir = tempfile::tempdir().expect("tempdir");
     let leftover = dir.path().join("vms/.deleting-vm-1-77-0");
     fs::create_dir_all(&leftover).expect("leftover");
     fs::write(leftover.join("disk.raw"), b"x").expect("file");
 
     let store = Store::open(dir.path()).expect("open");
+    store.sweep();
 
     assert!(!leftover.exists());
     assert!(store.load_all().is_empty());

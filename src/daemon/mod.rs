@@ -26,6 +26,7 @@ mod backoff;
 mod discover;
 pub mod exchange;
 mod notify;
+pub mod recover;
 mod signals;
 
 use std::path::PathBuf;
@@ -38,12 +39,11 @@ use prost::Message;
 pub use backoff::{Backoff, XorShift};
 pub use exchange::{Contact, Exchange, ExchangeThread, Link};
 pub use notify::Readiness;
+pub use recover::Recovered;
 pub use signals::Signals;
 
 use crate::config::{Config, DesiredSource};
 use crate::deadline::Deadline;
-use crate::error::chain;
-use crate::image::ImageCache;
 use crate::logonce::LogOnce;
 use crate::model::Snapshot;
 use crate::pb::{self, convert};
@@ -480,50 +480,22 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     let signal_thread = signals
         .spawn(events.clone())
         .map_err(DaemonError::Signals)?;
-    let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
     let host = Arc::new(SystemHost::new().map_err(DaemonError::BootId)?);
     let boot_id = host.boot_id();
-    // Without its network a VM still boots; the log and the VM's missing
-    // address say why it is unreachable.
-    let mut notes = Vec::new();
-    let network = match config.guest.underlay.clone() {
-        None => {
-            notes.push("guest networking is off (--underlay-bridge is empty)".to_owned());
-            None
-        }
-        Some(underlay) => match crate::net::host::HostNetwork::setup(
-            underlay,
-            store.root(),
-            config
-                .guest
-                .guest_dns
-                .clone()
-                .unwrap_or_else(discover::resolvers),
-            config.guest.host_networks.clone(),
-        ) {
-            Ok(n) => {
-                if n.nat() == crate::net::underlay::Nat::HostOnly {
-                    notes.push(
-                        "guest networking is host-only: neither nft nor iptables is installed"
-                            .to_owned(),
-                    );
-                }
-                Some(Arc::new(n))
-            }
-            Err(e) => {
-                let why = chain(&*e as &dyn std::error::Error);
-                log::error!("guest networking is off: {why}");
-                notes.push(format!("guest networking is off: {why}"));
-                None
-            }
-        },
-    };
+    let guest_dns = config
+        .guest
+        .guest_dns
+        .clone()
+        .unwrap_or_else(discover::resolvers);
+    let Recovered {
+        store,
+        images,
+        provisioner,
+        notes,
+    } = recover::recover(&config, guest_dns)?;
     let seams = Seams {
-        provisioner: crate::provision::for_host(Arc::clone(&store), &config.guest, network),
-        images: Arc::new(ImageCache::with_proxy(
-            store.images_dir(),
-            config.proxy.as_deref(),
-        )),
+        provisioner,
+        images,
         seed: Arc::new(NoCloudSeed),
         host_keys: Arc::new(crate::hostkey::LocalHostKeys),
         host,

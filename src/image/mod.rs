@@ -25,7 +25,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 pub use fetch::sha256_file;
-pub use prune::{Pruned, prune};
+pub use prune::{PruneError, Pruned, prune};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
@@ -120,9 +120,9 @@ pub struct ImageCache {
 }
 
 impl ImageCache {
-    /// A cache over `dir` (the state dir's `images/`). Partial downloads a
-    /// crashed agent left are removed. Downloads go direct: proxy variables
-    /// in the environment are ignored (see [`ImageCache::with_proxy`]).
+    /// A cache over `dir` (the state dir's `images/`). Downloads go direct:
+    /// proxy variables in the environment are ignored (see
+    /// [`ImageCache::with_proxy`]).
     pub fn new(dir: PathBuf) -> ImageCache {
         ImageCache::with_proxy(dir, None)
     }
@@ -130,13 +130,6 @@ impl ImageCache {
     /// As [`ImageCache::new`], downloading through `proxy` (an operator's
     /// `--proxy`, already checked) when one is given.
     pub fn with_proxy(dir: PathBuf, proxy: Option<&str>) -> ImageCache {
-        if let Ok(entries) = fs::read_dir(&dir) {
-            for entry in entries.flatten() {
-                if entry.file_name().to_string_lossy().starts_with(".partial-") {
-                    let _ = fs::remove_file(entry.path());
-                }
-            }
-        }
         let agent = ureq::Agent::config_builder()
             .timeout_connect(Some(Duration::from_secs(15)))
             .timeout_recv_response(Some(Duration::from_secs(60)))
@@ -149,6 +142,19 @@ impl ImageCache {
             agent,
             inflight: Arc::new(Mutex::new(HashMap::new())),
         }
+    }
+
+    /// Removes the partial downloads a crashed agent left; returns how
+    /// many. Only safe before any download starts (start-up recovery).
+    pub fn sweep_partials(&self) -> usize {
+        let Ok(entries) = fs::read_dir(&self.dir) else {
+            return 0;
+        };
+        entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".partial-"))
+            .filter(|e| fs::remove_file(e.path()).is_ok())
+            .count()
     }
 
     pub fn path_of(&self, sha256: &str) -> PathBuf {

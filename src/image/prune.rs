@@ -5,6 +5,43 @@ use std::fs;
 
 use crate::state::{RecordSlot, Store};
 
+/// Why a prune removed nothing, or stopped part way.
+#[derive(Debug)]
+pub enum PruneError {
+    /// An unreadable record might name an image.
+    UnreadableRecord { vm_id: crate::model::Id },
+    List {
+        dir: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    Remove {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+}
+
+impl std::fmt::Display for PruneError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PruneError::UnreadableRecord { vm_id } => write!(
+                f,
+                "the record of VM {vm_id} is unreadable and may name an image; nothing was pruned"
+            ),
+            PruneError::List { dir, .. } => write!(f, "cannot list {}", dir.display()),
+            PruneError::Remove { path, .. } => write!(f, "cannot remove {}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for PruneError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PruneError::UnreadableRecord { .. } => None,
+            PruneError::List { source, .. } | PruneError::Remove { source, .. } => Some(source),
+        }
+    }
+}
+
 /// What a prune removed.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Pruned {
@@ -15,7 +52,7 @@ pub struct Pruned {
 /// Removes every verified image no record names. Refuses to remove
 /// anything while a record is unreadable: it might name an image, and an
 /// image deleted in error is a VM that cannot be rebuilt offline.
-pub fn prune(store: &Store) -> Result<Pruned, String> {
+pub fn prune(store: &Store) -> Result<Pruned, PruneError> {
     let records = store.load_all();
     let mut keep = HashSet::new();
     for (vm_id, slot) in records.iter() {
@@ -24,14 +61,17 @@ pub fn prune(store: &Store) -> Result<Pruned, String> {
                 keep.insert(rec.spec.image_sha256.clone());
             }
             RecordSlot::Unreadable(_) => {
-                return Err(format!(
-                    "the record of VM {vm_id} is unreadable and may name an image; nothing was pruned"
-                ));
+                return Err(PruneError::UnreadableRecord {
+                    vm_id: vm_id.clone(),
+                });
             }
         }
     }
     let dir = store.images_dir();
-    let entries = fs::read_dir(&dir).map_err(|e| format!("cannot list {}: {e}", dir.display()))?;
+    let entries = fs::read_dir(&dir).map_err(|source| PruneError::List {
+        dir: dir.clone(),
+        source,
+    })?;
     let mut pruned = Pruned::default();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -39,8 +79,10 @@ pub fn prune(store: &Store) -> Result<Pruned, String> {
             continue;
         }
         let len = entry.metadata().map_or(0, |m| m.len());
-        fs::remove_file(entry.path())
-            .map_err(|e| format!("cannot remove {}: {e}", entry.path().display()))?;
+        fs::remove_file(entry.path()).map_err(|source| PruneError::Remove {
+            path: entry.path(),
+            source,
+        })?;
         pruned.bytes += len;
         pruned.removed.push(name);
     }

@@ -14,8 +14,6 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
@@ -25,6 +23,7 @@ use super::dhcp::codec::{Frame, Kind, Message, option};
 use super::packet::PacketSocket;
 use crate::model::Mac;
 use crate::state::atomic::write_atomic;
+use crate::threads::OwnedThread;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Entry {
@@ -145,60 +144,38 @@ fn lesson(frame: &[u8], mac: [u8; 6]) -> Option<Lesson> {
     (from_vm && !f.src_ip.is_unspecified()).then_some(Lesson::Learn(f.src_ip, None))
 }
 
+/// The `snoop-<tap>` thread; stopped and joined on drop.
 pub struct Snooper {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _thread: OwnedThread,
 }
 
 impl Snooper {
     pub fn start(iface: &str, mac: Mac, learned: Arc<Learned>) -> std::io::Result<Snooper> {
         let (key, mac) = (mac.to_string(), mac.octets());
         let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let stop = Arc::clone(&stop);
-            std::thread::Builder::new()
-                .name(format!("snoop-{iface}"))
-                .stack_size(128 * 1024)
-                .spawn(move || {
-                    let mut buf = vec![0u8; 2048];
-                    while !stop.load(Ordering::Relaxed) {
-                        let n = match socket.recv(&mut buf) {
-                            Ok(n) => n,
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    std::io::ErrorKind::WouldBlock
-                                        | std::io::ErrorKind::Interrupted
-                                ) =>
-                            {
-                                continue;
-                            }
-                            Err(_) => return, // the tap is gone
-                        };
-                        match lesson(&buf[..n], mac) {
-                            Some(Lesson::Learn(ip, expires)) => {
-                                learned.set(&key, Entry { ip, expires })
-                            }
-                            Some(Lesson::Forget) => learned.forget(&key),
-                            None => {}
-                        }
+        let thread = OwnedThread::spawn(format!("snoop-{iface}"), 128 * 1024, None, move |stop| {
+            let mut buf = vec![0u8; 2048];
+            while !stop.stopped() {
+                let n = match socket.recv(&mut buf) {
+                    Ok(n) => n,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                        ) =>
+                    {
+                        continue;
                     }
-                })?
-        };
-        Ok(Snooper {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for Snooper {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+                    Err(_) => return, // the tap is gone
+                };
+                match lesson(&buf[..n], mac) {
+                    Some(Lesson::Learn(ip, expires)) => learned.set(&key, Entry { ip, expires }),
+                    Some(Lesson::Forget) => learned.forget(&key),
+                    None => {}
+                }
+            }
+        })?;
+        Ok(Snooper { _thread: thread })
     }
 }
 

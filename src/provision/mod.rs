@@ -74,6 +74,14 @@ pub trait Provisioner: Send + Sync {
     /// backend reports every exit, asked for or not. A backend that cannot
     /// tell leaves repair to the tick.
     fn watch_exits(&self, _listener: ExitListener) {}
+
+    /// Takes over what a previous agent left on this host, once, at start,
+    /// before the engine's first step (see `daemon::recover`): host
+    /// resources no live hypervisor holds are removed, and hypervisors
+    /// still running are adopted (their exits watched, their networks
+    /// served again), so the first step sees them running and restarts
+    /// none.
+    fn recover(&self) {}
 }
 
 /// How guests boot on this host, and the network they join: built from

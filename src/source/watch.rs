@@ -14,21 +14,17 @@ use std::io;
 use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 
-use crate::wakeup::Wakeup;
+use crate::threads::{OwnedThread, StopFlag, Wakeup};
 
 /// The `desired-watch` thread; stopped and joined on drop.
 pub struct Watcher {
-    wakeup: Arc<Wakeup>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _thread: OwnedThread,
 }
 
 impl Watcher {
@@ -54,40 +50,21 @@ impl Watcher {
                 | AddWatchFlags::IN_ATTRIB,
         )?;
         let wakeup = Arc::new(Wakeup::new()?);
-        let stop = Arc::new(AtomicBool::new(false));
         let thread = {
-            let (wakeup, stop) = (Arc::clone(&wakeup), Arc::clone(&stop));
-            std::thread::Builder::new()
-                .name("desired-watch".into())
-                .stack_size(64 * 1024)
-                .spawn(move || run(&inotify, &name, &wakeup, &stop, &changed))?
+            let wake = Arc::clone(&wakeup);
+            OwnedThread::spawn(
+                "desired-watch".into(),
+                64 * 1024,
+                Some(wakeup),
+                move |stop| run(&inotify, &name, &wake, &stop, &changed),
+            )?
         };
-        Ok(Watcher {
-            wakeup,
-            stop,
-            thread: Some(thread),
-        })
+        Ok(Watcher { _thread: thread })
     }
 }
 
-impl Drop for Watcher {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.wakeup.wake();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-fn run(
-    inotify: &Inotify,
-    name: &OsString,
-    wakeup: &Wakeup,
-    stop: &AtomicBool,
-    changed: &Sender<()>,
-) {
-    while !stop.load(Ordering::Relaxed) {
+fn run(inotify: &Inotify, name: &OsString, wakeup: &Wakeup, stop: &StopFlag, changed: &Sender<()>) {
+    while !stop.stopped() {
         let mut set = [
             PollFd::new(wakeup.fd(), PollFlags::POLLIN),
             PollFd::new(inotify.as_fd(), PollFlags::POLLIN),

@@ -22,4 +22,4 @@ mod store;
 
 pub use error::StoreError;
 pub use record::{RECORD_FORMAT, Record};
-pub use store::{RecordSlot, Store};
+pub use store::{RecordSlot, Store, Swept};

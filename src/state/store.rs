@@ -77,7 +77,6 @@ impl Store {
                 });
             }
         }
-        sweep(root);
         let epoch = read_epoch(&root.join("epoch"));
         let records = scan_records(&root.join("vms"))?;
         Ok(Store {
@@ -225,13 +224,6 @@ impl Store {
         self.vm_dir(vm_id).join("hypervisor.pid")
     }
 
-    /// The hypervisor's API socket. Unix socket paths are limited to 108
-    /// bytes, so a backend with a long state dir binds it through a short
-    /// path of its own choosing; this is where the VM's files expect it.
-    pub fn api_socket_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("api.sock")
-    }
-
     pub fn serial_log_path(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("serial.log")
     }
@@ -261,18 +253,41 @@ impl Store {
     }
 }
 
-/// Removes what crashed writers left behind: stray temp files and VM
-/// directories that were mid-delete. Runs under the lock, before any writer.
-fn sweep(root: &Path) {
+/// What [`Store::sweep`] removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    pub temp_files: usize,
+    pub half_deleted_vms: usize,
+}
+
+impl Store {
+    /// Removes what crashed writers left behind, in every directory the
+    /// agent writes (the root, each VM's, `net/`, `volumes/`, `images/`):
+    /// stray temp files, and VM directories that were mid-delete. Only safe
+    /// under the lock and before any writer starts, i.e. at start-up
+    /// recovery.
+    pub fn sweep(&self) -> Swept {
+        sweep(&self.root)
+    }
+}
+
+fn sweep(root: &Path) -> Swept {
+    let mut swept = Swept::default();
     let vms = root.join("vms");
-    let mut dirs = vec![root.to_path_buf()];
+    let mut dirs = vec![
+        root.to_path_buf(),
+        root.join("net"),
+        root.join("volumes"),
+        root.join("images"),
+    ];
     if let Ok(entries) = fs::read_dir(&vms) {
         for entry in entries.flatten() {
             let name = entry.file_name();
             let name = name.to_string_lossy();
             if name.starts_with(DELETING_PREFIX) {
-                if let Err(e) = fs::remove_dir_all(entry.path()) {
-                    log::warn!("cannot finish deleting {}: {e}", entry.path().display());
+                match fs::remove_dir_all(entry.path()) {
+                    Ok(()) => swept.half_deleted_vms += 1,
+                    Err(e) => log::warn!("cannot finish deleting {}: {e}", entry.path().display()),
                 }
             } else if entry.path().is_dir() {
                 dirs.push(entry.path());
@@ -280,10 +295,13 @@ fn sweep(root: &Path) {
         }
     }
     for dir in dirs {
-        if let Err(e) = remove_stray_temps(&dir) {
-            log::warn!("cannot sweep temp files in {}: {e}", dir.display());
+        match remove_stray_temps(&dir) {
+            Ok(n) => swept.temp_files += n,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => log::warn!("cannot sweep temp files in {}: {e}", dir.display()),
         }
     }
+    swept
 }
 
 fn read_epoch(path: &Path) -> u64 {

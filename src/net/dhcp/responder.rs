@@ -10,11 +10,11 @@
 use std::io;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::net::packet::PacketSocket;
+use crate::threads::{OwnedThread, StopFlag};
 
 use super::codec::{self, Frame, Kind, Message};
 use super::{Lease, respond};
@@ -32,9 +32,9 @@ pub struct ResponderStats {
     pub rate_limited: AtomicU64,
 }
 
+/// The `dhcp-<tap>` thread; stopped and joined on drop.
 pub struct Responder {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _thread: OwnedThread,
     stats: Arc<ResponderStats>,
 }
 
@@ -43,18 +43,15 @@ impl Responder {
     pub fn start(iface: &str, lease: Lease) -> io::Result<Responder> {
         let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
         let our_mac = socket.mac();
-        let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ResponderStats::default());
         let thread = {
-            let (stop, stats) = (Arc::clone(&stop), Arc::clone(&stats));
-            std::thread::Builder::new()
-                .name(format!("dhcp-{iface}"))
-                .stack_size(128 * 1024)
-                .spawn(move || serve(&socket, &lease, our_mac, &stop, &stats))?
+            let stats = Arc::clone(&stats);
+            OwnedThread::spawn(format!("dhcp-{iface}"), 128 * 1024, None, move |stop| {
+                serve(&socket, &lease, our_mac, &stop, &stats);
+            })?
         };
         Ok(Responder {
-            stop,
-            thread: Some(thread),
+            _thread: thread,
             stats,
         })
     }
@@ -64,26 +61,17 @@ impl Responder {
     }
 }
 
-impl Drop for Responder {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
 fn serve(
     socket: &PacketSocket,
     lease: &Lease,
     our_mac: [u8; 6],
-    stop: &AtomicBool,
+    stop: &StopFlag,
     stats: &ResponderStats,
 ) {
     let mut buf = vec![0u8; 2048];
     let mut tokens = BURST;
     let mut refilled = Instant::now();
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.stopped() {
         let n = match socket.recv(&mut buf) {
             Ok(0) => continue,
             Ok(n) => n,

@@ -118,9 +118,8 @@ pub struct CloudHypervisor {
 }
 
 impl CloudHypervisor {
-    /// Builds the backend and removes leaked taps with its prefix: links no
-    /// live VMM holds (a stale tap on the underlay can swallow a new guest's
-    /// DHCP replies).
+    /// Builds the backend: its socket dir, and the watch on adopted VMMs
+    /// (which watches nothing until [`Provisioner::recover`] adopts them).
     pub fn new(store: Arc<Store>, cfg: CloudHvConfig) -> CloudHypervisor {
         if let Err(e) = fs::create_dir_all(&cfg.run_dir)
             .and_then(|()| fs::set_permissions(&cfg.run_dir, fs::Permissions::from_mode(0o700)))
@@ -130,11 +129,6 @@ impl CloudHypervisor {
                 cfg.run_dir.display()
             );
         }
-        for link in tap::with_prefix(&cfg.tap_prefix) {
-            if tap::remove(&link).is_ok() {
-                log::info!("removed leaked tap {link}");
-            }
-        }
         let listener = Listener::default();
         let watch = ExitWatch::start(listener.clone())
             .inspect_err(|e| {
@@ -143,16 +137,28 @@ impl CloudHypervisor {
                 );
             })
             .ok();
-        let backend = CloudHypervisor {
+        CloudHypervisor {
             store,
             cfg,
             exits: Arc::new(Mutex::new(HashMap::new())),
             unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
             listener,
             watch,
-        };
-        backend.adopt();
-        backend
+        }
+    }
+
+    /// Removes leaked taps with this agent's prefix: links no live VMM
+    /// holds (a persistent one left by a crash, or by `ip tuntap add`). A
+    /// tap a live VMM holds cannot be attached (EBUSY) and is left alone.
+    /// Before adoption and before any boot: a stale tap on the underlay can
+    /// swallow a new guest's DHCP replies, and one with a VM's name makes
+    /// its next tap open fail.
+    fn remove_leaked_taps(&self) {
+        for link in tap::with_prefix(&self.cfg.tap_prefix) {
+            if tap::remove(&link).is_ok() {
+                log::info!("removed leaked tap {link}");
+            }
+        }
     }
 
     /// Takes over the VMMs that outlived the previous agent: their exits are
@@ -389,5 +395,12 @@ impl Provisioner for CloudHypervisor {
 
     fn watch_exits(&self, listener: ExitListener) {
         self.listener.set(listener);
+    }
+
+    /// 1. Leaked taps go first (see [`CloudHypervisor::remove_leaked_taps`]).
+    /// 2. Then the live VMMs are adopted (see [`CloudHypervisor::adopt`]).
+    fn recover(&self) {
+        self.remove_leaked_taps();
+        self.adopt();
     }
 }

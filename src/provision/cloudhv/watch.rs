@@ -15,8 +15,6 @@
 use std::collections::HashMap;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use parking_lot::Mutex;
@@ -24,7 +22,7 @@ use parking_lot::Mutex;
 use super::process::Tracked;
 use crate::model::Id;
 use crate::provision::ExitListener;
-use crate::wakeup::Wakeup;
+use crate::threads::{OwnedThread, StopFlag, Wakeup};
 
 /// How often VMMs without a pidfd are checked.
 const FALLBACK_POLL_MS: u16 = 1000;
@@ -56,35 +54,35 @@ struct Watched {
 
 struct Shared {
     watched: Mutex<HashMap<i32, Watched>>,
-    wakeup: Wakeup,
-    stop: AtomicBool,
+    wakeup: Arc<Wakeup>,
     listener: Listener,
 }
 
 /// The `vmm-exits` thread; stopped and joined on drop.
 pub(super) struct ExitWatch {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    _thread: OwnedThread,
 }
 
 impl ExitWatch {
     pub(super) fn start(listener: Listener) -> std::io::Result<ExitWatch> {
         let shared = Arc::new(Shared {
             watched: Mutex::new(HashMap::new()),
-            wakeup: Wakeup::new()?,
-            stop: AtomicBool::new(false),
+            wakeup: Arc::new(Wakeup::new()?),
             listener,
         });
         let thread = {
             let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("vmm-exits".into())
-                .stack_size(64 * 1024)
-                .spawn(move || run(&shared))?
+            OwnedThread::spawn(
+                "vmm-exits".into(),
+                64 * 1024,
+                Some(Arc::clone(&shared.wakeup)),
+                move |stop| run(&shared, &stop),
+            )?
         };
         Ok(ExitWatch {
             shared,
-            thread: Some(thread),
+            _thread: thread,
         })
     }
 
@@ -110,18 +108,8 @@ impl ExitWatch {
     }
 }
 
-impl Drop for ExitWatch {
-    fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::Relaxed);
-        self.shared.wakeup.wake();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-fn run(shared: &Shared) {
-    while !shared.stop.load(Ordering::Relaxed) {
+fn run(shared: &Shared, stop: &StopFlag) {
+    while !stop.stopped() {
         let (fds, polled): (Vec<(i32, Arc<OwnedFd>)>, bool) = {
             let watched = shared.watched.lock();
             let fds = watched

@@ -1,0 +1,111 @@
+//! Start-up recovery: what the previous agent (killed at any point) or the
+//! host (rebooted) left, repaired in one place, in an order that matters.
+//! Each step repairs one kind of leftover and must come before the next:
+//!
+//! 1. **Lock the state dir** (`Store::open`). First of all: two agents
+//!    recovering one state dir would each undo the other's work. The
+//!    records are read here; stray temp files are never read as records.
+//! 2. **Sweep** every directory the agent writes (the root, each VM's,
+//!    `net/`, `volumes/`, `images/`): temp files of interrupted atomic
+//!    writes, VM directories caught mid-delete, partial image downloads.
+//!    Before any writer starts, since a writer's own temp file would look
+//!    the same; and before the network loads its address map from `net/`.
+//! 3. **Bring the host network up** (bridge, forwarding, the NAT table,
+//!    the address map). Before any tap is plugged into it, the adopted
+//!    VMMs' included.
+//! 4. **Remove leaked taps** with this agent's prefix that no live VMM
+//!    holds. Before adoption re-plugs the live ones and before any boot
+//!    opens a tap of the same name.
+//! 5. **Adopt the VMMs that outlived the last agent**: watch their exits,
+//!    serve their networks again. Before the engine's first step, so a VMM
+//!    that is alive is seen as running, not restarted.
+//! 6. (In `Engine::new`, after this:) the compute ledger is rebuilt from
+//!    the records, so the first step's admissions count every VM.
+//!
+//! Steps 4 and 5 are the backend's (`Provisioner::recover`), since only it
+//! knows what it leaves on a host.
+
+use std::sync::Arc;
+
+use super::DaemonError;
+use crate::config::Config;
+use crate::error::chain;
+use crate::image::ImageCache;
+use crate::net::host::HostNetwork;
+use crate::provision::Provisioner;
+use crate::state::Store;
+
+/// What recovery hands the daemon: the locked, swept store, and the parts
+/// that now reflect the host as it is.
+pub struct Recovered {
+    pub store: Arc<Store>,
+    pub images: Arc<ImageCache>,
+    pub provisioner: Arc<dyn Provisioner>,
+    /// Lasting facts for `status` (e.g. networking is off, and why).
+    pub notes: Vec<String>,
+}
+
+/// Runs the steps of the module, in order. `guest_dns` is what guests are
+/// told (the flag's list, or the host's own resolvers).
+pub fn recover(
+    config: &Config,
+    guest_dns: Vec<std::net::Ipv4Addr>,
+) -> Result<Recovered, DaemonError> {
+    // 1.
+    let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
+    // 2.
+    let images = Arc::new(ImageCache::with_proxy(
+        store.images_dir(),
+        config.proxy.as_deref(),
+    ));
+    let swept = store.sweep();
+    let partials = images.sweep_partials();
+    if swept.temp_files + swept.half_deleted_vms + partials > 0 {
+        log::info!(
+            "recovered: {} stray temp file(s), {} half-deleted VM dir(s), {partials} partial download(s) removed",
+            swept.temp_files,
+            swept.half_deleted_vms
+        );
+    }
+    // 3.
+    let mut notes = Vec::new();
+    let network = match config.guest.underlay.clone() {
+        None => {
+            notes.push("guest networking is off (--underlay-bridge is empty)".to_owned());
+            None
+        }
+        Some(underlay) => match HostNetwork::setup(
+            underlay,
+            store.root(),
+            guest_dns,
+            config.guest.host_networks.clone(),
+        ) {
+            Ok(n) => {
+                if n.nat() == crate::net::underlay::Nat::HostOnly {
+                    notes.push(
+                        "guest networking is host-only: neither nft nor iptables is installed"
+                            .to_owned(),
+                    );
+                }
+                Some(Arc::new(n))
+            }
+            // Without its network a VM still boots; the log, `status` and
+            // the VM's missing address say why it is unreachable.
+            Err(e) => {
+                let why = chain(&*e as &dyn std::error::Error);
+                log::error!("guest networking is off: {why}");
+                notes.push(format!("guest networking is off: {why}"));
+                None
+            }
+        },
+    };
+    // 4. and 5.
+    let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest, network);
+    provisioner.recover();
+    Ok(Recovered {
+        store,
+        images,
+        provisioner,
+        notes,
+    })
+}

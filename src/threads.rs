@@ -1,0 +1,167 @@
+//! Threads the agent owns for a while and then stops: a DHCP responder or
+//! a snooper on a tap, the watch on adopted hypervisors, the watch on the
+//! desired file.
+//!
+//! An [`OwnedThread`] is named, runs its body with a [`StopFlag`], and is
+//! stopped and joined when it is dropped (crosvm's `WorkerThread` is the
+//! model). A body looks at the flag whenever its blocking call returns: one
+//! blocked on a socket with a receive timeout sees it within that timeout;
+//! one blocked in poll(2) puts a [`Wakeup`] in its poll set, and the drop
+//! wakes it at once.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+/// Whether the thread's owner asked it to stop.
+#[derive(Clone)]
+pub struct StopFlag(Arc<AtomicBool>);
+
+impl StopFlag {
+    pub fn stopped(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A named thread, stopped and joined on drop.
+pub struct OwnedThread {
+    stop: StopFlag,
+    wakeup: Option<Arc<Wakeup>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl OwnedThread {
+    /// Starts `body` on a thread called `name`. `wakeup`, when the body
+    /// polls one, is woken on drop so the body sees its flag at once.
+    pub fn spawn(
+        name: String,
+        stack_bytes: usize,
+        wakeup: Option<Arc<Wakeup>>,
+        body: impl FnOnce(StopFlag) + Send + 'static,
+    ) -> io::Result<OwnedThread> {
+        let stop = StopFlag(Arc::new(AtomicBool::new(false)));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(name)
+                .stack_size(stack_bytes)
+                .spawn(move || body(stop))?
+        };
+        Ok(OwnedThread {
+            stop,
+            wakeup,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for OwnedThread {
+    fn drop(&mut self) {
+        self.stop.0.store(true, Ordering::Relaxed);
+        if let Some(wakeup) = &self.wakeup {
+            wakeup.wake();
+        }
+        if let Some(thread) = self.thread.take() {
+            // A body that panicked has nothing left to stop.
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Waking a thread blocked in poll(2): the read end of a pipe sits in its
+/// poll set, and [`Wakeup::wake`] writes a byte to the other end.
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+#[cfg(not(target_os = "linux"))]
+use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+
+pub struct Wakeup {
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+impl Wakeup {
+    /// Close-on-exec, so a hypervisor forked meanwhile never holds the
+    /// pipe (atomically where pipe2 exists); non-blocking, so a wake never
+    /// blocks its caller however many are pending, and a drain stops when
+    /// the pipe is empty.
+    pub fn new() -> io::Result<Wakeup> {
+        #[cfg(target_os = "linux")]
+        let (read, write) = nix::unistd::pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK)?;
+        #[cfg(not(target_os = "linux"))]
+        let (read, write) = {
+            let (read, write) = nix::unistd::pipe()?;
+            for fd in [&read, &write] {
+                fcntl(fd.as_fd(), FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+                fcntl(fd.as_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
+            }
+            (read, write)
+        };
+        Ok(Wakeup { read, write })
+    }
+
+    /// Makes the waiting thread's poll return. A full pipe already holds a
+    /// wake, so it is as good as written.
+    pub fn wake(&self) {
+        match nix::unistd::write(&self.write, &[1]) {
+            Ok(_) | Err(Errno::EAGAIN) => {}
+            Err(e) => log::debug!("wake-up pipe: {e}"),
+        }
+    }
+
+    /// The end to poll for readability.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.read.as_fd()
+    }
+
+    /// Empties the pipe after a wake was seen, so the next poll blocks.
+    pub fn drain(&self) {
+        let mut buf = [0u8; 64];
+        while matches!(nix::unistd::read(&self.read, &mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+
+    fn readable(w: &Wakeup) -> bool {
+        let mut fds = [PollFd::new(w.fd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).expect("poll") > 0
+    }
+
+    #[test]
+    fn dropping_an_owned_thread_stops_and_joins_it() {
+        let ran_to_the_end = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let done = Arc::clone(&ran_to_the_end);
+            OwnedThread::spawn("test-owned".into(), 64 * 1024, None, move |stop| {
+                while !stop.stopped() {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                done.store(true, Ordering::Relaxed);
+            })
+            .expect("spawn")
+        };
+
+        drop(thread);
+
+        assert!(ran_to_the_end.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn a_wake_makes_the_pipe_readable_until_drained() {
+        let w = Wakeup::new().expect("pipe");
+
+        w.wake();
+        w.wake();
+        let woken = readable(&w);
+        w.drain();
+
+        assert!(woken);
+        assert!(!readable(&w));
+    }
+}

@@ -1,0 +1,179 @@
+//! Start-up recovery (`daemon::recover`) on a state dir and host left by
+//! an agent killed in each phase of its work: mid atomic write in every
+//! directory it writes, mid download, mid destroy, and after starting a
+//! VMM (which lives on, next to a leaked tap). One run of the recovery
+//! must leave the store clean, the host's leftovers gone, and the live VMM
+//! adopted: running, watched, and not restarted.
+
+use std::collections::HashMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use eitri_agent::config::{self, Command, Config};
+use eitri_agent::deadline::Deadline;
+use eitri_agent::model::Id;
+use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
+use eitri_agent::state::{Record, Store};
+use eitri_agent::testkit::tools::tool;
+use eitri_agent::testkit::{desired, id};
+
+const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+
+/// A tap prefix of this test process alone.
+fn tap_prefix() -> String {
+    format!("er{:04x}", std::process::id() & 0xffff)
+}
+
+fn launcher(dir: &Path) -> PathBuf {
+    let path = dir.join("hv");
+    std::fs::write(&path, format!("#!/bin/sh\nexec {STANDIN} \"$@\"\n")).expect("launcher");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
+fn config(dir: &Path) -> Config {
+    let args: Vec<String> = [
+        "run",
+        "--desired",
+        "/dev/null",
+        "--state-dir",
+        &dir.join("state").display().to_string(),
+        "--run-dir",
+        &dir.join("run").display().to_string(),
+        "--hypervisor",
+        &launcher(dir).display().to_string(),
+        "--kernel",
+        &dir.join("vmlinux").display().to_string(),
+        "--tap-prefix",
+        &tap_prefix(),
+        "--underlay-bridge=",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    match config::parse(&args, &HashMap::new()).expect("config") {
+        Command::Run(c) => *c,
+        other => panic!("not run: {other:?}"),
+    }
+}
+
+/// What the killed agent had done to the host: a VMM it started for
+/// `vm-live` (with its record and pidfile), still running.
+fn a_vmm_left_running(config: &Config) -> i32 {
+    std::fs::write(
+        config.state_dir.parent().expect("dir").join("vmlinux"),
+        b"k",
+    )
+    .expect("kernel");
+    let store = Arc::new(Store::open(&config.state_dir).expect("store"));
+    let spec = desired("vm-live").spec;
+    let mut rec = Record::new(spec.clone());
+    rec.boot_id = "boot-1".into();
+    store.save(&rec).expect("record");
+    let backend = CloudHypervisor::new(
+        Arc::clone(&store),
+        CloudHvConfig {
+            hypervisor: config.guest.hypervisor.clone(),
+            kernel: config.guest.kernel.clone(),
+            firmware: None,
+            cmdline: String::new(),
+            run_dir: config.guest.run_dir.clone(),
+            tap_prefix: config.guest.tap_prefix.clone(),
+            boot_wait: Duration::from_secs(5),
+            stop: StopTimeouts::default(),
+            network: None,
+        },
+    );
+    backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pidfile = std::fs::read_to_string(store.pidfile_path(&id("vm-live"))).expect("pidfile");
+    pidfile
+        .split_whitespace()
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("pid")
+}
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            != Some("Z")
+    })
+}
+
+/// A persistent tap with the agent's prefix, as a crash (or `ip tuntap
+/// add`) leaves; deleted on drop whatever happens.
+struct LeakedTap(String);
+
+impl LeakedTap {
+    fn make(name: String) -> LeakedTap {
+        let made = tool("ip")
+            .args(["tuntap", "add", "dev", &name, "mode", "tap"])
+            .status()
+            .expect("ip");
+        assert!(made.success());
+        LeakedTap(name)
+    }
+
+    fn exists(&self) -> bool {
+        Path::new("/sys/class/net").join(&self.0).exists()
+    }
+}
+
+impl Drop for LeakedTap {
+    fn drop(&mut self) {
+        let _ = tool("ip").args(["link", "del", &self.0]).output();
+    }
+}
+
+#[test]
+fn recovery_repairs_what_a_crash_in_each_phase_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = config(dir.path());
+    let vmm = a_vmm_left_running(&config);
+    let state = &config.state_dir;
+    let leftovers: Vec<PathBuf> = [
+        ".epoch.tmp-999-0",
+        "vms/vm-live/.record.json.tmp-999-1",
+        "net/.addresses.json.tmp-999-2",
+        "volumes/.data-1.tmp-999-3",
+        "images/.partial-abababab-999-4",
+    ]
+    .iter()
+    .map(|p| state.join(p))
+    .collect();
+    for path in &leftovers {
+        std::fs::create_dir_all(path.parent().expect("dir")).expect("dir");
+        std::fs::write(path, b"half").expect("leftover");
+    }
+    let half_deleted = state.join("vms/.deleting-vm-gone-999-0");
+    std::fs::create_dir_all(&half_deleted).expect("dir");
+    std::fs::write(half_deleted.join("disk.raw"), b"x").expect("disk");
+    let leaked = LeakedTap::make(format!("{}leak", tap_prefix()));
+
+    let recovered = eitri_agent::daemon::recover::recover(&config, vec![]).expect("recovery runs");
+
+    let left: Vec<_> = leftovers.iter().filter(|p| p.exists()).collect();
+    assert!(left.is_empty(), "not swept: {left:?}");
+    assert!(!half_deleted.exists(), "the half-done delete is finished");
+    assert!(!leaked.exists(), "the leaked tap is removed");
+    let vm = Id::parse("vm-live").expect("id");
+    assert!(alive(vmm), "the live VMM is left running");
+    assert!(recovered.provisioner.running(&vm), "and adopted");
+    // Adopted means watched: its exit is told at once.
+    let (tx, rx) = crossbeam_channel::unbounded();
+    recovered
+        .provisioner
+        .watch_exits(Arc::new(move |id: &Id| drop(tx.send(id.clone()))));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(vmm),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill");
+    assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(vm.clone()));
+    let _ = recovered.provisioner.destroy(&vm, Deadline::NONE);
+}
