@@ -394,11 +394,36 @@ fn a_hypervisor_that_ignores_shutdown_is_gone_within_the_bound() {
     let pid = h.pid("vm-1").expect("pid");
 
     h.backend
-        .shutdown(&id("vm-1"), Deadline::NONE)
+        .shutdown(&id("vm-1"), Deadline::NONE, &|_| {})
         .expect("stopped");
 
     assert!(!alive(pid));
     assert!(!h.backend.running(&id("vm-1")));
+}
+
+#[test]
+fn a_long_stop_is_narrated_stage_by_stage() {
+    let h = Host::new(&[("STANDIN_IGNORE_SHUTDOWN", "1")]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let said = parking_lot::Mutex::new(Vec::new());
+
+    h.backend
+        .shutdown(&id("vm-1"), Deadline::NONE, &|what| {
+            said.lock().push(what.to_owned())
+        })
+        .expect("stopped");
+
+    let said = said.into_inner();
+    assert_eq!(
+        said.first().map(String::as_str),
+        Some("stopping: waiting for the guest to power off, 0 s of 1"),
+        "{said:?}"
+    );
+    assert!(
+        said.iter().any(|s| s == "stopping: killing the hypervisor"),
+        "{said:?}"
+    );
 }
 
 fn destroy_leaves_no_process_socket_pidfile_tap_or_directory_on(h: Host) {

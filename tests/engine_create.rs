@@ -92,9 +92,12 @@ fn spent_budget_is_terminal_with_the_last_error() {
     h.fakes.fail(Op::Boot, "vm-1", "kvm busy");
     let snap = snapshot(1, vec![present(desired("vm-1"))]);
 
+    // Each attempt is made once the last one's backoff has passed: a
+    // budget spans minutes, not ticks.
     let phases: Vec<_> = (0..4)
         .map(|_| {
             h.tick(&snap);
+            h.fakes.advance_clock(Duration::from_secs(90));
             h.row("vm-1").phase
         })
         .collect();

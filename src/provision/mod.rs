@@ -22,6 +22,9 @@ use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, VmSpec};
 
+/// Told what a long operation is doing now, for the VM's row.
+pub type Say<'a> = &'a dyn Fn(&str);
+
 /// Told the id of a VM whose hypervisor process ended, for whatever reason.
 /// Called from the backend's own threads: it must not block.
 pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
@@ -44,8 +47,10 @@ pub trait Provisioner: Send + Sync {
     /// whose hypervisor is alive is never started twice.
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
 
-    /// Stops the guest (politely first); the VM's files stay.
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure>;
+    /// Stops the guest (politely first); the VM's files stay. `say` is told
+    /// each stage as it starts ("stopping: waiting for the guest to power
+    /// off, 12 s of 30"), for the VM's row: a polite stop can take minutes.
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure>;
 
     /// Stops the VM and releases every host resource it holds: its process,
     /// its network attachment, its address reservation.

@@ -1,10 +1,15 @@
-//! Driving an existing VM to its desired power state.
+//! Driving a created VM to its desired power state.
 //!
 //! lost = the host rebooted since the VM last booted (boot id changed), or
 //! its hypervisor is gone without a recorded stop request. A deliberately
 //! stopped VM is stopped, not lost. A lost VM that should run is booted
 //! again: every VM is persistent.
+//!
+//! Each branch reads as its transitions: the intent saved before the side
+//! effect, the outcome saved after it, and the row derived from the record
+//! the way every report derives it (`lifecycle::phase`).
 
+use super::lifecycle::{self, State};
 use super::pass::{Core, Narrator, VmResult};
 use super::volumes;
 use super::workers::Publisher;
@@ -32,15 +37,15 @@ impl Core {
         }
 
         let rebooted = rec.boot_id != boot_id;
-        let lost = rebooted || (!running && !rec.stop_requested);
-        if lost {
+        let up = lifecycle::state(&rec, self.budget()) == State::Up;
+        if rebooted || (!running && up) {
             let why = if rebooted {
                 "the host rebooted"
             } else {
                 "its hypervisor is gone without a stop request"
             };
             log::warn!("VM {}: lost ({why})", rec.spec.vm_id);
-            match d.power {
+            return match d.power {
                 PowerState::Running => {
                     // Said before the boot: the guest is down until it ends.
                     Narrator::new(
@@ -52,66 +57,62 @@ impl Core {
                         Phase::Ready,
                     )
                     .say(&format!("booting again: {why}"));
-                    self.boot(deadline, rec, Some(boot_id), res);
+                    self.boot(deadline, rec, boot_id, res);
                 }
                 PowerState::Stopped => {
-                    rec.boot_id = boot_id;
-                    rec.stop_requested = true;
+                    rec.lost_while_stopped(boot_id);
                     self.save_best_effort(&rec);
-                    res.report(&rec, Some(PowerState::Stopped), Phase::Ready, "");
+                    self.report_recorded(res, &rec, PowerState::Stopped);
                 }
-            }
-            return;
+            };
         }
 
         match (d.power, running) {
-            (PowerState::Running, false) => self.boot(deadline, rec, None, res),
-            (PowerState::Stopped, true) => self.stop(deadline, rec, res),
-            // At the desired state. A past error stays on the row as history;
-            // the VM itself is fine.
-            (_, running) => {
-                let history = rec.last_error.clone();
-                res.report(
-                    &rec,
-                    Some(PowerState::observed(running)),
-                    Phase::Ready,
-                    history,
-                );
+            (PowerState::Running, false) => self.boot(deadline, rec, boot_id, res),
+            (PowerState::Stopped, true) => self.stop(deadline, rec, res, publisher),
+            // At the desired state: whatever an earlier operation left in
+            // the record is history now.
+            (PowerState::Running, true) | (PowerState::Stopped, false) => {
+                let was = rec.clone();
+                rec.converged(running);
+                if rec != was {
+                    self.save_best_effort(&rec);
+                }
+                self.report_recorded(res, &rec, PowerState::observed(running));
             }
         }
     }
 
-    /// Boots a VM that should run and does not. `new_boot_id` is set when
-    /// the VM was lost to a host reboot and must be re-stamped.
-    fn boot(
-        &self,
-        deadline: Deadline,
-        mut rec: Record,
-        new_boot_id: Option<String>,
-        res: &mut VmResult,
-    ) {
+    /// Boots a VM that should run and does not; `boot_id` is the host's,
+    /// which re-stamps a VM lost to a reboot.
+    fn boot(&self, deadline: Deadline, mut rec: Record, boot_id: String, res: &mut VmResult) {
         let booted = volumes::materialized(&self.store, &rec.spec)
             .and_then(|()| self.prov.boot(&rec.spec, deadline));
-        if let Err(e) = booted {
-            return self.fail_converge(rec, e, res);
+        match booted {
+            Ok(()) => {
+                self.note_address(&mut rec);
+                rec.booted(boot_id);
+                self.save_best_effort(&rec);
+                self.forget_logs(&rec.spec.vm_id);
+                log::info!("VM {}: booted", rec.spec.vm_id);
+                self.report_recorded(res, &rec, PowerState::Running);
+            }
+            Err(e) => self.fail_boot(rec, e, res),
         }
-        self.note_address(&mut rec);
-        if let Some(boot_id) = new_boot_id {
-            rec.boot_id = boot_id;
-        }
-        rec.stop_requested = false;
-        rec.last_error.clear();
-        self.save_best_effort(&rec);
-        self.forget_logs(&rec.spec.vm_id);
-        log::info!("VM {}: booted", rec.spec.vm_id);
-        res.report(&rec, Some(PowerState::Running), Phase::Ready, "");
     }
 
     /// Stops a VM that should not run. The stop intent is saved first: a
     /// stop without a durable intent would read as a crash after an agent
-    /// restart, and the VM would be booted again.
-    fn stop(&self, deadline: Deadline, mut rec: Record, res: &mut VmResult) {
-        rec.stop_requested = true;
+    /// restart, and the VM would be booted again. A long stop (a guest
+    /// taking its time over the power button) is narrated as it goes.
+    fn stop(
+        &self,
+        deadline: Deadline,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        rec.stop_intended();
         if let Err(e) = self.store.save(&rec) {
             let why = chain(&e);
             let vm_id = &rec.spec.vm_id;
@@ -119,12 +120,25 @@ impl Core {
                 &format!("{vm_id}/stop"),
                 &format!("VM {vm_id}: not stopping it: {why}"),
             );
+            // The intent is not on disk, and neither can this error be: the
+            // row says what happened, the record is unchanged.
             return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
         }
-        match self.prov.shutdown(&rec.spec.vm_id, deadline) {
+        let narrator = Narrator::new(
+            publisher,
+            deadline,
+            res,
+            &rec,
+            PowerState::Running,
+            Phase::Ready,
+        );
+        let say = |what: &str| narrator.say(what);
+        match self.prov.shutdown(&rec.spec.vm_id, deadline, &say) {
             Ok(()) => {
+                rec.stopped();
+                self.save_best_effort(&rec);
                 log::info!("VM {}: stopped", rec.spec.vm_id);
-                res.report(&rec, Some(PowerState::Stopped), Phase::Ready, "");
+                self.report_recorded(res, &rec, PowerState::Stopped);
             }
             // Unlike the reference, a failed shutdown is not reported as
             // stopped: the row says what the host has, and the saved intent
@@ -133,18 +147,16 @@ impl Core {
                 let err: &dyn std::error::Error = &*e;
                 let why = chain(err);
                 self.log_failure(&rec.spec.vm_id, "shutdown failed", &why);
-                if rec.last_error != why {
-                    rec.last_error.clone_from(&why);
-                    self.save_best_effort(&rec);
-                }
+                rec.stop_failed(why);
+                self.save_best_effort(&rec);
                 let power = PowerState::observed(self.prov.running(&rec.spec.vm_id));
-                res.report(&rec, Some(power), Phase::Failed, why);
+                self.report_recorded(res, &rec, power);
             }
         }
     }
 
     /// Records a failed boot with the hypervisor's own account of why.
-    fn fail_converge(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
+    fn fail_boot(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
         let err: &dyn std::error::Error = &*err;
         let mut error = chain(err);
         let reason = self.prov.failure_reason(&rec.spec.vm_id);
@@ -152,9 +164,8 @@ impl Core {
             error = format!("{error}: {reason}");
         }
         self.log_failure(&rec.spec.vm_id, "boot failed", &error);
-        rec.last_error = error;
+        rec.boot_failed(error);
         self.save_best_effort(&rec);
-        let why = rec.last_error.clone();
-        res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
+        self.report_recorded(res, &rec, PowerState::Stopped);
     }
 }

@@ -2,7 +2,10 @@
 //! narrated as it goes.
 //!
 //! Order, and why:
-//! 1. A spec change resets the attempt budget; a spent budget is terminal.
+//! 1. A spec change starts the budget over. An attempt is made only when
+//!    the lifecycle says one is due: a failed one waits out its backoff, a
+//!    budget spent on transient errors waits for its re-arm, a permanent
+//!    error waits for a new spec (see `lifecycle`).
 //! 2. With `host_cert_required`, the host key is loaded or made and its
 //!    public line saved first, then the pass waits for the certificate.
 //! 3. Admission against the host caps. A refusal spends no attempt.
@@ -20,6 +23,7 @@
 
 use std::sync::Arc;
 
+use super::lifecycle::{self, Attempts, State};
 use super::pass::{Core, Narrator, VmResult};
 use super::seams::{Progress, SeedParams};
 use super::volumes;
@@ -39,17 +43,31 @@ impl Core {
         publisher: Option<&Publisher>,
     ) {
         let vm_id = &d.spec.vm_id;
+        let now = self.host.now();
         let mut rec = prior
             .cloned()
             .unwrap_or_else(|| Record::new(d.spec.clone()));
         if prior.is_some() && rec.spec != d.spec {
-            rec.create_attempts = 0;
-            rec.last_error.clear();
+            rec.spec_changed(d.spec.clone());
         }
-        if prior.is_some() && rec.create_attempts >= self.config.max_create_attempts {
-            let why = rec.last_error.clone();
-            res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
-            return;
+        match lifecycle::state(&rec, self.budget()) {
+            State::Creating(Attempts::Open { due: None }) => {}
+            State::Creating(Attempts::Open { due: Some(due) }) if due <= now => {}
+            State::Creating(Attempts::Spent { rearm_at }) if rearm_at <= now => {
+                log::info!(
+                    "VM {vm_id}: its create budget, spent on errors that may pass, is re-armed"
+                );
+                rec.rearm();
+            }
+            // Not yet: say why and when, as the record has it.
+            State::Creating(
+                Attempts::Open { .. } | Attempts::Spent { .. } | Attempts::Permanent,
+            )
+            | State::Up
+            | State::Down
+            | State::Quarantined { .. } => {
+                return self.report_recorded(res, &rec, PowerState::Stopped);
+            }
         }
         let mut attempt = Attempt {
             core: self,
@@ -59,7 +77,6 @@ impl Core {
 
         let mut host_key = None;
         if d.host_cert_required {
-            rec.spec = d.spec.clone();
             let key = match self
                 .host_keys
                 .load_or_create(&self.store.host_key_path(vm_id))
@@ -86,18 +103,17 @@ impl Core {
             host_key = Some(key);
         }
 
-        rec.spec = d.spec.clone();
+        // A refusal is no attempt and no record of one: reported failed,
+        // as the reference does, and retried at the next tick.
         if let Err(why) = self.ledger.admit(&rec.spec) {
             res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
             return;
         }
 
-        rec.create_attempts += 1;
-        rec.created_at = Some(self.host.now());
-        rec.last_error.clear();
+        let before = rec.clone();
+        rec.begin_attempt(now);
         if let Err(e) = self.store.save(&rec) {
-            rec.create_attempts -= 1;
-            return attempt.fail(rec, e.into(), res);
+            return attempt.fail(before, e.into(), res);
         }
         attempt.counted = true;
 
@@ -181,9 +197,7 @@ impl Core {
         // The heavy part is over; the record write below needs no slot.
         drop(slot);
 
-        rec.boot_id = self.host.boot_id();
-        rec.stop_requested = d.power != PowerState::Running;
-        rec.last_error.clear();
+        rec.created(self.host.boot_id(), d.power == PowerState::Running);
         self.save_best_effort(&rec);
         self.forget_logs(vm_id);
         res.report(&rec, Some(d.power), Phase::Ready, "");
@@ -200,32 +214,26 @@ struct Attempt<'a> {
 
 impl Attempt<'_> {
     fn fail(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
-        let max = self.core.config.max_create_attempts;
-        if self.deadline.expired() {
-            if self.counted {
-                rec.create_attempts = rec.create_attempts.saturating_sub(1);
-            }
-        } else if err.is_permanent() {
-            rec.create_attempts = max;
-        }
+        let core = self.core;
+        let budget = core.budget();
+        let permanent = err.is_permanent();
         let err: &dyn std::error::Error = &*err;
-        rec.last_error = chain(err);
-        self.core.log_failure(
+        let error = chain(err);
+        match (self.deadline.expired(), self.counted, permanent) {
+            (true, true, _) => rec.refund_attempt(error),
+            (true, false, _) | (false, false, false) => rec.could_not_attempt(error),
+            (false, _, permanent) => rec.attempt_failed(error, permanent, core.host.now(), budget),
+        }
+        core.log_failure(
             &rec.spec.vm_id,
             &format!(
-                "create failed ({} of {max} attempts spent)",
-                rec.create_attempts
+                "create failed ({} of {} attempts spent)",
+                rec.create_attempts, budget.max_attempts
             ),
             &rec.last_error,
         );
-        self.core.save_best_effort(&rec);
-        let phase = if rec.create_attempts >= max {
-            Phase::Failed
-        } else {
-            Phase::Creating
-        };
-        let why = rec.last_error.clone();
-        res.report(&rec, Some(PowerState::Stopped), phase, why);
+        core.save_best_effort(&rec);
+        core.report_recorded(res, &rec, PowerState::Stopped);
     }
 }
 

@@ -28,6 +28,7 @@
 mod admission;
 mod converge;
 mod create;
+mod lifecycle;
 mod pass;
 mod reap;
 pub mod seams;
@@ -70,8 +71,12 @@ pub struct EngineConfig {
     pub tombstone_grace: Duration,
     /// Quarantine before destroying a VM that vanished from desired state.
     pub vanish_grace: Duration,
-    /// Create attempts per spec before the VM is terminally failed.
+    /// Create attempts per spec before the VM is failed (until its spec
+    /// changes, or, when every failure was one that may pass, until
+    /// `create_rearm` has passed).
     pub max_create_attempts: u32,
+    /// How long a create budget spent only on transient errors stays spent.
+    pub create_rearm: Duration,
     /// Creates allowed in their I/O-heavy part at once; 0 = unlimited.
     pub max_concurrent_creates: usize,
     pub caps: HostCaps,
@@ -89,6 +94,7 @@ impl Default for EngineConfig {
             tombstone_grace: Duration::from_secs(60 * 60),
             vanish_grace: Duration::from_secs(24 * 60 * 60),
             max_create_attempts: 3,
+            create_rearm: Duration::from_secs(60 * 60),
             max_concurrent_creates: 4,
             caps: HostCaps::default(),
             worker_stack_bytes: 256 * 1024,

@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::EngineConfig;
 use super::admission::{CreateSlots, Ledger};
+use super::lifecycle::{self, Budget, State};
 use super::seams::{HostFacts, HostKeys, Images, SeedBuilder};
 use super::workers::Publisher;
 use crate::deadline::Deadline;
@@ -198,24 +199,73 @@ impl Core {
         };
         match assignment {
             Assignment::Desired(desired) => {
-                let rec = rec.map(|r| self.unquarantine(r));
-                match rec {
-                    // The boot id is the create's completion witness: it is
-                    // written only after every side effect succeeded. A disk
-                    // left by a create that died before boot is not one.
-                    Some(rec) if !rec.boot_id.is_empty() => {
-                        self.converge(deadline, desired, (*rec).clone(), &mut res, publisher);
-                    }
-                    rec => self.create(deadline, desired, rec.as_deref(), &mut res, publisher),
-                }
+                let rec = rec.map(|r| (*r).clone());
+                self.drive(deadline, desired, rec, &mut res, publisher);
             }
             Assignment::Reap { tombstoned } => {
                 if let Some(rec) = rec {
-                    self.reap(deadline, (*rec).clone(), *tombstoned, &mut res);
+                    self.reap(deadline, (*rec).clone(), *tombstoned, &mut res, publisher);
                 }
             }
         }
         PassOutcome::Done(res)
+    }
+
+    /// Drives a desired VM by the state its record is in: a create not yet
+    /// done (the boot id is its completion witness, written only after
+    /// every side effect succeeded; a disk left by a create that died before
+    /// boot is none), a created VM to converge, or a quarantined VM back in
+    /// desired state, which leaves quarantine and is driven as what it was.
+    fn drive(
+        &self,
+        deadline: Deadline,
+        desired: &DesiredVm,
+        rec: Option<Record>,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let Some(mut rec) = rec else {
+            return self.create(deadline, desired, None, res, publisher);
+        };
+        match lifecycle::state(&rec, self.budget()) {
+            State::Creating(_) => self.create(deadline, desired, Some(&rec), res, publisher),
+            State::Up | State::Down => self.converge(deadline, desired, rec, res, publisher),
+            State::Quarantined { .. } => {
+                rec.unquarantine();
+                let vm_id = &rec.spec.vm_id;
+                if let Err(e) = self.store.save(&rec) {
+                    self.logs.warn(
+                        &format!("{vm_id}/unquarantine"),
+                        &format!("VM {vm_id}: cannot save its return from quarantine: {e}"),
+                    );
+                }
+                log::info!("VM {vm_id}: back in desired state, leaving quarantine");
+                self.drive(deadline, desired, Some(rec), res, publisher);
+            }
+        }
+    }
+
+    /// How creates are paced.
+    pub(crate) fn budget(&self) -> Budget {
+        Budget {
+            max_attempts: self.config.max_create_attempts,
+            rearm: self.config.create_rearm,
+        }
+    }
+
+    /// Sets `res` to what the record says: its quarantined entry, or its
+    /// row with the lifecycle's phase, its error and how long a create waits
+    /// (the same derivation for every report, made with a pass or without).
+    pub(crate) fn report_recorded(&self, res: &mut VmResult, rec: &Record, power: PowerState) {
+        match lifecycle::phase(rec, self.budget()) {
+            None => res.quarantined = Some(quarantined_entry(rec, self.grace_for(rec))),
+            Some(phase) => {
+                res.report(rec, Some(power), phase, rec.last_error.clone());
+                if let Some(row) = &mut res.row {
+                    row.status_detail = lifecycle::detail(rec, self.budget(), self.host.now());
+                }
+            }
+        }
     }
 
     /// What the host has for a VM, from its record and the backend's
@@ -231,19 +281,12 @@ impl Core {
             host_pubkey: rec.host_pubkey.clone(),
             ..VmResult::default()
         };
-        if rec.quarantined_at.is_some() {
-            res.quarantined = Some(quarantined_entry(rec, self.grace_for(rec)));
+        let power = if rec.quarantined_at.is_some() {
+            PowerState::Stopped
         } else {
-            let power = PowerState::observed(self.prov.running(vm_id));
-            let phase = if !rec.last_error.is_empty() {
-                Phase::Failed
-            } else if rec.boot_id.is_empty() {
-                Phase::Creating
-            } else {
-                Phase::Ready
-            };
-            res.report(rec, Some(power), phase, rec.last_error.clone());
-        }
+            PowerState::observed(self.prov.running(vm_id))
+        };
+        self.report_recorded(&mut res, rec, power);
         res
     }
 
@@ -275,29 +318,6 @@ impl Core {
     /// same failure later is news again.
     pub(crate) fn forget_logs(&self, vm_id: &Id) {
         self.logs.clear_prefix(&format!("{vm_id}/"));
-    }
-
-    /// A quarantined VM back in desired state leaves quarantine; converge
-    /// then counts its compute again.
-    fn unquarantine(&self, rec: Arc<Record>) -> Arc<Record> {
-        if rec.quarantined_at.is_none() {
-            return rec;
-        }
-        let mut back = (*rec).clone();
-        back.quarantined_at = None;
-        back.quarantine_tombstoned = false;
-        if let Err(e) = self.store.save(&back) {
-            let vm_id = &back.spec.vm_id;
-            self.logs.warn(
-                &format!("{vm_id}/unquarantine"),
-                &format!("VM {vm_id}: cannot save its return from quarantine: {e}"),
-            );
-        }
-        log::info!(
-            "VM {}: back in desired state, leaving quarantine",
-            back.spec.vm_id
-        );
-        Arc::new(back)
     }
 
     /// Folds the backend's current answers for the VM's addresses into

@@ -2,14 +2,19 @@
 //!
 //! 1. Its compute is released: a quarantined guest is stopped.
 //! 2. First sight: quarantine it, with the stop intent saved **before** the
-//!    shutdown. If that save fails nothing is stopped; the next pass retries.
+//!    shutdown (if that save fails nothing is stopped; the next pass
+//!    retries), and publish the quarantined entry **before** the stop, so
+//!    the control plane sees the decision at once, not after a guest has
+//!    taken its time over the power button.
 //! 3. A vanished VM that is later tombstoned switches to the (shorter)
 //!    tombstone grace.
 //! 4. After its grace: destroy, then delete the record. A failed destroy
 //!    keeps the record, so the next pass tries again; until the record is
 //!    gone the VM is reported quarantined, never silently omitted.
 
+use super::lifecycle::{self, State};
 use super::pass::{Core, VmResult, grace_expired, quarantined_entry};
+use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::error::chain;
 use crate::state::Record;
@@ -21,15 +26,14 @@ impl Core {
         mut rec: Record,
         tombstoned: bool,
         res: &mut VmResult,
+        publisher: Option<&Publisher>,
     ) {
         let vm_id = rec.spec.vm_id.clone();
         self.ledger.release(&vm_id);
         let now = self.host.now();
-        match rec.quarantined_at {
-            None => {
-                rec.quarantined_at = Some(now);
-                rec.quarantine_tombstoned = tombstoned;
-                rec.stop_requested = true;
+        match lifecycle::state(&rec, self.budget()) {
+            State::Creating(_) | State::Up | State::Down => {
+                rec.quarantine(now, tombstoned);
                 if let Err(e) = self.store.save(&rec) {
                     self.logs.error(
                         &format!("{vm_id}/quarantine"),
@@ -44,16 +48,25 @@ impl Core {
                     "VM {vm_id}: {} from desired state; quarantined and stopping",
                     if tombstoned { "tombstoned" } else { "gone" }
                 );
-                if let Err(e) = self.prov.shutdown(&vm_id, deadline) {
+                if let Some(publisher) = publisher {
+                    let mut entry = VmResult {
+                        host_pubkey: res.host_pubkey.clone(),
+                        ..VmResult::default()
+                    };
+                    entry.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
+                    publisher.publish(entry);
+                }
+                let say = |what: &str| log::info!("VM {vm_id}: {what}");
+                if let Err(e) = self.prov.shutdown(&vm_id, deadline, &say) {
                     let err: &dyn std::error::Error = &*e;
                     log::warn!("VM {vm_id}: shutdown on quarantine failed: {}", chain(err));
                 }
             }
-            Some(_) if tombstoned && !rec.quarantine_tombstoned => {
-                rec.quarantine_tombstoned = true;
+            State::Quarantined { tombstoned: false } if tombstoned => {
+                rec.tombstoned_in_quarantine();
                 self.save_best_effort(&rec);
             }
-            Some(_) => {}
+            State::Quarantined { .. } => {}
         }
 
         let grace = self.grace_for(&rec);

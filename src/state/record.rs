@@ -21,6 +21,14 @@ pub struct Record {
     #[serde(with = "unix_ms")]
     pub created_at: Option<SystemTime>,
     pub last_error: String,
+    /// When the latest create attempt failed; the next waits out a backoff
+    /// from then. Absent in records of older agents: no wait.
+    #[serde(with = "unix_ms", default)]
+    pub failed_at: Option<SystemTime>,
+    /// The latest create attempt failed permanently: no retry can succeed
+    /// until the spec changes (a budget spent on transient errors re-arms).
+    #[serde(default)]
+    pub failure_permanent: bool,
     /// Boot id of the host when the VM was last created or booted. Empty
     /// until a create completes: it is the create's completion witness.
     pub boot_id: String,
@@ -46,6 +54,8 @@ impl Record {
             create_attempts: 0,
             created_at: None,
             last_error: String::new(),
+            failed_at: None,
+            failure_permanent: false,
             boot_id: String::new(),
             stop_requested: false,
             quarantined_at: None,

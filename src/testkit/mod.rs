@@ -26,7 +26,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Simple};
 use crate::model::{DesiredVm, Id, PowerState, Snapshot, VmSpec, WantedVm};
-use crate::provision::{ExitListener, Provisioner};
+use crate::provision::{ExitListener, Provisioner, Say};
 use crate::reconcile::Seams;
 use crate::reconcile::seams::{
     HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
@@ -421,8 +421,9 @@ impl Provisioner for Fakes {
         Ok(())
     }
 
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
         self.record(Call::Shutdown(vm_id.clone()));
+        say("stopping: pressing the power button");
         self.act(Op::Shutdown, vm_id.as_str(), deadline)?;
         self.running.lock().remove(vm_id);
         Ok(())

@@ -19,6 +19,7 @@ pub const SETTLE: Duration = Duration::from_secs(10);
 
 pub const VANISH_GRACE: Duration = Duration::from_secs(120);
 pub const TOMBSTONE_GRACE: Duration = Duration::from_secs(60);
+pub const CREATE_REARM: Duration = Duration::from_secs(3600);
 
 pub fn config() -> EngineConfig {
     EngineConfig {
@@ -27,6 +28,7 @@ pub fn config() -> EngineConfig {
         tombstone_grace: TOMBSTONE_GRACE,
         vanish_grace: VANISH_GRACE,
         max_create_attempts: 3,
+        create_rearm: CREATE_REARM,
         max_concurrent_creates: 4,
         caps: Default::default(),
         worker_stack_bytes: 256 * 1024,

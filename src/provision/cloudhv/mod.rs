@@ -51,7 +51,7 @@ use sha2::{Digest, Sha256};
 pub use self::error::CloudHvError;
 use self::process::Tracked;
 use self::watch::{ExitWatch, Listener};
-use super::{ExitListener, Provisioner};
+use super::{ExitListener, Provisioner, Say};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
@@ -314,12 +314,12 @@ impl Provisioner for CloudHypervisor {
         self.await_running(&spec.vm_id, tracked, deadline)
     }
 
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
-        self.stop(vm_id, deadline)
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
+        self.stop(vm_id, deadline, say)
     }
 
     fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
-        self.stop(vm_id, deadline)?;
+        self.stop(vm_id, deadline, &|what| log::info!("VM {vm_id}: {what}"))?;
         for tap in [self.tap_name(vm_id), self.site_tap_name(vm_id)] {
             // The kernel unregisters a tap asynchronously once its last fd
             // closes, so a VMM that just exited can leave its link for a

@@ -12,6 +12,7 @@ use super::{CloudHypervisor, api};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::Id;
+use crate::provision::Say;
 
 impl CloudHypervisor {
     /// Waits until the process is gone and, if it was this agent's child,
@@ -31,7 +32,14 @@ impl CloudHypervisor {
         self.wait_gone(tracked, Deadline::after(Duration::from_secs(5)));
     }
 
-    pub(super) fn stop(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    /// Stops the VM's VMM (see the module header), telling `say` each stage
+    /// and, while the guest is given the power button, how long it has had.
+    pub(super) fn stop(
+        &self,
+        vm_id: &Id,
+        deadline: Deadline,
+        say: Say<'_>,
+    ) -> Result<(), BoxFailure> {
         let Some(tracked) = self.alive(vm_id) else {
             // Already dead; if it was this agent's child, let its reaper
             // finish, so no zombie outlives the stop.
@@ -46,8 +54,20 @@ impl CloudHypervisor {
         };
         if !deadline.expired() {
             call("/api/v1/vm.power-button");
-            let bound = deadline.capped(self.cfg.stop.power_button);
+            let allowed = self.cfg.stop.power_button;
+            let bound = deadline.capped(allowed);
+            let pressed = std::time::Instant::now();
+            let mut said = None;
             loop {
+                // Once a second: how long the guest has had, of how long.
+                let waited = pressed.elapsed().as_secs();
+                if said != Some(waited) {
+                    say(&format!(
+                        "stopping: waiting for the guest to power off, {waited} s of {}",
+                        allowed.as_millis().div_ceil(1000)
+                    ));
+                    said = Some(waited);
+                }
                 let state = api::vm_state(&socket, Duration::from_millis(500));
                 if !tracked.alive()
                     || matches!(state.as_deref(), Some("Shutdown" | "Created"))
@@ -57,17 +77,20 @@ impl CloudHypervisor {
                 }
                 std::thread::sleep(Duration::from_millis(10));
             }
+            say("stopping: asking the hypervisor to shut down");
             call("/api/v1/vmm.shutdown");
             if self.wait_gone(tracked, deadline.capped(self.cfg.stop.vmm_shutdown)) {
                 return Ok(());
             }
             log::warn!("VM {vm_id}: hypervisor ignored shutdown; sending SIGTERM");
+            say("stopping: the hypervisor ignored shutdown; sending SIGTERM");
             let _ = tracked.signal(Signal::SIGTERM);
             if self.wait_gone(tracked, deadline.capped(self.cfg.stop.terminate)) {
                 return Ok(());
             }
         }
         log::warn!("VM {vm_id}: killing hypervisor {}", tracked.pid);
+        say("stopping: killing the hypervisor");
         tracked
             .signal(Signal::SIGKILL)
             .map_err(|source| CloudHvError::Kill {

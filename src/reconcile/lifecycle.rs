@@ -1,0 +1,403 @@
+//! A VM's life as the agent tracks it, in one place.
+//!
+//! - [`State`]: where a VM with a record is, derived from the record alone
+//!   (no on-disk format of its own: the record's fields are the state).
+//! - [`phase`]: the one derivation of the phase every row reports, read by
+//!   the passes and by the reports made without a pass (`observe`, the
+//!   fence, a refusal) alike, so two reports of one record never disagree.
+//! - The transitions, methods on `Record` named for what happened, are the
+//!   only code that writes the record's lifecycle fields (`create_attempts`,
+//!   `created_at`, `last_error`, `failed_at`, `failure_permanent`,
+//!   `boot_id`, `stop_requested`, `quarantined_at`,
+//!   `quarantine_tombstoned`; `tests/lifecycle_writers.rs` checks it). A
+//!   pass reads as: decide, transition (the intent), save, side effect,
+//!   transition (the outcome), save.
+//!
+//! ```text
+//!             begin_attempt / attempt_failed (retry after backoff)
+//!              ┌────┐
+//!              ▼    │                created(up)       stop_intended → stopped
+//!  (no record) ──▶ Creating ─────────────────────▶ Up ◀────────────────────▶ Down
+//!                   │  ▲      created(down)─────────────────────────────────▲
+//!                   │  └ rearm (spent on transient errors, after --create-rearm)
+//!                   ▼                                  booted / lost_while_stopped
+//!           Creating(spent) ── spec_changed ──▶ Creating
+//!
+//!  any ── quarantine ──▶ Quarantined ── unquarantine ──▶ (the state before)
+//!                          └─ grace over: destroyed (the record is deleted)
+//! ```
+//!
+//! Departure from the reference, argued: the reference retries a failed
+//! create on the very next tick and fails it for good after the budget,
+//! so an image server refusing connections for a minute spent every
+//! attempt in seconds and the VM stayed failed until its spec changed.
+//! Here a failed attempt waits out a backoff (10 s, then 30 s, 90 s, …:
+//! times three, from the failure), so a budget spans minutes; and a budget
+//! spent only on transient errors re-arms after `--create-rearm` (1 h), so
+//! an outage heals without a spec change. A permanent error (a digest that
+//! does not match, a disk that would shrink) stays terminal until the spec
+//! changes, as in the reference: no retry of that spec can succeed.
+
+use std::time::{Duration, SystemTime};
+
+use crate::model::{Phase, VmSpec};
+use crate::state::Record;
+
+/// The first retry waits this long after a failed attempt; each next one
+/// three times as long.
+pub(crate) const FIRST_RETRY: Duration = Duration::from_secs(10);
+const RETRY_FACTOR: u32 = 3;
+
+/// How creates are paced: the engine's settings the lifecycle reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Budget {
+    pub max_attempts: u32,
+    /// How long a budget spent only on transient errors stays spent.
+    pub rearm: Duration,
+}
+
+/// Where a VM with a record is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum State {
+    /// No create has completed (the boot id is the completion witness).
+    Creating(Attempts),
+    /// Created, and not deliberately stopped: it should run.
+    Up,
+    /// Created, and deliberately stopped: its absence is no crash.
+    Down,
+    /// Gone from desired state, stopped, waiting out its grace.
+    Quarantined { tombstoned: bool },
+}
+
+/// Where a create stands with its budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Attempts {
+    /// An attempt may start at `due` (`None`: now).
+    Open { due: Option<SystemTime> },
+    /// Spent on transient errors: the budget re-arms at `rearm_at`.
+    Spent { rearm_at: SystemTime },
+    /// A permanent error: terminal until the spec changes.
+    Permanent,
+}
+
+/// The state `rec` is in, under `budget`.
+pub(crate) fn state(rec: &Record, budget: Budget) -> State {
+    if rec.quarantined_at.is_some() {
+        return State::Quarantined {
+            tombstoned: rec.quarantine_tombstoned,
+        };
+    }
+    if !rec.boot_id.is_empty() {
+        return if rec.stop_requested {
+            State::Down
+        } else {
+            State::Up
+        };
+    }
+    if rec.failure_permanent {
+        return State::Creating(Attempts::Permanent);
+    }
+    let failed_at = rec.failed_at.unwrap_or(SystemTime::UNIX_EPOCH);
+    if rec.create_attempts >= budget.max_attempts {
+        return State::Creating(Attempts::Spent {
+            rearm_at: failed_at + budget.rearm,
+        });
+    }
+    let due = (rec.create_attempts > 0 && rec.failed_at.is_some())
+        .then(|| failed_at + retry_delay(rec.create_attempts));
+    State::Creating(Attempts::Open { due })
+}
+
+/// The wait before the next attempt, after `failed` attempts failed:
+/// 10 s, 30 s, 90 s, …
+pub(crate) fn retry_delay(failed: u32) -> Duration {
+    let exponent = failed.saturating_sub(1).min(12);
+    FIRST_RETRY.saturating_mul(RETRY_FACTOR.saturating_pow(exponent))
+}
+
+/// The phase a row reports for `rec`; `None` for a quarantined VM, which
+/// is reported as a quarantined entry, not a row.
+///
+/// - A create not yet done is `creating`, with its last error shown, while
+///   attempts remain; `failed` once the budget is spent or an error was
+///   permanent.
+/// - A created VM is `ready`, or `failed` while its last operation (a
+///   boot, a stop) failed: a success clears the error, so an error on a
+///   created VM is always a current one.
+pub(crate) fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
+    match state(rec, budget) {
+        State::Quarantined { .. } => None,
+        State::Creating(Attempts::Open { .. }) => Some(Phase::Creating),
+        State::Creating(Attempts::Spent { .. } | Attempts::Permanent) => Some(Phase::Failed),
+        State::Up | State::Down => Some(if rec.last_error.is_empty() {
+            Phase::Ready
+        } else {
+            Phase::Failed
+        }),
+    }
+}
+
+/// What a row of `rec` says besides its phase and error, at `now`: how
+/// long until a create is tried again.
+pub(crate) fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
+    match state(rec, budget) {
+        State::Creating(Attempts::Open { due: Some(due) }) if due > now => {
+            format!("retrying in {}: {}", human(due, now), rec.last_error)
+        }
+        State::Creating(Attempts::Spent { rearm_at }) => format!(
+            "{} create attempts spent on errors that may pass; trying again in {} (--create-rearm)",
+            rec.create_attempts,
+            human(rearm_at.max(now), now)
+        ),
+        State::Creating(Attempts::Permanent) => {
+            "no retry can succeed with this spec; change the spec to try again".into()
+        }
+        State::Creating(Attempts::Open { .. })
+        | State::Up
+        | State::Down
+        | State::Quarantined { .. } => String::new(),
+    }
+}
+
+fn human(at: SystemTime, now: SystemTime) -> String {
+    let s = at.duration_since(now).unwrap_or_default().as_secs();
+    match s {
+        0..=119 => format!("{s} s"),
+        120..=7199 => format!("{} min", s / 60),
+        _ => format!("{} h", s / 3600),
+    }
+}
+
+/// The transitions: the only writers of a record's lifecycle fields.
+impl Record {
+    /// The desired spec differs from the one recorded: what the VM is
+    /// changed, so the create budget starts over (a permanent error was
+    /// about the old spec).
+    pub(crate) fn spec_changed(&mut self, spec: VmSpec) {
+        self.spec = spec;
+        self.create_attempts = 0;
+        self.last_error.clear();
+        self.failed_at = None;
+        self.failure_permanent = false;
+    }
+
+    /// A budget spent on transient errors, past its re-arm time.
+    pub(crate) fn rearm(&mut self) {
+        self.create_attempts = 0;
+        self.failed_at = None;
+    }
+
+    /// A create attempt starts; saved before any of its side effects, so a
+    /// crash mid-create still counts against the budget.
+    pub(crate) fn begin_attempt(&mut self, now: SystemTime) {
+        self.create_attempts += 1;
+        self.created_at = Some(now);
+        self.last_error.clear();
+    }
+
+    /// The attempt this pass counted gives its attempt back: it only ran
+    /// out of time (queued for a slot, a download still going).
+    pub(crate) fn refund_attempt(&mut self, error: String) {
+        self.create_attempts = self.create_attempts.saturating_sub(1);
+        self.last_error = error;
+    }
+
+    /// A create attempt failed; a permanent error spends the budget.
+    pub(crate) fn attempt_failed(
+        &mut self,
+        error: String,
+        permanent: bool,
+        now: SystemTime,
+        budget: Budget,
+    ) {
+        self.last_error = error;
+        self.failed_at = Some(now);
+        if permanent {
+            self.failure_permanent = true;
+            self.create_attempts = budget.max_attempts;
+        }
+    }
+
+    /// A create failed before it could count an attempt (its own record
+    /// could not be saved): the error is said, nothing is spent.
+    pub(crate) fn could_not_attempt(&mut self, error: String) {
+        self.last_error = error;
+    }
+
+    /// Every side effect of the create succeeded: the boot id is its
+    /// completion witness. `up`: it was booted; else created stopped.
+    pub(crate) fn created(&mut self, boot_id: String, up: bool) {
+        self.boot_id = boot_id;
+        self.stop_requested = !up;
+        self.last_error.clear();
+        self.failed_at = None;
+        self.failure_permanent = false;
+    }
+
+    /// A created VM's hypervisor was started (again); `boot_id` is the
+    /// host's now, which re-stamps a VM lost to a reboot.
+    pub(crate) fn booted(&mut self, boot_id: String) {
+        self.boot_id = boot_id;
+        self.stop_requested = false;
+        self.last_error.clear();
+    }
+
+    pub(crate) fn boot_failed(&mut self, error: String) {
+        self.last_error = error;
+    }
+
+    /// A VM that should not run is lost (its hypervisor gone, or the host
+    /// rebooted): it is recorded as deliberately stopped on this boot.
+    pub(crate) fn lost_while_stopped(&mut self, boot_id: String) {
+        self.boot_id = boot_id;
+        self.stop_requested = true;
+        self.last_error.clear();
+    }
+
+    /// The stop is about to be asked for: saved first, so a stop without a
+    /// durable intent never reads as a crash after an agent restart.
+    pub(crate) fn stop_intended(&mut self) {
+        self.stop_requested = true;
+    }
+
+    pub(crate) fn stopped(&mut self) {
+        self.last_error.clear();
+    }
+
+    pub(crate) fn stop_failed(&mut self, error: String) {
+        self.last_error = error;
+    }
+
+    /// At its desired power state (`up`: running): an error left by an
+    /// earlier operation is history, not a failure, and the stop intent
+    /// says what the VM is doing now.
+    pub(crate) fn converged(&mut self, up: bool) {
+        self.stop_requested = !up;
+        self.last_error.clear();
+    }
+
+    /// Gone from desired state (or tombstoned): quarantined, and the stop
+    /// intent recorded with it, before the guest is stopped.
+    pub(crate) fn quarantine(&mut self, now: SystemTime, tombstoned: bool) {
+        self.quarantined_at = Some(now);
+        self.quarantine_tombstoned = tombstoned;
+        self.stop_requested = true;
+    }
+
+    /// A vanished VM later tombstoned: the (shorter) tombstone grace now.
+    pub(crate) fn tombstoned_in_quarantine(&mut self) {
+        self.quarantine_tombstoned = true;
+    }
+
+    /// Back in desired state: out of quarantine; converge decides the rest.
+    pub(crate) fn unquarantine(&mut self) {
+        self.quarantined_at = None;
+        self.quarantine_tombstoned = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Id;
+
+    const BUDGET: Budget = Budget {
+        max_attempts: 3,
+        rearm: Duration::from_secs(3600),
+    };
+
+    fn rec() -> Record {
+        Record::new(VmSpec {
+            vm_id: Id::parse("vm-1").expect("id"),
+            name: String::new(),
+            image_url: "http://x/a.raw".into(),
+            image_sha256: "ab".repeat(32),
+            cloud_init: String::new(),
+            ssh_authorized_key: String::new(),
+            network: String::new(),
+            volume_ids: vec![],
+            vcpus: 1,
+            mem_mb: 64,
+            disk_gb: 1,
+        })
+    }
+
+    fn t(s: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + s)
+    }
+
+    #[test]
+    fn retries_wait_ten_thirty_ninety_seconds() {
+        assert_eq!(
+            (1..=3).map(retry_delay).collect::<Vec<_>>(),
+            [10, 30, 90].map(Duration::from_secs)
+        );
+    }
+
+    #[test]
+    fn a_failed_attempt_is_due_again_after_its_backoff() {
+        let mut r = rec();
+        r.begin_attempt(t(0));
+        r.attempt_failed("refused".into(), false, t(1), BUDGET);
+
+        assert_eq!(
+            state(&r, BUDGET),
+            State::Creating(Attempts::Open { due: Some(t(11)) })
+        );
+        assert_eq!(phase(&r, BUDGET), Some(Phase::Creating));
+        assert_eq!(detail(&r, BUDGET, t(5)), "retrying in 6 s: refused");
+    }
+
+    #[test]
+    fn a_budget_spent_on_transient_errors_rearms_and_a_permanent_one_does_not() {
+        let mut transient = rec();
+        let mut permanent = rec();
+        for _ in 0..3 {
+            transient.begin_attempt(t(0));
+            transient.attempt_failed("refused".into(), false, t(2), BUDGET);
+        }
+        permanent.begin_attempt(t(0));
+        permanent.attempt_failed("digest mismatch".into(), true, t(2), BUDGET);
+
+        assert_eq!(
+            state(&transient, BUDGET),
+            State::Creating(Attempts::Spent { rearm_at: t(3602) })
+        );
+        assert_eq!(
+            state(&permanent, BUDGET),
+            State::Creating(Attempts::Permanent)
+        );
+        assert_eq!(phase(&transient, BUDGET), Some(Phase::Failed));
+        assert_eq!(phase(&permanent, BUDGET), Some(Phase::Failed));
+    }
+
+    #[test]
+    fn a_good_stop_clears_the_error_of_a_failed_one() {
+        let mut r = rec();
+        r.created("boot-1".into(), true);
+        r.stop_intended();
+        r.stop_failed("guest ignored the power button".into());
+        assert_eq!(phase(&r, BUDGET), Some(Phase::Failed));
+
+        r.stopped();
+
+        assert_eq!(state(&r, BUDGET), State::Down);
+        assert_eq!(phase(&r, BUDGET), Some(Phase::Ready));
+    }
+
+    #[test]
+    fn a_spec_change_starts_the_budget_over_even_after_a_permanent_error() {
+        let mut r = rec();
+        r.begin_attempt(t(0));
+        r.attempt_failed("would shrink".into(), true, t(1), BUDGET);
+        let mut bigger = r.spec.clone();
+        bigger.disk_gb = 10;
+
+        r.spec_changed(bigger);
+
+        assert_eq!(
+            state(&r, BUDGET),
+            State::Creating(Attempts::Open { due: None })
+        );
+    }
+}
