@@ -394,16 +394,27 @@ fn one_vcpu_host() -> EngineConfig {
     }
 }
 
+/// A snapshot of `vm`, and an entry refused for `claimed`: the refused
+/// entry claims its id, so no pass runs for that VM at all. What the ledger
+/// holds for it can then only come from the rebuild at start, with no pass
+/// of its own racing `vm`'s admission.
+fn with_claimed(epoch: u64, vm: &str, claimed: &str) -> Snapshot {
+    let mut snap = snapshot(epoch, vec![present(desired(vm))]);
+    snap.rejected_vms.push(eitri_agent::model::Rejected {
+        id: Some(id(claimed)),
+        raw_id: claimed.into(),
+        error: eitri_agent::model::SpecError::new("vcpus", "test: refused"),
+    });
+    snap
+}
+
 #[test]
 fn ledger_is_rebuilt_from_records_at_startup() {
     let h = Harness::with_config(one_vcpu_host());
     h.tick(&running("vm-a"));
     let h = h.restart();
 
-    h.tick(&snapshot(
-        2,
-        vec![present(desired("vm-a")), present(desired("vm-b"))],
-    ));
+    h.tick(&with_claimed(2, "vm-b", "vm-a"));
 
     assert_eq!(
         h.row("vm-b").phase,
@@ -419,7 +430,7 @@ fn quarantined_vms_are_left_out_of_the_rebuilt_ledger() {
     h.tick(&snapshot(2, vec![]));
     let h = h.restart();
 
-    h.tick(&snapshot(3, vec![present(desired("vm-b"))]));
+    h.tick(&with_claimed(3, "vm-b", "vm-q"));
 
     assert_eq!(h.row("vm-b").phase, Some(Phase::Ready));
 }
@@ -577,4 +588,203 @@ fn worker_that_cannot_start_fails_only_its_vm() {
         again.vms
     );
     assert!(h.engine.wait_idle(Deadline::after(SETTLE)));
+}
+
+// ── regressions: one lifecycle, no report that disagrees with itself ─────
+
+#[test]
+fn a_good_stop_clears_a_failed_stops_error_in_every_report() {
+    let h = created("vm-1");
+    h.fakes
+        .fail(Op::Shutdown, "vm-1", "guest ignored the power button");
+    h.tick(&stopped("vm-1"));
+    assert_eq!(h.row("vm-1").phase, Some(Phase::Failed));
+    h.fakes.clear(Op::Shutdown, "vm-1");
+
+    h.tick(&stopped("vm-1"));
+
+    let pass = h.row("vm-1");
+    let fenced = h.engine.fenced();
+    let observed = h.engine.observe();
+    let of = |r: &eitri_agent::model::Report| {
+        r.vms
+            .iter()
+            .find(|v| v.vm_id == "vm-1")
+            .map(|v| (v.power, v.phase, v.last_error.clone()))
+    };
+    let stopped_ready = Some((Some(PowerState::Stopped), Some(Phase::Ready), String::new()));
+    assert_eq!(
+        Some((pass.power, pass.phase, pass.last_error)),
+        stopped_ready
+    );
+    assert_eq!(of(&fenced), stopped_ready, "the fence report agrees");
+    assert_eq!(
+        of(&observed),
+        stopped_ready,
+        "the no-snapshot report agrees"
+    );
+}
+
+#[test]
+fn one_pass_per_vm_even_when_it_leaves_and_returns_mid_pass() {
+    let h = Harness::new();
+    let mut vm = desired("vm-1");
+    vm.host_cert_required = true;
+    vm.ssh_host_cert = "ssh-ed25519-cert-v01@openssh.com AAAA cert".into();
+    let with_it = snapshot(1, vec![present(vm)]);
+    let gate = h.fakes.block(Op::HostKey, "vm-1");
+    h.engine.step(&with_it);
+    assert!(gate.wait_entered(1, SETTLE));
+
+    h.engine.step(&snapshot(1, vec![]));
+    h.engine.step(&with_it);
+    // While the first pass is blocked, no second one may start.
+    let second = gate.wait_entered(2, Duration::from_millis(300));
+    gate.release();
+    h.idle();
+
+    assert!(!second, "a second pass entered while the first ran");
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::PrepareRootDisk(_))), 1);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 1);
+}
+
+#[test]
+fn a_repaired_record_is_read_again_within_a_tick() {
+    let h = created("vm-1");
+    let path = h.store.record_path(&id("vm-1"));
+    let good = std::fs::read(&path).expect("record");
+    std::fs::write(&path, b"{\"format\":1,").expect("corrupt");
+    let h = h.restart();
+    h.tick(&running("vm-1"));
+    assert!(h.row("vm-1").last_error.contains("unreadable"));
+
+    std::fs::write(&path, good).expect("restore");
+    h.tick(&running("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        (row.phase, row.last_error.as_str()),
+        (Some(Phase::Ready), "")
+    );
+}
+
+#[test]
+fn a_refused_entry_keeps_a_quarantined_vm_in_the_report_with_its_grace() {
+    let h = created("vm-q");
+    h.tick(&snapshot(2, vec![]));
+    let destroy_at = h.engine.published().quarantined[0].destroy_at_unix;
+
+    let report = h.tick(&with_claimed(3, "vm-other", "vm-q"));
+
+    let entry = report.quarantined.iter().find(|q| q.vm_id == id("vm-q"));
+    assert_eq!(
+        entry.map(|q| q.destroy_at_unix),
+        Some(destroy_at),
+        "still quarantined, destroyed when its first quarantine said"
+    );
+    assert!(h.has_record("vm-q"), "and not destroyed early");
+}
+
+#[test]
+fn a_quarantine_is_reported_before_its_stop_ends() {
+    let h = created("vm-1");
+    let gate = h.fakes.block(Op::Shutdown, "vm-1");
+
+    h.engine.step(&snapshot(2, vec![]));
+    assert!(gate.wait_entered(1, SETTLE));
+    let while_stopping = h.engine.published();
+    gate.release();
+    h.idle();
+
+    assert_eq!(
+        while_stopping
+            .quarantined
+            .iter()
+            .map(|q| q.vm_id.as_str())
+            .collect::<Vec<_>>(),
+        ["vm-1"]
+    );
+    assert!(while_stopping.vms.iter().all(|r| r.vm_id != "vm-1"));
+}
+
+#[test]
+fn a_long_stop_is_narrated_on_the_vms_row() {
+    let h = created("vm-1");
+    let gate = h.fakes.block(Op::Shutdown, "vm-1");
+
+    h.engine.step(&stopped("vm-1"));
+    assert!(gate.wait_entered(1, SETTLE));
+    let while_stopping = h.row("vm-1");
+    gate.release();
+    h.idle();
+
+    assert_eq!(
+        while_stopping.status_detail,
+        "stopping: pressing the power button"
+    );
+    assert_eq!(while_stopping.power, Some(PowerState::Running));
+}
+
+#[test]
+fn transient_failures_are_paced_not_spent_tick_by_tick() {
+    let h = Harness::new();
+    h.fakes.fail(
+        Op::Resolve,
+        &eitri_agent::testkit::image_url("vm-1"),
+        "connection refused",
+    );
+
+    // Twenty ticks a quarter of a second apart: five seconds.
+    for _ in 0..20 {
+        h.tick(&running("vm-1"));
+        h.fakes.advance_clock(Duration::from_millis(250));
+    }
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        h.record("vm-1").create_attempts,
+        1,
+        "one attempt, then a wait"
+    );
+    assert_eq!(row.phase, Some(Phase::Creating));
+    assert!(
+        row.status_detail.starts_with("retrying in 5 s: ")
+            && row.status_detail.ends_with("connection refused"),
+        "{}",
+        row.status_detail
+    );
+}
+
+#[test]
+fn an_outage_heals_without_a_spec_change() {
+    let h = Harness::new();
+    let url = eitri_agent::testkit::image_url("vm-1");
+    let tick = Duration::from_secs(5);
+    h.fakes.fail(Op::Resolve, &url, "connection refused");
+    // The image server is down for ten minutes, ticking every 5 s.
+    for _ in 0..(600 / 5) {
+        h.tick(&running("vm-1"));
+        h.fakes.advance_clock(tick);
+    }
+    assert_eq!(
+        h.row("vm-1").phase,
+        Some(Phase::Failed),
+        "the budget is spent"
+    );
+    h.fakes.clear(Op::Resolve, &url);
+
+    // Back: ticks go on, with the same spec, until the VM runs.
+    let mut waited = Duration::ZERO;
+    while h.row("vm-1").phase != Some(Phase::Ready) && waited <= common::CREATE_REARM {
+        h.tick(&running("vm-1"));
+        h.fakes.advance_clock(tick);
+        waited += tick;
+    }
+
+    assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert!(
+        waited <= common::CREATE_REARM,
+        "running within the longest wait (the re-arm) of its return: {waited:?}"
+    );
 }

@@ -302,6 +302,7 @@ fn engine(raw: &Raw<'_>) -> Result<EngineConfig, ConfigError> {
         tombstone_grace: raw.duration(Key::TombstoneGrace)?,
         vanish_grace: raw.duration(Key::VanishGrace)?,
         max_create_attempts: max_create_attempts as u32,
+        create_rearm: raw.duration(Key::CreateRearm)?,
         max_concurrent_creates: raw.number(Key::MaxConcurrentCreates)? as usize,
         caps: HostCaps {
             max_vcpus: raw.number(Key::MaxVcpus)?,

@@ -81,7 +81,9 @@ settings! {
     VanishGrace => "vanish-grace", "EITRI_VANISH_GRACE", "24h",
         "quarantine before a VM gone from desired state is destroyed";
     MaxCreateAttempts => "max-create-attempts", "EITRI_MAX_CREATE_ATTEMPTS", "3",
-        "create attempts per spec before the VM is failed for good";
+        "create attempts per spec (10 s, 30 s, 90 s, ... apart) before the VM is failed";
+    CreateRearm => "create-rearm", "EITRI_CREATE_REARM", "1h",
+        "how long a create whose attempts all failed on errors that may pass (a server down, a full disk) waits before trying again";
     Hypervisor => "hypervisor", "EITRI_HYPERVISOR", "cloud-hypervisor",
         "hypervisor binary (a path, or a name looked up in PATH)";
     Kernel => "kernel", "EITRI_KERNEL", "",

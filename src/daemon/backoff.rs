@@ -59,6 +59,11 @@ impl XorShift {
         XorShift((nanos ^ u64::from(std::process::id()).rotate_left(32)) | 1)
     }
 
+    /// A generator from a fixed seed: the same draws every run.
+    pub fn from_seed(seed: u64) -> XorShift {
+        XorShift(seed | 1)
+    }
+
     /// A draw in `[0, 1)`.
     pub fn next_unit(&mut self) -> f64 {
         let mut x = self.0;

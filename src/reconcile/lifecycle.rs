@@ -45,12 +45,12 @@ use crate::state::Record;
 
 /// The first retry waits this long after a failed attempt; each next one
 /// three times as long.
-pub(crate) const FIRST_RETRY: Duration = Duration::from_secs(10);
+pub const FIRST_RETRY: Duration = Duration::from_secs(10);
 const RETRY_FACTOR: u32 = 3;
 
 /// How creates are paced: the engine's settings the lifecycle reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Budget {
+pub struct Budget {
     pub max_attempts: u32,
     /// How long a budget spent only on transient errors stays spent.
     pub rearm: Duration,
@@ -58,7 +58,7 @@ pub(crate) struct Budget {
 
 /// Where a VM with a record is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum State {
+pub enum State {
     /// No create has completed (the boot id is the completion witness).
     Creating(Attempts),
     /// Created, and not deliberately stopped: it should run.
@@ -71,7 +71,7 @@ pub(crate) enum State {
 
 /// Where a create stands with its budget.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Attempts {
+pub enum Attempts {
     /// An attempt may start at `due` (`None`: now).
     Open { due: Option<SystemTime> },
     /// Spent on transient errors: the budget re-arms at `rearm_at`.
@@ -81,7 +81,7 @@ pub(crate) enum Attempts {
 }
 
 /// The state `rec` is in, under `budget`.
-pub(crate) fn state(rec: &Record, budget: Budget) -> State {
+pub fn state(rec: &Record, budget: Budget) -> State {
     if rec.quarantined_at.is_some() {
         return State::Quarantined {
             tombstoned: rec.quarantine_tombstoned,
@@ -110,7 +110,7 @@ pub(crate) fn state(rec: &Record, budget: Budget) -> State {
 
 /// The wait before the next attempt, after `failed` attempts failed:
 /// 10 s, 30 s, 90 s, …
-pub(crate) fn retry_delay(failed: u32) -> Duration {
+pub fn retry_delay(failed: u32) -> Duration {
     let exponent = failed.saturating_sub(1).min(12);
     FIRST_RETRY.saturating_mul(RETRY_FACTOR.saturating_pow(exponent))
 }
@@ -124,7 +124,7 @@ pub(crate) fn retry_delay(failed: u32) -> Duration {
 /// - A created VM is `ready`, or `failed` while its last operation (a
 ///   boot, a stop) failed: a success clears the error, so an error on a
 ///   created VM is always a current one.
-pub(crate) fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
+pub fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
     match state(rec, budget) {
         State::Quarantined { .. } => None,
         State::Creating(Attempts::Open { .. }) => Some(Phase::Creating),
@@ -139,7 +139,7 @@ pub(crate) fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
 
 /// What a row of `rec` says besides its phase and error, at `now`: how
 /// long until a create is tried again.
-pub(crate) fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
+pub fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
     match state(rec, budget) {
         State::Creating(Attempts::Open { due: Some(due) }) if due > now => {
             format!("retrying in {}: {}", human(due, now), rec.last_error)

@@ -28,7 +28,7 @@
 mod admission;
 mod converge;
 mod create;
-mod lifecycle;
+pub mod lifecycle;
 mod pass;
 mod reap;
 pub mod seams;
@@ -234,6 +234,10 @@ impl Engine {
             log::info!("snapshot {} is within this agent's floor again", snap.epoch);
         }
 
+        // Only unreadable records are read from disk again, so an operator's
+        // repair is noticed within a tick; everything else is memory.
+        // (The VM's worker says so when its pass runs again.)
+        store.reread_unreadable();
         // One record read serves the tick: dispatch slices it, and the
         // destroy ack is computed against it, before this tick's passes run.
         let records = store.load_all();
@@ -303,6 +307,19 @@ impl Engine {
         for rejected in &snap.rejected_vms {
             if said.insert(rejected.raw_id.as_str()) {
                 report.vms.push(self.rejected_row(rejected, records));
+            }
+        }
+        // A refused entry for a quarantined VM leaves it quarantined: its
+        // entry, and when it will be destroyed, stay in the report (from
+        // its record, when no worker of this agent has said it yet).
+        for id in claimed {
+            if let Some(RecordSlot::Readable(rec)) = records.get(*id)
+                && rec.quarantined_at.is_some()
+                && !report.quarantined.iter().any(|q| q.vm_id == **id)
+            {
+                report
+                    .quarantined
+                    .push(pass::quarantined_entry(rec, self.core.grace_for(rec)));
             }
         }
         report.destroyed = destroyed_ack(snap, records);

@@ -18,8 +18,15 @@
 //!    the pass gave up) can never overwrite a newer one.
 //! 4. The router reads published results at any time without waiting; a
 //!    worker busy for minutes delays nothing.
-//! 5. Retiring a worker drops its doorbell; the worker ends after its current
-//!    pass and the router joins it once it has finished.
+//! 5. Retiring a worker empties its mailbox, then drops its doorbell; the
+//!    worker ends after its current pass (a ring still buffered finds the
+//!    mailbox empty, so no stale assignment runs) and the router joins it
+//!    once it has finished.
+//!
+//!    One pass per VM, ever: a VM that comes back while its retired worker
+//!    is still inside a pass (waiting for a host key, a slot, a download)
+//!    gets a new worker that first waits for the old one to end. Two passes
+//!    of one VM at once would clone its disk and boot it twice.
 //! 6. A poke (a VMM exited on its own) runs a pass at once without a step:
 //!    the worker's newest assignment is put back in its mailbox, unless a
 //!    newer one is already waiting there, and its doorbell rung. The rules
@@ -222,9 +229,10 @@ impl Pokes {
 /// Every VM's worker, owned by the engine's router.
 pub(crate) struct Workers {
     live: HashMap<Id, WorkerHandle>,
-    /// Workers told to stop, joined once their thread has finished; never
-    /// joined inline, since a worker may be inside a long pass.
-    retiring: Vec<JoinHandle<()>>,
+    /// Workers told to stop, by VM, joined once their thread has finished;
+    /// never joined inline, since a worker may be inside a long pass. A VM
+    /// that comes back takes its entry: its new worker waits for it.
+    retiring: HashMap<Id, JoinHandle<()>>,
     stack_bytes: usize,
     /// Doorbells of the assignments written this step, rung by
     /// [`Workers::ring`].
@@ -265,7 +273,7 @@ impl Workers {
         };
         Workers {
             live: HashMap::new(),
-            retiring: Vec::new(),
+            retiring: HashMap::new(),
             stack_bytes,
             to_ring: Vec::new(),
             ringer,
@@ -296,7 +304,8 @@ impl Workers {
             .map(|h| h.thread.as_ref().is_none_or(JoinHandle::is_finished));
         match dead {
             None => {
-                let handle = self.spawn(vm_id, core, initial());
+                let predecessor = self.retiring.remove(vm_id);
+                let handle = self.spawn(vm_id, core, initial(), predecessor);
                 self.live.insert(vm_id.clone(), handle);
             }
             Some(true) => self.restart(vm_id, core),
@@ -333,17 +342,31 @@ impl Workers {
     /// start either, the VM's row says so and the next delivery tries again.
     fn restart(&mut self, vm_id: &Id, core: &Arc<Core>) {
         let mut last = None;
+        let mut predecessor = None;
         if let Some(old) = self.live.remove(vm_id) {
             log::error!("VM {vm_id}: its worker thread is gone; starting a new one");
             last = old.shared.result();
-            self.retiring.extend(old.thread);
+            predecessor = old.thread;
         }
-        let new = self.spawn(vm_id, core, last);
+        let new = self.spawn(vm_id, core, last, predecessor);
         self.live.insert(vm_id.clone(), new);
     }
 
-    fn spawn(&self, vm_id: &Id, core: &Arc<Core>, initial: Option<VmResult>) -> WorkerHandle {
-        let handle = spawn(vm_id, core, self.stack_bytes, self.changed.clone(), initial);
+    fn spawn(
+        &self,
+        vm_id: &Id,
+        core: &Arc<Core>,
+        initial: Option<VmResult>,
+        predecessor: Option<JoinHandle<()>>,
+    ) -> WorkerHandle {
+        let handle = spawn(
+            vm_id,
+            core,
+            self.stack_bytes,
+            self.changed.clone(),
+            initial,
+            predecessor,
+        );
         self.pokes.insert(vm_id, &handle);
         handle
     }
@@ -359,34 +382,45 @@ impl Workers {
         for id in gone {
             self.pokes.remove(&id);
             if let Some(handle) = self.live.remove(&id) {
-                // Dropping `handle.doorbell` is the stop signal.
-                self.retiring.extend(handle.thread);
+                // Emptied first: a ring still buffered must find nothing
+                // to run. Then dropping `handle.doorbell` is the stop signal.
+                handle.shared.mailbox.lock().take();
+                handle.shared.last.lock().take();
+                if let Some(thread) = handle.thread {
+                    self.retiring.insert(id, thread);
+                }
             }
         }
     }
 
     /// Joins retired workers whose threads have finished.
     pub(crate) fn join_finished(&mut self) {
-        let (done, running): (Vec<_>, Vec<_>) =
-            self.retiring.drain(..).partition(JoinHandle::is_finished);
-        self.retiring = running;
-        for thread in done {
+        let done: Vec<Id> = self
+            .retiring
+            .iter()
+            .filter(|(_, t)| t.is_finished())
+            .map(|(id, _)| id.clone())
+            .collect();
+        for thread in done.iter().filter_map(|id| self.retiring.remove(id)) {
             // A worker catches its passes' panics; a panic here would be in
             // the loop itself, and there is nothing left of it to fail.
             let _ = thread.join();
         }
     }
 
-    /// Folds every worker's last published result into `report`, skipping
-    /// the VMs in `skip` (their rows come from elsewhere this tick).
+    /// Folds every worker's last published result into `report`, but the
+    /// rows of the VMs in `skip` (refused entries: their rows come from
+    /// elsewhere this tick; their quarantined entries do not).
     pub(crate) fn collect(&self, report: &mut Report, skip: &HashSet<&Id>) {
         for (id, handle) in &self.live {
-            if skip.contains(id) {
+            let Some(mut result) = handle.shared.result() else {
                 continue;
+            };
+            // Its row comes from elsewhere; a quarantined entry does not.
+            if skip.contains(id) {
+                result.row = None;
             }
-            if let Some(result) = handle.shared.result() {
-                result.merge_into(report);
-            }
+            result.merge_into(report);
         }
     }
 
@@ -408,10 +442,15 @@ impl Workers {
             drop(ringer.batches);
             let _ = ringer.thread.join();
         }
-        let handles: Vec<_> = self.live.drain().map(|(_, h)| h).collect();
-        for handle in handles {
+        let handles: Vec<_> = self.live.drain().collect();
+        for (id, handle) in handles {
+            handle.shared.mailbox.lock().take();
             drop(handle.doorbell);
-            self.retiring.extend(handle.thread);
+            if let Some(thread) = handle.thread {
+                // A VM whose worker waits for a retired predecessor: the
+                // waiting worker holds that one and ends after it.
+                self.retiring.insert(id, thread);
+            }
         }
         while !self.retiring.is_empty() && !deadline.expired() {
             self.join_finished();
@@ -437,6 +476,7 @@ fn spawn(
     stack_bytes: usize,
     changed: Sender<()>,
     initial: Option<VmResult>,
+    predecessor: Option<JoinHandle<()>>,
 ) -> WorkerHandle {
     let (doorbell, rings) = bounded(1);
     let shared = Arc::new(WorkerShared::new(changed, initial));
@@ -445,7 +485,13 @@ fn spawn(
         std::thread::Builder::new()
             .name(format!("vm-{vm_id}"))
             .stack_size(stack_bytes)
-            .spawn(move || run(&vm_id, &core, &shared, &rings))
+            .spawn(move || {
+                // One pass per VM: the retired worker ends its pass first.
+                if let Some(predecessor) = predecessor {
+                    let _ = predecessor.join();
+                }
+                run(&vm_id, &core, &shared, &rings);
+            })
     };
     let thread = match thread {
         Ok(t) => Some(t),

@@ -118,6 +118,44 @@ impl Store {
         Arc::clone(&self.records.read())
     }
 
+    /// Reads again, from disk, the records that were unreadable, and only
+    /// those: an operator's repair (or removal) of a bad record is noticed
+    /// within a tick, while every other read stays in memory. Returns the
+    /// VMs whose record became readable.
+    pub fn reread_unreadable(&self) -> Vec<Id> {
+        let unreadable: Vec<Id> = self
+            .records
+            .read()
+            .iter()
+            .filter(|(_, slot)| matches!(slot, RecordSlot::Unreadable(_)))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut repaired = Vec::new();
+        for vm_id in unreadable {
+            let now = match fs::read(self.record_path(&vm_id)) {
+                Ok(bytes) => Some(decode(&vm_id, &bytes)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => Some(RecordSlot::Unreadable(e.to_string().into())),
+            };
+            let mut records = self.records.write();
+            let map = Arc::make_mut(&mut records);
+            match now {
+                Some(RecordSlot::Readable(rec)) => {
+                    map.insert(vm_id.clone(), RecordSlot::Readable(rec));
+                    repaired.push(vm_id);
+                }
+                Some(unreadable) => {
+                    map.insert(vm_id, unreadable);
+                }
+                // Removed: the VM has no record any more.
+                None => {
+                    map.remove(&vm_id);
+                }
+            }
+        }
+        repaired
+    }
+
     /// One VM's record: `Ok(None)` when there is none, `Err` when there is
     /// one that cannot be read.
     pub fn get(&self, vm_id: &Id) -> Result<Option<Arc<Record>>, StoreError> {

@@ -1,0 +1,337 @@
+//! The VM lifecycle as a table: for every state a VM can be in and every
+//! event that can happen to it, the state it ends in and what the report
+//! says of it. Then a property over random records: whatever a pass does,
+//! the row it publishes and the row read back from the record it left
+//! (`observe`, the fence and a refusal read it so) agree.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Harness, config};
+use eitri_agent::daemon::XorShift;
+use eitri_agent::model::{Phase, PowerState, Snapshot};
+use eitri_agent::reconcile::lifecycle::{self, Attempts, Budget, State};
+use eitri_agent::reconcile::seams::HostFacts;
+use eitri_agent::state::Record;
+use eitri_agent::testkit::{Op, desired, id, present, snapshot, tombstoned};
+
+const VM: &str = "vm-1";
+
+/// Where a VM is before the event.
+#[derive(Clone, Copy, Debug)]
+enum Start {
+    NoRecord,
+    /// A create failed once on an error that may pass: retried after 10 s.
+    Retrying,
+    /// Three attempts failed on errors that may pass: re-armed after 1 h.
+    Spent,
+    /// A create failed on an error no retry fixes.
+    Permanent,
+    Up,
+    /// Up, and its hypervisor died, not yet noticed.
+    Crashed,
+    Down,
+    Quarantined,
+}
+
+/// What happens next, followed by a tick.
+#[derive(Clone, Copy, Debug)]
+enum Event {
+    /// Desired running.
+    Run,
+    /// Desired stopped.
+    Stop,
+    /// The host rebooted (a new boot id); desired running.
+    Reboot,
+    /// Gone from desired state.
+    Vanish,
+    Tombstone,
+    /// Two hours pass, desired state as it was.
+    Wait,
+    /// Desired running with another spec (more memory).
+    Respec,
+}
+
+/// What the report says of the VM after the event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Said {
+    Row(PowerState, Phase),
+    Quarantined,
+    Nothing,
+}
+
+fn running() -> Snapshot {
+    snapshot(1, vec![present(desired(VM))])
+}
+
+fn stopped() -> Snapshot {
+    let mut d = desired(VM);
+    d.power = PowerState::Stopped;
+    snapshot(1, vec![present(d)])
+}
+
+fn absent() -> Snapshot {
+    snapshot(1, vec![])
+}
+
+fn budget() -> Budget {
+    let c = config();
+    Budget {
+        max_attempts: c.max_create_attempts,
+        rearm: c.create_rearm,
+    }
+}
+
+/// Brings a VM to `from`, and returns the snapshot it lives under.
+fn arrange(h: &Harness, from: Start) -> Snapshot {
+    match from {
+        Start::NoRecord => absent(),
+        Start::Retrying => {
+            h.fakes.fail(Op::Boot, VM, "kvm busy");
+            h.tick(&running());
+            h.fakes.clear(Op::Boot, VM);
+            running()
+        }
+        Start::Spent => {
+            h.fakes.fail(Op::Boot, VM, "kvm busy");
+            for _ in 0..3 {
+                h.tick(&running());
+                h.fakes.advance_clock(Duration::from_secs(90));
+            }
+            h.fakes.clear(Op::Boot, VM);
+            running()
+        }
+        Start::Permanent => {
+            h.fakes
+                .fail_permanently(Op::PrepareRootDisk, VM, "would shrink the disk");
+            h.tick(&running());
+            h.fakes.clear(Op::PrepareRootDisk, VM);
+            running()
+        }
+        Start::Up => {
+            h.tick(&running());
+            running()
+        }
+        Start::Crashed => {
+            h.tick(&running());
+            h.fakes.set_running(&id(VM), false);
+            running()
+        }
+        Start::Down => {
+            h.tick(&running());
+            h.tick(&stopped());
+            stopped()
+        }
+        Start::Quarantined => {
+            h.tick(&running());
+            h.tick(&absent());
+            absent()
+        }
+    }
+}
+
+fn act(h: &Harness, event: Event, steady: &Snapshot) {
+    match event {
+        Event::Run => h.tick(&running()),
+        Event::Stop => h.tick(&stopped()),
+        Event::Reboot => {
+            h.fakes.set_boot_id("boot-2");
+            h.fakes.set_running(&id(VM), false);
+            h.tick(&running())
+        }
+        Event::Vanish => h.tick(&absent()),
+        Event::Tombstone => h.tick(&snapshot(1, vec![tombstoned(VM)])),
+        Event::Wait => {
+            h.fakes.advance_clock(Duration::from_secs(2 * 3600));
+            h.tick(steady)
+        }
+        Event::Respec => {
+            let mut d = desired(VM);
+            d.spec.mem_mb = 512;
+            h.tick(&snapshot(1, vec![present(d)]))
+        }
+    };
+}
+
+/// The state's name, as the table writes it.
+fn state_of(h: &Harness) -> &'static str {
+    if !h.has_record(VM) {
+        return "no record";
+    }
+    match lifecycle::state(&h.record(VM), budget()) {
+        State::Creating(Attempts::Open { .. }) => "creating",
+        State::Creating(Attempts::Spent { .. }) => "creating, spent",
+        State::Creating(Attempts::Permanent) => "creating, permanent",
+        State::Up => "up",
+        State::Down => "down",
+        State::Quarantined { .. } => "quarantined",
+    }
+}
+
+fn said(h: &Harness) -> Said {
+    let report = h.engine.published();
+    if report.quarantined.iter().any(|q| q.vm_id == id(VM)) {
+        return Said::Quarantined;
+    }
+    match report.vms.iter().find(|r| r.vm_id == VM) {
+        Some(row) => Said::Row(
+            row.power.expect("an observed power"),
+            row.phase.expect("a phase"),
+        ),
+        None => Said::Nothing,
+    }
+}
+
+#[test]
+fn every_state_meets_every_event() {
+    use Event::*;
+    use Phase::{Creating, Failed, Ready};
+    use PowerState::{Running as On, Stopped as Off};
+    use Start::*;
+    let row = Said::Row;
+    let q = Said::Quarantined;
+    #[rustfmt::skip]
+    let table: &[(Start, Event, &str, Said)] = &[
+        (NoRecord,    Run,       "up",                  row(On, Ready)),
+        (NoRecord,    Stop,      "down",                row(Off, Ready)),
+        (NoRecord,    Reboot,    "up",                  row(On, Ready)),
+        (NoRecord,    Vanish,    "no record",           Said::Nothing),
+        (NoRecord,    Tombstone, "no record",           Said::Nothing),
+        (NoRecord,    Wait,      "no record",           Said::Nothing),
+        (NoRecord,    Respec,    "up",                  row(On, Ready)),
+        // A failed attempt waits out its backoff, whatever else is asked.
+        (Retrying,    Run,       "creating",            row(Off, Creating)),
+        (Retrying,    Stop,      "creating",            row(Off, Creating)),
+        (Retrying,    Reboot,    "creating",            row(Off, Creating)),
+        (Retrying,    Vanish,    "quarantined",         q),
+        (Retrying,    Tombstone, "quarantined",         q),
+        (Retrying,    Wait,      "up",                  row(On, Ready)),
+        (Retrying,    Respec,    "up",                  row(On, Ready)),
+        // A budget spent on errors that may pass heals with time...
+        (Spent,       Run,       "creating, spent",     row(Off, Failed)),
+        (Spent,       Stop,      "creating, spent",     row(Off, Failed)),
+        (Spent,       Reboot,    "creating, spent",     row(Off, Failed)),
+        (Spent,       Vanish,    "quarantined",         q),
+        (Spent,       Tombstone, "quarantined",         q),
+        (Spent,       Wait,      "up",                  row(On, Ready)),
+        (Spent,       Respec,    "up",                  row(On, Ready)),
+        // ...a permanent error only with a new spec.
+        (Permanent,   Run,       "creating, permanent", row(Off, Failed)),
+        (Permanent,   Stop,      "creating, permanent", row(Off, Failed)),
+        (Permanent,   Reboot,    "creating, permanent", row(Off, Failed)),
+        (Permanent,   Vanish,    "quarantined",         q),
+        (Permanent,   Tombstone, "quarantined",         q),
+        (Permanent,   Wait,      "creating, permanent", row(Off, Failed)),
+        (Permanent,   Respec,    "up",                  row(On, Ready)),
+        (Up,          Run,       "up",                  row(On, Ready)),
+        (Up,          Stop,      "down",                row(Off, Ready)),
+        (Up,          Reboot,    "up",                  row(On, Ready)),
+        (Up,          Vanish,    "quarantined",         q),
+        (Up,          Tombstone, "quarantined",         q),
+        (Up,          Wait,      "up",                  row(On, Ready)),
+        (Up,          Respec,    "up",                  row(On, Ready)),
+        // Lost: booted again if it should run, recorded stopped if not.
+        (Crashed,     Run,       "up",                  row(On, Ready)),
+        (Crashed,     Stop,      "down",                row(Off, Ready)),
+        (Crashed,     Reboot,    "up",                  row(On, Ready)),
+        (Crashed,     Vanish,    "quarantined",         q),
+        (Crashed,     Tombstone, "quarantined",         q),
+        (Crashed,     Wait,      "up",                  row(On, Ready)),
+        (Crashed,     Respec,    "up",                  row(On, Ready)),
+        (Down,        Run,       "up",                  row(On, Ready)),
+        (Down,        Stop,      "down",                row(Off, Ready)),
+        (Down,        Reboot,    "up",                  row(On, Ready)),
+        (Down,        Vanish,    "quarantined",         q),
+        (Down,        Tombstone, "quarantined",         q),
+        (Down,        Wait,      "down",                row(Off, Ready)),
+        (Down,        Respec,    "up",                  row(On, Ready)),
+        // Back in desired state: out of quarantine; past its grace: gone.
+        (Quarantined, Run,       "up",                  row(On, Ready)),
+        (Quarantined, Stop,      "down",                row(Off, Ready)),
+        (Quarantined, Reboot,    "up",                  row(On, Ready)),
+        (Quarantined, Vanish,    "quarantined",         q),
+        (Quarantined, Tombstone, "quarantined",         q),
+        (Quarantined, Wait,      "no record",           Said::Nothing),
+        (Quarantined, Respec,    "up",                  row(On, Ready)),
+    ];
+    // Every pair, once.
+    assert_eq!(table.len(), 8 * 7);
+
+    let mut wrong = Vec::new();
+    for &(from, event, state, report) in table {
+        let h = Harness::new();
+        let steady = arrange(&h, from);
+
+        act(&h, event, &steady);
+
+        let got = (state_of(&h), said(&h));
+        if got != (state, report) {
+            wrong.push(format!(
+                "{from:?} + {event:?}: got {got:?}, the table says {:?}",
+                (state, report)
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// A record as a crash, an older agent or any mix of events could leave
+/// it (never quarantined: a desired VM leaves quarantine by design).
+fn random_record(rng: &mut XorShift, now: std::time::SystemTime) -> Record {
+    let mut pick = |n: u64| (rng.next_unit() * n as f64) as u64;
+    let mut rec = Record::new(desired(VM).spec);
+    rec.create_attempts = pick(5) as u32;
+    rec.last_error = ["", "kvm busy", "disk full"][pick(3) as usize].into();
+    rec.failed_at = match pick(3) {
+        0 => None,
+        1 => Some(now - Duration::from_secs(pick(7200))),
+        _ => Some(now),
+    };
+    rec.failure_permanent = pick(4) == 0;
+    rec.boot_id = ["", "boot-1", "boot-0"][pick(3) as usize].into();
+    rec.stop_requested = pick(2) == 0;
+    rec
+}
+
+#[test]
+fn a_pass_and_the_record_it_left_agree_on_phase_and_error() {
+    let mut rng = XorShift::from_seed(0x5eed_1234);
+    let mut disagreements = Vec::new();
+    for case in 0..200 {
+        let mut h = Harness::new();
+        let rec = random_record(&mut rng, HostFacts::now(&*h.fakes));
+        h.store.save(&rec).expect("save");
+        h = h.restart();
+        let up = rng.next_unit() < 0.5;
+        h.fakes.set_running(&id(VM), rng.next_unit() < 0.5);
+        if rng.next_unit() < 0.3 {
+            h.fakes.fail(Op::Boot, VM, "boot refused");
+        }
+        if rng.next_unit() < 0.3 {
+            h.fakes
+                .fail(Op::Shutdown, VM, "guest ignored the power button");
+        }
+        let snap = if up { running() } else { stopped() };
+
+        h.tick(&snap);
+
+        let published = h.row(VM);
+        let observed = h
+            .engine
+            .observe()
+            .vms
+            .into_iter()
+            .find(|r| r.vm_id == VM)
+            .expect("observed row");
+        let pair = |r: &eitri_agent::model::VmStatus| (r.phase, r.last_error.clone());
+        if pair(&published) != pair(&observed) {
+            disagreements.push(format!(
+                "case {case}: {rec:?} desired up={up}: pass {:?}, record {:?}",
+                pair(&published),
+                pair(&observed)
+            ));
+        }
+    }
+    assert!(disagreements.is_empty(), "{}", disagreements.join("\n"));
+}
