@@ -73,9 +73,8 @@ impl Core {
             // At the desired state: whatever an earlier operation left in
             // the record is history now.
             (PowerState::Running, true) | (PowerState::Stopped, false) => {
-                let was = rec.clone();
-                rec.converged(running);
-                if rec != was {
+                if rec.stop_requested == running || !rec.last_error.is_empty() {
+                    rec.converged(running);
                     self.save_best_effort(&rec);
                 }
                 self.report_recorded(res, &rec, PowerState::observed(running));

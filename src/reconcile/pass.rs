@@ -257,12 +257,16 @@ impl Core {
     /// row with the lifecycle's phase, its error and how long a create waits
     /// (the same derivation for every report, made with a pass or without).
     pub(crate) fn report_recorded(&self, res: &mut VmResult, rec: &Record, power: PowerState) {
-        match lifecycle::phase(rec, self.budget()) {
+        let budget = self.budget();
+        match lifecycle::phase(rec, budget) {
             None => res.quarantined = Some(quarantined_entry(rec, self.grace_for(rec))),
             Some(phase) => {
                 res.report(rec, Some(power), phase, rec.last_error.clone());
-                if let Some(row) = &mut res.row {
-                    row.status_detail = lifecycle::detail(rec, self.budget(), self.host.now());
+                // Only a create waits for anything the row should time.
+                if rec.boot_id.is_empty()
+                    && let Some(row) = &mut res.row
+                {
+                    row.status_detail = lifecycle::detail(rec, budget, self.host.now());
                 }
             }
         }

@@ -2,7 +2,7 @@ use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -34,6 +34,9 @@ pub struct Store {
     /// `Arc` clone, and a save copies it only while a reader still holds
     /// the old one.
     records: RwLock<Arc<BTreeMap<Id, RecordSlot>>>,
+    /// How many slots are unreadable: the step asks every tick, and the
+    /// answer is almost always none.
+    unreadable: AtomicUsize,
 }
 
 static DELETE_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -83,6 +86,7 @@ impl Store {
             root: root.to_path_buf(),
             _lock: lock,
             epoch: Mutex::new(epoch),
+            unreadable: AtomicUsize::new(count_unreadable(&records)),
             records: RwLock::new(Arc::new(records)),
         })
     }
@@ -123,6 +127,9 @@ impl Store {
     /// within a tick, while every other read stays in memory. Returns the
     /// VMs whose record became readable.
     pub fn reread_unreadable(&self) -> Vec<Id> {
+        if self.unreadable.load(Ordering::Relaxed) == 0 {
+            return Vec::new();
+        }
         let unreadable: Vec<Id> = self
             .records
             .read()
@@ -153,6 +160,8 @@ impl Store {
                 }
             }
         }
+        let left = count_unreadable(&self.records.read());
+        self.unreadable.store(left, Ordering::Relaxed);
         repaired
     }
 
@@ -197,8 +206,11 @@ impl Store {
         })?;
         let path = self.record_path(vm_id);
         write_atomic(&path, &bytes).map_err(write_err(path.clone()))?;
-        Arc::make_mut(&mut self.records.write())
+        let was = Arc::make_mut(&mut self.records.write())
             .insert(vm_id.clone(), RecordSlot::Readable(Arc::new(rec.clone())));
+        if matches!(was, Some(RecordSlot::Unreadable(_))) {
+            self.unreadable.fetch_sub(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -226,7 +238,10 @@ impl Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(delete_err(e)),
         }
-        Arc::make_mut(&mut self.records.write()).remove(vm_id);
+        let was = Arc::make_mut(&mut self.records.write()).remove(vm_id);
+        if matches!(was, Some(RecordSlot::Unreadable(_))) {
+            self.unreadable.fetch_sub(1, Ordering::Relaxed);
+        }
         if let Err(e) = fs::remove_dir_all(&aside)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -340,6 +355,13 @@ fn sweep(root: &Path) -> Swept {
         }
     }
     swept
+}
+
+fn count_unreadable(records: &BTreeMap<Id, RecordSlot>) -> usize {
+    records
+        .values()
+        .filter(|slot| matches!(slot, RecordSlot::Unreadable(_)))
+        .count()
 }
 
 fn read_epoch(path: &Path) -> u64 {
