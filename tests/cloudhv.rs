@@ -42,6 +42,11 @@ fn tap_prefix() -> String {
     format!("et{:04x}", std::process::id() & 0xffff)
 }
 
+/// The VMs start-up recovery knows of: those with a record.
+fn known(store: &Store) -> Vec<eitri_agent::model::Id> {
+    store.load_all().keys().cloned().collect()
+}
+
 /// A launcher that runs the stand-in with knobs set.
 fn launcher(dir: &Path, knobs: &[(&str, &str)]) -> PathBuf {
     let path = dir.join(format!("hv-{}", knobs.len()));
@@ -69,7 +74,7 @@ impl Host {
             h.base_url = format!("file://{}", PathBuf::from(image).display());
         }
         h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
-        h.backend.recover();
+        h.backend.recover(&known(&h.store));
         h.engine = Some(h.make_engine());
         h
     }
@@ -110,7 +115,7 @@ impl Host {
         let store = Arc::new(Store::open(&dir.path().join("state")).expect("store"));
         let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg.clone()));
         // What the daemon's start-up recovery asks of the backend.
-        backend.recover();
+        backend.recover(&known(&store));
         let mut host = Host {
             dir,
             store,
@@ -173,7 +178,7 @@ impl Host {
             Arc::clone(&self.store),
             self.cfg.clone(),
         ));
-        self.backend.recover();
+        self.backend.recover(&known(&self.store));
         self.engine = Some(self.make_engine());
     }
 
@@ -704,7 +709,7 @@ fn a_leaked_tap_with_the_agents_prefix_is_removed_at_start() {
     assert!(Path::new("/sys/class/net").join(&leaked.0).exists());
 
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
-    restarted.recover();
+    restarted.recover(&known(&h.store));
 
     assert!(
         !Path::new("/sys/class/net").join(&leaked.0).exists(),
@@ -721,10 +726,101 @@ fn a_tap_a_live_vmm_holds_survives_a_restart() {
     let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
 
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
-    restarted.recover();
+    // vm-1 has no record; the last desired state names it.
+    restarted.recover(&[id("vm-1")]);
 
     assert!(tap.exists());
     assert!(h.backend.running(&id("vm-1")));
+}
+
+#[test]
+fn an_orphan_hypervisor_is_stopped_at_start_and_said() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+
+    // No record and no desired state names vm-1: nothing explains it.
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    let notes = restarted.recover(&[]);
+
+    wait_until("the orphan to be gone", || !alive(pid));
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(
+        notes[0].contains("orphan") && notes[0].contains(&pid.to_string()),
+        "{notes:?}"
+    );
+}
+
+#[test]
+fn a_garbled_pidfile_does_not_hide_a_running_hypervisor() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+    std::fs::write(h.store.pidfile_path(&id("vm-1")), b"\x00garbage").expect("garble");
+
+    let running = h.backend.running(&id("vm-1"));
+
+    assert!(running);
+    assert_eq!(h.pid("vm-1"), Some(pid), "the pidfile names it again");
+}
+
+#[test]
+fn a_pidfile_naming_an_unrelated_process_does_not_hide_the_hypervisor() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+    // This test process: alive, and no hypervisor of vm-1.
+    let me = std::process::id();
+    let start = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| s.rsplit(')').next().map(str::to_owned))
+        .and_then(|r| r.split_whitespace().nth(19).map(str::to_owned))
+        .expect("start time");
+    std::fs::write(h.store.pidfile_path(&id("vm-1")), format!("{me} {start}\n"))
+        .expect("wrong pid");
+
+    let running = h.backend.running(&id("vm-1"));
+
+    assert!(running);
+    assert_eq!(h.pid("vm-1"), Some(pid));
+}
+
+#[test]
+fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let pid = h.pid("vm-1").expect("pid");
+    let disk = h.store.root_disk_path(&id("vm-1"));
+    let inode =
+        |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).expect("disk"));
+    let disk_before = inode(&disk);
+    // The crash: the VMM runs, the record never said the create finished.
+    let mut rec = (*h.store.get(&id("vm-1")).expect("readable").expect("record")).clone();
+    rec.boot_id.clear();
+    h.store.save(&rec).expect("save");
+    let h = h.restart();
+
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Ready))
+    );
+    assert_eq!(h.pid("vm-1"), Some(pid), "the same VMM, no second one");
+    assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
+    assert_eq!(inode(&disk), disk_before, "its disk was not replaced");
+    assert_eq!(
+        h.store
+            .get(&id("vm-1"))
+            .expect("r")
+            .expect("r")
+            .create_attempts,
+        1
+    );
 }
 
 #[test]
@@ -824,7 +920,7 @@ fn an_agent_restart_serves_the_adopted_vms_network_again() {
     );
     h.cfg.network = Some(Arc::clone(&network));
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
-    restarted.recover();
+    restarted.recover(&known(&h.store));
 
     assert!(network.serves_dhcp(&id("vm-1")));
     assert_eq!(restarted.address(&id("vm-1")), address);

@@ -899,3 +899,42 @@ fn a_full_disk_is_a_few_lines_in_the_log_not_lines_every_tick() {
     assert_eq!(lines("VM vm-2: create failed"), 1);
     drop(a);
 }
+
+#[test]
+fn an_empty_persisted_snapshot_is_no_snapshot_and_reaps_nothing() {
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot_with("vm-1", 1)));
+    let mut a = agent(&cp.url());
+    a.tick();
+    let port = cp.port();
+    drop(cp);
+    let (dir, fakes) = a.stop();
+    // A torn write, or an operator's mistake: an empty protobuf decodes as
+    // a valid empty snapshot, which would quarantine every VM.
+    std::fs::write(dir.path().join("snapshot.pb"), b"").expect("truncate");
+
+    let mut restarted = agent_in(
+        dir,
+        fakes,
+        &format!("http://127.0.0.1:{port}"),
+        config(),
+        limits(),
+    );
+    restarted.tick();
+
+    assert_eq!(
+        restarted.fakes.count(|c| matches!(c, Call::Shutdown(_))),
+        0,
+        "nothing reaped"
+    );
+    let file = restarted.report_file();
+    assert!(file.report.quarantined.is_empty());
+    assert!(
+        file.report
+            .vms
+            .iter()
+            .any(|r| r.vm_id == "vm-1" && r.power_state == "running"),
+        "the VM is still reported as it is: {:?}",
+        file.report.vms
+    );
+}

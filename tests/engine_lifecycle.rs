@@ -788,3 +788,52 @@ fn an_outage_heals_without_a_spec_change() {
         "running within the longest wait (the re-arm) of its return: {waited:?}"
     );
 }
+
+#[test]
+fn after_a_restart_every_recorded_vm_has_a_row_while_its_pass_is_slow() {
+    let h = created("vm-1");
+    let h = h.restart();
+    let gate = h.fakes.block(Op::Shutdown, "vm-1");
+
+    let first = h.engine.step(&stopped("vm-1"));
+    assert!(gate.wait_entered(1, SETTLE));
+    let during = h.engine.published();
+    gate.release();
+    h.idle();
+
+    for report in [&first, &during] {
+        assert!(
+            report.vms.iter().any(|r| r.vm_id == "vm-1"),
+            "no row for vm-1: {report:?}"
+        );
+    }
+}
+
+#[test]
+fn a_live_hypervisor_with_no_record_of_its_boot_is_adopted_not_created_again() {
+    let h = Harness::new();
+    // The crash: the attempt was saved, the VMM started, the record never
+    // said so.
+    let mut rec = eitri_agent::state::Record::new(desired("vm-1").spec);
+    rec.create_attempts = 1;
+    h.store.save(&rec).expect("save");
+    let h = h.restart();
+    h.fakes.set_running(&id("vm-1"), true);
+
+    h.tick(&running("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Ready))
+    );
+    assert!(
+        h.fakes
+            .actions()
+            .iter()
+            .all(|c| !matches!(c, Call::PrepareRootDisk(_) | Call::Boot(_) | Call::Seed(_))),
+        "{:?}",
+        h.fakes.actions()
+    );
+    assert_eq!(h.record("vm-1").create_attempts, 1, "no attempt spent");
+}

@@ -18,6 +18,7 @@ use std::path::Path;
 const LAYERS: &[(&str, u8)] = &[
     ("model", 0),
     ("base64", 0),
+    ("crash", 0),
     ("deadline", 0),
     ("error", 0),
     ("hex", 0),

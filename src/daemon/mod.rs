@@ -25,6 +25,7 @@
 mod backoff;
 mod discover;
 pub mod exchange;
+mod last;
 mod notify;
 pub mod recover;
 mod signals;
@@ -34,7 +35,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, select};
-use prost::Message;
 
 pub use backoff::{Backoff, XorShift};
 pub use exchange::{Contact, Exchange, ExchangeThread, Link};
@@ -51,7 +51,6 @@ use crate::reconcile::seams::{HostFacts, SystemHost};
 use crate::reconcile::{Engine, Seams};
 use crate::seed::NoCloudSeed;
 use crate::source::{Desired, FileSource, HttpSource, Source, SourceError};
-use crate::state::atomic::write_atomic;
 use crate::state::{Store, StoreError};
 use crate::status::ReportFile;
 
@@ -338,14 +337,17 @@ impl Daemon {
 
     fn persist_last(&self, wire: &pb::Snapshot) {
         let path = self.store.root().join(LAST_SNAPSHOT);
-        if let Err(e) = write_atomic(&path, &wire.encode_to_vec()) {
-            self.logs.error(
-                "persist",
-                &format!(
-                    "cannot persist the last snapshot to {}: {e}",
-                    path.display()
-                ),
-            );
+        match last::save(&path, wire) {
+            Ok(()) => crate::crash::point("snapshot.persisted"),
+            Err(e) => {
+                self.logs.error(
+                    "persist",
+                    &format!(
+                        "cannot persist the last snapshot to {}: {e}",
+                        path.display()
+                    ),
+                );
+            }
         }
     }
 
@@ -383,9 +385,9 @@ impl Daemon {
 
 fn load_last(store: &Store) -> Option<(Desired, Snapshot)> {
     let path = store.root().join(LAST_SNAPSHOT);
-    let bytes = std::fs::read(&path).ok()?;
-    match pb::Snapshot::decode(bytes.as_slice()) {
-        Ok(wire) => {
+    match last::load(&path) {
+        Ok(None) => None,
+        Ok(Some(wire)) => {
             let snap = convert::snapshot_from_wire(&wire);
             Some((
                 Desired {
@@ -395,8 +397,13 @@ fn load_last(store: &Store) -> Option<(Desired, Snapshot)> {
                 snap,
             ))
         }
-        Err(e) => {
-            log::warn!("ignoring the last snapshot at {}: {e}", path.display());
+        // Observed instead, as at a first start: nothing is reaped until
+        // desired state comes.
+        Err(why) => {
+            log::warn!(
+                "ignoring the last snapshot at {}: {why}; observing the host until desired state comes",
+                path.display()
+            );
             None
         }
     }

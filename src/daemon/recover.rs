@@ -16,9 +16,11 @@
 //! 4. **Remove leaked taps** with this agent's prefix that no live VMM
 //!    holds. Before adoption re-plugs the live ones and before any boot
 //!    opens a tap of the same name.
-//! 5. **Adopt the VMMs that outlived the last agent**: watch their exits,
-//!    serve their networks again. Before the engine's first step, so a VMM
-//!    that is alive is seen as running, not restarted.
+//! 5. **Adopt the VMMs that outlived the last agent**, found by their
+//!    command lines whatever their pidfiles say: those a record or the last
+//!    desired state explains are watched and their networks served again;
+//!    the rest are stopped, and `status` says so. Before the engine's first
+//!    step, so a VMM that is alive is seen as running, never started twice.
 //! 6. (In `Engine::new`, after this:) the compute ledger is rebuilt from
 //!    the records, so the first step's admissions count every VM.
 //!
@@ -101,7 +103,16 @@ pub fn recover(
     };
     // 4. and 5.
     let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest, network);
-    provisioner.recover();
+    let mut known: Vec<crate::model::Id> = store.load_all().keys().cloned().collect();
+    if let Ok(Some(last)) = super::last::load(&store.root().join(super::LAST_SNAPSHOT)) {
+        known.extend(
+            crate::pb::convert::snapshot_from_wire(&last)
+                .vms
+                .iter()
+                .map(|w| w.id().clone()),
+        );
+    }
+    notes.extend(provisioner.recover(&known));
     Ok(Recovered {
         store,
         images,

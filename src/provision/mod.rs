@@ -82,11 +82,24 @@ pub trait Provisioner: Send + Sync {
 
     /// Takes over what a previous agent left on this host, once, at start,
     /// before the engine's first step (see `daemon::recover`): host
-    /// resources no live hypervisor holds are removed, and hypervisors
-    /// still running are adopted (their exits watched, their networks
-    /// served again), so the first step sees them running and restarts
-    /// none.
-    fn recover(&self) {}
+    /// resources no live hypervisor holds are removed; hypervisors still
+    /// running are found (whatever their pidfiles say) and adopted if
+    /// `known` (the VMs with a record or in the last desired state)
+    /// explains them, their exits watched and their networks served again,
+    /// so the first step restarts none; the rest are stopped. Returns what
+    /// an operator should know (the orphans stopped).
+    fn recover(&self, _known: &[Id]) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Whether a hypervisor of this VM is alive and provably its own,
+    /// whatever its files say; if so, it is tracked from now on. Asked
+    /// before a create does anything: a VMM left running by a crash
+    /// between its start and its record is adopted, never started twice,
+    /// and its disk never replaced.
+    fn adopt(&self, vm_id: &Id) -> bool {
+        self.running(vm_id)
+    }
 }
 
 /// How guests boot on this host, and the network they join: built from

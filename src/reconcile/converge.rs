@@ -123,6 +123,7 @@ impl Core {
             // row says what happened, the record is unchanged.
             return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
         }
+        crate::crash::point("stop.intent-saved");
         let narrator = Narrator::new(
             publisher,
             deadline,
@@ -134,6 +135,7 @@ impl Core {
         let say = |what: &str| narrator.say(what);
         match self.prov.shutdown(&rec.spec.vm_id, deadline, &say) {
             Ok(()) => {
+                crate::crash::point("stop.done");
                 rec.stopped();
                 self.save_best_effort(&rec);
                 log::info!("VM {}: stopped", rec.spec.vm_id);

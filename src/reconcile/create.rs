@@ -2,6 +2,8 @@
 //! narrated as it goes.
 //!
 //! Order, and why:
+//! 0. A hypervisor of this VM already alive (a crash came between its start
+//!    and its record) is adopted: the create is recorded as done.
 //! 1. A spec change starts the budget over. An attempt is made only when
 //!    the lifecycle says one is due: a failed one waits out its backoff, a
 //!    budget spent on transient errors waits for its re-arm, a permanent
@@ -49,6 +51,17 @@ impl Core {
             .unwrap_or_else(|| Record::new(d.spec.clone()));
         if prior.is_some() && rec.spec != d.spec {
             rec.spec_changed(d.spec.clone());
+        }
+        // A hypervisor of this VM already running, provably its own (left
+        // by a crash between its start and the record saying so, or a
+        // record deleted under it): the create happened; it is recorded as
+        // done, no attempt spent, no disk touched, never started twice. The
+        // backend says so; the engine never guesses.
+        if self.prov.adopt(vm_id) {
+            rec.created(self.host.boot_id(), true);
+            self.save_best_effort(&rec);
+            log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
+            return self.report_recorded(res, &rec, PowerState::Running);
         }
         match lifecycle::state(&rec, self.budget()) {
             State::Creating(Attempts::Open { due: None }) => {}
@@ -116,6 +129,7 @@ impl Core {
             return attempt.fail(before, e.into(), res);
         }
         attempt.counted = true;
+        crate::crash::point("create.attempt-saved");
 
         let narrator = Narrator::new(
             publisher,
@@ -157,6 +171,7 @@ impl Core {
         if let Err(e) = self.prov.prepare_root_disk(&rec.spec, &base, deadline) {
             return attempt.fail(rec, e, res);
         }
+        crate::crash::point("create.disk-prepared");
 
         // The guest learns its address from the host network by DHCP; no
         // address is baked into the seed.
@@ -183,6 +198,7 @@ impl Core {
         if let Err(e) = self.seed.build(&self.store.seed_path(vm_id), &params) {
             return attempt.fail(rec, e, res);
         }
+        crate::crash::point("create.seed-built");
 
         if d.power == PowerState::Running {
             if let Err(e) = volumes::materialized(&self.store, &rec.spec) {
@@ -199,6 +215,7 @@ impl Core {
 
         rec.created(self.host.boot_id(), d.power == PowerState::Running);
         self.save_best_effort(&rec);
+        crate::crash::point("create.booted-saved");
         self.forget_logs(vm_id);
         res.report(&rec, Some(d.power), Phase::Ready, "");
     }

@@ -44,6 +44,7 @@ impl Core {
                     res.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
                     return;
                 }
+                crate::crash::point("quarantine.saved");
                 log::info!(
                     "VM {vm_id}: {} from desired state; quarantined and stopping",
                     if tombstoned { "tombstoned" } else { "gone" }
@@ -72,7 +73,10 @@ impl Core {
         let grace = self.grace_for(&rec);
         let since = rec.quarantined_at.unwrap_or(now);
         if grace_expired(since, now, grace) {
-            match self.prov.destroy(&vm_id, deadline) {
+            let destroyed = self.prov.destroy(&vm_id, deadline).inspect(|()| {
+                crate::crash::point("destroy.vmm-gone");
+            });
+            match destroyed {
                 Ok(()) => match self.store.delete(&vm_id) {
                     Ok(()) => {
                         log::info!("VM {vm_id}: destroyed");

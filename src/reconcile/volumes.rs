@@ -176,7 +176,9 @@ fn create_sparse(path: &Path, len: u64) -> io::Result<()> {
     let file = OpenOptions::new().write(true).create_new(true).open(path)?;
     file.set_len(len)?;
     file.sync_all()?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    sync_dir(path.parent().unwrap_or(Path::new(".")))?;
+    crate::crash::point("volume.created");
+    Ok(())
 }
 
 fn grow(path: &Path, len: u64) -> io::Result<()> {

@@ -60,7 +60,13 @@ fn replace(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::
         name.to_string_lossy(),
         std::process::id()
     ));
-    let result = write_temp(&temp, bytes, mode, durability).and_then(|()| fs::rename(&temp, path));
+    let result = write_temp(&temp, bytes, mode, durability)
+        .inspect(|()| {
+            if durability == Durability::Synced {
+                crate::crash::point("record.temp-written");
+            }
+        })
+        .and_then(|()| fs::rename(&temp, path));
     if let Err(e) = result {
         // Best effort: the temp file is garbage whether or not this works,
         // and loaders skip it either way.

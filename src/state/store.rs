@@ -234,7 +234,10 @@ impl Store {
             source,
         };
         match fs::rename(&dir, &aside) {
-            Ok(()) => sync_dir(&vms).map_err(delete_err)?,
+            Ok(()) => {
+                sync_dir(&vms).map_err(delete_err)?;
+                crate::crash::point("store.delete-renamed");
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(delete_err(e)),
         }

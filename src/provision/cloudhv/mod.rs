@@ -28,6 +28,7 @@
 mod api;
 pub mod argv;
 mod error;
+mod fork;
 mod preflight;
 mod process;
 mod spawn;
@@ -161,22 +162,53 @@ impl CloudHypervisor {
         }
     }
 
-    /// Takes over the VMMs that outlived the previous agent: their exits are
-    /// watched from now on, and their guests' networks served again (their
-    /// DHCP responders and snoopers lived in that agent's process, and a
-    /// guest renewing its lease with nobody answering would lose its
-    /// address).
-    fn adopt(&self) {
+    /// Finds every VMM of this agent, whatever its pidfile says: every
+    /// process whose command line names an API socket in this agent's run
+    /// dir. Those `known` explains (a VM with a record, or in the last
+    /// desired state) are adopted: pidfile corrected, exits watched, and
+    /// (for those with a record) their guests' networks served again, since
+    /// their DHCP responders and snoopers lived in the last agent's
+    /// process. Those nothing explains are stopped, and said.
+    fn adopt(&self, known: &[Id]) -> Vec<String> {
+        let mut notes = Vec::new();
+        let by_socket: HashMap<Vec<u8>, &Id> = known
+            .iter()
+            .map(|id| {
+                let arg = format!("path={}", self.socket_path(id).display());
+                (arg.into_bytes(), id)
+            })
+            .collect();
+        let ours = format!("path={}/", self.cfg.run_dir.display());
+        for (tracked, arg) in process::scan(ours.as_bytes(), true) {
+            match by_socket.get(&arg) {
+                Some(vm_id) => {
+                    if Tracked::read(&self.store.pidfile_path(vm_id)) != Some(tracked) {
+                        self.take_over(vm_id, tracked);
+                    } else if let Some(watch) = &self.watch {
+                        watch.watch(vm_id, tracked);
+                    }
+                }
+                None => {
+                    let socket = String::from_utf8_lossy(&arg[5..]).into_owned();
+                    log::warn!(
+                        "stopping an orphan hypervisor (pid {}, socket {socket}): no VM of this agent explains it",
+                        tracked.pid
+                    );
+                    self.stop_orphan(tracked, Path::new(&socket));
+                    notes.push(format!(
+                        "stopped an orphan hypervisor (pid {}, socket {socket}) that no record or desired VM explains",
+                        tracked.pid
+                    ));
+                }
+            }
+        }
         for slot in self.store.load_all().values() {
             let crate::state::RecordSlot::Readable(rec) = slot else {
                 continue;
             };
             let vm_id = &rec.spec.vm_id;
-            let Some(tracked) = self.alive(vm_id) else {
+            if self.alive(vm_id).is_none() {
                 continue;
-            };
-            if let Some(watch) = &self.watch {
-                watch.watch(vm_id, tracked);
             }
             let Some(network) = &self.cfg.network else {
                 continue;
@@ -197,6 +229,22 @@ impl CloudHypervisor {
                 Err(e) => log::error!("VM {vm_id}: adopted, but its network is not served: {e}"),
             }
         }
+        notes
+    }
+
+    /// Stops a VMM no VM explains: asked to shut down, then killed.
+    fn stop_orphan(&self, tracked: Tracked, socket: &Path) {
+        let _ = api::call(
+            socket,
+            "PUT",
+            "/api/v1/vmm.shutdown",
+            Duration::from_secs(2),
+        );
+        let until = Deadline::after(self.cfg.stop.vmm_shutdown);
+        while tracked.alive() && !until.expired() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = tracked.signal(nix::sys::signal::Signal::SIGKILL);
     }
 
     fn digest(&self, vm_id: &Id) -> String {
@@ -234,15 +282,70 @@ impl CloudHypervisor {
 
     /// The VM's hypervisor, if it is alive: the pidfile's process, started
     /// when recorded, not a zombie, and running with this VM's API socket on
-    /// its command line (so no other process can pass for it).
+    /// its command line (so no other process can pass for it). A pidfile
+    /// that is garbled, or names a live process that is not this VM's VMM,
+    /// is not believed either way: the VMM is looked for by its command
+    /// line, and the pidfile corrected. (A missing pidfile, or one naming a
+    /// dead process, is the normal state of a stopped VM, and costs no
+    /// scan; [`CloudHypervisor::find`] looks harder, where it matters.)
     fn alive(&self, vm_id: &Id) -> Option<Tracked> {
-        let tracked = self.tracked(vm_id).filter(Tracked::alive)?;
+        let pidfile = self.store.pidfile_path(vm_id);
+        match Tracked::read(&pidfile) {
+            Some(tracked) if !tracked.alive() => None,
+            Some(tracked) if self.is_vmm_of(vm_id, tracked) => Some(tracked),
+            Some(_) => self.find_by_cmdline(vm_id),
+            None if pidfile.exists() => self.find_by_cmdline(vm_id),
+            None => None,
+        }
+    }
+
+    /// The VM's hypervisor, however the last agent left its pidfile: for
+    /// the decisions that must never be wrong (never start a second VMM,
+    /// never replace the disk under a live one). It scans only when the
+    /// VM's API socket file exists, which a live VMM always has.
+    fn find(&self, vm_id: &Id) -> Option<Tracked> {
+        self.alive(vm_id).or_else(|| {
+            self.socket_path(vm_id)
+                .exists()
+                .then(|| self.find_by_cmdline(vm_id))
+                .flatten()
+        })
+    }
+
+    fn is_vmm_of(&self, vm_id: &Id, tracked: Tracked) -> bool {
         let socket = format!("path={}", self.socket_path(vm_id).display());
-        let cmdline = fs::read(format!("/proc/{}/cmdline", tracked.pid)).ok()?;
-        cmdline
-            .split(|b| *b == 0)
-            .any(|arg| arg == socket.as_bytes())
-            .then_some(tracked)
+        fs::read(format!("/proc/{}/cmdline", tracked.pid)).is_ok_and(|cmdline| {
+            cmdline
+                .split(|b| *b == 0)
+                .any(|arg| arg == socket.as_bytes())
+        })
+    }
+
+    /// The VM's VMM found by its command line, its pidfile rewritten to it
+    /// and its exit watched (it is not this agent's child).
+    fn find_by_cmdline(&self, vm_id: &Id) -> Option<Tracked> {
+        let socket = format!("path={}", self.socket_path(vm_id).display());
+        let (tracked, _) = process::scan(socket.as_bytes(), false).into_iter().next()?;
+        self.take_over(vm_id, tracked);
+        Some(tracked)
+    }
+
+    /// Makes a VMM found without (or despite) its pidfile this VM's again:
+    /// the pidfile names it, and its exit is watched.
+    fn take_over(&self, vm_id: &Id, tracked: Tracked) {
+        match tracked.write(&self.store.pidfile_path(vm_id)) {
+            Ok(()) => log::warn!(
+                "VM {vm_id}: found its hypervisor (pid {}) by its command line; its pidfile now names it",
+                tracked.pid
+            ),
+            Err(e) => log::error!(
+                "VM {vm_id}: found its hypervisor (pid {}), but cannot correct its pidfile: {e}",
+                tracked.pid
+            ),
+        }
+        if let Some(watch) = &self.watch {
+            watch.watch(vm_id, tracked);
+        }
     }
 }
 
@@ -284,7 +387,7 @@ impl Provisioner for CloudHypervisor {
         deadline: Deadline,
     ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
-        if self.alive(vm_id).is_some() {
+        if self.find(vm_id).is_some() {
             return Err(CloudHvError::DiskInUse {
                 vm_id: vm_id.clone(),
             }
@@ -307,7 +410,7 @@ impl Provisioner for CloudHypervisor {
     }
 
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
-        if self.alive(&spec.vm_id).is_some() {
+        if self.find(&spec.vm_id).is_some() {
             return Ok(());
         }
         let tracked = self.spawn(spec)?;
@@ -398,9 +501,14 @@ impl Provisioner for CloudHypervisor {
     }
 
     /// 1. Leaked taps go first (see [`CloudHypervisor::remove_leaked_taps`]).
-    /// 2. Then the live VMMs are adopted (see [`CloudHypervisor::adopt`]).
-    fn recover(&self) {
+    /// 2. Then the live VMMs are adopted, or stopped as orphans (see
+    ///    [`CloudHypervisor::adopt`]).
+    fn recover(&self, known: &[Id]) -> Vec<String> {
         self.remove_leaked_taps();
-        self.adopt();
+        self.adopt(known)
+    }
+
+    fn adopt(&self, vm_id: &Id) -> bool {
+        self.find(vm_id).is_some()
     }
 }

@@ -67,3 +67,39 @@ impl Tracked {
         }
     }
 }
+
+/// Every live process with an argument `arg` exactly, or starting with
+/// `prefix` when `prefix` is true, and that argument: found by reading
+/// /proc/<pid>/cmdline of every process. A scan, so used only where a
+/// pidfile cannot be trusted (after a crash, a garbled or stale one).
+pub fn scan(arg: &[u8], prefix: bool) -> Vec<(Tracked, Vec<u8>)> {
+    let Ok(entries) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let hit = cmdline.split(|b| *b == 0).find(|a| {
+            if prefix {
+                a.starts_with(arg)
+            } else {
+                *a == arg
+            }
+        });
+        if let Some(hit) = hit
+            && let Some(tracked) = Tracked::of(pid).filter(Tracked::alive)
+        {
+            found.push((tracked, hit.to_vec()));
+        }
+    }
+    found
+}

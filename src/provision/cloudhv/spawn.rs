@@ -4,17 +4,18 @@
 //!    exactly as long as a process holds it) and joined to the host's
 //!    networks.
 //! 3. Its command line, from [`argv`] (pure).
-//! 4. The fork: own session, stdin /dev/null, output appended to its log,
-//!    the taps moved onto fds 3, 4, … and nothing else inherited (every fd
-//!    the agent opens is close-on-exec).
-//! 5. Its pidfile (pid and start time, atomically) and its reaper thread.
+//! 4. The fork, held before exec (see [`fork`](super::fork)): the pidfile
+//!    (pid and start time) is written and synced, and only then is the
+//!    child released to exec. A crash at any point leaves a tracked VMM or
+//!    none.
+//! 5. Its reaper thread, which tells the engine when it exits.
 //! 6. The wait for its API to say Running (see [`CloudHypervisor::await_running`]).
 
 use std::fs::{self, OpenOptions};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,7 @@ use nix::sys::signal::Signal;
 
 use super::argv::{GuestImage, Nic, VmFiles, argv};
 use super::error::CloudHvError;
+use super::fork::{Held, fork_held, wait_raw};
 use super::process::Tracked;
 use super::{CloudHypervisor, api, describe, tap};
 use crate::deadline::Deadline;
@@ -31,34 +33,6 @@ use crate::provision::Provisioner;
 
 /// The VMM's first NIC is this fd, the second the next one.
 const FIRST_NIC_FD: i32 = 3;
-/// A VM has an underlay NIC and at most one on a named host network.
-const MAX_NICS: usize = 2;
-
-/// In the forked child: puts `fds[i]` on `first + i`, whatever numbers they
-/// have now. Each is first copied above every target (an fd already sitting
-/// on a target, say the site tap on 3 when fd 3 happened to be free, would
-/// otherwise be overwritten by the first dup2), close-on-exec so the copies
-/// vanish at exec; then dup2 puts each in place, which clears
-/// close-on-exec on the target.
-fn place_fds(fds: &[i32], first: i32) -> std::io::Result<()> {
-    let above = first + fds.len() as i32;
-    let mut high = [-1; MAX_NICS];
-    for (copy, fd) in high.iter_mut().zip(fds) {
-        // SAFETY: F_DUPFD_CLOEXEC on an fd this process holds open; it
-        // returns a new fd or -1 and touches no memory.
-        *copy = unsafe { nix::libc::fcntl(*fd, nix::libc::F_DUPFD_CLOEXEC, above) };
-        if *copy < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    for (i, copy) in high.iter().take(fds.len()).enumerate() {
-        // SAFETY: dup2 between two fds of this process; it touches no memory.
-        if unsafe { nix::libc::dup2(*copy, first + i as i32) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
 
 impl CloudHypervisor {
     /// Starts the VM's VMM (see the module steps) and returns it, tracked.
@@ -83,11 +57,12 @@ impl CloudHypervisor {
             })
             .collect();
         let args = argv(self.guest_image(), &files, &nics, spec.vcpus, spec.mem_mb);
-        let child = self.fork(vm_id, &args, &taps, &files.log)?;
+        let held = self.fork(vm_id, &args, &taps, &files.log)?;
+        let tracked = self.track(vm_id, held)?;
         // The VMM holds the taps now; the agent's copies must not keep them
         // alive after it exits.
         drop(taps);
-        self.track(vm_id, child)
+        Ok(tracked)
     }
 
     /// Where the VM's files are, as its command line names them.
@@ -159,46 +134,28 @@ impl CloudHypervisor {
         Ok(taps)
     }
 
-    /// Forks the VMM: in its own session (signals to the agent's group never
-    /// reach it, and it outlives the agent), stdin from /dev/null, output
-    /// appended to its log, and its taps as fds 3, 4, … in NIC order.
+    /// Forks the VMM, held before exec (see the module steps): in its own
+    /// session, stdin from /dev/null, output appended to its log, its taps
+    /// as fds 3, 4, … in NIC order.
     fn fork(
         &self,
         vm_id: &Id,
         args: &[std::ffi::OsString],
         taps: &[(OwnedFd, Mac)],
         log_path: &std::path::Path,
-    ) -> Result<Child, BoxFailure> {
-        let open_log = |source| CloudHvError::OpenLog {
-            vm_id: vm_id.clone(),
-            path: log_path.to_path_buf(),
-            source,
-        };
+    ) -> Result<Held, BoxFailure> {
         let log = OpenOptions::new()
             .create(true)
             .append(true)
             .mode(0o600)
             .open(log_path)
-            .map_err(open_log)?;
-        let log2 = log.try_clone().map_err(open_log)?;
-        let mut fds = [-1; MAX_NICS];
-        for (slot, (tap, _)) in fds.iter_mut().zip(taps) {
-            *slot = tap.as_raw_fd();
-        }
-        let count = taps.len().min(MAX_NICS);
-        let mut cmd = Command::new(&self.cfg.hypervisor);
-        cmd.args(args).stdin(Stdio::null()).stdout(log).stderr(log2);
-        // SAFETY: the closure runs in the forked child before exec and calls
-        // only async-signal-safe functions (setsid, fcntl, dup2) on fixed-size
-        // data captured by value; it allocates nothing and touches no memory
-        // shared with the parent's other threads.
-        unsafe {
-            cmd.pre_exec(move || {
-                nix::unistd::setsid().map_err(std::io::Error::from)?;
-                place_fds(&fds[..count], FIRST_NIC_FD)
-            });
-        }
-        cmd.spawn().map_err(|source| {
+            .map_err(|source| CloudHvError::OpenLog {
+                vm_id: vm_id.clone(),
+                path: log_path.to_path_buf(),
+                source,
+            })?;
+        let taps: Vec<&OwnedFd> = taps.iter().map(|(fd, _)| fd).collect();
+        fork_held(&self.cfg.hypervisor, args, &OwnedFd::from(log), &taps).map_err(|source| {
             CloudHvError::Start {
                 vm_id: vm_id.clone(),
                 program: self.cfg.hypervisor.clone(),
@@ -208,18 +165,34 @@ impl CloudHypervisor {
         })
     }
 
-    /// Records the new VMM (pidfile with its start time) and starts the
-    /// thread that reaps it and tells the engine when it exits.
-    fn track(&self, vm_id: &Id, mut child: Child) -> Result<Tracked, BoxFailure> {
-        let pid = child.id() as i32;
+    /// Records the held VMM (pidfile with its start time, synced), releases
+    /// it to exec, and starts the thread that reaps it and tells the engine
+    /// when it exits.
+    fn track(&self, vm_id: &Id, held: Held) -> Result<Tracked, BoxFailure> {
+        let pid = held.pid;
         let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
         let pidfile = self.store.pidfile_path(vm_id);
+        // A child never released, or whose exec failed: reaped here.
+        let end = |held: Option<Held>| {
+            drop(held);
+            let _ = tracked.signal(Signal::SIGKILL);
+            wait_raw(pid);
+        };
         if let Err(source) = tracked.write(&pidfile) {
-            let _ = child.kill();
-            let _ = child.wait();
+            end(Some(held));
             return Err(CloudHvError::Pidfile {
                 vm_id: vm_id.clone(),
                 path: pidfile,
+                source,
+            }
+            .into());
+        }
+        crate::crash::point("boot.pidfile-written");
+        if let Err(source) = held.release() {
+            end(None);
+            return Err(CloudHvError::Start {
+                vm_id: vm_id.clone(),
+                program: self.cfg.hypervisor.clone(),
                 source,
             }
             .into());
@@ -236,7 +209,8 @@ impl CloudHypervisor {
             .name(format!("reap-{vm_id}"))
             .stack_size(64 * 1024)
             .spawn(move || {
-                if let Ok(status) = child.wait() {
+                if let Some(raw) = wait_raw(pid) {
+                    let status = ExitStatus::from_raw(raw);
                     log::info!("VM {id}: hypervisor {pid} exited ({})", describe(status));
                     exits.lock().insert(id.clone(), status);
                 }
@@ -248,14 +222,14 @@ impl CloudHypervisor {
         if let Err(source) = reaper {
             // Without a reaper the child would become a zombie: end it here.
             self.unreaped.lock().remove(&pid);
-            let _ = tracked.signal(Signal::SIGKILL);
-            let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
+            end(None);
             return Err(CloudHvError::Reaper {
                 vm_id: vm_id.clone(),
                 source,
             }
             .into());
         }
+        crate::crash::point("boot.hypervisor-started");
         log::info!("VM {vm_id}: hypervisor started (pid {pid})");
         Ok(tracked)
     }
@@ -310,55 +284,5 @@ impl CloudHypervisor {
             };
             std::thread::sleep(pause);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::fd::AsRawFd;
-
-    fn inode(fd: i32) -> u64 {
-        // SAFETY: fstat on an open fd into a zeroed stat buffer we own.
-        unsafe {
-            let mut st: nix::libc::stat = std::mem::zeroed();
-            assert_eq!(nix::libc::fstat(fd, &mut st), 0);
-            st.st_ino
-        }
-    }
-
-    /// The site tap may sit on fd 3 (fd 3 free when it was opened): it must
-    /// still end up on 4, and the underlay tap on 3. Run in a forked child,
-    /// since it rearranges the process's fds.
-    #[test]
-    fn each_tap_lands_on_its_fd_even_when_one_sits_on_anothers_target() {
-        let (underlay, _w1) = nix::unistd::pipe().expect("pipe");
-        let (site, _w2) = nix::unistd::pipe().expect("pipe");
-        let (want_3, want_4) = (inode(underlay.as_raw_fd()), inode(site.as_raw_fd()));
-
-        // SAFETY: the child calls only async-signal-safe functions (dup2,
-        // fcntl, fstat, _exit) and allocates nothing.
-        let pid = match unsafe { nix::unistd::fork() }.expect("fork") {
-            nix::unistd::ForkResult::Child => {
-                let code = unsafe {
-                    // The underlay tap somewhere high, the site tap on fd 3,
-                    // as if fd 3 had been free when it was opened.
-                    let high = nix::libc::fcntl(underlay.as_raw_fd(), nix::libc::F_DUPFD, 20);
-                    if high < 0 || nix::libc::dup2(site.as_raw_fd(), 3) < 0 {
-                        nix::libc::_exit(2);
-                    }
-                    let placed = place_fds(&[high, 3], 3).is_ok();
-                    let mut st: nix::libc::stat = std::mem::zeroed();
-                    let on_3 = nix::libc::fstat(3, &mut st) == 0 && st.st_ino == want_3;
-                    let on_4 = nix::libc::fstat(4, &mut st) == 0 && st.st_ino == want_4;
-                    if placed && on_3 && on_4 { 0 } else { 1 }
-                };
-                unsafe { nix::libc::_exit(code) }
-            }
-            nix::unistd::ForkResult::Parent { child } => child,
-        };
-
-        let status = nix::sys::wait::waitpid(pid, None).expect("wait");
-        assert_eq!(status, nix::sys::wait::WaitStatus::Exited(pid, 0));
     }
 }

@@ -40,7 +40,7 @@ impl CloudHypervisor {
         deadline: Deadline,
         say: Say<'_>,
     ) -> Result<(), BoxFailure> {
-        let Some(tracked) = self.alive(vm_id) else {
+        let Some(tracked) = self.find(vm_id) else {
             // Already dead; if it was this agent's child, let its reaper
             // finish, so no zombie outlives the stop.
             if let Some(dead) = self.tracked(vm_id) {

@@ -1,0 +1,85 @@
+//! Named crash points, for the crash-consistency proof (`make chaos`).
+//!
+//! Each point sits right after one durable step of the agent's work (a
+//! record saved, a pidfile written, a disk prepared, …). Built with the
+//! `crashpoints` feature, an agent started with `EITRI_CRASH_AT=<name>`
+//! kills itself with SIGKILL the first time it reaches that point: the
+//! same death as `kill -9`, no destructor run, no buffer flushed. The chaos
+//! harness then restarts it and checks that nothing was lost, doubled or
+//! misreported. Without the feature (every release build) a point is an
+//! empty inline function.
+
+/// Every crash point, and what a crash right after it must not break.
+pub const POINTS: &[(&str, &str)] = &[
+    (
+        "create.attempt-saved",
+        "the attempt counted before any side effect is not lost, and the create resumes",
+    ),
+    (
+        "create.disk-prepared",
+        "a root disk made but not booted is made again, never under a live VMM",
+    ),
+    (
+        "create.seed-built",
+        "a seed built but not booted is built again",
+    ),
+    (
+        "boot.pidfile-written",
+        "a VMM forked and recorded but not yet released never runs: it exits on the agent's death",
+    ),
+    (
+        "boot.hypervisor-started",
+        "a VMM running whose record does not say so is adopted, not started twice",
+    ),
+    (
+        "create.booted-saved",
+        "a create fully recorded is only converged",
+    ),
+    (
+        "stop.intent-saved",
+        "a stop intended but not done is done; the VM is not booted again",
+    ),
+    (
+        "stop.done",
+        "a stopped VM whose record was not yet updated stays stopped",
+    ),
+    (
+        "quarantine.saved",
+        "a quarantine decided but not acted on is acted on, and reported",
+    ),
+    (
+        "destroy.vmm-gone",
+        "a VM destroyed but not yet deleted is deleted; its VMM stays gone",
+    ),
+    (
+        "store.delete-renamed",
+        "a VM directory half deleted is finished at start",
+    ),
+    (
+        "record.temp-written",
+        "a record written to its temp file but not renamed loads as the old one",
+    ),
+    (
+        "snapshot.persisted",
+        "the last snapshot survives, and a torn one is no snapshot",
+    ),
+    (
+        "volume.created",
+        "a volume made once is never made again, nor lost",
+    ),
+];
+
+#[cfg(feature = "crashpoints")]
+pub fn point(name: &'static str) {
+    use std::sync::OnceLock;
+    static AT: OnceLock<Option<String>> = OnceLock::new();
+    let at = AT.get_or_init(|| std::env::var("EITRI_CRASH_AT").ok());
+    if at.as_deref() == Some(name) {
+        log::error!("crash point {name}: killing myself");
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+#[cfg(not(feature = "crashpoints"))]
+#[inline(always)]
+pub fn point(_name: &'static str) {}

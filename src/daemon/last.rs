@@ -1,0 +1,137 @@
+//! The last accepted snapshot, kept in the state dir so an agent restarted
+//! while its control plane is down keeps converging the host.
+//!
+//! A snapshot is taken on faith only when it proves it is whole: an empty
+//! protobuf decodes as a valid, *empty* snapshot, and stepping that would
+//! quarantine every VM on the host. So the file is framed:
+//!
+//! ```text
+//! "EITRISNP" | format u32 LE | length u64 LE | sha256 of the payload | payload
+//! ```
+//!
+//! Anything else (empty, short, another format, a length or digest that
+//! does not match, a payload that does not decode, or the unframed file an
+//! older agent wrote) is "no snapshot": the agent observes the host, as at
+//! its very first start, and reaps nothing until desired state arrives.
+
+use std::path::Path;
+
+use prost::Message;
+use sha2::{Digest, Sha256};
+
+use crate::pb;
+use crate::state::atomic::write_atomic_mode;
+
+const MAGIC: &[u8; 8] = b"EITRISNP";
+const FORMAT: u32 = 1;
+const HEADER: usize = 8 + 4 + 8 + 32;
+
+/// Writes `wire` framed, durably, readable by the agent alone (it carries
+/// user-data).
+pub fn save(path: &Path, wire: &pb::Snapshot) -> std::io::Result<()> {
+    let payload = wire.encode_to_vec();
+    let mut bytes = Vec::with_capacity(HEADER + payload.len());
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&FORMAT.to_le_bytes());
+    bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&Sha256::digest(&payload));
+    bytes.extend_from_slice(&payload);
+    write_atomic_mode(path, &bytes, 0o600)
+}
+
+/// The snapshot at `path`: `Ok(None)` when there is no file, `Err` (why)
+/// when there is one that is not a whole snapshot.
+pub fn load(path: &Path) -> Result<Option<pb::Snapshot>, String> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot read it: {e}")),
+    };
+    if bytes.len() < HEADER || &bytes[..8] != MAGIC {
+        return Err(format!(
+            "it is not a framed snapshot ({} bytes; an empty or torn file, or one an older agent wrote)",
+            bytes.len()
+        ));
+    }
+    let field = |at: usize, len: usize| &bytes[at..at + len];
+    let format = u32::from_le_bytes(field(8, 4).try_into().unwrap_or([0; 4]));
+    if format != FORMAT {
+        return Err(format!("its format is {format}, this agent reads {FORMAT}"));
+    }
+    let len = u64::from_le_bytes(field(12, 8).try_into().unwrap_or([0; 8]));
+    let payload = &bytes[HEADER..];
+    if payload.len() as u64 != len {
+        return Err(format!(
+            "it says {len} bytes and holds {}: torn",
+            payload.len()
+        ));
+    }
+    if Sha256::digest(payload).as_slice() != field(20, 32) {
+        return Err("its checksum does not match its content".into());
+    }
+    pb::Snapshot::decode(payload)
+        .map(Some)
+        .map_err(|e| format!("it does not decode: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap() -> pb::Snapshot {
+        pb::Snapshot {
+            epoch: 7,
+            vms: vec![pb::VmSpec {
+                vm_id: "vm-1".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_saved_snapshot_loads_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("snapshot.pb");
+        save(&path, &snap()).expect("save");
+
+        assert_eq!(load(&path), Ok(Some(snap())));
+    }
+
+    #[test]
+    fn an_empty_file_is_no_snapshot_not_an_empty_one() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("snapshot.pb");
+        std::fs::write(&path, b"").expect("empty");
+
+        assert!(load(&path).is_err());
+    }
+
+    #[test]
+    fn a_torn_or_altered_snapshot_is_refused() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("snapshot.pb");
+        save(&path, &snap()).expect("save");
+        let whole = std::fs::read(&path).expect("read");
+
+        std::fs::write(&path, &whole[..whole.len() - 1]).expect("torn");
+        let torn = load(&path);
+        let mut altered = whole.clone();
+        let last = altered.len() - 1;
+        altered[last] ^= 1;
+        std::fs::write(&path, &altered).expect("altered");
+        let changed = load(&path);
+
+        assert!(torn.is_err_and(|e| e.contains("torn")));
+        assert!(changed.is_err_and(|e| e.contains("checksum")));
+    }
+
+    #[test]
+    fn an_unframed_snapshot_of_an_older_agent_is_no_snapshot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("snapshot.pb");
+        std::fs::write(&path, snap().encode_to_vec()).expect("old format");
+
+        assert!(load(&path).is_err());
+    }
+}

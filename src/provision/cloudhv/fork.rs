@@ -1,0 +1,381 @@
+//! Starting a hypervisor so that no crash of the agent can leave one it
+//! does not know about.
+//!
+//! A plain spawn forks and execs at once: an agent killed between the exec
+//! and the pidfile write leaves a VMM running that no file names, and the
+//! next agent starts a second one on the same disk. Here, in order:
+//!
+//! 1. Everything the child needs is prepared before the fork (C strings,
+//!    the argv and envp arrays, every fd), because between fork and exec a
+//!    child of a multi-threaded process may only call async-signal-safe
+//!    functions: no allocation, no lock.
+//! 2. fork. The child makes its own session (signals to the agent's group
+//!    never reach it; it outlives the agent), keeps only the fds it needs
+//!    (copied high) and closes every other (its copy of the release end
+//!    among them, and any other child's pipes it inherited), then
+//!    **blocks** reading the hold pipe. It runs no hypervisor code yet.
+//! 3. The parent records the child (pid and start time) in the pidfile,
+//!    durably. Only then does it write the release byte.
+//! 4. Released, the child puts stdin (/dev/null), stdout and stderr (the
+//!    VM's log) and the taps (3, 4, …) in place, closes every other fd, and
+//!    execs the hypervisor with an empty environment. If the agent died
+//!    before the release, the child reads end-of-file instead and exits
+//!    without ever exec'ing: a crash at any point leaves either a tracked
+//!    VMM or none.
+//! 5. The parent learns whether the exec happened from a close-on-exec
+//!    report pipe: end-of-file means it did; an errno means it did not.
+
+use std::ffi::{CString, OsStr};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use nix::libc;
+
+/// The hypervisor's fds after the exec: 0 /dev/null, 1 and 2 its log, and
+/// its NICs' taps from 3.
+const FIRST_NIC_FD: RawFd = 3;
+/// Sources are first copied at or above this, clear of every target.
+const HIGH_FD: RawFd = 64;
+pub const MAX_NICS: usize = 2;
+
+/// A child forked and held before exec (step 2).
+pub struct Held {
+    pub pid: i32,
+    release: OwnedFd,
+    report: OwnedFd,
+}
+
+/// Forks `program` with `args`, held (steps 1 and 2): `log` becomes its
+/// stdout and stderr, `taps` its fds 3, 4, ….
+pub fn fork_held(
+    program: &Path,
+    args: &[std::ffi::OsString],
+    log: &OwnedFd,
+    taps: &[&OwnedFd],
+) -> io::Result<Held> {
+    if taps.len() > MAX_NICS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} NICs, at most {MAX_NICS}", taps.len()),
+        ));
+    }
+    let program = cstring(program.as_os_str())?;
+    let mut owned_args = vec![program.clone()];
+    for a in args {
+        owned_args.push(cstring(a)?);
+    }
+    let mut argv: Vec<*const libc::c_char> = owned_args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    // An empty environment: the hypervisor needs nothing of the agent's.
+    let envp: [*const libc::c_char; 1] = [std::ptr::null()];
+    let null = std::fs::File::open("/dev/null")?;
+    let (hold_r, release) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let (report, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let mut sources = [-1; 3 + MAX_NICS];
+    sources[0] = null.as_raw_fd();
+    sources[1] = log.as_raw_fd();
+    sources[2] = log.as_raw_fd();
+    for (slot, tap) in sources[3..].iter_mut().zip(taps) {
+        *slot = tap.as_raw_fd();
+    }
+    let count = 3 + taps.len();
+    let (hold_fd, report_fd) = (hold_r.as_raw_fd(), report_w.as_raw_fd());
+
+    // SAFETY: the child runs only `child`, which calls async-signal-safe
+    // functions on data prepared above and never returns.
+    match unsafe { nix::unistd::fork() }? {
+        nix::unistd::ForkResult::Child => {
+            // SAFETY: see `child`; every pointer was built before the fork
+            // and stays valid in the child's copy of the address space.
+            unsafe {
+                child(
+                    hold_fd,
+                    report_fd,
+                    &sources[..count],
+                    &program,
+                    &argv,
+                    &envp,
+                )
+            }
+        }
+        nix::unistd::ForkResult::Parent { child } => Ok(Held {
+            pid: child.as_raw(),
+            release,
+            report,
+        }),
+    }
+}
+
+impl Held {
+    /// Lets the child exec (step 4) and waits to learn whether it did
+    /// (step 5).
+    pub fn release(self) -> io::Result<()> {
+        nix::unistd::write(&self.release, &[1])?;
+        drop(self.release);
+        let mut errno = [0u8; 4];
+        let mut got = 0;
+        while got < errno.len() {
+            match nix::unistd::read(&self.report, &mut errno[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match got {
+            0 => Ok(()),
+            4 => Err(io::Error::from_raw_os_error(i32::from_ne_bytes(errno))),
+            _ => Err(io::Error::other("a torn exec report")),
+        }
+    }
+}
+
+fn cstring(s: &OsStr) -> io::Result<CString> {
+    CString::new(s.as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("{s:?} has a NUL byte")))
+}
+
+/// The child, after fork: steps 2 and 4. Never returns.
+///
+/// # Safety
+/// Only to be called in a freshly forked child. It calls only
+/// async-signal-safe functions (setsid, read, fcntl, dup2, close,
+/// syscall(close_range), execve, write, _exit) and allocates nothing.
+unsafe fn child(
+    hold: RawFd,
+    report: RawFd,
+    sources: &[RawFd],
+    program: &CString,
+    argv: &[*const libc::c_char],
+    envp: &[*const libc::c_char],
+) -> ! {
+    // SAFETY: async-signal-safe calls on fds this process holds and on
+    // pointers valid for the whole call (see the function's contract).
+    unsafe {
+        libc::setsid();
+        // Everything this child keeps, copied above every target (and
+        // close-on-exec), so that nothing below overwrites a source it still
+        // needs; then every other fd closed. Closing them now, before the
+        // wait, matters: the child's own copy of the release end (or of
+        // another child's) would keep the hold pipe from ever reading
+        // end-of-file when the agent dies.
+        let report = libc::fcntl(report, libc::F_DUPFD_CLOEXEC, HIGH_FD);
+        let hold = libc::fcntl(hold, libc::F_DUPFD_CLOEXEC, HIGH_FD);
+        if report < 0 || hold < 0 {
+            libc::_exit(127);
+        }
+        let mut high = [-1; 3 + MAX_NICS];
+        for (i, fd) in sources.iter().enumerate() {
+            high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, HIGH_FD);
+            if high[i] < 0 {
+                fail(report);
+            }
+        }
+        let mut keep = [-1; 2 + 3 + MAX_NICS];
+        keep[0] = report;
+        keep[1] = hold;
+        keep[2..2 + sources.len()].copy_from_slice(&high[..sources.len()]);
+        close_all_but(&mut keep[..2 + sources.len()]);
+        // Held until the pidfile is durable; end-of-file means the agent
+        // died first, and this child must never become a VMM.
+        let mut byte = 0u8;
+        loop {
+            let n = libc::read(hold, (&raw mut byte).cast(), 1);
+            if n == 1 {
+                break;
+            }
+            if n < 0 && *libc::__errno_location() == libc::EINTR {
+                continue;
+            }
+            libc::_exit(0);
+        }
+        for (i, fd) in high.iter().take(sources.len()).enumerate() {
+            let target = if i < 3 {
+                i as RawFd
+            } else {
+                FIRST_NIC_FD + (i as RawFd - 3)
+            };
+            if libc::dup2(*fd, target) < 0 {
+                fail(report);
+            }
+        }
+        // The high copies are close-on-exec: after the exec the hypervisor
+        // holds its targets and nothing else of the agent's.
+        libc::execve(program.as_ptr(), argv.as_ptr(), envp.as_ptr());
+        fail(report)
+    }
+}
+
+/// Closes every fd but those in `keep` (sorted here, in place: no
+/// allocation), a range at a time.
+///
+/// # Safety
+/// Async-signal-safe; for the forked child only.
+unsafe fn close_all_but(keep: &mut [RawFd]) {
+    // Insertion sort: a handful of fds.
+    for i in 1..keep.len() {
+        let mut j = i;
+        while j > 0 && keep[j - 1] > keep[j] {
+            keep.swap(j - 1, j);
+            j -= 1;
+        }
+    }
+    let mut lo: RawFd = 0;
+    for &k in keep.iter().chain(std::iter::once(&RawFd::MAX)) {
+        if k > lo {
+            // SAFETY: closes fd numbers; touches no memory.
+            unsafe { close_range(lo, k - 1) };
+        }
+        lo = k.saturating_add(1);
+    }
+}
+
+/// Closes `lo..=hi`.
+///
+/// # Safety
+/// Async-signal-safe; for the forked child only.
+unsafe fn close_range(lo: RawFd, hi: RawFd) {
+    // SAFETY: close_range and close take fd numbers and touch no memory.
+    unsafe {
+        if libc::syscall(
+            libc::SYS_close_range,
+            lo as libc::c_uint,
+            hi as libc::c_uint,
+            0,
+        ) != 0
+        {
+            // Before Linux 5.9: one by one, up to a bound no agent reaches.
+            let mut fd = lo;
+            while fd <= hi.min(1 << 16) {
+                libc::close(fd);
+                fd += 1;
+            }
+        }
+    }
+}
+
+/// Reports errno to the parent and exits.
+///
+/// # Safety
+/// Async-signal-safe; for the forked child only.
+unsafe fn fail(report: RawFd) -> ! {
+    // SAFETY: errno is this thread's; write and _exit are signal-safe.
+    unsafe {
+        let errno = *libc::__errno_location();
+        let bytes = errno.to_ne_bytes();
+        libc::write(report, bytes.as_ptr().cast(), bytes.len());
+        libc::_exit(127)
+    }
+}
+
+/// Waits for `pid` to exit and returns its raw wait status, retrying on
+/// EINTR; `None` if it cannot be waited for (not this process's child).
+pub fn wait_raw(pid: i32) -> Option<i32> {
+    loop {
+        let mut status = 0;
+        // SAFETY: waitpid writes the status into the local it is given.
+        let got = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if got == pid {
+            return Some(status);
+        }
+        if got < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+            continue;
+        }
+        return None;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    fn log_file(dir: &Path) -> OwnedFd {
+        OwnedFd::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join("log"))
+                .expect("log"),
+        )
+    }
+
+    #[test]
+    fn a_held_child_runs_nothing_until_released() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        let marker = dir.path().join("ran");
+        let args = ["-c".into(), format!("touch {}", marker.display()).into()];
+
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[]).expect("fork");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let before = marker.exists();
+        let pid = held.pid;
+        held.release().expect("exec");
+        let status = wait_raw(pid);
+
+        assert!(!before, "the child ran before its release");
+        assert_eq!(status, Some(0));
+        assert!(marker.exists());
+    }
+
+    #[test]
+    fn a_child_whose_parent_never_releases_it_exits_without_exec() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        let marker = dir.path().join("ran");
+        let args = ["-c".into(), format!("touch {}", marker.display()).into()];
+
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[]).expect("fork");
+        let pid = held.pid;
+        // What the agent dying does to the pipe: its write end closes.
+        drop(held);
+        let status = wait_raw(pid);
+
+        assert_eq!(status, Some(0));
+        assert!(!marker.exists(), "the held child exec'd without a release");
+    }
+
+    #[test]
+    fn the_child_gets_its_fds_and_nothing_else() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        let (tap_r, tap_w) = nix::unistd::pipe().expect("a pipe standing in for a tap");
+        // The shell lists its fds into the log.
+        let args = ["-c".into(), "ls /proc/self/fd".into()];
+
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[&tap_w]).expect("fork");
+        let pid = held.pid;
+        held.release().expect("exec");
+        wait_raw(pid);
+        drop(tap_r);
+
+        let mut listed = String::new();
+        std::fs::File::open(dir.path().join("log"))
+            .and_then(|mut f| f.read_to_string(&mut listed))
+            .expect("log");
+        let mut fds: Vec<u32> = listed
+            .split_whitespace()
+            .filter_map(|f| f.parse().ok())
+            .collect();
+        fds.sort_unstable();
+        // 0-2, the tap on 3, and the fd `ls` itself opened on the directory.
+        assert_eq!(&fds[..4], &[0, 1, 2, 3], "{listed}");
+        assert!(fds.len() <= 5, "{listed}");
+    }
+
+    #[test]
+    fn a_failed_exec_is_reported_with_its_errno() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+
+        let held = fork_held(Path::new("/nonexistent/vmm"), &[], &log, &[]).expect("fork");
+        let pid = held.pid;
+        let err = held.release().expect_err("no such program");
+        wait_raw(pid);
+
+        assert_eq!(err.kind(), io::ErrorKind::NotFound);
+    }
+}
