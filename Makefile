@@ -3,6 +3,7 @@
 #   make test         everything CI runs: format, lint, programs and generated-code checks, tests
 #   make proto        regenerate src/pb/ from proto/ (no protoc needed)
 #   make bench        every benchmark; make bench-NAME runs one
+#   make chaos        the crash-consistency proof at length (1,000 random kills)
 #
 # Each benchmark's last line is `bench=NAME key=value ...`.
 
@@ -14,9 +15,13 @@ BENCHES  := store engine storage boot net repair
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
+
+# The crash-consistency proof at length (1,000 random kills; CI runs 50).
+chaos:
+	$(CARGO) bench --locked --features standin,crashpoints --bench chaos
 
 build:
 	$(CARGO) build --release --locked
@@ -32,7 +37,7 @@ fmt-check:
 	$(CARGO) fmt --check
 
 clippy:
-	$(CARGO) clippy --locked --all-targets --features standin -- -D warnings
+	$(CARGO) clippy --locked --all-targets --features standin,crashpoints -- -D warnings
 
 # Every program the code or its tests run is installed by .ci/run.
 programs-check:
@@ -41,7 +46,7 @@ programs-check:
 # nextest's summary is the run's last line; CI reads it. The s6 test runs
 # the static binary, so it is built first.
 unit-tests: static
-	$(CARGO) nextest run --locked --no-fail-fast --features standin
+	$(CARGO) nextest run --locked --no-fail-fast --features standin,crashpoints
 
 proto:
 	$(CARGO) run --quiet --locked --manifest-path $(PROTOGEN)/Cargo.toml -- proto src/pb

@@ -164,6 +164,16 @@ fn main() {
         "standin-timing main_ns={started_ns} ready_ns={}",
         unix_ns()
     ));
+    // For the chaos harness: which root disk this VMM runs on, so a disk
+    // replaced under it (a new inode at its path) can be told.
+    if let Some(disk) = args.option("disk", "path") {
+        use std::os::unix::fs::MetadataExt;
+        let ino = std::fs::metadata(&disk).map_or(0, |m| m.ino());
+        log.line(&format!(
+            "standin-disk pid={} ino={ino}",
+            std::process::id()
+        ));
+    }
     log.line("VM booted");
     let state = Arc::new(Mutex::new(String::from("Running")));
     for conn in listener.incoming() {

@@ -1,0 +1,23 @@
+//! The crash-consistency proof, in CI: every crash point once, and 50
+//! random kills (`make chaos` runs 1,000). See `tests/chaos/driver.rs`.
+
+#[path = "chaos/driver.rs"]
+mod driver;
+
+#[test]
+fn no_kill_loses_doubles_or_misreports_a_vm() {
+    let kills = std::env::var("EITRI_CHAOS_KILLS")
+        .ok()
+        .and_then(|k| k.parse().ok())
+        .unwrap_or(50);
+
+    let summary = driver::run(kills);
+
+    println!("{}", summary.line());
+    assert!(
+        summary.violations.is_empty(),
+        "{}\n{}",
+        summary.line(),
+        summary.violations.join("\n")
+    );
+}

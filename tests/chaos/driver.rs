@@ -1,0 +1,575 @@
+//! The crash-consistency proof: the real agent (built with the
+//! `crashpoints` feature) in standalone mode, driving the stand-in
+//! hypervisor, killed with SIGKILL at every named crash point
+//! (`eitri_agent::crash::POINTS`) and then at random moments of mixed
+//! create, stop and destroy traffic; restarted after each kill, and checked
+//! once it has converged:
+//!
+//! 1. every desired-running VM has exactly one live VMM;
+//! 2. no VMM lives that no record or desired VM explains;
+//! 3. no root disk was replaced under a live VMM (the stand-in logs the
+//!    inode it started on);
+//! 4. every record parses;
+//! 5. no volume is lost;
+//! 6. no temp file is left (checked after a clean stop);
+//! 7. `report.json` always parses (polled throughout);
+//! 8. the report matches the processes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use eitri_agent::daemon::XorShift;
+
+const AGENT: &str = env!("CARGO_BIN_EXE_eitri-agent");
+const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+/// How long a restarted agent gets to converge before it is a violation.
+const CONVERGE: Duration = Duration::from_secs(30);
+
+pub struct Summary {
+    pub points: usize,
+    pub point_runs: usize,
+    pub random_kills: usize,
+    pub violations: Vec<String>,
+    pub converge_s: Vec<f64>,
+}
+
+/// What a VM should be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Running,
+    Stopped,
+    /// Tombstoned: destroyed at once (the tombstone grace is zero).
+    Gone,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Desired {
+    vms: BTreeMap<String, Want>,
+    volumes: BTreeSet<String>,
+}
+
+impl Desired {
+    fn json(&self, base_url: &str, base_sha: &str) -> String {
+        let vms: Vec<String> = self
+            .vms
+            .iter()
+            .map(|(id, want)| match want {
+                Want::Gone => format!(r#"{{"vm_id":"{id}","tombstoned":true}}"#),
+                _ => format!(
+                    r#"{{"vm_id":"{id}","name":"{id}","image_url":"{base_url}","image_sha256":"{base_sha}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"{}"}}"#,
+                    if *want == Want::Running { "running" } else { "stopped" }
+                ),
+            })
+            .collect();
+        let volumes: Vec<String> = self
+            .volumes
+            .iter()
+            .map(|v| format!(r#"{{"volume_id":"{v}","size_gb":1}}"#))
+            .collect();
+        format!(
+            r#"{{"vms":[{}],"volumes":[{}]}}"#,
+            vms.join(","),
+            volumes.join(",")
+        )
+    }
+}
+
+struct Host {
+    dir: tempfile::TempDir,
+    base_url: String,
+    base_sha: String,
+    agent: Option<Child>,
+    /// report.json reads that did not parse (invariant 7).
+    torn_reports: usize,
+}
+
+impl Host {
+    fn new() -> Host {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![0x5au8; 1 << 20]).expect("base");
+        let base_sha = eitri_agent::image::sha256_file(&base).expect("hash");
+        std::fs::write(dir.path().join("vmlinux"), b"k").expect("kernel");
+        let hv = dir.path().join("hv");
+        std::fs::write(&hv, format!("#!/bin/sh\nexec {STANDIN} \"$@\"\n")).expect("launcher");
+        std::fs::set_permissions(&hv, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        Host {
+            base_url: format!("file://{}", base.display()),
+            base_sha,
+            dir,
+            agent: None,
+            torn_reports: 0,
+        }
+    }
+
+    fn state(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    fn want(&self, d: &Desired) {
+        let temp = self.dir.path().join(".desired.tmp");
+        std::fs::write(&temp, d.json(&self.base_url, &self.base_sha)).expect("desired");
+        std::fs::rename(temp, self.dir.path().join("desired.json")).expect("rename");
+    }
+
+    fn start(&mut self, crash_at: Option<&str>) {
+        let mut cmd = Command::new(AGENT);
+        cmd.args(["run", "--state-dir"])
+            .arg(self.state())
+            .arg("--desired")
+            .arg(self.dir.path().join("desired.json"))
+            .arg("--hypervisor")
+            .arg(self.dir.path().join("hv"))
+            .arg("--kernel")
+            .arg(self.dir.path().join("vmlinux"))
+            .arg("--run-dir")
+            .arg(self.run_dir())
+            .args([
+                "--underlay-bridge=",
+                "--tap-prefix",
+                &format!("ec{:04x}", std::process::id() & 0xffff),
+                "--tick",
+                "200ms",
+                "--tombstone-grace",
+                "0",
+                "--shutdown-grace",
+                "5s",
+            ])
+            .env_clear()
+            .env("EITRI_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.dir.path().join("agent.log"))
+                    .expect("log"),
+            );
+        if let Some(point) = crash_at {
+            cmd.env("EITRI_CRASH_AT", point);
+        }
+        self.agent = Some(cmd.spawn().expect("agent"));
+    }
+
+    /// Waits for the agent to die by its crash point; `false` if it did not
+    /// reach it within `bound` (then it is killed).
+    fn wait_crash(&mut self, bound: Duration) -> bool {
+        let until = Instant::now() + bound;
+        loop {
+            let Some(child) = self.agent.as_mut() else {
+                return false;
+            };
+            if let Ok(Some(_)) = child.try_wait() {
+                self.agent = None;
+                return true;
+            }
+            if Instant::now() > until {
+                self.kill();
+                return false;
+            }
+            self.poll_report();
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.agent.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, and the wait for a clean exit.
+    fn stop(&mut self) {
+        if let Some(mut child) = self.agent.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let _ = child.wait();
+        }
+    }
+
+    fn report(&self) -> Option<serde_json::Value> {
+        let bytes = std::fs::read(self.state().join("report.json")).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    fn poll_report(&mut self) {
+        if let Ok(bytes) = std::fs::read(self.state().join("report.json"))
+            && serde_json::from_slice::<serde_json::Value>(&bytes).is_err()
+        {
+            self.torn_reports += 1;
+        }
+    }
+
+    /// Live VMMs of this host, by VM: (pid, the root disk inode they
+    /// started on, read from their log).
+    fn vmms(&self) -> BTreeMap<String, Vec<(i32, u64)>> {
+        let serial_prefix = format!("file={}/vms/", self.state().display());
+        let mut out: BTreeMap<String, Vec<(i32, u64)>> = BTreeMap::new();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|p| p.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                continue;
+            };
+            let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .unwrap_or("")
+                        .trim_start()
+                        .starts_with('Z')
+                })
+                .unwrap_or(true);
+            if zombie {
+                continue;
+            }
+            for arg in cmdline.split(|b| *b == 0) {
+                let arg = String::from_utf8_lossy(arg);
+                if let Some(rest) = arg.strip_prefix(&serial_prefix)
+                    && let Some(vm) = rest.strip_suffix("/serial.log")
+                {
+                    let ino = self.started_on(vm, pid);
+                    out.entry(vm.to_owned()).or_default().push((pid, ino));
+                }
+            }
+        }
+        out
+    }
+
+    fn started_on(&self, vm: &str, pid: i32) -> u64 {
+        let log = self.state().join("vms").join(vm).join("hypervisor.log");
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let needle = format!("standin-disk pid={pid} ino=");
+        text.lines()
+            .rev()
+            .find_map(|l| l.split(&needle).nth(1)?.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    fn records(&self) -> BTreeSet<String> {
+        std::fs::read_dir(self.state().join("vms"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().join("record.json").exists())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// What is wrong with the host now against `d` (empty: converged and
+    /// every invariant holds but the temp-file one, checked after a stop).
+    fn problems(&self, d: &Desired) -> Vec<String> {
+        let mut out = Vec::new();
+        let vmms = self.vmms();
+        let records = self.records();
+        let report = self.report();
+        for (vm, want) in &d.vms {
+            let live = vmms.get(vm).map_or(0, Vec::len);
+            match want {
+                Want::Running if live != 1 => out.push(format!("{vm}: {live} live VMMs, want 1")),
+                Want::Stopped | Want::Gone if live != 0 => {
+                    out.push(format!("{vm}: {live} live VMMs, want none"))
+                }
+                _ => {}
+            }
+            if *want == Want::Gone && records.contains(vm) {
+                out.push(format!("{vm}: tombstoned, still has a record"));
+            }
+        }
+        for (vm, pids) in &vmms {
+            if !d.vms.contains_key(vm) && !records.contains(vm) {
+                out.push(format!("{vm}: VMMs {pids:?} that nothing explains"));
+            }
+            let disk = self.state().join("vms").join(vm).join("disk.raw");
+            let now = std::fs::metadata(&disk).map_or(0, |m| m.ino());
+            for (pid, ino) in pids {
+                if *ino != 0 && *ino != now {
+                    out.push(format!("{vm}: root disk replaced under VMM {pid}"));
+                }
+            }
+        }
+        for vm in &records {
+            let path = self.state().join("vms").join(vm).join("record.json");
+            let ok = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .is_some_and(|v| v["format"] == 1);
+            if !ok {
+                out.push(format!("{vm}: its record does not parse"));
+            }
+        }
+        for volume in &d.volumes {
+            let len =
+                std::fs::metadata(self.state().join("volumes").join(volume)).map_or(0, |m| m.len());
+            if len != 1 << 30 {
+                out.push(format!("volume {volume}: {len} bytes, want 1 GiB"));
+            }
+        }
+        match report {
+            None => out.push("no report.json".into()),
+            Some(r) => {
+                let rows = r["report"]["vms"].as_array().cloned().unwrap_or_default();
+                for (vm, want) in &d.vms {
+                    let row = rows.iter().find(|x| x["vm_id"] == vm.as_str());
+                    let says = row.map(|x| (x["power_state"].clone(), x["phase"].clone()));
+                    let live = vmms.get(vm).map_or(0, Vec::len) > 0;
+                    let good = match want {
+                        Want::Running => says == Some(("running".into(), "ready".into())) && live,
+                        Want::Stopped => says == Some(("stopped".into(), "ready".into())),
+                        Want::Gone => row.is_none(),
+                    };
+                    if !good {
+                        out.push(format!("{vm}: the report says {says:?}, want {want:?}"));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Waits for the host to converge on `d`; the time it took, or the
+    /// problems left at the bound.
+    fn converge(&mut self, d: &Desired) -> Result<Duration, Vec<String>> {
+        let start = Instant::now();
+        loop {
+            self.poll_report();
+            let problems = self.problems(d);
+            if problems.is_empty() {
+                return Ok(start.elapsed());
+            }
+            if start.elapsed() > CONVERGE {
+                return Err(problems);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Temp files anywhere under the state dir (invariant 6).
+    fn temp_files(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![self.state()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if entry.path().is_dir() {
+                    stack.push(entry.path());
+                } else if (name.starts_with('.') && name.contains(".tmp-"))
+                    || name.starts_with(".partial-")
+                {
+                    out.push(entry.path().display().to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// Stops every VMM of this host (the test's clean-up).
+    fn clean_up(&mut self) {
+        self.kill();
+        for pids in self.vmms().values() {
+            for (pid, _) in pids {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        self.clean_up();
+    }
+}
+
+fn vms(list: &[(&str, Want)]) -> Desired {
+    Desired {
+        vms: list.iter().map(|(id, w)| (id.to_string(), *w)).collect(),
+        volumes: BTreeSet::new(),
+    }
+}
+
+/// For a crash point: the desired state to converge on first (without the
+/// crash), and the one whose pursuit reaches the point.
+fn scenario(point: &str) -> (Desired, Desired) {
+    use Want::*;
+    let none = Desired::default();
+    let three = vms(&[("vm-a", Running), ("vm-b", Running), ("vm-c", Stopped)]);
+    match point {
+        "stop.intent-saved" | "stop.done" => (
+            three.clone(),
+            vms(&[("vm-a", Stopped), ("vm-b", Running), ("vm-c", Stopped)]),
+        ),
+        "quarantine.saved" => (three.clone(), vms(&[("vm-b", Running), ("vm-c", Stopped)])),
+        "destroy.vmm-gone" | "store.delete-renamed" => (
+            three.clone(),
+            vms(&[("vm-a", Gone), ("vm-b", Running), ("vm-c", Stopped)]),
+        ),
+        "volume.created" => {
+            let mut with = three.clone();
+            with.volumes.insert("data-1".into());
+            (none, with)
+        }
+        _ => (none, three),
+    }
+}
+
+/// Runs one crash point; the problems found.
+fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
+    let mut host = Host::new();
+    let (first, then) = scenario(point);
+    host.want(&first);
+    host.start(None);
+    if let Err(p) = host.converge(&first) {
+        return p
+            .into_iter()
+            .map(|p| format!("{point} (before the crash): {p}"))
+            .collect();
+    }
+    host.stop();
+    host.start(Some(point));
+    host.want(&then);
+    if !host.wait_crash(Duration::from_secs(20)) {
+        return vec![format!("{point}: never reached")];
+    }
+    host.start(None);
+    let mut problems: Vec<String> = match host.converge(&then) {
+        Ok(took) => {
+            converge_s.push(took.as_secs_f64());
+            Vec::new()
+        }
+        Err(p) => p,
+    };
+    host.stop();
+    problems.extend(
+        host.temp_files()
+            .into_iter()
+            .map(|t| format!("temp file left: {t}")),
+    );
+    if host.torn_reports > 0 {
+        problems.push(format!(
+            "{} report.json reads did not parse",
+            host.torn_reports
+        ));
+    }
+    problems
+        .into_iter()
+        .map(|p| format!("{point}: {p}"))
+        .collect()
+}
+
+/// A random desired state of up to five VMs and a volume.
+fn random_desired(rng: &mut XorShift) -> Desired {
+    let mut d = Desired::default();
+    for id in ["vm-a", "vm-b", "vm-c", "vm-d", "vm-e"] {
+        let r = rng.next_unit();
+        let want = if r < 0.45 {
+            Some(Want::Running)
+        } else if r < 0.65 {
+            Some(Want::Stopped)
+        } else if r < 0.8 {
+            Some(Want::Gone)
+        } else {
+            None
+        };
+        if let Some(want) = want {
+            d.vms.insert(id.into(), want);
+        }
+    }
+    if rng.next_unit() < 0.5 {
+        d.volumes.insert("data-1".into());
+    }
+    d
+}
+
+/// `n` kills at random moments of random traffic; the problems found.
+fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
+    let mut rng = XorShift::from_seed(seed);
+    let mut host = Host::new();
+    let mut problems = Vec::new();
+    let mut desired = Desired::default();
+    host.want(&desired);
+    host.start(None);
+    for kill in 0..n {
+        // VMs absent from the new state but once wanted stay quarantined
+        // (the vanish grace is long): they are explained by their records.
+        desired = random_desired(&mut rng);
+        host.want(&desired);
+        std::thread::sleep(Duration::from_millis((rng.next_unit() * 300.0) as u64));
+        host.kill();
+        host.start(None);
+        match host.converge(&desired) {
+            Ok(took) => converge_s.push(took.as_secs_f64()),
+            Err(p) => problems.extend(p.into_iter().map(|p| format!("kill {kill}: {p}"))),
+        }
+    }
+    host.stop();
+    problems.extend(
+        host.temp_files()
+            .into_iter()
+            .map(|t| format!("temp file left: {t}")),
+    );
+    if host.torn_reports > 0 {
+        problems.push(format!(
+            "{} report.json reads did not parse",
+            host.torn_reports
+        ));
+    }
+    problems
+}
+
+/// Every crash point, then `kills` random kills.
+pub fn run(kills: usize) -> Summary {
+    let mut converge_s = Vec::new();
+    let mut violations = Vec::new();
+    for (point, _) in eitri_agent::crash::POINTS {
+        violations.extend(run_point(point, &mut converge_s));
+    }
+    violations.extend(random_kills(kills, 0x000c_4a05, &mut converge_s));
+    converge_s.sort_by(f64::total_cmp);
+    Summary {
+        points: eitri_agent::crash::POINTS.len(),
+        point_runs: eitri_agent::crash::POINTS.len(),
+        random_kills: kills,
+        violations,
+        converge_s,
+    }
+}
+
+impl Summary {
+    pub fn line(&self) -> String {
+        let pct = |p: f64| {
+            if self.converge_s.is_empty() {
+                return 0.0;
+            }
+            let i = ((self.converge_s.len() as f64 - 1.0) * p).round() as usize;
+            self.converge_s[i]
+        };
+        format!(
+            "bench=chaos points={} point_runs={} random_kills={} violations={} converge_s_p50={:.2} converge_s_p99={:.2}",
+            self.points,
+            self.point_runs,
+            self.random_kills,
+            self.violations.len(),
+            pct(0.5),
+            pct(0.99)
+        )
+    }
+}
