@@ -67,6 +67,18 @@ pub const POINTS: &[(&str, &str)] = &[
         "volume.created",
         "a volume made once is never made again, nor lost",
     ),
+    (
+        "volume.grown",
+        "a volume grown keeps its data and its new size; it is not made again",
+    ),
+    (
+        "image.fetched",
+        "a download verified but not yet in the cache is swept, fetched again and used",
+    ),
+    (
+        "image.stored",
+        "an image in the cache but not yet used is used; the create resumes",
+    ),
 ];
 
 #[cfg(feature = "crashpoints")]
@@ -83,3 +95,68 @@ pub fn point(name: &'static str) {
 #[cfg(not(feature = "crashpoints"))]
 #[inline(always)]
 pub fn point(_name: &'static str) {}
+
+#[cfg(test)]
+mod tests {
+    use super::POINTS;
+    use std::path::Path;
+
+    fn sources(dir: &Path, out: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(std::fs::read_to_string(&path).unwrap_or_default());
+            }
+        }
+    }
+
+    /// The names passed to `point(…)` anywhere in `src/`.
+    fn placed() -> Vec<String> {
+        let mut texts = Vec::new();
+        sources(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+            &mut texts,
+        );
+        let mut names = Vec::new();
+        for text in texts {
+            for piece in text.split("crash::point(\"").skip(1) {
+                if let Some(end) = piece.find('"') {
+                    names.push(piece[..end].to_string());
+                }
+            }
+        }
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn every_point_placed_is_listed_once_and_every_listed_point_is_placed() {
+        let mut listed: Vec<String> = POINTS.iter().map(|(n, _)| n.to_string()).collect();
+        listed.sort();
+
+        let placed = placed();
+
+        assert_eq!(
+            placed, listed,
+            "crash::point calls in src/ vs crash::POINTS"
+        );
+    }
+
+    #[test]
+    fn the_readme_publishes_every_point() {
+        let readme = include_str!("../README.md");
+
+        let missing: Vec<&str> = POINTS
+            .iter()
+            .map(|(n, _)| *n)
+            .filter(|n| !readme.contains(&format!("| `{n}` |")))
+            .collect();
+
+        assert!(
+            missing.is_empty(),
+            "not in README's crash-point table: {missing:?}"
+        );
+    }
+}

@@ -296,6 +296,33 @@ mod tests {
     }
 
     #[test]
+    fn every_note_is_a_line_of_its_own() {
+        let file = ReportFile {
+            notes: vec![
+                "stopped an orphan hypervisor (pid 4242, socket /run/eitri/x.sock)".into(),
+                "guest networking is host-only".into(),
+            ],
+            ..ReportFile::new(
+                pb::HostInfo::default(),
+                "desired file /d.json".into(),
+                "ok".into(),
+                pb::Report::default(),
+            )
+        };
+
+        let text = file.render(UNIX_EPOCH);
+
+        let notes: Vec<&str> = text.lines().filter(|l| l.starts_with("note: ")).collect();
+        assert_eq!(
+            notes,
+            [
+                "note: stopped an orphan hypervisor (pid 4242, socket /run/eitri/x.sock)",
+                "note: guest networking is host-only"
+            ]
+        );
+    }
+
+    #[test]
     fn a_report_older_than_three_ticks_is_marked_stale() {
         let file = ReportFile {
             written_at_unix_ms: 1_000_000,

@@ -228,6 +228,9 @@ impl Drop for Host {
         if !self.cleanup {
             return;
         }
+        // The engine first: its workers would boot a VM destroyed below
+        // again, on the exit of its VMM.
+        drop(self.engine.take());
         // Leave no stand-in running behind a failed test.
         for link in std::fs::read_dir(self.store.root().join("vms"))
             .into_iter()

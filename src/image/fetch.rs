@@ -30,9 +30,11 @@ pub(super) fn fetch(
     let (reader, total) = open(agent, url)?;
     let partial = dir.join(format!(".partial-{sha256}-{}", std::process::id()));
     let result = stream(reader, total, &partial, sha256, url, progress).and_then(|()| {
+        crate::crash::point("image.fetched");
         let target = dir.join(sha256);
         fs::rename(&partial, &target).map_err(|e| ImageError::store(target.clone(), e))?;
         sync_dir(dir).map_err(|e| ImageError::store(dir.to_path_buf(), e))?;
+        crate::crash::point("image.stored");
         Ok(target)
     });
     if result.is_err() {

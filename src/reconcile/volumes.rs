@@ -184,7 +184,9 @@ fn create_sparse(path: &Path, len: u64) -> io::Result<()> {
 fn grow(path: &Path, len: u64) -> io::Result<()> {
     let file = OpenOptions::new().write(true).open(path)?;
     file.set_len(len)?;
-    file.sync_all()
+    file.sync_all()?;
+    crate::crash::point("volume.grown");
+    Ok(())
 }
 
 /// Reclaims a tombstoned volume once nothing can still need it. Returns the

@@ -48,7 +48,8 @@ enum Want {
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Desired {
     vms: BTreeMap<String, Want>,
-    volumes: BTreeSet<String>,
+    /// Volume id to size in GiB.
+    volumes: BTreeMap<String, u64>,
 }
 
 impl Desired {
@@ -67,7 +68,7 @@ impl Desired {
         let volumes: Vec<String> = self
             .volumes
             .iter()
-            .map(|v| format!(r#"{{"volume_id":"{v}","size_gb":1}}"#))
+            .map(|(v, gb)| format!(r#"{{"volume_id":"{v}","size_gb":{gb}}}"#))
             .collect();
         format!(
             r#"{{"vms":[{}],"volumes":[{}]}}"#,
@@ -84,6 +85,9 @@ struct Host {
     agent: Option<Child>,
     /// report.json reads that did not parse (invariant 7).
     torn_reports: usize,
+    /// Each volume's inode once it first converged: a volume made again
+    /// is a volume lost (invariant 5).
+    volume_inodes: BTreeMap<String, u64>,
 }
 
 impl Host {
@@ -102,6 +106,7 @@ impl Host {
             dir,
             agent: None,
             torn_reports: 0,
+            volume_inodes: BTreeMap::new(),
         }
     }
 
@@ -314,11 +319,18 @@ impl Host {
                 out.push(format!("{vm}: its record does not parse"));
             }
         }
-        for volume in &d.volumes {
-            let len =
-                std::fs::metadata(self.state().join("volumes").join(volume)).map_or(0, |m| m.len());
-            if len != 1 << 30 {
-                out.push(format!("volume {volume}: {len} bytes, want 1 GiB"));
+        for (volume, gb) in &d.volumes {
+            let meta = std::fs::metadata(self.state().join("volumes").join(volume));
+            let (len, ino) = meta.map_or((0, 0), |m| (m.len(), m.ino()));
+            if len != gb << 30 {
+                out.push(format!("volume {volume}: {len} bytes, want {gb} GiB"));
+            }
+            if let Some(&was) = self.volume_inodes.get(volume)
+                && was != ino
+            {
+                out.push(format!(
+                    "volume {volume}: inode {was} became {ino}: lost and made again"
+                ));
             }
         }
         match report {
@@ -351,6 +363,12 @@ impl Host {
             self.poll_report();
             let problems = self.problems(d);
             if problems.is_empty() {
+                for volume in d.volumes.keys() {
+                    let path = self.state().join("volumes").join(volume);
+                    if let Ok(meta) = std::fs::metadata(path) {
+                        self.volume_inodes.insert(volume.clone(), meta.ino());
+                    }
+                }
                 return Ok(start.elapsed());
             }
             if start.elapsed() > CONVERGE {
@@ -402,7 +420,7 @@ impl Drop for Host {
 fn vms(list: &[(&str, Want)]) -> Desired {
     Desired {
         vms: list.iter().map(|(id, w)| (id.to_string(), *w)).collect(),
-        volumes: BTreeSet::new(),
+        volumes: BTreeMap::new(),
     }
 }
 
@@ -424,8 +442,15 @@ fn scenario(point: &str) -> (Desired, Desired) {
         ),
         "volume.created" => {
             let mut with = three.clone();
-            with.volumes.insert("data-1".into());
+            with.volumes.insert("data-1".into(), 1);
             (none, with)
+        }
+        "volume.grown" => {
+            let mut small = three.clone();
+            small.volumes.insert("data-1".into(), 1);
+            let mut grown = three.clone();
+            grown.volumes.insert("data-1".into(), 2);
+            (small, grown)
         }
         _ => (none, three),
     }
@@ -475,8 +500,10 @@ fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
         .collect()
 }
 
-/// A random desired state of up to five VMs and a volume.
-fn random_desired(rng: &mut XorShift) -> Desired {
+/// A random desired state of up to five VMs and a volume, which may grow
+/// past its largest size so far (`volume_gb`) but never shrinks: a shrink
+/// is refused, which is not what this proof is about.
+fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
     let mut d = Desired::default();
     for id in ["vm-a", "vm-b", "vm-c", "vm-d", "vm-e"] {
         let r = rng.next_unit();
@@ -494,7 +521,10 @@ fn random_desired(rng: &mut XorShift) -> Desired {
         }
     }
     if rng.next_unit() < 0.5 {
-        d.volumes.insert("data-1".into());
+        if rng.next_unit() < 0.3 && *volume_gb < 4 {
+            *volume_gb += 1;
+        }
+        d.volumes.insert("data-1".into(), *volume_gb);
     }
     d
 }
@@ -505,12 +535,13 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
     let mut host = Host::new();
     let mut problems = Vec::new();
     let mut desired = Desired::default();
+    let mut volume_gb = 1;
     host.want(&desired);
     host.start(None);
     for kill in 0..n {
         // VMs absent from the new state but once wanted stay quarantined
         // (the vanish grace is long): they are explained by their records.
-        desired = random_desired(&mut rng);
+        desired = random_desired(&mut rng, &mut volume_gb);
         host.want(&desired);
         std::thread::sleep(Duration::from_millis((rng.next_unit() * 300.0) as u64));
         host.kill();
