@@ -13,7 +13,6 @@
 //! 6. testkit (fakes of everything, for tests) and the binary
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
 
 const LAYERS: &[(&str, u8)] = &[
     ("model", 0),
@@ -109,42 +108,30 @@ fn violations(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
     out
 }
 
-fn module_edges(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+fn module_edges() -> BTreeMap<String, BTreeSet<String>> {
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    let mut stack = vec![src.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).expect("read src").flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let relative = path.strip_prefix(src).expect("under src");
-            let first = relative
-                .components()
-                .next()
-                .and_then(|c| c.as_os_str().to_str())
-                .unwrap_or_default();
-            let module = first.trim_end_matches(".rs").to_owned();
-            if module == "lib" {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).expect("read source");
-            let targets = edges.entry(module.clone()).or_default();
-            targets.extend(imports(&text).into_iter().filter(|t| *t != module));
+    for source in eitri_agent::testkit::sources::rust_sources() {
+        let first = source
+            .relative
+            .components()
+            .next()
+            .and_then(|c| c.as_os_str().to_str())
+            .unwrap_or_default();
+        let module = first.trim_end_matches(".rs").to_owned();
+        if module == "lib" {
+            continue;
         }
+        let targets = edges.entry(module.clone()).or_default();
+        targets.extend(imports(&source.text).into_iter().filter(|t| *t != module));
     }
     edges
 }
 
 #[test]
 fn no_module_imports_upward_or_in_a_circle() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let edges = module_edges();
 
-    let found = violations(&module_edges(&src));
+    let found = violations(&edges);
 
     assert!(found.is_empty(), "layering broken:\n{}", found.join("\n"));
 }

@@ -6,8 +6,6 @@
 //! anywhere else fails this test. (A report row's own `last_error`, on a
 //! value called `row`, is not a record's.)
 
-use std::path::Path;
-
 const FIELDS: &[&str] = &[
     "create_attempts",
     "created_at",
@@ -63,29 +61,17 @@ fn writes(text: &str) -> Vec<String> {
 
 #[test]
 fn only_the_transitions_write_lifecycle_fields() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut found = Vec::new();
-    let mut stack = vec![src.clone()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).expect("read src").flatten() {
-            let path = entry.path();
-            if path.is_dir() {
-                stack.push(path);
-                continue;
-            }
-            let relative = path
-                .strip_prefix(&src)
-                .expect("under src")
-                .display()
-                .to_string();
-            if path.extension().is_none_or(|e| e != "rs")
-                || ALLOWED.iter().any(|a| relative.starts_with(a))
-            {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).expect("read");
-            found.extend(writes(&text).into_iter().map(|w| format!("{relative} {w}")));
+    for source in eitri_agent::testkit::sources::rust_sources() {
+        let relative = source.relative.display().to_string();
+        if ALLOWED.iter().any(|a| relative.starts_with(a)) {
+            continue;
         }
+        found.extend(
+            writes(&source.text)
+                .into_iter()
+                .map(|w| format!("{relative} {w}")),
+        );
     }
 
     assert!(

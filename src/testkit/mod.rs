@@ -12,6 +12,7 @@ pub mod control_plane;
 pub mod image_server;
 pub mod logs;
 pub mod net;
+pub mod sources;
 pub mod tmpfs;
 pub mod tools;
 

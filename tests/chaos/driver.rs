@@ -27,6 +27,10 @@ const AGENT: &str = env!("CARGO_BIN_EXE_eitri-agent");
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
 /// How long a restarted agent gets to converge before it is a violation.
 const CONVERGE: Duration = Duration::from_secs(30);
+/// How long a converged host must stay so to count: longer than the
+/// agent's tick (200 ms), so a restarted agent that undoes what it found at
+/// its first tick is caught.
+const STEADY: Duration = Duration::from_millis(300);
 
 pub struct Summary {
     pub points: usize,
@@ -85,6 +89,9 @@ struct Host {
     agent: Option<Child>,
     /// report.json reads that did not parse (invariant 7).
     torn_reports: usize,
+    /// When the running agent was started, in Unix ms: a report written
+    /// before it is the last agent's, and proves nothing about this one.
+    started_ms: u64,
     /// Each volume's inode once it first converged: a volume made again
     /// is a volume lost (invariant 5).
     volume_inodes: BTreeMap<String, u64>,
@@ -106,6 +113,7 @@ impl Host {
             dir,
             agent: None,
             torn_reports: 0,
+            started_ms: 0,
             volume_inodes: BTreeMap::new(),
         }
     }
@@ -161,6 +169,7 @@ impl Host {
         if let Some(point) = crash_at {
             cmd.env("EITRI_CRASH_AT", point);
         }
+        self.started_ms = unix_ms();
         self.agent = Some(cmd.spawn().expect("agent"));
     }
 
@@ -335,6 +344,9 @@ impl Host {
         }
         match report {
             None => out.push("no report.json".into()),
+            Some(r) if r["written_at_unix_ms"].as_u64().unwrap_or(0) < self.started_ms => {
+                out.push("report.json not yet written by the restarted agent".into())
+            }
             Some(r) => {
                 let rows = r["report"]["vms"].as_array().cloned().unwrap_or_default();
                 for (vm, want) in &d.vms {
@@ -355,27 +367,57 @@ impl Host {
         out
     }
 
-    /// Waits for the host to converge on `d`; the time it took, or the
-    /// problems left at the bound.
+    /// Waits for the host to converge on `d` and stay so for [`STEADY`];
+    /// the time it took to converge, or the problems left at the bound, or
+    /// those that appeared after it had converged (a host that flaps is
+    /// not converged: a VMM killed and booted again, a row that changes).
     fn converge(&mut self, d: &Desired) -> Result<Duration, Vec<String>> {
         let start = Instant::now();
+        let mut converged: Option<Duration> = None;
         loop {
             self.poll_report();
             let problems = self.problems(d);
-            if problems.is_empty() {
-                for volume in d.volumes.keys() {
-                    let path = self.state().join("volumes").join(volume);
-                    if let Ok(meta) = std::fs::metadata(path) {
-                        self.volume_inodes.insert(volume.clone(), meta.ino());
+            match (problems.is_empty(), converged) {
+                (true, None) => converged = Some(start.elapsed()),
+                (true, Some(at)) if start.elapsed() - at >= STEADY => {
+                    for volume in d.volumes.keys() {
+                        let path = self.state().join("volumes").join(volume);
+                        if let Ok(meta) = std::fs::metadata(path) {
+                            self.volume_inodes.insert(volume.clone(), meta.ino());
+                        }
                     }
+                    return Ok(at);
                 }
-                return Ok(start.elapsed());
-            }
-            if start.elapsed() > CONVERGE {
-                return Err(problems);
+                (true, Some(_)) => {}
+                (false, Some(_)) => {
+                    return Err(problems
+                        .into_iter()
+                        .map(|p| format!("after converging: {p}"))
+                        .collect());
+                }
+                (false, None) if start.elapsed() > CONVERGE => return Err(problems),
+                (false, None) => {}
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Stops the agent; what the whole run left wrong: temp files, and
+    /// reads of `report.json` that did not parse.
+    fn finish(&mut self) -> Vec<String> {
+        self.stop();
+        let mut problems: Vec<String> = self
+            .temp_files()
+            .into_iter()
+            .map(|t| format!("temp file left: {t}"))
+            .collect();
+        if self.torn_reports > 0 {
+            problems.push(format!(
+                "{} report.json reads did not parse",
+                self.torn_reports
+            ));
+        }
+        problems
     }
 
     /// Temp files anywhere under the state dir (invariant 6).
@@ -482,18 +524,7 @@ fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
         }
         Err(p) => p,
     };
-    host.stop();
-    problems.extend(
-        host.temp_files()
-            .into_iter()
-            .map(|t| format!("temp file left: {t}")),
-    );
-    if host.torn_reports > 0 {
-        problems.push(format!(
-            "{} report.json reads did not parse",
-            host.torn_reports
-        ));
-    }
+    problems.extend(host.finish());
     problems
         .into_iter()
         .map(|p| format!("{point}: {p}"))
@@ -551,18 +582,7 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
             Err(p) => problems.extend(p.into_iter().map(|p| format!("kill {kill}: {p}"))),
         }
     }
-    host.stop();
-    problems.extend(
-        host.temp_files()
-            .into_iter()
-            .map(|t| format!("temp file left: {t}")),
-    );
-    if host.torn_reports > 0 {
-        problems.push(format!(
-            "{} report.json reads did not parse",
-            host.torn_reports
-        ));
-    }
+    problems.extend(host.finish());
     problems
 }
 
@@ -594,7 +614,7 @@ impl Summary {
             self.converge_s[i]
         };
         format!(
-            "bench=chaos points={} point_runs={} random_kills={} violations={} converge_s_p50={:.2} converge_s_p99={:.2}",
+            "bench=chaos points={} point_runs={} random_kills={} violations={} converge_s_p50={:.3} converge_s_p99={:.3}",
             self.points,
             self.point_runs,
             self.random_kills,
@@ -603,4 +623,10 @@ impl Summary {
             pct(0.99)
         )
     }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

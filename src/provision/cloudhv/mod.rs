@@ -330,6 +330,17 @@ impl CloudHypervisor {
         Some(tracked)
     }
 
+    /// The VM's directory, made if missing.
+    fn make_vm_dir(&self, vm_id: &Id) -> Result<PathBuf, CloudHvError> {
+        let dir = self.store.vm_dir(vm_id);
+        fs::create_dir_all(&dir).map_err(|source| CloudHvError::VmDir {
+            vm_id: vm_id.clone(),
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(dir)
+    }
+
     /// Makes a VMM found without (or despite) its pidfile this VM's again:
     /// the pidfile names it, and its exit is watched.
     fn take_over(&self, vm_id: &Id, tracked: Tracked) {
@@ -393,12 +404,7 @@ impl Provisioner for CloudHypervisor {
             }
             .into());
         }
-        let dir = self.store.vm_dir(vm_id);
-        fs::create_dir_all(&dir).map_err(|source| CloudHvError::VmDir {
-            vm_id: vm_id.clone(),
-            path: dir,
-            source,
-        })?;
+        self.make_vm_dir(vm_id)?;
         crate::disk::prepare(
             base,
             &self.store.root_disk_path(&spec.vm_id),

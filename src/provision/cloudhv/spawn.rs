@@ -38,12 +38,7 @@ impl CloudHypervisor {
     /// Starts the VM's VMM (see the module steps) and returns it, tracked.
     pub(super) fn spawn(&self, spec: &VmSpec) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
-        let dir = self.store.vm_dir(vm_id);
-        fs::create_dir_all(&dir).map_err(|source| CloudHvError::VmDir {
-            vm_id: vm_id.clone(),
-            path: dir,
-            source,
-        })?;
+        self.make_vm_dir(vm_id)?;
         let files = self.files(spec);
         // A stale socket of a VMM that died: the new one binds its own.
         let _ = fs::remove_file(&files.api_socket);
