@@ -91,6 +91,54 @@ fn a_digest_mismatch_is_permanent_and_leaves_no_file() {
     );
 }
 
+/// A QCOW2 file: its header, then zeros.
+fn qcow2(dir: &Path) -> (PathBuf, String) {
+    let path = dir.join("base.qcow2");
+    let mut bytes = b"QFI\xfb\0\0\0\x03".to_vec();
+    bytes.resize(64 << 10, 0);
+    std::fs::write(&path, bytes).expect("qcow2");
+    let sha = sha256_file(&path).expect("hash");
+    (path, sha)
+}
+
+#[test]
+fn a_qcow2_image_is_refused_permanently_naming_the_conversion_and_not_cached() {
+    let f = Fixture::new();
+    let (path, sha) = qcow2(f.dir.path());
+    let server = ImageServer::start(Serve::File(path)).expect("server");
+
+    let err = f
+        .cache()
+        .resolve(&server.url("a.qcow2"), &sha, Deadline::NONE, quiet())
+        .expect_err("not raw");
+
+    assert!(err.is_permanent());
+    assert!(
+        err.to_string().contains("QCOW2") && err.to_string().contains("qemu-img convert -O raw"),
+        "{err}"
+    );
+    assert!(
+        entries(&f.images()).is_empty(),
+        "{:?}",
+        entries(&f.images())
+    );
+}
+
+#[test]
+fn a_qcow2_image_cached_before_the_check_is_refused() {
+    let f = Fixture::new();
+    let (path, sha) = qcow2(f.dir.path());
+    std::fs::copy(&path, f.images().join(&sha)).expect("planted in the cache");
+
+    let err = f
+        .cache()
+        .resolve("http://127.0.0.1:9/unused", &sha, Deadline::NONE, quiet())
+        .expect_err("not raw");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("QCOW2"), "{err}");
+}
+
 #[test]
 fn ten_threads_asking_for_one_image_cause_one_request() {
     let f = Fixture::new();

@@ -621,10 +621,10 @@ fn preflight_names_a_missing_hypervisor() {
 }
 
 #[test]
-fn preflight_refuses_an_old_hypervisor() {
+fn preflight_refuses_a_hypervisor_older_than_v51_that_would_probe_disk_formats() {
     let h = Host::new(&[]);
     let old = h.dir.path().join("old-hv");
-    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v30.0'\n").expect("old");
+    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v50.0'\n").expect("old");
     std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let backend = CloudHypervisor::new(
         Arc::clone(&h.store),
@@ -637,7 +637,8 @@ fn preflight_refuses_an_old_hypervisor() {
     let err = backend.preflight(Deadline::NONE).expect_err("too old");
 
     assert!(err.is_permanent());
-    assert!(err.to_string().contains("v40 or later"), "{err}");
+    assert!(err.to_string().contains("v51 or later"), "{err}");
+    assert!(err.to_string().contains("backing_files=off"), "{err}");
 }
 
 fn preflight_passes_on(h: Host) {
@@ -752,6 +753,37 @@ fn an_orphan_hypervisor_is_stopped_at_start_and_said() {
     assert!(
         notes[0].contains("orphan") && notes[0].contains(&pid.to_string()),
         "{notes:?}"
+    );
+}
+
+#[test]
+fn every_disk_the_hypervisor_is_given_is_raw_with_backing_files_off() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let log = std::fs::read_to_string(h.store.hypervisor_log_path(&id("vm-1"))).expect("log");
+
+    let disks: Vec<&String> = args
+        .iter()
+        .filter(|a| a.starts_with("path=") && a.contains("/vms/"))
+        .collect();
+    assert_eq!(disks.len(), 2, "root disk and seed: {args:?}");
+    assert!(
+        disks
+            .iter()
+            .all(|d| d.ends_with(",image_type=raw,backing_files=off")),
+        "{disks:?}"
+    );
+    assert!(
+        !log.contains("DEPRECATION"),
+        "the format is never probed: {log}"
     );
 }
 

@@ -30,6 +30,16 @@ pub(super) fn fetch(
     let (reader, total) = open(agent, url)?;
     let partial = dir.join(format!(".partial-{sha256}-{}", std::process::id()));
     let result = stream(reader, total, &partial, sha256, url, progress).and_then(|()| {
+        match super::format::foreign_format(&partial) {
+            Ok(None) => {}
+            Ok(Some(format)) => {
+                return Err(ImageError::NotRaw {
+                    url: url.into(),
+                    format,
+                });
+            }
+            Err(e) => return Err(ImageError::store(partial.clone(), e)),
+        }
         crate::crash::point("image.fetched");
         let target = dir.join(sha256);
         fs::rename(&partial, &target).map_err(|e| ImageError::store(target.clone(), e))?;

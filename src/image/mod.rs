@@ -13,6 +13,7 @@
 //!   408/429, or a missing file. Everything else is transient.
 
 mod fetch;
+mod format;
 mod prune;
 
 use std::collections::HashMap;
@@ -54,6 +55,11 @@ pub enum ImageError {
         want: String,
         got: String,
     },
+    /// A verified image in a format other than raw (see `format`).
+    NotRaw {
+        url: String,
+        format: &'static str,
+    },
     Store {
         path: PathBuf,
         source: std::sync::Arc<std::io::Error>,
@@ -81,6 +87,10 @@ impl fmt::Display for ImageError {
                 f,
                 "the image at {url} has sha256 {got}, but the spec says {want}; the download was deleted"
             ),
+            ImageError::NotRaw { url, format } => write!(
+                f,
+                "the image at {url} is a {format} image; guests boot raw images only (a format header can name a host file as a backing file): convert it with `qemu-img convert -O raw IMAGE IMAGE.raw` and publish the raw file's sha256"
+            ),
             ImageError::Store { path, source } => {
                 write!(f, "cannot write {}: {source}", path.display())
             }
@@ -95,7 +105,8 @@ impl Failure for ImageError {
         match self {
             ImageError::BadDigest { .. }
             | ImageError::BadUrl { .. }
-            | ImageError::Mismatch { .. } => true,
+            | ImageError::Mismatch { .. }
+            | ImageError::NotRaw { .. } => true,
             ImageError::Source { permanent, .. } => *permanent,
             ImageError::Store { .. } => false,
         }
@@ -260,7 +271,16 @@ impl ImageCache {
         }
         let path = self.path_of(sha256);
         if path.is_file() {
-            return Ok(path);
+            // Cached by an agent that did not check the format.
+            return match format::foreign_format(&path) {
+                Ok(None) => Ok(path),
+                Ok(Some(format)) => Err(ImageError::NotRaw {
+                    url: url.into(),
+                    format,
+                }
+                .into()),
+                Err(e) => Err(ImageError::store(path, e).into()),
+            };
         }
         let download = self.download(url, sha256, progress)?;
         let mut state = download.state.lock();

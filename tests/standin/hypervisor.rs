@@ -11,6 +11,10 @@
 //! - `vm.shutdown` keeps the process alive; `vmm.shutdown` answers 200,
 //!   removes the socket and exits 0.
 //! - The serial file is truncated at start and gets a boot line.
+//! - Flags are checked as v53 checks them: an unknown flag or disk option is
+//!   an error (exit 2); a disk without `image_type` logs the deprecation of
+//!   format probing; `image_type` and `backing_files` take only their
+//!   values; `--landlock-rules` needs `--landlock`.
 //!
 //! Knobs, from the environment:
 //! - `STANDIN_FAIL_START=msg`: log msg, exit 1 at once.
@@ -61,6 +65,92 @@ impl Args {
     }
 }
 
+const FLAGS: &[&str] = &[
+    "api-socket",
+    "kernel",
+    "firmware",
+    "cmdline",
+    "initramfs",
+    "disk",
+    "net",
+    "serial",
+    "console",
+    "cpus",
+    "memory",
+    "log-file",
+    "v",
+    "event-monitor",
+    "landlock",
+    "landlock-rules",
+    "seccomp",
+];
+
+const DISK_KEYS: &[&str] = &[
+    "path",
+    "readonly",
+    "direct",
+    "iommu",
+    "num_queues",
+    "queue_size",
+    "vhost_user",
+    "socket",
+    "id",
+    "pci_segment",
+    "serial",
+    "sparse",
+    "image_type",
+    "backing_files",
+];
+
+/// The command line as v53 checks it; a deprecation is logged, not fatal.
+fn check(args: &Args, log: &Log) -> Result<(), String> {
+    for flag in args.flags.keys() {
+        if !FLAGS.contains(&flag.as_str()) {
+            return Err(format!("unexpected argument '--{flag}' found"));
+        }
+    }
+    for disk in args.flags.get("disk").into_iter().flatten() {
+        let mut typed = false;
+        for kv in disk.split(',') {
+            let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
+            if !DISK_KEYS.contains(&key) {
+                return Err(format!(
+                    "invalid disk parameters: unknown option {key:?} in {disk:?}"
+                ));
+            }
+            match key {
+                "image_type" if !["raw", "qcow2", "vhd", "vhdx"].contains(&value) => {
+                    return Err(format!("invalid disk parameters: image_type={value:?}"));
+                }
+                "backing_files" | "readonly" if !["on", "off"].contains(&value) => {
+                    return Err(format!("invalid disk parameters: {key}={value:?}"));
+                }
+                "image_type" => typed = true,
+                _ => {}
+            }
+        }
+        if !typed {
+            log.line(
+                "DEPRECATION: auto-detection of disk image type is deprecated; set image_type. Autodetected raw image type. Disabling sector 0 writes.",
+            );
+        }
+    }
+    if args.has("landlock-rules") && !args.has("landlock") {
+        return Err("--landlock-rules needs --landlock".into());
+    }
+    for rule in args.flags.get("landlock-rules").into_iter().flatten() {
+        let mut keys = rule
+            .split(',')
+            .map(|kv| kv.split_once('=').map_or(kv, |(k, _)| k));
+        if !(keys.any(|k| k == "path") && rule.contains("access=")) {
+            return Err(format!(
+                "invalid landlock rule {rule:?}: needs path= and access="
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn knob(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
@@ -99,6 +189,11 @@ fn main() {
         .and_then(|v| v.first())
         .and_then(|p| OpenOptions::new().create(true).append(true).open(p).ok())
         .map(Mutex::new)));
+    if let Err(e) = check(&args, &log) {
+        log.line(&format!("Error: {e}"));
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     if let Some(msg) = knob("STANDIN_FAIL_START") {
         log.line(&format!("Error: {msg}"));
         std::process::exit(1);

@@ -40,6 +40,11 @@ pub struct Nic {
     pub mac: Mac,
 }
 
+/// Every disk is raw, and its format is never probed: a guest owns the
+/// bytes of its disks and could write a QCOW2 header naming a host file as
+/// its backing file (GHSA-jmr4-g2hv-mjj6). Since cloud-hypervisor v51.
+const RAW: &str = ",image_type=raw,backing_files=off";
+
 /// The arguments after the program name.
 pub fn argv(
     image: Option<GuestImage<'_>>,
@@ -66,10 +71,10 @@ pub fn argv(
         None => {}
     }
     arg("--disk".into());
-    arg(option("path=", &files.root_disk, ""));
-    arg(option("path=", &files.seed, ",readonly=on"));
+    arg(option("path=", &files.root_disk, RAW));
+    arg(option("path=", &files.seed, &format!(",readonly=on{RAW}")));
     for volume in &files.volumes {
-        arg(option("path=", volume, ""));
+        arg(option("path=", volume, RAW));
     }
     if !nics.is_empty() {
         arg("--net".into());
@@ -147,8 +152,8 @@ mod tests {
                 "--cmdline",
                 "console=ttyS0 root=/dev/vda1 rw",
                 "--disk",
-                "path=/var/lib/eitri/vms/web-1/disk.raw",
-                "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on",
+                "path=/var/lib/eitri/vms/web-1/disk.raw,image_type=raw,backing_files=off",
+                "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on,image_type=raw,backing_files=off",
                 "--net",
                 "fd=3,mac=02:00:00:00:00:01",
                 "--serial",
@@ -183,10 +188,10 @@ mod tests {
                 "--firmware",
                 "/srv/CLOUDHV.fd",
                 "--disk",
-                "path=/var/lib/eitri/vms/web-1/disk.raw",
-                "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on",
-                "path=/var/lib/eitri/volumes/data-1",
-                "path=/var/lib/eitri/volumes/logs",
+                "path=/var/lib/eitri/vms/web-1/disk.raw,image_type=raw,backing_files=off",
+                "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on,image_type=raw,backing_files=off",
+                "path=/var/lib/eitri/volumes/data-1,image_type=raw,backing_files=off",
+                "path=/var/lib/eitri/volumes/logs,image_type=raw,backing_files=off",
                 "--net",
                 "fd=3,mac=02:00:00:00:00:01",
                 "fd=4,mac=02:00:00:00:00:02",
@@ -202,6 +207,26 @@ mod tests {
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
             ]
         );
+    }
+
+    #[test]
+    fn every_disk_is_raw_with_backing_files_off() {
+        let volumes = ["/var/lib/eitri/volumes/data-1"];
+
+        let args = text(argv(kernel(), &files(&volumes), &[], 1, 64));
+
+        let start = args.iter().position(|a| a == "--disk").expect("--disk");
+        let disks: Vec<&String> = args[start + 1..]
+            .iter()
+            .take_while(|a| !a.starts_with("--"))
+            .collect();
+        assert_eq!(disks.len(), 3, "{disks:?}");
+        for disk in disks {
+            assert!(
+                disk.ends_with(",image_type=raw,backing_files=off"),
+                "{disk}"
+            );
+        }
     }
 
     #[test]

@@ -125,7 +125,7 @@ impl fmt::Display for CloudHvError {
             ),
             E::TooOld { path, banner, min } => write!(
                 f,
-                "{} reports version {banner:?}; this agent needs cloud-hypervisor v{min} or later",
+                "{} reports version {banner:?}; this agent needs cloud-hypervisor v{min} or later (it passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it)",
                 path.display()
             ),
             E::Version { path, problem } => {

@@ -59,7 +59,7 @@ use crate::model::{Id, Mac, VmSpec};
 use crate::state::Store;
 
 /// The oldest cloud-hypervisor this backend drives.
-pub const MIN_VERSION: u32 = 40;
+pub const MIN_VERSION: u32 = 51;
 /// Bytes of the hypervisor's log a failure reason quotes, at most.
 const REASON_BYTES: u64 = 2048;
 
