@@ -30,6 +30,7 @@ pub mod model;
 pub mod net;
 pub mod pb;
 pub mod provision;
+pub mod quote;
 pub mod reconcile;
 pub mod seed;
 pub mod source;

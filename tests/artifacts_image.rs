@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::Progress;
-use eitri_agent::image::{ImageCache, sha256_file};
+use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 use parking_lot::Mutex;
 
 /// A bound to fail on, not a measurement.
 const PATIENCE: Duration = Duration::from_secs(20);
+/// The asking VM's disk: the most an image may be.
+const DISK: u64 = 1 << 30;
 
 struct Fixture {
     dir: tempfile::TempDir,
@@ -20,10 +22,12 @@ struct Fixture {
 }
 
 impl Fixture {
-    /// A 2 MiB image of varied bytes, and an empty cache dir.
+    /// A 2 MiB image of varied bytes in the image root (`library/`), and
+    /// an empty cache dir.
     fn new() -> Fixture {
         let dir = tempfile::tempdir().expect("tempdir");
-        let image = dir.path().join("source.raw");
+        std::fs::create_dir_all(dir.path().join("library")).expect("library");
+        let image = dir.path().join("library/source.raw");
         let bytes: Vec<u8> = (0..2u32 << 20)
             .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
             .collect();
@@ -33,8 +37,20 @@ impl Fixture {
         Fixture { dir, image, sha }
     }
 
+    /// A cache serving `file://` from the library.
     fn cache(&self) -> ImageCache {
-        ImageCache::new(self.images())
+        self.cache_with(ImageOptions {
+            file_root: Some(self.library()),
+            ..ImageOptions::default()
+        })
+    }
+
+    fn cache_with(&self, options: ImageOptions) -> ImageCache {
+        ImageCache::with(self.images(), &options)
+    }
+
+    fn library(&self) -> PathBuf {
+        self.dir.path().join("library")
     }
 
     fn images(&self) -> PathBuf {
@@ -60,7 +76,7 @@ fn a_download_is_verified_and_named_by_its_digest() {
 
     let path = f
         .cache()
-        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
         .expect("fetched");
 
     assert_eq!(path, f.images().join(&f.sha));
@@ -76,7 +92,7 @@ fn a_digest_mismatch_is_permanent_and_leaves_no_file() {
 
     let err = f
         .cache()
-        .resolve(&server.url("a.raw"), &wrong, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &wrong, DISK, Deadline::NONE, quiet())
         .expect_err("mismatch");
 
     assert!(err.is_permanent());
@@ -109,7 +125,7 @@ fn a_qcow2_image_is_refused_permanently_naming_the_conversion_and_not_cached() {
 
     let err = f
         .cache()
-        .resolve(&server.url("a.qcow2"), &sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.qcow2"), &sha, DISK, Deadline::NONE, quiet())
         .expect_err("not raw");
 
     assert!(err.is_permanent());
@@ -132,7 +148,13 @@ fn a_qcow2_image_cached_before_the_check_is_refused() {
 
     let err = f
         .cache()
-        .resolve("http://127.0.0.1:9/unused", &sha, Deadline::NONE, quiet())
+        .resolve(
+            "http://127.0.0.1:9/unused",
+            &sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
         .expect_err("not raw");
 
     assert!(err.is_permanent());
@@ -153,7 +175,7 @@ fn ten_threads_asking_for_one_image_cause_one_request() {
             .map(|_| {
                 s.spawn(|| {
                     cache
-                        .resolve(&url, &f.sha, Deadline::NONE, quiet())
+                        .resolve(&url, &f.sha, DISK, Deadline::NONE, quiet())
                         .expect("fetched")
                 })
             })
@@ -179,6 +201,7 @@ fn a_waiter_gives_up_at_its_deadline_while_the_download_completes() {
         .resolve(
             &server.url("a.raw"),
             &f.sha,
+            DISK,
             Deadline::after(Duration::from_millis(100)),
             quiet(),
         )
@@ -200,7 +223,7 @@ fn a_restarted_cache_finds_the_verified_image_without_network() {
     let f = Fixture::new();
     let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
     f.cache()
-        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
         .expect("fetched");
     let before = server.requests();
     drop(server);
@@ -210,6 +233,7 @@ fn a_restarted_cache_finds_the_verified_image_without_network() {
         .resolve(
             "http://127.0.0.1:9/gone.raw",
             &f.sha,
+            DISK,
             Deadline::NONE,
             quiet(),
         )
@@ -226,10 +250,210 @@ fn a_file_url_is_served() {
 
     let path = f
         .cache()
-        .resolve(&url, &f.sha, Deadline::NONE, quiet())
+        .resolve(&url, &f.sha, DISK, Deadline::NONE, quiet())
         .expect("copied");
 
     assert_eq!(sha256_file(&path).expect("hash"), f.sha);
+}
+
+#[test]
+fn a_host_file_outside_the_image_root_is_refused_and_its_digest_never_told() {
+    let f = Fixture::new();
+    let secret = f.dir.path().join("shadow");
+    std::fs::write(&secret, b"root:$6$secret:19000:0:99999:7:::\n").expect("secret");
+    let real = sha256_file(&secret).expect("hash");
+    let made_up = "0".repeat(64);
+
+    let err = f
+        .cache()
+        .resolve(
+            &format!("file://{}", secret.display()),
+            &made_up,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("outside the root");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("image root"), "{err}");
+    assert!(!err.to_string().contains(&real), "{err}");
+    assert!(
+        entries(&f.images()).is_empty(),
+        "{:?}",
+        entries(&f.images())
+    );
+}
+
+#[test]
+fn etc_shadow_is_refused_and_nothing_lands_in_the_cache() {
+    let f = Fixture::new();
+
+    let err = f
+        .cache()
+        .resolve(
+            "file:///etc/shadow",
+            &"0".repeat(64),
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("refused");
+
+    assert!(err.is_permanent(), "{err}");
+    assert!(
+        entries(&f.images()).is_empty(),
+        "{:?}",
+        entries(&f.images())
+    );
+}
+
+#[test]
+fn without_an_image_root_every_file_url_is_refused_naming_the_flag() {
+    let f = Fixture::new();
+    let url = format!("file://{}", f.image.display());
+
+    let err = f
+        .cache_with(ImageOptions::default())
+        .resolve(&url, &f.sha, DISK, Deadline::NONE, quiet())
+        .expect_err("no root");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("--image-root"), "{err}");
+}
+
+#[test]
+fn a_symlink_out_of_the_image_root_is_refused() {
+    let f = Fixture::new();
+    let outside = f.dir.path().join("outside.raw");
+    std::fs::copy(&f.image, &outside).expect("copy");
+    let link = f.library().join("link.raw");
+    std::os::unix::fs::symlink(&outside, &link).expect("symlink");
+
+    let err = f
+        .cache()
+        .resolve(
+            &format!("file://{}", link.display()),
+            &f.sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("escapes");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("image root"), "{err}");
+}
+
+#[test]
+fn a_fifo_in_the_image_root_is_refused_without_blocking() {
+    let f = Fixture::new();
+    let fifo = f.library().join("pipe.raw");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
+
+    let err = f
+        .cache()
+        .resolve(
+            &format!("file://{}", fifo.display()),
+            &f.sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("not a file");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+}
+
+#[test]
+fn a_local_mismatch_names_the_wanted_digest_only() {
+    let f = Fixture::new();
+    let wrong = "0".repeat(64);
+
+    let err = f
+        .cache()
+        .resolve(
+            &format!("file://{}", f.image.display()),
+            &wrong,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("mismatch");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains(&wrong), "{err}");
+    assert!(!err.to_string().contains(&f.sha), "{err}");
+}
+
+#[test]
+fn an_image_larger_than_the_vms_disk_is_refused_and_not_kept() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+
+    let err = f
+        .cache()
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            1 << 20,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("too large");
+
+    assert!(err.is_permanent());
+    assert!(
+        err.to_string().contains("larger than the VM's disk"),
+        "{err}"
+    );
+    assert!(
+        entries(&f.images()).is_empty(),
+        "{:?}",
+        entries(&f.images())
+    );
+}
+
+#[test]
+fn a_stalled_server_fails_the_download_and_the_next_request_starts_afresh() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Stall(f.image.clone(), 64 << 10)).expect("server");
+    let cache = f.cache_with(ImageOptions {
+        stall: Duration::from_millis(300),
+        ..ImageOptions::default()
+    });
+
+    let started = std::time::Instant::now();
+    let err = cache
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            DISK,
+            Deadline::after(PATIENCE),
+            quiet(),
+        )
+        .expect_err("stalled");
+    let took = started.elapsed();
+    server.set(Serve::File(f.image.clone()));
+    let path = cache
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            DISK,
+            Deadline::after(PATIENCE),
+            quiet(),
+        )
+        .expect("a fresh download");
+
+    assert!(!err.is_permanent(), "{err}");
+    assert!(err.to_string().contains("sent nothing"), "{err}");
+    assert!(
+        took < PATIENCE,
+        "failed at the stall timeout, not the deadline: {took:?}"
+    );
+    assert_eq!(server.requests(), 2);
+    assert_eq!(path, f.images().join(&f.sha));
 }
 
 #[test]
@@ -238,7 +462,13 @@ fn a_missing_file_is_permanent() {
 
     let err = f
         .cache()
-        .resolve("file:///nonexistent/x.raw", &f.sha, Deadline::NONE, quiet())
+        .resolve(
+            &format!("file://{}/missing.raw", f.library().display()),
+            &f.sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
         .expect_err("missing");
 
     assert!(err.is_permanent(), "{err}");
@@ -251,7 +481,7 @@ fn a_404_is_permanent() {
 
     let err = f
         .cache()
-        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
         .expect_err("404");
 
     assert!(err.is_permanent());
@@ -264,13 +494,13 @@ fn a_429_and_a_503_are_transient() {
     let server = ImageServer::start(Serve::Status(429)).expect("server");
     let limited = f
         .cache()
-        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
         .expect_err("429");
     server.set(Serve::Status(503));
 
     let unavailable = f
         .cache()
-        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
         .expect_err("503");
 
     assert!(!limited.is_permanent());
@@ -283,7 +513,13 @@ fn a_refused_connection_is_transient() {
 
     let err = f
         .cache()
-        .resolve("http://127.0.0.1:9/x.raw", &f.sha, Deadline::NONE, quiet())
+        .resolve(
+            "http://127.0.0.1:9/x.raw",
+            &f.sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
         .expect_err("refused");
 
     assert!(!err.is_permanent());
@@ -295,7 +531,7 @@ fn an_unsupported_scheme_is_permanent() {
 
     let err = f
         .cache()
-        .resolve("ftp://mirror/x.raw", &f.sha, Deadline::NONE, quiet())
+        .resolve("ftp://mirror/x.raw", &f.sha, DISK, Deadline::NONE, quiet())
         .expect_err("ftp");
 
     assert!(err.is_permanent());
@@ -307,7 +543,13 @@ fn a_digest_that_is_not_hex_is_permanent() {
 
     let err = f
         .cache()
-        .resolve("file:///x", "../../etc/passwd", Deadline::NONE, quiet())
+        .resolve(
+            "file:///x",
+            "../../etc/passwd",
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
         .expect_err("bad digest");
 
     assert!(err.is_permanent());
@@ -324,6 +566,7 @@ fn progress_ends_at_the_total() {
         .resolve(
             &server.url("a.raw"),
             &f.sha,
+            DISK,
             Deadline::NONE,
             Arc::new(move |d, t| log.lock().push((d, t))),
         )
@@ -354,7 +597,7 @@ fn a_full_disk_fails_and_leaves_no_partial_file() {
     let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
 
     let err = ImageCache::new(small.clone())
-        .resolve(&server.url("a.raw"), &f.sha, Deadline::NONE, quiet())
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
         .expect_err("no space");
 
     assert!(err.to_string().contains("No space left"), "{err}");

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::hostkey::LocalHostKeys;
-use eitri_agent::image::{ImageCache, sha256_file};
+use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
 use eitri_agent::provision::Provisioner;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
@@ -134,7 +134,15 @@ impl Host {
     fn make_engine(&self) -> Engine {
         let seams = Seams {
             provisioner: Arc::clone(&self.backend) as Arc<dyn Provisioner>,
-            images: Arc::new(ImageCache::new(self.store.images_dir())),
+            // The images these tests boot are wherever the test (or the
+            // real-hypervisor env vars) put them: the whole tree is the root.
+            images: Arc::new(ImageCache::with(
+                self.store.images_dir(),
+                &ImageOptions {
+                    file_root: Some("/".into()),
+                    ..ImageOptions::default()
+                },
+            )),
             seed: Arc::new(NoCloudSeed),
             host_keys: Arc::new(LocalHostKeys),
             host: self.fakes.seams().host,

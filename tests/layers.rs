@@ -24,6 +24,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("logonce", 0),
     ("version", 0),
     ("threads", 0),
+    ("quote", 0),
     ("state", 1),
     ("pb", 1),
     ("provision", 2),

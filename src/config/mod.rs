@@ -61,6 +61,9 @@ pub struct Config {
     /// An HTTP proxy for the control plane and image downloads; never taken
     /// from the environment.
     pub proxy: Option<String>,
+    /// How base images are fetched (the proxy again, `--image-root`, the
+    /// stall timeout).
+    pub images: crate::image::ImageOptions,
     pub guest: GuestBoot,
     pub engine: EngineConfig,
 }
@@ -237,6 +240,19 @@ mod tests {
         );
         assert_eq!(c.tick, Duration::from_secs(5));
         assert_eq!(c.engine.vm_timeout, Some(Duration::from_secs(900)));
+    }
+
+    #[test]
+    fn file_images_are_refused_unless_an_absolute_image_root_is_named() {
+        let default = run(&["run", "--desired", "/d"], &[]).expect("valid");
+        let named = run(&["run", "--desired", "/d", "--image-root", "/srv/images"], &[])
+            .expect("valid");
+        let relative =
+            run(&["run", "--desired", "/d", "--image-root", "images"], &[]).expect_err("relative");
+
+        assert_eq!(default.images.file_root, None);
+        assert_eq!(named.images.file_root, Some(PathBuf::from("/srv/images")));
+        assert!(relative.to_string().contains("--image-root"), "{relative}");
     }
 
     #[test]

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use super::settings::Key;
 use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
+use crate::image::ImageOptions;
 use crate::net::addresses::Subnet;
 use crate::net::underlay::UnderlayConfig;
 use crate::provision::GuestBoot;
@@ -35,6 +36,7 @@ pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Co
         notify_fd: notify_fd(&raw)?,
         limits: snapshot_limits(&raw)?,
         proxy: proxy(&raw)?,
+        images: images(&raw)?,
         guest: guest_boot(&raw)?,
         engine: engine(&raw)?,
     })
@@ -174,6 +176,29 @@ fn proxy(raw: &Raw<'_>) -> Result<Option<String>, ConfigError> {
         })?;
     }
     Ok(proxy)
+}
+
+fn images(raw: &Raw<'_>) -> Result<ImageOptions, ConfigError> {
+    let file_root = raw.optional(Key::ImageRoot).map(PathBuf::from);
+    if let Some(root) = &file_root
+        && !root.is_absolute()
+    {
+        return Err(err(format!(
+            "--image-root: {} is not an absolute path",
+            crate::quote::path(root)
+        )));
+    }
+    let stall = raw.duration(Key::ImageStallTimeout)?;
+    if stall.is_zero() {
+        return Err(err(
+            "--image-stall-timeout: 0 would fail every download; give a duration such as 60s",
+        ));
+    }
+    Ok(ImageOptions {
+        proxy: proxy(raw)?,
+        file_root,
+        stall,
+    })
 }
 
 fn snapshot_limits(raw: &Raw<'_>) -> Result<SnapshotLimits, ConfigError> {

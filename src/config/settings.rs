@@ -64,6 +64,10 @@ settings! {
         "most volume entries one snapshot may hold; counted before it is decoded";
     Proxy => "proxy", "EITRI_PROXY", "",
         "HTTP proxy for the control plane and image downloads (http_proxy and the like are ignored)";
+    ImageRoot => "image-root", "EITRI_IMAGE_ROOT", "",
+        "directory file:// images must be under (default: none, so file:// images are refused)";
+    ImageStallTimeout => "image-stall-timeout", "EITRI_IMAGE_STALL_TIMEOUT", "60s",
+        "an image download that receives nothing this long fails (and is retried afresh)";
     BackoffMax => "backoff-max", "EITRI_BACKOFF_MAX", "60s",
         "control plane: longest wait between failed contacts";
     MaxVcpus => "max-vcpus", "EITRI_MAX_VCPUS", "0",

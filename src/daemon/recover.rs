@@ -56,10 +56,7 @@ pub fn recover(
     // 1.
     let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
     // 2.
-    let images = Arc::new(ImageCache::with_proxy(
-        store.images_dir(),
-        config.proxy.as_deref(),
-    ));
+    let images = Arc::new(ImageCache::with(store.images_dir(), &config.images));
     let swept = store.sweep();
     let partials = images.sweep_partials();
     if swept.temp_files + swept.half_deleted_vms + partials > 0 {

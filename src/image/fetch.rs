@@ -1,8 +1,9 @@
 //! One download: stream the source into a hidden partial file, hashing as
 //! the bytes pass, and name it by its digest only once the digest matches.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -18,18 +19,42 @@ const PIPELINE: usize = 4;
 /// Progress is reported at most this often.
 const PROGRESS_EVERY: Duration = Duration::from_millis(250);
 
-/// Fetches `url` into `dir/<sha256>`, verifying it. `progress` gets
+/// Where and how much to fetch.
+pub(super) struct Source<'a> {
+    pub agent: &'a ureq::Agent,
+    /// `--image-root`, canonical; `None` refuses `file://`.
+    pub file_root: Option<&'a Path>,
+    pub url: &'a str,
+    pub sha256: &'a str,
+    /// The most bytes the image may have.
+    pub max_bytes: u64,
+    /// The agent's per-read timeout, for the error that says it passed.
+    pub stall: Duration,
+}
+
+/// Fetches the source into `dir/<sha256>`, verifying it. `progress` gets
 /// (done, total when known) at a bounded rate.
 pub(super) fn fetch(
-    agent: &ureq::Agent,
+    source: &Source<'_>,
     dir: &Path,
-    url: &str,
-    sha256: &str,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<PathBuf, ImageError> {
-    let (reader, total) = open(agent, url)?;
+    let (url, sha256) = (source.url, source.sha256);
+    let (reader, total) = match url.strip_prefix("file://") {
+        Some(path) => open_file(source.file_root, url, path)?,
+        None => open_http(source.agent, url)?,
+    };
+    if let Some(total) = total
+        && total > source.max_bytes
+    {
+        return Err(ImageError::TooLarge {
+            url: url.into(),
+            size: total,
+            max: source.max_bytes,
+        });
+    }
     let partial = dir.join(format!(".partial-{sha256}-{}", std::process::id()));
-    let result = stream(reader, total, &partial, sha256, url, progress).and_then(|()| {
+    let result = stream(reader, total, &partial, source, progress).and_then(|()| {
         match super::format::foreign_format(&partial) {
             Ok(None) => {}
             Ok(Some(format)) => {
@@ -54,23 +79,56 @@ pub(super) fn fetch(
     result
 }
 
-fn open(agent: &ureq::Agent, url: &str) -> Result<(Box<dyn Read + Send>, Option<u64>), ImageError> {
-    if let Some(path) = url.strip_prefix("file://") {
-        let path = Path::new(path);
-        if !path.is_absolute() {
-            return Err(ImageError::BadUrl {
-                url: url.into(),
-                why: "a file URL needs an absolute path (file:///srv/images/x.raw)".into(),
-            });
-        }
-        let file = File::open(path).map_err(|e| ImageError::Source {
-            url: url.into(),
-            permanent: e.kind() == io::ErrorKind::NotFound,
-            why: e.to_string(),
-        })?;
-        let len = file.metadata().ok().map(|m| m.len());
-        return Ok((Box::new(file), len));
+type Opened = (Box<dyn Read + Send>, Option<u64>);
+
+/// A `file://` image: only a regular file under the operator's image root,
+/// reached without a symlink out of it. The path is resolved first and
+/// opened without following a final symlink, then checked again by what
+/// was opened, so a swap between the two is caught.
+fn open_file(root: Option<&Path>, url: &str, path: &str) -> Result<Opened, ImageError> {
+    let refuse = |why: String| ImageError::BadUrl {
+        url: url.into(),
+        why,
+    };
+    let Some(root) = root else {
+        return Err(refuse(
+            "file:// images are refused on this host; an operator may allow a directory with --image-root".into(),
+        ));
+    };
+    let path = Path::new(path);
+    if !path.is_absolute() {
+        return Err(refuse(
+            "a file URL needs an absolute path (file:///srv/images/x.raw)".into(),
+        ));
     }
+    let missing = |e: io::Error| ImageError::Source {
+        url: url.into(),
+        permanent: e.kind() == io::ErrorKind::NotFound,
+        why: e.to_string(),
+    };
+    let real = fs::canonicalize(path).map_err(missing)?;
+    let outside = || {
+        refuse(format!(
+            "it is not under the image root {} (symlinks are followed before this check)",
+            crate::quote::path(root)
+        ))
+    };
+    if root.as_os_str().is_empty() || !real.starts_with(root) {
+        return Err(outside());
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(&real)
+        .map_err(missing)?;
+    let meta = file.metadata().map_err(missing)?;
+    if !meta.is_file() {
+        return Err(refuse("it is not a regular file".into()));
+    }
+    Ok((Box::new(file), Some(meta.len())))
+}
+
+fn open_http(agent: &ureq::Agent, url: &str) -> Result<Opened, ImageError> {
     let scheme_ok =
         url.starts_with("http://") || (cfg!(feature = "tls") && url.starts_with("https://"));
     if !scheme_ok {
@@ -115,10 +173,10 @@ fn stream(
     mut reader: Box<dyn Read + Send>,
     total: Option<u64>,
     partial: &Path,
-    sha256: &str,
-    url: &str,
+    source: &Source<'_>,
     progress: &mut dyn FnMut(u64, Option<u64>),
 ) -> Result<(), ImageError> {
+    let (url, sha256) = (source.url, source.sha256);
     let store_err = |source| ImageError::store(partial.to_path_buf(), source);
     let mut out = OpenOptions::new()
         .write(true)
@@ -166,15 +224,30 @@ fn stream(
                     continue;
                 }
                 Err(e) => {
+                    let why = if is_timeout(&e) {
+                        format!(
+                            "the server sent nothing for {} s after {done} bytes (--image-stall-timeout); the next attempt starts afresh",
+                            source.stall.as_secs_f64()
+                        )
+                    } else {
+                        format!("the download broke off after {done} bytes: {e}")
+                    };
                     return Err(ImageError::Source {
                         url: url.into(),
                         permanent: false,
-                        why: format!("the download broke off after {done} bytes: {e}"),
+                        why,
                     });
                 }
             };
-            out.write_all(&block[..n]).map_err(store_err)?;
             done += n as u64;
+            if done > source.max_bytes {
+                return Err(ImageError::TooLarge {
+                    url: url.into(),
+                    size: done,
+                    max: source.max_bytes,
+                });
+            }
+            out.write_all(&block[..n]).map_err(store_err)?;
             if full_tx.send((block, n)).is_err() {
                 return Err(ImageError::store(
                     partial.to_path_buf(),
@@ -204,7 +277,7 @@ fn stream(
         return Err(ImageError::Mismatch {
             url: url.into(),
             want: sha256.into(),
-            got,
+            got: (!url.starts_with("file://")).then_some(got),
         });
     }
     out.sync_data().map_err(store_err)
@@ -212,7 +285,7 @@ fn stream(
 
 /// The sha256 of a file, streamed: for checking and for benchmarks.
 pub fn sha256_file(path: &Path) -> io::Result<String> {
-    let mut file = File::open(path)?;
+    let mut file = fs::File::open(path)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; BLOCK];
     loop {
@@ -221,4 +294,13 @@ pub fn sha256_file(path: &Path) -> io::Result<String> {
             n => hasher.update(&buf[..n]),
         }
     }
+}
+
+/// Whether a read failed on the per-read timeout (ureq wraps its own
+/// timeout error in the io::Error it returns).
+fn is_timeout(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::TimedOut
+        || e.get_ref()
+            .and_then(|inner| inner.downcast_ref::<ureq::Error>())
+            .is_some_and(|u| matches!(u, ureq::Error::Timeout(_)))
 }

@@ -9,8 +9,14 @@
 //!   thread (`image-<sha8>`). A waiter whose pass deadline passes stops
 //!   waiting but does not cancel the download: it lands for the next pass.
 //! - The digest is computed while streaming. A mismatch deletes the partial
-//!   file and is permanent, naming both digests; so is a 4xx other than
-//!   408/429, or a missing file. Everything else is transient.
+//!   file and is permanent, naming both digests (for a `file://` image only
+//!   the expected one: the digest of a host file is not told); so is a 4xx
+//!   other than 408/429, or a missing file. Everything else is transient.
+//! - Sources are untrusted (see DESIGN.md, "Threat model"): `file://` is
+//!   served only from under the operator's `--image-root`; a download may
+//!   not be larger than the VM's disk; a server that sends nothing for the
+//!   stall timeout fails the download (transiently), which frees its
+//!   in-flight entry for a fresh one.
 
 mod fetch;
 mod format;
@@ -53,7 +59,14 @@ pub enum ImageError {
     Mismatch {
         url: String,
         want: String,
-        got: String,
+        /// What the bytes hash to; `None` for a host file, whose digest
+        /// must not be told to whoever named it.
+        got: Option<String>,
+    },
+    TooLarge {
+        url: String,
+        size: u64,
+        max: u64,
     },
     /// A verified image in a format other than raw (see `format`).
     NotRaw {
@@ -83,9 +96,22 @@ impl fmt::Display for ImageError {
             }
             ImageError::BadUrl { url, why } => write!(f, "cannot fetch {url}: {why}"),
             ImageError::Source { url, why, .. } => write!(f, "cannot fetch {url}: {why}"),
-            ImageError::Mismatch { url, want, got } => write!(
+            ImageError::Mismatch {
+                url,
+                want,
+                got: Some(got),
+            } => write!(
                 f,
                 "the image at {url} has sha256 {got}, but the spec says {want}; the download was deleted"
+            ),
+            ImageError::Mismatch {
+                url,
+                want,
+                got: None,
+            } => write!(f, "the file at {url} does not have sha256 {want}"),
+            ImageError::TooLarge { url, size, max } => write!(
+                f,
+                "the image at {url} is {size} bytes or more, larger than the VM's disk ({max} bytes); give the VM a larger disk_gb or a smaller image"
             ),
             ImageError::NotRaw { url, format } => write!(
                 f,
@@ -106,6 +132,7 @@ impl Failure for ImageError {
             ImageError::BadDigest { .. }
             | ImageError::BadUrl { .. }
             | ImageError::Mismatch { .. }
+            | ImageError::TooLarge { .. }
             | ImageError::NotRaw { .. } => true,
             ImageError::Source { permanent, .. } => *permanent,
             ImageError::Store { .. } => false,
@@ -124,33 +151,76 @@ struct DownloadState {
     listeners: Vec<Progress>,
 }
 
+/// How images are fetched on this host: the operator's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImageOptions {
+    /// An HTTP proxy (`--proxy`, already checked); proxy variables in the
+    /// environment are never used.
+    pub proxy: Option<String>,
+    /// The directory `file://` images must be under (`--image-root`);
+    /// `None` refuses every `file://` image.
+    pub file_root: Option<PathBuf>,
+    /// How long a download may receive nothing before it fails.
+    pub stall: Duration,
+}
+
+impl Default for ImageOptions {
+    fn default() -> ImageOptions {
+        ImageOptions {
+            proxy: None,
+            file_root: None,
+            stall: Duration::from_secs(60),
+        }
+    }
+}
+
 pub struct ImageCache {
     dir: PathBuf,
     agent: ureq::Agent,
+    /// `--image-root`, canonical.
+    file_root: Option<PathBuf>,
+    stall: Duration,
     inflight: Arc<Mutex<HashMap<String, Arc<Download>>>>,
 }
 
 impl ImageCache {
-    /// A cache over `dir` (the state dir's `images/`). Downloads go direct:
-    /// proxy variables in the environment are ignored (see
-    /// [`ImageCache::with_proxy`]).
+    /// A cache over `dir` (the state dir's `images/`) with the default
+    /// options: direct downloads, no `file://` images.
     pub fn new(dir: PathBuf) -> ImageCache {
-        ImageCache::with_proxy(dir, None)
+        ImageCache::with(dir, &ImageOptions::default())
     }
 
-    /// As [`ImageCache::new`], downloading through `proxy` (an operator's
-    /// `--proxy`, already checked) when one is given.
-    pub fn with_proxy(dir: PathBuf, proxy: Option<&str>) -> ImageCache {
+    /// A cache over `dir` fetching as `options` say. An `--image-root`
+    /// that cannot be resolved refuses every `file://` image (each refusal
+    /// says why).
+    pub fn with(dir: PathBuf, options: &ImageOptions) -> ImageCache {
         let agent = ureq::Agent::config_builder()
             .timeout_connect(Some(Duration::from_secs(15)))
             .timeout_recv_response(Some(Duration::from_secs(60)))
+            .timeout_per_read(Some(options.stall))
             .http_status_as_error(false)
-            .proxy(proxy.and_then(|p| ureq::Proxy::new(p).ok()))
+            .proxy(
+                options
+                    .proxy
+                    .as_deref()
+                    .and_then(|p| ureq::Proxy::new(p).ok()),
+            )
             .build()
             .into();
+        let file_root = options.file_root.as_ref().map(|root| {
+            fs::canonicalize(root).unwrap_or_else(|e| {
+                log::error!(
+                    "--image-root {}: {e}; file:// images are refused",
+                    crate::quote::path(root)
+                );
+                PathBuf::new()
+            })
+        });
         ImageCache {
             dir,
             agent,
+            file_root,
+            stall: options.stall,
             inflight: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -179,6 +249,7 @@ impl ImageCache {
         &self,
         url: &str,
         sha256: &str,
+        max_bytes: u64,
         progress: Progress,
     ) -> Result<Arc<Download>, ImageError> {
         let mut inflight = self.inflight.lock();
@@ -197,11 +268,13 @@ impl ImageCache {
             }),
             changed: Condvar::new(),
         });
-        let (agent, dir, url, sha) = (
+        let (agent, dir, url, sha, root, stall) = (
             self.agent.clone(),
             self.dir.clone(),
             url.to_owned(),
             sha256.to_owned(),
+            self.file_root.clone(),
+            self.stall,
         );
         let (registry, d) = (Arc::clone(&self.inflight), Arc::clone(&download));
         std::thread::Builder::new()
@@ -213,7 +286,15 @@ impl ImageCache {
                         listener(done, total);
                     }
                 };
-                let result = fetch::fetch(&agent, &dir, &url, &sha, &mut report);
+                let source = fetch::Source {
+                    agent: &agent,
+                    file_root: root.as_deref(),
+                    url: &url,
+                    sha256: &sha,
+                    max_bytes,
+                    stall,
+                };
+                let result = fetch::fetch(&source, &dir, &mut report);
                 match &result {
                     Ok(_) => log::info!("image {sha}: downloaded and verified from {url}"),
                     Err(e) => log::warn!("image {sha}: {e}"),
@@ -253,13 +334,14 @@ fn valid_digest(sha256: &str) -> bool {
 
 impl ImageCache {
     /// The verified base image for `sha256`: the cached one, or downloaded
-    /// from `url` (one download per digest, however many VMs ask), within
-    /// `deadline`. A download outliving its deadline goes on and lands for
-    /// a later pass.
+    /// from `url` (one download per digest, however many VMs ask; it may
+    /// be at most `max_bytes`, the asking VM's disk), within `deadline`. A
+    /// download outliving its deadline goes on and lands for a later pass.
     pub fn resolve(
         &self,
         url: &str,
         sha256: &str,
+        max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
     ) -> Result<PathBuf, BoxFailure> {
@@ -282,7 +364,7 @@ impl ImageCache {
                 Err(e) => Err(ImageError::store(path, e).into()),
             };
         }
-        let download = self.download(url, sha256, progress)?;
+        let download = self.download(url, sha256, max_bytes, progress)?;
         let mut state = download.state.lock();
         loop {
             if let Some(result) = &state.result {

@@ -158,14 +158,18 @@ impl Core {
             let narrator = narrator.clone();
             Arc::new(move |done, total| narrator.say(&download_detail(done, total)))
         };
-        let base =
-            match self
-                .images
-                .resolve(&d.spec.image_url, &d.spec.image_sha256, deadline, progress)
-            {
-                Ok(path) => path,
-                Err(e) => return attempt.fail(rec, e, res),
-            };
+        // The image becomes the root disk: it may be no larger.
+        let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
+        let base = match self.images.resolve(
+            &d.spec.image_url,
+            &d.spec.image_sha256,
+            max_bytes,
+            deadline,
+            progress,
+        ) {
+            Ok(path) => path,
+            Err(e) => return attempt.fail(rec, e, res),
+        };
 
         narrator.say("preparing root disk");
         if let Err(e) = self.prov.prepare_root_disk(&rec.spec, &base, deadline) {

@@ -17,13 +17,14 @@ pub use crate::image::Progress;
 use crate::seed::NoCloudSeed;
 pub use crate::seed::SeedParams;
 
-/// Resolves an image URL and digest to a verified local base image,
-/// fetching it when needed.
+/// Resolves an image URL and digest to a verified local base image of at
+/// most `max_bytes`, fetching it when needed.
 pub trait Images: Send + Sync {
     fn resolve(
         &self,
         url: &str,
         sha256: &str,
+        max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
     ) -> Result<PathBuf, BoxFailure>;
@@ -80,10 +81,11 @@ impl Images for ImageCache {
         &self,
         url: &str,
         sha256: &str,
+        max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
     ) -> Result<PathBuf, BoxFailure> {
-        ImageCache::resolve(self, url, sha256, deadline, progress)
+        ImageCache::resolve(self, url, sha256, max_bytes, deadline, progress)
     }
 }
 

@@ -21,6 +21,10 @@ pub enum Serve {
     Throttled(PathBuf, Duration),
     /// This status and no body.
     Status(u16),
+    /// 200 with the file's length, its first bytes (this many), then
+    /// nothing: a server stalled mid-body. The connection stays open until
+    /// the server is dropped.
+    Stall(PathBuf, usize),
 }
 
 pub struct ImageServer {
@@ -108,6 +112,22 @@ fn answer(conn: TcpStream, how: &Serve) -> std::io::Result<()> {
         }
         Serve::File(p) => (p, None),
         Serve::Throttled(p, pause) => (p, Some(*pause)),
+        Serve::Stall(p, first) => {
+            let bytes = std::fs::read(p)?;
+            write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                bytes.len()
+            )?;
+            conn.write_all(&bytes[..(*first).min(bytes.len())])?;
+            conn.flush()?;
+            // Hold the connection, sending nothing, until the client gives
+            // up (its read then fails, and so does this one).
+            let mut sink = [0u8; 1];
+            let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(60)));
+            let _ = std::io::Read::read(&mut conn, &mut sink);
+            return Ok(());
+        }
     };
     let mut file = File::open(path)?;
     let len = file.metadata()?.len();

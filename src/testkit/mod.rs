@@ -475,6 +475,7 @@ impl Images for Fakes {
         &self,
         url: &str,
         sha256: &str,
+        _max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
     ) -> Result<PathBuf, BoxFailure> {

@@ -147,6 +147,8 @@ fn start(b: &Bench) -> Res<Agent> {
         .arg(&kernel)
         .arg("--run-dir")
         .arg(b.dir.path().join("run"))
+        .arg("--image-root")
+        .arg(b.dir.path().join("library"))
         .args(["--underlay-bridge=", "--tap-prefix", "etrep"])
         .env_clear()
         .stdin(Stdio::null())
@@ -176,7 +178,8 @@ fn tap_exit_ms(n: usize) -> Res<Vec<f64>> {
 
 fn main() -> Res<()> {
     let dir = tempfile::tempdir()?;
-    let base = dir.path().join("base.raw");
+    std::fs::create_dir(dir.path().join("library"))?;
+    let base = dir.path().join("library/base.raw");
     std::fs::write(&base, vec![0x5au8; 1 << 20])?;
     let base_sha = eitri_agent::image::sha256_file(&base)?;
     let b = Bench {

@@ -108,7 +108,13 @@ fn main() -> Res<()> {
         let cache = ImageCache::new(cache_dir);
         timed(|| {
             cache
-                .resolve(&url, &image_sha, Deadline::NONE, Arc::new(|_, _| {}))
+                .resolve(
+                    &url,
+                    &image_sha,
+                    u64::MAX,
+                    Deadline::NONE,
+                    Arc::new(|_, _| {}),
+                )
                 .map(drop)
                 .map_err(|e| e.to_string().into())
         })

@@ -100,7 +100,8 @@ struct Host {
 impl Host {
     fn new() -> Host {
         let dir = tempfile::tempdir().expect("tempdir");
-        let base = dir.path().join("base.raw");
+        std::fs::create_dir(dir.path().join("library")).expect("image root");
+        let base = dir.path().join("library/base.raw");
         std::fs::write(&base, vec![0x5au8; 1 << 20]).expect("base");
         let base_sha = eitri_agent::image::sha256_file(&base).expect("hash");
         std::fs::write(dir.path().join("vmlinux"), b"k").expect("kernel");
@@ -144,6 +145,8 @@ impl Host {
             .arg(self.dir.path().join("vmlinux"))
             .arg("--run-dir")
             .arg(self.run_dir())
+            .arg("--image-root")
+            .arg(self.dir.path().join("library"))
             .args([
                 "--underlay-bridge=",
                 "--tap-prefix",
