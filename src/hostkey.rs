@@ -14,7 +14,7 @@ use ed25519_dalek::SigningKey;
 
 use crate::base64;
 use crate::error::{BoxFailure, Simple};
-use crate::state::atomic::write_atomic_mode;
+use crate::state::atomic::write_atomic;
 
 const KEY_TYPE: &str = "ssh-ed25519";
 const MAGIC: &[u8] = b"openssh-key-v1\0";
@@ -67,9 +67,9 @@ fn create(path: &Path) -> Result<HostKey, BoxFailure> {
     );
     let key = encode(&seed, u32::from_be_bytes(check), &comment);
     if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir).map_err(|e| io("create the directory of", e))?;
+        crate::state::perms::make_dir(dir).map_err(|e| io("create the directory of", e))?;
     }
-    write_atomic_mode(path, key.private_pem.as_bytes(), 0o600).map_err(|e| io("write", e))?;
+    write_atomic(path, key.private_pem.as_bytes()).map_err(|e| io("write", e))?;
     Ok(key)
 }
 

@@ -38,6 +38,9 @@ fn stop_signals() -> nix::sys::signal::SigSet {
 }
 
 fn main() -> ExitCode {
+    // Nothing the agent (or a hypervisor it starts) creates is for other
+    // users: tenants' data, user-data and keys live in these files.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     let args: Vec<String> = std::env::args().skip(1).collect();
     let signals = if args.first().is_some_and(|a| a == "run") {
         match eitri_agent::daemon::Signals::install() {

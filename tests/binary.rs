@@ -550,3 +550,108 @@ fn a_token_file_others_can_read_stops_the_start_naming_the_fix() {
         "{stderr}"
     );
 }
+
+/// Runs `program args` as nobody (uid and gid 65534, no other groups).
+fn as_nobody(program: &str, args: &[&str]) -> Output {
+    use std::os::unix::process::CommandExt;
+    Command::new(program)
+        .args(args)
+        .uid(65534)
+        .gid(65534)
+        .env_clear()
+        .output()
+        .expect("run as nobody")
+}
+
+/// Every file and directory under `root`, as root sees them.
+fn tree(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).expect("list").flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path.clone());
+            }
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// A temp dir others may enter, so only the state dir's own modes stand
+/// between a local user and its contents.
+fn open_tempdir() -> tempfile::TempDir {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
+}
+
+#[test]
+fn as_nobody_nothing_under_the_state_dir_can_be_read_listed_or_locked() {
+    let dir = open_tempdir();
+    desired(
+        dir.path(),
+        r##"{"vms":[{"vm_id":"web-1","name":"web-1","image_url":"http://127.0.0.1:9/a.raw","image_sha256":"00000000000000000000000000000000000000000000000000000000000000aa","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running","cloud_init":"#cloud-config\npassword: hunter2\n"}],"volumes":[{"volume_id":"data-1","size_gb":1}]}"##,
+    );
+    let mut agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("the VM and the volume", |r| {
+        !r["report"]["vms"].as_array().is_none_or(Vec::is_empty) && volumes(r) == ["data-1"]
+    });
+    agent.stop(Signal::SIGTERM);
+    let state = agent.state.clone();
+    let entries = tree(&state);
+
+    let readable: Vec<&PathBuf> = entries
+        .iter()
+        .filter(|p| p.is_file())
+        .filter(|p| {
+            as_nobody("cat", &[&p.display().to_string()])
+                .status
+                .success()
+        })
+        .collect();
+    let listable: Vec<&PathBuf> = std::iter::once(&state)
+        .chain(entries.iter().filter(|p| p.is_dir()))
+        .filter(|p| {
+            as_nobody("ls", &[&p.display().to_string()])
+                .status
+                .success()
+        })
+        .collect();
+    let lock = state.join("lock").display().to_string();
+    let locked = as_nobody("flock", &["--shared", "--nonblock", &lock, "true"]);
+
+    assert!(entries.len() >= 6, "a populated state dir: {entries:?}");
+    assert!(readable.is_empty(), "nobody read {readable:?}");
+    assert!(listable.is_empty(), "nobody listed {listable:?}");
+    assert!(!locked.status.success(), "nobody took the lock");
+}
+
+#[test]
+fn a_state_dir_an_older_agent_left_open_is_made_private_at_start() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = open_tempdir();
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(state.join("vms")).expect("dirs");
+    std::fs::write(state.join("epoch"), b"3").expect("epoch");
+    for (path, mode) in [
+        (&state, 0o755),
+        (&state.join("vms"), 0o755),
+        (&state.join("epoch"), 0o644),
+    ] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+    desired(dir.path(), ONE_VOLUME);
+    let mut agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("the volume", |r| volumes(r) == ["data-1"]);
+    agent.stop(Signal::SIGTERM);
+
+    let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o711);
+    assert_eq!(mode(&state.join("vms")), 0o711);
+    assert_eq!(mode(&state.join("epoch")), 0o600);
+    assert_eq!(mode(&state.join("volumes/data-1")), 0o600);
+    assert_eq!(mode(&state.join("report.json")), 0o600);
+}

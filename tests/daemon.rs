@@ -84,7 +84,7 @@ fn agent_in(
     engine_config: EngineConfig,
     limits: SnapshotLimits,
 ) -> Agent {
-    let store = Arc::new(Store::open(dir.path()).expect("store"));
+    let store = Arc::new(Store::open(&dir.path().join("state")).expect("store"));
     let engine = Arc::new(Engine::new(
         Arc::clone(&store),
         fakes.seams(),
@@ -183,12 +183,14 @@ impl Agent {
         assert!(self.engine.wait_idle(Deadline::after(SETTLE)));
     }
 
-    fn state_dir(&self) -> &std::path::Path {
-        self.dir.as_ref().expect("dir").path()
+    /// The state dir; the token file is beside it, not in it (the agent
+    /// makes everything in its state dir private at start).
+    fn state_dir(&self) -> std::path::PathBuf {
+        self.dir.as_ref().expect("dir").path().join("state")
     }
 
     fn report_file(&self) -> ReportFile {
-        ReportFile::read(self.state_dir()).expect("report.json")
+        ReportFile::read(&self.state_dir()).expect("report.json")
     }
 
     /// Stops the main loop, keeping the state dir and the host (the fakes).
@@ -722,7 +724,7 @@ fn a_hung_control_plane_delays_no_repair() {
         Duration::from_secs(10),
         Box::new(Answer::Status(500)),
     ));
-    let token = a.state_dir().join("token");
+    let token = a.state_dir().with_file_name("token");
     let before = cp.requests().len();
     let exchange = Exchange::new(
         Box::new(HttpSource::new(
@@ -820,7 +822,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
     write_token(dir.path(), 0o600);
     let fakes = Fakes::new();
     let stuck = fakes.stall(Op::Boot, "vm-1");
-    let store = Arc::new(Store::open(dir.path()).expect("store"));
+    let store = Arc::new(Store::open(&dir.path().join("state")).expect("store"));
     let engine = Arc::new(Engine::new(Arc::clone(&store), fakes.seams(), config()));
     let (events, rx) = crossbeam_channel::unbounded();
     let link = Link::new(events.clone());
@@ -911,7 +913,7 @@ fn an_empty_persisted_snapshot_is_no_snapshot_and_reaps_nothing() {
     let (dir, fakes) = a.stop();
     // A torn write, or an operator's mistake: an empty protobuf decodes as
     // a valid empty snapshot, which would quarantine every VM.
-    std::fs::write(dir.path().join("snapshot.pb"), b"").expect("truncate");
+    std::fs::write(dir.path().join("state/snapshot.pb"), b"").expect("truncate");
 
     let mut restarted = agent_in(
         dir,

@@ -245,8 +245,11 @@ mod tests {
     #[test]
     fn file_images_are_refused_unless_an_absolute_image_root_is_named() {
         let default = run(&["run", "--desired", "/d"], &[]).expect("valid");
-        let named = run(&["run", "--desired", "/d", "--image-root", "/srv/images"], &[])
-            .expect("valid");
+        let named = run(
+            &["run", "--desired", "/d", "--image-root", "/srv/images"],
+            &[],
+        )
+        .expect("valid");
         let relative =
             run(&["run", "--desired", "/d", "--image-root", "images"], &[]).expect_err("relative");
 

@@ -20,7 +20,7 @@ use prost::Message;
 use sha2::{Digest, Sha256};
 
 use crate::pb;
-use crate::state::atomic::write_atomic_mode;
+use crate::state::atomic::write_atomic;
 
 const MAGIC: &[u8; 8] = b"EITRISNP";
 const FORMAT: u32 = 1;
@@ -36,7 +36,7 @@ pub fn save(path: &Path, wire: &pb::Snapshot) -> std::io::Result<()> {
     bytes.extend_from_slice(&(payload.len() as u64).to_le_bytes());
     bytes.extend_from_slice(&Sha256::digest(&payload));
     bytes.extend_from_slice(&payload);
-    write_atomic_mode(path, &bytes, 0o600)
+    write_atomic(path, &bytes)
 }
 
 /// The snapshot at `path`: `Ok(None)` when there is no file, `Err` (why)

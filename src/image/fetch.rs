@@ -182,6 +182,7 @@ fn stream(
         .write(true)
         .create(true)
         .truncate(true)
+        .mode(crate::state::perms::FILE)
         .open(partial)
         .map_err(store_err)?;
     // Hashing runs on its own thread, fed the blocks this one has read and

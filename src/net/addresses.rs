@@ -211,7 +211,7 @@ impl Addresses {
 
     fn save(&self, map: &BTreeMap<String, Ipv4Addr>) -> std::io::Result<()> {
         if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir)?;
+            crate::state::perms::make_dir(dir)?;
         }
         write_atomic(
             &self.path,

@@ -89,7 +89,7 @@ impl Learned {
         let result = self
             .path
             .parent()
-            .map_or(Ok(()), std::fs::create_dir_all)
+            .map_or(Ok(()), crate::state::perms::make_dir)
             .and_then(|()| {
                 write_atomic(
                     &self.path,

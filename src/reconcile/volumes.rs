@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{self, OpenOptions};
 use std::io;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use crate::error::{BoxFailure, Simple};
@@ -173,7 +174,11 @@ fn ensure(store: &Store, v: &VolumeSpec) -> VolumeStatus {
 }
 
 fn create_sparse(path: &Path, len: u64) -> io::Result<()> {
-    let file = OpenOptions::new().write(true).create_new(true).open(path)?;
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(crate::state::perms::FILE)
+        .open(path)?;
     file.set_len(len)?;
     file.sync_all()?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))?;

@@ -30,7 +30,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::{BoxFailure, Simple};
 use crate::model::is_hostname;
-use crate::state::atomic::write_atomic_mode;
+use crate::state::atomic::write_atomic;
 
 pub const VOLUME_ID: &str = "cidata";
 
@@ -85,7 +85,7 @@ impl NoCloudSeed {
         ];
         let image = iso::build(VOLUME_ID, &files, SystemTime::now());
         // It carries the guest's private host key.
-        write_atomic_mode(out, &image, 0o600).map_err(|e| {
+        write_atomic(out, &image).map_err(|e| {
             Simple::transient(format!(
                 "cannot write the seed image {}: {e}",
                 out.display()

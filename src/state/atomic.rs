@@ -21,15 +21,11 @@ const TEMP_MARK: &str = ".tmp-";
 /// pid distinguishes processes.
 static COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// Replaces `path` with `bytes` durably (see the module steps).
+/// Replaces `path` with `bytes` durably (see the module steps). The file
+/// is 0600 from its creation: state holds secrets (user-data, keys), never
+/// readable by others, not even for an instant.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    write_atomic_mode(path, bytes, 0o644)
-}
-
-/// [`write_atomic`] with the file's permission bits set from its creation,
-/// so a secret is never readable by others, not even for an instant.
-pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
-    replace(path, bytes, mode, Durability::Synced)
+    replace(path, bytes, super::perms::FILE, Durability::Synced)
 }
 
 /// Replaces `path` atomically for its readers (steps 1 and 3 only), without
@@ -38,7 +34,7 @@ pub fn write_atomic_mode(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()>
 /// power cut a stale, empty or missing one costs nothing, while two fsyncs
 /// per write would delay every report a VM's change triggers.
 pub fn replace_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    replace(path, bytes, 0o644, Durability::Unsynced)
+    replace(path, bytes, super::perms::FILE, Durability::Unsynced)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -21,6 +21,11 @@ pub enum StoreError {
         path: PathBuf,
         source: io::Error,
     },
+    /// The state dir's permissions could not be made private.
+    Tighten {
+        path: PathBuf,
+        source: io::Error,
+    },
     ScanDir {
         path: PathBuf,
         source: io::Error,
@@ -66,6 +71,11 @@ impl fmt::Display for StoreError {
             StoreError::CreateDir { path, .. } => {
                 write!(f, "cannot create directory {}", path.display())
             }
+            StoreError::Tighten { path, .. } => write!(
+                f,
+                "cannot make {} private to root (files 0600, dirs 0700/0711); refusing to keep tenants' data where others may read it",
+                path.display()
+            ),
             StoreError::ScanDir { path, .. } => write!(f, "cannot list {}", path.display()),
             StoreError::WriteEpoch { path, .. } => {
                 write!(f, "cannot save the epoch to {}", path.display())
@@ -101,6 +111,7 @@ impl std::error::Error for StoreError {
         match self {
             StoreError::OpenLock { source, .. }
             | StoreError::CreateDir { source, .. }
+            | StoreError::Tighten { source, .. }
             | StoreError::ScanDir { source, .. }
             | StoreError::WriteEpoch { source, .. }
             | StoreError::WriteRecord { source, .. }

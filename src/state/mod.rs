@@ -17,6 +17,7 @@
 
 pub mod atomic;
 mod error;
+pub mod perms;
 mod record;
 mod store;
 

@@ -1,5 +1,6 @@
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions, TryLockError};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -51,16 +52,29 @@ impl Store {
             root.join("images"),
             root.join("volumes"),
         ] {
-            fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
+            super::perms::make_dir(&dir).map_err(|source| StoreError::CreateDir {
                 path: dir.clone(),
                 source,
             })?;
+        }
+        // Before the lock is opened: a lock others could open, they could
+        // hold (flock needs only read access), and the agent would not start.
+        let changed = super::perms::tighten(root).map_err(|source| StoreError::Tighten {
+            path: root.to_path_buf(),
+            source,
+        })?;
+        if changed > 0 {
+            log::warn!(
+                "made {changed} entries under {} private to root (files 0600, dirs 0700, the state dir, vms/ and volumes/ 0711)",
+                root.display()
+            );
         }
         let lock_path = root.join("lock");
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(super::perms::FILE)
             .open(&lock_path)
             .map_err(|source| StoreError::OpenLock {
                 path: lock_path.clone(),
@@ -192,7 +206,7 @@ impl Store {
             }
         };
         if !dir.is_dir() {
-            fs::create_dir_all(&dir).map_err(write_err(dir.clone()))?;
+            super::perms::make_dir(&dir).map_err(write_err(dir.clone()))?;
             // The new directory's own name must survive a crash too.
             sync_dir(&self.root.join("vms")).map_err(write_err(dir.clone()))?;
         }

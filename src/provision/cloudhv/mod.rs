@@ -333,7 +333,7 @@ impl CloudHypervisor {
     /// The VM's directory, made if missing.
     fn make_vm_dir(&self, vm_id: &Id) -> Result<PathBuf, CloudHvError> {
         let dir = self.store.vm_dir(vm_id);
-        fs::create_dir_all(&dir).map_err(|source| CloudHvError::VmDir {
+        crate::state::perms::make_dir(&dir).map_err(|source| CloudHvError::VmDir {
             vm_id: vm_id.clone(),
             path: dir.clone(),
             source,
