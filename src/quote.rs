@@ -1,32 +1,43 @@
-//! Untrusted text, made safe to print. Ids, URLs, paths and error text from
-//! the wire or a guest may hold newlines (a forged log line), terminal
-//! escapes (a rewritten screen) or bytes that are not UTF-8. Wherever such
-//! text reaches a log line or a terminal it goes through here: quoted, with
-//! every control character escaped, so what an operator reads is what was
-//! sent and nothing more.
+//! Untrusted text, made safe to print. Ids, URLs and values from the wire,
+//! and what a guest or its hypervisor writes, may hold newlines (a forged
+//! log line), terminal escapes (a rewritten screen) or bytes that are not
+//! UTF-8. Wherever such text reaches a log line or a terminal it goes
+//! through here, so what an operator reads is what was sent and nothing
+//! more.
 
 use std::path::Path;
 
-/// `s` in double quotes, control characters and quotes escaped (`"a\nb"`).
-pub fn text(s: &str) -> String {
-    format!("{s:?}")
+/// Untrusted text longer than this is cut (and says so with `…`).
+const SHOWN: usize = 80;
+
+/// `raw` for an error message: in double quotes, control characters and
+/// quotes escaped, cut to a length that keeps a log line readable
+/// (`"a\nb"`).
+pub fn text(raw: &str) -> String {
+    let mut cut: String = raw.chars().take(SHOWN).collect();
+    if cut.len() < raw.len() {
+        cut.push('…');
+    }
+    format!("{cut:?}")
 }
 
-/// A path, quoted as [`text`]; bytes that are not UTF-8 are escaped.
+/// A path, quoted as [`text`] but whole; bytes that are not UTF-8 are
+/// escaped.
 pub fn path(p: &Path) -> String {
     format!("{p:?}")
 }
 
-/// Text for a terminal or a log that is not quoted as a whole (a log's
-/// tail): each control character but the newline escaped, so a guest's
-/// output cannot move the cursor or forge lines that look like ours.
-pub fn lines(s: &str) -> String {
+/// Text shown as it is but for its control characters, each escaped
+/// (newlines too): for a table cell or a log's tail, where quotes would be
+/// noise but a guest's escape sequence must not move the cursor or start a
+/// line that looks like the agent's.
+pub fn inline(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
-        match c {
-            '\n' => out.push('\n'),
-            c if c.is_control() => out.extend(c.escape_default()),
-            c => out.push(c),
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
         }
     }
     out
@@ -42,7 +53,15 @@ mod tests {
     }
 
     #[test]
-    fn a_tail_keeps_its_lines_but_not_its_escapes() {
-        assert_eq!(lines("ok\n\u{1b}[31mred\r"), "ok\n\\u{1b}[31mred\\r");
+    fn long_text_is_cut_and_says_so() {
+        let shown = text(&"a".repeat(200));
+
+        assert_eq!(shown.chars().count(), SHOWN + 3, "{shown}");
+        assert!(shown.ends_with("…\""), "{shown}");
+    }
+
+    #[test]
+    fn inline_text_keeps_its_words_but_not_its_escapes() {
+        assert_eq!(inline("ok\n\u{1b}[31mred\r"), "ok\\n\\u{1b}[31mred\\r");
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use crate::pb;
+use crate::quote::inline;
 use crate::state::atomic::replace_unsynced;
 
 pub const REPORT_FILE: &str = "report.json";
@@ -122,7 +123,10 @@ impl ReportFile {
         serde_json::from_slice(&bytes).map_err(|source| StatusError::NotAReport { path, source })
     }
 
-    /// The report as a table for a person.
+    /// The report as a table for a person. Every value from the report
+    /// goes through [`inline`]: ids, names and errors can come from the
+    /// wire or a guest, and must not move a terminal's cursor or start a
+    /// line of their own.
     pub fn render(&self, now: SystemTime) -> String {
         let written = UNIX_EPOCH + Duration::from_millis(self.written_at_unix_ms);
         let age = now.duration_since(written).unwrap_or_default();
@@ -131,8 +135,8 @@ impl ReportFile {
         let _ = writeln!(
             out,
             "host {} (agent {}), report written {} ago{}, epoch {}{}",
-            self.host.host_id,
-            self.host.agent_version,
+            inline(&self.host.host_id),
+            inline(&self.host.agent_version),
             human(age),
             if self.is_stale(now) {
                 " (STALE: the agent writes one every tick; is it running, and can it write its state dir?)"
@@ -149,10 +153,11 @@ impl ReportFile {
         let _ = writeln!(
             out,
             "desired state: {}; last contact: {}",
-            self.source, self.contact
+            inline(&self.source),
+            inline(&self.contact)
         );
         for note in &self.notes {
-            let _ = writeln!(out, "note: {note}");
+            let _ = writeln!(out, "note: {}", inline(note));
         }
         let rows: Vec<[String; 6]> = r
             .vms
@@ -165,12 +170,12 @@ impl ReportFile {
                     .collect::<Vec<_>>()
                     .join("; ");
                 [
-                    v.vm_id.clone(),
+                    inline(&v.vm_id),
                     dash(&v.power_state),
                     dash(&v.phase),
                     dash(&v.ip),
                     dash(&v.network_ip),
-                    note,
+                    inline(&note),
                 ]
             })
             .collect();
@@ -186,7 +191,9 @@ impl ReportFile {
                 let _ = writeln!(
                     out,
                     "  {} ({}), destroyed at unix {}",
-                    q.vm_id, q.name, q.destroy_at_unix
+                    inline(&q.vm_id),
+                    inline(&q.name),
+                    q.destroy_at_unix
                 );
             }
         }
@@ -196,13 +203,13 @@ impl ReportFile {
                 let _ = writeln!(
                     out,
                     "  {} {} GiB {}{}",
-                    v.volume_id,
+                    inline(&v.volume_id),
                     v.size_gb,
-                    v.state,
+                    inline(&v.state),
                     if v.last_error.is_empty() {
                         String::new()
                     } else {
-                        format!(": {}", v.last_error)
+                        format!(": {}", inline(&v.last_error))
                     }
                 );
             }
@@ -212,11 +219,7 @@ impl ReportFile {
 }
 
 fn dash(s: &str) -> String {
-    if s.is_empty() {
-        "-".into()
-    } else {
-        s.to_owned()
-    }
+    if s.is_empty() { "-".into() } else { inline(s) }
 }
 
 fn table<const N: usize>(out: &mut String, head: [&str; N], rows: &[[String; N]]) {
@@ -293,6 +296,29 @@ mod tests {
                 .any(|l| l.starts_with("vm-1") && l.contains("running") && l.contains("10.0.0.2")),
             "{text}"
         );
+    }
+
+    #[test]
+    fn an_id_with_a_newline_and_an_escape_stays_on_its_row() {
+        let file = ReportFile::new(
+            pb::HostInfo::default(),
+            "desired file /d.json".into(),
+            "ok".into(),
+            pb::Report {
+                vms: vec![pb::VmStatus {
+                    vm_id: "evil\nvm-2 running ready\u{1b}[2J".into(),
+                    last_error: "vm_id: bad\r".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+        );
+
+        let text = file.render(UNIX_EPOCH);
+
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+        assert!(!text.lines().any(|l| l.starts_with("vm-2")), "{text}");
+        assert!(text.contains("evil\\nvm-2"), "{text}");
     }
 
     #[test]

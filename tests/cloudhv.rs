@@ -594,6 +594,18 @@ fn a_hypervisor_that_fails_at_start_says_why() {
 }
 
 #[test]
+fn a_hypervisors_log_cannot_put_a_terminal_escape_in_the_error() {
+    let h = Host::new(&[("STANDIN_FAIL_START", "bad \u{1b}[2J guest \r")]);
+    let spec = h.spec("vm-1");
+
+    let err = h.backend.boot(&spec, Deadline::NONE).expect_err("failed");
+
+    let text = err.to_string();
+    assert!(!text.chars().any(char::is_control), "{text:?}");
+    assert!(text.contains("bad \\u{1b}[2J guest"), "{text}");
+}
+
+#[test]
 fn a_long_state_dir_still_gets_a_short_socket() {
     let outer = tempfile::tempdir().expect("tempdir");
     let deep = outer.path().join("d".repeat(100)).join("e".repeat(100));

@@ -296,7 +296,7 @@ impl Daemon {
                 &format!("rejected/{}", rejected.raw_id),
                 &format!(
                     "refusing the entry {}: {}",
-                    crate::model::quote(&rejected.raw_id),
+                    crate::quote::text(&rejected.raw_id),
                     rejected.error
                 ),
             );

@@ -42,7 +42,7 @@ impl Id {
         match problem {
             None => Ok(Id(raw.to_owned())),
             Some(problem) => Err(IdError {
-                shown: quote(raw),
+                shown: crate::quote::text(raw),
                 problem,
             }),
         }
@@ -97,17 +97,6 @@ impl fmt::Display for IdError {
 }
 
 impl std::error::Error for IdError {}
-
-/// Renders untrusted text for an error message: quoted, escaped, and cut to
-/// a length that keeps a log line readable.
-pub fn quote(raw: &str) -> String {
-    const SHOWN: usize = 80;
-    let mut cut: String = raw.chars().take(SHOWN).collect();
-    if cut.len() < raw.len() {
-        cut.push('…');
-    }
-    format!("{cut:?}")
-}
 
 #[cfg(test)]
 mod tests {

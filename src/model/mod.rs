@@ -10,7 +10,7 @@ mod mac;
 mod report;
 mod spec;
 
-pub use id::{Id, IdError, MAX_ID_LEN, quote};
+pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
 pub use report::{QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus};
 pub use spec::{

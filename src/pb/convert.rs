@@ -11,9 +11,10 @@ use std::collections::HashMap;
 use crate::model::is_hostname;
 use crate::model::{
     DesiredVm, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report, Snapshot, SpecError,
-    VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm, WantedVolume, quote,
+    VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm, WantedVolume,
 };
 use crate::pb;
+use crate::quote;
 
 /// Checks a wire snapshot. Never fails as a whole: bad entries become
 /// rejections. An id that appears twice is refused in every place it
@@ -96,7 +97,7 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
             "power_state",
             format!(
                 "{} is not \"running\" or \"stopped\"",
-                quote(&raw.power_state)
+                quote::text(&raw.power_state)
             ),
         )
     })?;
@@ -300,7 +301,10 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
         report.volumes.push(VolumeStatus {
             volume_id: v.volume_id.clone(),
             state: VolumeState::from_wire(&v.state).ok_or_else(|| {
-                SpecError::new("state", format!("unknown volume state {}", quote(&v.state)))
+                SpecError::new(
+                    "state",
+                    format!("unknown volume state {}", quote::text(&v.state)),
+                )
             })?,
             size_gb: v.size_gb,
             last_error: v.last_error.clone(),
@@ -319,7 +323,7 @@ fn optional_enum<T>(
     }
     parse(raw)
         .map(Some)
-        .ok_or_else(|| SpecError::new(field, format!("unknown value {}", quote(raw))))
+        .ok_or_else(|| SpecError::new(field, format!("unknown value {}", quote::text(raw))))
 }
 
 fn bounded(field: &'static str, value: i64, max: u64) -> Result<u64, SpecError> {
@@ -346,7 +350,7 @@ fn hostname(raw: &str) -> Result<String, SpecError> {
             "name",
             format!(
                 "{} is not a hostname (dot-separated labels of 1-63 letters, digits and inner hyphens)",
-                quote(raw)
+                quote::text(raw)
             ),
         ))
     }
@@ -358,7 +362,7 @@ fn sha256_hex(raw: &str) -> Result<String, SpecError> {
     } else {
         Err(SpecError::new(
             "image_sha256",
-            format!("{} is not 64 hexadecimal characters", quote(raw)),
+            format!("{} is not 64 hexadecimal characters", quote::text(raw)),
         ))
     }
 }
@@ -381,7 +385,7 @@ fn image_url(raw: &str) -> Result<String, SpecError> {
         )),
         None => Err(SpecError::new(
             field,
-            format!("{} is not an http, https or file URL", quote(raw)),
+            format!("{} is not an http, https or file URL", quote::text(raw)),
         )),
     }
 }

@@ -184,7 +184,7 @@ impl fmt::Display for SourceError {
             } => write!(
                 f,
                 "the control plane answered {status} to {url}, redirecting to {}; redirects are refused (a redirected request loses its token or reaches another host): point --control-plane at the final address",
-                crate::model::quote(location)
+                crate::quote::text(location)
             ),
             SourceError::Garbage { url, problem } => {
                 write!(

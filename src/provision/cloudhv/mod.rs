@@ -383,7 +383,9 @@ fn log_tail(path: &Path) -> String {
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
-    lines[lines.len().saturating_sub(3)..].join(" | ")
+    // The log is the hypervisor's, and the guest can make it write: what
+    // reaches a report or a terminal has its control characters escaped.
+    crate::quote::inline(&lines[lines.len().saturating_sub(3)..].join(" | "))
 }
 
 impl Provisioner for CloudHypervisor {
