@@ -29,6 +29,7 @@ pub mod logonce;
 pub mod model;
 pub mod net;
 pub mod pb;
+pub mod programs;
 pub mod provision;
 pub mod quote;
 pub mod reconcile;

@@ -641,6 +641,39 @@ fn preflight_names_a_missing_hypervisor() {
 }
 
 #[test]
+fn a_hypervisor_named_without_a_path_is_found_once_and_run_by_its_absolute_path() {
+    // First thing, while this test's process has no other thread: the
+    // stand-in's directory on PATH.
+    let bin = Path::new(STANDIN).parent().expect("bin dir").to_path_buf();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // SAFETY: no other thread of this process reads the environment now.
+    unsafe { std::env::set_var("PATH", path) };
+    let h = Host::new(&[]);
+    let backend = CloudHypervisor::new(
+        Arc::clone(&h.store),
+        CloudHvConfig {
+            hypervisor: "eitri-standin-hypervisor".into(),
+            ..h.cfg.clone()
+        },
+    );
+    let spec = h.spec("vm-1");
+
+    backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let pid = h.pid("vm-1").expect("pid");
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).expect("exe");
+    let _ = backend.destroy(&id("vm-1"), Deadline::NONE);
+    assert_eq!(
+        std::fs::canonicalize(exe).expect("exe"),
+        std::fs::canonicalize(STANDIN).expect("standin")
+    );
+}
+
+#[test]
 fn preflight_refuses_a_hypervisor_older_than_v51_that_would_probe_disk_formats() {
     let h = Host::new(&[]);
     let old = h.dir.path().join("old-hv");

@@ -25,6 +25,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("version", 0),
     ("threads", 0),
     ("quote", 0),
+    ("programs", 0),
     ("state", 1),
     ("pb", 1),
     ("provision", 2),

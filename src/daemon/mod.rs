@@ -483,6 +483,13 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     {
         crate::source::check_token_mode(token).map_err(DaemonError::Token)?;
     }
+    // Every program the agent will run, found once by absolute path (and
+    // logged) before anything runs one.
+    if config.guest.underlay.is_some() {
+        for program in ["ip", "nft", "iptables"] {
+            crate::programs::resolved(program);
+        }
+    }
     let (events, rx) = crossbeam_channel::unbounded();
     let signal_thread = signals
         .spawn(events.clone())

@@ -61,7 +61,16 @@ impl crate::error::Failure for NetError {}
 
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
     use std::io::Write;
-    let mut cmd = Command::new(program);
+    let what = || format!("{program} {}", args.join(" "));
+    let Some(path) = crate::programs::resolved(program) else {
+        return Err(NetError {
+            what: what(),
+            detail: format!(
+                "{program} is not installed (not found in PATH when the agent started)"
+            ),
+        });
+    };
+    let mut cmd = Command::new(path);
     cmd.args(args)
         .stdin(if stdin.is_some() {
             std::process::Stdio::piped()
@@ -70,7 +79,6 @@ fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetE
         })
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let what = || format!("{program} {}", args.join(" "));
     let mut child = cmd.spawn().map_err(|e| NetError {
         what: what(),
         detail: e.to_string(),
@@ -96,7 +104,10 @@ fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetE
 }
 
 fn have(program: &str) -> bool {
-    Command::new(program)
+    let Some(path) = crate::programs::resolved(program) else {
+        return false;
+    };
+    Command::new(path)
         .arg("--version")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

@@ -27,14 +27,7 @@ pub fn tool(program: &str) -> Command {
 
 /// The first executable file called `program` on `PATH`.
 pub fn find(program: &str) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|dir| dir.join(program))
-        .find(|p| {
-            p.metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
+    crate::programs::find(program)
 }
 
 #[cfg(test)]

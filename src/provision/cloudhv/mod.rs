@@ -121,7 +121,12 @@ pub struct CloudHypervisor {
 impl CloudHypervisor {
     /// Builds the backend: its socket dir, and the watch on adopted VMMs
     /// (which watches nothing until [`Provisioner::recover`] adopts them).
-    pub fn new(store: Arc<Store>, cfg: CloudHvConfig) -> CloudHypervisor {
+    pub fn new(store: Arc<Store>, mut cfg: CloudHvConfig) -> CloudHypervisor {
+        // Found once, by absolute path: what runs as the VMM never depends
+        // on PATH after start (and a bare name could not be exec'd at all).
+        if let Some(path) = crate::programs::resolved(&cfg.hypervisor.to_string_lossy()) {
+            cfg.hypervisor = path;
+        }
         if let Err(e) = fs::create_dir_all(&cfg.run_dir)
             .and_then(|()| fs::set_permissions(&cfg.run_dir, fs::Permissions::from_mode(0o700)))
         {

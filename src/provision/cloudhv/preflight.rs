@@ -3,7 +3,6 @@
 
 use std::fs::OpenOptions;
 use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -13,22 +12,11 @@ use crate::error::BoxFailure;
 
 impl CloudHypervisor {
     pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
-        let hv = &self.cfg.hypervisor;
-        let found = if hv.components().count() > 1 {
-            Some(hv.clone())
-        } else {
-            std::env::var_os("PATH").and_then(|paths| {
-                std::env::split_paths(&paths)
-                    .map(|d| d.join(hv))
-                    .find(|p| p.is_file())
-            })
-        };
-        let Some(path) = found.filter(|p| {
-            p.metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        }) else {
-            return Err(CloudHvError::NotExecutable { path: hv.clone() }.into());
-        };
+        // Resolved to an absolute path when the backend was made.
+        let path = self.cfg.hypervisor.clone();
+        if !path.is_absolute() || crate::programs::find(&path.to_string_lossy()).is_none() {
+            return Err(CloudHvError::NotExecutable { path }.into());
+        }
         match self.version().map(|line| (major_version(&line), line)) {
             Ok((Some(major), _)) if major >= MIN_VERSION => {}
             Ok((_, banner)) => {
