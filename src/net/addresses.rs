@@ -1,22 +1,14 @@
-//! Underlay addresses: one per VM, sticky by MAC, never two live VMs on one.
-//!
-//! 1. The first choice is derived from the VM id, so a VM usually gets the
-//!    same address on any host and across re-creation.
-//! 2. A taken choice probes linearly to the next free address.
-//! 3. The MAC → address map is written (temp → fsync → rename) **before**
-//!    an address is handed out, so a crash can never hand one out twice.
-//! 4. An address is released at destroy, not at stop: a stopped VM keeps it.
+//! Underlay addresses: one per VM, sticky by MAC, never two live VMs on one
+//! (a [`Leases`] pool over the subnet's guest addresses, first choice from
+//! the VM id). An address is released at destroy, not at stop: a stopped
+//! VM keeps it.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
-use parking_lot::Mutex;
-use sha2::{Digest, Sha256};
-
 use crate::model::Id;
-use crate::state::atomic::write_atomic;
+use crate::state::leases::{LeaseError, Leases};
 
 /// An IPv4 subnet: the gateway takes the first host address, guests the rest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,33 +123,17 @@ impl crate::error::Failure for AddressError {
 
 /// The persisted MAC → address map of one subnet.
 pub struct Addresses {
-    path: PathBuf,
     subnet: Subnet,
-    map: Mutex<BTreeMap<String, Ipv4Addr>>,
+    leases: Leases<Ipv4Addr>,
 }
 
 impl Addresses {
     /// Loads the map at `path` (absent = empty). An unreadable map is an
     /// error: starting from nothing could hand a live VM's address to another.
     pub fn open(path: &Path, subnet: Subnet) -> Result<Addresses, AddressError> {
-        let map = match std::fs::read(path) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| AddressError::Unreadable {
-                path: path.to_path_buf(),
-                problem: e.to_string(),
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => {
-                return Err(AddressError::Unreadable {
-                    path: path.to_path_buf(),
-                    problem: e.to_string(),
-                });
-            }
-        };
-        Ok(Addresses {
-            path: path.to_path_buf(),
-            subnet,
-            map: Mutex::new(map),
-        })
+        let (first, last) = subnet.guests();
+        let leases = Leases::open(path, first, last - first + 1).map_err(|e| from(e, subnet))?;
+        Ok(Addresses { subnet, leases })
     }
 
     pub fn subnet(&self) -> Subnet {
@@ -165,58 +141,28 @@ impl Addresses {
     }
 
     pub fn get(&self, mac: &str) -> Option<Ipv4Addr> {
-        self.map.lock().get(mac).copied()
+        self.leases.get(mac)
     }
 
     /// The VM's address: the one it has, or a new one, saved before it is
     /// returned.
     pub fn allocate(&self, vm_id: &Id, mac: &str) -> Result<Ipv4Addr, AddressError> {
-        let mut map = self.map.lock();
-        if let Some(ip) = map.get(mac) {
-            return Ok(*ip);
-        }
-        let (first, last) = self.subnet.guests();
-        let size = last - first + 1;
-        let digest = Sha256::digest(vm_id.as_str().as_bytes());
-        let start = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % size;
-        let taken: std::collections::HashSet<Ipv4Addr> = map.values().copied().collect();
-        let ip = (0..size)
-            .map(|i| Ipv4Addr::from(first + (start + i) % size))
-            .find(|ip| !taken.contains(ip))
-            .ok_or(AddressError::Full {
-                subnet: self.subnet,
-            })?;
-        map.insert(mac.to_owned(), ip);
-        if let Err(source) = self.save(&map) {
-            map.remove(mac);
-            return Err(AddressError::Save {
-                path: self.path.clone(),
-                source,
-            });
-        }
-        Ok(ip)
+        self.leases
+            .allocate(mac, vm_id.as_str())
+            .map_err(|e| from(e, self.subnet))
     }
 
     /// Frees the VM's address (at destroy).
     pub fn release(&self, mac: &str) -> Result<(), AddressError> {
-        let mut map = self.map.lock();
-        if map.remove(mac).is_some() {
-            self.save(&map).map_err(|source| AddressError::Save {
-                path: self.path.clone(),
-                source,
-            })?;
-        }
-        Ok(())
+        self.leases.release(mac).map_err(|e| from(e, self.subnet))
     }
+}
 
-    fn save(&self, map: &BTreeMap<String, Ipv4Addr>) -> std::io::Result<()> {
-        if let Some(dir) = self.path.parent() {
-            crate::state::perms::make_dir(dir)?;
-        }
-        write_atomic(
-            &self.path,
-            &serde_json::to_vec_pretty(map).map_err(std::io::Error::other)?,
-        )
+fn from(e: LeaseError, subnet: Subnet) -> AddressError {
+    match e {
+        LeaseError::Full => AddressError::Full { subnet },
+        LeaseError::Unreadable { path, problem } => AddressError::Unreadable { path, problem },
+        LeaseError::Save { path, source } => AddressError::Save { path, source },
     }
 }
 

@@ -16,6 +16,7 @@
 //! touching the disk.
 
 pub mod atomic;
+pub mod leases;
 mod error;
 pub mod perms;
 mod record;
