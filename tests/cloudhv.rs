@@ -99,6 +99,7 @@ impl Host {
                 vmm_shutdown: Duration::from_millis(500),
                 terminate: Duration::from_millis(300),
             },
+            confinement: eitri_agent::testkit::confinement(dir.path()),
         };
         let base_url = format!("file://{}", base.display());
         Host::assemble(dir, cfg, Fakes::new(), base_url, base_sha)
@@ -273,8 +274,10 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 }
 
 /// Stand-in processes serving this socket.
-fn processes_serving(socket: &Path) -> usize {
-    let needle = format!("path={}", socket.display());
+/// Live processes whose command line names `disk` as a VM's root disk:
+/// that VM's hypervisors.
+fn processes_on(disk: &Path) -> usize {
+    let needle = format!("path={}", disk.display());
     std::fs::read_dir("/proc")
         .expect("proc")
         .flatten()
@@ -285,8 +288,12 @@ fn processes_serving(socket: &Path) -> usize {
                 .all(|c| c.is_ascii_digit())
         })
         .filter(|e| {
-            std::fs::read(e.path().join("cmdline"))
-                .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == needle.as_bytes()))
+            std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
+                c.split(|b| *b == 0).any(|a| {
+                    a.strip_prefix(needle.as_bytes())
+                        .is_some_and(|rest| rest.is_empty() || rest.starts_with(b","))
+                })
+            })
         })
         .filter(|e| {
             e.file_name()
@@ -319,7 +326,7 @@ fn booting_twice_starts_one_process_on(h: Host) {
     h.backend.boot(&spec, Deadline::NONE).expect("second boot");
 
     assert_eq!(h.pid("vm-1"), first);
-    assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
+    assert_eq!(processes_on(&h.store.root_disk_path(&id("vm-1"))), 1);
 }
 
 fn an_agent_restart_adopts_the_running_hypervisor_on(h: Host) {
@@ -332,7 +339,7 @@ fn an_agent_restart_adopts_the_running_hypervisor_on(h: Host) {
     assert_eq!(h.pid("vm-1"), Some(before), "no new process");
     assert!(alive(before));
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
-    assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
+    assert_eq!(processes_on(&h.store.root_disk_path(&id("vm-1"))), 1);
 }
 
 /// Kills the VM's hypervisor with SIGKILL, and waits, with no step, for
@@ -476,7 +483,7 @@ fn the_tap_dies_with_a_killed_hypervisor_on(h: Host) {
     wait_until("the tap to go", || !tap.exists());
 }
 
-fn the_hypervisor_inherits_no_agent_fd_on(h: Host) {
+fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let pid = h.pid("vm-1").expect("pid");
@@ -493,14 +500,27 @@ fn the_hypervisor_inherits_no_agent_fd_on(h: Host) {
         .collect();
 
     let target = |fd: &str| fds.iter().find(|(n, _)| n == fd).map(|(_, t)| t.as_str());
+    let log = h
+        .store
+        .hypervisor_log_path(&id("vm-1"))
+        .display()
+        .to_string();
     assert_eq!(target("0"), Some("/dev/null"));
-    assert_eq!(target("3"), Some("/dev/net/tun"), "{fds:?}");
-    let lock = h.store.root().join("lock").display().to_string();
+    assert_eq!(target("1"), Some(log.as_str()));
+    assert_eq!(target("2"), Some(log.as_str()));
     assert!(
-        fds.iter().all(|(_, t)| *t != lock),
-        "the state-dir lock leaked: {fds:?}"
+        target("3").is_some_and(|t| t.starts_with("socket:")),
+        "the API socket: {fds:?}"
     );
-    assert!(h.dir.path().exists());
+    assert_eq!(target("4"), Some("/dev/net/tun"), "its tap: {fds:?}");
+    // Anything else it opened itself: its own files, or API connections.
+    let own_dir = h.store.vm_dir(&id("vm-1")).display().to_string();
+    let others: Vec<&(String, String)> = fds
+        .iter()
+        .filter(|(n, _)| n.parse::<u32>().is_ok_and(|n| n > 4))
+        .filter(|(_, t)| !(t.starts_with(&own_dir) || t.starts_with("socket:")))
+        .collect();
+    assert!(others.is_empty(), "fds that are not its own: {others:?}");
 }
 
 fn a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on(h: Host) {
@@ -737,7 +757,7 @@ both!(
     an_adopted_hypervisor_killed_is_booted_again_without_a_tick_on,
     destroy_leaves_no_process_socket_pidfile_tap_or_directory_on,
     the_tap_dies_with_a_killed_hypervisor_on,
-    the_hypervisor_inherits_no_agent_fd_on,
+    the_hypervisor_holds_only_its_own_fds_on,
     a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on,
     preflight_passes_on
 );
@@ -840,6 +860,104 @@ fn every_disk_the_hypervisor_is_given_is_raw_with_backing_files_off() {
     );
 }
 
+/// A line of `/proc/<pid>/status`, after its key.
+fn status_of(pid: i32, key: &str) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("status")
+        .lines()
+        .find_map(|l| l.strip_prefix(key).map(|v| v.trim().to_owned()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn the_hypervisor_runs_as_the_vms_own_user_with_no_capabilities_and_no_new_privileges() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let pid = h.pid("vm-1").expect("pid");
+    let uid: u32 = status_of(pid, "Uid:")
+        .split_whitespace()
+        .next()
+        .and_then(|u| u.parse().ok())
+        .expect("uid");
+    let first = h.cfg.confinement.first_id;
+    assert!(
+        uid > first && uid < first + h.cfg.confinement.id_count,
+        "uid {uid}"
+    );
+    assert_eq!(
+        status_of(pid, "Uid:"),
+        format!("{uid}\t{uid}\t{uid}\t{uid}")
+    );
+    assert_eq!(
+        status_of(pid, "Gid:"),
+        format!("{uid}\t{uid}\t{uid}\t{uid}")
+    );
+    assert_eq!(status_of(pid, "Groups:"), first.to_string());
+    assert_eq!(status_of(pid, "CapEff:"), "0000000000000000");
+    assert_eq!(status_of(pid, "CapBnd:"), "0000000000000000");
+    assert_eq!(status_of(pid, "NoNewPrivs:"), "1");
+    let owner =
+        |p: &Path| std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(p).expect("stat"));
+    assert_eq!(owner(&h.store.root_disk_path(&id("vm-1"))), uid);
+    assert_eq!(owner(&h.store.seed_path(&id("vm-1"))), uid);
+    assert_eq!(
+        owner(&h.store.vm_dir(&id("vm-1"))),
+        0,
+        "its directory stays root's"
+    );
+    assert_eq!(
+        owner(&h.store.pidfile_path(&id("vm-1"))),
+        0,
+        "and its pidfile"
+    );
+}
+
+#[test]
+fn a_vms_hypervisor_user_is_the_same_after_an_agent_restart() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let first = status_of(h.pid("vm-1").expect("pid"), "Uid:");
+    let h = h.restart();
+    let spec = h.spec("vm-1");
+    h.backend
+        .shutdown(&id("vm-1"), Deadline::NONE, &|_| {})
+        .expect("stop");
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot again");
+
+    assert_eq!(status_of(h.pid("vm-1").expect("pid"), "Uid:"), first);
+}
+
+#[test]
+fn a_local_users_process_naming_a_vms_disk_is_not_taken_for_its_hypervisor() {
+    use std::os::unix::process::CommandExt;
+    let h = Host::new(&[]);
+    let disk = format!("path={}", h.store.root_disk_path(&id("vm-1")).display());
+    // A process of nobody's with the VM's disk on its command line, as any
+    // local user could start.
+    let mut impostor = std::process::Command::new("sleep")
+        .arg("30")
+        .arg(&disk)
+        .uid(65534)
+        .gid(65534)
+        .spawn()
+        .expect("sleep");
+
+    let taken = h.backend.adopt(&id("vm-1"));
+    let still_there = alive(impostor.id() as i32);
+    let _ = impostor.kill();
+    let _ = impostor.wait();
+
+    assert!(
+        !taken,
+        "a local user's process passed for the VM's hypervisor"
+    );
+    assert!(still_there, "and it was not ours to stop");
+}
+
 #[test]
 fn a_garbled_pidfile_does_not_hide_a_running_hypervisor() {
     let h = Host::new(&[]);
@@ -899,7 +1017,7 @@ fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
         (Some(PowerState::Running), Some(Phase::Ready))
     );
     assert_eq!(h.pid("vm-1"), Some(pid), "the same VMM, no second one");
-    assert_eq!(processes_serving(&h.backend.socket_path(&id("vm-1"))), 1);
+    assert_eq!(processes_on(&h.store.root_disk_path(&id("vm-1"))), 1);
     assert_eq!(inode(&disk), disk_before, "its disk was not replaced");
     assert_eq!(
         h.store

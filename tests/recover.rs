@@ -50,6 +50,11 @@ fn config(dir: &Path) -> Config {
         "--tap-prefix",
         &tap_prefix(),
         "--underlay-bridge=",
+        "--kvm-device",
+        &eitri_agent::testkit::confinement(dir)
+            .kvm
+            .display()
+            .to_string(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -85,6 +90,7 @@ fn a_vmm_left_running(config: &Config) -> i32 {
             boot_wait: Duration::from_secs(5),
             stop: StopTimeouts::default(),
             network: None,
+            confinement: config.guest.confinement.clone(),
         },
     );
     backend.boot(&spec, Deadline::NONE).expect("boot");
@@ -140,6 +146,7 @@ fn recovery_repairs_what_a_crash_in_each_phase_left() {
         ".epoch.tmp-999-0",
         "vms/vm-live/.record.json.tmp-999-1",
         "net/.addresses.json.tmp-999-2",
+        "jail/.ids.json.tmp-999-5",
         "volumes/.data-1.tmp-999-3",
         "images/.partial-abababab-999-4",
     ]

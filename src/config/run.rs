@@ -15,7 +15,7 @@ use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration
 use crate::image::ImageOptions;
 use crate::net::addresses::Subnet;
 use crate::net::underlay::UnderlayConfig;
-use crate::provision::GuestBoot;
+use crate::provision::{Confinement, GuestBoot, Piece};
 use crate::reconcile::{EngineConfig, HostCaps};
 use crate::source::{ControlPlane, SnapshotLimits};
 
@@ -251,6 +251,51 @@ fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
         kernel,
         firmware,
         cmdline: raw.get(Key::Cmdline),
+        confinement: confinement(raw)?,
+    })
+}
+
+fn confinement(raw: &Raw<'_>) -> Result<Confinement, ConfigError> {
+    let ids = raw.get(Key::VmmIds);
+    let (first, count) = ids
+        .split_once(':')
+        .and_then(|(f, c)| Some((f.trim().parse::<u32>().ok()?, c.trim().parse::<u32>().ok()?)))
+        .filter(|(f, c)| *f >= 65_536 && *c >= 2 && f.checked_add(*c).is_some())
+        .ok_or_else(|| {
+            err(format!(
+                "--vmm-ids: {ids:?} is not FIRST:COUNT (FIRST at least 65536, clear of the host's users; COUNT at least 2: a group for /dev/kvm and one id per VM)"
+            ))
+        })?;
+    let mut allow_without = Vec::new();
+    for name in raw
+        .get(Key::AllowWithout)
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        let piece = Piece::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+            err(format!(
+                "--allow-without: {name:?} is not a piece of confinement (jail, cgroups, landlock)"
+            ))
+        })?;
+        allow_without.push(piece);
+    }
+    let cgroup_root = raw.get(Key::CgroupRoot);
+    if cgroup_root.is_empty()
+        || cgroup_root
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        return Err(err(format!(
+            "--cgroup-root: {cgroup_root:?} is not a relative cgroup path such as eitri or machine/eitri"
+        )));
+    }
+    Ok(Confinement {
+        first_id: first,
+        id_count: count,
+        kvm: PathBuf::from(raw.get(Key::KvmDevice)),
+        cgroup_root,
+        allow_without,
     })
 }
 

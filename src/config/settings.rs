@@ -104,6 +104,14 @@ settings! {
         "named host networks for a VM's second NIC: NAME=BRIDGE[,NAME=BRIDGE] (default: none)";
     GuestDns => "guest-dns", "EITRI_GUEST_DNS", "",
         "DNS servers told to guests, comma-separated (default: the host's non-loopback resolvers)";
+    VmmIds => "vmm-ids", "EITRI_VMM_IDS", "1900000000:65536",
+        "FIRST:COUNT user and group ids for jailed hypervisors: FIRST is the group that may open /dev/kvm, each VM gets one of the rest";
+    KvmDevice => "kvm-device", "EITRI_KVM_DEVICE", "/dev/kvm",
+        "the KVM device the hypervisors' group is given read-write access to (an ACL entry when it lacks it)";
+    CgroupRoot => "cgroup-root", "EITRI_CGROUP_ROOT", "eitri",
+        "cgroup (in each hierarchy) under which each VM's hypervisor gets its own";
+    AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",
+        "pieces of confinement hypervisors may run without where this host lacks them: jail, cgroups, landlock (comma-separated; default none)";
     RunDir => "run-dir", "EITRI_RUN_DIR", "/run/eitri",
         "directory for hypervisor API sockets (kept short: socket paths are limited to 108 bytes)";
     TapPrefix => "tap-prefix", "EITRI_TAP_PREFIX", "eitri",

@@ -119,6 +119,58 @@ pub struct GuestBoot {
     pub kernel: Option<PathBuf>,
     pub firmware: Option<PathBuf>,
     pub cmdline: String,
+    pub confinement: Confinement,
+}
+
+/// A piece of a VMM's confinement a host may lack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Piece {
+    /// Its own user, no capabilities, no_new_privs, limits.
+    Jail,
+    /// Its own cgroup with memory, pids and cpu limits.
+    Cgroups,
+    /// Landlock, applied by the hypervisor to its own files.
+    Landlock,
+}
+
+impl Piece {
+    pub const ALL: [Piece; 3] = [Piece::Jail, Piece::Cgroups, Piece::Landlock];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Piece::Jail => "jail",
+            Piece::Cgroups => "cgroups",
+            Piece::Landlock => "landlock",
+        }
+    }
+}
+
+/// How each VMM is confined: every piece, always, unless the host cannot
+/// do it and the operator allowed running without it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Confinement {
+    /// VMM users and groups: `first_id` is the group that may open the KVM
+    /// device; each VM's own id is one of the `id_count - 1` after it.
+    pub first_id: u32,
+    pub id_count: u32,
+    /// The KVM device the jailed VMMs' group is given.
+    pub kvm: PathBuf,
+    /// The cgroup, in each hierarchy, under which each VM gets its own.
+    pub cgroup_root: String,
+    /// Pieces a VMM may run without where the host lacks them.
+    pub allow_without: Vec<Piece>,
+}
+
+impl Default for Confinement {
+    fn default() -> Confinement {
+        Confinement {
+            first_id: 1_900_000_000,
+            id_count: 65_536,
+            kvm: PathBuf::from("/dev/kvm"),
+            cgroup_root: "eitri".into(),
+            allow_without: Vec::new(),
+        }
+    }
 }
 
 /// The backend this host runs guests with: cloud-hypervisor on Linux.
@@ -139,6 +191,7 @@ pub fn for_host(
             boot_wait: std::time::Duration::from_secs(60),
             stop: cloudhv::StopTimeouts::default(),
             network,
+            confinement: guest.confinement.clone(),
         },
     ))
 }

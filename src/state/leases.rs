@@ -29,8 +29,14 @@ impl<T: Copy + Eq + Hash + Serialize + DeserializeOwned + From<u32>> Slot for T 
 pub enum LeaseError {
     /// Every slot is taken.
     Full,
-    Unreadable { path: PathBuf, problem: String },
-    Save { path: PathBuf, source: std::io::Error },
+    Unreadable {
+        path: PathBuf,
+        problem: String,
+    },
+    Save {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// The persisted key → slot map over the slots `first..first + size`.

@@ -16,8 +16,8 @@
 //! touching the disk.
 
 pub mod atomic;
-pub mod leases;
 mod error;
+pub mod leases;
 pub mod perms;
 mod record;
 mod store;

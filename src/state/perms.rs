@@ -2,11 +2,12 @@
 //! own files; nobody else (DESIGN.md, "Threat model"). Records and the
 //! persisted snapshot hold user-data, volumes hold tenants' data.
 //!
-//! Files are 0600. Directories are 0700, except the three a jailed VMM must
-//! pass through to reach its own files by path (the state dir itself,
-//! `vms/` and `volumes/`): those are 0711, searchable but not listable, so
-//! another local user can reach only names it already knows, and every one
-//! of those is 0700 or 0600. New files get these modes from their creation
+//! Files are 0600. Directories are 0700, except those a jailed VMM must pass
+//! through to reach its own files by path (the state dir itself, `vms/`,
+//! each `vms/<id>/` and `volumes/`): those are 0711, searchable but not
+//! listable, so another local user can reach only names it already knows,
+//! and every one of those is 0700 or 0600 (a VMM's own files are 0600 and
+//! its user's). New files get these modes from their creation
 //! (the agent's umask is 077 and each creation names its mode); a state dir
 //! made by an older agent, or by hand, is brought to them at start.
 
@@ -15,7 +16,7 @@ use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-/// The state dir, `vms/` and `volumes/`.
+/// The state dir, `vms/`, each VM's directory and `volumes/`.
 pub const SEARCHABLE_DIR: u32 = 0o711;
 pub const DIR: u32 = 0o700;
 pub const FILE: u32 = 0o600;
@@ -42,13 +43,16 @@ pub fn tighten(root: &Path) -> io::Result<usize> {
 }
 
 fn walk(dir: &Path, depth: usize, changed: &mut usize) -> io::Result<()> {
+    let in_vms = depth == 2 && dir.file_name().is_some_and(|n| n == "vms");
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
         let path = entry.path();
         let meta = fs::symlink_metadata(&path)?;
         if meta.is_dir() {
-            let searchable =
-                depth == 1 && (entry.file_name() == "vms" || entry.file_name() == "volumes");
+            let name = entry.file_name();
+            // A VM's own directory, not one being deleted (`.deleting-…`).
+            let vm_dir = in_vms && !name.to_string_lossy().starts_with('.');
+            let searchable = vm_dir || (depth == 1 && (name == "vms" || name == "volumes"));
             set(
                 &path,
                 if searchable { SEARCHABLE_DIR } else { DIR },
@@ -113,7 +117,7 @@ mod tests {
         assert_eq!(mode(&root), 0o711);
         assert_eq!(mode(&root.join("vms")), 0o711);
         assert_eq!(mode(&root.join("volumes")), 0o711);
-        assert_eq!(mode(&root.join("vms/web-1")), 0o700);
+        assert_eq!(mode(&root.join("vms/web-1")), 0o711);
         assert_eq!(mode(&root.join("net")), 0o700);
         assert_eq!(mode(&root.join("vms/web-1/record.json")), 0o600);
         assert_eq!(mode(&root.join("snapshot.pb")), 0o600);

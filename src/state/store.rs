@@ -270,6 +270,11 @@ impl Store {
         Ok(())
     }
 
+    /// `vms/`, where every VM's directory is.
+    pub fn vms_dir(&self) -> PathBuf {
+        self.root.join("vms")
+    }
+
     pub fn vm_dir(&self, vm_id: &Id) -> PathBuf {
         self.root.join("vms").join(vm_id.as_str())
     }
@@ -344,12 +349,17 @@ impl Store {
 fn sweep(root: &Path) -> Swept {
     let mut swept = Swept::default();
     let vms = root.join("vms");
-    let mut dirs = vec![
-        root.to_path_buf(),
-        root.join("net"),
-        root.join("volumes"),
-        root.join("images"),
-    ];
+    // The state dir and every directory in it (net/, volumes/, images/,
+    // jail/, and any a later agent adds), then each VM's.
+    let mut dirs = vec![root.to_path_buf()];
+    if let Ok(entries) = fs::read_dir(root) {
+        dirs.extend(
+            entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir() && *p != vms),
+        );
+    }
     if let Ok(entries) = fs::read_dir(&vms) {
         for entry in entries.flatten() {
             let name = entry.file_name();

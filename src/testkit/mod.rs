@@ -595,3 +595,21 @@ pub fn snapshot(epoch: u64, vms: Vec<WantedVm>) -> Snapshot {
         ..Snapshot::default()
     }
 }
+
+/// Confinement for tests that start hypervisors: every piece on, with a
+/// KVM device stand-in (a root-only file under `dir`) so the grant to the
+/// hypervisors' group never touches the host's /dev/kvm, and a cgroup root
+/// of the test's own.
+pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
+    use std::os::unix::fs::PermissionsExt;
+    let kvm = dir.join("kvm");
+    if !kvm.exists() {
+        let _ = std::fs::write(&kvm, b"");
+        let _ = std::fs::set_permissions(&kvm, std::fs::Permissions::from_mode(0o600));
+    }
+    crate::provision::Confinement {
+        kvm,
+        cgroup_root: format!("eitri-test-{}", std::process::id()),
+        ..crate::provision::Confinement::default()
+    }
+}

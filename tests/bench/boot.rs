@@ -48,6 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             boot_wait: Duration::from_secs(10),
             stop: StopTimeouts::default(),
             network: None,
+            confinement: eitri_agent::testkit::confinement(dir.path()),
         },
     );
     let spec = desired("bench-vm").spec;

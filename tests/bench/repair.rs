@@ -149,6 +149,8 @@ fn start(b: &Bench) -> Res<Agent> {
         .arg(b.dir.path().join("run"))
         .arg("--image-root")
         .arg(b.dir.path().join("library"))
+        .arg("--kvm-device")
+        .arg(eitri_agent::testkit::confinement(b.dir.path()).kvm)
         .args(["--underlay-bridge=", "--tap-prefix", "etrep"])
         .env_clear()
         .stdin(Stdio::null())

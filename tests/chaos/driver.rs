@@ -147,6 +147,10 @@ impl Host {
             .arg(self.run_dir())
             .arg("--image-root")
             .arg(self.dir.path().join("library"))
+            .arg("--kvm-device")
+            .arg(eitri_agent::testkit::confinement(self.dir.path()).kvm)
+            .arg("--cgroup-root")
+            .arg(eitri_agent::testkit::confinement(self.dir.path()).cgroup_root)
             .args([
                 "--underlay-bridge=",
                 "--tap-prefix",

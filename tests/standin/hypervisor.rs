@@ -227,8 +227,23 @@ fn main() {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
+    // The agent's socket, passed in listening: nothing to bind or lock.
+    if let Some(fd) = args.option("api-socket", "fd") {
+        let Some(fd) = fd.parse::<i32>().ok().filter(|fd| *fd > 2) else {
+            log.line(&format!(
+                "Error: --api-socket fd={fd} is not an inherited fd"
+            ));
+            std::process::exit(1);
+        };
+        use std::os::fd::FromRawFd;
+        // SAFETY: the fd was inherited for this purpose and nothing else in
+        // this process owns it.
+        let listener = unsafe { UnixListener::from_raw_fd(fd) };
+        serve_all(listener, &args, &log, started_ns, None);
+        return;
+    }
     let Some(socket) = args.option("api-socket", "path").map(PathBuf::from) else {
-        log.line("Error: no --api-socket path=");
+        log.line("Error: no --api-socket path= or fd=");
         std::process::exit(1);
     };
     if UnixStream::connect(&socket).is_ok() {
@@ -253,6 +268,18 @@ fn main() {
             std::process::exit(1);
         }
     };
+    serve_all(listener, &args, &log, started_ns, Some(socket));
+}
+
+/// Serves the API on `listener` until `vmm.shutdown` (which removes
+/// `socket`, the path this process bound, if it bound one).
+fn serve_all(
+    listener: UnixListener,
+    args: &Args,
+    log: &Arc<Log>,
+    started_ns: u128,
+    socket: Option<PathBuf>,
+) {
     // For make bench-boot: this process's own time from main to a socket
     // that accepts, so the agent's overhead can be told apart from it.
     log.line(&format!(
@@ -273,12 +300,12 @@ fn main() {
     let state = Arc::new(Mutex::new(String::from("Running")));
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        let (state, log, socket) = (Arc::clone(&state), Arc::clone(&log), socket.clone());
-        std::thread::spawn(move || serve(conn, &state, &log, &socket));
+        let (state, log, socket) = (Arc::clone(&state), Arc::clone(log), socket.clone());
+        std::thread::spawn(move || serve(conn, &state, &log, socket.as_deref()));
     }
 }
 
-fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: &Path) {
+fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: Option<&Path>) {
     let Ok(write_half) = conn.try_clone() else {
         return;
     };
@@ -381,7 +408,9 @@ fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: &Path) {
         let _ = out.flush();
         if then_exit {
             log.line("VMM shutdown");
-            let _ = std::fs::remove_file(socket);
+            if let Some(socket) = socket {
+                let _ = std::fs::remove_file(socket);
+            }
             std::process::exit(0);
         }
     }

@@ -3,10 +3,16 @@
 //! every shape of it is tested as golden output, without root.
 //!
 //! The flags are cloud-hypervisor's (see `shared/cloud-hypervisor.md`):
-//! the API socket, the guest's kernel or firmware, the disks (root, then the
-//! seed read-only, then the volumes in the spec's order), one `--net` per NIC
-//! as an inherited tap fd, serial output to a file and the virtio console
-//! off (it would be the agent's tty), CPUs, memory, and the VMM's own log.
+//! the API socket as an inherited listening fd (the agent binds it, so the
+//! jailed VMM creates nothing in the run dir), the guest's kernel or
+//! firmware, the disks (root, then the seed read-only, then the volumes in
+//! the spec's order), one `--net` per NIC as an inherited tap fd, serial
+//! output to a file and the virtio console off (it would be the agent's
+//! tty), CPUs, memory, the VMM's own log, and Landlock when the host has
+//! it (the VMM then confines itself to the files this command line names).
+//!
+//! The root disk's argument, `path=<state>/vms/<id>/disk.raw,…`, is also
+//! how the agent knows a VM's VMM by its command line.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -25,7 +31,6 @@ pub enum GuestImage<'a> {
 /// Where one VM's files are.
 #[derive(Clone, Debug)]
 pub struct VmFiles {
-    pub api_socket: PathBuf,
     pub root_disk: PathBuf,
     pub seed: PathBuf,
     pub volumes: Vec<PathBuf>,
@@ -45,18 +50,23 @@ pub struct Nic {
 /// its backing file (GHSA-jmr4-g2hv-mjj6). Since cloud-hypervisor v51.
 const RAW: &str = ",image_type=raw,backing_files=off";
 
+/// What the VM is given besides its files.
+#[derive(Clone, Debug)]
+pub struct VmShape<'a> {
+    /// The inherited listening socket of its API.
+    pub api_fd: i32,
+    pub nics: &'a [Nic],
+    pub vcpus: u32,
+    pub mem_mb: u64,
+    pub landlock: bool,
+}
+
 /// The arguments after the program name.
-pub fn argv(
-    image: Option<GuestImage<'_>>,
-    files: &VmFiles,
-    nics: &[Nic],
-    vcpus: u32,
-    mem_mb: u64,
-) -> Vec<OsString> {
+pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut arg = |a: OsString| args.push(a);
     arg("--api-socket".into());
-    arg(option("path=", &files.api_socket, ""));
+    arg(format!("fd={}", shape.api_fd).into());
     match image {
         Some(GuestImage::Kernel { kernel, cmdline }) => {
             arg("--kernel".into());
@@ -76,9 +86,9 @@ pub fn argv(
     for volume in &files.volumes {
         arg(option("path=", volume, RAW));
     }
-    if !nics.is_empty() {
+    if !shape.nics.is_empty() {
         arg("--net".into());
-        for nic in nics {
+        for nic in shape.nics {
             arg(format!("fd={},mac={}", nic.fd, nic.mac).into());
         }
     }
@@ -87,11 +97,14 @@ pub fn argv(
     arg("--console".into());
     arg("off".into());
     arg("--cpus".into());
-    arg(format!("boot={vcpus}").into());
+    arg(format!("boot={}", shape.vcpus).into());
     arg("--memory".into());
-    arg(format!("size={mem_mb}M").into());
+    arg(format!("size={}M", shape.mem_mb).into());
     arg("--log-file".into());
     arg(files.log.clone().into_os_string());
+    if shape.landlock {
+        arg("--landlock".into());
+    }
     args
 }
 
@@ -109,7 +122,6 @@ mod tests {
 
     fn files(volumes: &[&str]) -> VmFiles {
         VmFiles {
-            api_socket: "/run/eitri/0a1b2c3d4e5f6071.sock".into(),
             root_disk: "/var/lib/eitri/vms/web-1/disk.raw".into(),
             seed: "/var/lib/eitri/vms/web-1/seed.iso".into(),
             volumes: volumes.iter().map(PathBuf::from).collect(),
@@ -132,6 +144,16 @@ mod tests {
         }
     }
 
+    fn shape(nics: &[Nic], vcpus: u32, mem_mb: u64) -> VmShape<'_> {
+        VmShape {
+            api_fd: 3,
+            nics,
+            vcpus,
+            mem_mb,
+            landlock: true,
+        }
+    }
+
     fn text(args: Vec<OsString>) -> Vec<String> {
         args.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
@@ -140,13 +162,13 @@ mod tests {
 
     #[test]
     fn kernel_boot_with_one_nic() {
-        let args = argv(kernel(), &files(&[]), &[nic(3, 1)], 2, 512);
+        let args = argv(kernel(), &files(&[]), &shape(&[nic(4, 1)], 2, 512));
 
         assert_eq!(
             text(args),
             [
                 "--api-socket",
-                "path=/run/eitri/0a1b2c3d4e5f6071.sock",
+                "fd=3",
                 "--kernel",
                 "/srv/vmlinux",
                 "--cmdline",
@@ -155,7 +177,7 @@ mod tests {
                 "path=/var/lib/eitri/vms/web-1/disk.raw,image_type=raw,backing_files=off",
                 "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on,image_type=raw,backing_files=off",
                 "--net",
-                "fd=3,mac=02:00:00:00:00:01",
+                "fd=4,mac=02:00:00:00:00:01",
                 "--serial",
                 "file=/var/lib/eitri/vms/web-1/serial.log",
                 "--console",
@@ -166,6 +188,7 @@ mod tests {
                 "size=512M",
                 "--log-file",
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
+                "--landlock",
             ]
         );
     }
@@ -178,13 +201,17 @@ mod tests {
             "/var/lib/eitri/volumes/logs",
         ];
 
-        let args = argv(image, &files(&volumes), &[nic(3, 1), nic(4, 2)], 1, 128);
+        let args = argv(
+            image,
+            &files(&volumes),
+            &shape(&[nic(4, 1), nic(5, 2)], 1, 128),
+        );
 
         assert_eq!(
             text(args),
             [
                 "--api-socket",
-                "path=/run/eitri/0a1b2c3d4e5f6071.sock",
+                "fd=3",
                 "--firmware",
                 "/srv/CLOUDHV.fd",
                 "--disk",
@@ -193,8 +220,8 @@ mod tests {
                 "path=/var/lib/eitri/volumes/data-1,image_type=raw,backing_files=off",
                 "path=/var/lib/eitri/volumes/logs,image_type=raw,backing_files=off",
                 "--net",
-                "fd=3,mac=02:00:00:00:00:01",
-                "fd=4,mac=02:00:00:00:00:02",
+                "fd=4,mac=02:00:00:00:00:01",
+                "fd=5,mac=02:00:00:00:00:02",
                 "--serial",
                 "file=/var/lib/eitri/vms/web-1/serial.log",
                 "--console",
@@ -205,6 +232,7 @@ mod tests {
                 "size=128M",
                 "--log-file",
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
+                "--landlock",
             ]
         );
     }
@@ -213,7 +241,7 @@ mod tests {
     fn every_disk_is_raw_with_backing_files_off() {
         let volumes = ["/var/lib/eitri/volumes/data-1"];
 
-        let args = text(argv(kernel(), &files(&volumes), &[], 1, 64));
+        let args = text(argv(kernel(), &files(&volumes), &shape(&[], 1, 64)));
 
         let start = args.iter().position(|a| a == "--disk").expect("--disk");
         let disks: Vec<&String> = args[start + 1..]
@@ -231,7 +259,7 @@ mod tests {
 
     #[test]
     fn no_nic_means_no_net_flag() {
-        let args = text(argv(kernel(), &files(&[]), &[], 1, 64));
+        let args = text(argv(kernel(), &files(&[]), &shape(&[], 1, 64)));
 
         assert!(!args.iter().any(|a| a == "--net"), "{args:?}");
     }

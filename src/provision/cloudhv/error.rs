@@ -34,6 +34,18 @@ pub enum CloudHvError {
         source: io::Error,
     },
     NoTun,
+    /// A piece of confinement this host lacks, which the operator has not
+    /// allowed VMMs to run without.
+    Unconfinable {
+        piece: &'static str,
+        why: String,
+    },
+    /// The jailed VMMs' group cannot be given the KVM device.
+    KvmGroup {
+        path: PathBuf,
+        group: u32,
+        source: io::Error,
+    },
     /// `--kernel` or `--firmware` names no file.
     BootFileMissing {
         path: PathBuf,
@@ -41,6 +53,23 @@ pub enum CloudHvError {
     NoBootFile,
 
     // ── one VM ────────────────────────────────────────────────────────────
+    /// Its VMM's own user id could not be had (the id map is unreadable
+    /// or full, or cannot be saved).
+    VmmId {
+        vm_id: Id,
+        why: String,
+    },
+    /// Its files could not be made its VMM's own.
+    GiveFiles {
+        vm_id: Id,
+        source: io::Error,
+    },
+    /// Its API socket could not be bound.
+    ApiSocket {
+        vm_id: Id,
+        path: PathBuf,
+        source: io::Error,
+    },
     /// Its directory under the state dir could not be made.
     VmDir {
         vm_id: Id,
@@ -135,6 +164,22 @@ impl fmt::Display for CloudHvError {
                 "cannot open /dev/kvm read-write; load kvm_intel or kvm_amd and give the agent access to it",
             ),
             E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
+            E::Unconfinable { piece, why } => write!(
+                f,
+                "hypervisors would run without {piece}: {why}; fix the host, or let them run without it with --allow-without {piece}"
+            ),
+            E::KvmGroup { path, group, .. } => write!(
+                f,
+                "cannot give the jailed hypervisors' group {group} read-write access to {} (an ACL entry); make it so with `chgrp {group} {0} && chmod 0660 {0}` (or a udev rule: KERNEL==\"kvm\", GROUP=\"{group}\", MODE=\"0660\")",
+                path.display()
+            ),
+            E::VmmId { vm_id, why } => write!(f, "VM {vm_id}: no user id for its hypervisor: {why}"),
+            E::GiveFiles { vm_id, .. } => {
+                write!(f, "VM {vm_id}: cannot make its files its hypervisor's own")
+            }
+            E::ApiSocket { vm_id, path, .. } => {
+                write!(f, "VM {vm_id}: cannot bind its API socket {}", path.display())
+            }
             E::BootFileMissing { path } => write!(
                 f,
                 "the guest boot file {} does not exist; fix --kernel or --firmware",
@@ -194,6 +239,9 @@ impl std::error::Error for CloudHvError {
         use CloudHvError as E;
         match self {
             E::Kvm { source }
+            | E::KvmGroup { source, .. }
+            | E::GiveFiles { source, .. }
+            | E::ApiSocket { source, .. }
             | E::VmDir { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
@@ -207,6 +255,8 @@ impl std::error::Error for CloudHvError {
             | E::TooOld { .. }
             | E::Version { .. }
             | E::NoTun
+            | E::Unconfinable { .. }
+            | E::VmmId { .. }
             | E::BootFileMissing { .. }
             | E::NoBootFile
             | E::DiskInUse { .. }
@@ -228,11 +278,16 @@ impl Failure for CloudHvError {
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Kvm { .. }
+            | E::KvmGroup { .. }
+            | E::Unconfinable { .. }
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile
             | E::NetworkNotServed { .. } => true,
             E::Version { .. }
+            | E::VmmId { .. }
+            | E::GiveFiles { .. }
+            | E::ApiSocket { .. }
             | E::VmDir { .. }
             | E::DiskInUse { .. }
             | E::OpenTap { .. }

@@ -17,13 +17,15 @@
 //! 3. The parent records the child (pid and start time) in the pidfile,
 //!    durably. Only then does it write the release byte.
 //! 4. Released, the child puts stdin (/dev/null), stdout and stderr (the
-//!    VM's log) and the taps (3, 4, …) in place, closes every other fd, and
-//!    execs the hypervisor with an empty environment. If the agent died
-//!    before the release, the child reads end-of-file instead and exits
-//!    without ever exec'ing: a crash at any point leaves either a tracked
-//!    VMM or none.
+//!    VM's log) and its own fds (the API socket, the taps: 3, 4, …) in
+//!    place, closes every other fd, enters its [`Jail`] (limits, no
+//!    capabilities, its own user and groups, no_new_privs) and execs the
+//!    hypervisor with an empty environment. If the agent died before the
+//!    release, the child reads end-of-file instead and exits without ever
+//!    exec'ing: a crash at any point leaves either a tracked VMM or none.
 //! 5. The parent learns whether the exec happened from a close-on-exec
-//!    report pipe: end-of-file means it did; an errno means it did not.
+//!    report pipe: end-of-file means it did; a stage and an errno mean it
+//!    did not, and say where it stopped.
 
 use std::ffi::{CString, OsStr};
 use std::io;
@@ -34,11 +36,73 @@ use std::path::Path;
 use nix::libc;
 
 /// The hypervisor's fds after the exec: 0 /dev/null, 1 and 2 its log, and
-/// its NICs' taps from 3.
-const FIRST_NIC_FD: RawFd = 3;
+/// its own (API socket, taps) from 3.
+pub const FIRST_OWN_FD: RawFd = 3;
 /// Sources are first copied at or above this, clear of every target.
 const HIGH_FD: RawFd = 64;
-pub const MAX_NICS: usize = 2;
+/// The API socket and two NICs.
+pub const MAX_OWN_FDS: usize = 3;
+
+/// Who the child becomes before it execs.
+#[derive(Clone, Debug)]
+pub struct Jail {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups: the one that may open /dev/kvm.
+    pub groups: Vec<u32>,
+    /// Resource limits, each set as both soft and hard limit.
+    pub limits: Vec<(Limit, u64)>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    /// Open files.
+    Files,
+    /// Processes and threads of its user (each VM has its own).
+    Processes,
+    /// The largest file it may write.
+    FileSize,
+    /// Core dumps (0: a crashed VMM never writes guest memory to disk).
+    Core,
+}
+
+impl Limit {
+    fn resource(self) -> libc::__rlimit_resource_t {
+        match self {
+            Limit::Files => libc::RLIMIT_NOFILE,
+            Limit::Processes => libc::RLIMIT_NPROC,
+            Limit::FileSize => libc::RLIMIT_FSIZE,
+            Limit::Core => libc::RLIMIT_CORE,
+        }
+    }
+}
+
+/// Where a child stopped before its exec, as it reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+enum Stage {
+    Fds = 1,
+    Limits,
+    Capabilities,
+    Groups,
+    Ids,
+    NoNewPrivs,
+    Exec,
+}
+
+impl Stage {
+    fn of(code: i32) -> &'static str {
+        match code {
+            1 => "placing its fds",
+            2 => "setting its resource limits",
+            3 => "dropping its capabilities",
+            4 => "setting its groups",
+            5 => "becoming its own user",
+            6 => "setting no_new_privs",
+            _ => "exec",
+        }
+    }
+}
 
 /// A child forked and held before exec (step 2).
 pub struct Held {
@@ -48,19 +112,40 @@ pub struct Held {
 }
 
 /// Forks `program` with `args`, held (steps 1 and 2): `log` becomes its
-/// stdout and stderr, `taps` its fds 3, 4, ….
+/// stdout and stderr, `own` its fds 3, 4, …, and it enters `jail` (when
+/// given) before it execs.
 pub fn fork_held(
     program: &Path,
     args: &[std::ffi::OsString],
     log: &OwnedFd,
-    taps: &[&OwnedFd],
+    own: &[&OwnedFd],
+    jail: Option<&Jail>,
 ) -> io::Result<Held> {
-    if taps.len() > MAX_NICS {
+    if own.len() > MAX_OWN_FDS {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("{} NICs, at most {MAX_NICS}", taps.len()),
+            format!("{} fds to pass, at most {MAX_OWN_FDS}", own.len()),
         ));
     }
+    let groups: Vec<libc::gid_t> = jail.map(|j| j.groups.clone()).unwrap_or_default();
+    let limits: Vec<(libc::__rlimit_resource_t, libc::rlimit)> = jail
+        .map(|j| {
+            j.limits
+                .iter()
+                .map(|(l, v)| {
+                    let v = *v as libc::rlim_t;
+                    (
+                        l.resource(),
+                        libc::rlimit {
+                            rlim_cur: v,
+                            rlim_max: v,
+                        },
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ids = jail.map(|j| (j.uid, j.gid));
     let program = cstring(program.as_os_str())?;
     let mut owned_args = vec![program.clone()];
     for a in args {
@@ -73,14 +158,19 @@ pub fn fork_held(
     let null = std::fs::File::open("/dev/null")?;
     let (hold_r, release) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
     let (report, report_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-    let mut sources = [-1; 3 + MAX_NICS];
+    let mut sources = [-1; 3 + MAX_OWN_FDS];
     sources[0] = null.as_raw_fd();
     sources[1] = log.as_raw_fd();
     sources[2] = log.as_raw_fd();
-    for (slot, tap) in sources[3..].iter_mut().zip(taps) {
-        *slot = tap.as_raw_fd();
+    for (slot, fd) in sources[3..].iter_mut().zip(own) {
+        *slot = fd.as_raw_fd();
     }
-    let count = 3 + taps.len();
+    let count = 3 + own.len();
+    let entry = Entry {
+        ids,
+        groups: &groups,
+        limits: &limits,
+    };
     let (hold_fd, report_fd) = (hold_r.as_raw_fd(), report_w.as_raw_fd());
 
     // SAFETY: the child runs only `child`, which calls async-signal-safe
@@ -94,6 +184,7 @@ pub fn fork_held(
                     hold_fd,
                     report_fd,
                     &sources[..count],
+                    &entry,
                     &program,
                     &argv,
                     &envp,
@@ -114,19 +205,34 @@ impl Held {
     pub fn release(self) -> io::Result<()> {
         nix::unistd::write(&self.release, &[1])?;
         drop(self.release);
-        let mut errno = [0u8; 4];
+        let mut report = [0u8; 8];
         let mut got = 0;
-        while got < errno.len() {
-            match nix::unistd::read(&self.report, &mut errno[got..]) {
+        while got < report.len() {
+            match nix::unistd::read(&self.report, &mut report[got..]) {
                 Ok(0) => break,
                 Ok(n) => got += n,
                 Err(nix::errno::Errno::EINTR) => {}
                 Err(e) => return Err(e.into()),
             }
         }
+        let word =
+            |i: usize| i32::from_ne_bytes([report[i], report[i + 1], report[i + 2], report[i + 3]]);
         match got {
             0 => Ok(()),
-            4 => Err(io::Error::from_raw_os_error(i32::from_ne_bytes(errno))),
+            8 => {
+                let errno = io::Error::from_raw_os_error(word(4));
+                if word(0) == Stage::Exec as i32 {
+                    Err(errno)
+                } else {
+                    Err(io::Error::new(
+                        errno.kind(),
+                        format!(
+                            "the hypervisor's process failed {}: {errno}",
+                            Stage::of(word(0))
+                        ),
+                    ))
+                }
+            }
             _ => Err(io::Error::other("a torn exec report")),
         }
     }
@@ -137,16 +243,26 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, format!("{s:?} has a NUL byte")))
 }
 
+/// The jail as the child applies it: prepared before the fork, in the
+/// shapes the system calls take.
+struct Entry<'a> {
+    ids: Option<(u32, u32)>,
+    groups: &'a [libc::gid_t],
+    limits: &'a [(libc::__rlimit_resource_t, libc::rlimit)],
+}
+
 /// The child, after fork: steps 2 and 4. Never returns.
 ///
 /// # Safety
 /// Only to be called in a freshly forked child. It calls only
-/// async-signal-safe functions (setsid, read, fcntl, dup2, close,
-/// syscall(close_range), execve, write, _exit) and allocates nothing.
+/// async-signal-safe functions (setsid, read, fcntl, dup2, close, setrlimit,
+/// prctl, raw set*id/setgroups/capset syscalls, execve, write, _exit) and
+/// allocates nothing.
 unsafe fn child(
     hold: RawFd,
     report: RawFd,
     sources: &[RawFd],
+    entry: &Entry<'_>,
     program: &CString,
     argv: &[*const libc::c_char],
     envp: &[*const libc::c_char],
@@ -166,14 +282,14 @@ unsafe fn child(
         if report < 0 || hold < 0 {
             libc::_exit(127);
         }
-        let mut high = [-1; 3 + MAX_NICS];
+        let mut high = [-1; 3 + MAX_OWN_FDS];
         for (i, fd) in sources.iter().enumerate() {
             high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, HIGH_FD);
             if high[i] < 0 {
-                fail(report);
+                fail(report, Stage::Fds);
             }
         }
-        let mut keep = [-1; 2 + 3 + MAX_NICS];
+        let mut keep = [-1; 2 + 3 + MAX_OWN_FDS];
         keep[0] = report;
         keep[1] = hold;
         keep[2..2 + sources.len()].copy_from_slice(&high[..sources.len()]);
@@ -192,20 +308,109 @@ unsafe fn child(
             libc::_exit(0);
         }
         for (i, fd) in high.iter().take(sources.len()).enumerate() {
+            // 0-2 first, then the hypervisor's own from FIRST_OWN_FD.
             let target = if i < 3 {
                 i as RawFd
             } else {
-                FIRST_NIC_FD + (i as RawFd - 3)
+                FIRST_OWN_FD + (i as RawFd - 3)
             };
             if libc::dup2(*fd, target) < 0 {
-                fail(report);
+                fail(report, Stage::Fds);
             }
         }
+        enter(entry, report);
         // The high copies are close-on-exec: after the exec the hypervisor
         // holds its targets and nothing else of the agent's.
         libc::execve(program.as_ptr(), argv.as_ptr(), envp.as_ptr());
-        fail(report)
+        fail(report, Stage::Exec)
     }
+}
+
+/// Enters the jail: limits first (raising none), then every capability
+/// dropped from the bounding set while the child still may, then its
+/// groups and its own user (which clears the rest of its capabilities),
+/// then no_new_privs, so no setuid file or file capability can give any
+/// back. Raw system calls: glibc's set*id wrappers signal every thread of
+/// a process, and this child has only itself to change.
+///
+/// # Safety
+/// Async-signal-safe; for the forked child only.
+unsafe fn enter(entry: &Entry<'_>, report: RawFd) {
+    // SAFETY: system calls on values prepared before the fork.
+    unsafe {
+        for (resource, limit) in entry.limits {
+            if libc::setrlimit(*resource, limit) != 0 {
+                fail(report, Stage::Limits);
+            }
+        }
+        let Some((uid, gid)) = entry.ids else {
+            return;
+        };
+        let mut cap = 0;
+        while cap < 64 {
+            if libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) != 0
+                && *libc::__errno_location() != libc::EINVAL
+            {
+                fail(report, Stage::Capabilities);
+            }
+            cap += 1;
+        }
+        if libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        ) != 0
+            && *libc::__errno_location() != libc::EINVAL
+        {
+            fail(report, Stage::Capabilities);
+        }
+        if libc::syscall(
+            libc::SYS_setgroups,
+            entry.groups.len(),
+            entry.groups.as_ptr(),
+        ) != 0
+        {
+            fail(report, Stage::Groups);
+        }
+        if libc::syscall(libc::SYS_setresgid, gid, gid, gid) != 0
+            || libc::syscall(libc::SYS_setresuid, uid, uid, uid) != 0
+        {
+            fail(report, Stage::Ids);
+        }
+        // What setresuid left: the inheritable set (no other is kept by a
+        // user that is not root).
+        let header = CapHeader {
+            version: LINUX_CAPABILITY_VERSION_3,
+            pid: 0,
+        };
+        let data = [CapData::default(); 2];
+        if libc::syscall(libc::SYS_capset, &raw const header, data.as_ptr()) != 0 {
+            fail(report, Stage::Capabilities);
+        }
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+            fail(report, Stage::NoNewPrivs);
+        }
+    }
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// `struct __user_cap_header_struct`.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+/// `struct __user_cap_data_struct`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
 }
 
 /// Closes every fd but those in `keep` (sorted here, in place: no
@@ -256,15 +461,17 @@ unsafe fn close_range(lo: RawFd, hi: RawFd) {
     }
 }
 
-/// Reports errno to the parent and exits.
+/// Reports the stage and errno to the parent and exits.
 ///
 /// # Safety
 /// Async-signal-safe; for the forked child only.
-unsafe fn fail(report: RawFd) -> ! {
+unsafe fn fail(report: RawFd, stage: Stage) -> ! {
     // SAFETY: errno is this thread's; write and _exit are signal-safe.
     unsafe {
         let errno = *libc::__errno_location();
-        let bytes = errno.to_ne_bytes();
+        let mut bytes = [0u8; 8];
+        bytes[..4].copy_from_slice(&(stage as i32).to_ne_bytes());
+        bytes[4..].copy_from_slice(&errno.to_ne_bytes());
         libc::write(report, bytes.as_ptr().cast(), bytes.len());
         libc::_exit(127)
     }
@@ -309,7 +516,7 @@ mod tests {
         let marker = dir.path().join("ran");
         let args = ["-c".into(), format!("touch {}", marker.display()).into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[]).expect("fork");
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], None).expect("fork");
         std::thread::sleep(std::time::Duration::from_millis(100));
         let before = marker.exists();
         let pid = held.pid;
@@ -328,7 +535,7 @@ mod tests {
         let marker = dir.path().join("ran");
         let args = ["-c".into(), format!("touch {}", marker.display()).into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[]).expect("fork");
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], None).expect("fork");
         let pid = held.pid;
         // What the agent dying does to the pipe: its write end closes.
         drop(held);
@@ -346,7 +553,7 @@ mod tests {
         // The shell lists its fds into the log.
         let args = ["-c".into(), "ls /proc/self/fd".into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[&tap_w]).expect("fork");
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[&tap_w], None).expect("fork");
         let pid = held.pid;
         held.release().expect("exec");
         wait_raw(pid);
@@ -366,12 +573,79 @@ mod tests {
         assert!(fds.len() <= 5, "{listed}");
     }
 
+    /// What `/proc/self/status` says in a child that entered `jail`.
+    fn status_in(jail: &Jail) -> String {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        let args = ["-c".into(), "cat /proc/self/status; ulimit -n".into()];
+
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], Some(jail)).expect("fork");
+        let pid = held.pid;
+        held.release().expect("exec");
+        wait_raw(pid);
+        std::fs::read_to_string(dir.path().join("log")).expect("log")
+    }
+
+    fn line<'a>(status: &'a str, key: &str) -> &'a str {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map_or("", str::trim)
+    }
+
+    #[test]
+    fn a_jailed_child_is_its_own_user_with_no_capabilities_and_no_new_privileges() {
+        let jail = Jail {
+            uid: 1_900_000_123,
+            gid: 1_900_000_123,
+            groups: vec![1_900_000_000],
+            limits: vec![(Limit::Files, 256), (Limit::Core, 0)],
+        };
+
+        let status = status_in(&jail);
+
+        assert_eq!(
+            line(&status, "Uid:"),
+            "1900000123\t1900000123\t1900000123\t1900000123"
+        );
+        assert_eq!(
+            line(&status, "Gid:"),
+            "1900000123\t1900000123\t1900000123\t1900000123"
+        );
+        assert_eq!(line(&status, "Groups:"), "1900000000");
+        for set in ["CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:"] {
+            assert_eq!(line(&status, set), "0000000000000000", "{set}");
+        }
+        assert_eq!(line(&status, "NoNewPrivs:"), "1");
+        assert_eq!(status.lines().last(), Some("256"), "{status}");
+    }
+
+    #[test]
+    fn a_jail_that_cannot_be_entered_says_at_which_stage() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        // A hard limit above the agent's own cannot be set.
+        let jail = Jail {
+            uid: 65534,
+            gid: 65534,
+            groups: vec![],
+            limits: vec![(Limit::Files, u64::MAX - 1)],
+        };
+
+        let held = fork_held(Path::new("/bin/true"), &[], &log, &[], Some(&jail)).expect("fork");
+        let pid = held.pid;
+        let err = held.release().expect_err("no such limit");
+        wait_raw(pid);
+
+        assert!(err.to_string().contains("resource limits"), "{err}");
+    }
+
     #[test]
     fn a_failed_exec_is_reported_with_its_errno() {
         let dir = tempfile::tempdir().expect("tempdir");
         let log = log_file(dir.path());
 
-        let held = fork_held(Path::new("/nonexistent/vmm"), &[], &log, &[]).expect("fork");
+        let held = fork_held(Path::new("/nonexistent/vmm"), &[], &log, &[], None).expect("fork");
         let pid = held.pid;
         let err = held.release().expect_err("no such program");
         wait_raw(pid);

@@ -25,10 +25,12 @@
 //! its reaper, an adopted VMM's by the `vmm-exits` watch), so a guest that
 //! crashed is booted again at once, not at the next tick.
 
+mod acl;
 mod api;
 pub mod argv;
 mod error;
 mod fork;
+mod jail;
 mod preflight;
 mod process;
 mod spawn;
@@ -101,6 +103,7 @@ pub struct CloudHvConfig {
     pub stop: StopTimeouts,
     /// The host network taps join; `None` leaves taps unconnected.
     pub network: Option<Arc<crate::net::host::HostNetwork>>,
+    pub confinement: crate::provision::Confinement,
 }
 
 pub struct CloudHypervisor {
@@ -116,6 +119,8 @@ pub struct CloudHypervisor {
     /// Exits of adopted VMMs; `None` if its thread could not start (then
     /// those exits are seen at the tick).
     watch: Option<ExitWatch>,
+    /// What of each VMM's confinement this host can do (see [`jail`]).
+    confined: jail::Confined,
 }
 
 impl CloudHypervisor {
@@ -143,6 +148,10 @@ impl CloudHypervisor {
                 );
             })
             .ok();
+        let confined = jail::Confined::probe(&cfg.confinement, store.root());
+        for note in confined.notes() {
+            log::error!("{note}");
+        }
         CloudHypervisor {
             store,
             cfg,
@@ -150,6 +159,7 @@ impl CloudHypervisor {
             unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
             listener,
             watch,
+            confined,
         }
     }
 
@@ -176,37 +186,33 @@ impl CloudHypervisor {
     /// process. Those nothing explains are stopped, and said.
     fn adopt(&self, known: &[Id]) -> Vec<String> {
         let mut notes = Vec::new();
-        let by_socket: HashMap<Vec<u8>, &Id> = known
-            .iter()
-            .map(|id| {
-                let arg = format!("path={}", self.socket_path(id).display());
-                (arg.into_bytes(), id)
-            })
-            .collect();
-        let ours = format!("path={}/", self.cfg.run_dir.display());
+        let ours = format!("path={}/", self.store.vms_dir().display());
         for (tracked, arg) in process::scan(ours.as_bytes(), true) {
-            match by_socket.get(&arg) {
-                Some(vm_id) => {
-                    if Tracked::read(&self.store.pidfile_path(vm_id)) != Some(tracked) {
-                        self.take_over(vm_id, tracked);
-                    } else if let Some(watch) = &self.watch {
-                        watch.watch(vm_id, tracked);
-                    }
-                }
-                None => {
-                    let socket = String::from_utf8_lossy(&arg[5..]).into_owned();
-                    log::warn!(
-                        "stopping an orphan hypervisor (pid {}, socket {socket}): no VM of this agent explains it",
-                        tracked.pid
-                    );
-                    self.stop_orphan(tracked, Path::new(&socket));
-                    notes.push(format!(
-                        "stopped an orphan hypervisor (pid {}, socket {socket}) that no record or desired VM explains",
-                        tracked.pid
-                    ));
-                }
+            let Some(vm_id) = self.vm_of_disk_arg(&arg) else {
+                continue;
+            };
+            if !self.runs_as_ours(tracked, &vm_id) {
+                continue;
             }
+            if known.contains(&vm_id) {
+                if Tracked::read(&self.store.pidfile_path(&vm_id)) != Some(tracked) {
+                    self.take_over(&vm_id, tracked);
+                } else if let Some(watch) = &self.watch {
+                    watch.watch(&vm_id, tracked);
+                }
+                continue;
+            }
+            log::warn!(
+                "stopping an orphan hypervisor (pid {}) of VM {vm_id}: no record or desired VM explains it",
+                tracked.pid
+            );
+            self.stop_orphan(tracked, &self.socket_path(&vm_id));
+            notes.push(format!(
+                "stopped an orphan hypervisor (pid {}) of VM {vm_id} that no record or desired VM explains",
+                tracked.pid
+            ));
         }
+        notes.extend(self.confined.notes());
         for slot in self.store.load_all().values() {
             let crate::state::RecordSlot::Readable(rec) = slot else {
                 continue;
@@ -307,7 +313,8 @@ impl CloudHypervisor {
     /// The VM's hypervisor, however the last agent left its pidfile: for
     /// the decisions that must never be wrong (never start a second VMM,
     /// never replace the disk under a live one). It scans only when the
-    /// VM's API socket file exists, which a live VMM always has.
+    /// VM's API socket file exists, which it does from a VMM's start until
+    /// its stop or destroy is done.
     fn find(&self, vm_id: &Id) -> Option<Tracked> {
         self.alive(vm_id).or_else(|| {
             self.socket_path(vm_id)
@@ -317,32 +324,72 @@ impl CloudHypervisor {
         })
     }
 
+    /// Whether `tracked` is this VM's VMM: its command line names the VM's
+    /// root disk, and it runs as root or as the VM's own user, which no
+    /// local user can (so no process of theirs can pass for a VMM).
     fn is_vmm_of(&self, vm_id: &Id, tracked: Tracked) -> bool {
-        let socket = format!("path={}", self.socket_path(vm_id).display());
-        fs::read(format!("/proc/{}/cmdline", tracked.pid)).is_ok_and(|cmdline| {
-            cmdline
-                .split(|b| *b == 0)
-                .any(|arg| arg == socket.as_bytes())
-        })
+        let names_its_disk = fs::read(format!("/proc/{}/cmdline", tracked.pid)).is_ok_and(|c| {
+            c.split(|b| *b == 0)
+                .any(|arg| self.vm_of_disk_arg(arg).as_ref() == Some(vm_id))
+        });
+        names_its_disk && self.runs_as_ours(tracked, vm_id)
+    }
+
+    /// The VM whose root disk `arg` names: `path=<state>/vms/<id>/disk.raw`,
+    /// alone or followed by `,` and options.
+    fn vm_of_disk_arg(&self, arg: &[u8]) -> Option<Id> {
+        let prefix = format!("path={}/", self.store.vms_dir().display());
+        let rest = arg.strip_prefix(prefix.as_bytes())?;
+        let slash = rest.iter().position(|b| *b == b'/')?;
+        let (id, tail) = rest.split_at(slash);
+        let tail = tail.strip_prefix(b"/disk.raw")?;
+        if !(tail.is_empty() || tail.starts_with(b",")) {
+            return None;
+        }
+        Id::parse(std::str::from_utf8(id).ok()?).ok()
+    }
+
+    /// Whether the process runs as root or as the VM's own user.
+    fn runs_as_ours(&self, tracked: Tracked, vm_id: &Id) -> bool {
+        let own = self
+            .confined
+            .ids
+            .as_ref()
+            .ok()
+            .and_then(|ids| ids.get(vm_id));
+        process::uid(tracked.pid).is_some_and(|uid| uid == 0 || Some(uid) == own)
     }
 
     /// The VM's VMM found by its command line, its pidfile rewritten to it
     /// and its exit watched (it is not this agent's child).
     fn find_by_cmdline(&self, vm_id: &Id) -> Option<Tracked> {
-        let socket = format!("path={}", self.socket_path(vm_id).display());
-        let (tracked, _) = process::scan(socket.as_bytes(), false).into_iter().next()?;
+        let disk = format!("path={}", self.store.root_disk_path(vm_id).display());
+        let (tracked, _) = process::scan(disk.as_bytes(), true)
+            .into_iter()
+            .find(|(t, arg)| {
+                self.vm_of_disk_arg(arg).as_ref() == Some(vm_id) && self.runs_as_ours(*t, vm_id)
+            })?;
         self.take_over(vm_id, tracked);
         Some(tracked)
     }
 
-    /// The VM's directory, made if missing.
+    /// The VM's directory, made if missing: root's, searchable (its VMM
+    /// reaches its own files in it by name) but not listable or writable
+    /// by anyone else.
     fn make_vm_dir(&self, vm_id: &Id) -> Result<PathBuf, CloudHvError> {
         let dir = self.store.vm_dir(vm_id);
-        crate::state::perms::make_dir(&dir).map_err(|source| CloudHvError::VmDir {
-            vm_id: vm_id.clone(),
-            path: dir.clone(),
-            source,
-        })?;
+        crate::state::perms::make_dir(&dir)
+            .and_then(|()| {
+                fs::set_permissions(
+                    &dir,
+                    fs::Permissions::from_mode(crate::state::perms::SEARCHABLE_DIR),
+                )
+            })
+            .map_err(|source| CloudHvError::VmDir {
+                vm_id: vm_id.clone(),
+                path: dir.clone(),
+                source,
+            })?;
         Ok(dir)
     }
 
@@ -474,6 +521,12 @@ impl Provisioner for CloudHypervisor {
         self.exits.lock().remove(vm_id);
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::underlay(vm_id), Mac::second_nic(vm_id))?;
+        }
+        if let Ok(ids) = &self.confined.ids {
+            ids.release(vm_id).map_err(|e| CloudHvError::VmmId {
+                vm_id: vm_id.clone(),
+                why: jail::describe(&e),
+            })?;
         }
         Ok(())
     }

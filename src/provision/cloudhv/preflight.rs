@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
+use super::{CloudHvError, CloudHypervisor, MIN_VERSION, acl};
 use crate::error::BoxFailure;
 
 impl CloudHypervisor {
@@ -29,7 +29,8 @@ impl CloudHypervisor {
             }
             Err(problem) => return Err(CloudHvError::Version { path, problem }.into()),
         }
-        if let Err(source) = OpenOptions::new().read(true).write(true).open("/dev/kvm") {
+        let kvm = &self.cfg.confinement.kvm;
+        if let Err(source) = OpenOptions::new().read(true).write(true).open(kvm) {
             return Err(CloudHvError::Kvm { source }.into());
         }
         if !Path::new("/dev/net/tun").exists() {
@@ -41,6 +42,39 @@ impl CloudHypervisor {
                 Err(CloudHvError::BootFileMissing { path: p.clone() }.into())
             }
             (None, None) => Err(CloudHvError::NoBootFile.into()),
+        }
+    }
+
+    /// Makes sure the jailed VMMs' `group` may open the KVM device: it does
+    /// already, or an ACL entry is added (see [`acl`](super::acl)).
+    pub(super) fn open_kvm_to(&self, group: u32) -> Result<(), BoxFailure> {
+        let kvm = &self.cfg.confinement.kvm;
+        if acl::group_may_read_write(kvm, group).unwrap_or(false) {
+            return Ok(());
+        }
+        let granted = acl::grant_group(kvm, group).and_then(|()| {
+            if acl::group_may_read_write(kvm, group)? {
+                Ok(())
+            } else {
+                Err(std::io::Error::other(
+                    "the entry was written but grants nothing",
+                ))
+            }
+        });
+        match granted {
+            Ok(()) => {
+                log::info!(
+                    "gave the hypervisors' group {group} read-write access to {} (an ACL entry)",
+                    kvm.display()
+                );
+                Ok(())
+            }
+            Err(source) => Err(CloudHvError::KvmGroup {
+                path: kvm.clone(),
+                group,
+                source,
+            }
+            .into()),
         }
     }
 

@@ -68,6 +68,18 @@ impl Tracked {
     }
 }
 
+/// The real user id `pid` runs as.
+pub fn uid(pid: i32) -> Option<u32> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
 /// Every live process with an argument `arg` exactly, or starting with
 /// `prefix` when `prefix` is true, and that argument: found by reading
 /// /proc/<pid>/cmdline of every process. A scan, so used only where a

@@ -1,15 +1,18 @@
 //! Starting a VMM, in order:
-//! 1. Its directory, and no stale API socket.
+//! 1. Its directory, and its API socket, bound by the agent (a stale one of
+//!    a VMM that died replaced) and passed in as a listening fd.
 //! 2. Its NICs: taps opened on /dev/net/tun (not persistent: a tap lives
 //!    exactly as long as a process holds it) and joined to the host's
 //!    networks.
-//! 3. Its command line, from [`argv`] (pure).
-//! 4. The fork, held before exec (see [`fork`](super::fork)): the pidfile
+//! 3. Its jail (see [`jail`](super::jail)): its own user id, its files made
+//!    its own, the KVM device open to its group, its limits.
+//! 4. Its command line, from [`argv`] (pure).
+//! 5. The fork, held before exec (see [`fork`](super::fork)): the pidfile
 //!    (pid and start time) is written and synced, and only then is the
 //!    child released to exec. A crash at any point leaves a tracked VMM or
 //!    none.
-//! 5. Its reaper thread, which tells the engine when it exits.
-//! 6. The wait for its API to say Running (see [`CloudHypervisor::await_running`]).
+//! 6. Its reaper thread, which tells the engine when it exits.
+//! 7. The wait for its API to say Running (see [`CloudHypervisor::await_running`]).
 
 use std::fs::{self, OpenOptions};
 use std::os::fd::OwnedFd;
@@ -21,18 +24,16 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use super::argv::{GuestImage, Nic, VmFiles, argv};
+use super::argv::{GuestImage, Nic, VmFiles, VmShape, argv};
 use super::error::CloudHvError;
-use super::fork::{Held, fork_held, wait_raw};
+use super::fork::{FIRST_OWN_FD, Held, Jail, fork_held, wait_raw};
+use super::jail;
 use super::process::Tracked;
 use super::{CloudHypervisor, api, describe, tap};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired};
 use crate::model::{Id, Mac, VmSpec};
-use crate::provision::Provisioner;
-
-/// The VMM's first NIC is this fd, the second the next one.
-const FIRST_NIC_FD: i32 = 3;
+use crate::provision::{Piece, Provisioner};
 
 impl CloudHypervisor {
     /// Starts the VM's VMM (see the module steps) and returns it, tracked.
@@ -40,31 +41,99 @@ impl CloudHypervisor {
         let vm_id = &spec.vm_id;
         self.make_vm_dir(vm_id)?;
         let files = self.files(spec);
-        // A stale socket of a VMM that died: the new one binds its own.
-        let _ = fs::remove_file(&files.api_socket);
+        let api = self.bind_api(vm_id)?;
         let taps = self.prepare_nics(spec)?;
+        // The API socket first, then the taps, from FIRST_OWN_FD.
         let nics: Vec<Nic> = taps
             .iter()
             .enumerate()
             .map(|(i, (_, mac))| Nic {
-                fd: FIRST_NIC_FD + i as i32,
+                fd: FIRST_OWN_FD + 1 + i as i32,
                 mac: *mac,
             })
             .collect();
-        let args = argv(self.guest_image(), &files, &nics, spec.vcpus, spec.mem_mb);
-        let held = self.fork(vm_id, &args, &taps, &files.log)?;
+        let jail = self.jail(spec, &files)?;
+        let shape = VmShape {
+            api_fd: FIRST_OWN_FD,
+            nics: &nics,
+            vcpus: spec.vcpus,
+            mem_mb: spec.mem_mb,
+            landlock: self.confined.uses(Piece::Landlock)?,
+        };
+        let args = argv(self.guest_image(), &files, &shape);
+        let mut own = vec![&api];
+        own.extend(taps.iter().map(|(fd, _)| fd));
+        let held = self.fork(vm_id, &args, &own, &files.log, jail.as_ref())?;
         let tracked = self.track(vm_id, held)?;
-        // The VMM holds the taps now; the agent's copies must not keep them
-        // alive after it exits.
+        // The VMM holds its socket and taps now; the agent's copies must
+        // not keep them alive after it exits.
+        drop(api);
         drop(taps);
         Ok(tracked)
+    }
+
+    /// The VM's API socket, bound afresh (a stale one, of a VMM that died,
+    /// replaced): the agent's, 0600, in its own run dir; the VMM gets the
+    /// listening fd.
+    fn bind_api(&self, vm_id: &Id) -> Result<OwnedFd, BoxFailure> {
+        let path = self.socket_path(vm_id);
+        let _ = fs::remove_file(&path);
+        std::os::unix::net::UnixListener::bind(&path)
+            .map(OwnedFd::from)
+            .map_err(|source| {
+                CloudHvError::ApiSocket {
+                    vm_id: vm_id.clone(),
+                    path,
+                    source,
+                }
+                .into()
+            })
+    }
+
+    /// The VM's jail, `None` where the host cannot jail and the operator
+    /// allowed that: its id, its files made its own (they must exist
+    /// before: the VMM can create nothing), the KVM device open to its
+    /// group, limits sized for the VM.
+    fn jail(&self, spec: &VmSpec, files: &VmFiles) -> Result<Option<Jail>, BoxFailure> {
+        let vm_id = &spec.vm_id;
+        if !self.confined.uses(Piece::Jail)? {
+            return Ok(None);
+        }
+        let Ok(ids) = &self.confined.ids else {
+            return Ok(None);
+        };
+        self.open_kvm_to(ids.kvm_group)?;
+        let id = ids.of(vm_id).map_err(|e| CloudHvError::VmmId {
+            vm_id: vm_id.clone(),
+            why: jail::describe(&e),
+        })?;
+        let mut own = vec![
+            files.root_disk.clone(),
+            files.seed.clone(),
+            files.serial_log.clone(),
+            files.log.clone(),
+        ];
+        own.extend(files.volumes.iter().cloned());
+        jail::give(&own, id).map_err(|source| CloudHvError::GiveFiles {
+            vm_id: vm_id.clone(),
+            source,
+        })?;
+        // The largest file it may write: its largest disk (the serial and
+        // log files are smaller, or bounded on their own).
+        let largest = own
+            .iter()
+            .filter_map(|p| fs::metadata(p).ok())
+            .map(|m| m.len())
+            .max()
+            .unwrap_or(0)
+            .max(spec.disk_gb.saturating_mul(1 << 30));
+        Ok(Some(jail::jail_for(spec, id, ids.kvm_group, largest)))
     }
 
     /// Where the VM's files are, as its command line names them.
     fn files(&self, spec: &VmSpec) -> VmFiles {
         let vm_id = &spec.vm_id;
         VmFiles {
-            api_socket: self.socket_path(vm_id),
             root_disk: self.store.root_disk_path(vm_id),
             seed: self.store.seed_path(vm_id),
             volumes: spec
@@ -130,14 +199,15 @@ impl CloudHypervisor {
     }
 
     /// Forks the VMM, held before exec (see the module steps): in its own
-    /// session, stdin from /dev/null, output appended to its log, its taps
-    /// as fds 3, 4, … in NIC order.
+    /// session, stdin from /dev/null, output appended to its log, `own`
+    /// (API socket, taps) as fds 3, 4, …, in `jail` when given.
     fn fork(
         &self,
         vm_id: &Id,
         args: &[std::ffi::OsString],
-        taps: &[(OwnedFd, Mac)],
+        own: &[&OwnedFd],
         log_path: &std::path::Path,
+        jail: Option<&Jail>,
     ) -> Result<Held, BoxFailure> {
         let log = OpenOptions::new()
             .create(true)
@@ -149,8 +219,7 @@ impl CloudHypervisor {
                 path: log_path.to_path_buf(),
                 source,
             })?;
-        let taps: Vec<&OwnedFd> = taps.iter().map(|(fd, _)| fd).collect();
-        fork_held(&self.cfg.hypervisor, args, &OwnedFd::from(log), &taps).map_err(|source| {
+        fork_held(&self.cfg.hypervisor, args, &OwnedFd::from(log), own, jail).map_err(|source| {
             CloudHvError::Start {
                 vm_id: vm_id.clone(),
                 program: self.cfg.hypervisor.clone(),

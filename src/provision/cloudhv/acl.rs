@@ -1,0 +1,220 @@
+//! Letting the jailed hypervisors' group open /dev/kvm.
+//!
+//! Every VMM runs as its own user, with one shared supplementary group that
+//! may open the KVM device. A host whose /dev/kvm already belongs to that
+//! group (rw) needs nothing. Otherwise the agent adds a POSIX ACL entry
+//! granting that group read and write, the way libvirt and logind grant
+//! device access: the owner, the device's group and everyone else keep
+//! exactly what they had. udev rebuilds the node (and drops the entry) when
+//! the module reloads or the host reboots; the agent checks, and grants
+//! again, before every boot.
+
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use nix::libc;
+
+const XATTR: &[u8] = b"system.posix_acl_access\0";
+const VERSION: u32 = 2;
+const USER_OBJ: u16 = 0x01;
+const USER: u16 = 0x02;
+const GROUP_OBJ: u16 = 0x04;
+const GROUP: u16 = 0x08;
+const MASK: u16 = 0x10;
+const OTHER: u16 = 0x20;
+const NO_ID: u32 = u32::MAX;
+const RW: u16 = 0o6;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    tag: u16,
+    perm: u16,
+    id: u32,
+}
+
+/// Whether members of group `gid` may open `path` for reading and writing.
+pub fn group_may_read_write(path: &Path, gid: u32) -> io::Result<bool> {
+    let meta = std::fs::metadata(path)?;
+    let entries = match read(path)? {
+        Some(entries) => entries,
+        None => return Ok(meta.gid() == gid && (meta.mode() >> 3) as u16 & RW == RW),
+    };
+    let mask = entries
+        .iter()
+        .find(|e| e.tag == MASK)
+        .map_or(0o7, |e| e.perm);
+    let granted = entries.iter().any(|e| {
+        let applies = (e.tag == GROUP && e.id == gid) || (e.tag == GROUP_OBJ && meta.gid() == gid);
+        applies && e.perm & mask & RW == RW
+    });
+    Ok(granted)
+}
+
+/// Grants group `gid` read and write on `path` by an ACL entry, changing no
+/// other entry's rights.
+pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
+    let mode = std::fs::metadata(path)?.mode();
+    let mut entries = read(path)?.unwrap_or_else(|| {
+        vec![
+            Entry {
+                tag: USER_OBJ,
+                perm: (mode >> 6) as u16 & 7,
+                id: NO_ID,
+            },
+            Entry {
+                tag: GROUP_OBJ,
+                perm: (mode >> 3) as u16 & 7,
+                id: NO_ID,
+            },
+            Entry {
+                tag: OTHER,
+                perm: mode as u16 & 7,
+                id: NO_ID,
+            },
+        ]
+    });
+    match entries.iter_mut().find(|e| e.tag == GROUP && e.id == gid) {
+        Some(e) => e.perm |= RW,
+        None => entries.push(Entry {
+            tag: GROUP,
+            perm: RW,
+            id: gid,
+        }),
+    }
+    // The mask bounds every named entry and the owning group: the union of
+    // them, so no one loses what they had.
+    let mask = entries
+        .iter()
+        .filter(|e| matches!(e.tag, USER | GROUP | GROUP_OBJ))
+        .fold(0, |m, e| m | e.perm);
+    entries.retain(|e| e.tag != MASK);
+    entries.push(Entry {
+        tag: MASK,
+        perm: mask,
+        id: NO_ID,
+    });
+    entries.sort_by_key(|e| (e.tag, e.id));
+    write(path, &entries)
+}
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the path"))
+}
+
+/// The file's access ACL, `None` when it has none (only its mode bits).
+fn read(path: &Path) -> io::Result<Option<Vec<Entry>>> {
+    let c = c_path(path)?;
+    let mut buf = [0u8; 4 + 8 * 64];
+    // SAFETY: getxattr writes at most `buf.len()` bytes into `buf`.
+    let n = unsafe {
+        libc::getxattr(
+            c.as_ptr(),
+            XATTR.as_ptr().cast(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::ENODATA) => Ok(None),
+            _ => Err(e),
+        };
+    }
+    let bytes = &buf[..n as usize];
+    if bytes.len() < 4 || u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) != VERSION {
+        return Err(io::Error::other("an ACL of an unknown version"));
+    }
+    Ok(Some(
+        bytes[4..]
+            .chunks_exact(8)
+            .map(|c| Entry {
+                tag: u16::from_le_bytes([c[0], c[1]]),
+                perm: u16::from_le_bytes([c[2], c[3]]),
+                id: u32::from_le_bytes([c[4], c[5], c[6], c[7]]),
+            })
+            .collect(),
+    ))
+}
+
+fn write(path: &Path, entries: &[Entry]) -> io::Result<()> {
+    let mut bytes = VERSION.to_le_bytes().to_vec();
+    for e in entries {
+        bytes.extend_from_slice(&e.tag.to_le_bytes());
+        bytes.extend_from_slice(&e.perm.to_le_bytes());
+        bytes.extend_from_slice(&e.id.to_le_bytes());
+    }
+    let c = c_path(path)?;
+    // SAFETY: setxattr reads `bytes.len()` bytes from `bytes`.
+    let rc = unsafe {
+        libc::setxattr(
+            c.as_ptr(),
+            XATTR.as_ptr().cast(),
+            bytes.as_ptr().cast(),
+            bytes.len(),
+            0,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    const GID: u32 = 1_900_000_000;
+
+    fn private_file() -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("kvm");
+        std::fs::write(&path, b"").expect("file");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        (dir, path)
+    }
+
+    #[test]
+    fn a_root_only_file_grants_the_group_nothing_until_granted() {
+        let (_dir, path) = private_file();
+
+        let before = group_may_read_write(&path, GID).expect("check");
+        grant_group(&path, GID).expect("grant");
+        let after = group_may_read_write(&path, GID).expect("check");
+
+        assert!(!before);
+        assert!(after);
+    }
+
+    #[test]
+    fn a_grant_changes_no_one_elses_rights() {
+        let (_dir, path) = private_file();
+
+        grant_group(&path, GID).expect("grant");
+
+        let entries = read(&path).expect("read").expect("an ACL");
+        let perm = |tag| entries.iter().find(|e| e.tag == tag).map(|e| e.perm);
+        assert_eq!(perm(USER_OBJ), Some(0o6));
+        assert_eq!(perm(GROUP_OBJ), Some(0));
+        assert_eq!(perm(OTHER), Some(0));
+        assert!(!group_may_read_write(&path, GID + 1).expect("check"));
+    }
+
+    #[test]
+    fn granting_twice_adds_one_entry() {
+        let (_dir, path) = private_file();
+
+        grant_group(&path, GID).expect("grant");
+        grant_group(&path, GID).expect("again");
+
+        let entries = read(&path).expect("read").expect("an ACL");
+        assert_eq!(entries.iter().filter(|e| e.tag == GROUP).count(), 1);
+    }
+}

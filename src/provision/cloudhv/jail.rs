@@ -1,0 +1,216 @@
+//! Each VMM in a jail (DESIGN.md, "Threat model"): a guest that breaks out
+//! into its VMM must find itself an unprivileged user that can touch its
+//! own VM's files and nothing else of the host's.
+//!
+//! - **Its own user and group**, one per VM, from the operator's range
+//!   (`--vmm-ids FIRST:COUNT`): FIRST is the group every VMM is in so it may
+//!   open /dev/kvm (see [`acl`](super::acl)); each VM's id is one of the
+//!   others, chosen from its VM id, persisted in `STATE_DIR/jail/ids.json`
+//!   and so the same after a restart, released at destroy.
+//! - **No capabilities, no_new_privs, limits** (open files, its own
+//!   processes, the largest file it may write, no core dumps), entered in
+//!   the held child just before it execs (see [`fork`](super::fork)).
+//! - **Its files and nothing more**: the root disk, the seed, the volumes it
+//!   is given, its serial and log files are made its own before it starts;
+//!   the directories above them stay root's (searchable, not writable), so
+//!   it can neither list nor replace anything. Its API socket and taps are
+//!   fds the agent opened and passed in.
+
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::libc;
+
+use super::error::CloudHvError;
+use super::fork::{Jail, Limit};
+use crate::model::{Id, VmSpec};
+use crate::provision::{Confinement, Piece};
+use crate::state::leases::{LeaseError, Leases};
+
+/// Open files a VMM may hold: its disks, queues, event fds and sockets.
+const FILES: u64 = 4096;
+
+/// The VMM ids of this host, persisted.
+pub struct VmmIds {
+    /// The group that may open /dev/kvm; no VM's id.
+    pub kvm_group: u32,
+    leases: Leases<u32>,
+}
+
+impl VmmIds {
+    pub fn open(state_dir: &Path, first: u32, count: u32) -> Result<VmmIds, LeaseError> {
+        Ok(VmmIds {
+            kvm_group: first,
+            leases: Leases::open(
+                &state_dir.join("jail/ids.json"),
+                first.saturating_add(1),
+                count.saturating_sub(1),
+            )?,
+        })
+    }
+
+    /// The VM's own id (user and group): the one it has, or a new one.
+    pub fn of(&self, vm_id: &Id) -> Result<u32, LeaseError> {
+        self.leases.allocate(vm_id.as_str(), vm_id.as_str())
+    }
+
+    /// The VM's id if it has one.
+    pub fn get(&self, vm_id: &Id) -> Option<u32> {
+        self.leases.get(vm_id.as_str())
+    }
+
+    pub fn release(&self, vm_id: &Id) -> Result<(), LeaseError> {
+        self.leases.release(vm_id.as_str())
+    }
+}
+
+/// The jail the VM's VMM enters: `id` as user and group, the KVM group,
+/// and limits sized for the VM.
+pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_file: u64) -> Jail {
+    Jail {
+        uid: id,
+        gid: id,
+        groups: vec![kvm_group],
+        limits: vec![
+            (Limit::Files, FILES),
+            (Limit::Processes, max_threads(spec.vcpus)),
+            (Limit::FileSize, largest_file),
+            (Limit::Core, 0),
+        ],
+    }
+}
+
+/// A VMM's threads: one per vCPU, and a bounded number for its devices,
+/// API and signals.
+pub fn max_threads(vcpus: u32) -> u64 {
+    64 + 2 * u64::from(vcpus)
+}
+
+/// Makes `paths` the VMM's own (owner `id`, mode 0600), creating the
+/// files that do not exist yet. Never follows a symlink: a file the VM's
+/// last VMM could write is not trusted to be what its name says.
+pub fn give(paths: &[PathBuf], id: u32) -> std::io::Result<()> {
+    for path in paths {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(crate::state::perms::FILE)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(path)?;
+        if !file.metadata()?.is_file() {
+            return Err(std::io::Error::other(format!(
+                "{} is not a regular file",
+                path.display()
+            )));
+        }
+        std::os::unix::fs::fchown(&file, Some(id), Some(id))?;
+        file.set_permissions(std::fs::Permissions::from_mode(crate::state::perms::FILE))?;
+    }
+    Ok(())
+}
+
+/// What this host can do of each VMM's confinement, probed once at start.
+pub struct Confined {
+    /// The VMM ids, or why VMMs cannot be jailed here.
+    pub ids: Result<VmmIds, String>,
+    /// Whether the kernel has Landlock, or why not.
+    pub landlock: Result<(), String>,
+    allowed: Vec<Piece>,
+}
+
+impl Confined {
+    pub fn probe(cfg: &Confinement, state_dir: &Path) -> Confined {
+        let ids = if !nix::unistd::geteuid().is_root() {
+            Err(
+                "the agent does not run as root, so it cannot give a hypervisor another user"
+                    .into(),
+            )
+        } else {
+            VmmIds::open(state_dir, cfg.first_id, cfg.id_count).map_err(|e| describe(&e))
+        };
+        Confined {
+            ids,
+            landlock: landlock_abi().map(drop),
+            allowed: cfg.allow_without.clone(),
+        }
+    }
+
+    /// Whether `piece` is used: `Ok(true)` when the host has it,
+    /// `Ok(false)` when it lacks it and the operator allowed that, else
+    /// the refusal.
+    pub fn uses(&self, piece: Piece) -> Result<bool, CloudHvError> {
+        let why = match (piece, &self.ids, &self.landlock) {
+            (Piece::Jail, Err(why), _) | (Piece::Landlock, _, Err(why)) => why,
+            _ => return Ok(true),
+        };
+        if self.allowed.contains(&piece) {
+            Ok(false)
+        } else {
+            Err(CloudHvError::Unconfinable {
+                piece: piece.name(),
+                why: why.clone(),
+            })
+        }
+    }
+
+    /// What an operator should know: each piece this host lacks, and
+    /// whether VMMs run without it or cannot start.
+    pub fn notes(&self) -> Vec<String> {
+        [Piece::Jail, Piece::Landlock]
+            .into_iter()
+            .filter_map(|piece| match self.uses(piece) {
+                Ok(true) => None,
+                Ok(false) => Some(format!(
+                    "hypervisors run without {} (--allow-without {0}): {}",
+                    piece.name(),
+                    self.why(piece)
+                )),
+                Err(e) => Some(format!("no hypervisor can start: {e}")),
+            })
+            .collect()
+    }
+
+    fn why(&self, piece: Piece) -> &str {
+        match (piece, &self.ids, &self.landlock) {
+            (Piece::Jail, Err(why), _) | (Piece::Landlock, _, Err(why)) => why,
+            _ => "",
+        }
+    }
+}
+
+pub fn describe(e: &LeaseError) -> String {
+    match e {
+        LeaseError::Full => "every id of --vmm-ids is taken; give a larger range".into(),
+        LeaseError::Unreadable { path, problem } => format!(
+            "the id map {} is unreadable ({problem}); no id is handed out until it is repaired, since a fresh map could give a live VMM's id to another",
+            path.display()
+        ),
+        LeaseError::Save { path, source } => {
+            format!("cannot save the id map {}: {source}", path.display())
+        }
+    }
+}
+
+/// The kernel's Landlock ABI version, or why there is none.
+fn landlock_abi() -> Result<i64, String> {
+    const CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: with a null attribute pointer and size 0, this only asks the
+    // kernel for its ABI version; nothing is read or written.
+    let abi = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<libc::c_void>(),
+            0usize,
+            CREATE_RULESET_VERSION,
+        )
+    };
+    if abi > 0 {
+        Ok(abi)
+    } else {
+        Err(format!(
+            "this kernel has no Landlock ({}); boot it with lsm=…,landlock",
+            std::io::Error::last_os_error()
+        ))
+    }
+}
