@@ -13,6 +13,7 @@ use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
 use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::cloudhv::cgroup::Cgroups;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
@@ -252,6 +253,7 @@ impl Drop for Host {
                     .destroy(&vm, Deadline::after(Duration::from_secs(5)));
             }
         }
+        eitri_agent::testkit::remove_cgroup_root(&self.cfg.confinement.cgroup_root);
     }
 }
 
@@ -912,6 +914,51 @@ fn the_hypervisor_runs_as_the_vms_own_user_with_no_capabilities_and_no_new_privi
         owner(&h.store.pidfile_path(&id("vm-1"))),
         0,
         "and its pidfile"
+    );
+}
+
+#[test]
+fn the_hypervisor_is_in_the_vms_own_cgroups_with_its_limits_until_destroyed() {
+    let h = Host::new(&[]);
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid");
+    let cgroups = Cgroups::probe(&h.cfg.confinement.cgroup_root).expect("cgroups");
+    let dirs = cgroups.dirs(&id("vm-1"));
+
+    let listed = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    let suffix = format!("/{}/vm-1", h.cfg.confinement.cgroup_root);
+    let read = |name: &str| {
+        dirs.iter()
+            .find_map(|d| std::fs::read_to_string(d.join(name)).ok())
+            .map(|v| v.trim().to_owned())
+    };
+    let memory = read("memory.max").or_else(|| read("memory.limit_in_bytes"));
+    let pids = read("pids.max");
+    h.backend
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroy");
+
+    for controller in ["memory", "pids", "cpu"] {
+        assert!(
+            listed.lines().any(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, names, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+                (names.split(',').any(|n| n == controller) || names.is_empty())
+                    && path.ends_with(&suffix)
+            }),
+            "{controller}: {listed}"
+        );
+    }
+    let want = (spec.mem_mb << 20) + eitri_agent::provision::cloudhv::jail::VMM_OVERHEAD_BYTES;
+    assert_eq!(memory, Some(want.to_string()));
+    assert_eq!(
+        pids,
+        Some(eitri_agent::provision::cloudhv::jail::max_threads(spec.vcpus).to_string())
+    );
+    assert!(
+        dirs.iter().all(|d| !d.exists()),
+        "removed at destroy: {dirs:?}"
     );
 }
 

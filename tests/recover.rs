@@ -35,6 +35,7 @@ fn launcher(dir: &Path) -> PathBuf {
 }
 
 fn config(dir: &Path) -> Config {
+    let confinement = eitri_agent::testkit::confinement(dir);
     let args: Vec<String> = [
         "run",
         "--desired",
@@ -51,10 +52,9 @@ fn config(dir: &Path) -> Config {
         &tap_prefix(),
         "--underlay-bridge=",
         "--kvm-device",
-        &eitri_agent::testkit::confinement(dir)
-            .kvm
-            .display()
-            .to_string(),
+        &confinement.kvm.display().to_string(),
+        "--cgroup-root",
+        &confinement.cgroup_root,
     ]
     .iter()
     .map(|s| s.to_string())
@@ -183,4 +183,5 @@ fn recovery_repairs_what_a_crash_in_each_phase_left() {
     .expect("kill");
     assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(vm.clone()));
     let _ = recovered.provisioner.destroy(&vm, Deadline::NONE);
+    eitri_agent::testkit::remove_cgroup_root(&config.guest.confinement.cgroup_root);
 }

@@ -613,3 +613,14 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
         ..crate::provision::Confinement::default()
     }
 }
+
+/// Removes a test's cgroup root (see [`confinement`]) from every
+/// hierarchy, with any empty VM cgroups left in it.
+pub fn remove_cgroup_root(root: &str) {
+    if let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) {
+        cgroups.remove_unknown(&[]);
+        for dir in cgroups.roots() {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}

@@ -87,5 +87,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pct(&overheads, 0.99),
         pct(&totals, 0.5)
     );
+    eitri_agent::testkit::remove_cgroup_root(
+        &eitri_agent::testkit::confinement(dir.path()).cgroup_root,
+    );
     Ok(())
 }

@@ -455,8 +455,17 @@ impl Host {
                     nix::unistd::Pid::from_raw(*pid),
                     nix::sys::signal::Signal::SIGKILL,
                 );
+                // Gone, so its cgroups can go.
+                while std::path::Path::new(&format!("/proc/{pid}")).exists()
+                    && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                        .is_ok_and(|s| s.contains(") Z"))
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
             }
         }
+        let root = eitri_agent::testkit::confinement(self.dir.path()).cgroup_root;
+        eitri_agent::testkit::remove_cgroup_root(&root);
     }
 }
 

@@ -64,6 +64,11 @@ pub enum CloudHvError {
         vm_id: Id,
         source: io::Error,
     },
+    /// Its cgroups could not be made, limited or entered.
+    Cgroup {
+        vm_id: Id,
+        source: io::Error,
+    },
     /// Its API socket could not be bound.
     ApiSocket {
         vm_id: Id,
@@ -177,6 +182,7 @@ impl fmt::Display for CloudHvError {
             E::GiveFiles { vm_id, .. } => {
                 write!(f, "VM {vm_id}: cannot make its files its hypervisor's own")
             }
+            E::Cgroup { vm_id, .. } => write!(f, "VM {vm_id}: cannot set up its cgroups"),
             E::ApiSocket { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot bind its API socket {}", path.display())
             }
@@ -242,6 +248,7 @@ impl std::error::Error for CloudHvError {
             | E::KvmGroup { source, .. }
             | E::GiveFiles { source, .. }
             | E::ApiSocket { source, .. }
+            | E::Cgroup { source, .. }
             | E::VmDir { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
@@ -288,6 +295,7 @@ impl Failure for CloudHvError {
             | E::VmmId { .. }
             | E::GiveFiles { .. }
             | E::ApiSocket { .. }
+            | E::Cgroup { .. }
             | E::VmDir { .. }
             | E::DiskInUse { .. }
             | E::OpenTap { .. }

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use nix::libc;
 
+use super::cgroup::{Cgroups, Limits};
 use super::error::CloudHvError;
 use super::fork::{Jail, Limit};
 use crate::model::{Id, VmSpec};
@@ -80,6 +81,19 @@ pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_file: u64) -> Ja
     }
 }
 
+/// Memory a VMM may use beyond its guest's: its own (about 10 MB), page
+/// tables, device buffers.
+pub const VMM_OVERHEAD_BYTES: u64 = 256 << 20;
+
+/// The cgroup limits of the VM's VMM.
+pub fn cgroup_limits(spec: &VmSpec) -> Limits {
+    Limits {
+        memory_bytes: (spec.mem_mb << 20).saturating_add(VMM_OVERHEAD_BYTES),
+        pids: max_threads(spec.vcpus),
+        vcpus: spec.vcpus,
+    }
+}
+
 /// A VMM's threads: one per vCPU, and a bounded number for its devices,
 /// API and signals.
 pub fn max_threads(vcpus: u32) -> u64 {
@@ -116,6 +130,8 @@ pub struct Confined {
     pub ids: Result<VmmIds, String>,
     /// Whether the kernel has Landlock, or why not.
     pub landlock: Result<(), String>,
+    /// The cgroup hierarchies, or why there are none.
+    pub cgroups: Result<Cgroups, String>,
     allowed: Vec<Piece>,
 }
 
@@ -132,6 +148,7 @@ impl Confined {
         Confined {
             ids,
             landlock: landlock_abi().map(drop),
+            cgroups: Cgroups::probe(&cfg.cgroup_root),
             allowed: cfg.allow_without.clone(),
         }
     }
@@ -140,16 +157,15 @@ impl Confined {
     /// `Ok(false)` when it lacks it and the operator allowed that, else
     /// the refusal.
     pub fn uses(&self, piece: Piece) -> Result<bool, CloudHvError> {
-        let why = match (piece, &self.ids, &self.landlock) {
-            (Piece::Jail, Err(why), _) | (Piece::Landlock, _, Err(why)) => why,
-            _ => return Ok(true),
+        let Some(why) = self.why(piece) else {
+            return Ok(true);
         };
         if self.allowed.contains(&piece) {
             Ok(false)
         } else {
             Err(CloudHvError::Unconfinable {
                 piece: piece.name(),
-                why: why.clone(),
+                why: why.to_owned(),
             })
         }
     }
@@ -157,25 +173,37 @@ impl Confined {
     /// What an operator should know: each piece this host lacks, and
     /// whether VMMs run without it or cannot start.
     pub fn notes(&self) -> Vec<String> {
-        [Piece::Jail, Piece::Landlock]
+        Piece::ALL
             .into_iter()
             .filter_map(|piece| match self.uses(piece) {
                 Ok(true) => None,
                 Ok(false) => Some(format!(
                     "hypervisors run without {} (--allow-without {0}): {}",
                     piece.name(),
-                    self.why(piece)
+                    self.why(piece).unwrap_or_default()
                 )),
                 Err(e) => Some(format!("no hypervisor can start: {e}")),
             })
             .collect()
     }
 
-    fn why(&self, piece: Piece) -> &str {
-        match (piece, &self.ids, &self.landlock) {
-            (Piece::Jail, Err(why), _) | (Piece::Landlock, _, Err(why)) => why,
-            _ => "",
-        }
+    /// Why the host lacks `piece`; `None` when it has it.
+    fn why(&self, piece: Piece) -> Option<&str> {
+        let missing = match piece {
+            Piece::Jail => self.ids.as_ref().err(),
+            Piece::Landlock => self.landlock.as_ref().err(),
+            Piece::Cgroups => self.cgroups.as_ref().err(),
+        };
+        missing.map(String::as_str)
+    }
+
+    /// The cgroups VMMs are put in, `None` when they run without.
+    pub fn cgroups(&self) -> Result<Option<&Cgroups>, CloudHvError> {
+        Ok(if self.uses(Piece::Cgroups)? {
+            self.cgroups.as_ref().ok()
+        } else {
+            None
+        })
     }
 }
 

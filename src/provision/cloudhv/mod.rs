@@ -28,9 +28,10 @@
 mod acl;
 mod api;
 pub mod argv;
+pub mod cgroup;
 mod error;
 mod fork;
-mod jail;
+pub mod jail;
 mod preflight;
 mod process;
 mod spawn;
@@ -522,6 +523,14 @@ impl Provisioner for CloudHypervisor {
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::underlay(vm_id), Mac::second_nic(vm_id))?;
         }
+        if let Ok(cgroups) = &self.confined.cgroups {
+            cgroups
+                .remove(vm_id)
+                .map_err(|source| CloudHvError::Cgroup {
+                    vm_id: vm_id.clone(),
+                    source,
+                })?;
+        }
         if let Ok(ids) = &self.confined.ids {
             ids.release(vm_id).map_err(|e| CloudHvError::VmmId {
                 vm_id: vm_id.clone(),
@@ -571,7 +580,12 @@ impl Provisioner for CloudHypervisor {
     ///    [`CloudHypervisor::adopt`]).
     fn recover(&self, known: &[Id]) -> Vec<String> {
         self.remove_leaked_taps();
-        self.adopt(known)
+        let notes = self.adopt(known);
+        // After the orphans are stopped: their cgroups are empty now.
+        if let Ok(cgroups) = &self.confined.cgroups {
+            cgroups.remove_unknown(known);
+        }
+        notes
     }
 
     fn adopt(&self, vm_id: &Id) -> bool {

@@ -63,7 +63,30 @@ impl CloudHypervisor {
         let args = argv(self.guest_image(), &files, &shape);
         let mut own = vec![&api];
         own.extend(taps.iter().map(|(fd, _)| fd));
+        let cgroups = self.confined.cgroups()?;
+        if let Some(cgroups) = cgroups {
+            cgroups
+                .prepare(vm_id, jail::cgroup_limits(spec))
+                .map_err(|source| CloudHvError::Cgroup {
+                    vm_id: vm_id.clone(),
+                    source,
+                })?;
+        }
         let held = self.fork(vm_id, &args, &own, &files.log, jail.as_ref())?;
+        // Into its cgroups while it is held: it never runs outside them.
+        // (A child not released exits on its own when `held` is dropped.)
+        if let Some(cgroups) = cgroups
+            && let Err(source) = cgroups.enter(vm_id, held.pid)
+        {
+            let pid = held.pid;
+            drop(held);
+            wait_raw(pid);
+            return Err(CloudHvError::Cgroup {
+                vm_id: vm_id.clone(),
+                source,
+            }
+            .into());
+        }
         let tracked = self.track(vm_id, held)?;
         // The VMM holds its socket and taps now; the agent's copies must
         // not keep them alive after it exits.

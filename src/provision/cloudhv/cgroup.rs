@@ -1,0 +1,334 @@
+//! Each VMM in its own cgroup, with a memory, a pids and a cpu limit, under
+//! the operator's `--cgroup-root`; entered before it execs, kept across
+//! agent restarts (the VMM stays in it), removed at destroy.
+//!
+//! A controller is used where the host has it: on the unified (v2)
+//! hierarchy when it is enabled there, else on its own v1 hierarchy (as
+//! runc does on hybrid hosts, where memory, pids and cpu are often v1 and
+//! only hugetlb is on the unified mount). The VM's cgroup is the same path,
+//! `<root>/<vm id>`, in each hierarchy used.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::model::Id;
+
+/// The controllers a VMM is limited by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Controller {
+    Memory,
+    Pids,
+    Cpu,
+}
+
+impl Controller {
+    const ALL: [Controller; 3] = [Controller::Memory, Controller::Pids, Controller::Cpu];
+
+    fn name(self) -> &'static str {
+        match self {
+            Controller::Memory => "memory",
+            Controller::Pids => "pids",
+            Controller::Cpu => "cpu",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Hierarchy {
+    mount: PathBuf,
+    unified: bool,
+    controllers: Vec<Controller>,
+}
+
+/// A VMM's limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    pub pids: u64,
+    /// Relative cpu weight: 1 per vCPU.
+    pub vcpus: u32,
+}
+
+/// The hierarchies this host has the controllers on, and the root under
+/// which each VM gets its cgroup.
+#[derive(Clone, Debug)]
+pub struct Cgroups {
+    root: String,
+    hierarchies: Vec<Hierarchy>,
+}
+
+impl Cgroups {
+    /// Finds memory, pids and cpu in `/proc/self/mountinfo`; why not, when
+    /// one of them is nowhere.
+    pub fn probe(root: &str) -> Result<Cgroups, String> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+        Cgroups::from_mountinfo(root, &mountinfo, |mount| {
+            fs::read_to_string(mount.join("cgroup.controllers")).unwrap_or_default()
+        })
+    }
+
+    /// As [`Cgroups::probe`], from the text of a mountinfo and a reader of
+    /// a unified mount's `cgroup.controllers`.
+    fn from_mountinfo(
+        root: &str,
+        mountinfo: &str,
+        controllers_of: impl Fn(&Path) -> String,
+    ) -> Result<Cgroups, String> {
+        let mut unified: Option<Hierarchy> = None;
+        let mut v1: Vec<Hierarchy> = Vec::new();
+        for line in mountinfo.lines() {
+            let Some((left, right)) = line.split_once(" - ") else {
+                continue;
+            };
+            let Some(mount) = left.split(' ').nth(4) else {
+                continue;
+            };
+            let mut right = right.split(' ');
+            let (fstype, options) = (right.next(), right.nth(1).unwrap_or(""));
+            let mount = PathBuf::from(mount);
+            match fstype {
+                Some("cgroup2") => {
+                    let listed = controllers_of(&mount);
+                    let controllers = Controller::ALL
+                        .into_iter()
+                        .filter(|c| listed.split_whitespace().any(|n| n == c.name()))
+                        .collect();
+                    unified = Some(Hierarchy {
+                        mount,
+                        unified: true,
+                        controllers,
+                    });
+                }
+                Some("cgroup") => {
+                    let controllers = Controller::ALL
+                        .into_iter()
+                        .filter(|c| options.split(',').any(|o| o == c.name()))
+                        .collect::<Vec<_>>();
+                    if !controllers.is_empty() {
+                        v1.push(Hierarchy {
+                            mount,
+                            unified: false,
+                            controllers,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        // Each controller once: on the unified hierarchy where it is there.
+        let mut hierarchies: Vec<Hierarchy> = Vec::new();
+        if let Some(u) = unified.filter(|u| !u.controllers.is_empty()) {
+            hierarchies.push(u);
+        }
+        for mut h in v1 {
+            h.controllers
+                .retain(|c| !hierarchies.iter().any(|u| u.controllers.contains(c)));
+            if !h.controllers.is_empty() {
+                hierarchies.push(h);
+            }
+        }
+        for c in Controller::ALL {
+            if !hierarchies.iter().any(|h| h.controllers.contains(&c)) {
+                return Err(format!(
+                    "this host has no {} cgroup controller (neither on the unified hierarchy nor a v1 one)",
+                    c.name()
+                ));
+            }
+        }
+        Ok(Cgroups {
+            root: root.to_owned(),
+            hierarchies,
+        })
+    }
+
+    /// The root cgroup, in each hierarchy used.
+    pub fn roots(&self) -> Vec<PathBuf> {
+        self.hierarchies
+            .iter()
+            .map(|h| h.mount.join(&self.root))
+            .collect()
+    }
+
+    /// The VM's cgroup in each hierarchy used.
+    pub fn dirs(&self, vm_id: &Id) -> Vec<PathBuf> {
+        self.hierarchies
+            .iter()
+            .map(|h| h.mount.join(&self.root).join(vm_id.as_str()))
+            .collect()
+    }
+
+    /// Makes the VM's cgroups (or finds them) and sets their limits.
+    pub fn prepare(&self, vm_id: &Id, limits: Limits) -> io::Result<()> {
+        for h in &self.hierarchies {
+            let dir = h.mount.join(&self.root).join(vm_id.as_str());
+            if h.unified {
+                enable(&h.mount, &self.root, &h.controllers)?;
+            }
+            fs::create_dir_all(&dir)?;
+            for c in &h.controllers {
+                for (file, value) in settings(*c, h.unified, limits) {
+                    fs::write(dir.join(file), value)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves `pid` into the VM's cgroups.
+    pub fn enter(&self, vm_id: &Id, pid: i32) -> io::Result<()> {
+        for dir in self.dirs(vm_id) {
+            fs::write(dir.join("cgroup.procs"), pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Removes the VM's cgroups, once its VMM is gone (a cgroup a process
+    /// just left may stay busy for a moment; a few tries are allowed).
+    pub fn remove(&self, vm_id: &Id) -> io::Result<()> {
+        for dir in self.dirs(vm_id) {
+            let mut tries = 0;
+            loop {
+                match fs::remove_dir(&dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+                    Err(e) if tries < 50 && e.raw_os_error() == Some(nix::libc::EBUSY) => {
+                        tries += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the empty cgroups under the root of VMs not in `known`
+    /// (left by a crash between a destroy and its cleanup).
+    pub fn remove_unknown(&self, known: &[Id]) {
+        for h in &self.hierarchies {
+            let Ok(entries) = fs::read_dir(h.mount.join(&self.root)) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let ours = Id::parse(&entry.file_name().to_string_lossy())
+                    .is_ok_and(|id| known.contains(&id));
+                if path.is_dir() && !ours && fs::remove_dir(&path).is_ok() {
+                    log::info!("removed the cgroup {} of no VM", path.display());
+                }
+            }
+        }
+    }
+}
+
+/// Enables `controllers` for the children of every cgroup from the unified
+/// mount down to the root (each level must offer them to the next).
+fn enable(mount: &Path, root: &str, controllers: &[Controller]) -> io::Result<()> {
+    let line: Vec<String> = controllers
+        .iter()
+        .map(|c| format!("+{}", c.name()))
+        .collect();
+    let mut dir = mount.to_path_buf();
+    fs::write(dir.join("cgroup.subtree_control"), line.join(" "))?;
+    for part in root.split('/') {
+        dir.push(part);
+        fs::create_dir_all(&dir)?;
+        fs::write(dir.join("cgroup.subtree_control"), line.join(" "))?;
+    }
+    Ok(())
+}
+
+/// The files that set `controller`'s limit, and their values.
+fn settings(controller: Controller, unified: bool, l: Limits) -> Vec<(&'static str, String)> {
+    let vcpus = u64::from(l.vcpus.max(1));
+    match (controller, unified) {
+        (Controller::Memory, true) => vec![("memory.max", l.memory_bytes.to_string())],
+        (Controller::Memory, false) => vec![("memory.limit_in_bytes", l.memory_bytes.to_string())],
+        (Controller::Pids, _) => vec![("pids.max", l.pids.to_string())],
+        (Controller::Cpu, true) => vec![("cpu.weight", (100 * vcpus).min(10_000).to_string())],
+        (Controller::Cpu, false) => vec![("cpu.shares", (1024 * vcpus).to_string())],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HYBRID: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu
+33 31 0:30 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+";
+
+    const UNIFIED: &str = "\
+29 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw,nsdelegate
+";
+
+    fn mounts(c: &Cgroups) -> Vec<(String, bool)> {
+        c.hierarchies
+            .iter()
+            .map(|h| (h.mount.display().to_string(), h.unified))
+            .collect()
+    }
+
+    #[test]
+    fn on_a_hybrid_host_each_controller_is_found_on_its_v1_hierarchy() {
+        let c = Cgroups::from_mountinfo("eitri", HYBRID, |_| "hugetlb\n".into()).expect("found");
+
+        assert_eq!(
+            mounts(&c),
+            [
+                ("/sys/fs/cgroup/cpu".into(), false),
+                ("/sys/fs/cgroup/memory".into(), false),
+                ("/sys/fs/cgroup/pids".into(), false),
+            ]
+        );
+    }
+
+    #[test]
+    fn on_a_unified_host_one_hierarchy_holds_them_all() {
+        let c = Cgroups::from_mountinfo("eitri", UNIFIED, |_| "cpuset cpu io memory pids\n".into())
+            .expect("found");
+
+        assert_eq!(mounts(&c), [("/sys/fs/cgroup".into(), true)]);
+        assert_eq!(
+            c.dirs(&Id::parse("web-1").expect("id")),
+            [PathBuf::from("/sys/fs/cgroup/eitri/web-1")]
+        );
+    }
+
+    #[test]
+    fn a_missing_controller_is_named() {
+        let err = Cgroups::from_mountinfo("eitri", UNIFIED, |_| "cpu memory\n".into())
+            .expect_err("no pids");
+
+        assert!(err.contains("pids"), "{err}");
+    }
+
+    #[test]
+    fn limits_are_written_in_each_versions_own_terms() {
+        let l = Limits {
+            memory_bytes: 512 << 20,
+            pids: 68,
+            vcpus: 2,
+        };
+
+        assert_eq!(
+            settings(Controller::Cpu, true, l),
+            [("cpu.weight", "200".into())]
+        );
+        assert_eq!(
+            settings(Controller::Cpu, false, l),
+            [("cpu.shares", "2048".into())]
+        );
+        assert_eq!(
+            settings(Controller::Memory, false, l),
+            [("memory.limit_in_bytes", (512u64 << 20).to_string())]
+        );
+    }
+}
