@@ -963,6 +963,32 @@ fn the_hypervisor_is_in_the_vms_own_cgroups_with_its_limits_until_destroyed() {
 }
 
 #[test]
+fn the_hypervisor_inherits_none_of_the_agents_environment() {
+    // Something the agent's environment has, as a secret might be.
+    // SAFETY: first thing in this test's own process, no other thread yet.
+    unsafe { std::env::set_var("EITRI_TEST_SECRET", "hunter2") };
+    let h = Host::new(&[]);
+    // The stand-in itself, not the launcher script (a shell sets PWD).
+    let backend = CloudHypervisor::new(
+        Arc::clone(&h.store),
+        CloudHvConfig {
+            hypervisor: STANDIN.into(),
+            ..h.cfg.clone()
+        },
+    );
+    let spec = h.spec("vm-1");
+
+    backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let pid = h.pid("vm-1").expect("pid");
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).expect("environ");
+    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).expect("cwd");
+    let _ = backend.destroy(&id("vm-1"), Deadline::NONE);
+    assert!(environ.is_empty(), "{}", String::from_utf8_lossy(&environ));
+    assert_eq!(cwd, Path::new("/"), "not the agent's working directory");
+}
+
+#[test]
 fn a_vms_hypervisor_user_is_the_same_after_an_agent_restart() {
     let h = Host::new(&[]);
     h.tick(&h.vm("vm-1"));

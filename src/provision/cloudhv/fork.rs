@@ -318,6 +318,10 @@ unsafe fn child(
                 fail(report, Stage::Fds);
             }
         }
+        // Not the agent's working directory.
+        if libc::chdir(c"/".as_ptr()) != 0 {
+            fail(report, Stage::Fds);
+        }
         enter(entry, report);
         // The high copies are close-on-exec: after the exec the hypervisor
         // holds its targets and nothing else of the agent's.
@@ -498,6 +502,7 @@ pub fn wait_raw(pid: i32) -> Option<i32> {
 mod tests {
     use super::*;
     use std::io::Read;
+    use std::os::fd::FromRawFd;
 
     fn log_file(dir: &Path) -> OwnedFd {
         OwnedFd::from(
@@ -638,6 +643,80 @@ mod tests {
         wait_raw(pid);
 
         assert!(err.to_string().contains("resource limits"), "{err}");
+    }
+
+    /// The pipe inode an fd of this process is, from /proc.
+    fn inode(fd: RawFd) -> String {
+        std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .expect("fd")
+            .display()
+            .to_string()
+    }
+
+    #[test]
+    fn an_own_fd_that_already_sits_on_a_target_number_lands_where_it_belongs() {
+        // It moves this process's fd 3 for a moment: only where each test
+        // has a process of its own (nextest, the README's test command).
+        if std::env::var_os("NEXTEST").is_none() {
+            eprintln!("skipped: needs a process of its own (run under cargo nextest)");
+            return;
+        }
+        // Whatever is on 3 is kept on a high fd (or, if nothing is, 3 is
+        // held by /dev/null) so nothing this test opens lands there. Raw
+        // fds throughout: none of this is Rust's to close.
+        // SAFETY: this test's process has no other thread touching fds.
+        let saved = unsafe { libc::fcntl(3, libc::F_DUPFD_CLOEXEC, 200) };
+        if saved < 0 {
+            // SAFETY: as above; 3 is free, and held here until the end.
+            unsafe {
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                if null != 3 {
+                    libc::dup2(null, 3);
+                    libc::close(null);
+                }
+            }
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        let (_first_r, first) = nix::unistd::pipe().expect("pipe");
+        let (_second_r, second) = nix::unistd::pipe().expect("pipe");
+        // The second fd to pass sits on 3, the first's target: the race a
+        // closed readiness fd once opened (both NICs got one tap).
+        // SAFETY: as above.
+        let on_three = unsafe {
+            libc::dup2(second.as_raw_fd(), 3);
+            std::mem::ManuallyDrop::new(OwnedFd::from_raw_fd(3))
+        };
+        let want = (inode(first.as_raw_fd()), inode(3));
+        let args = [
+            "-c".into(),
+            "readlink /proc/self/fd/3 /proc/self/fd/4".into(),
+        ];
+
+        let held = fork_held(
+            Path::new("/bin/sh"),
+            &args,
+            &log,
+            &[&first, &*on_three],
+            None,
+        )
+        .expect("fork");
+        let pid = held.pid;
+        held.release().expect("exec");
+        wait_raw(pid);
+        // SAFETY: as above; puts back what was on 3, or frees it.
+        unsafe {
+            if saved >= 0 {
+                libc::dup2(saved, 3);
+                libc::close(saved);
+            } else {
+                libc::close(3);
+            }
+        }
+
+        let seen = std::fs::read_to_string(dir.path().join("log")).expect("log");
+        let seen: Vec<&str> = seen.lines().collect();
+        assert_eq!(seen, [want.0.as_str(), want.1.as_str()]);
     }
 
     #[test]
