@@ -989,6 +989,32 @@ fn the_hypervisor_inherits_none_of_the_agents_environment() {
 }
 
 #[test]
+fn a_guest_printing_to_serial_forever_holds_no_more_disk_than_the_cap() {
+    // 2 MiB a second against a 512 KiB cap.
+    let rate: u64 = 2 << 20;
+    let mut h = Host::new(&[("STANDIN_SERIAL_FLOOD", &rate.to_string())]);
+    h.cfg.confinement.serial_log_bytes = 512 << 10;
+    let h = h.restart();
+    h.tick(&h.vm("vm-1"));
+    let serial = h.store.serial_log_path(&id("vm-1"));
+
+    std::thread::sleep(Duration::from_secs(4));
+
+    let meta = std::fs::metadata(&serial).expect("serial");
+    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+    let text = std::fs::read(&serial).expect("read");
+    let last = text.rsplit(|b| *b == b'\n').nth(1).unwrap_or_default();
+    assert!(meta.len() > 4 << 20, "the guest wrote {} bytes", meta.len());
+    // The cap, and at most what the guest writes in a check's second.
+    assert!(held <= (512 << 10) + rate * 5 / 4, "{held} bytes held");
+    assert!(
+        last.starts_with(b"serial line "),
+        "the newest output is kept: {:?}",
+        String::from_utf8_lossy(last)
+    );
+}
+
+#[test]
 fn a_vms_hypervisor_user_is_the_same_after_an_agent_restart() {
     let h = Host::new(&[]);
     h.tick(&h.vm("vm-1"));

@@ -290,12 +290,19 @@ fn confinement(raw: &Raw<'_>) -> Result<Confinement, ConfigError> {
             "--cgroup-root: {cgroup_root:?} is not a relative cgroup path such as eitri or machine/eitri"
         )));
     }
+    let serial_mb = raw.number(Key::SerialLogMaxMb)?;
+    if serial_mb == 0 {
+        return Err(err(
+            "--serial-log-max-mb: 0 would keep no serial output at all; give at least 1",
+        ));
+    }
     Ok(Confinement {
         first_id: first,
         id_count: count,
         kvm: PathBuf::from(raw.get(Key::KvmDevice)),
         cgroup_root,
         allow_without,
+        serial_log_bytes: serial_mb.saturating_mul(1 << 20),
     })
 }
 

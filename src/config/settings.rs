@@ -110,6 +110,8 @@ settings! {
         "the KVM device the hypervisors' group is given read-write access to (an ACL entry when it lacks it)";
     CgroupRoot => "cgroup-root", "EITRI_CGROUP_ROOT", "eitri",
         "cgroup (in each hierarchy) under which each VM's hypervisor gets its own";
+    SerialLogMaxMb => "serial-log-max-mb", "EITRI_SERIAL_LOG_MAX_MB", "16",
+        "disk a guest's serial output may hold, in MiB: older output is freed once a second (the newest half is kept)";
     AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",
         "pieces of confinement hypervisors may run without where this host lacks them: jail, cgroups, landlock (comma-separated; default none)";
     RunDir => "run-dir", "EITRI_RUN_DIR", "/run/eitri",

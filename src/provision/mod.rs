@@ -159,6 +159,8 @@ pub struct Confinement {
     pub cgroup_root: String,
     /// Pieces a VMM may run without where the host lacks them.
     pub allow_without: Vec<Piece>,
+    /// Disk a guest's serial output may hold (see `cloudhv::serial`).
+    pub serial_log_bytes: u64,
 }
 
 impl Default for Confinement {
@@ -169,6 +171,7 @@ impl Default for Confinement {
             kvm: PathBuf::from("/dev/kvm"),
             cgroup_root: "eitri".into(),
             allow_without: Vec::new(),
+            serial_log_bytes: 16 << 20,
         }
     }
 }

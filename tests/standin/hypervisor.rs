@@ -23,6 +23,9 @@
 //!   VMM does when a vCPU hits an internal KVM error.
 //! - `STANDIN_IGNORE_SHUTDOWN=1`: ignore power-button, vmm.shutdown and
 //!   SIGTERM (only SIGKILL stops it).
+//! - `STANDIN_SERIAL_FLOOD=n`: a guest printing n bytes a second to its
+//!   serial port forever, numbered lines, as the real VMM writes them (one
+//!   file opened once, its offset only growing).
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -151,6 +154,27 @@ fn check(args: &Args, log: &Log) -> Result<(), String> {
     Ok(())
 }
 
+/// Writes numbered lines to `path` at `rate` bytes a second, forever.
+fn flood(path: &str, rate: u64) {
+    let Ok(mut file) = OpenOptions::new().write(true).truncate(true).open(path) else {
+        return;
+    };
+    const TICK_MS: u64 = 10;
+    let per_tick = (rate * TICK_MS / 1000).max(1);
+    let mut n = 0u64;
+    loop {
+        let mut chunk = String::new();
+        while (chunk.len() as u64) < per_tick {
+            chunk.push_str(&format!("serial line {n:012}\n"));
+            n += 1;
+        }
+        if file.write_all(chunk.as_bytes()).is_err() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(TICK_MS));
+    }
+}
+
 fn knob(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.is_empty())
 }
@@ -210,6 +234,9 @@ fn main() {
     }
     if let Some(serial) = args.option("serial", "file") {
         let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
+        if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
+            std::thread::spawn(move || flood(&serial, rate));
+        }
     }
     // The NIC's fd is held for the process's life, like a real VMM holds its
     // tap: the tap exists exactly as long as this process does.

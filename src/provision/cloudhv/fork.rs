@@ -60,8 +60,6 @@ pub enum Limit {
     Files,
     /// Processes and threads of its user (each VM has its own).
     Processes,
-    /// The largest file it may write.
-    FileSize,
     /// Core dumps (0: a crashed VMM never writes guest memory to disk).
     Core,
 }
@@ -71,7 +69,6 @@ impl Limit {
         match self {
             Limit::Files => libc::RLIMIT_NOFILE,
             Limit::Processes => libc::RLIMIT_NPROC,
-            Limit::FileSize => libc::RLIMIT_FSIZE,
             Limit::Core => libc::RLIMIT_CORE,
         }
     }

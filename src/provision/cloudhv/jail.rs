@@ -66,8 +66,11 @@ impl VmmIds {
 }
 
 /// The jail the VM's VMM enters: `id` as user and group, the KVM group,
-/// and limits sized for the VM.
-pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_file: u64) -> Jail {
+/// and limits sized for the VM. No file-size limit: the serial file's size
+/// only grows (its disk is bounded by punching holes, see
+/// [`serial`](super::serial)), and a limit would kill a chatty guest's VMM;
+/// what a VMM may write is its own files, by ownership and Landlock.
+pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32) -> Jail {
     Jail {
         uid: id,
         gid: id,
@@ -75,7 +78,6 @@ pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_file: u64) -> Ja
         limits: vec![
             (Limit::Files, FILES),
             (Limit::Processes, max_threads(spec.vcpus)),
-            (Limit::FileSize, largest_file),
             (Limit::Core, 0),
         ],
     }

@@ -34,6 +34,7 @@ mod fork;
 pub mod jail;
 mod preflight;
 mod process;
+mod serial;
 mod spawn;
 mod stop;
 pub mod tap;
@@ -122,6 +123,9 @@ pub struct CloudHypervisor {
     watch: Option<ExitWatch>,
     /// What of each VMM's confinement this host can do (see [`jail`]).
     confined: jail::Confined,
+    /// Bounds every guest's serial output (see [`serial`]); `None` if its
+    /// thread could not start (said at start).
+    _serial: Option<crate::threads::OwnedThread>,
 }
 
 impl CloudHypervisor {
@@ -150,6 +154,11 @@ impl CloudHypervisor {
             })
             .ok();
         let confined = jail::Confined::probe(&cfg.confinement, store.root());
+        let serial = serial::start(Arc::clone(&store), cfg.confinement.serial_log_bytes)
+            .inspect_err(|e| {
+                log::error!("cannot start the thread that bounds serial logs ({e}); a chatty guest can fill the disk")
+            })
+            .ok();
         for note in confined.notes() {
             log::error!("{note}");
         }
@@ -161,6 +170,7 @@ impl CloudHypervisor {
             listener,
             watch,
             confined,
+            _serial: serial,
         }
     }
 

@@ -141,16 +141,7 @@ impl CloudHypervisor {
             vm_id: vm_id.clone(),
             source,
         })?;
-        // The largest file it may write: its largest disk (the serial and
-        // log files are smaller, or bounded on their own).
-        let largest = own
-            .iter()
-            .filter_map(|p| fs::metadata(p).ok())
-            .map(|m| m.len())
-            .max()
-            .unwrap_or(0)
-            .max(spec.disk_gb.saturating_mul(1 << 30));
-        Ok(Some(jail::jail_for(spec, id, ids.kvm_group, largest)))
+        Ok(Some(jail::jail_for(spec, id, ids.kvm_group)))
     }
 
     /// Where the VM's files are, as its command line names them.
