@@ -53,6 +53,21 @@ impl Fixture {
         self.dir.path().join("library")
     }
 
+    /// The cache's answer for `path` as a `file://` image of digest `sha`.
+    fn resolve_file(
+        &self,
+        path: &Path,
+        sha: &str,
+    ) -> Result<PathBuf, eitri_agent::error::BoxFailure> {
+        self.cache().resolve(
+            &format!("file://{}", path.display()),
+            sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+    }
+
     fn images(&self) -> PathBuf {
         self.dir.path().join("images")
     }
@@ -265,14 +280,7 @@ fn a_host_file_outside_the_image_root_is_refused_and_its_digest_never_told() {
     let made_up = "0".repeat(64);
 
     let err = f
-        .cache()
-        .resolve(
-            &format!("file://{}", secret.display()),
-            &made_up,
-            DISK,
-            Deadline::NONE,
-            quiet(),
-        )
+        .resolve_file(&secret, &made_up)
         .expect_err("outside the root");
 
     assert!(err.is_permanent());
@@ -330,16 +338,7 @@ fn a_symlink_out_of_the_image_root_is_refused() {
     let link = f.library().join("link.raw");
     std::os::unix::fs::symlink(&outside, &link).expect("symlink");
 
-    let err = f
-        .cache()
-        .resolve(
-            &format!("file://{}", link.display()),
-            &f.sha,
-            DISK,
-            Deadline::NONE,
-            quiet(),
-        )
-        .expect_err("escapes");
+    let err = f.resolve_file(&link, &f.sha).expect_err("escapes");
 
     assert!(err.is_permanent());
     assert!(err.to_string().contains("image root"), "{err}");
@@ -351,16 +350,7 @@ fn a_fifo_in_the_image_root_is_refused_without_blocking() {
     let fifo = f.library().join("pipe.raw");
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).expect("mkfifo");
 
-    let err = f
-        .cache()
-        .resolve(
-            &format!("file://{}", fifo.display()),
-            &f.sha,
-            DISK,
-            Deadline::NONE,
-            quiet(),
-        )
-        .expect_err("not a file");
+    let err = f.resolve_file(&fifo, &f.sha).expect_err("not a file");
 
     assert!(err.is_permanent());
     assert!(err.to_string().contains("not a regular file"), "{err}");
@@ -371,16 +361,7 @@ fn a_local_mismatch_names_the_wanted_digest_only() {
     let f = Fixture::new();
     let wrong = "0".repeat(64);
 
-    let err = f
-        .cache()
-        .resolve(
-            &format!("file://{}", f.image.display()),
-            &wrong,
-            DISK,
-            Deadline::NONE,
-            quiet(),
-        )
-        .expect_err("mismatch");
+    let err = f.resolve_file(&f.image, &wrong).expect_err("mismatch");
 
     assert!(err.is_permanent());
     assert!(err.to_string().contains(&wrong), "{err}");

@@ -1018,6 +1018,24 @@ fn a_guest_printing_to_serial_forever_holds_no_more_disk_than_the_cap() {
 }
 
 #[test]
+fn the_hypervisor_keeps_its_cgroups_across_an_agent_restart() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let pid = h.pid("vm-1").expect("pid");
+    let before = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+
+    let h = h.restart();
+
+    let after = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
+    let dirs = Cgroups::probe(&h.cfg.confinement.cgroup_root)
+        .expect("cgroups")
+        .dirs(&id("vm-1"));
+    assert_eq!(h.pid("vm-1"), Some(pid), "the same VMM, adopted");
+    assert_eq!(after, before);
+    assert!(dirs.iter().all(|d| d.exists()), "{dirs:?}");
+}
+
+#[test]
 fn a_vms_hypervisor_user_is_the_same_after_an_agent_restart() {
     let h = Host::new(&[]);
     h.tick(&h.vm("vm-1"));
