@@ -244,3 +244,55 @@ fn landlock_abi() -> Result<i64, String> {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host that cannot jail and has no cgroups, but has Landlock.
+    fn lacking(allowed: Vec<Piece>) -> Confined {
+        Confined {
+            ids: Err("the agent does not run as root".into()),
+            landlock: Ok(()),
+            cgroups: Err("no pids controller".into()),
+            allowed,
+        }
+    }
+
+    #[test]
+    fn a_missing_piece_stops_boots_naming_the_flag_unless_allowed() {
+        let strict = lacking(vec![]);
+        let lenient = lacking(vec![Piece::Jail, Piece::Cgroups]);
+
+        let refused = strict.uses(Piece::Jail).expect_err("refused");
+
+        assert!(
+            refused.to_string().contains("--allow-without jail"),
+            "{refused}"
+        );
+        assert!(matches!(lenient.uses(Piece::Jail), Ok(false)));
+        assert!(matches!(lenient.uses(Piece::Cgroups), Ok(false)));
+        assert!(matches!(strict.uses(Piece::Landlock), Ok(true)));
+    }
+
+    #[test]
+    fn every_missing_piece_is_a_note_saying_what_follows() {
+        let strict = lacking(vec![]).notes();
+        let lenient = lacking(vec![Piece::Jail, Piece::Cgroups]).notes();
+
+        assert_eq!(strict.len(), 2, "{strict:?}");
+        assert!(
+            strict
+                .iter()
+                .all(|n| n.starts_with("no hypervisor can start")),
+            "{strict:?}"
+        );
+        assert_eq!(lenient.len(), 2, "{lenient:?}");
+        assert!(
+            lenient
+                .iter()
+                .all(|n| n.starts_with("hypervisors run without")),
+            "{lenient:?}"
+        );
+    }
+}
