@@ -2,7 +2,7 @@
 //! looked up before use so a missing one fails the test with its name and the
 //! fix, not with a bare `NotFound` from deep inside a helper.
 //!
-//! Every program named here, or in a `Command::new("…")` anywhere in the
+//! Every program named here, or given by name to `Command::new` anywhere in the
 //! tree, must be in `.ci/run`'s `need` table: `make programs-check` fails
 //! otherwise, because CI runs on a fresh machine where nothing installed by
 //! hand exists.

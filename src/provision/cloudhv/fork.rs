@@ -65,13 +65,23 @@ pub enum Limit {
 }
 
 impl Limit {
-    fn resource(self) -> libc::__rlimit_resource_t {
-        match self {
+    /// The resource number (its C type differs between glibc and musl).
+    fn resource(self) -> libc::c_int {
+        let resource = match self {
             Limit::Files => libc::RLIMIT_NOFILE,
             Limit::Processes => libc::RLIMIT_NPROC,
             Limit::Core => libc::RLIMIT_CORE,
-        }
+        };
+        resource as libc::c_int
     }
+}
+
+/// `struct rlimit64`, as prlimit64(2) takes it on every libc.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Rlimit64 {
+    cur: u64,
+    max: u64,
 }
 
 /// Where a child stopped before its exec, as it reports it.
@@ -125,20 +135,11 @@ pub fn fork_held(
         ));
     }
     let groups: Vec<libc::gid_t> = jail.map(|j| j.groups.clone()).unwrap_or_default();
-    let limits: Vec<(libc::__rlimit_resource_t, libc::rlimit)> = jail
+    let limits: Vec<(libc::c_int, Rlimit64)> = jail
         .map(|j| {
             j.limits
                 .iter()
-                .map(|(l, v)| {
-                    let v = *v as libc::rlim_t;
-                    (
-                        l.resource(),
-                        libc::rlimit {
-                            rlim_cur: v,
-                            rlim_max: v,
-                        },
-                    )
-                })
+                .map(|(l, v)| (l.resource(), Rlimit64 { cur: *v, max: *v }))
                 .collect()
         })
         .unwrap_or_default();
@@ -245,14 +246,14 @@ fn cstring(s: &OsStr) -> io::Result<CString> {
 struct Entry<'a> {
     ids: Option<(u32, u32)>,
     groups: &'a [libc::gid_t],
-    limits: &'a [(libc::__rlimit_resource_t, libc::rlimit)],
+    limits: &'a [(libc::c_int, Rlimit64)],
 }
 
 /// The child, after fork: steps 2 and 4. Never returns.
 ///
 /// # Safety
 /// Only to be called in a freshly forked child. It calls only
-/// async-signal-safe functions (setsid, read, fcntl, dup2, close, setrlimit,
+/// async-signal-safe functions (setsid, read, fcntl, dup2, close, prlimit64,
 /// prctl, raw set*id/setgroups/capset syscalls, execve, write, _exit) and
 /// allocates nothing.
 unsafe fn child(
@@ -340,7 +341,15 @@ unsafe fn enter(entry: &Entry<'_>, report: RawFd) {
     // SAFETY: system calls on values prepared before the fork.
     unsafe {
         for (resource, limit) in entry.limits {
-            if libc::setrlimit(*resource, limit) != 0 {
+            let none = std::ptr::null_mut::<Rlimit64>();
+            if libc::syscall(
+                libc::SYS_prlimit64,
+                0,
+                *resource,
+                limit as *const Rlimit64,
+                none,
+            ) != 0
+            {
                 fail(report, Stage::Limits);
             }
         }
