@@ -1058,13 +1058,18 @@ fn a_local_users_process_naming_a_vms_disk_is_not_taken_for_its_hypervisor() {
     let disk = format!("path={}", h.store.root_disk_path(&id("vm-1")).display());
     // A process of nobody's with the VM's disk on its command line, as any
     // local user could start.
-    let mut impostor = std::process::Command::new("sleep")
-        .arg("30")
-        .arg(&disk)
+    // (A shell waiting on its stdin: it keeps the argument and runs
+    // until killed.)
+    let mut impostor = std::process::Command::new("sh")
+        .args(["-c", "read line", "impostor", &disk])
+        .stdin(std::process::Stdio::piped())
         .uid(65534)
         .gid(65534)
         .spawn()
-        .expect("sleep");
+        .expect("sh");
+    // Its socket file too, so the backend looks hard (it scans).
+    std::fs::create_dir_all(h.cfg.run_dir.clone()).expect("run dir");
+    std::fs::write(h.backend.socket_path(&id("vm-1")), b"").expect("socket file");
 
     let taken = h.backend.adopt(&id("vm-1"));
     let still_there = alive(impostor.id() as i32);
