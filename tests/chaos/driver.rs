@@ -134,6 +134,7 @@ impl Host {
     }
 
     fn start(&mut self, crash_at: Option<&str>) {
+        let confinement = eitri_agent::testkit::confinement(self.dir.path());
         let mut cmd = Command::new(AGENT);
         cmd.args(["run", "--state-dir"])
             .arg(self.state())
@@ -148,9 +149,9 @@ impl Host {
             .arg("--image-root")
             .arg(self.dir.path().join("library"))
             .arg("--kvm-device")
-            .arg(eitri_agent::testkit::confinement(self.dir.path()).kvm)
+            .arg(&confinement.kvm)
             .arg("--cgroup-root")
-            .arg(eitri_agent::testkit::confinement(self.dir.path()).cgroup_root)
+            .arg(&confinement.cgroup_root)
             .args([
                 "--underlay-bridge=",
                 "--tap-prefix",

@@ -199,6 +199,15 @@ impl Confined {
         missing.map(String::as_str)
     }
 
+    /// The VMM ids, `None` when VMMs run unjailed.
+    pub fn jail(&self) -> Result<Option<&VmmIds>, CloudHvError> {
+        Ok(if self.uses(Piece::Jail)? {
+            self.ids.as_ref().ok()
+        } else {
+            None
+        })
+    }
+
     /// The cgroups VMMs are put in, `None` when they run without.
     pub fn cgroups(&self) -> Result<Option<&Cgroups>, CloudHvError> {
         Ok(if self.uses(Piece::Cgroups)? {

@@ -324,8 +324,9 @@ impl CloudHypervisor {
     /// The VM's hypervisor, however the last agent left its pidfile: for
     /// the decisions that must never be wrong (never start a second VMM,
     /// never replace the disk under a live one). It scans only when the
-    /// VM's API socket file exists, which it does from a VMM's start until
-    /// its stop or destroy is done.
+    /// VM's API socket file exists, which it does from a VMM's first start
+    /// until the VM is destroyed (so a stopped VM costs a scan on these
+    /// rare calls; a VM never started costs none).
     fn find(&self, vm_id: &Id) -> Option<Tracked> {
         self.alive(vm_id).or_else(|| {
             self.socket_path(vm_id)

@@ -119,10 +119,7 @@ impl CloudHypervisor {
     /// group, limits sized for the VM.
     fn jail(&self, spec: &VmSpec, files: &VmFiles) -> Result<Option<Jail>, BoxFailure> {
         let vm_id = &spec.vm_id;
-        if !self.confined.uses(Piece::Jail)? {
-            return Ok(None);
-        }
-        let Ok(ids) = &self.confined.ids else {
+        let Some(ids) = self.confined.jail()? else {
             return Ok(None);
         };
         self.open_kvm_to(ids.kvm_group)?;
