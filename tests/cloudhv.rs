@@ -18,6 +18,7 @@ use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeou
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::state::Store;
+use eitri_agent::testkit::net::{link_exists, nft_ruleset};
 use eitri_agent::testkit::{Fakes, desired, id, present, snapshot, tombstoned};
 
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
@@ -41,6 +42,14 @@ struct Host {
 /// each other's links, and no real host names a link like this.
 fn tap_prefix() -> String {
     format!("et{:04x}", std::process::id() & 0xffff)
+}
+
+/// The tests' underlay, its taps named with this process's prefix.
+fn underlay() -> eitri_agent::net::underlay::UnderlayConfig {
+    eitri_agent::net::underlay::UnderlayConfig {
+        tap_prefix: tap_prefix(),
+        ..eitri_agent::testkit::net::underlay_config()
+    }
 }
 
 /// The VMs start-up recovery knows of: those with a record.
@@ -180,7 +189,7 @@ impl Host {
     /// Gives the backend a host network (call in a private namespace).
     fn connect(&mut self) {
         let network = eitri_agent::net::host::HostNetwork::setup(
-            eitri_agent::testkit::net::underlay_config(),
+            underlay(),
             self.store.root(),
             vec![],
             std::collections::HashMap::new(),
@@ -458,25 +467,22 @@ fn destroy_leaves_no_process_socket_pidfile_tap_or_directory_on(h: Host) {
     h.tick(&h.vm("vm-1"));
     let pid = h.pid("vm-1").expect("pid");
     let socket = h.backend.socket_path(&id("vm-1"));
-    let tap = h.backend.tap_name(&id("vm-1"));
-    assert!(
-        Path::new("/sys/class/net").join(&tap).exists(),
-        "the tap exists while the VMM runs"
-    );
+    let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
+    assert!(link_exists(&tap), "the tap exists while the VMM runs");
 
     h.tick(&snapshot(2, vec![tombstoned("vm-1")]));
 
     assert!(!alive(pid));
     assert!(!socket.exists());
     assert!(!PathBuf::from(format!("{}.lock", socket.display())).exists());
-    assert!(!Path::new("/sys/class/net").join(&tap).exists());
+    assert!(!link_exists(&tap));
     assert!(!h.store.vm_dir(&id("vm-1")).exists());
 }
 
 fn the_tap_dies_with_a_killed_hypervisor_on(h: Host) {
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
-    let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
+    let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
     let pid = h.pid("vm-1").expect("pid");
 
     nix::sys::signal::kill(
@@ -485,7 +491,7 @@ fn the_tap_dies_with_a_killed_hypervisor_on(h: Host) {
     )
     .expect("kill -9");
 
-    wait_until("the tap to go", || !tap.exists());
+    wait_until("the tap to go", || !link_exists(&tap));
 }
 
 fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
@@ -741,12 +747,21 @@ fn real_host() -> Result<Host, String> {
 macro_rules! both {
     ($($scenario:ident),* $(,)?) => {
         mod with_stand_in {
-            $(#[test] fn $scenario() { super::$scenario(super::Host::new(&[])); })*
+            $(#[test] fn $scenario() {
+                eitri_agent::testkit::net::private_network();
+                let mut h = super::Host::new(&[]);
+                h.connect();
+                super::$scenario(h);
+            })*
         }
         mod with_real_hypervisor {
             $(#[test] fn $scenario() {
+                eitri_agent::testkit::net::private_network();
                 match super::real_host() {
-                    Ok(h) => super::$scenario(h),
+                    Ok(mut h) => {
+                        h.connect();
+                        super::$scenario(h)
+                    }
                     Err(why) => println!("SKIPPED {}: {why}", stringify!($scenario)),
                 }
             })*
@@ -788,30 +803,28 @@ fn a_leaked_tap_with_the_agents_prefix_is_removed_at_start() {
         .status()
         .expect("ip");
     assert!(made.success());
-    assert!(Path::new("/sys/class/net").join(&leaked.0).exists());
+    assert!(link_exists(&leaked.0));
 
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
     restarted.recover(&known(&h.store));
 
-    assert!(
-        !Path::new("/sys/class/net").join(&leaked.0).exists(),
-        "{} was not removed",
-        leaked.0
-    );
+    assert!(!link_exists(&leaked.0), "{} was not removed", leaked.0);
 }
 
 #[test]
 fn a_tap_a_live_vmm_holds_survives_a_restart() {
-    let h = Host::new(&[]);
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
-    let tap = Path::new("/sys/class/net").join(h.backend.tap_name(&id("vm-1")));
+    let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
 
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
     // vm-1 has no record; the last desired state names it.
     restarted.recover(&[id("vm-1")]);
 
-    assert!(tap.exists());
+    assert!(link_exists(&tap));
     assert!(h.backend.running(&id("vm-1")));
 }
 
@@ -1167,7 +1180,12 @@ fn a_booted_vm_has_its_address_and_its_tap_on_the_bridge_until_destroyed() {
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let address = h.backend.address(&id("vm-1"));
     let port = std::process::Command::new("ip")
-        .args(["-d", "link", "show", &h.backend.tap_name(&id("vm-1"))])
+        .args([
+            "-d",
+            "link",
+            "show",
+            &h.backend.taps(&id("vm-1")).expect("taps").underlay,
+        ])
         .output()
         .expect("ip");
     h.backend
@@ -1242,7 +1260,7 @@ fn an_agent_restart_serves_the_adopted_vms_network_again() {
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     let network = Arc::new(
         eitri_agent::net::host::HostNetwork::setup(
-            eitri_agent::testkit::net::underlay_config(),
+            underlay(),
             h.store.root(),
             vec![],
             std::collections::HashMap::new(),
@@ -1256,4 +1274,82 @@ fn an_agent_restart_serves_the_adopted_vms_network_again() {
     assert!(network.serves_dhcp(&id("vm-1")));
     assert_eq!(restarted.address(&id("vm-1")), address);
     assert!(restarted.running(&id("vm-1")));
+}
+
+#[test]
+fn with_networking_off_a_vm_gets_no_nic() {
+    let h = Host::new(&[]);
+
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+
+    let pid = h.pid("vm-1").expect("pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    assert!(!args.iter().any(|a| a == "--net"), "{args:?}");
+    assert_eq!(h.backend.taps(&id("vm-1")), None);
+}
+
+#[test]
+fn a_destroyed_vm_leaves_no_rule_naming_its_tap() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+    let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
+    assert!(
+        nft_ruleset().contains(&format!("port-{tap}")),
+        "guarded while it runs"
+    );
+
+    h.backend
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroy");
+
+    let rules = nft_ruleset();
+    assert!(!rules.contains(&tap), "{rules}");
+}
+
+#[test]
+fn an_adopted_vm_is_guarded_again_before_its_first_tick() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.tick(&h.vm("vm-1"));
+    let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
+    let chain = format!("port-{tap}");
+
+    // The agent restarts: setting the network up again replaces its tables
+    // (the adopted tap is dropped whole meanwhile), and recovery guards it.
+    let mut cfg = h.cfg.clone();
+    cfg.network = Some(Arc::new(
+        eitri_agent::net::host::HostNetwork::setup(
+            underlay(),
+            h.store.root(),
+            vec![],
+            std::collections::HashMap::new(),
+        )
+        .expect("network"),
+    ));
+    let between = nft_ruleset();
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), cfg);
+    restarted.recover(&known(&h.store));
+
+    let after = nft_ruleset();
+    assert!(!between.contains(&chain), "{between}");
+    assert!(
+        between.contains(&format!("iifname \"{}*\"", tap_prefix())),
+        "an unguarded tap of the agent's is dropped: {between}"
+    );
+    let mac = eitri_agent::model::Mac::underlay(&id("vm-1")).to_string();
+    assert!(
+        after.contains(&chain) && after.contains(&format!("ether saddr != {mac}")),
+        "{after}"
+    );
 }

@@ -6,8 +6,9 @@
 use std::net::Ipv4Addr;
 use std::process::Command;
 
+use eitri_agent::model::Mac;
 use eitri_agent::net::dhcp::Responder;
-use eitri_agent::net::underlay::{Nat, Underlay};
+use eitri_agent::net::underlay::{Nat, Port, Underlay};
 use eitri_agent::testkit::net::{
     Namespaces, ip, lease, private_network, script, udhcpc, underlay_config,
 };
@@ -67,7 +68,13 @@ fn an_attached_port_is_isolated() {
         "link", "add", "etport0", "type", "veth", "peer", "name", "etport1",
     ]);
 
-    underlay.attach("etport0").expect("attach");
+    underlay
+        .attach(&Port {
+            tap: "etport0",
+            mac: Mac::parse("02:e1:00:00:00:01").expect("mac"),
+            ip: Some(Ipv4Addr::new(100, 77, 0, 9)),
+        })
+        .expect("attach");
 
     let detail = String::from_utf8_lossy(
         &Command::new("ip")
@@ -79,6 +86,27 @@ fn an_attached_port_is_isolated() {
     .into_owned();
     assert!(detail.contains("master etbr0"), "{detail}");
     assert!(detail.contains("isolated on"), "{detail}");
+}
+
+/// Guest A's address, as the agent would allocate it.
+const GUEST_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 5);
+
+/// A guest namespace behind a bridge port (as a VM behind its tap), its
+/// port guarded to its MAC and address.
+fn add_guest(underlay: &Underlay, ns: &str, port: &str, mac: &str, address: Ipv4Addr) {
+    ip(&["netns", "add", ns]);
+    ip(&[
+        "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns,
+    ]);
+    ip(&["-n", ns, "link", "set", "eth0", "address", mac]);
+    ip(&["-n", ns, "link", "set", "eth0", "up"]);
+    underlay
+        .attach(&Port {
+            tap: port,
+            mac: Mac::parse(mac).expect("mac"),
+            ip: Some(address),
+        })
+        .expect("attach");
 }
 
 /// A guest namespace behind a bridge port (as a VM behind its tap) and a
@@ -94,22 +122,8 @@ impl Topology {
     fn new(underlay: &Underlay) -> Topology {
         let tag = format!("{:x}", std::process::id() & 0xffff);
         let (guest, remote) = (format!("etg{tag}"), format!("etr{tag}"));
-        let cleanup = Namespaces(vec![guest.clone(), remote.clone()]);
-        ip(&["netns", "add", &guest]);
-        ip(&[
-            "link", "add", "etgport", "type", "veth", "peer", "name", "eth0", "netns", &guest,
-        ]);
-        ip(&[
-            "-n",
-            &guest,
-            "link",
-            "set",
-            "eth0",
-            "address",
-            "02:e1:00:00:00:07",
-        ]);
-        ip(&["-n", &guest, "link", "set", "eth0", "up"]);
-        underlay.attach("etgport").expect("attach");
+        let cleanup = Namespaces(vec![guest.clone(), remote.clone(), format!("etp{tag}")]);
+        add_guest(underlay, &guest, "etgport", "02:e1:00:00:00:07", GUEST_IP);
         ip(&["netns", "add", &remote]);
         ip(&[
             "link", "add", "etremote", "type", "veth", "peer", "name", "eth0", "netns", &remote,

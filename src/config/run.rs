@@ -14,7 +14,8 @@ use super::settings::Key;
 use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
 use crate::image::ImageOptions;
 use crate::net::addresses::Subnet;
-use crate::net::underlay::UnderlayConfig;
+use crate::net::cidr::Cidr;
+use crate::net::underlay::{Egress, UnderlayConfig};
 use crate::provision::{Confinement, GuestBoot, Piece};
 use crate::reconcile::{EngineConfig, HostCaps};
 use crate::source::{ControlPlane, SnapshotLimits};
@@ -222,7 +223,7 @@ fn snapshot_limits(raw: &Raw<'_>) -> Result<SnapshotLimits, ConfigError> {
 
 // ── how guests boot, and their networks ─────────────────────────────────
 
-fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
+fn tap_prefix(raw: &Raw<'_>) -> Result<String, ConfigError> {
     let tap_prefix = raw.get(Key::TapPrefix);
     if tap_prefix.is_empty()
         || tap_prefix.len() > 8
@@ -232,6 +233,11 @@ fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
             "--tap-prefix: {tap_prefix:?} must be 1-8 letters or digits (tap names are at most 15 bytes)"
         )));
     }
+    Ok(tap_prefix)
+}
+
+fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
+    let tap_prefix = tap_prefix(raw)?;
     let run_dir = raw.get(Key::RunDir);
     no_comma(Key::RunDir, &run_dir)?;
     let kernel = raw.optional(Key::Kernel).map(PathBuf::from);
@@ -321,10 +327,19 @@ fn underlay(raw: &Raw<'_>) -> Result<Option<UnderlayConfig>, ConfigError> {
     }
     let subnet = Subnet::parse(&raw.get(Key::UnderlaySubnet))
         .map_err(|e| err(format!("--underlay-subnet: {e}")))?;
+    let ranges = |key: Key| {
+        Cidr::parse_list(&raw.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
+    };
     Ok(Some(UnderlayConfig {
         bridge,
         subnet,
         table: "eitri".into(),
+        tap_prefix: tap_prefix(raw)?,
+        egress: Egress {
+            deny: ranges(Key::GuestDeny)?,
+            allow: ranges(Key::GuestAllow)?,
+            dns: Vec::new(),
+        },
     }))
 }
 

@@ -104,6 +104,10 @@ settings! {
         "named host networks for a VM's second NIC: NAME=BRIDGE[,NAME=BRIDGE] (default: none)";
     GuestDns => "guest-dns", "EITRI_GUEST_DNS", "",
         "DNS servers told to guests, comma-separated (default: the host's non-loopback resolvers)";
+    GuestDeny => "guest-deny", "EITRI_GUEST_DENY", "",
+        "ranges guests may not reach, CIDR,CIDR (besides this host, 169.254.0.0/16, other guests and the control plane, always refused): list the management LAN here";
+    GuestAllow => "guest-allow", "EITRI_GUEST_ALLOW", "",
+        "ranges guests may reach even where refused (this host's addresses, link-local, --guest-deny), CIDR,CIDR";
     VmmIds => "vmm-ids", "EITRI_VMM_IDS", "1900000000:65536",
         "FIRST:COUNT user and group ids for jailed hypervisors: FIRST is the group that may open /dev/kvm, each VM gets one of the rest";
     KvmDevice => "kvm-device", "EITRI_KVM_DEVICE", "/dev/kvm",

@@ -1,13 +1,23 @@
-//! Underlay addresses: one per VM, sticky by MAC, never two live VMs on one
-//! (a [`Leases`] pool over the subnet's guest addresses, first choice from
-//! the VM id). An address is released at destroy, not at stop: a stopped
-//! VM keeps it.
+//! Underlay addresses: one per VM, sticky by VM id, never two live VMs on
+//! one (a [`Leases`] pool over the subnet's guest addresses, first choice
+//! from the VM id). An address is released at destroy, not at stop: a
+//! stopped VM keeps it.
+//!
+//! A VM's underlay MAC is derived from its id (46 bits of a hash), so a
+//! control plane that searched for two ids with one MAC (about 2^23
+//! hashes) could put two guests behind one MAC, and the bridge would hand
+//! one the other's frames. The second of such a pair gets no address: a
+//! permanent error naming both.
 
 use std::fmt;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
-use crate::model::Id;
+use std::collections::HashMap;
+
+use parking_lot::Mutex;
+
+use crate::model::{Id, Mac};
 use crate::state::leases::{LeaseError, Leases};
 
 /// An IPv4 subnet: the gateway takes the first host address, guests the rest.
@@ -85,6 +95,12 @@ pub enum AddressError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The VM's MAC is another VM's.
+    MacCollision {
+        vm_id: Id,
+        other: Id,
+        mac: Mac,
+    },
 }
 
 impl fmt::Display for AddressError {
@@ -102,6 +118,10 @@ impl fmt::Display for AddressError {
             AddressError::Save { path, .. } => {
                 write!(f, "cannot save the address map {}", path.display())
             }
+            AddressError::MacCollision { vm_id, other, mac } => write!(
+                f,
+                "VM {vm_id}'s underlay MAC {mac} is VM {other}'s too; two guests cannot share a MAC on one bridge: create it under another id"
+            ),
         }
     }
 }
@@ -117,14 +137,19 @@ impl std::error::Error for AddressError {
 
 impl crate::error::Failure for AddressError {
     fn is_permanent(&self) -> bool {
-        matches!(self, AddressError::Full { .. })
+        matches!(
+            self,
+            AddressError::Full { .. } | AddressError::MacCollision { .. }
+        )
     }
 }
 
-/// The persisted MAC → address map of one subnet.
+/// The persisted VM id → address map of one subnet.
 pub struct Addresses {
     subnet: Subnet,
     leases: Leases<Ipv4Addr>,
+    /// The underlay MAC of every VM holding an address.
+    macs: Mutex<HashMap<Mac, Id>>,
 }
 
 impl Addresses {
@@ -132,29 +157,67 @@ impl Addresses {
     /// error: starting from nothing could hand a live VM's address to another.
     pub fn open(path: &Path, subnet: Subnet) -> Result<Addresses, AddressError> {
         let (first, last) = subnet.guests();
-        let leases = Leases::open(path, first, last - first + 1).map_err(|e| from(e, subnet))?;
-        Ok(Addresses { subnet, leases })
+        let leases: Leases<Ipv4Addr> =
+            Leases::open(path, first, last - first + 1).map_err(|e| from(e, subnet))?;
+        let macs = leases
+            .keys()
+            .iter()
+            .filter_map(|k| Id::parse(k).ok())
+            .map(|id| (Mac::underlay(&id), id))
+            .collect();
+        Ok(Addresses {
+            subnet,
+            leases,
+            macs: Mutex::new(macs),
+        })
     }
 
     pub fn subnet(&self) -> Subnet {
         self.subnet
     }
 
-    pub fn get(&self, mac: &str) -> Option<Ipv4Addr> {
-        self.leases.get(mac)
+    pub fn get(&self, vm_id: &Id) -> Option<Ipv4Addr> {
+        self.leases.get(vm_id.as_str())
     }
 
     /// The VM's address: the one it has, or a new one, saved before it is
     /// returned.
-    pub fn allocate(&self, vm_id: &Id, mac: &str) -> Result<Ipv4Addr, AddressError> {
-        self.leases
-            .allocate(mac, vm_id.as_str())
-            .map_err(|e| from(e, self.subnet))
+    pub fn allocate(&self, vm_id: &Id) -> Result<Ipv4Addr, AddressError> {
+        let mut macs = self.macs.lock();
+        let mac = Mac::underlay(vm_id);
+        if let Some(other) = macs.get(&mac)
+            && other != vm_id
+        {
+            return Err(AddressError::MacCollision {
+                vm_id: vm_id.clone(),
+                other: other.clone(),
+                mac,
+            });
+        }
+        let ip = self
+            .leases
+            .allocate(vm_id.as_str(), vm_id.as_str())
+            .map_err(|e| from(e, self.subnet))?;
+        macs.insert(mac, vm_id.clone());
+        Ok(ip)
     }
 
     /// Frees the VM's address (at destroy).
-    pub fn release(&self, mac: &str) -> Result<(), AddressError> {
-        self.leases.release(mac).map_err(|e| from(e, self.subnet))
+    pub fn release(&self, vm_id: &Id) -> Result<(), AddressError> {
+        let mut macs = self.macs.lock();
+        self.leases
+            .release(vm_id.as_str())
+            .map_err(|e| from(e, self.subnet))?;
+        if macs.get(&Mac::underlay(vm_id)) == Some(vm_id) {
+            macs.remove(&Mac::underlay(vm_id));
+        }
+        Ok(())
+    }
+
+    /// Where `ip` sits in the subnet: distinct for every address, so it
+    /// names the VM's taps (see `tap_names`).
+    pub fn offset(&self, ip: Ipv4Addr) -> u32 {
+        u32::from(ip).wrapping_sub(u32::from(self.subnet.network))
     }
 }
 
@@ -192,10 +255,7 @@ mod tests {
         )
         .expect("open");
 
-        assert_eq!(
-            a.allocate(&id("vm-1"), "02:00:00:00:00:01").ok(),
-            b.allocate(&id("vm-1"), "02:aa:00:00:00:01").ok()
-        );
+        assert_eq!(a.allocate(&id("vm-1")).ok(), b.allocate(&id("vm-1")).ok());
     }
 
     #[test]
@@ -204,12 +264,9 @@ mod tests {
         let a = Addresses::open(&dir.path().join("a.json"), small()).expect("open");
 
         let ips: Vec<Ipv4Addr> = (0..5)
-            .map(|n| {
-                a.allocate(&id(&format!("vm-{n}")), &format!("mac-{n}"))
-                    .expect("room")
-            })
+            .map(|n| a.allocate(&id(&format!("vm-{n}"))).expect("room"))
             .collect();
-        let full = a.allocate(&id("vm-5"), "mac-5");
+        let full = a.allocate(&id("vm-5"));
 
         let distinct: std::collections::HashSet<_> = ips.iter().collect();
         assert_eq!(distinct.len(), 5, "a /29 has 5 guest addresses: {ips:?}");
@@ -226,24 +283,42 @@ mod tests {
         let path = dir.path().join("a.json");
         let ip = Addresses::open(&path, small())
             .expect("open")
-            .allocate(&id("vm-1"), "mac-1")
+            .allocate(&id("vm-1"))
             .expect("ip");
 
         let again = Addresses::open(&path, small()).expect("reopen");
 
-        assert_eq!(again.get("mac-1"), Some(ip));
+        assert_eq!(again.get(&id("vm-1")), Some(ip));
     }
 
     #[test]
     fn release_frees_the_address() {
         let dir = tempfile::tempdir().expect("tempdir");
         let a = Addresses::open(&dir.path().join("a.json"), small()).expect("open");
-        let ip = a.allocate(&id("vm-1"), "mac-1").expect("ip");
+        let ip = a.allocate(&id("vm-1")).expect("ip");
 
-        a.release("mac-1").expect("release");
+        a.release(&id("vm-1")).expect("release");
 
-        assert_eq!(a.get("mac-1"), None);
-        assert_eq!(a.allocate(&id("vm-1"), "mac-1").ok(), Some(ip));
+        assert_eq!(a.get(&id("vm-1")), None);
+        assert_eq!(a.allocate(&id("vm-1")).ok(), Some(ip));
+    }
+
+    #[test]
+    fn a_vm_whose_mac_is_anothers_gets_no_address() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        // A map holding an address under the key of another VM whose MAC
+        // is vm-1's, as a control plane that searched for a collision
+        // would make it (forged here: the file is keyed by id, the MAC is
+        // computed).
+        let a = Addresses::open(&path, small()).expect("open");
+        a.allocate(&id("vm-1")).expect("ip");
+        a.macs.lock().insert(Mac::underlay(&id("vm-2")), id("vm-1"));
+
+        let err = a.allocate(&id("vm-2")).expect_err("collision");
+
+        assert!(matches!(err, AddressError::MacCollision { .. }), "{err}");
+        assert!(err.to_string().contains("vm-1"), "{err}");
     }
 
     #[test]

@@ -1,8 +1,15 @@
 //! A host's guest networking, as the backend uses it: at boot a VM gets its
-//! address (allocated and saved first), its tap becomes an isolated bridge
-//! port, and a DHCP responder on that tap tells the guest the address. The
-//! address is kept while the VM exists, stopped or not, and released at
-//! destroy.
+//! address (allocated and saved first) and, from it, its tap names; its tap
+//! is guarded (see [`underlay`](super::underlay)) and becomes an isolated
+//! bridge port, and a DHCP responder on that tap tells the guest the
+//! address. The address is kept while the VM exists, stopped or not, and
+//! released at destroy, with its guards.
+//!
+//! Tap names come from the address's place in the subnet (`<prefix><hex>`,
+//! and `s` after it for the second NIC): two VMs never hold one address, so
+//! they never share a name, however their ids were chosen. (A name hashed
+//! from the id fits only 40 bits in 15 bytes, and a control plane can find
+//! two ids that share one.)
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -15,7 +22,7 @@ use std::sync::Arc;
 use super::addresses::{AddressError, Addresses};
 use super::dhcp::{Lease, Responder};
 use super::snoop::{Learned, Snooper};
-use super::underlay::{Underlay, UnderlayConfig};
+use super::underlay::{Port, Underlay, UnderlayConfig};
 use crate::error::{BoxFailure, Failure};
 use crate::model::{Id, Mac};
 
@@ -77,6 +84,14 @@ impl Failure for HostNetError {
     }
 }
 
+/// A VM's tap names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Taps {
+    pub underlay: String,
+    /// The second NIC's, on a named host network.
+    pub site: String,
+}
+
 pub struct HostNetwork {
     underlay: Underlay,
     addresses: Addresses,
@@ -99,6 +114,9 @@ impl HostNetwork {
     ) -> Result<HostNetwork, BoxFailure> {
         let addresses = Addresses::open(&state_dir.join("net/addresses.json"), cfg.subnet)
             .map_err(|e: AddressError| -> BoxFailure { e.into() })?;
+        // Guests may always reach the DNS servers they are told.
+        let mut cfg = cfg;
+        cfg.egress.dns.clone_from(&dns);
         let underlay = Underlay::setup(cfg).map_err(|e| -> BoxFailure { e.into() })?;
         Ok(HostNetwork {
             underlay,
@@ -112,10 +130,42 @@ impl HostNetwork {
         })
     }
 
-    /// Connects a VM's freshly opened tap: address, bridge port, responder.
-    pub fn plug(&self, vm_id: &Id, tap: &str, mac: Mac) -> Result<Ipv4Addr, BoxFailure> {
-        let ip = self.addresses.allocate(vm_id, &mac.to_string())?;
-        self.underlay.attach(tap)?;
+    /// The VM's address (allocated and saved if it has none) and the names
+    /// of its taps, which follow from it.
+    pub fn reserve(&self, vm_id: &Id) -> Result<Taps, BoxFailure> {
+        let ip = self.addresses.allocate(vm_id)?;
+        Ok(self.taps_of(ip))
+    }
+
+    /// The names of the VM's taps, while it holds an address.
+    pub fn taps(&self, vm_id: &Id) -> Option<Taps> {
+        self.addresses.get(vm_id).map(|ip| self.taps_of(ip))
+    }
+
+    fn taps_of(&self, ip: Ipv4Addr) -> Taps {
+        let underlay = format!("{}{:x}", self.tap_prefix(), self.addresses.offset(ip));
+        Taps {
+            site: format!("{underlay}s"),
+            underlay,
+        }
+    }
+
+    fn tap_prefix(&self) -> &str {
+        &self.underlay.config().tap_prefix
+    }
+
+    /// Connects a VM's freshly opened underlay tap (named by [`reserve`]):
+    /// guard, bridge port, responder.
+    ///
+    /// [`reserve`]: HostNetwork::reserve
+    pub fn plug(&self, vm_id: &Id, mac: Mac) -> Result<Ipv4Addr, BoxFailure> {
+        let ip = self.addresses.allocate(vm_id)?;
+        let tap = &self.taps_of(ip).underlay;
+        self.underlay.attach(&Port {
+            tap,
+            mac,
+            ip: Some(ip),
+        })?;
         let subnet = self.underlay.subnet();
         let lease = Lease {
             mac: mac.octets(),
@@ -138,12 +188,13 @@ impl HostNetwork {
         self.responders.lock().contains_key(vm_id)
     }
 
-    pub fn address(&self, mac: Mac) -> Option<Ipv4Addr> {
-        self.addresses.get(&mac.to_string())
+    pub fn address(&self, vm_id: &Id) -> Option<Ipv4Addr> {
+        self.addresses.get(vm_id)
     }
 
-    /// Connects a VM's second tap to the named host network's bridge and
-    /// starts learning the address the site's DHCP server grants it.
+    /// Connects a VM's second tap to the named host network's bridge,
+    /// guarded to its MAC, and starts learning the address the site's DHCP
+    /// server grants it.
     pub fn plug_named(
         &self,
         vm_id: &Id,
@@ -160,6 +211,7 @@ impl HostNetwork {
             }
             .into());
         };
+        self.underlay.guard(&Port { tap, mac, ip: None })?;
         super::underlay::join(tap, bridge)?;
         let snooper = Snooper::start(tap, mac, Arc::clone(&self.learned)).map_err(|source| {
             HostNetError::Snoop {
@@ -186,12 +238,16 @@ impl HostNetwork {
         self.learned.get(&mac.to_string())
     }
 
-    /// Disconnects a destroyed VM, frees its address and forgets what was
-    /// learned of its second NIC.
-    pub fn release(&self, vm_id: &Id, mac: Mac, second_mac: Mac) -> Result<(), BoxFailure> {
+    /// Disconnects a destroyed VM: its guards deleted, its address freed,
+    /// what was learned of its second NIC forgotten.
+    pub fn release(&self, vm_id: &Id, second_mac: Mac) -> Result<(), BoxFailure> {
         self.responders.lock().remove(vm_id);
         self.snoopers.lock().remove(vm_id);
+        if let Some(taps) = self.taps(vm_id) {
+            self.underlay.unguard(&taps.underlay)?;
+            self.underlay.unguard(&taps.site)?;
+        }
         self.learned.forget(&second_mac.to_string());
-        self.addresses.release(&mac.to_string()).map_err(Into::into)
+        self.addresses.release(vm_id).map_err(Into::into)
     }
 }

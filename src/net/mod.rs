@@ -6,6 +6,7 @@
 //! on that guest's tap; no address is baked into the seed.
 
 pub mod addresses;
+pub mod cidr;
 pub mod dhcp;
 pub mod host;
 pub mod packet;

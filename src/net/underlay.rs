@@ -17,6 +17,28 @@
 //! Ports are `isolated on`: guests cannot reach each other's L2, only the
 //! gateway. (To let them, `bridge link set dev <tap> isolated off`.)
 //!
+//! With nft, guests are also held to what the host gave them (a guest owns
+//! its NIC, so nothing it sends is believed):
+//! - **Per port** (`table bridge <table>`): each VM tap gets a chain, made
+//!   in one transaction when the tap is plugged and deleted at destroy.
+//!   Frames must carry the VM's MAC; ARP must claim its MAC and address;
+//!   IPv4 must come from its address (0.0.0.0 only for DHCP to a server);
+//!   no DHCP server answers, no VLAN tags, no IPv6 on the underlay (it is
+//!   not served) and no router advertisements anywhere. Every drop is
+//!   counted (`nft list table bridge <table>`). A tap with the agent's
+//!   prefix and no chain, as an adopted VM's is between a restart and its
+//!   re-plug, is dropped whole: the guard fails closed.
+//! - **Egress** (`table ip <table>`): from the bridge, the host itself is
+//!   reachable only for DHCP, DNS to the servers guests are told, and ping
+//!   to the gateway; forwarding refuses guest to guest, link-local
+//!   (169.254.0.0/16, where clouds keep metadata services), and every
+//!   range in the deny list (`--guest-deny`, and the control plane's
+//!   address), unless `--guest-allow` lets it. Nothing from outside opens
+//!   a connection to a guest.
+//!
+//! Without nft nothing holds a guest to its MAC and address: the agent
+//! says so in the log and in `status` ("unprotected").
+//!
 //! This shells out to iproute2 and nft/iptables, the tools every host has
 //! and an operator can read back; netlink by hand would hide the same
 //! operations in a few hundred lines of message building.
@@ -24,14 +46,50 @@
 use std::fmt;
 use std::process::Command;
 
+use std::net::Ipv4Addr;
+
 use super::addresses::Subnet;
+use super::cidr::Cidr;
+use crate::model::Mac;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnderlayConfig {
     pub bridge: String,
     pub subnet: Subnet,
-    /// The nft table (and iptables chain prefix) the agent owns.
+    /// The nft tables (ip and bridge) and iptables chain prefix the agent owns.
     pub table: String,
+    /// Every guest tap's name starts with it: one without a guard is dropped.
+    pub tap_prefix: String,
+    pub egress: Egress,
+}
+
+/// Where guests may not go, beyond what is always refused (the host
+/// itself, link-local, other guests).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Egress {
+    /// Ranges guests never reach: the operator's, and the control plane's
+    /// address.
+    pub deny: Vec<Cidr>,
+    /// Exceptions to every refusal but guest to guest, the host included.
+    pub allow: Vec<Cidr>,
+    /// The DNS servers guests are told: port 53 on them is always open.
+    pub dns: Vec<Ipv4Addr>,
+}
+
+/// Link-local: where clouds serve instance metadata (169.254.169.254).
+pub const LINK_LOCAL: Cidr = Cidr {
+    network: Ipv4Addr::new(169, 254, 0, 0),
+    prefix: 16,
+};
+
+/// A VM's tap as the guard knows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Port<'a> {
+    pub tap: &'a str,
+    pub mac: Mac,
+    /// Its underlay address; `None` on a site network, whose addresses the
+    /// site's own DHCP grants (the MAC is held there, not the address).
+    pub ip: Option<Ipv4Addr>,
 }
 
 /// How guests reach beyond the host.
@@ -120,6 +178,14 @@ pub struct Underlay {
     nat: Nat,
 }
 
+impl Nat {
+    /// Whether guests are held to their MAC and address and to the egress
+    /// policy (only nft does it).
+    pub fn guards(self) -> bool {
+        self == Nat::Nft
+    }
+}
+
 impl Underlay {
     /// Brings the underlay up (see the module steps).
     pub fn setup(cfg: UnderlayConfig) -> Result<Underlay, NetError> {
@@ -146,6 +212,9 @@ impl Underlay {
             );
             Nat::HostOnly
         };
+        if !nat.guards() {
+            log::warn!("{UNGUARDED}");
+        }
         accept_through_drop_policy(&cfg);
         Ok(Underlay { cfg, nat })
     }
@@ -158,8 +227,14 @@ impl Underlay {
         self.cfg.subnet
     }
 
-    /// Makes `tap` an isolated, up port of the bridge.
-    pub fn attach(&self, tap: &str) -> Result<(), NetError> {
+    pub fn config(&self) -> &UnderlayConfig {
+        &self.cfg
+    }
+
+    /// Guards `port`, then makes it an isolated, up port of the bridge.
+    pub fn attach(&self, port: &Port<'_>) -> Result<(), NetError> {
+        self.guard(port)?;
+        let tap = port.tap;
         run(
             "ip",
             &["link", "set", tap, "master", &self.cfg.bridge],
@@ -182,7 +257,37 @@ impl Underlay {
         run("ip", &["link", "set", tap, "up"], None)?;
         Ok(())
     }
+
+    /// Holds `port` to its MAC (and address), replacing any chain it had,
+    /// in one transaction. Nothing to do without nft (said at setup).
+    pub fn guard(&self, port: &Port<'_>) -> Result<(), NetError> {
+        if !self.nat.guards() {
+            return Ok(());
+        }
+        run(
+            "nft",
+            &["-f", "-"],
+            Some(&port_ruleset(&self.cfg.table, port)),
+        )
+        .map(drop)
+    }
+
+    /// Deletes `tap`'s chain, in one transaction (absent is fine).
+    pub fn unguard(&self, tap: &str) -> Result<(), NetError> {
+        if !self.nat.guards() {
+            return Ok(());
+        }
+        run(
+            "nft",
+            &["-f", "-"],
+            Some(&unport_ruleset(&self.cfg.table, tap)),
+        )
+        .map(drop)
+    }
 }
+
+/// What the log and `status` say where nothing guards the guests.
+pub const UNGUARDED: &str = "guest traffic is unprotected: nft is not installed, so nothing holds a guest to its MAC and address or keeps it from this host's services (install nftables)";
 
 fn enable_forwarding() -> Result<(), NetError> {
     let path = "/proc/sys/net/ipv4/ip_forward";
@@ -197,24 +302,129 @@ fn enable_forwarding() -> Result<(), NetError> {
     Ok(())
 }
 
-/// The agent's whole nft table, as one transaction: make sure the table
-/// exists, delete it, define it afresh.
+/// The agent's nft tables, as one transaction: make sure each exists,
+/// delete it, define it afresh (so every VM's port chain is gone until its
+/// tap is guarded again, and its tap meanwhile dropped).
 pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
     let (t, b, s) = (&cfg.table, &cfg.bridge, cfg.subnet);
+    let gateway = s.gateway();
+    let set = |name: &str, ranges: &[Cidr]| {
+        let mut text =
+            format!("\tset {name} {{\n\t\ttype ipv4_addr; flags interval; auto-merge;\n");
+        if !ranges.is_empty() {
+            let list: Vec<String> = ranges.iter().map(Cidr::to_string).collect();
+            text.push_str(&format!("\t\telements = {{ {} }}\n", list.join(", ")));
+        }
+        text.push_str("\t}\n");
+        text
+    };
+    let mut deny = cfg.egress.deny.clone();
+    deny.push(LINK_LOCAL);
+    let dns_rule = if cfg.egress.dns.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = cfg.egress.dns.iter().map(Ipv4Addr::to_string).collect();
+        format!(
+            "\t\tiifname \"{b}\" ip daddr {{ {} }} meta l4proto {{ tcp, udp }} th dport 53 accept comment \"DNS to the servers guests are told\"\n",
+            list.join(", ")
+        )
+    };
     format!(
         "table ip {t} {{}}\n\
          delete table ip {t}\n\
          table ip {t} {{\n\
+         {deny_set}\
+         {allow_set}\
          \tchain postrouting {{\n\
          \t\ttype nat hook postrouting priority srcnat; policy accept;\n\
          \t\tip saddr {s} oifname != \"{b}\" masquerade\n\
          \t}}\n\
+         \tchain input {{\n\
+         \t\ttype filter hook input priority filter; policy accept;\n\
+         \t\tiifname \"{b}\" ct state established,related accept\n\
+         \t\tiifname \"{b}\" udp dport 67 accept comment \"DHCP\"\n\
+         {dns_rule}\
+         \t\tiifname \"{b}\" ip daddr {gateway} icmp type echo-request limit rate 10/second accept comment \"ping the gateway\"\n\
+         \t\tiifname \"{b}\" ip daddr @allow accept\n\
+         \t\tiifname \"{b}\" counter drop comment \"a guest reaching into this host\"\n\
+         \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority filter; policy accept;\n\
+         \t\tiifname \"{b}\" oifname \"{b}\" counter drop comment \"guest to guest\"\n\
+         {dns_rule}\
+         \t\tiifname \"{b}\" ip daddr @allow accept\n\
+         \t\tiifname \"{b}\" ip daddr @deny counter drop comment \"a denied destination\"\n\
          \t\tiifname \"{b}\" accept\n\
          \t\toifname \"{b}\" ct state established,related accept\n\
+         \t\toifname \"{b}\" counter drop comment \"a connection opened from outside\"\n\
          \t}}\n\
-         }}\n"
+         }}\n\
+         table bridge {t} {{}}\n\
+         delete table bridge {t}\n\
+         table bridge {t} {{\n\
+         \tmap ports {{\n\
+         \t\ttype ifname : verdict;\n\
+         \t}}\n\
+         \tchain prerouting {{\n\
+         \t\ttype filter hook prerouting priority filter; policy accept;\n\
+         \t\tiifname vmap @ports\n\
+         \t\tiifname \"{prefix}*\" counter drop comment \"an agent tap with no guard\"\n\
+         \t}}\n\
+         }}\n",
+        deny_set = set("deny", &deny),
+        allow_set = set("allow", &cfg.egress.allow),
+        prefix = cfg.tap_prefix,
+    )
+}
+
+/// One port's chain, replaced whole, and its entry in the port map, as
+/// one transaction (see the module's list for what each rule refuses).
+pub fn port_ruleset(table: &str, port: &Port<'_>) -> String {
+    let (t, tap, mac) = (table, port.tap, port.mac);
+    let chain = format!("port-{tap}");
+    let mut rules = vec![
+        format!("ether saddr != {mac} counter drop comment \"not its MAC\""),
+        "ether type vlan counter drop comment \"VLAN-tagged\"".to_owned(),
+        format!("arp saddr ether != {mac} counter drop comment \"ARP for another MAC\""),
+        "meta l4proto udp udp sport { 67, 547 } counter drop comment \"a DHCP server\"".to_owned(),
+        "icmpv6 type { nd-router-advert, nd-redirect } counter drop comment \"a router advertisement\"".to_owned(),
+    ];
+    match port.ip {
+        Some(ip) => rules.extend([
+            format!(
+                "arp saddr ip != {{ {ip}, 0.0.0.0 }} counter drop comment \"ARP for another address\""
+            ),
+            "ip saddr 0.0.0.0 udp sport 68 udp dport 67 accept comment \"DHCP before it has its address\"".to_owned(),
+            format!("ip saddr != {ip} counter drop comment \"not its address\""),
+            "ether type ip6 counter drop comment \"IPv6 is not served\"".to_owned(),
+            "ether type { ip, arp } accept".to_owned(),
+            "counter drop comment \"neither IPv4 nor ARP\"".to_owned(),
+        ]),
+        None => rules.push("accept".to_owned()),
+    }
+    let mut text = format!("add chain bridge {t} {chain}\nflush chain bridge {t} {chain}\n");
+    for rule in rules {
+        text.push_str(&format!("add rule bridge {t} {chain} {rule}\n"));
+    }
+    // Added, deleted and added again: an element already present is
+    // replaced, and the transaction never fails on what was there before.
+    let element = format!("bridge {t} ports {{ \"{tap}\" : jump {chain} }}");
+    text.push_str(&format!(
+        "add element {element}\ndelete element bridge {t} ports {{ \"{tap}\" }}\nadd element {element}\n"
+    ));
+    text
+}
+
+/// Deletes a port's map entry and chain, in one transaction; each is made
+/// first, so what is absent is no error.
+pub fn unport_ruleset(table: &str, tap: &str) -> String {
+    let (t, chain) = (table, format!("port-{tap}"));
+    format!(
+        "add chain bridge {t} {chain}\n\
+         add element bridge {t} ports {{ \"{tap}\" : jump {chain} }}\n\
+         delete element bridge {t} ports {{ \"{tap}\" }}\n\
+         flush chain bridge {t} {chain}\n\
+         delete chain bridge {t} {chain}\n"
     )
 }
 

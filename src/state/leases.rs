@@ -71,6 +71,11 @@ impl<V: Slot> Leases<V> {
         self.map.lock().get(key).copied()
     }
 
+    /// Every key holding a slot.
+    pub fn keys(&self) -> Vec<String> {
+        self.map.lock().keys().cloned().collect()
+    }
+
     /// The key's slot: the one it has, or a new one (first choice from
     /// `seed`), saved before it is returned.
     pub fn allocate(&self, key: &str, seed: &str) -> Result<V, LeaseError> {

@@ -66,12 +66,15 @@ pub fn script(path: &Path, body: &str) {
         .unwrap_or_else(|e| panic!("chmod: {e}"));
 }
 
-/// The tests' underlay: bridge `etbr0`, 100.77.0.0/16, table `eitri_test`.
+/// The tests' underlay: bridge `etbr0`, 100.77.0.0/16, table `eitri_test`,
+/// guest taps named `etg…`, no ranges denied beyond the defaults.
 pub fn underlay_config() -> UnderlayConfig {
     UnderlayConfig {
         bridge: "etbr0".into(),
         subnet: Subnet::parse("100.77.0.0/16").unwrap_or_else(|e| panic!("{e}")),
         table: "eitri_test".into(),
+        tap_prefix: "etg".into(),
+        egress: crate::net::underlay::Egress::default(),
     }
 }
 
@@ -104,4 +107,81 @@ pub fn client_frame(mac: [u8; 6], kind: Kind, xid: u32, requested: Option<Ipv4Ad
         (Ipv4Addr::BROADCAST, 67),
         &m.encode(),
     )
+}
+
+/// Runs `f` on a thread inside the named network namespace `ns` (as made
+/// by `ip netns add`): sockets it opens belong to that namespace.
+pub fn within<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let file = std::fs::File::open(format!("/run/netns/{ns}"))
+                    .unwrap_or_else(|e| panic!("namespace {ns}: {e}"));
+                nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)
+                    .unwrap_or_else(|e| panic!("enter namespace {ns}: {e}"));
+                f()
+            })
+            .join()
+            .unwrap_or_else(|_| panic!("the thread in namespace {ns} panicked"))
+    })
+}
+
+/// An ARP frame (op 1 request, 2 reply) from `sender` to `target`, each a
+/// MAC and an address; the Ethernet source is the sender's MAC unless
+/// `ether_src` says otherwise.
+pub fn arp_frame(
+    op: u16,
+    ether_src: Option<[u8; 6]>,
+    sender: ([u8; 6], Ipv4Addr),
+    target: ([u8; 6], Ipv4Addr),
+) -> Vec<u8> {
+    let dst = if op == 1 { [0xff; 6] } else { target.0 };
+    let mut f = Vec::with_capacity(42);
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&ether_src.unwrap_or(sender.0));
+    f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4]);
+    f.extend_from_slice(&op.to_be_bytes());
+    f.extend_from_slice(&sender.0);
+    f.extend_from_slice(&sender.1.octets());
+    f.extend_from_slice(&target.0);
+    f.extend_from_slice(&target.1.octets());
+    f
+}
+
+/// The packets counted by the rule of nft chain `chain` (in `family`
+/// table `table`) whose comment is `comment`; 0 when it counted none.
+pub fn nft_counter(family: &str, table: &str, chain: &str, comment: &str) -> u64 {
+    let out = super::tools::tool("nft")
+        .args(["list", "chain", family, table, chain])
+        .output()
+        .unwrap_or_else(|e| panic!("nft: {e}"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("comment \"{comment}\"")))
+        .unwrap_or_else(|| panic!("no rule {comment:?} in {family} {table} {chain}: {text}"));
+    line.split_whitespace()
+        .skip_while(|w| *w != "packets")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter on {line:?}"))
+}
+
+/// The whole nft ruleset, as `nft list ruleset` prints it.
+pub fn nft_ruleset() -> String {
+    let out = super::tools::tool("nft")
+        .args(["list", "ruleset"])
+        .output()
+        .unwrap_or_else(|e| panic!("nft: {e}"));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether a link of this name exists in this process's network namespace
+/// (asked of the kernel: /sys shows the namespace that mounted it).
+pub fn link_exists(name: &str) -> bool {
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: `c` is a valid NUL-terminated string for the call.
+    unsafe { nix::libc::if_nametoindex(c.as_ptr()) != 0 }
 }

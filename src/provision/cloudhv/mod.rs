@@ -235,14 +235,15 @@ impl CloudHypervisor {
             let Some(network) = &self.cfg.network else {
                 continue;
             };
-            let mut plugged = network
-                .plug(vm_id, &self.tap_name(vm_id), Mac::underlay(vm_id))
-                .map(drop);
-            if plugged.is_ok() && !rec.spec.network.is_empty() {
+            let mut plugged = network.plug(vm_id, Mac::underlay(vm_id)).map(drop);
+            if plugged.is_ok()
+                && !rec.spec.network.is_empty()
+                && let Some(taps) = network.taps(vm_id)
+            {
                 plugged = network.plug_named(
                     vm_id,
                     &rec.spec.network,
-                    &self.site_tap_name(vm_id),
+                    &taps.site,
                     Mac::second_nic(vm_id),
                 );
             }
@@ -284,18 +285,9 @@ impl CloudHypervisor {
             .join(format!("{}.sock", &self.digest(vm_id)[..16]))
     }
 
-    /// ≤ 15 bytes, as Linux link names must be.
-    pub fn tap_name(&self, vm_id: &Id) -> String {
-        let room = 15usize.saturating_sub(self.cfg.tap_prefix.len()).min(12);
-        format!("{}{}", self.cfg.tap_prefix, &self.digest(vm_id)[..room])
-    }
-
-    /// The second NIC's tap: the same, its last character made `s`.
-    pub fn site_tap_name(&self, vm_id: &Id) -> String {
-        let mut name = self.tap_name(vm_id);
-        name.pop();
-        name.push('s');
-        name
+    /// The VM's tap names, while networking is on and it holds an address.
+    pub fn taps(&self, vm_id: &Id) -> Option<crate::net::host::Taps> {
+        self.cfg.network.as_ref().and_then(|n| n.taps(vm_id))
     }
 
     fn tracked(&self, vm_id: &Id) -> Option<Tracked> {
@@ -495,7 +487,8 @@ impl Provisioner for CloudHypervisor {
 
     fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
         self.stop(vm_id, deadline, &|what| log::info!("VM {vm_id}: {what}"))?;
-        for tap in [self.tap_name(vm_id), self.site_tap_name(vm_id)] {
+        let taps = self.taps(vm_id).map(|t| [t.underlay, t.site]);
+        for tap in taps.into_iter().flatten() {
             // The kernel unregisters a tap asynchronously once its last fd
             // closes, so a VMM that just exited can leave its link for a
             // moment: give it that moment before removing a leftover.
@@ -532,7 +525,7 @@ impl Provisioner for CloudHypervisor {
         }
         self.exits.lock().remove(vm_id);
         if let Some(network) = &self.cfg.network {
-            network.release(vm_id, Mac::underlay(vm_id), Mac::second_nic(vm_id))?;
+            network.release(vm_id, Mac::second_nic(vm_id))?;
         }
         if let Ok(cgroups) = &self.confined.cgroups {
             cgroups
@@ -568,7 +561,7 @@ impl Provisioner for CloudHypervisor {
         self.cfg
             .network
             .as_ref()
-            .and_then(|n| n.address(Mac::underlay(vm_id)))
+            .and_then(|n| n.address(vm_id))
             .map(|ip| ip.to_string())
             .unwrap_or_default()
     }

@@ -169,42 +169,41 @@ impl CloudHypervisor {
     }
 
     /// Opens the VM's taps and joins them to the host's networks: the
-    /// underlay NIC always; a second NIC on the named host network the spec
-    /// asks for, its address learned from the site's own DHCP.
+    /// underlay NIC; a second NIC on the named host network the spec asks
+    /// for, its address learned from the site's own DHCP. With networking
+    /// off a VM gets no NIC at all: a tap joined to nothing would only be a
+    /// link for the guest to write into.
     fn prepare_nics(&self, spec: &VmSpec) -> Result<Vec<(OwnedFd, Mac)>, BoxFailure> {
         let vm_id = &spec.vm_id;
-        let open = |name: String| {
-            tap::open(&name).map_err(|source| CloudHvError::OpenTap {
+        let not_served = || CloudHvError::NetworkNotServed {
+            vm_id: vm_id.clone(),
+            network: spec.network.clone(),
+        };
+        let Some(network) = &self.cfg.network else {
+            if !spec.network.is_empty() {
+                return Err(not_served().into());
+            }
+            return Ok(Vec::new());
+        };
+        if !spec.network.is_empty() && !network.serves(&spec.network) {
+            return Err(not_served().into());
+        }
+        let open = |name: &str| {
+            tap::open(name).map_err(|source| CloudHvError::OpenTap {
                 vm_id: vm_id.clone(),
-                tap: name,
+                tap: name.to_owned(),
                 source,
             })
         };
-        let mut taps = Vec::with_capacity(2);
-        let name = self.tap_name(vm_id);
+        let names = network.reserve(vm_id)?;
         let mac = Mac::underlay(vm_id);
-        taps.push((open(name.clone())?, mac));
-        if let Some(network) = &self.cfg.network {
-            let ip = network.plug(vm_id, &name, mac)?;
-            log::info!("VM {vm_id}: {ip} on its tap {name}");
-        }
+        let mut taps = vec![(open(&names.underlay)?, mac)];
+        let ip = network.plug(vm_id, mac)?;
+        log::info!("VM {vm_id}: {ip} on its tap {}", names.underlay);
         if !spec.network.is_empty() {
-            let Some(network) = self
-                .cfg
-                .network
-                .as_ref()
-                .filter(|n| n.serves(&spec.network))
-            else {
-                return Err(CloudHvError::NetworkNotServed {
-                    vm_id: vm_id.clone(),
-                    network: spec.network.clone(),
-                }
-                .into());
-            };
-            let name = self.site_tap_name(vm_id);
             let mac = Mac::second_nic(vm_id);
-            taps.push((open(name.clone())?, mac));
-            network.plug_named(vm_id, &spec.network, &name, mac)?;
+            taps.push((open(&names.site)?, mac));
+            network.plug_named(vm_id, &spec.network, &names.site, mac)?;
         }
         Ok(taps)
     }
