@@ -3,14 +3,19 @@
 //! bridge, the nft table and the forwarding switch it sets never touch the
 //! host's. Named namespaces it adds for a guest and a "remote" are removed.
 
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::Command;
+use std::time::Duration;
 
 use eitri_agent::model::Mac;
+use eitri_agent::net::cidr::Cidr;
 use eitri_agent::net::dhcp::Responder;
+use eitri_agent::net::dhcp::codec::build_frame;
+use eitri_agent::net::packet::PacketSocket;
 use eitri_agent::net::underlay::{Nat, Port, Underlay};
 use eitri_agent::testkit::net::{
-    Namespaces, ip, lease, private_network, script, udhcpc, underlay_config,
+    Namespaces, arp_frame, ip, lease, nft_counter, private_network, script, udhcpc,
+    underlay_config, within,
 };
 use eitri_agent::testkit::tools::{require, tool};
 
@@ -115,6 +120,8 @@ fn add_guest(underlay: &Underlay, ns: &str, port: &str, mac: &str, address: Ipv4
 struct Topology {
     guest: String,
     remote: String,
+    /// A second guest's namespace, made by [`Topology::add_peer`].
+    peer: String,
     _cleanup: Namespaces,
 }
 
@@ -143,8 +150,15 @@ impl Topology {
         Topology {
             guest,
             remote,
+            peer: format!("etp{tag}"),
             _cleanup: cleanup,
         }
+    }
+
+    /// Guest B, behind port `etgpeer`, with its address set by hand.
+    fn add_peer(&self, underlay: &Underlay) {
+        add_guest(underlay, &self.peer, "etgpeer", PEER_MAC, PEER_IP);
+        configure(&self.peer, PEER_IP);
     }
 
     /// A script for udhcpc that configures the guest and logs each event.
@@ -361,4 +375,268 @@ fn without_nft_and_iptables_guests_reach_the_host_only() {
     assert_eq!(underlay.nat(), Nat::HostOnly);
     assert!(reached_host, "the guest reaches its gateway on this host");
     assert!(!reached_remote, "and nothing beyond it");
+}
+
+// ── what a hostile guest tries ──────────────────────────────────────────
+
+const PEER_MAC: &str = "02:e1:00:00:00:08";
+const PEER_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 6);
+const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+const GATEWAY: Ipv4Addr = Ipv4Addr::new(100, 77, 0, 1);
+
+/// Gives a guest its address by hand, with the gateway as its route out.
+fn configure(ns: &str, address: Ipv4Addr) {
+    ip(&[
+        "-n",
+        ns,
+        "addr",
+        "add",
+        &format!("{address}/16"),
+        "dev",
+        "eth0",
+    ]);
+    ip(&["-n", ns, "route", "add", "default", "via", "100.77.0.1"]);
+}
+
+fn bridge_mac() -> [u8; 6] {
+    PacketSocket::open("etbr0", None).expect("bridge").mac()
+}
+
+/// Sends whole frames out of a guest's NIC, as its kernel never would.
+fn send_from(ns: &str, frames: &[Vec<u8>]) {
+    within(ns, || {
+        let nic = PacketSocket::open("eth0", None).expect("packet socket");
+        for f in frames {
+            nic.send(f).expect("send");
+        }
+    });
+}
+
+/// Whether a TCP connection from namespace `ns` to `to` opens within 1 s.
+fn connects(ns: &str, to: SocketAddr) -> bool {
+    within(ns, || {
+        TcpStream::connect_timeout(&to, Duration::from_secs(1)).is_ok()
+    })
+}
+
+/// A TCP listener bound in namespace `ns` (it stays there).
+fn listen_in(ns: &str, at: Ipv4Addr) -> TcpListener {
+    within(ns, || TcpListener::bind((at, 0)).expect("listen"))
+}
+
+fn neighbour(ip: Ipv4Addr) -> String {
+    let out = tool("ip")
+        .args(["neigh", "show", &ip.to_string(), "dev", "etbr0"])
+        .output()
+        .expect("ip");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn guest_mac() -> [u8; 6] {
+    GUEST_MAC
+}
+
+#[test]
+fn a_forged_arp_leaves_the_hosts_entry_for_another_guest_untouched() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    topology.add_peer(&underlay);
+    assert!(
+        tool("ping")
+            .args(["-c", "1", "-W", "2", &PEER_IP.to_string()])
+            .status()
+            .expect("ping")
+            .success(),
+        "the host reaches guest B"
+    );
+    assert!(neighbour(PEER_IP).contains(PEER_MAC));
+    // The kernel lets an ARP reply override an entry a second after it
+    // was last updated: wait that out, so only the guard can stop it.
+    std::thread::sleep(Duration::from_millis(1200));
+    let forged = arp_frame(2, None, (guest_mac(), PEER_IP), (bridge_mac(), GATEWAY));
+
+    send_from(&topology.guest, &[forged.clone(), forged.clone(), forged]);
+    std::thread::sleep(Duration::from_millis(200));
+
+    let entry = neighbour(PEER_IP);
+    assert!(entry.contains(PEER_MAC), "the host's entry for B: {entry}");
+    assert!(
+        nft_counter(
+            "bridge",
+            "eitri_test",
+            "port-etgport",
+            "ARP for another address"
+        ) >= 3
+    );
+}
+
+#[test]
+fn a_forged_source_address_never_leaves_the_bridge() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    let remote = within(&topology.remote, || {
+        let s = UdpSocket::bind((REMOTE, 9999)).expect("bind");
+        s.set_read_timeout(Some(Duration::from_secs(1)))
+            .expect("timeout");
+        s
+    });
+    let datagram = |from: Ipv4Addr| {
+        build_frame(
+            GUEST_MAC,
+            bridge_mac(),
+            (from, 5000),
+            (REMOTE, 9999),
+            b"from a guest",
+        )
+    };
+    let mut buf = [0u8; 64];
+
+    send_from(&topology.guest, &[datagram(Ipv4Addr::new(100, 77, 9, 9))]);
+    let forged_arrived = remote.recv_from(&mut buf).is_ok();
+    send_from(&topology.guest, &[datagram(GUEST_IP)]);
+    let genuine_arrived = remote.recv_from(&mut buf).is_ok();
+
+    assert!(!forged_arrived, "a datagram from a forged source got out");
+    assert!(
+        genuine_arrived,
+        "its own address goes out (the test can tell)"
+    );
+    assert!(nft_counter("bridge", "eitri_test", "port-etgport", "not its address") >= 1);
+}
+
+#[test]
+fn a_guest_cannot_reach_a_listener_on_the_hosts_address() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    // The host's own address on its "LAN" (the link to the remote).
+    let sshd = TcpListener::bind((Ipv4Addr::new(198, 51, 100, 1), 0)).expect("listen");
+    let gateway = TcpListener::bind((GATEWAY, 0)).expect("listen");
+
+    let reached_lan_address = connects(&topology.guest, sshd.local_addr().expect("addr"));
+    let reached_gateway = connects(&topology.guest, gateway.local_addr().expect("addr"));
+
+    assert!(!reached_lan_address);
+    assert!(!reached_gateway);
+    assert!(
+        nft_counter(
+            "ip",
+            "eitri_test",
+            "input",
+            "a guest reaching into this host"
+        ) >= 2
+    );
+}
+
+#[test]
+fn a_guest_cannot_reach_link_local_metadata_but_reaches_the_remote() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    let metadata = Ipv4Addr::new(169, 254, 169, 254);
+    ip(&[
+        "-n",
+        &topology.remote,
+        "addr",
+        "add",
+        "169.254.169.254/32",
+        "dev",
+        "eth0",
+    ]);
+    ip(&["route", "add", "169.254.169.254/32", "via", "198.51.100.2"]);
+    let service = listen_in(&topology.remote, metadata);
+    let remote = listen_in(&topology.remote, REMOTE);
+
+    let reached_metadata = connects(&topology.guest, service.local_addr().expect("addr"));
+    let reached_remote = connects(&topology.guest, remote.local_addr().expect("addr"));
+
+    assert!(!reached_metadata, "169.254.169.254 is not for guests");
+    assert!(reached_remote, "the remote is reached through the NAT");
+}
+
+#[test]
+fn a_denied_range_is_refused_and_an_allowed_host_in_it_is_not() {
+    private_network();
+    let mut cfg = underlay_config();
+    cfg.egress.deny = vec![Cidr::parse("203.0.113.0/24").expect("cidr")];
+    cfg.egress.allow = vec![Cidr::parse("203.0.113.20").expect("cidr")];
+    let underlay = Underlay::setup(cfg).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    for host in ["203.0.113.10/32", "203.0.113.20/32"] {
+        ip(&["-n", &topology.remote, "addr", "add", host, "dev", "eth0"]);
+    }
+    ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
+    let denied = listen_in(&topology.remote, Ipv4Addr::new(203, 0, 113, 10));
+    let allowed = listen_in(&topology.remote, Ipv4Addr::new(203, 0, 113, 20));
+
+    let reached_denied = connects(&topology.guest, denied.local_addr().expect("addr"));
+    let reached_allowed = connects(&topology.guest, allowed.local_addr().expect("addr"));
+
+    assert!(!reached_denied);
+    assert!(reached_allowed);
+}
+
+#[test]
+fn guests_cannot_reach_each_other_through_the_gateway() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    topology.add_peer(&underlay);
+    let peer = listen_in(&topology.peer, PEER_IP);
+    // Each sends to the other by way of the gateway (isolated ports carry
+    // nothing between them directly), so only the host's routing could
+    // join them.
+    for (ns, other) in [
+        (&topology.guest, "100.77.5.6/32"),
+        (&topology.peer, "100.77.5.5/32"),
+    ] {
+        ip(&["-n", ns, "route", "add", other, "via", "100.77.0.1"]);
+    }
+
+    let reached = connects(&topology.guest, peer.local_addr().expect("addr"));
+
+    assert!(!reached);
+}
+
+#[test]
+fn an_agent_tap_without_a_guard_carries_nothing() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    underlay.unguard("etgport").expect("unguard");
+
+    let reached = tool("ip")
+        .args([
+            "netns",
+            "exec",
+            &topology.guest,
+            "ping",
+            "-c",
+            "1",
+            "-W",
+            "1",
+            "100.77.0.1",
+        ])
+        .status()
+        .expect("ping")
+        .success();
+
+    assert!(!reached);
+    assert!(!nft_table_bridge().contains("port-etgport"));
+}
+
+fn nft_table_bridge() -> String {
+    let out = tool("nft")
+        .args(["list", "table", "bridge", "eitri_test"])
+        .output()
+        .expect("nft");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }

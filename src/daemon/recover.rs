@@ -47,6 +47,32 @@ pub struct Recovered {
     pub notes: Vec<String>,
 }
 
+/// The underlay with the control plane's and the proxy's addresses added
+/// to what guests may not reach: a guest has no business with either, and
+/// a control plane that trusts its network would hear a guest as a host.
+fn keep_from_guests(
+    mut underlay: crate::net::underlay::UnderlayConfig,
+    config: &Config,
+) -> crate::net::underlay::UnderlayConfig {
+    use crate::net::cidr::Cidr;
+    let mut urls: Vec<&str> = Vec::new();
+    if let crate::config::DesiredSource::ControlPlane(cp) = &config.source {
+        urls.push(&cp.base_url);
+    }
+    urls.extend(config.proxy.as_deref());
+    for url in urls {
+        let found = crate::source::url_addresses(url);
+        if found.is_empty() {
+            log::warn!("cannot resolve {url} now: guests are not kept from its address");
+        }
+        underlay
+            .egress
+            .deny
+            .extend(found.into_iter().map(Cidr::host));
+    }
+    underlay
+}
+
 /// Runs the steps of the module, in order. `guest_dns` is what guests are
 /// told (the flag's list, or the host's own resolvers).
 pub fn recover(
@@ -74,7 +100,7 @@ pub fn recover(
             None
         }
         Some(underlay) => match HostNetwork::setup(
-            underlay,
+            keep_from_guests(underlay, config),
             store.root(),
             guest_dns,
             config.guest.host_networks.clone(),

@@ -35,6 +35,36 @@ pub struct ControlPlane {
     pub request_timeout: Duration,
 }
 
+/// The IPv4 addresses `url`'s host names now (a literal, or resolved
+/// once); nothing when it names none. Guests are kept from these.
+pub fn url_addresses(url: &str) -> Vec<std::net::Ipv4Addr> {
+    use std::net::ToSocketAddrs;
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    if host_port.starts_with('[') {
+        return Vec::new(); // IPv6: guests have none
+    }
+    let (host, port) = match host_port.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse().unwrap_or(80)),
+        None => (host_port, 80),
+    };
+    let mut out: Vec<std::net::Ipv4Addr> = (host, port)
+        .to_socket_addrs()
+        .map(|addrs| {
+            addrs
+                .filter_map(|a| match a.ip() {
+                    std::net::IpAddr::V4(ip) => Some(ip),
+                    std::net::IpAddr::V6(_) => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 pub struct HttpSource {
     agent: ureq::Agent,
     cp: ControlPlane,
@@ -181,4 +211,31 @@ pub fn check_token_mode(path: &std::path::Path) -> Result<(), SourceError> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::url_addresses;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn a_literal_host_is_its_address() {
+        assert_eq!(
+            url_addresses("http://192.0.2.5:8080/v1/agents"),
+            vec![Ipv4Addr::new(192, 0, 2, 5)]
+        );
+    }
+
+    #[test]
+    fn user_info_is_not_taken_for_the_host() {
+        assert_eq!(
+            url_addresses("http://agent@198.51.100.7/"),
+            vec![Ipv4Addr::new(198, 51, 100, 7)]
+        );
+    }
+
+    #[test]
+    fn an_ipv6_host_names_no_ipv4_address() {
+        assert!(url_addresses("http://[2001:db8::1]:80/").is_empty());
+    }
 }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use crossbeam_channel::Sender;
 
 pub use file::FileSource;
-pub use http::{ControlPlane, HttpSource, check_token_mode};
+pub use http::{ControlPlane, HttpSource, check_token_mode, url_addresses};
 #[cfg(target_os = "linux")]
 pub use watch::Watcher;
 
