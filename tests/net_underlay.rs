@@ -11,11 +11,10 @@ use eitri_agent::model::Mac;
 use eitri_agent::net::cidr::Cidr;
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::build_frame;
-use eitri_agent::net::packet::PacketSocket;
+use eitri_agent::net::packet::{PacketSocket, arp_frame};
 use eitri_agent::net::underlay::{Nat, Port, Underlay};
 use eitri_agent::testkit::net::{
-    Namespaces, arp_frame, ip, lease, nft_counter, private_network, script, udhcpc,
-    underlay_config, within,
+    Namespaces, ip, lease, nft_counter, private_network, script, udhcpc, underlay_config, within,
 };
 use eitri_agent::testkit::tools::{require, tool};
 

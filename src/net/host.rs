@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use super::addresses::{AddressError, Addresses};
 use super::dhcp::{Lease, Responder};
-use super::snoop::{Learned, Snooper};
+use super::snoop::{Learned, Snooper, Writer};
 use super::underlay::{Port, Underlay, UnderlayConfig};
 use crate::error::{BoxFailure, Failure};
 use crate::model::{Id, Mac};
@@ -38,6 +38,10 @@ pub enum HostNetError {
         tap: String,
         source: std::io::Error,
     },
+    Thread {
+        what: &'static str,
+        source: std::io::Error,
+    },
     /// The spec's second NIC names a network this host does not serve.
     NotServed {
         network: String,
@@ -52,6 +56,7 @@ impl std::fmt::Display for HostNetError {
                 write!(f, "cannot start the DHCP responder on {tap}")
             }
             HostNetError::Snoop { tap, .. } => write!(f, "cannot watch {tap}"),
+            HostNetError::Thread { what, .. } => write!(f, "cannot start the {what} thread"),
             HostNetError::NotServed { network, served } => write!(
                 f,
                 "host network {network:?} is not served on this host (served: {}); add it with --host-network {network}=BRIDGE",
@@ -68,9 +73,9 @@ impl std::fmt::Display for HostNetError {
 impl std::error::Error for HostNetError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            HostNetError::Responder { source, .. } | HostNetError::Snoop { source, .. } => {
-                Some(source)
-            }
+            HostNetError::Responder { source, .. }
+            | HostNetError::Snoop { source, .. }
+            | HostNetError::Thread { source, .. } => Some(source),
             HostNetError::NotServed { .. } => None,
         }
     }
@@ -102,6 +107,9 @@ pub struct HostNetwork {
     named: HashMap<String, String>,
     learned: Arc<Learned>,
     snoopers: Mutex<HashMap<Id, Snooper>>,
+    /// Declared after the snoopers: dropped after them, it writes what
+    /// they learned last.
+    _writer: Writer,
 }
 
 impl HostNetwork {
@@ -118,6 +126,14 @@ impl HostNetwork {
         let mut cfg = cfg;
         cfg.egress.dns.clone_from(&dns);
         let underlay = Underlay::setup(cfg).map_err(|e| -> BoxFailure { e.into() })?;
+        let learned = Arc::new(Learned::open(&state_dir.join("net/learned.json")));
+        let writer = Writer::start(Arc::clone(&learned)).map_err(|source| -> BoxFailure {
+            HostNetError::Thread {
+                what: "learned-writer",
+                source,
+            }
+            .into()
+        })?;
         Ok(HostNetwork {
             underlay,
             addresses,
@@ -125,8 +141,9 @@ impl HostNetwork {
             lease_secs: 3600,
             responders: Mutex::new(HashMap::new()),
             named,
-            learned: Arc::new(Learned::open(&state_dir.join("net/learned.json"))),
+            learned,
             snoopers: Mutex::new(HashMap::new()),
+            _writer: writer,
         })
     }
 
@@ -231,6 +248,11 @@ impl HostNetwork {
     /// Whether this host serves the named network.
     pub fn serves(&self, network: &str) -> bool {
         self.named.contains_key(network)
+    }
+
+    /// How many times the learned addresses have been written.
+    pub fn learned_writes(&self) -> u64 {
+        self.learned.writes()
     }
 
     /// The address learned for a second NIC's MAC, while its lease lasts.

@@ -4,6 +4,7 @@
 
 use std::ffi::CString;
 use std::io;
+use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
@@ -59,6 +60,33 @@ impl PacketSocket {
         }
     }
 
+    /// One frame into `buf`: its length, and whether the interface sent it
+    /// (`true`) or received it. On a tap, a frame the interface sends goes
+    /// to the guest: it came from the bridge side; one it receives came
+    /// from the guest.
+    pub fn recv_with_direction(&self, buf: &mut [u8]) -> io::Result<(usize, bool)> {
+        // SAFETY: sockaddr_ll is plain data; zeroed is a valid value for it.
+        let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t;
+        // SAFETY: `buf` is valid for writes of its length; `from` and `len`
+        // are a valid address buffer and its size for recvfrom(2).
+        let n = unsafe {
+            libc::recvfrom(
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                0,
+                std::ptr::from_mut(&mut from).cast(),
+                &mut len,
+            )
+        };
+        if n < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok((n as usize, from.sll_pkttype == libc::PACKET_OUTGOING))
+        }
+    }
+
     /// Sends one whole frame out of the interface.
     pub fn send(&self, frame: &[u8]) -> io::Result<()> {
         // SAFETY: `frame` is valid for reads of its length; the socket is
@@ -70,6 +98,28 @@ impl PacketSocket {
             Ok(())
         }
     }
+}
+
+/// An ARP frame (op 1 request, 2 reply) from `sender` to `target`, each a
+/// MAC and an address; the Ethernet source is the sender's MAC unless
+/// `ether_src` says otherwise.
+pub fn arp_frame(
+    op: u16,
+    ether_src: Option<[u8; 6]>,
+    sender: ([u8; 6], Ipv4Addr),
+    target: ([u8; 6], Ipv4Addr),
+) -> Vec<u8> {
+    let dst = if op == 1 { [0xff; 6] } else { target.0 };
+    let mut f = Vec::with_capacity(42);
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&ether_src.unwrap_or(sender.0));
+    f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4]);
+    f.extend_from_slice(&op.to_be_bytes());
+    f.extend_from_slice(&sender.0);
+    f.extend_from_slice(&sender.1.octets());
+    f.extend_from_slice(&target.0);
+    f.extend_from_slice(&target.1.octets());
+    f
 }
 
 fn ifindex(name: &str) -> io::Result<i32> {

@@ -1,29 +1,54 @@
 //! Learning the address of a VM's second NIC, which the site's own DHCP
 //! server grants (the agent hands out nothing there).
 //!
-//! A snooper watches the NIC's tap and learns from:
-//! - a DHCP ACK to the VM's MAC: the address, until its lease expires;
-//! - a NAK to it, or a RELEASE or DECLINE from it: forget the address;
-//! - ARP or IPv4 from the VM's MAC with a source address: a guest with a
-//!   static address is learned from its own traffic.
+//! The guest owns its NIC and may send anything, and other hosts on the
+//! site may too; the reported address must be neither's choice. A snooper
+//! on the NIC's tap tells the two directions apart (a frame the tap sends
+//! goes to the guest, so it came from the site; one it receives came from
+//! the guest) and believes only what each side is entitled to say:
+//! - **From the site**: a DHCP ACK (a BOOTREPLY, from port 67) to the VM's
+//!   MAC, answering the guest's own last REQUEST (its xid) and from the
+//!   server that REQUEST was addressed to, teaches the address until its
+//!   lease ends, capped at [`MAX_LEASE_SECS`]. A NAK forgets it, when it
+//!   answers the guest's REQUEST and comes from the server that granted the
+//!   lease. Nothing else from the site (ARP above all) teaches anything.
+//! - **From the guest**, with the VM's MAC as the frame's source: a RELEASE
+//!   or DECLINE of its own forgets the address; ARP whose sender MAC is the
+//!   VM's, or IPv4 traffic, teaches the address it uses (a guest with a
+//!   static address is learned this way), but never over a DHCP lease that
+//!   is still running.
 //!
 //! What is learned is persisted: a guest asks again only at renewal, so an
-//! agent restart must not forget an address it cannot learn again for hours.
+//! agent restart must not forget an address it cannot learn again for
+//! hours. A guest changing its address a thousand times a second must not
+//! make the agent write a thousand times: the map is written by its own
+//! thread, at most once a second, from a copy taken under the lock.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TrySendError};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::dhcp::codec::{Frame, Kind, Message, option};
+use super::dhcp::codec::{CLIENT_PORT, Frame, Kind, Message, SERVER_PORT, option};
 use super::packet::PacketSocket;
 use crate::model::Mac;
 use crate::state::atomic::write_atomic;
-use crate::threads::OwnedThread;
+use crate::threads::{OwnedThread, StopFlag};
+
+/// The longest lease believed: a server's (or a forger's) "forever" is a
+/// day, and a guest still using the address is learned again from its
+/// traffic.
+pub const MAX_LEASE_SECS: u64 = 24 * 3600;
+
+/// The shortest time between two writes of the learned map.
+const WRITE_EVERY: Duration = Duration::from_secs(1);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Entry {
@@ -38,10 +63,15 @@ fn now_unix() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Learned second-NIC addresses by MAC, persisted.
+/// Learned second-NIC addresses by MAC, persisted by a [`Writer`].
 pub struct Learned {
     path: PathBuf,
     map: Mutex<BTreeMap<String, Entry>>,
+    /// Changed since the last write.
+    dirty: AtomicBool,
+    changed: Sender<()>,
+    changes: Receiver<()>,
+    writes: AtomicU64,
 }
 
 impl Learned {
@@ -52,9 +82,14 @@ impl Learned {
             .ok()
             .and_then(|b| serde_json::from_slice(&b).ok())
             .unwrap_or_default();
+        let (changed, changes) = crossbeam_channel::bounded(1);
         Learned {
             path: path.to_path_buf(),
             map: Mutex::new(map),
+            dirty: AtomicBool::new(false),
+            changed,
+            changes,
+            writes: AtomicU64::new(0),
         }
     }
 
@@ -68,24 +103,49 @@ impl Learned {
         }
     }
 
+    /// How many times the map has been written since it was opened.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Learns `entry` for `mac`; one learned from traffic never replaces a
+    /// lease still running.
     fn set(&self, mac: &str, entry: Entry) {
         let mut map = self.map.lock();
-        if map.get(mac) == Some(&entry) {
-            return;
+        match map.get(mac) {
+            Some(old) if *old == entry => return,
+            Some(Entry {
+                expires: Some(at), ..
+            }) if entry.expires.is_none() && *at > now_unix() => return,
+            _ => {}
         }
         map.insert(mac.to_owned(), entry);
-        self.save(&map);
+        drop(map);
+        self.changed_now();
     }
 
     /// Forgets the address of `mac` (a NAK, RELEASE, DECLINE, or destroy).
     pub fn forget(&self, mac: &str) {
-        let mut map = self.map.lock();
-        if map.remove(mac).is_some() {
-            self.save(&map);
+        if self.map.lock().remove(mac).is_some() {
+            self.changed_now();
         }
     }
 
-    fn save(&self, map: &BTreeMap<String, Entry>) {
+    fn changed_now(&self) {
+        self.dirty.store(true, Ordering::Release);
+        match self.changed.try_send(()) {
+            // Full: a write is already due, and will take this change.
+            Ok(()) | Err(TrySendError::Full(())) | Err(TrySendError::Disconnected(())) => {}
+        }
+    }
+
+    /// Writes the map if it changed since the last write: a copy taken
+    /// under the lock, written (temp, fsync, rename) outside it.
+    fn write(&self) {
+        if !self.dirty.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let copy = self.map.lock().clone();
         let result = self
             .path
             .parent()
@@ -93,10 +153,13 @@ impl Learned {
             .and_then(|()| {
                 write_atomic(
                     &self.path,
-                    &serde_json::to_vec_pretty(map).map_err(std::io::Error::other)?,
+                    &serde_json::to_vec_pretty(&copy).map_err(std::io::Error::other)?,
                 )
             });
+        self.writes.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = result {
+            // Kept dirty: the next change or the stop tries again.
+            self.dirty.store(true, Ordering::Release);
             log::warn!(
                 "cannot save learned addresses to {}: {e}",
                 self.path.display()
@@ -105,43 +168,158 @@ impl Learned {
     }
 }
 
+/// The `learned-writer` thread: writes the learned map after a change, at
+/// most once a [`WRITE_EVERY`], and once more when stopped.
+pub struct Writer {
+    _thread: OwnedThread,
+}
+
+impl Writer {
+    pub fn start(learned: Arc<Learned>) -> std::io::Result<Writer> {
+        let thread = OwnedThread::spawn("learned-writer".into(), 64 * 1024, None, move |stop| {
+            write_changes(&learned, &stop);
+            learned.write();
+        })?;
+        Ok(Writer { _thread: thread })
+    }
+}
+
+fn write_changes(learned: &Learned, stop: &StopFlag) {
+    let tick = Duration::from_millis(100);
+    while !stop.stopped() {
+        match learned.changes.recv_timeout(tick) {
+            Ok(()) => {}
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        learned.write();
+        let wrote = std::time::Instant::now();
+        while wrote.elapsed() < WRITE_EVERY {
+            if stop.stopped() {
+                return;
+            }
+            std::thread::sleep(tick);
+        }
+    }
+}
+
 /// What one frame teaches about `mac`'s address.
+#[derive(Debug, PartialEq, Eq)]
 enum Lesson {
     Learn(Ipv4Addr, Option<u64>),
     Forget,
 }
 
-fn lesson(frame: &[u8], mac: [u8; 6]) -> Option<Lesson> {
+/// What the snooper remembers of the DHCP conversation, to tell a
+/// server's answer from anyone else's.
+#[derive(Debug, Default)]
+struct Conversation {
+    /// The xid of the guest's last REQUEST, and the server it addressed
+    /// (its server-id option, or the address it was unicast to; `None`
+    /// when it asked any server, as a rebooting client does).
+    request: Option<(u32, Option<Ipv4Addr>)>,
+    /// The server that granted the lease now learned.
+    granted_by: Option<Ipv4Addr>,
+}
+
+/// A unicast address a host could use (not 0.0.0.0, broadcast,
+/// multicast, loopback or link-local).
+fn usable(ip: Ipv4Addr) -> bool {
+    !(ip.is_unspecified()
+        || ip.is_broadcast()
+        || ip.is_multicast()
+        || ip.is_loopback()
+        || ip.is_link_local())
+}
+
+fn server_id(m: &Message) -> Option<Ipv4Addr> {
+    m.option(option::SERVER_ID)
+        .filter(|d| d.len() == 4)
+        .map(|d| Ipv4Addr::new(d[0], d[1], d[2], d[3]))
+}
+
+/// What `frame` teaches about `mac`'s address; `to_guest` says the tap
+/// sent it (it came from the site) rather than received it (from the
+/// guest). See the module's rules.
+fn lesson(
+    frame: &[u8],
+    to_guest: bool,
+    mac: [u8; 6],
+    talk: &mut Conversation,
+    now: u64,
+) -> Option<Lesson> {
     let ethertype = frame.get(12..14)?;
-    let from_vm = frame.get(6..12)? == mac;
+    if to_guest {
+        return from_site(frame, mac, talk, now);
+    }
+    if frame.get(6..12)? != mac {
+        return None;
+    }
     if ethertype == [0x08, 0x06] {
-        // ARP: sender MAC at 22..28, sender IP at 28..32.
+        // ARP: sender MAC at 8..14, sender IP at 14..18 of its body.
         let arp = frame.get(14..42)?;
         let sender_ip = Ipv4Addr::new(arp[14], arp[15], arp[16], arp[17]);
-        return (arp[8..14] == mac && !sender_ip.is_unspecified())
-            .then_some(Lesson::Learn(sender_ip, None));
+        return (arp[8..14] == mac && usable(sender_ip)).then_some(Lesson::Learn(sender_ip, None));
     }
-    let f = Frame::parse(frame).ok()?;
-    if (f.dst_port == 68 || f.dst_port == 67)
-        && let Ok(m) = Message::parse(f.payload)
-        && m.chaddr == mac
+    if ethertype != [0x08, 0x00] {
+        return None;
+    }
+    if let Ok(f) = Frame::parse(frame)
+        && f.src_port == CLIENT_PORT
+        && f.dst_port == SERVER_PORT
     {
+        let m = Message::parse(f.payload)
+            .ok()
+            .filter(|m| m.op == 1 && m.chaddr == mac)?;
         return match m.kind()? {
-            Kind::Ack if !m.yiaddr.is_unspecified() => {
-                let secs = m
-                    .option(option::LEASE_TIME)
-                    .filter(|d| d.len() == 4)
-                    .map(|d| u32::from_be_bytes([d[0], d[1], d[2], d[3]]));
-                Some(Lesson::Learn(
-                    m.yiaddr,
-                    secs.map(|s| now_unix() + u64::from(s)),
-                ))
+            Kind::Request => {
+                let server = server_id(&m).or((!f.dst_ip.is_broadcast()).then_some(f.dst_ip));
+                talk.request = Some((m.xid, server));
+                None
             }
-            Kind::Nak | Kind::Release | Kind::Decline => Some(Lesson::Forget),
+            Kind::Release | Kind::Decline => Some(Lesson::Forget),
             _ => None,
         };
     }
-    (from_vm && !f.src_ip.is_unspecified()).then_some(Lesson::Learn(f.src_ip, None))
+    // Any other IPv4: the source address the guest uses.
+    let header = frame.get(14..34)?;
+    let src = Ipv4Addr::new(header[12], header[13], header[14], header[15]);
+    usable(src).then_some(Lesson::Learn(src, None))
+}
+
+/// A frame from the site side: only the server's answer to the guest's
+/// own REQUEST counts.
+fn from_site(frame: &[u8], mac: [u8; 6], talk: &mut Conversation, now: u64) -> Option<Lesson> {
+    let f = Frame::parse(frame).ok()?;
+    if f.src_port != SERVER_PORT || f.dst_port != CLIENT_PORT {
+        return None;
+    }
+    let m = Message::parse(f.payload)
+        .ok()
+        .filter(|m| m.op == 2 && m.chaddr == mac)?;
+    let (xid, asked) = talk.request?;
+    let server = server_id(&m)?;
+    if m.xid != xid || asked.is_some_and(|a| a != server) {
+        return None;
+    }
+    match m.kind()? {
+        Kind::Ack if usable(m.yiaddr) => {
+            let secs = m
+                .option(option::LEASE_TIME)
+                .filter(|d| d.len() == 4)
+                .map_or(MAX_LEASE_SECS, |d| {
+                    u64::from(u32::from_be_bytes([d[0], d[1], d[2], d[3]]))
+                })
+                .min(MAX_LEASE_SECS);
+            talk.granted_by = Some(server);
+            Some(Lesson::Learn(m.yiaddr, Some(now + secs)))
+        }
+        Kind::Nak if talk.granted_by.is_none_or(|g| g == server) => {
+            talk.granted_by = None;
+            Some(Lesson::Forget)
+        }
+        _ => None,
+    }
 }
 
 /// The `snoop-<tap>` thread; stopped and joined on drop.
@@ -155,9 +333,10 @@ impl Snooper {
         let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
         let thread = OwnedThread::spawn(format!("snoop-{iface}"), 128 * 1024, None, move |stop| {
             let mut buf = vec![0u8; 2048];
+            let mut talk = Conversation::default();
             while !stop.stopped() {
-                let n = match socket.recv(&mut buf) {
-                    Ok(n) => n,
+                let (n, to_guest) = match socket.recv_with_direction(&mut buf) {
+                    Ok(got) => got,
                     Err(e)
                         if matches!(
                             e.kind(),
@@ -168,7 +347,7 @@ impl Snooper {
                     }
                     Err(_) => return, // the tap is gone
                 };
-                match lesson(&buf[..n], mac) {
+                match lesson(&buf[..n], to_guest, mac, &mut talk, now_unix()) {
                     Some(Lesson::Learn(ip, expires)) => learned.set(&key, Entry { ip, expires }),
                     Some(Lesson::Forget) => learned.forget(&key),
                     None => {}
@@ -185,40 +364,206 @@ mod tests {
     use crate::net::dhcp::codec::build_frame;
 
     const MAC: [u8; 6] = [2, 0, 0, 0, 0, 5];
+    const SERVER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
+    const GRANTED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 7);
+    const NOW: u64 = 1_000_000;
 
-    fn dhcp(kind: Kind, yiaddr: Ipv4Addr) -> Vec<u8> {
+    /// A server's answer of `kind`, from `server`, to transaction `xid`.
+    fn reply(kind: Kind, xid: u32, server: Ipv4Addr, lease: u32) -> Vec<u8> {
         let m = Message {
-            yiaddr,
+            yiaddr: GRANTED,
             options: vec![
                 (option::MESSAGE_TYPE, vec![kind.byte()]),
-                (option::LEASE_TIME, 600u32.to_be_bytes().to_vec()),
+                (option::SERVER_ID, server.octets().to_vec()),
+                (option::LEASE_TIME, lease.to_be_bytes().to_vec()),
             ],
-            ..Message::new(2, 1, MAC)
+            ..Message::new(2, xid, MAC)
         };
         build_frame(
             [2, 9, 9, 9, 9, 9],
             MAC,
-            (Ipv4Addr::new(192, 0, 2, 1), 67),
-            (yiaddr, 68),
+            (server, 67),
+            (GRANTED, 68),
             &m.encode(),
         )
     }
 
-    #[test]
-    fn an_ack_teaches_the_address_with_its_lease() {
-        let lesson = lesson(&dhcp(Kind::Ack, Ipv4Addr::new(192, 0, 2, 7)), MAC);
+    /// The guest's REQUEST of transaction `xid` to `server`.
+    fn request(xid: u32, server: Ipv4Addr) -> Vec<u8> {
+        let m = Message {
+            options: vec![
+                (option::MESSAGE_TYPE, vec![Kind::Request.byte()]),
+                (option::SERVER_ID, server.octets().to_vec()),
+            ],
+            ..Message::new(1, xid, MAC)
+        };
+        build_frame(
+            MAC,
+            [0xff; 6],
+            (Ipv4Addr::UNSPECIFIED, 68),
+            (Ipv4Addr::BROADCAST, 67),
+            &m.encode(),
+        )
+    }
 
-        assert!(
-            matches!(lesson, Some(Lesson::Learn(ip, Some(_))) if ip == Ipv4Addr::new(192, 0, 2, 7))
+    /// A conversation in which the guest asked `SERVER` in transaction 7.
+    fn asked() -> Conversation {
+        let mut talk = Conversation::default();
+        assert_eq!(
+            lesson(&request(7, SERVER), false, MAC, &mut talk, NOW),
+            None
+        );
+        talk
+    }
+
+    fn arp(ether_src: [u8; 6], sender: Ipv4Addr) -> Vec<u8> {
+        crate::net::packet::arp_frame(
+            2,
+            Some(ether_src),
+            (MAC, sender),
+            ([0xff; 6], Ipv4Addr::new(192, 0, 2, 254)),
+        )
+    }
+
+    #[test]
+    fn the_servers_ack_to_the_guests_request_teaches_the_address_and_lease() {
+        let mut talk = asked();
+
+        let got = lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
+
+        assert_eq!(got, Some(Lesson::Learn(GRANTED, Some(NOW + 600))));
+    }
+
+    #[test]
+    fn an_ack_the_guest_sends_teaches_nothing() {
+        let mut talk = asked();
+
+        let got = lesson(
+            &reply(Kind::Ack, 7, SERVER, 600),
+            false,
+            MAC,
+            &mut talk,
+            NOW,
+        );
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn an_ack_to_no_request_of_the_guests_teaches_nothing() {
+        let mut talk = asked();
+
+        let got = lesson(&reply(Kind::Ack, 8, SERVER, 600), true, MAC, &mut talk, NOW);
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn an_ack_from_a_server_the_guest_did_not_ask_teaches_nothing() {
+        let mut talk = asked();
+        let other = Ipv4Addr::new(192, 0, 2, 66);
+
+        let got = lesson(&reply(Kind::Ack, 7, other, 600), true, MAC, &mut talk, NOW);
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn a_lease_of_forever_is_believed_for_a_day() {
+        let mut talk = asked();
+
+        let got = lesson(
+            &reply(Kind::Ack, 7, SERVER, u32::MAX),
+            true,
+            MAC,
+            &mut talk,
+            NOW,
+        );
+
+        assert_eq!(
+            got,
+            Some(Lesson::Learn(GRANTED, Some(NOW + MAX_LEASE_SECS)))
         );
     }
 
     #[test]
-    fn a_nak_forgets() {
-        assert!(matches!(
-            lesson(&dhcp(Kind::Nak, Ipv4Addr::UNSPECIFIED), MAC),
-            Some(Lesson::Forget)
-        ));
+    fn a_nak_from_the_granting_server_forgets() {
+        let mut talk = asked();
+        lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
+        lesson(&request(9, SERVER), false, MAC, &mut talk, NOW);
+
+        let got = lesson(&reply(Kind::Nak, 9, SERVER, 0), true, MAC, &mut talk, NOW);
+
+        assert_eq!(got, Some(Lesson::Forget));
+    }
+
+    #[test]
+    fn a_nak_from_a_third_party_changes_nothing() {
+        let mut talk = asked();
+        lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
+        let rogue = Ipv4Addr::new(192, 0, 2, 66);
+        // Even one that names the guest's current transaction.
+        lesson(&request(9, rogue), false, MAC, &mut talk, NOW);
+
+        let got = lesson(&reply(Kind::Nak, 9, rogue, 0), true, MAC, &mut talk, NOW);
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn arp_from_the_site_claiming_the_vms_mac_teaches_nothing() {
+        let mut talk = Conversation::default();
+
+        let got = lesson(&arp(MAC, GRANTED), true, MAC, &mut talk, NOW);
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn arp_from_the_guest_with_its_own_mac_teaches_its_address() {
+        let mut talk = Conversation::default();
+
+        let got = lesson(&arp(MAC, GRANTED), false, MAC, &mut talk, NOW);
+
+        assert_eq!(got, Some(Lesson::Learn(GRANTED, None)));
+    }
+
+    #[test]
+    fn arp_whose_frame_and_sender_macs_differ_teaches_nothing() {
+        let mut talk = Conversation::default();
+
+        let got = lesson(
+            &arp([2, 0, 0, 0, 0, 6], GRANTED),
+            false,
+            MAC,
+            &mut talk,
+            NOW,
+        );
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn traffic_never_replaces_a_lease_still_running() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let learned = Learned::open(&dir.path().join("l.json"));
+        learned.set(
+            "m",
+            Entry {
+                ip: GRANTED,
+                expires: Some(now_unix() + 600),
+            },
+        );
+
+        learned.set(
+            "m",
+            Entry {
+                ip: Ipv4Addr::new(10, 9, 9, 9),
+                expires: None,
+            },
+        );
+
+        assert_eq!(learned.get("m"), Some(GRANTED));
     }
 
     #[test]
@@ -229,11 +574,31 @@ mod tests {
         learned.set(
             "m",
             Entry {
-                ip: Ipv4Addr::new(192, 0, 2, 9),
+                ip: GRANTED,
                 expires: Some(1),
             },
         );
 
         assert_eq!(learned.get("m"), None);
+    }
+
+    #[test]
+    fn a_thousand_changes_are_written_a_few_times_and_the_last_one_kept() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("l.json");
+        let learned = Arc::new(Learned::open(&path));
+        let writer = Writer::start(Arc::clone(&learned)).expect("writer");
+
+        for n in 0..1000u32 {
+            let ip = Ipv4Addr::from(0x0a00_0000 + n);
+            learned.set("m", Entry { ip, expires: None });
+        }
+        drop(writer);
+
+        assert!(learned.writes() <= 3, "{} writes", learned.writes());
+        assert_eq!(
+            Learned::open(&path).get("m"),
+            Some(Ipv4Addr::from(0x0a00_0000 + 999))
+        );
     }
 }

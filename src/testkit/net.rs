@@ -126,28 +126,6 @@ pub fn within<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
     })
 }
 
-/// An ARP frame (op 1 request, 2 reply) from `sender` to `target`, each a
-/// MAC and an address; the Ethernet source is the sender's MAC unless
-/// `ether_src` says otherwise.
-pub fn arp_frame(
-    op: u16,
-    ether_src: Option<[u8; 6]>,
-    sender: ([u8; 6], Ipv4Addr),
-    target: ([u8; 6], Ipv4Addr),
-) -> Vec<u8> {
-    let dst = if op == 1 { [0xff; 6] } else { target.0 };
-    let mut f = Vec::with_capacity(42);
-    f.extend_from_slice(&dst);
-    f.extend_from_slice(&ether_src.unwrap_or(sender.0));
-    f.extend_from_slice(&[0x08, 0x06, 0, 1, 0x08, 0, 6, 4]);
-    f.extend_from_slice(&op.to_be_bytes());
-    f.extend_from_slice(&sender.0);
-    f.extend_from_slice(&sender.1.octets());
-    f.extend_from_slice(&target.0);
-    f.extend_from_slice(&target.1.octets());
-    f
-}
-
 /// The packets counted by the rule of nft chain `chain` (in `family`
 /// table `table`) whose comment is `comment`; 0 when it counted none.
 pub fn nft_counter(family: &str, table: &str, chain: &str, comment: &str) -> u64 {
