@@ -16,7 +16,7 @@ use eitri_agent::net::underlay::{Nat, Port, Underlay};
 use eitri_agent::testkit::net::{
     Namespaces, ip, lease, nft_counter, private_network, script, udhcpc, underlay_config, within,
 };
-use eitri_agent::testkit::tools::{require, tool};
+use eitri_agent::testkit::tools::{require, tool, without};
 
 const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x07];
 
@@ -307,24 +307,6 @@ fn a_renewal_is_acked_and_naked_once_the_address_changed() {
     renew();
 
     wait_for_line(&events, "bound 100.77.6.6");
-}
-
-/// Puts failing stand-ins for `tools` first on PATH, as if they were not
-/// installed. Called first thing in a test, while its process has no other
-/// thread (nextest runs each test in its own process).
-fn without(tools: &[&str]) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for tool in tools {
-        script(&dir.path().join(tool), "exit 127\n");
-    }
-    let path = format!(
-        "{}:{}",
-        dir.path().display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    // SAFETY: no other thread of this process reads the environment now.
-    unsafe { std::env::set_var("PATH", path) };
-    dir
 }
 
 #[test]

@@ -185,3 +185,26 @@ fn recovery_repairs_what_a_crash_in_each_phase_left() {
     let _ = recovered.provisioner.destroy(&vm, Deadline::NONE);
     eitri_agent::testkit::remove_cgroup_root(&config.guest.confinement.cgroup_root);
 }
+
+#[test]
+fn without_nft_status_says_guest_traffic_is_unprotected() {
+    let _fakes = eitri_agent::testkit::tools::without(&["nft"]);
+    eitri_agent::testkit::net::private_network();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = config(dir.path());
+    config.guest.underlay = Some(eitri_agent::net::underlay::UnderlayConfig {
+        tap_prefix: tap_prefix(),
+        ..eitri_agent::testkit::net::underlay_config()
+    });
+
+    let recovered = eitri_agent::daemon::recover::recover(&config, vec![]).expect("recovery");
+
+    assert!(
+        recovered
+            .notes
+            .iter()
+            .any(|n| n.contains("unprotected") && n.contains("install nftables")),
+        "{:?}",
+        recovered.notes
+    );
+}

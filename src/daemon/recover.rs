@@ -112,6 +112,9 @@ pub fn recover(
                             .to_owned(),
                     );
                 }
+                if !n.nat().guards() {
+                    notes.push(crate::net::underlay::UNGUARDED.to_owned());
+                }
                 Some(Arc::new(n))
             }
             // Without its network a VM still boots; the log, `status` and

@@ -30,6 +30,34 @@ pub fn find(program: &str) -> Option<PathBuf> {
     crate::programs::find(program)
 }
 
+/// Puts failing stand-ins for `tools` first on PATH, as if they were not
+/// installed, until dropped. Called first thing in a test, while its
+/// process has no other thread (nextest runs each test in its own process).
+pub fn without(tools: &[&str]) -> Missing {
+    let dir = std::env::temp_dir().join(format!("eitri-missing-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    for tool in tools {
+        super::net::script(&dir.join(tool), "exit 127\n");
+    }
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // SAFETY: no other thread of this process reads the environment now.
+    unsafe { std::env::set_var("PATH", path) };
+    Missing(dir)
+}
+
+/// The directory of failing stand-ins [`without`] made; removed on drop.
+pub struct Missing(PathBuf);
+
+impl Drop for Missing {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
