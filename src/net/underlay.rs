@@ -350,12 +350,12 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority filter; policy accept;\n\
+         \t\tct state established,related accept\n\
          \t\tiifname \"{b}\" oifname \"{b}\" counter drop comment \"guest to guest\"\n\
          {dns_rule}\
          \t\tiifname \"{b}\" ip daddr @allow accept\n\
          \t\tiifname \"{b}\" ip daddr @deny counter drop comment \"a denied destination\"\n\
          \t\tiifname \"{b}\" accept\n\
-         \t\toifname \"{b}\" ct state established,related accept\n\
          \t\toifname \"{b}\" counter drop comment \"a connection opened from outside\"\n\
          \t}}\n\
          }}\n\
@@ -382,13 +382,25 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
 pub fn port_ruleset(table: &str, port: &Port<'_>) -> String {
     let (t, tap, mac) = (table, port.tap, port.mac);
     let chain = format!("port-{tap}");
-    let mut rules = vec![
-        format!("ether saddr != {mac} counter drop comment \"not its MAC\""),
+    let mut rules = vec![format!(
+        "ether saddr != {mac} counter drop comment \"not its MAC\""
+    )];
+    // The bulk of its traffic first: its own IPv4, not a DHCP server's
+    // answer, needs no further look (a VLAN tag or IPv6 never matches
+    // `ip saddr`).
+    if let Some(ip) = port.ip {
+        rules.extend([
+            format!("ip saddr {ip} meta l4proto != udp accept"),
+            format!("ip saddr {ip} udp sport != {{ 67, 547 }} accept"),
+        ]);
+    }
+    rules.extend([
+
         "ether type vlan counter drop comment \"VLAN-tagged\"".to_owned(),
         format!("arp saddr ether != {mac} counter drop comment \"ARP for another MAC\""),
         "meta l4proto udp udp sport { 67, 547 } counter drop comment \"a DHCP server\"".to_owned(),
         "icmpv6 type { nd-router-advert, nd-redirect } counter drop comment \"a router advertisement\"".to_owned(),
-    ];
+    ]);
     match port.ip {
         Some(ip) => rules.extend([
             format!(

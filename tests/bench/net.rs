@@ -6,6 +6,12 @@
 //! Runs in a network namespace of its own (root). Requests are paced under
 //! the responder's flood limit (10 answers a second after a burst of 20):
 //! this measures latency, not throughput.
+//!
+//! Then the guards' cost: a guest namespace behind a guarded port sends TCP
+//! to a "remote" namespace through the NAT, with the agent's whole ruleset
+//! (port chain, egress policy) and with nothing but the masquerade, in
+//! alternating rounds of one run; `filter_ratio` is the first throughput
+//! over the second (1.0 = the guards cost nothing).
 
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -13,10 +19,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use eitri_agent::model::Mac;
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::{Frame, Kind, Message};
 use eitri_agent::net::packet::PacketSocket;
-use eitri_agent::testkit::net::{client_frame, lease};
+use eitri_agent::net::underlay::{Port, Underlay};
+use eitri_agent::testkit::net::{Namespaces, client_frame, lease, underlay_config, within};
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x42];
 const ROUNDS: usize = 40;
@@ -142,13 +150,151 @@ fn main() -> Res<()> {
     }
     let (offer, ack) = (p50(offers), p50(acks));
     let (idle, hot) = (p50(idle_echoes), p50(hot_echoes));
+    let (filtered, bare) = throughput_with_and_without_guards()?;
+    println!(
+        "guest to remote TCP through the NAT: {filtered:.0} Mbit/s guarded, {bare:.0} Mbit/s with the masquerade alone"
+    );
     println!(
         "DHCP on a veth: OFFER p50 {offer:.0} us (after idle; a bare echo after idle {idle:.0} us), ACK p50 {ack:.0} us (right after; a bare echo {hot:.0} us)"
     );
     println!(
-        "bench=net offer_us_p50={offer:.0} ack_us_p50={ack:.0} echo_idle_us_p50={idle:.0} echo_hot_us_p50={hot:.0} offer_ratio={:.2} ack_ratio={:.2}",
+        "bench=net offer_us_p50={offer:.0} ack_us_p50={ack:.0} echo_idle_us_p50={idle:.0} echo_hot_us_p50={hot:.0} offer_ratio={:.2} ack_ratio={:.2} guarded_mbps={filtered:.0} bare_mbps={bare:.0} filter_ratio={:.3}",
         offer / idle,
-        ack / hot
+        ack / hot,
+        filtered / bare
     );
     Ok(())
+}
+
+const GUEST: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 5);
+const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+const ROUND: Duration = Duration::from_millis(1500);
+const TCP_ROUNDS: usize = 5;
+
+/// Megabits a second a guest sends to the remote over one TCP connection
+/// for one round.
+fn send_round(guest_ns: &str, to: std::net::SocketAddr) -> Res<f64> {
+    use std::io::Write;
+    let sent = within(guest_ns, move || -> std::io::Result<u64> {
+        let mut conn = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(2))?;
+        let chunk = vec![0x5au8; 256 * 1024];
+        let (start, mut sent) = (Instant::now(), 0u64);
+        while start.elapsed() < ROUND {
+            conn.write_all(&chunk)?;
+            sent += chunk.len() as u64;
+        }
+        Ok(sent)
+    })?;
+    Ok(sent as f64 * 8.0 / ROUND.as_secs_f64() / 1e6)
+}
+
+fn guest_mac() -> Res<Mac> {
+    Mac::parse("02:e1:00:00:00:07").ok_or_else(|| "a MAC".into())
+}
+
+/// The agent's ruleset, or the masquerade alone.
+fn rules(guarded: bool) -> Res<()> {
+    let text = if guarded {
+        eitri_agent::net::underlay::nft_ruleset(&underlay_config())
+            + &eitri_agent::net::underlay::port_ruleset(
+                "eitri_test",
+                &Port {
+                    tap: "etgbench",
+                    mac: guest_mac()?,
+                    ip: Some(GUEST),
+                },
+            )
+    } else {
+        "flush ruleset\ntable ip bare {\n\tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n\t\tip saddr 100.77.0.0/16 oifname != \"etbr0\" masquerade\n\t}\n}\n".to_owned()
+    };
+    let mut child = Command::new("nft")
+        .args(["-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()?;
+    if let Some(mut stdin) = child.stdin.take() {
+        use std::io::Write;
+        stdin.write_all(text.as_bytes())?;
+    }
+    if child.wait()?.success() {
+        Ok(())
+    } else {
+        Err("nft refused the ruleset".into())
+    }
+}
+
+/// Median throughput guarded and bare, in alternating rounds.
+fn throughput_with_and_without_guards() -> Res<(f64, f64)> {
+    let underlay = Underlay::setup(underlay_config())?;
+    let tag = format!("{:x}", std::process::id() & 0xffff);
+    let (guest, remote) = (format!("etbg{tag}"), format!("etbr{tag}"));
+    let _cleanup = Namespaces(vec![guest.clone(), remote.clone()]);
+    ip(&["netns", "add", &guest])?;
+    ip(&[
+        "link", "add", "etgbench", "type", "veth", "peer", "name", "eth0", "netns", &guest,
+    ])?;
+    ip(&[
+        "-n",
+        &guest,
+        "link",
+        "set",
+        "eth0",
+        "address",
+        "02:e1:00:00:00:07",
+    ])?;
+    ip(&["-n", &guest, "link", "set", "eth0", "up"])?;
+    ip(&["-n", &guest, "addr", "add", "100.77.5.5/16", "dev", "eth0"])?;
+    ip(&["-n", &guest, "route", "add", "default", "via", "100.77.0.1"])?;
+    underlay.attach(&Port {
+        tap: "etgbench",
+        mac: guest_mac()?,
+        ip: Some(GUEST),
+    })?;
+    ip(&["netns", "add", &remote])?;
+    ip(&[
+        "link",
+        "add",
+        "etbremote",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &remote,
+    ])?;
+    ip(&["addr", "add", "198.51.100.1/24", "dev", "etbremote"])?;
+    ip(&["link", "set", "etbremote", "up"])?;
+    ip(&[
+        "-n",
+        &remote,
+        "addr",
+        "add",
+        "198.51.100.2/24",
+        "dev",
+        "eth0",
+    ])?;
+    ip(&["-n", &remote, "link", "set", "eth0", "up"])?;
+    let listener = within(&remote, || std::net::TcpListener::bind((REMOTE, 0)))?;
+    let to = listener.local_addr()?;
+    let sink = std::thread::spawn(move || {
+        use std::io::Read;
+        let mut buf = vec![0u8; 256 * 1024];
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            while matches!(conn.read(&mut buf), Ok(n) if n > 0) {}
+        }
+    });
+    let (mut guarded, mut bare) = (Vec::new(), Vec::new());
+    for _ in 0..TCP_ROUNDS {
+        rules(true)?;
+        guarded.push(send_round(&guest, to)?);
+        rules(false)?;
+        bare.push(send_round(&guest, to)?);
+    }
+    drop(sink);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((median(guarded), median(bare)))
 }
