@@ -621,3 +621,69 @@ fn nft_table_bridge() -> String {
         .expect("nft");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// A router advertisement from `mac` (link-local `fe80::<low 4 bytes>`)
+/// offering itself as the default router for 30 minutes.
+fn router_advertisement(mac: [u8; 6]) -> Vec<u8> {
+    let mut src = [0u8; 16];
+    src[..2].copy_from_slice(&[0xfe, 0x80]);
+    src[12..].copy_from_slice(&mac[2..]);
+    let mut dst = [0u8; 16];
+    dst[..2].copy_from_slice(&[0xff, 0x02]);
+    dst[15] = 1;
+    // Type 134, code 0, checksum, hop limit 64, no flags, lifetime 1800 s,
+    // reachable and retransmit times unspecified.
+    let mut icmp = vec![134, 0, 0, 0, 64, 0, 0x07, 0x08, 0, 0, 0, 0, 0, 0, 0, 0];
+    let mut sum: u32 = 0;
+    let mut add = |bytes: &[u8]| {
+        for pair in bytes.chunks(2) {
+            sum += u32::from(u16::from_be_bytes([pair[0], *pair.get(1).unwrap_or(&0)]));
+        }
+    };
+    add(&src);
+    add(&dst);
+    add(&(icmp.len() as u32).to_be_bytes());
+    add(&[0, 0, 0, 58]);
+    add(&icmp);
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    icmp[2..4].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    let mut f = vec![0x33, 0x33, 0, 0, 0, 1];
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0x86, 0xdd, 0x60, 0, 0, 0]);
+    f.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
+    f.extend_from_slice(&[58, 255]);
+    f.extend_from_slice(&src);
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&icmp);
+    f
+}
+
+#[test]
+fn a_guests_router_advertisement_gives_the_host_no_route() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    // As on a host that takes router advertisements on the bridge.
+    std::fs::write("/proc/sys/net/ipv6/conf/etbr0/accept_ra", "2").expect("accept_ra");
+    std::fs::write("/proc/sys/net/ipv6/conf/etbr0/forwarding", "0").expect("forwarding");
+
+    send_from(&topology.guest, &[router_advertisement(GUEST_MAC)]);
+    std::thread::sleep(Duration::from_millis(300));
+
+    let routes = tool("ip")
+        .args(["-6", "route", "show", "default"])
+        .output()
+        .expect("ip");
+    let routes = String::from_utf8_lossy(&routes.stdout);
+    assert!(routes.trim().is_empty(), "{routes}");
+    assert!(
+        nft_counter(
+            "bridge",
+            "eitri_test",
+            "port-etgport",
+            "a router advertisement"
+        ) >= 1
+    );
+}
