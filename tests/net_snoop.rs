@@ -343,3 +343,27 @@ fn an_unknown_host_network_is_a_permanent_error_naming_the_served_ones() {
         "{err}"
     );
 }
+
+#[test]
+fn tap_names_follow_the_address_so_no_two_vms_share_one() {
+    private_network();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let network = host_network(dir.path());
+    let ids: Vec<Id> = (0..300)
+        .map(|n| Id::parse(&format!("vm-{n}")).expect("id"))
+        .collect();
+
+    let names: Vec<String> = ids
+        .iter()
+        .map(|id| network.reserve(id).expect("reserve").underlay)
+        .collect();
+
+    let distinct: std::collections::HashSet<&String> = names.iter().collect();
+    assert_eq!(distinct.len(), names.len());
+    for (id, name) in ids.iter().zip(&names) {
+        let ip = network.address(id).expect("an address");
+        let offset = u32::from(ip) - u32::from(Ipv4Addr::new(100, 77, 0, 0));
+        assert_eq!(name, &format!("etg{offset:x}"));
+        assert!(name.len() <= 15);
+    }
+}
