@@ -159,12 +159,22 @@ impl Addresses {
         let (first, last) = subnet.guests();
         let leases: Leases<Ipv4Addr> =
             Leases::open(path, first, last - first + 1).map_err(|e| from(e, subnet))?;
-        let macs = leases
-            .keys()
-            .iter()
-            .filter_map(|k| Id::parse(k).ok())
-            .map(|id| (Mac::underlay(&id), id))
-            .collect();
+        let mut macs = HashMap::new();
+        for key in leases.keys() {
+            match Id::parse(&key) {
+                Ok(id) => {
+                    macs.insert(Mac::underlay(&id), id);
+                }
+                // A map from before addresses were keyed by VM id (its
+                // keys were MACs): the entry's VM cannot be named, and its
+                // slot would be held for ever. Its guest is given its
+                // address afresh at its next boot or renewal.
+                Err(_) => {
+                    leases.release(&key).map_err(|e| from(e, subnet))?;
+                    log::info!("address map: dropped {key:?}, a key of an older format");
+                }
+            }
+        }
         Ok(Addresses {
             subnet,
             leases,
@@ -319,6 +329,20 @@ mod tests {
 
         assert!(matches!(err, AddressError::MacCollision { .. }), "{err}");
         assert!(err.to_string().contains("vm-1"), "{err}");
+    }
+
+    #[test]
+    fn entries_keyed_by_mac_from_an_older_format_free_their_slots() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("a.json");
+        std::fs::write(&path, br#"{"02:aa:00:00:00:01":"192.0.2.2"}"#).expect("write");
+
+        let a = Addresses::open(&path, small()).expect("open");
+        let ips: Vec<Ipv4Addr> = (0..5)
+            .map(|n| a.allocate(&id(&format!("vm-{n}"))).expect("room"))
+            .collect();
+
+        assert!(ips.contains(&Ipv4Addr::new(192, 0, 2, 2)), "{ips:?}");
     }
 
     #[test]
