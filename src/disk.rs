@@ -3,11 +3,12 @@
 //!
 //! 1. Refuse a base larger than the disk asked for: growing is safe,
 //!    shrinking would cut a filesystem off mid-way (permanent error).
-//! 2. Clone into a temp file beside the target: by reflink (FICLONE) where
-//!    the filesystem shares extents (btrfs, XFS), which is instant and takes
-//!    no space; else by a sparse copy that walks the base's data extents
-//!    (SEEK_DATA/SEEK_HOLE) and moves each in the kernel (copy_file_range),
-//!    so holes stay holes and no byte crosses into user space.
+//! 2. Clone into a temp file beside the target: by reflink where the
+//!    filesystem shares extents (FICLONE on btrfs and XFS, clonefile(2) on
+//!    APFS), which is instant and takes no space; else by a sparse copy
+//!    that walks the base's data extents (SEEK_DATA/SEEK_HOLE) and copies
+//!    each (in the kernel with copy_file_range on Linux), so holes stay
+//!    holes.
 //! 3. Grow to the asked size (a sparse extension), fsync, rename over the
 //!    target, fsync the directory: a killed create never leaves a torn disk.
 //!
@@ -33,9 +34,11 @@ const GIB: u64 = 1 << 30;
 /// The largest piece copied between deadline checks: big enough that the
 /// syscalls cost nothing next to the copy, small enough that an expired
 /// pass stops within a second or so on a slow disk.
+#[cfg(target_os = "linux")]
 const CHUNK: u64 = 256 << 20;
 
 // FICLONE = _IOW(0x94, 9, int): clone all of the source fd's extents.
+#[cfg(target_os = "linux")]
 nix::ioctl_write_int!(ficlone, 0x94, 9);
 
 /// How a disk was made.
@@ -133,22 +136,15 @@ pub fn prepare(
         TEMPS.fetch_add(1, Ordering::Relaxed)
     ));
     let result = (|| {
-        // Guest data: nobody but the agent (and the hypervisor it runs)
-        // reads it.
-        let out = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&temp)
-            .map_err(io_err("create", &temp))?;
-        let method = clone_into(&src, &out, base_bytes, deadline).map_err(|e| match e {
-            CopyError::Deadline => DiskError::Deadline,
-            CopyError::Io(source) => DiskError::Io {
-                what: "copy the base image into",
-                path: temp.clone(),
-                source,
-            },
-        })?;
+        let (out, method) =
+            clone_to(&src, base, &temp, base_bytes, deadline).map_err(|e| match e {
+                CopyError::Deadline => DiskError::Deadline,
+                CopyError::Io(source) => DiskError::Io {
+                    what: "copy the base image into",
+                    path: temp.clone(),
+                    source,
+                },
+            })?;
         out.set_len(want).map_err(io_err("grow", &temp))?;
         // fdatasync: the data and the size, which is all the rename needs.
         out.sync_data().map_err(io_err("sync", &temp))?;
@@ -173,16 +169,92 @@ impl From<Errno> for CopyError {
     }
 }
 
-fn clone_into(src: &File, out: &File, len: u64, deadline: Deadline) -> Result<Method, CopyError> {
+/// A new file at `temp` (absent before) holding `base`'s bytes, opened
+/// for writing. Guest data: nobody but the agent (and the hypervisor it
+/// runs) reads it.
+fn clone_to(
+    src: &File,
+    base: &Path,
+    temp: &Path,
+    len: u64,
+    deadline: Deadline,
+) -> Result<(File, Method), CopyError> {
+    let create = || {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(temp)
+            .map_err(CopyError::Io)
+    };
+    #[cfg(target_os = "macos")]
+    {
+        if clonefile(base, temp)? {
+            let out = OpenOptions::new()
+                .write(true)
+                .open(temp)
+                .map_err(CopyError::Io)?;
+            out.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .map_err(CopyError::Io)?;
+            return Ok((out, Method::Reflink));
+        }
+    }
+    let out = create()?;
+    #[cfg(target_os = "linux")]
+    {
+        let _ = base;
+        if reflink(src, &out)? {
+            return Ok((out, Method::Reflink));
+        }
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    let _ = base;
+    sparse_copy(src, &out, len, deadline)?;
+    Ok((out, Method::SparseCopy))
+}
+
+/// FICLONE: `Ok(false)` where the filesystem shares no extents.
+#[cfg(target_os = "linux")]
+fn reflink(src: &File, out: &File) -> Result<bool, CopyError> {
     use std::os::fd::AsRawFd;
     // SAFETY: FICLONE takes the source fd as its argument and only reads it;
     // both fds are open for the duration of the call (borrowed above).
     match unsafe { ficlone(out.as_raw_fd(), src.as_raw_fd() as _) } {
-        Ok(_) => return Ok(Method::Reflink),
+        Ok(_) => Ok(true),
         // No shared extents here (ext4, tmpfs, across filesystems): copy.
-        Err(Errno::EOPNOTSUPP | Errno::EXDEV | Errno::EINVAL | Errno::ENOTTY | Errno::EPERM) => {}
-        Err(e) => return Err(e.into()),
+        Err(Errno::EOPNOTSUPP | Errno::EXDEV | Errno::EINVAL | Errno::ENOTTY | Errno::EPERM) => {
+            Ok(false)
+        }
+        Err(e) => Err(e.into()),
     }
+}
+
+/// clonefile(2) (APFS; the destination must not exist, on the same
+/// volume): `Ok(false)` where it cannot clone.
+#[cfg(target_os = "macos")]
+fn clonefile(base: &Path, temp: &Path) -> Result<bool, CopyError> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+            CopyError::Io(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a NUL in a path",
+            ))
+        })
+    };
+    let (from, to) = (c(base)?, c(temp)?);
+    // SAFETY: both are valid NUL-terminated paths for the call.
+    if unsafe { nix::libc::clonefile(from.as_ptr(), to.as_ptr(), 0) } == 0 {
+        return Ok(true);
+    }
+    match Errno::last() {
+        Errno::ENOTSUP | Errno::EXDEV => Ok(false),
+        e => Err(e.into()),
+    }
+}
+
+/// Copies `src`'s data extents (its holes stay holes) into `out`.
+fn sparse_copy(src: &File, out: &File, len: u64, deadline: Deadline) -> Result<(), CopyError> {
     let mut pos: i64 = 0;
     let end = len as i64;
     while pos < end {
@@ -198,10 +270,11 @@ fn clone_into(src: &File, out: &File, len: u64, deadline: Deadline) -> Result<Me
         copy_range(src, out, data, (hole - data) as u64, deadline)?;
         pos = hole;
     }
-    Ok(Method::SparseCopy)
+    Ok(())
 }
 
 /// Copies `len` bytes at `offset` from `src` to the same offset of `out`.
+#[cfg(target_os = "linux")]
 fn copy_range(
     src: &File,
     out: &File,
@@ -229,6 +302,37 @@ fn copy_range(
             )));
         }
         left -= n as u64;
+    }
+    Ok(())
+}
+
+/// Copies `len` bytes at `offset` from `src` to the same offset of `out`,
+/// through a buffer (no copy_file_range here).
+#[cfg(not(target_os = "linux"))]
+fn copy_range(
+    src: &File,
+    out: &File,
+    offset: i64,
+    len: u64,
+    deadline: Deadline,
+) -> Result<(), CopyError> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    let (mut at, end) = (offset as u64, offset as u64 + len);
+    while at < end {
+        if deadline.expired() {
+            return Err(CopyError::Deadline);
+        }
+        let want = ((end - at) as usize).min(buf.len());
+        let n = src.read_at(&mut buf[..want], at).map_err(CopyError::Io)?;
+        if n == 0 {
+            return Err(CopyError::Io(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the base image ended early",
+            )));
+        }
+        out.write_all_at(&buf[..n], at).map_err(CopyError::Io)?;
+        at += n as u64;
     }
     Ok(())
 }

@@ -1,6 +1,10 @@
 //! The crash-consistency proof, in CI: every crash point once, and 50
 //! random kills (`make chaos` runs 1,000). See `tests/chaos/driver.rs`.
 
+// Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
+// cloud-hypervisor backend or its stand-in).
+#![cfg(target_os = "linux")]
+
 #[path = "chaos/driver.rs"]
 mod driver;
 

@@ -2,6 +2,10 @@
 //! namespaces the tests make; and against a raw client for floods and
 //! garbage. Names are test-only and removed afterwards.
 
+// Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
+// cloud-hypervisor backend or its stand-in).
+#![cfg(target_os = "linux")]
+
 use std::net::Ipv4Addr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

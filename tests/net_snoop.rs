@@ -3,6 +3,10 @@
 //! it, and keeps it across a restart. All inside a network namespace this
 //! test unshares, so the host's links are never touched.
 
+// Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
+// cloud-hypervisor backend or its stand-in).
+#![cfg(target_os = "linux")]
+
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};

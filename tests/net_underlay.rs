@@ -3,6 +3,10 @@
 //! bridge, the nft table and the forwarding switch it sets never touch the
 //! host's. Named namespaces it adds for a guest and a "remote" are removed.
 
+// Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
+// cloud-hypervisor backend or its stand-in).
+#![cfg(target_os = "linux")]
+
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::Command;
 use std::time::Duration;

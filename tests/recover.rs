@@ -5,6 +5,10 @@
 //! must leave the store clean, the host's leftovers gone, and the live VMM
 //! adopted: running, watched, and not restarted.
 
+// Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
+// cloud-hypervisor backend or its stand-in).
+#![cfg(target_os = "linux")]
+
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -13,8 +13,21 @@ pub(super) struct Setting {
     pub help: &'static str,
 }
 
+/// The hypervisor of this platform: cloud-hypervisor on Linux, vfkit on
+/// macOS.
+#[cfg(not(target_os = "macos"))]
+const DEFAULT_HYPERVISOR: &str = "cloud-hypervisor";
+#[cfg(target_os = "macos")]
+const DEFAULT_HYPERVISOR: &str = "vfkit";
+
+/// Where API sockets go: /run on Linux; macOS has no /run.
+#[cfg(not(target_os = "macos"))]
+const DEFAULT_RUN_DIR: &str = "/run/eitri";
+#[cfg(target_os = "macos")]
+const DEFAULT_RUN_DIR: &str = "/var/run/eitri";
+
 macro_rules! settings {
-    ($($key:ident => $flag:literal, $env:literal, $default:literal, $help:literal;)*) => {
+    ($($key:ident => $flag:literal, $env:literal, $default:expr, $help:literal;)*) => {
         /// A setting of `run`, by name.
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         pub(super) enum Key {
@@ -88,7 +101,7 @@ settings! {
         "create attempts per spec (10 s, 30 s, 90 s, ... apart) before the VM is failed";
     CreateRearm => "create-rearm", "EITRI_CREATE_REARM", "1h",
         "how long a create whose attempts all failed on errors that may pass (a server down, a full disk) waits before trying again";
-    Hypervisor => "hypervisor", "EITRI_HYPERVISOR", "cloud-hypervisor",
+    Hypervisor => "hypervisor", "EITRI_HYPERVISOR", DEFAULT_HYPERVISOR,
         "hypervisor binary (a path, or a name looked up in PATH)";
     Kernel => "kernel", "EITRI_KERNEL", "",
         "guest kernel (PVH ELF) to boot; give this or --firmware";
@@ -118,7 +131,7 @@ settings! {
         "disk a guest's serial output may hold, in MiB: older output is freed once a second (the newest half is kept)";
     AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",
         "pieces of confinement hypervisors may run without where this host lacks them: jail, cgroups, landlock (comma-separated; default none)";
-    RunDir => "run-dir", "EITRI_RUN_DIR", "/run/eitri",
+    RunDir => "run-dir", "EITRI_RUN_DIR", DEFAULT_RUN_DIR,
         "directory for hypervisor API sockets (kept short: socket paths are limited to 108 bytes)";
     TapPrefix => "tap-prefix", "EITRI_TAP_PREFIX", "eitri",
         "prefix of the agent's tap names; unheld taps with it are removed at start";

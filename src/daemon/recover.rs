@@ -31,8 +31,10 @@ use std::sync::Arc;
 
 use super::DaemonError;
 use crate::config::Config;
+#[cfg(target_os = "linux")]
 use crate::error::chain;
 use crate::image::ImageCache;
+#[cfg(target_os = "linux")]
 use crate::net::host::HostNetwork;
 use crate::provision::Provisioner;
 use crate::state::Store;
@@ -50,6 +52,7 @@ pub struct Recovered {
 /// The underlay with the control plane's and the proxy's addresses added
 /// to what guests may not reach: a guest has no business with either, and
 /// a control plane that trusts its network would hear a guest as a host.
+#[cfg(target_os = "linux")]
 fn keep_from_guests(
     mut underlay: crate::net::underlay::UnderlayConfig,
     config: &Config,
@@ -73,28 +76,16 @@ fn keep_from_guests(
     underlay
 }
 
-/// Runs the steps of the module, in order. `guest_dns` is what guests are
-/// told (the flag's list, or the host's own resolvers).
-pub fn recover(
+/// Step 3 on Linux: the underlay and the host networks, or why not (in
+/// `notes`).
+#[cfg(target_os = "linux")]
+fn host_network(
     config: &Config,
+    store: &Store,
     guest_dns: Vec<std::net::Ipv4Addr>,
-) -> Result<Recovered, DaemonError> {
-    // 1.
-    let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
-    // 2.
-    let images = Arc::new(ImageCache::with(store.images_dir(), &config.images));
-    let swept = store.sweep();
-    let partials = images.sweep_partials();
-    if swept.temp_files + swept.half_deleted_vms + partials > 0 {
-        log::info!(
-            "recovered: {} stray temp file(s), {} half-deleted VM dir(s), {partials} partial download(s) removed",
-            swept.temp_files,
-            swept.half_deleted_vms
-        );
-    }
-    // 3.
-    let mut notes = Vec::new();
-    let network = match config.guest.underlay.clone() {
+    notes: &mut Vec<String>,
+) -> Option<Arc<HostNetwork>> {
+    match config.guest.underlay.clone() {
         None => {
             notes.push("guest networking is off (--underlay-bridge is empty)".to_owned());
             None
@@ -126,9 +117,45 @@ pub fn recover(
                 None
             }
         },
-    };
+    }
+}
+
+/// Runs the steps of the module, in order. `guest_dns` is what guests are
+/// told (the flag's list, or the host's own resolvers).
+pub fn recover(
+    config: &Config,
+    guest_dns: Vec<std::net::Ipv4Addr>,
+) -> Result<Recovered, DaemonError> {
+    // 1.
+    let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
+    // 2.
+    let images = Arc::new(ImageCache::with(store.images_dir(), &config.images));
+    let swept = store.sweep();
+    let partials = images.sweep_partials();
+    if swept.temp_files + swept.half_deleted_vms + partials > 0 {
+        log::info!(
+            "recovered: {} stray temp file(s), {} half-deleted VM dir(s), {partials} partial download(s) removed",
+            swept.temp_files,
+            swept.half_deleted_vms
+        );
+    }
+    // 3.
+    let mut notes = Vec::new();
+    #[cfg(target_os = "linux")]
+    let network = host_network(config, &store, guest_dns, &mut notes);
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = guest_dns;
+        notes.push(
+            "guest networking is the hypervisor's own NAT on this platform (--underlay-bridge and --host-network are Linux's)"
+                .to_owned(),
+        );
+    }
     // 4. and 5.
+    #[cfg(target_os = "linux")]
     let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest, network);
+    #[cfg(not(target_os = "linux"))]
+    let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest);
     let mut known: Vec<crate::model::Id> = store.load_all().keys().cloned().collect();
     if let Ok(Some(last)) = super::last::load(&store.root().join(super::LAST_SNAPSHOT)) {
         known.extend(

@@ -1,5 +1,7 @@
 //! Host networking on Linux: the underlay's addresses, and the DHCP that
-//! tells each guest its own.
+//! tells each guest its own. The pieces that open packet sockets (the
+//! responder, the snooper, the host network that runs them) are Linux's;
+//! addresses, ranges, the DHCP codec and the nft text build everywhere.
 //!
 //! The host allocates every guest's underlay address (so it is known at
 //! boot) and the guest learns it by DHCP from a responder the agent runs
@@ -8,7 +10,10 @@
 pub mod addresses;
 pub mod cidr;
 pub mod dhcp;
+#[cfg(target_os = "linux")]
 pub mod host;
+#[cfg(target_os = "linux")]
 pub mod packet;
+#[cfg(target_os = "linux")]
 pub mod snoop;
 pub mod underlay;

@@ -12,7 +12,10 @@
 //! Every blocking method takes the pass's [`Deadline`] and must return by it
 //! (a deadline error is never permanent: the engine refunds the attempt).
 
+#[cfg(target_os = "linux")]
 pub mod cloudhv;
+pub mod unix_http;
+pub mod vfkit;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -122,6 +125,30 @@ pub struct GuestBoot {
     pub confinement: Confinement,
 }
 
+/// How much of a hypervisor's log a failure reason is taken from.
+const REASON_BYTES: u64 = 2048;
+
+/// The last lines of a hypervisor's log (at most its last 2 KiB), on one
+/// line. The log is the hypervisor's, and a guest can make it write: what
+/// reaches a report or a terminal has its control characters escaped.
+pub fn log_tail(path: &Path) -> String {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = file.metadata().map_or(0, |m| m.len());
+    let _ = file.seek(SeekFrom::Start(len.saturating_sub(REASON_BYTES)));
+    let mut bytes = Vec::new();
+    let _ = file.read_to_end(&mut bytes);
+    let text = String::from_utf8_lossy(&bytes);
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    crate::quote::inline(&lines[lines.len().saturating_sub(3)..].join(" | "))
+}
+
 /// A piece of a VMM's confinement a host may lack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Piece {
@@ -177,6 +204,7 @@ impl Default for Confinement {
 }
 
 /// The backend this host runs guests with: cloud-hypervisor on Linux.
+#[cfg(target_os = "linux")]
 pub fn for_host(
     store: std::sync::Arc<crate::state::Store>,
     guest: &GuestBoot,
@@ -195,6 +223,24 @@ pub fn for_host(
             stop: cloudhv::StopTimeouts::default(),
             network,
             confinement: guest.confinement.clone(),
+        },
+    ))
+}
+
+/// The backend this host runs guests with: vfkit elsewhere (macOS).
+#[cfg(not(target_os = "linux"))]
+pub fn for_host(
+    store: std::sync::Arc<crate::state::Store>,
+    guest: &GuestBoot,
+) -> std::sync::Arc<dyn Provisioner> {
+    std::sync::Arc::new(vfkit::Vfkit::new(
+        store,
+        vfkit::VfkitConfig {
+            vfkit: guest.hypervisor.clone(),
+            run_dir: guest.run_dir.clone(),
+            boot_wait: std::time::Duration::from_secs(60),
+            stop: vfkit::StopLadder::default(),
+            leases: vfkit::leases::LEASE_FILE.into(),
         },
     ))
 }

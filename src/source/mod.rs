@@ -11,6 +11,7 @@ mod watch;
 use std::fmt;
 use std::path::PathBuf;
 
+#[cfg(target_os = "linux")]
 use crossbeam_channel::Sender;
 
 pub use file::FileSource;

@@ -616,6 +616,7 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
 
 /// Removes a test's cgroup root (see [`confinement`]) from every
 /// hierarchy, with any empty VM cgroups left in it.
+#[cfg(target_os = "linux")]
 pub fn remove_cgroup_root(root: &str) {
     if let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) {
         cgroups.remove_unknown(&[]);

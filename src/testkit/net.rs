@@ -14,6 +14,7 @@ use crate::net::underlay::UnderlayConfig;
 /// Moves this test process into a network namespace of its own, so what
 /// it builds never touches the host's links or firewall. Call it first,
 /// while the process has one thread (nextest runs a test per process).
+#[cfg(target_os = "linux")]
 pub fn private_network() {
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
         .unwrap_or_else(|e| panic!("unshare a network namespace (needs root): {e}"));
@@ -111,6 +112,7 @@ pub fn client_frame(mac: [u8; 6], kind: Kind, xid: u32, requested: Option<Ipv4Ad
 
 /// Runs `f` on a thread inside the named network namespace `ns` (as made
 /// by `ip netns add`): sockets it opens belong to that namespace.
+#[cfg(target_os = "linux")]
 pub fn within<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> T {
     std::thread::scope(|scope| {
         scope

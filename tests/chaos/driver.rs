@@ -15,6 +15,10 @@
 //! 7. `report.json` always parses (polled throughout);
 //! 8. the report matches the processes.
 
+// Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
+// cloud-hypervisor backend or its stand-in).
+#![cfg(target_os = "linux")]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;

@@ -12,11 +12,13 @@
 //! (option 61): a guest sending a DUID still gets its MAC's address.
 
 pub mod codec;
+#[cfg(target_os = "linux")]
 mod responder;
 
 use std::net::Ipv4Addr;
 
 use codec::{Kind, Message, option};
+#[cfg(target_os = "linux")]
 pub use responder::{Responder, ResponderStats};
 
 /// What one VM is told.

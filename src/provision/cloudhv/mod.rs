@@ -42,7 +42,6 @@ mod watch;
 
 use std::collections::HashMap;
 use std::fs;
-use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -64,9 +63,6 @@ use crate::state::Store;
 
 /// The oldest cloud-hypervisor this backend drives.
 pub const MIN_VERSION: u32 = 51;
-/// Bytes of the hypervisor's log a failure reason quotes, at most.
-const REASON_BYTES: u64 = 2048;
-
 /// How long each stage of a stop may take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StopTimeouts {
@@ -424,26 +420,6 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// The last lines of a log, at most `REASON_BYTES`, on one line.
-fn log_tail(path: &Path) -> String {
-    let Ok(mut file) = fs::File::open(path) else {
-        return String::new();
-    };
-    let len = file.metadata().map_or(0, |m| m.len());
-    let _ = file.seek(SeekFrom::Start(len.saturating_sub(REASON_BYTES)));
-    let mut bytes = Vec::new();
-    let _ = file.read_to_end(&mut bytes);
-    let text = String::from_utf8_lossy(&bytes);
-    let lines: Vec<&str> = text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect();
-    // The log is the hypervisor's, and the guest can make it write: what
-    // reaches a report or a terminal has its control characters escaped.
-    crate::quote::inline(&lines[lines.len().saturating_sub(3)..].join(" | "))
-}
-
 impl Provisioner for CloudHypervisor {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
         self.check_host()
@@ -549,7 +525,7 @@ impl Provisioner for CloudHypervisor {
     }
 
     fn failure_reason(&self, vm_id: &Id) -> String {
-        let tail = log_tail(&self.store.hypervisor_log_path(vm_id));
+        let tail = super::log_tail(&self.store.hypervisor_log_path(vm_id));
         match self.exits.lock().get(vm_id) {
             Some(status) if tail.is_empty() => format!("hypervisor {}", describe(*status)),
             Some(status) => format!("hypervisor {}: {tail}", describe(*status)),
