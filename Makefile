@@ -15,7 +15,7 @@ BENCHES  := store engine storage boot net repair
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -31,13 +31,27 @@ static:
 	$(CARGO) build --release --locked --target $(MUSL)
 	@ls -l $(STATIC)
 
-test: fmt-check clippy programs-check proto-check unit-tests
+MACOS    := aarch64-apple-darwin x86_64-apple-darwin
+
+test: fmt-check clippy programs-check proto-check macos-check unit-tests
 
 fmt-check:
 	$(CARGO) fmt --check
 
 clippy:
 	$(CARGO) clippy --locked --all-targets --features standin,crashpoints -- -D warnings
+
+# The macOS build compiles (lib, bins, tests; no Mac here to link or run
+# it): needs rustup target add $(MACOS).
+macos-check:
+	for t in $(MACOS); do \
+	  $(CARGO) check --locked --target $$t --lib --bins --tests || exit 1; \
+	  $(CARGO) check --locked --target $$t --lib --bins --tests --features standin,crashpoints || exit 1; \
+	done
+
+# On a Mac with vfkit installed: what Linux cannot show (README, macOS).
+mac-check:
+	contrib/mac-check
 
 # Every program the code or its tests run is installed by .ci/run.
 programs-check:

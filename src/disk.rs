@@ -341,6 +341,21 @@ fn copy_range(
 mod tests {
     use super::*;
 
+    /// On a Mac (`make mac-check`): APFS clones, so a root disk costs no
+    /// space until the guest writes.
+    #[cfg(target_os = "macos")]
+    #[test]
+    fn a_root_disk_on_apfs_is_a_clone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![0x5a; 4 << 20]).expect("base");
+
+        let method =
+            prepare(&base, &dir.path().join("disk.raw"), 1, Deadline::NONE).expect("prepare");
+
+        assert_eq!(method, Method::Reflink);
+    }
+
     #[test]
     fn shrinking_is_permanent_and_says_how_big_to_ask() {
         let e = DiskError::WouldShrink {
