@@ -44,6 +44,7 @@
 //! operations in a few hundred lines of message building.
 
 use std::fmt;
+#[cfg(target_os = "linux")]
 use std::process::Command;
 
 use std::net::Ipv4Addr;
@@ -117,6 +118,7 @@ impl std::error::Error for NetError {}
 
 impl crate::error::Failure for NetError {}
 
+#[cfg(target_os = "linux")]
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
     use std::io::Write;
     let what = || format!("{program} {}", args.join(" "));
@@ -161,6 +163,7 @@ fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetE
     }
 }
 
+#[cfg(target_os = "linux")]
 fn have(program: &str) -> bool {
     let Some(path) = crate::programs::resolved(program) else {
         return false;
@@ -173,6 +176,7 @@ fn have(program: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+#[cfg(target_os = "linux")]
 pub struct Underlay {
     cfg: UnderlayConfig,
     nat: Nat,
@@ -186,6 +190,7 @@ impl Nat {
     }
 }
 
+#[cfg(target_os = "linux")]
 impl Underlay {
     /// Brings the underlay up (see the module steps).
     pub fn setup(cfg: UnderlayConfig) -> Result<Underlay, NetError> {
@@ -289,6 +294,7 @@ impl Underlay {
 /// What the log and `status` say where nothing guards the guests.
 pub const UNGUARDED: &str = "guest traffic is unprotected: nft is not installed, so nothing holds a guest to its MAC and address or keeps it from this host's services (install nftables)";
 
+#[cfg(target_os = "linux")]
 fn enable_forwarding() -> Result<(), NetError> {
     let path = "/proc/sys/net/ipv4/ip_forward";
     let now = std::fs::read_to_string(path).unwrap_or_default();
@@ -440,6 +446,7 @@ pub fn unport_ruleset(table: &str, tap: &str) -> String {
     )
 }
 
+#[cfg(target_os = "linux")]
 /// NAT with iptables: the agent's own chain, flushed and refilled, jumped
 /// to once from POSTROUTING.
 fn iptables_nat(cfg: &UnderlayConfig) -> Result<(), NetError> {
@@ -480,6 +487,7 @@ fn iptables_nat(cfg: &UnderlayConfig) -> Result<(), NetError> {
     Ok(())
 }
 
+#[cfg(target_os = "linux")]
 /// With a FORWARD policy of DROP in iptables (Docker's), the bridge's
 /// traffic is accepted explicitly, once.
 fn accept_through_drop_policy(cfg: &UnderlayConfig) {
@@ -518,6 +526,7 @@ fn accept_through_drop_policy(cfg: &UnderlayConfig) {
     }
 }
 
+#[cfg(target_os = "linux")]
 /// Makes `iface` an up port of `bridge` (a site bridge: not isolated, the
 /// site's own rules apply there).
 pub fn join(iface: &str, bridge: &str) -> Result<(), NetError> {
