@@ -230,6 +230,30 @@ fn a_guest_ignoring_the_power_button_is_hard_stopped() {
 }
 
 #[test]
+fn the_engine_stops_a_guest_ignoring_the_power_button_with_a_hard_stop() {
+    // SAFETY: set before this test's process starts a thread.
+    unsafe { std::env::set_var("STANDIN_VFKIT_IGNORE_STOP", "1") };
+    let h = Host::new();
+    h.tick(&h.vm("vm-1", PowerState::Running));
+    let pid = h.pid("vm-1").expect("pid");
+
+    h.tick(&h.vm("vm-1", PowerState::Stopped));
+
+    let log = std::fs::read_to_string(h.store.hypervisor_log_path(&id("vm-1"))).expect("log");
+    assert!(!alive(pid));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
+    let asked: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("received state change request"))
+        .collect();
+    assert_eq!(asked.len(), 2, "{log}");
+    assert!(
+        asked[0].contains("\"Stop\"") && asked[1].contains("\"HardStop\""),
+        "{asked:?}"
+    );
+}
+
+#[test]
 fn a_vm_asked_to_stop_is_powered_off_by_the_engine() {
     let h = Host::new();
     h.tick(&h.vm("vm-1", PowerState::Running));

@@ -168,6 +168,12 @@ fn main() {
         let mut body = vec![0u8; len];
         let _ = reader.read_exact(&mut body);
         let body = String::from_utf8_lossy(&body);
+        if request_line.starts_with("POST") {
+            eprintln!(
+                "time=\"now\" level=info msg=\"received state change request: {}\"",
+                body.trim()
+            );
+        }
         let answer = |conn: &mut std::os::unix::net::UnixStream, status: &str, body: &str| {
             let _ = write!(
                 conn,
