@@ -26,6 +26,7 @@ pub mod hex;
 pub mod hostkey;
 pub mod image;
 pub mod logonce;
+pub mod metrics;
 pub mod model;
 pub mod net;
 pub mod pb;

@@ -1357,3 +1357,39 @@ fn an_adopted_vm_is_guarded_again_before_its_first_tick() {
         "{after}"
     );
 }
+
+#[test]
+fn a_killed_vmm_raises_its_lost_counter_by_one() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let metrics = eitri_agent::daemon::metrics::MetricsFile::new(
+        h.dir.path().join("eitri.prom"),
+        Arc::new(ImageCache::new(h.dir.path().join("images"))),
+    );
+    let lost = || {
+        let text = metrics.render(
+            &eitri_agent::pb::HostInfo::default(),
+            h.engine(),
+            &h.engine().published(),
+            1,
+            &eitri_agent::metrics::CounterVec::default(),
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix("eitri_vm_lost_total{vm_id=\"vm-1\"} "))
+            .map(str::to_owned)
+    };
+    assert_eq!(lost().as_deref(), Some("0"));
+    let pid = h.pid("vm-1").expect("pid");
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("kill -9");
+    wait_until("a new VMM", || {
+        h.pid("vm-1").is_some_and(|p| p != pid && alive(p))
+    });
+    assert!(h.engine().wait_idle(Deadline::after(PATIENCE)));
+
+    assert_eq!(lost().as_deref(), Some("1"));
+}

@@ -120,6 +120,7 @@ fn agent_in(
             remote: true,
             readiness: None,
             notes: vec![],
+            metrics: None,
         },
     );
     let generation = link.generation();
@@ -837,6 +838,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
             remote: true,
             readiness: None,
             notes: vec![],
+            metrics: None,
         },
     );
     let mut exchange = Exchange::new(

@@ -22,6 +22,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("error", 0),
     ("hex", 0),
     ("logonce", 0),
+    ("metrics", 0),
     ("version", 0),
     ("threads", 0),
     ("quote", 0),

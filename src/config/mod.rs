@@ -66,6 +66,8 @@ pub struct Config {
     pub images: crate::image::ImageOptions,
     pub guest: GuestBoot,
     pub engine: EngineConfig,
+    /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
+    pub metrics_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -40,6 +40,7 @@ pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Co
         images: images(&raw)?,
         guest: guest_boot(&raw)?,
         engine: engine(&raw)?,
+        metrics_file: raw.optional(Key::MetricsFile).map(PathBuf::from),
     })
 }
 
@@ -257,6 +258,7 @@ fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
         kernel,
         firmware,
         cmdline: raw.get(Key::Cmdline),
+        stop_grace: raw.duration(Key::StopGrace)?,
         confinement: confinement(raw)?,
     })
 }

@@ -131,6 +131,10 @@ settings! {
         "disk a guest's serial output may hold, in MiB: older output is freed once a second (the newest half is kept)";
     AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",
         "pieces of confinement hypervisors may run without where this host lacks them: jail, cgroups, landlock (comma-separated; default none)";
+    MetricsFile => "metrics-file", "EITRI_METRICS_FILE", "",
+        "write metrics in the Prometheus text format to this file every tick, for node_exporter's textfile collector (default: off)";
+    StopGrace => "stop-grace", "EITRI_STOP_GRACE", "30s",
+        "how long a guest is given to power off after the power button before its hypervisor is told to stop";
     RunDir => "run-dir", "EITRI_RUN_DIR", DEFAULT_RUN_DIR,
         "directory for hypervisor API sockets (kept short: socket paths are limited to 108 bytes)";
     TapPrefix => "tap-prefix", "EITRI_TAP_PREFIX", "eitri",

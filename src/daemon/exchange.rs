@@ -54,6 +54,8 @@ pub struct Link {
     published: Condvar,
     /// How the last contact went, as `report.json` says it.
     contact: Mutex<String>,
+    /// Failed contacts, by kind (see `SourceError::kind`).
+    failures: crate::metrics::CounterVec,
     events: Sender<Event>,
 }
 
@@ -73,6 +75,7 @@ impl Link {
             report: Mutex::new(Published::default()),
             published: Condvar::new(),
             contact: Mutex::new("not yet".into()),
+            failures: crate::metrics::CounterVec::default(),
             events,
         })
     }
@@ -130,6 +133,11 @@ impl Link {
                 return;
             }
         }
+    }
+
+    /// Failed contacts so far, by kind.
+    pub fn failures(&self) -> &crate::metrics::CounterVec {
+        &self.failures
     }
 
     pub fn contact(&self) -> String {
@@ -249,6 +257,7 @@ impl Exchange {
                 Contact::Ok
             }
             Some(e) => {
+                self.link.failures.inc(e.kind());
                 let error = chain(&e);
                 let retry_in = if self.source.is_remote() {
                     self.backoff.fail((self.jitter)())

@@ -26,6 +26,7 @@ mod backoff;
 mod discover;
 pub mod exchange;
 mod last;
+pub mod metrics;
 mod notify;
 pub mod recover;
 mod signals;
@@ -117,6 +118,8 @@ pub struct Parts {
     pub readiness: Option<Readiness>,
     /// Lasting facts for `status` (e.g. networking is host-only).
     pub notes: Vec<String>,
+    /// `--metrics-file`, when asked for.
+    pub metrics: Option<metrics::MetricsFile>,
 }
 
 pub struct Daemon {
@@ -138,6 +141,7 @@ pub struct Daemon {
     /// When `report.json` was last written, and whether a change waits.
     written: Option<Instant>,
     dirty: bool,
+    metrics: Option<metrics::MetricsFile>,
 }
 
 impl Daemon {
@@ -166,6 +170,7 @@ impl Daemon {
             logs: LogOnce::new(),
             written: None,
             dirty: false,
+            metrics: parts.metrics,
         }
     }
 
@@ -307,11 +312,35 @@ impl Daemon {
 
     /// Steps the engine (the module's steps 1 and 2) and reports.
     fn step(&mut self, reflects: Option<u64>) {
+        let started = Instant::now();
         let report = match &self.last {
             Some((_, snap)) => self.engine.step(snap),
             None => self.engine.observe(),
         };
         self.publish(&report, reflects);
+        if let Some(m) = &self.metrics {
+            let text = m.render(
+                &self.host,
+                &self.engine,
+                &report,
+                self.store.epoch(),
+                self.link.failures(),
+            );
+            match m.write(&text) {
+                Ok(()) => {
+                    if self.logs.clear("metrics") {
+                        log::info!("{} is written again", m.path.display());
+                    }
+                }
+                Err(e) => {
+                    self.logs.error(
+                        "metrics",
+                        &format!("cannot write the metrics file {}: {e}", m.path.display()),
+                    );
+                }
+            }
+            m.tick_took(started.elapsed());
+        }
     }
 
     /// Reports the rows that changed since the last report, dispatching
@@ -509,7 +538,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     } = recover::recover(&config, guest_dns)?;
     let seams = Seams {
         provisioner,
-        images,
+        images: Arc::clone(&images) as Arc<dyn crate::reconcile::seams::Images>,
         seed: Arc::new(NoCloudSeed),
         host_keys: Arc::new(crate::hostkey::LocalHostKeys),
         host,
@@ -562,6 +591,10 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             remote,
             readiness,
             notes,
+            metrics: config
+                .metrics_file
+                .clone()
+                .map(|path| metrics::MetricsFile::new(path, Arc::clone(&images))),
         },
     );
     daemon.run(&rx, Some(exchange), config.shutdown_grace);

@@ -181,6 +181,18 @@ pub struct ImageCache {
     file_root: Option<PathBuf>,
     stall: Duration,
     inflight: Arc<Mutex<HashMap<String, Arc<Download>>>>,
+    stats: Arc<CacheStats>,
+}
+
+/// What the cache counted, for the metrics file.
+#[derive(Debug, Default)]
+pub struct CacheStats {
+    /// Resolves answered from the cache.
+    pub hits: crate::metrics::Counter,
+    /// Downloads that landed (verified).
+    pub downloads: crate::metrics::Counter,
+    /// Bytes of the downloads that landed.
+    pub download_bytes: crate::metrics::Counter,
 }
 
 impl ImageCache {
@@ -222,7 +234,25 @@ impl ImageCache {
             file_root,
             stall: options.stall,
             inflight: Arc::new(Mutex::new(HashMap::new())),
+            stats: Arc::new(CacheStats::default()),
         }
+    }
+
+    pub fn stats(&self) -> &CacheStats {
+        &self.stats
+    }
+
+    /// Bytes the cached images hold on disk (partial downloads included).
+    pub fn bytes(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.metadata().ok())
+            .filter(|m| m.is_file())
+            .map(|m| m.blocks().saturating_mul(512))
+            .sum()
     }
 
     /// Removes the partial downloads a crashed agent left; returns how
@@ -276,7 +306,11 @@ impl ImageCache {
             self.file_root.clone(),
             self.stall,
         );
-        let (registry, d) = (Arc::clone(&self.inflight), Arc::clone(&download));
+        let (registry, d, stats) = (
+            Arc::clone(&self.inflight),
+            Arc::clone(&download),
+            Arc::clone(&self.stats),
+        );
         std::thread::Builder::new()
             .name(format!("image-{}", &sha[..8]))
             .spawn(move || {
@@ -296,7 +330,13 @@ impl ImageCache {
                 };
                 let result = fetch::fetch(&source, &dir, &mut report);
                 match &result {
-                    Ok(_) => log::info!("image {sha}: downloaded and verified from {url}"),
+                    Ok(path) => {
+                        stats.downloads.inc();
+                        stats
+                            .download_bytes
+                            .add(fs::metadata(path).map_or(0, |m| m.len()));
+                        log::info!("image {sha}: downloaded and verified from {url}");
+                    }
                     Err(e) => log::warn!("image {sha}: {e}"),
                 }
                 // Deregister first: a pass arriving after this finds the
@@ -355,7 +395,10 @@ impl ImageCache {
         if path.is_file() {
             // Cached by an agent that did not check the format.
             return match format::foreign_format(&path) {
-                Ok(None) => Ok(path),
+                Ok(None) => {
+                    self.stats.hits.inc();
+                    Ok(path)
+                }
                 Ok(Some(format)) => Err(ImageError::NotRaw {
                     url: url.into(),
                     format,

@@ -122,6 +122,8 @@ pub struct GuestBoot {
     pub kernel: Option<PathBuf>,
     pub firmware: Option<PathBuf>,
     pub cmdline: String,
+    /// How long a guest has to power off after the power button.
+    pub stop_grace: std::time::Duration,
     pub confinement: Confinement,
 }
 
@@ -220,7 +222,10 @@ pub fn for_host(
             run_dir: guest.run_dir.clone(),
             tap_prefix: guest.tap_prefix.clone(),
             boot_wait: std::time::Duration::from_secs(60),
-            stop: cloudhv::StopTimeouts::default(),
+            stop: cloudhv::StopTimeouts {
+                power_button: guest.stop_grace,
+                ..cloudhv::StopTimeouts::default()
+            },
             network,
             confinement: guest.confinement.clone(),
         },
@@ -239,7 +244,10 @@ pub fn for_host(
             vfkit: guest.hypervisor.clone(),
             run_dir: guest.run_dir.clone(),
             boot_wait: std::time::Duration::from_secs(60),
-            stop: vfkit::StopLadder::default(),
+            stop: vfkit::StopLadder {
+                power_button: guest.stop_grace,
+                ..vfkit::StopLadder::default()
+            },
             leases: vfkit::leases::LEASE_FILE.into(),
         },
     ))

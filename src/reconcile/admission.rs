@@ -109,6 +109,23 @@ impl Ledger {
     pub fn release(&self, vm_id: &Id) {
         self.committed.lock().remove(vm_id);
     }
+
+    /// Committed vCPUs, MB and GB, and the caps on each (0 = none).
+    pub fn usage(&self) -> ([u64; 3], [u64; 3]) {
+        let committed = self.committed.lock();
+        let mut used = [0u64; 3];
+        for c in committed.values() {
+            used[0] += c.vcpus;
+            used[1] += c.mem_mb;
+            used[2] += c.disk_gb;
+        }
+        let caps = [
+            self.caps.max_vcpus,
+            self.caps.max_mem_mb,
+            self.caps.max_disk_gb,
+        ];
+        (used, caps)
+    }
 }
 
 /// A counting semaphore over a bounded channel: a slot is taken by sending

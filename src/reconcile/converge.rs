@@ -30,6 +30,7 @@ impl Core {
         // Keeps the ledger true for every live VM, however it got here (an
         // un-quarantined VM's compute was released).
         self.ledger.note(&rec.spec);
+        self.counts.lost.touch(rec.spec.vm_id.as_str());
         let running = self.prov.running(&rec.spec.vm_id);
         let boot_id = self.host.boot_id();
         if self.note_address(&mut rec) {
@@ -45,6 +46,7 @@ impl Core {
                 "its hypervisor is gone without a stop request"
             };
             log::warn!("VM {}: lost ({why})", rec.spec.vm_id);
+            self.counts.lost.inc(rec.spec.vm_id.as_str());
             return match d.power {
                 PowerState::Running => {
                     // Said before the boot: the guest is down until it ends.
@@ -85,10 +87,12 @@ impl Core {
     /// Boots a VM that should run and does not; `boot_id` is the host's,
     /// which re-stamps a VM lost to a reboot.
     fn boot(&self, deadline: Deadline, mut rec: Record, boot_id: String, res: &mut VmResult) {
+        let booting = std::time::Instant::now();
         let booted = volumes::materialized(&self.store, &rec.spec)
             .and_then(|()| self.prov.boot(&rec.spec, deadline));
         match booted {
             Ok(()) => {
+                self.counts.boots.observe(booting.elapsed());
                 self.note_address(&mut rec);
                 rec.booted(boot_id);
                 self.save_best_effort(&rec);

@@ -129,6 +129,7 @@ impl Core {
             return attempt.fail(before, e.into(), res);
         }
         attempt.counted = true;
+        self.counts.create_attempts.inc();
         crate::crash::point("create.attempt-saved");
 
         let narrator = Narrator::new(
@@ -209,15 +210,18 @@ impl Core {
                 return attempt.fail(rec, e, res);
             }
             narrator.say("booting");
+            let booting = std::time::Instant::now();
             if let Err(e) = self.prov.boot(&rec.spec, deadline) {
                 return attempt.fail(rec, e, res);
             }
+            self.counts.boots.observe(booting.elapsed());
             self.note_address(&mut rec);
         }
         // The heavy part is over; the record write below needs no slot.
         drop(slot);
 
         rec.created(self.host.boot_id(), d.power == PowerState::Running);
+        self.counts.lost.touch(vm_id.as_str());
         self.save_best_effort(&rec);
         crate::crash::point("create.booted-saved");
         self.forget_logs(vm_id);
@@ -240,10 +244,22 @@ impl Attempt<'_> {
         let permanent = err.is_permanent();
         let err: &dyn std::error::Error = &*err;
         let error = chain(err);
+        let counts = &core.counts;
         match (self.deadline.expired(), self.counted, permanent) {
-            (true, true, _) => rec.refund_attempt(error),
-            (true, false, _) | (false, false, false) => rec.could_not_attempt(error),
-            (false, _, permanent) => rec.attempt_failed(error, permanent, core.host.now(), budget),
+            (true, true, _) => {
+                counts.refunds.inc();
+                rec.refund_attempt(error);
+            }
+            (true, false, _) | (false, false, false) => {
+                counts.create_failures.inc("transient");
+                rec.could_not_attempt(error);
+            }
+            (false, _, permanent) => {
+                counts
+                    .create_failures
+                    .inc(if permanent { "permanent" } else { "transient" });
+                rec.attempt_failed(error, permanent, core.host.now(), budget);
+            }
         }
         core.log_failure(
             &rec.spec.vm_id,

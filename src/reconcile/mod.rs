@@ -27,6 +27,7 @@
 
 mod admission;
 mod converge;
+pub mod counts;
 mod create;
 pub mod lifecycle;
 mod pass;
@@ -162,6 +163,7 @@ impl Engine {
             ledger,
             slots,
             logs: LogOnce::new(),
+            counts: counts::Counts::default(),
         };
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);
@@ -216,6 +218,29 @@ impl Engine {
     /// operation reports its last published row, and a VM named for the
     /// first time reports `queued`.
     pub fn step(&self, snap: &Snapshot) -> Report {
+        let started = std::time::Instant::now();
+        let report = self.step_timed(snap);
+        self.core.counts.steps.observe(started.elapsed());
+        report
+    }
+
+    /// What the engine counted (see [`counts::Counts`]).
+    pub fn counts(&self) -> &counts::Counts {
+        &self.core.counts
+    }
+
+    /// Compute committed to live VMs and the host's caps (0 = none):
+    /// vCPUs, memory in MB, disk in GB.
+    pub fn quota(&self) -> ([u64; 3], [u64; 3]) {
+        self.core.ledger.usage()
+    }
+
+    /// VM workers alive now.
+    pub fn workers_alive(&self) -> usize {
+        self.workers.lock().alive()
+    }
+
+    fn step_timed(&self, snap: &Snapshot) -> Report {
         let store = &self.core.store;
         match self.verdict(snap) {
             Verdict::Fenced { current } => return self.fence_report(current),

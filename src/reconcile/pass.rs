@@ -168,6 +168,7 @@ pub(crate) struct Core {
     /// Per-VM log memory (subjects `<vm_id>/<what>`): a VM failing the same
     /// way every pass is one line, not one a tick.
     pub logs: LogOnce,
+    pub counts: super::counts::Counts,
 }
 
 impl Core {

@@ -80,6 +80,8 @@ impl Core {
                 Ok(()) => match self.store.delete(&vm_id) {
                     Ok(()) => {
                         log::info!("VM {vm_id}: destroyed");
+                        self.counts.destroyed.inc();
+                        self.counts.lost.remove(vm_id.as_str());
                         self.forget_logs(&vm_id);
                         return;
                     }

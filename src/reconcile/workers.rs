@@ -282,6 +282,11 @@ impl Workers {
         }
     }
 
+    /// Workers whose thread is alive (live or still finishing).
+    pub(crate) fn alive(&self) -> usize {
+        self.live.len() + self.retiring.len()
+    }
+
     pub(crate) fn pokes(&self) -> Arc<Pokes> {
         Arc::clone(&self.pokes)
     }

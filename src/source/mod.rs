@@ -165,6 +165,25 @@ pub enum SourceError {
     },
 }
 
+impl SourceError {
+    /// A short name for the kind of failure, for the metrics file.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SourceError::Unreachable { .. } => "unreachable",
+            SourceError::TokenRejected { .. } => "token_rejected",
+            SourceError::Status { .. } => "status",
+            SourceError::Redirected { .. } => "redirected",
+            SourceError::Garbage { .. } => "garbage",
+            SourceError::TooLarge { .. } => "too_large",
+            SourceError::TooManyEntries { .. } => "too_many_entries",
+            SourceError::Token { .. } => "token_unreadable",
+            SourceError::TokenMode { .. } => "token_mode",
+            SourceError::ReadFile { .. } => "read_file",
+            SourceError::Malformed { .. } => "malformed",
+        }
+    }
+}
+
 impl fmt::Display for SourceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
