@@ -17,6 +17,7 @@
 
 pub mod base64;
 pub mod config;
+pub mod console;
 pub mod crash;
 pub mod daemon;
 pub mod deadline;

@@ -37,6 +37,50 @@ fn stop_signals() -> nix::sys::signal::SigSet {
     set
 }
 
+/// Prints the report (or one VM), once; returns the agent's tick, for
+/// `--watch`, or the exit code to end with.
+fn show_status(
+    state_dir: &std::path::Path,
+    json: bool,
+    vm_id: Option<&eitri_agent::model::Id>,
+    watch: bool,
+) -> Result<std::time::Duration, ExitCode> {
+    let file = ReportFile::read(state_dir).map_err(|e| fail(&e))?;
+    let tick = std::time::Duration::from_millis(file.tick_ms.clamp(200, 60_000));
+    if json {
+        let text = serde_json::to_string_pretty(&file).map_err(|e| fail(&e))?;
+        println!("{text}");
+        return Ok(tick);
+    }
+    let now = SystemTime::now();
+    let text = match vm_id {
+        None => file.render(now),
+        Some(vm) => {
+            let console = eitri_agent::console::last_lines(
+                &eitri_agent::state::vm_dir_in(state_dir, vm).join(eitri_agent::state::SERIAL_LOG),
+                5,
+            )
+            .unwrap_or_default();
+            match file.render_vm(vm.as_str(), &console, now) {
+                Some(text) => text,
+                None => {
+                    eprintln!(
+                        "eitri-agent: VM {vm} is not on this host (the last report does not name it)"
+                    );
+                    return Err(ExitCode::FAILURE);
+                }
+            }
+        }
+    };
+    if watch {
+        // Home and clear, then the page: a redraw, not a scroll.
+        print!("\x1b[H\x1b[2J");
+    }
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+    Ok(tick)
+}
+
 fn main() -> ExitCode {
     // Nothing the agent (or a hypervisor it starts) creates is for other
     // users: tenants' data, user-data and keys live in these files.
@@ -74,20 +118,51 @@ fn main() -> ExitCode {
             println!("eitri-agent {AGENT_VERSION}");
             ExitCode::SUCCESS
         }
-        Command::Status { state_dir, json } => match ReportFile::read(&state_dir) {
-            Ok(file) if json => match serde_json::to_string_pretty(&file) {
-                Ok(text) => {
-                    println!("{text}");
-                    ExitCode::SUCCESS
+        Command::Status {
+            state_dir,
+            json,
+            vm_id,
+            watch,
+        } => loop {
+            let shown = show_status(&state_dir, json, vm_id.as_ref(), watch);
+            match shown {
+                Ok(tick) if watch => std::thread::sleep(tick),
+                Ok(_) => return ExitCode::SUCCESS,
+                Err(code) => return code,
+            }
+        },
+        Command::Logs {
+            state_dir,
+            vm_id,
+            lines,
+            follow,
+            hypervisor,
+        } => {
+            let file = eitri_agent::state::vm_dir_in(&state_dir, &vm_id).join(if hypervisor {
+                eitri_agent::state::HYPERVISOR_LOG
+            } else {
+                eitri_agent::state::SERIAL_LOG
+            });
+            let mut out = std::io::stdout().lock();
+            match eitri_agent::console::print(&file, lines, follow, &mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                // The reader went away (`| head`): done.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    eprintln!(
+                        "eitri-agent: VM {vm_id} has no {} on this host ({}): is it created here, and is --state-dir right?",
+                        if hypervisor {
+                            "hypervisor log"
+                        } else {
+                            "console"
+                        },
+                        file.display()
+                    );
+                    ExitCode::FAILURE
                 }
                 Err(e) => fail(&e),
-            },
-            Ok(file) => {
-                print!("{}", file.render(SystemTime::now()));
-                ExitCode::SUCCESS
             }
-            Err(e) => fail(&e),
-        },
+        }
         Command::ImagesPrune { state_dir } => {
             let store = match eitri_agent::state::Store::open(&state_dir) {
                 Ok(store) => store,

@@ -5,6 +5,7 @@
 //! contact with the control plane went. `status` reads that file: it takes
 //! no lock, so it works beside a running agent.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -74,6 +75,42 @@ pub struct ReportFile {
     /// is stopped, or cannot write).
     #[serde(default)]
     pub tick_ms: u64,
+    /// What `status VM` shows beyond the report's row, by VM id.
+    #[serde(default)]
+    pub details: BTreeMap<String, VmDetail>,
+    /// Compute committed against the host's caps.
+    #[serde(default)]
+    pub quota: Quota,
+}
+
+/// One VM's history and shape, kept by the daemon across reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmDetail {
+    /// When the row's power and phase last changed (Unix ms).
+    pub power_since_ms: u64,
+    pub phase_since_ms: u64,
+    /// When the current error was first and last seen (0: no error).
+    pub error_first_ms: u64,
+    pub error_last_ms: u64,
+    pub attempts: u32,
+    pub max_attempts: u32,
+    pub boot_id: String,
+    /// The hypervisor's pid, and since when it has been this one.
+    pub pid: Option<u32>,
+    pub pid_since_ms: u64,
+    pub vcpus: u32,
+    pub mem_mb: u64,
+    pub disk_gb: u64,
+    pub image_url: String,
+    pub network: String,
+    pub volume_ids: Vec<String>,
+}
+
+/// Committed vCPUs, MB and GB, and their caps (0 = none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Quota {
+    pub used: [u64; 3],
+    pub caps: [u64; 3],
 }
 
 impl ReportFile {
@@ -95,6 +132,8 @@ impl ReportFile {
             report,
             notes: Vec::new(),
             tick_ms: 0,
+            details: BTreeMap::new(),
+            quota: Quota::default(),
         }
     }
 
@@ -150,12 +189,8 @@ impl ReportFile {
                 ""
             }
         );
-        let _ = writeln!(
-            out,
-            "desired state: {}; last contact: {}",
-            inline(&self.source),
-            inline(&self.contact)
-        );
+        let _ = writeln!(out, "{}", self.header());
+        let _ = writeln!(out, "desired state: {}", inline(&self.source));
         for note in &self.notes {
             let _ = writeln!(out, "note: {}", inline(note));
         }
@@ -215,6 +250,169 @@ impl ReportFile {
             }
         }
         out
+    }
+}
+
+impl ReportFile {
+    /// The host in one line: epoch, contact, quota, VMs by phase.
+    pub fn header(&self) -> String {
+        let r = &self.report;
+        let mut phases: BTreeMap<&str, usize> = BTreeMap::new();
+        for v in &r.vms {
+            *phases
+                .entry(if v.phase.is_empty() {
+                    "unknown"
+                } else {
+                    &v.phase
+                })
+                .or_default() += 1;
+        }
+        let phases: Vec<String> = phases
+            .iter()
+            .map(|(p, n)| format!("{n} {}", inline(p)))
+            .collect();
+        let units = ["vcpus", "MB", "GB"];
+        let quota: Vec<String> = (0..3)
+            .map(|i| {
+                let cap = self.quota.caps[i];
+                if cap == 0 {
+                    format!("{} {}", self.quota.used[i], units[i])
+                } else {
+                    format!("{}/{cap} {}", self.quota.used[i], units[i])
+                }
+            })
+            .collect();
+        format!(
+            "epoch {} · contact {} · quota {} · {} VM{}{}{}",
+            r.last_seen_epoch,
+            inline(&self.contact),
+            quota.join(", "),
+            r.vms.len(),
+            if r.vms.len() == 1 { "" } else { "s" },
+            if phases.is_empty() { "" } else { ": " },
+            phases.join(", ")
+        )
+    }
+
+    /// One VM in detail (`status VM`), with the newest `console` lines;
+    /// `None` when the last report does not name it.
+    pub fn render_vm(&self, vm_id: &str, console: &[String], now: SystemTime) -> Option<String> {
+        let row = self.report.vms.iter().find(|v| v.vm_id == vm_id);
+        let quarantined = self.report.quarantined.iter().find(|q| q.vm_id == vm_id);
+        if row.is_none() && quarantined.is_none() {
+            return None;
+        }
+        let now_ms = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let ago = |ms: u64| human(Duration::from_millis(now_ms.saturating_sub(ms)));
+        let detail = self.details.get(vm_id).cloned().unwrap_or_default();
+        let mut out = String::new();
+        let _ = writeln!(out, "VM {}", inline(vm_id));
+        let mut line = |key: &str, value: String| {
+            let _ = writeln!(out, "  {key:<11}{value}");
+        };
+        if !detail.image_url.is_empty() {
+            line(
+                "spec",
+                format!(
+                    "{} vcpus, {} MB, {} GB disk, image {}",
+                    detail.vcpus,
+                    detail.mem_mb,
+                    detail.disk_gb,
+                    inline(&detail.image_url)
+                ),
+            );
+        }
+        if let Some(row) = row {
+            line(
+                "power",
+                format!(
+                    "{} for {}",
+                    dash(&row.power_state),
+                    ago(detail.power_since_ms)
+                ),
+            );
+            line(
+                "phase",
+                format!("{} for {}", dash(&row.phase), ago(detail.phase_since_ms)),
+            );
+            if !row.status_detail.is_empty() {
+                line("doing", inline(&row.status_detail));
+            }
+            line(
+                "error",
+                if row.last_error.is_empty() {
+                    "-".into()
+                } else {
+                    format!(
+                        "{} (first {} ago, last {} ago)",
+                        inline(&row.last_error),
+                        ago(detail.error_first_ms),
+                        ago(detail.error_last_ms)
+                    )
+                },
+            );
+            line(
+                "attempts",
+                format!("{} of {}", detail.attempts, detail.max_attempts),
+            );
+            line("boot id", dash(&detail.boot_id));
+            line(
+                "hypervisor",
+                match detail.pid {
+                    Some(pid) => format!("pid {pid}, up {}", ago(detail.pid_since_ms)),
+                    None => "not running".into(),
+                },
+            );
+            line(
+                "address",
+                format!(
+                    "{}{}",
+                    dash(&row.ip),
+                    if row.network_ip.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", {} on {}",
+                            inline(&row.network_ip),
+                            inline(&detail.network)
+                        )
+                    }
+                ),
+            );
+        }
+        if !detail.volume_ids.is_empty() {
+            let volumes: Vec<String> = detail
+                .volume_ids
+                .iter()
+                .map(|v| {
+                    let state = self
+                        .report
+                        .volumes
+                        .iter()
+                        .find(|s| s.volume_id == *v)
+                        .map_or("unknown".to_owned(), |s| inline(&s.state));
+                    format!("{} ({state})", inline(v))
+                })
+                .collect();
+            line("volumes", volumes.join(", "));
+        }
+        if let Some(q) = quarantined {
+            let at = UNIX_EPOCH + Duration::from_secs(q.destroy_at_unix.max(0) as u64);
+            line(
+                "quarantine",
+                format!(
+                    "out of the desired state; destroyed in {}",
+                    human(at.duration_since(now).unwrap_or_default())
+                ),
+            );
+        }
+        let _ = writeln!(out, "  console    (last {} lines)", console.len());
+        for l in console {
+            let _ = writeln!(out, "    {l}");
+        }
+        Some(out)
     }
 }
 
@@ -366,5 +564,172 @@ mod tests {
 
         assert!(!fresh.contains("STALE"), "{fresh}");
         assert!(stale.contains("STALE"), "{stale}");
+    }
+
+    /// A host at `NOW` with web-1 running since an hour ago, db-1 failing
+    /// for ten minutes, old-1 in quarantine.
+    const NOW: u64 = 1_800_000_000_000;
+
+    fn golden_host() -> ReportFile {
+        let mut file = ReportFile::new(
+            pb::HostInfo::default(),
+            "desired file /d.json".into(),
+            "ok".into(),
+            pb::Report {
+                last_seen_epoch: 9,
+                vms: vec![
+                    pb::VmStatus {
+                        vm_id: "web-1".into(),
+                        power_state: "running".into(),
+                        phase: "ready".into(),
+                        ip: "100.77.5.5".into(),
+                        network_ip: "192.0.2.55".into(),
+                        ..Default::default()
+                    },
+                    pb::VmStatus {
+                        vm_id: "db-1".into(),
+                        power_state: "stopped".into(),
+                        phase: "failed".into(),
+                        last_error: "boot: the hypervisor exited: Error: KVM \u{1b}[2J".into(),
+                        ..Default::default()
+                    },
+                ],
+                quarantined: vec![pb::QuarantinedVm {
+                    vm_id: "old-1".into(),
+                    name: "old-1".into(),
+                    destroy_at_unix: (NOW / 1000 + 3 * 3600) as i64,
+                    ..Default::default()
+                }],
+                volumes: vec![pb::VolumeStatus {
+                    volume_id: "web-1-data".into(),
+                    size_gb: 20,
+                    state: "attached".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+        );
+        file.quota = Quota {
+            used: [3, 3072, 30],
+            caps: [16, 0, 500],
+        };
+        let hour = 3_600_000;
+        file.details.insert(
+            "web-1".into(),
+            VmDetail {
+                power_since_ms: NOW - hour,
+                phase_since_ms: NOW - 2 * hour,
+                attempts: 1,
+                max_attempts: 3,
+                boot_id: "b00t".into(),
+                pid: Some(4242),
+                pid_since_ms: NOW - hour,
+                vcpus: 2,
+                mem_mb: 2048,
+                disk_gb: 20,
+                image_url: "file:///srv/images/debian.raw".into(),
+                network: "site".into(),
+                volume_ids: vec!["web-1-data".into()],
+                ..Default::default()
+            },
+        );
+        file.details.insert(
+            "db-1".into(),
+            VmDetail {
+                power_since_ms: NOW - 600_000,
+                phase_since_ms: NOW - 600_000,
+                error_first_ms: NOW - 600_000,
+                error_last_ms: NOW - 5_000,
+                attempts: 3,
+                max_attempts: 3,
+                vcpus: 1,
+                mem_mb: 1024,
+                disk_gb: 10,
+                image_url: "file:///srv/images/debian.raw".into(),
+                ..Default::default()
+            },
+        );
+        file
+    }
+
+    fn at_now() -> SystemTime {
+        UNIX_EPOCH + Duration::from_millis(NOW)
+    }
+
+    #[test]
+    fn status_of_a_running_vm() {
+        let console = vec![
+            "[  OK  ] Reached target multi-user.".to_owned(),
+            "web-1 login:".to_owned(),
+        ];
+
+        let text = golden_host().render_vm("web-1", &console, at_now());
+
+        assert_eq!(
+            text.as_deref(),
+            Some(
+                "VM web-1\n\
+                 \x20 spec       2 vcpus, 2048 MB, 20 GB disk, image file:///srv/images/debian.raw\n\
+                 \x20 power      running for 60m\n\
+                 \x20 phase      ready for 2h\n\
+                 \x20 error      -\n\
+                 \x20 attempts   1 of 3\n\
+                 \x20 boot id    b00t\n\
+                 \x20 hypervisor pid 4242, up 60m\n\
+                 \x20 address    100.77.5.5, 192.0.2.55 on site\n\
+                 \x20 volumes    web-1-data (attached)\n\
+                 \x20 console    (last 2 lines)\n\
+                 \x20   [  OK  ] Reached target multi-user.\n\
+                 \x20   web-1 login:\n"
+            )
+        );
+    }
+
+    #[test]
+    fn status_of_a_failed_vm_says_how_old_its_error_is() {
+        let text = golden_host().render_vm("db-1", &[], at_now());
+
+        assert_eq!(
+            text.as_deref(),
+            Some(
+                "VM db-1\n\
+                 \x20 spec       1 vcpus, 1024 MB, 10 GB disk, image file:///srv/images/debian.raw\n\
+                 \x20 power      stopped for 10m\n\
+                 \x20 phase      failed for 10m\n\
+                 \x20 error      boot: the hypervisor exited: Error: KVM \\u{1b}[2J (first 10m ago, last 5s ago)\n\
+                 \x20 attempts   3 of 3\n\
+                 \x20 boot id    -\n\
+                 \x20 hypervisor not running\n\
+                 \x20 address    -\n\
+                 \x20 console    (last 0 lines)\n"
+            )
+        );
+    }
+
+    #[test]
+    fn status_of_a_quarantined_vm_says_when_it_is_destroyed() {
+        let text = golden_host().render_vm("old-1", &[], at_now());
+
+        assert_eq!(
+            text.as_deref(),
+            Some(
+                "VM old-1\n\
+                 \x20 quarantine out of the desired state; destroyed in 3h\n\
+                 \x20 console    (last 0 lines)\n"
+            )
+        );
+    }
+
+    #[test]
+    fn status_of_an_unknown_vm_is_none() {
+        assert_eq!(golden_host().render_vm("nope", &[], at_now()), None);
+    }
+
+    #[test]
+    fn the_host_header_has_epoch_contact_quota_and_phases() {
+        assert_eq!(
+            golden_host().header(),
+            "epoch 9 · contact ok · quota 3/16 vcpus, 3072 MB, 30/500 GB · 2 VMs: 1 failed, 1 ready"
+        );
     }
 }

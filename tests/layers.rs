@@ -39,6 +39,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("source", 4),
     ("config", 4),
     ("status", 4),
+    ("console", 4),
     ("daemon", 5),
     ("testkit", 6),
     ("main", 6),

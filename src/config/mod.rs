@@ -27,6 +27,18 @@ pub enum Command {
     Status {
         state_dir: PathBuf,
         json: bool,
+        /// One VM in detail, or the host (`None`).
+        vm_id: Option<crate::model::Id>,
+        /// Redraw every tick.
+        watch: bool,
+    },
+    /// A VM's console (or its hypervisor's log).
+    Logs {
+        state_dir: PathBuf,
+        vm_id: crate::model::Id,
+        lines: usize,
+        follow: bool,
+        hypervisor: bool,
     },
     /// Delete cached images no VM record names.
     ImagesPrune {
@@ -89,7 +101,8 @@ pub(super) fn err(msg: impl Into<String>) -> ConfigError {
 pub fn usage() -> String {
     let mut out = String::from(
         "usage: eitri-agent run [FLAGS]        converge this host and report (the daemon)\n\
-         \x20      eitri-agent status [--state-dir DIR] [--json]   show the last report\n\
+         \x20      eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail\n\
+         \x20      eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)\n\
          \x20      eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses\n\
          \x20      eitri-agent --version | --help\n\n\
          The host agent of the eitri microVM platform. Give --desired FILE (standalone)\n\
@@ -121,6 +134,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "--help" | "-h" | "help" => Ok(Command::Help),
         "run" => run::parse(rest, env).map(|c| Command::Run(Box::new(c))),
         "status" => parse_status(rest, env),
+        "logs" => parse_logs(rest, env),
         "images" => match rest.split_first() {
             Some((sub, flags)) if sub == "prune" => {
                 let flags = flag_values(flags, &["state-dir"], &[])?;
@@ -131,7 +145,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, status and images prune (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, status, logs and images prune (see eitri-agent --help)"
         ))),
     }
 }
@@ -176,11 +190,46 @@ pub(super) fn flag_values<'a>(
     Ok(out)
 }
 
+/// The VM a command names first, if it names one.
+fn vm_arg(args: &[String]) -> Result<(Option<crate::model::Id>, &[String]), ConfigError> {
+    match args.split_first() {
+        Some((first, rest)) if !first.starts_with("--") => crate::model::Id::parse(first)
+            .map(|id| (Some(id), rest))
+            .map_err(|e| err(format!("VM id {e}"))),
+        _ => Ok((None, args)),
+    }
+}
+
 fn parse_status(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let flags = flag_values(args, &["state-dir"], &["json"])?;
+    let (vm_id, args) = vm_arg(args)?;
+    let flags = flag_values(args, &["state-dir"], &["json", "watch"])?;
     Ok(Command::Status {
         state_dir: state_dir_of(&flags, env),
         json: flags.contains_key("json"),
+        vm_id,
+        watch: flags.contains_key("watch"),
+    })
+}
+
+fn parse_logs(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
+    let usage =
+        "usage: eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]";
+    let (Some(vm_id), args) = vm_arg(args)? else {
+        return Err(err(usage));
+    };
+    let flags = flag_values(args, &["state-dir", "lines"], &["follow", "hypervisor"])?;
+    let lines = match flags.get("lines") {
+        None => 50,
+        Some(n) => n
+            .parse()
+            .map_err(|_| err(format!("--lines: {n:?} is not a number of lines")))?,
+    };
+    Ok(Command::Logs {
+        state_dir: state_dir_of(&flags, env),
+        vm_id,
+        lines,
+        follow: flags.contains_key("follow"),
+        hypervisor: flags.contains_key("hypervisor"),
     })
 }
 
@@ -344,7 +393,9 @@ mod tests {
             c,
             Command::Status {
                 state_dir: "/srv/eitri".into(),
-                json: true
+                json: true,
+                vm_id: None,
+                watch: false,
             }
         );
     }

@@ -23,6 +23,7 @@
 //!   shutdown grace, VMs keep running); SIGHUP re-reads the desired file.
 
 mod backoff;
+mod details;
 mod discover;
 pub mod exchange;
 mod last;
@@ -142,6 +143,9 @@ pub struct Daemon {
     written: Option<Instant>,
     dirty: bool,
     metrics: Option<metrics::MetricsFile>,
+    details: details::Details,
+    /// Whether the report being written is a tick's (not a change's).
+    ticking: bool,
 }
 
 impl Daemon {
@@ -171,6 +175,8 @@ impl Daemon {
             written: None,
             dirty: false,
             metrics: parts.metrics,
+            details: details::Details::default(),
+            ticking: false,
         }
     }
 
@@ -317,7 +323,9 @@ impl Daemon {
             Some((_, snap)) => self.engine.step(snap),
             None => self.engine.observe(),
         };
+        self.ticking = true;
         self.publish(&report, reflects);
+        self.ticking = false;
         if let Some(m) = &self.metrics {
             let text = m.render(
                 &self.host,
@@ -381,9 +389,15 @@ impl Daemon {
     }
 
     fn write_report(&mut self, report: pb::Report) {
+        let details = self
+            .details
+            .update(&report, &self.store, &self.engine, self.ticking);
+        let (used, caps) = self.engine.quota();
         let file = ReportFile {
             notes: self.notes.clone(),
             tick_ms: u64::try_from(self.tick.as_millis()).unwrap_or(u64::MAX),
+            details,
+            quota: crate::status::Quota { used, caps },
             ..ReportFile::new(
                 self.host.clone(),
                 self.source.clone(),

@@ -62,6 +62,12 @@ pub trait Provisioner: Send + Sync {
     /// Whether the VM's hypervisor is alive. Cheap: called on report paths.
     fn running(&self, vm_id: &Id) -> bool;
 
+    /// The live hypervisor's pid, for `status`; `None` when it is not
+    /// running or the backend cannot say.
+    fn pid(&self, _vm_id: &Id) -> Option<u32> {
+        None
+    }
+
     /// What the hypervisor said before it stopped, or "" when the backend
     /// has nothing to add. Asked when a guest that should run does not, so
     /// the report says why, not only that.

@@ -235,6 +235,16 @@ impl Engine {
         self.core.ledger.usage()
     }
 
+    /// The VM's live hypervisor's pid, if the backend can say.
+    pub fn hypervisor_pid(&self, vm_id: &Id) -> Option<u32> {
+        self.core.prov.pid(vm_id)
+    }
+
+    /// Create attempts a VM is given before its create is failed.
+    pub fn max_attempts(&self) -> u32 {
+        self.core.budget().max_attempts
+    }
+
     /// VM workers alive now.
     pub fn workers_alive(&self) -> usize {
         self.workers.lock().alive()

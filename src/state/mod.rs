@@ -24,4 +24,4 @@ mod store;
 
 pub use error::StoreError;
 pub use record::{RECORD_FORMAT, Record};
-pub use store::{RecordSlot, Store, Swept};
+pub use store::{HYPERVISOR_LOG, RecordSlot, SERIAL_LOG, Store, Swept, vm_dir_in};

@@ -42,6 +42,18 @@ pub struct Store {
 
 static DELETE_COUNTER: AtomicU64 = AtomicU64::new(0);
 
+/// The guest's serial console, in its VM's directory.
+pub const SERIAL_LOG: &str = "serial.log";
+/// The hypervisor's own output, in its VM's directory.
+pub const HYPERVISOR_LOG: &str = "hypervisor.log";
+
+/// A VM's directory under the state dir `root`, for readers that must not
+/// open the store (which locks it against a second agent): `logs`,
+/// `status`.
+pub fn vm_dir_in(root: &Path, vm_id: &Id) -> PathBuf {
+    root.join("vms").join(vm_id.as_str())
+}
+
 impl Store {
     /// Opens (creating if needed) the state dir at `root` and takes its
     /// lock. Fails at once, naming the dir, when another agent holds it.
@@ -276,7 +288,7 @@ impl Store {
     }
 
     pub fn vm_dir(&self, vm_id: &Id) -> PathBuf {
-        self.root.join("vms").join(vm_id.as_str())
+        vm_dir_in(&self.root, vm_id)
     }
 
     pub fn record_path(&self, vm_id: &Id) -> PathBuf {
@@ -300,11 +312,11 @@ impl Store {
     }
 
     pub fn serial_log_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("serial.log")
+        self.vm_dir(vm_id).join(SERIAL_LOG)
     }
 
     pub fn hypervisor_log_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("hypervisor.log")
+        self.vm_dir(vm_id).join(HYPERVISOR_LOG)
     }
 
     pub fn images_dir(&self) -> PathBuf {

@@ -524,6 +524,10 @@ impl Provisioner for CloudHypervisor {
         self.alive(vm_id).is_some()
     }
 
+    fn pid(&self, vm_id: &Id) -> Option<u32> {
+        self.alive(vm_id).and_then(|t| u32::try_from(t.pid).ok())
+    }
+
     fn failure_reason(&self, vm_id: &Id) -> String {
         let tail = super::log_tail(&self.store.hypervisor_log_path(vm_id));
         match self.exits.lock().get(vm_id) {

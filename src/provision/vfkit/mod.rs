@@ -659,6 +659,10 @@ impl Provisioner for Vfkit {
         self.alive(vm_id).is_some()
     }
 
+    fn pid(&self, vm_id: &Id) -> Option<u32> {
+        self.alive(vm_id)
+    }
+
     fn failure_reason(&self, vm_id: &Id) -> String {
         let said = error_line(&self.store.hypervisor_log_path(vm_id));
         match self.exits.lock().get(vm_id) {
