@@ -415,4 +415,65 @@ mod tests {
 
         assert!(e.to_string().starts_with("--state-dir:"), "{e}");
     }
+
+    #[test]
+    fn the_stop_grace_defaults_to_30s_and_takes_a_duration() {
+        let default = run(&["run", "--desired", "/d"], &[]).expect("valid");
+        let given = run(&["run", "--desired", "/d", "--stop-grace", "5s"], &[]).expect("valid");
+
+        assert_eq!(default.guest.stop_grace, Duration::from_secs(30));
+        assert_eq!(given.guest.stop_grace, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn the_metrics_file_is_off_unless_given() {
+        let default = run(&["run", "--desired", "/d"], &[]).expect("valid");
+        let given = run(
+            &[
+                "run",
+                "--desired",
+                "/d",
+                "--metrics-file",
+                "/var/lib/node_exporter/eitri.prom",
+            ],
+            &[],
+        )
+        .expect("valid");
+
+        assert_eq!(default.metrics_file, None);
+        assert_eq!(
+            given.metrics_file,
+            Some(PathBuf::from("/var/lib/node_exporter/eitri.prom"))
+        );
+    }
+
+    #[test]
+    fn logs_takes_a_vm_and_its_flags() {
+        let c = parse(
+            &args(&["logs", "vm-1", "--lines", "5", "--follow"]),
+            &HashMap::new(),
+        )
+        .expect("valid");
+
+        assert_eq!(
+            c,
+            Command::Logs {
+                state_dir: "/var/lib/eitri".into(),
+                vm_id: crate::model::Id::parse("vm-1").expect("id"),
+                lines: 5,
+                follow: true,
+                hypervisor: false,
+            }
+        );
+    }
+
+    #[test]
+    fn logs_without_a_vm_says_how_to_call_it() {
+        let e = parse(&args(&["logs", "--follow"]), &HashMap::new()).expect_err("no vm");
+
+        assert!(
+            e.to_string().starts_with("usage: eitri-agent logs VM"),
+            "{e}"
+        );
+    }
 }
