@@ -94,7 +94,8 @@ pub struct VmDetail {
     pub error_last_ms: u64,
     pub attempts: u32,
     pub max_attempts: u32,
-    pub boot_id: String,
+    /// The host boot id the VM was last booted under.
+    pub booted_as: String,
     /// The hypervisor's pid, and since when it has been this one.
     pub pid: Option<u32>,
     pub pid_since_ms: u64,
@@ -357,7 +358,7 @@ impl ReportFile {
                 "attempts",
                 format!("{} of {}", detail.attempts, detail.max_attempts),
             );
-            line("boot id", dash(&detail.boot_id));
+            line("boot id", dash(&detail.booted_as));
             line(
                 "hypervisor",
                 match detail.pid {
@@ -621,7 +622,7 @@ mod tests {
                 phase_since_ms: NOW - 2 * hour,
                 attempts: 1,
                 max_attempts: 3,
-                boot_id: "b00t".into(),
+                booted_as: "b00t".into(),
                 pid: Some(4242),
                 pid_since_ms: NOW - hour,
                 vcpus: 2,

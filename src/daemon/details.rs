@@ -74,7 +74,7 @@ impl Details {
             let id = Id::parse(vm_id).ok();
             if let Some(RecordSlot::Readable(rec)) = id.as_ref().and_then(|id| records.get(id)) {
                 d.attempts = rec.create_attempts;
-                d.boot_id.clone_from(&rec.boot_id);
+                d.booted_as.clone_from(&rec.boot_id);
                 d.vcpus = rec.spec.vcpus;
                 d.mem_mb = rec.spec.mem_mb;
                 d.disk_gb = rec.spec.disk_gb;
