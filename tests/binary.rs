@@ -655,3 +655,111 @@ fn a_state_dir_an_older_agent_left_open_is_made_private_at_start() {
     assert_eq!(mode(&state.join("volumes/data-1")), 0o600);
     assert_eq!(mode(&state.join("report.json")), 0o600);
 }
+
+const ONE_VM: &str = r#"{"vms":[{"vm_id":"web-1","name":"web-1","image_url":"http://mirror.test/a.raw","image_sha256":"00000000000000000000000000000000000000000000000000000000000000aa","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"}]}"#;
+
+#[test]
+fn the_agent_writes_its_metrics_file_every_tick() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VM);
+    let metrics = dir.path().join("eitri.prom");
+    let agent = Agent::start(
+        dir.path(),
+        &["--metrics-file", &metrics.display().to_string()],
+    );
+    agent.wait_report("the VM's row", |r| {
+        r["report"]["vms"][0]["phase"] == "failed"
+    });
+    let ticks = |text: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("eitri_tick_duration_seconds_count "))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let first = ticks(&std::fs::read_to_string(&metrics).unwrap_or_default());
+
+    wait_for("more ticks in the metrics file", || {
+        ticks(&std::fs::read_to_string(&metrics).unwrap_or_default()) > first + 2
+    });
+
+    let text = std::fs::read_to_string(&metrics).expect("metrics");
+    assert!(
+        text.contains("eitri_vms{power=\"stopped\",phase=\"failed\"} 1"),
+        "{text}"
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&metrics).expect("meta").permissions(),
+    );
+    assert_eq!(
+        mode & 0o777,
+        0o644,
+        "a collector running as another user reads it"
+    );
+}
+
+#[test]
+fn status_of_one_vm_shows_its_error_and_how_old_it_is() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VM);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("the VM's row", |r| {
+        r["report"]["vms"][0]["phase"] == "failed"
+    });
+
+    let out = eitri(&[
+        "status",
+        "web-1",
+        "--state-dir",
+        &agent.state.display().to_string(),
+    ]);
+    let unknown = eitri(&[
+        "status",
+        "nope",
+        "--state-dir",
+        &agent.state.display().to_string(),
+    ]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.starts_with("VM web-1\n"), "{text}");
+    assert!(text.contains("phase      failed for "), "{text}");
+    assert!(text.contains("is not an executable file"), "{text}");
+    assert!(text.contains(" (first ") && text.contains(" ago, last "), "{text}");
+    assert!(text.contains("hypervisor not running"), "{text}");
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&unknown.stderr).contains("VM nope is not on this host"),
+        "{unknown:?}"
+    );
+}
+
+#[test]
+fn status_watch_redraws_every_tick() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VM);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("a report", |_| true);
+    let mut watch = Command::new(BIN)
+        .args([
+            "status",
+            "--watch",
+            "--state-dir",
+            &agent.state.display().to_string(),
+        ])
+        .env_clear()
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("status --watch");
+    let mut stdout = watch.stdout.take().expect("stdout");
+
+    // The agent ticks every 100 ms; --watch redraws at its tick (at least
+    // 200 ms apart): a second is several redraws.
+    std::thread::sleep(Duration::from_secs(1));
+    let _ = watch.kill();
+    let _ = watch.wait();
+    let mut text = String::new();
+    stdout.read_to_string(&mut text).expect("read");
+
+    let redraws = text.matches("\u{1b}[H\u{1b}[2J").count();
+    assert!(redraws >= 3, "{redraws} redraws");
+}

@@ -242,6 +242,8 @@ impl MetricsFile {
             .mode(0o644)
             .open(&temp)?;
         f.write_all(text.as_bytes())?;
+        // Past the agent's umask (0077): the collector is another user.
+        f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
         drop(f);
         std::fs::rename(&temp, &self.path)
     }
