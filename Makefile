@@ -15,7 +15,7 @@ BENCHES  := store engine storage boot net repair
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: bench-scale macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -75,7 +75,16 @@ proto-check:
 	if diff -u $(GENERATED) $$tmp/eitri.agent.v1.rs; then rm -rf $$tmp; \
 	else rm -rf $$tmp; echo "$(GENERATED) is stale: run make proto and commit it" >&2; exit 1; fi
 
-bench: $(addprefix bench-,$(BENCHES))
+bench: $(addprefix bench-,$(BENCHES)) bench-scale
+
+# The engine at 100, 1,000 and 10,000 VMs, and how its step's p99 grows.
+bench-scale:
+	@for n in 100 1000 10000; do \
+	  EITRI_BENCH_VMS=$$n $(CARGO) bench --locked --features standin --bench engine 2>/dev/null | tail -n 1 | tee /dev/stderr; \
+	done | awk '{ for (i = 1; i <= NF; i++) { split($$i, kv, "="); v[kv[1]] = kv[2] } \
+	  p99[v["vms"]] = v["step_p99_us"]; rss[v["vms"]] = v["rss_mb"] } \
+	  END { printf "bench=scale step_p99_us_100=%s step_p99_us_1000=%s step_p99_us_10000=%s growth_10k_over_1k=%.2f rss_mb_10000=%s\n", \
+	    p99[100], p99[1000], p99[10000], p99[10000] / p99[1000], rss[10000] }'
 
 $(addprefix bench-,$(BENCHES)): bench-%:
 	$(CARGO) bench --locked --features standin --bench $*

@@ -724,7 +724,10 @@ fn status_of_one_vm_shows_its_error_and_how_old_it_is() {
     assert!(text.starts_with("VM web-1\n"), "{text}");
     assert!(text.contains("phase      failed for "), "{text}");
     assert!(text.contains("is not an executable file"), "{text}");
-    assert!(text.contains(" (first ") && text.contains(" ago, last "), "{text}");
+    assert!(
+        text.contains(" (first ") && text.contains(" ago, last "),
+        "{text}"
+    );
     assert!(text.contains("hypervisor not running"), "{text}");
     assert_eq!(unknown.status.code(), Some(1));
     assert!(

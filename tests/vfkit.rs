@@ -108,6 +108,7 @@ impl Host {
             .vms
             .into_iter()
             .find(|r| r.vm_id == vm)
+            .map(std::sync::Arc::unwrap_or_clone)
             .unwrap_or_else(|| panic!("no row for {vm}"))
     }
 

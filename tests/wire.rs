@@ -6,6 +6,7 @@ use eitri_agent::model::{
     WantedVolume,
 };
 use eitri_agent::pb::{self, convert};
+use std::sync::Arc;
 
 /// A wire VM with every field set to a distinct, valid value.
 fn full_vm(id: &str) -> pb::VmSpec {
@@ -110,7 +111,7 @@ fn report_round_trips_every_field() {
     let report = Report {
         last_seen_epoch: 9,
         vms: vec![
-            VmStatus {
+            Arc::new(VmStatus {
                 vm_id: "vm-1".into(),
                 ip: "10.0.0.2".into(),
                 network_ip: "192.0.2.7".into(),
@@ -119,13 +120,13 @@ fn report_round_trips_every_field() {
                 last_error: "old error".into(),
                 status_detail: "booting".into(),
                 ssh_host_pubkey: "ssh-ed25519 AAAAhost".into(),
-            },
-            VmStatus {
+            }),
+            Arc::new(VmStatus {
                 vm_id: "vm-2".into(),
                 power: None,
                 phase: Some(Phase::Failed),
                 ..Default::default()
-            },
+            }),
         ],
         quarantined: vec![QuarantinedVm {
             vm_id: Id::parse("vm-q").unwrap(),
@@ -151,11 +152,11 @@ fn report_round_trips_every_field() {
 #[test]
 fn no_observation_is_an_empty_power_string() {
     let wire = convert::report_to_wire(&Report {
-        vms: vec![VmStatus {
+        vms: vec![Arc::new(VmStatus {
             vm_id: "vm-1".into(),
             power: None,
             ..Default::default()
-        }],
+        })],
         ..Default::default()
     });
 

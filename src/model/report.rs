@@ -1,12 +1,16 @@
 //! What the host has, as the engine reports it.
 
+use std::sync::Arc;
+
 use super::{Id, Phase, PowerState};
 
 /// The host's report for one tick.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Report {
     pub last_seen_epoch: u64,
-    pub vms: Vec<VmStatus>,
+    /// Shared with the VM workers that published them: a step hands out
+    /// ten thousand rows without copying one.
+    pub vms: Vec<Arc<VmStatus>>,
     pub quarantined: Vec<QuarantinedVm>,
     pub destroyed: Vec<Id>,
     pub volumes: Vec<VolumeStatus>,

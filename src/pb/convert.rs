@@ -224,7 +224,11 @@ pub fn volume_to_wire(volume: &WantedVolume) -> pb::VolumeSpec {
 pub fn report_to_wire(report: &Report) -> pb::Report {
     pb::Report {
         last_seen_epoch: report.last_seen_epoch,
-        vms: report.vms.iter().map(vm_status_to_wire).collect(),
+        vms: report
+            .vms
+            .iter()
+            .map(|row| vm_status_to_wire(row))
+            .collect(),
         quarantined: report
             .quarantined
             .iter()
@@ -273,7 +277,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
         ..Report::default()
     };
     for row in &wire.vms {
-        report.vms.push(VmStatus {
+        report.vms.push(std::sync::Arc::new(VmStatus {
             vm_id: row.vm_id.clone(),
             ip: row.ip.clone(),
             network_ip: row.network_ip.clone(),
@@ -282,7 +286,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             last_error: row.last_error.clone(),
             status_detail: row.status_detail.clone(),
             ssh_host_pubkey: row.ssh_host_pubkey.clone(),
-        });
+        }));
     }
     for q in &wire.quarantined {
         report.quarantined.push(QuarantinedVm {

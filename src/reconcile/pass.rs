@@ -81,10 +81,18 @@ impl VmResult {
         });
     }
 
+    /// The row as reported: with the VM's host key.
+    pub fn stamped_row(&self) -> Option<VmStatus> {
+        self.row.as_ref().map(|row| VmStatus {
+            ssh_host_pubkey: self.host_pubkey.clone(),
+            ..row.clone()
+        })
+    }
+
     pub fn merge_into(mut self, report: &mut Report) {
         if let Some(mut row) = self.row.take() {
             row.ssh_host_pubkey = self.host_pubkey;
-            report.vms.push(row);
+            report.vms.push(std::sync::Arc::new(row));
         }
         if let Some(q) = self.quarantined {
             report.quarantined.push(q);

@@ -43,7 +43,7 @@
 //! is noticed on the next delivery, reported, and spawned again. Neither
 //! touches other VMs.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -77,6 +77,9 @@ struct Published {
     /// The generation of the pass running now, if any.
     live: Option<u64>,
     result: Option<VmResult>,
+    /// The result's row as reported (its host key stamped), made once
+    /// when the result changes, shared by every report until then.
+    row: Option<Arc<VmStatus>>,
 }
 
 impl WorkerShared {
@@ -85,6 +88,10 @@ impl WorkerShared {
             mailbox: Mutex::new(None),
             last: Mutex::new(None),
             published: Mutex::new(Published {
+                row: initial
+                    .as_ref()
+                    .and_then(VmResult::stamped_row)
+                    .map(Arc::new),
                 result: initial,
                 ..Published::default()
             }),
@@ -98,6 +105,7 @@ impl WorkerShared {
     /// nobody listens. Neither is this worker's business.
     fn set_result(&self, p: &mut Published, result: VmResult) {
         if p.result.as_ref() != Some(&result) {
+            p.row = result.stamped_row().map(Arc::new);
             p.result = Some(result);
             let _ = self.changed.try_send(());
         }
@@ -228,7 +236,8 @@ impl Pokes {
 
 /// Every VM's worker, owned by the engine's router.
 pub(crate) struct Workers {
-    live: HashMap<Id, WorkerHandle>,
+    /// Ordered by id, so a report collected from them is already sorted.
+    live: BTreeMap<Id, WorkerHandle>,
     /// Workers told to stop, by VM, joined once their thread has finished;
     /// never joined inline, since a worker may be inside a long pass. A VM
     /// that comes back takes its entry: its new worker waits for it.
@@ -236,32 +245,62 @@ pub(crate) struct Workers {
     stack_bytes: usize,
     /// Doorbells of the assignments written this step, rung by
     /// [`Workers::ring`].
-    to_ring: Vec<Sender<()>>,
+    to_ring: Vec<Bell>,
     ringer: Option<Ringer>,
     pokes: Arc<Pokes>,
     changed: Sender<()>,
 }
 
+/// A worker's doorbell, with what tells whether it took its mailbox.
+type Bell = (Sender<()>, Arc<WorkerShared>);
+
+/// Workers woken at once by the router. Waking ten thousand at once makes
+/// ten thousand threads runnable on a few cores: each finishes its pass
+/// in microseconds, but they are still queued when the next step (or the
+/// heartbeat) wants the CPU, and preempt it for whole time slices. A chunk
+/// is woken once the previous one has taken its mailboxes (begun its
+/// passes; a long pass, a create or a stop, then blocks, off the CPU).
+const RING_CHUNK: usize = 16;
+
+/// How long the router waits for a chunk to begin before waking the next
+/// anyway (a worker stuck behind a lock must not hold the rest back).
+const CHUNK_WAIT: Duration = Duration::from_millis(20);
+
+/// Rings `batch` a chunk at a time (see [`RING_CHUNK`]).
+fn ring_in_chunks(batch: Vec<Bell>) {
+    for chunk in batch.chunks(RING_CHUNK) {
+        for (bell, _) in chunk {
+            // Full: already ringing. Disconnected: the worker is gone,
+            // which the next delivery notices and repairs.
+            let _ = bell.try_send(());
+        }
+        let started = Instant::now();
+        while started.elapsed() < CHUNK_WAIT
+            && chunk
+                .iter()
+                .any(|(_, shared)| shared.mailbox.lock().is_some())
+        {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
 /// The `router` thread: rings batches of doorbells off the step's thread.
 struct Ringer {
-    batches: Sender<Vec<Sender<()>>>,
+    batches: Sender<Vec<Bell>>,
     thread: JoinHandle<()>,
 }
 
 impl Workers {
     /// `changed` is the engine's change doorbell (see step 7).
     pub(crate) fn new(stack_bytes: usize, changed: Sender<()>) -> Workers {
-        let (batches, rx) = crossbeam_channel::unbounded::<Vec<Sender<()>>>();
+        let (batches, rx) = crossbeam_channel::unbounded::<Vec<Bell>>();
         let ringer = std::thread::Builder::new()
             .name("router".into())
             .stack_size(stack_bytes)
             .spawn(move || {
                 for batch in rx {
-                    for bell in batch {
-                        // Full: already ringing. Disconnected: the worker is
-                        // gone, which the next delivery notices and repairs.
-                        let _ = bell.try_send(());
-                    }
+                    ring_in_chunks(batch);
                 }
             });
         let ringer = match ringer {
@@ -272,7 +311,7 @@ impl Workers {
             }
         };
         Workers {
-            live: HashMap::new(),
+            live: BTreeMap::new(),
             retiring: HashMap::new(),
             stack_bytes,
             to_ring: Vec::new(),
@@ -324,8 +363,39 @@ impl Workers {
         if handle.thread.is_some() {
             *handle.shared.mailbox.lock() = Some(assignment.clone());
             *handle.shared.last.lock() = Some(assignment);
-            self.to_ring.push(handle.doorbell.clone());
+            self.to_ring
+                .push((handle.doorbell.clone(), Arc::clone(&handle.shared)));
         }
+    }
+
+    /// Gives every worker its newest assignment again, for the level
+    /// trigger of a step whose snapshot and records are the ones of the
+    /// step before (what a full delivery would write is what each worker
+    /// already has). Returns false, delivering nothing, when a worker's
+    /// thread is gone: a full delivery replaces it.
+    pub(crate) fn redeliver_all(&mut self) -> bool {
+        self.to_ring.reserve(self.live.len());
+        if self
+            .live
+            .values()
+            .any(|h| h.thread.as_ref().is_none_or(JoinHandle::is_finished))
+        {
+            return false;
+        }
+        for handle in self.live.values() {
+            let refilled = {
+                let mut mailbox = handle.shared.mailbox.lock();
+                if mailbox.is_none() {
+                    mailbox.clone_from(&handle.shared.last.lock());
+                }
+                mailbox.is_some()
+            };
+            if refilled {
+                self.to_ring
+                    .push((handle.doorbell.clone(), Arc::clone(&handle.shared)));
+            }
+        }
+        true
     }
 
     /// Wakes every worker that was delivered to since the last ring.
@@ -338,7 +408,7 @@ impl Workers {
             Some(ringer) => ringer.batches.send(batch).err().map(|e| e.into_inner()),
             None => Some(batch),
         };
-        for bell in undelivered.into_iter().flatten() {
+        for (bell, _) in undelivered.into_iter().flatten() {
             let _ = bell.try_send(());
         }
     }
@@ -417,15 +487,16 @@ impl Workers {
     /// rows of the VMs in `skip` (refused entries: their rows come from
     /// elsewhere this tick; their quarantined entries do not).
     pub(crate) fn collect(&self, report: &mut Report, skip: &HashSet<&Id>) {
+        report.vms.reserve(self.live.len());
         for (id, handle) in &self.live {
-            let Some(mut result) = handle.shared.result() else {
-                continue;
-            };
+            let p = handle.shared.published.lock();
             // Its row comes from elsewhere; a quarantined entry does not.
-            if skip.contains(id) {
-                result.row = None;
+            if let Some(row) = p.row.as_ref().filter(|_| !skip.contains(id)) {
+                report.vms.push(Arc::clone(row));
             }
-            result.merge_into(report);
+            if let Some(q) = p.result.as_ref().and_then(|r| r.quarantined.as_ref()) {
+                report.quarantined.push(q.clone());
+            }
         }
     }
 
@@ -447,7 +518,7 @@ impl Workers {
             drop(ringer.batches);
             let _ = ringer.thread.join();
         }
-        let handles: Vec<_> = self.live.drain().collect();
+        let handles: Vec<_> = std::mem::take(&mut self.live).into_iter().collect();
         for (id, handle) in handles {
             handle.shared.mailbox.lock().take();
             drop(handle.doorbell);
@@ -523,10 +594,16 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
     // tick; a new reason, or recovery, is logged again.
     let mut skipping: Option<String> = None;
     while rings.recv().is_ok() {
-        let Some(assignment) = shared.mailbox.lock().take() else {
-            continue;
+        // Taken and begun under the mailbox's lock: never a moment where
+        // the mailbox is empty and no pass is live while one is about to
+        // run (`wait_idle` would call that idle).
+        let (assignment, generation) = {
+            let mut mailbox = shared.mailbox.lock();
+            let Some(assignment) = mailbox.take() else {
+                continue;
+            };
+            (assignment, shared.begin_pass())
         };
-        let generation = shared.begin_pass();
         let publisher = Publisher {
             shared: Arc::clone(shared),
             generation,

@@ -1,4 +1,5 @@
-//! `make bench-engine`: the engine at 1,000 VMs against no-op fakes.
+//! `make bench-engine`: the engine at 1,000 VMs (or `EITRI_BENCH_VMS`)
+//! against no-op fakes.
 //!
 //! - step_p50_us / step_p99_us: `Engine::step` latency with every VM
 //!   converged (1,000 level-triggered passes dispatched per step; the step
@@ -19,7 +20,14 @@ use eitri_agent::reconcile::{Engine, EngineConfig};
 use eitri_agent::state::Store;
 use eitri_agent::testkit::{Fakes, Op, desired, present, snapshot};
 
-const VMS: usize = 1000;
+/// The VM count: `EITRI_BENCH_VMS`, else 1,000.
+fn vms() -> usize {
+    std::env::var("EITRI_BENCH_VMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(1000)
+}
 const SLOTS: usize = 4;
 const CALL: Duration = Duration::from_millis(2);
 const CALLS_IN_SLOT: u32 = 4;
@@ -54,7 +62,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // default timer slack), which is the fake's error, not the engine's.
     // Threads inherit it, so every worker's sleeps are accurate too.
     nix::sys::prctl::set_timerslack(1)?;
-    let names: Vec<String> = (0..VMS).map(|n| format!("vm-{n:04}")).collect();
+    let vms = vms();
+    let names: Vec<String> = (0..vms).map(|n| format!("vm-{n:05}")).collect();
     let snap = snapshot(1, names.iter().map(|n| present(desired(n))).collect());
     let forever = || Deadline::after(Duration::from_secs(600));
 
@@ -76,19 +85,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .iter()
         .filter(|r| r.phase == Some(Phase::Ready))
         .count();
-    if ready != VMS {
-        return Err(format!("only {ready} of {VMS} VMs converged").into());
+    if ready != vms {
+        return Err(format!("only {ready} of {vms} VMs converged").into());
     }
     drop(slow);
     drop(dir);
-    let ideal = CALL * CALLS_IN_SLOT * VMS as u32 / SLOTS as u32 + CALL;
+    let ideal = CALL * CALLS_IN_SLOT * vms as u32 / SLOTS as u32 + CALL;
     // The same ideal from what the fake's calls really took (a 2 ms sleep
     // runs a little long): the physical limit of this run.
     let in_slot = [Op::Resolve, Op::PrepareRootDisk, Op::Seed, Op::Boot]
         .iter()
         .map(|op| fakes.busy_time(*op))
         .sum::<Duration>();
-    let calibrated = in_slot / SLOTS as u32 + fakes.busy_time(Op::Preflight) / VMS as u32;
+    let calibrated = in_slot / SLOTS as u32 + fakes.busy_time(Op::Preflight) / vms as u32;
 
     // Step latency and memory with instant fakes.
     let dir = tempfile::tempdir()?;
@@ -111,19 +120,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!(
         "fake calls took {:.3} ms on average instead of 2; ideal from them: {:.0} ms, engine overhead {:.1}%",
-        in_slot.as_secs_f64() * 1e3 / (VMS as f64 * 4.0),
+        in_slot.as_secs_f64() * 1e3 / (vms as f64 * 4.0),
         calibrated.as_secs_f64() * 1e3,
         (converge.as_secs_f64() / calibrated.as_secs_f64() - 1.0) * 100.0
     );
     println!(
-        "converge: {:.0} ms for {VMS} creates, ideal {:.0} ms; step at {VMS} converged VMs: p50 {:.0} us, p99 {:.0} us; rss {rss:.1} MB",
+        "converge: {:.0} ms for {vms} creates, ideal {:.0} ms; step at {vms} converged VMs: p50 {:.0} us, p99 {:.0} us; rss {rss:.1} MB",
         converge.as_secs_f64() * 1e3,
         ideal.as_secs_f64() * 1e3,
         pct(0.5),
         pct(0.99)
     );
     println!(
-        "bench=engine vms={VMS} step_p50_us={:.0} step_p99_us={:.0} rss_mb={rss:.1} converge_ms={:.0} converge_ideal_ms={:.0} converge_ratio={:.3} converge_calibrated_ratio={:.3}",
+        "bench=engine vms={vms} step_p50_us={:.0} step_p99_us={:.0} rss_mb={rss:.1} converge_ms={:.0} converge_ideal_ms={:.0} converge_ratio={:.3} converge_calibrated_ratio={:.3}",
         pct(0.5),
         pct(0.99),
         converge.as_secs_f64() * 1e3,

@@ -106,6 +106,7 @@ impl Harness {
             .vms
             .into_iter()
             .find(|r| r.vm_id == vm)
+            .map(std::sync::Arc::unwrap_or_clone)
     }
 
     pub fn record(&self, vm: &str) -> Record {
