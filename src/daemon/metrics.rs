@@ -222,29 +222,9 @@ impl MetricsFile {
         e.finish()
     }
 
-    /// Writes the file atomically (temp, rename; readable by others, as a
-    /// collector running as another user must read it).
+    /// Writes the file atomically for its readers (temp, rename), readable
+    /// by others: the collector runs as another user.
     pub fn write(&self, text: &str) -> std::io::Result<()> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let dir = self.path.parent().unwrap_or(std::path::Path::new("."));
-        let temp = dir.join(format!(
-            ".{}.tmp-{}",
-            self.path
-                .file_name()
-                .map_or_else(|| "metrics".into(), |n| n.to_string_lossy()),
-            std::process::id()
-        ));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o644)
-            .open(&temp)?;
-        f.write_all(text.as_bytes())?;
-        // Past the agent's umask (0077): the collector is another user.
-        f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
-        drop(f);
-        std::fs::rename(&temp, &self.path)
+        crate::state::atomic::replace_unsynced_public(&self.path, text.as_bytes())
     }
 }

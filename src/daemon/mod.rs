@@ -144,8 +144,6 @@ pub struct Daemon {
     dirty: bool,
     metrics: Option<metrics::MetricsFile>,
     details: details::Details,
-    /// Whether the report being written is a tick's (not a change's).
-    ticking: bool,
 }
 
 impl Daemon {
@@ -176,7 +174,6 @@ impl Daemon {
             dirty: false,
             metrics: parts.metrics,
             details: details::Details::default(),
-            ticking: false,
         }
     }
 
@@ -323,9 +320,7 @@ impl Daemon {
             Some((_, snap)) => self.engine.step(snap),
             None => self.engine.observe(),
         };
-        self.ticking = true;
-        self.publish(&report, reflects);
-        self.ticking = false;
+        self.publish(&report, reflects, true);
         if let Some(m) = &self.metrics {
             let text = m.render(
                 &self.host,
@@ -358,16 +353,18 @@ impl Daemon {
             Some((_, snap)) => self.engine.report(snap),
             None => self.engine.observe(),
         };
-        self.publish(&report, None);
+        self.publish(&report, None, false);
     }
 
-    fn publish(&mut self, report: &crate::model::Report, reflects: Option<u64>) {
+    /// Reports `report`; `tick` says it is a tick's (not a change's), when
+    /// the slower details (the hypervisors' pids) are looked up too.
+    fn publish(&mut self, report: &crate::model::Report, reflects: Option<u64>, tick: bool) {
         let mut wire = convert::report_to_wire(report);
         if self.fenced.is_some() {
             wire.fence_violation = true;
         }
         self.link.publish(wire.clone(), reflects);
-        self.write_report(wire);
+        self.write_report(wire, tick);
         self.written = Some(Instant::now());
         self.dirty = false;
     }
@@ -388,10 +385,10 @@ impl Daemon {
         }
     }
 
-    fn write_report(&mut self, report: pb::Report) {
+    fn write_report(&mut self, report: pb::Report, tick: bool) {
         let details = self
             .details
-            .update(&report, &self.store, &self.engine, self.ticking);
+            .update(&report, &self.store, &self.engine, tick);
         let (used, caps) = self.engine.quota();
         let file = ReportFile {
             notes: self.notes.clone(),

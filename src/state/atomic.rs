@@ -37,6 +37,12 @@ pub fn replace_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
     replace(path, bytes, super::perms::FILE, Durability::Unsynced)
 }
 
+/// As [`replace_unsynced`], readable by every user: for a file another
+/// user's process reads (the metrics file, read by node_exporter).
+pub fn replace_unsynced_public(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    replace(path, bytes, 0o644, Durability::Unsynced)
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Durability {
     Synced,
@@ -83,6 +89,11 @@ fn write_temp(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> i
         .mode(mode)
         .open(path)?;
     file.write_all(bytes)?;
+    // Bits for others are past the process's umask (the agent's is 0077):
+    // set them explicitly, and only then (no extra call per record save).
+    if mode & 0o077 != 0 {
+        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+    }
     match durability {
         Durability::Synced => file.sync_all(),
         Durability::Unsynced => Ok(()),
