@@ -403,3 +403,20 @@ fn report_is_sorted_by_vm_id() {
     let ids: Vec<_> = report.vms.iter().map(|r| r.vm_id.as_str()).collect();
     assert_eq!(ids, vec!["vm-a", "vm-b", "vm-c"]);
 }
+
+#[test]
+fn a_refused_entry_takes_its_place_in_id_order() {
+    let h = Harness::new();
+    let mut snap = snapshot(1, vec![present(desired("vm-a")), present(desired("vm-c"))]);
+    snap.rejected_vms.push(eitri_agent::model::Rejected {
+        id: Some(id("vm-b")),
+        raw_id: "vm-b".into(),
+        error: eitri_agent::model::SpecError::new("vcpus", "test: refused"),
+    });
+    h.tick(&snap);
+
+    let report = h.engine.step(&snap);
+
+    let ids: Vec<_> = report.vms.iter().map(|r| r.vm_id.as_str()).collect();
+    assert_eq!(ids, vec!["vm-a", "vm-b", "vm-c"]);
+}

@@ -385,6 +385,7 @@ impl Engine {
             ..Report::default()
         };
         workers.collect(&mut report, claimed);
+        let collected = (report.vms.len(), report.quarantined.len());
         // One row per id: a control plane keyed on vm_id cannot use two. An
         // id sent twice is refused in both places, and said once.
         let mut said = HashSet::new();
@@ -409,7 +410,7 @@ impl Engine {
             }
         }
         report.destroyed = destroyed_ack(snap, records);
-        sort(&mut report);
+        sort(&mut report, collected);
         report
     }
 
@@ -418,7 +419,6 @@ impl Engine {
     pub fn published(&self) -> Report {
         let mut report = Report::default();
         self.workers.lock().collect(&mut report, &HashSet::new());
-        sort(&mut report);
         report
     }
 
@@ -470,7 +470,7 @@ impl Engine {
         for (vm_id, slot) in self.core.store.load_all().iter() {
             self.core.observed(vm_id, slot).merge_into(&mut report);
         }
-        sort(&mut report);
+        sort(&mut report, (0, 0));
         report
     }
 
@@ -524,7 +524,7 @@ impl Engine {
                 })),
             }
         }
-        sort(&mut report);
+        sort(&mut report, (0, 0));
         report
     }
 
@@ -611,9 +611,17 @@ fn destroyed_ack(snap: &Snapshot, records: &BTreeMap<Id, RecordSlot>) -> Vec<Id>
         .collect()
 }
 
-/// Orders a report by id, so reports diff cleanly from tick to tick.
-fn sort(report: &mut Report) {
-    report.vms.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
-    report.quarantined.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+/// Orders a report by id, so reports diff cleanly from tick to tick. The
+/// first `collected` rows and quarantined entries came from the workers in
+/// id order; only what was added after them makes a sort necessary (at ten
+/// thousand VMs, comparing rows that are in order already costs a tenth of
+/// a step).
+fn sort(report: &mut Report, collected: (usize, usize)) {
+    if report.vms.len() > collected.0 {
+        report.vms.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+    }
+    if report.quarantined.len() > collected.1 {
+        report.quarantined.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+    }
     report.destroyed.sort();
 }

@@ -30,14 +30,24 @@ pub fn converge(
     snap: &Snapshot,
     records: &BTreeMap<Id, RecordSlot>,
 ) -> Vec<VolumeStatus> {
-    let users = volume_users(records);
-    let any_unreadable = records
-        .values()
-        .any(|r| matches!(r, RecordSlot::Unreadable(_)));
+    // Who uses which volume is only needed to reclaim one: a tick with no
+    // tombstoned volume (most of them) reads no VM record for it.
+    let reclaiming = snap
+        .volumes
+        .iter()
+        .any(|w| matches!(w, WantedVolume::Tombstoned(_)));
+    let (users, any_unreadable) = if reclaiming {
+        let any_unreadable = records
+            .values()
+            .any(|r| matches!(r, RecordSlot::Unreadable(_)));
+        (volume_users(records), any_unreadable)
+    } else {
+        (HashMap::new(), false)
+    };
     let mut rows = Vec::new();
-    let mut mentioned = HashSet::new();
+    let mut mentioned: HashSet<&str> = HashSet::new();
     for wanted in &snap.volumes {
-        mentioned.insert(wanted.id().clone());
+        mentioned.insert(wanted.id().as_str());
         let row = match wanted {
             WantedVolume::Present(v) => Some(ensure(store, v)),
             WantedVolume::Tombstoned(id) => reclaim(store, id, &users, any_unreadable),
@@ -46,14 +56,14 @@ pub fn converge(
     }
     for rejected in &snap.rejected_volumes {
         if let Some(id) = &rejected.id {
-            mentioned.insert(id.clone());
+            mentioned.insert(id.as_str());
         }
         rows.push(refused(store, rejected));
     }
     rows.extend(
         sweep(store)
             .into_iter()
-            .filter(|row| !mentioned.iter().any(|id| id.as_str() == row.volume_id)),
+            .filter(|row| !mentioned.contains(row.volume_id.as_str())),
     );
     rows.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
     rows

@@ -61,14 +61,65 @@ pub(crate) const POKE_SPACING: Duration = Duration::from_secs(10);
 
 /// What a worker shares with the router.
 pub(crate) struct WorkerShared {
-    mailbox: Mutex<Option<Assignment>>,
-    /// The newest assignment ever delivered: what a poke runs again.
-    last: Mutex<Option<Assignment>>,
+    mailbox: Mutex<Mailbox>,
     published: Mutex<Published>,
     /// The engine's change doorbell.
     changed: Sender<()>,
     /// When a poke last ran a pass for this VM.
     poked: Mutex<Option<Instant>>,
+}
+
+/// What the worker is to run next, and what it last was given. One lock
+/// for all of it: a tick's re-check of ten thousand VMs costs one lock per
+/// VM, and never a copy of an assignment.
+#[derive(Default)]
+struct Mailbox {
+    /// Delivered and not yet taken; a newer delivery replaces it.
+    waiting: Option<Assignment>,
+    /// The newest assignment ever delivered: what a re-check or a poke
+    /// runs again.
+    last: Option<Assignment>,
+    /// Run `last` again (when nothing newer is waiting).
+    again: bool,
+    /// The worker's loop is over: its thread is ending or gone.
+    ended: bool,
+}
+
+impl Mailbox {
+    fn deliver(&mut self, assignment: Assignment) {
+        self.waiting = Some(assignment.clone());
+        self.last = Some(assignment);
+        self.again = false;
+    }
+
+    /// Asks for `last` to run again. Returns whether there is work to wake
+    /// the worker for (a worker never given anything has none).
+    fn again(&mut self) -> bool {
+        if self.last.is_some() {
+            self.again = true;
+        }
+        self.has_work()
+    }
+
+    fn take(&mut self) -> Option<Assignment> {
+        let again = std::mem::take(&mut self.again);
+        match self.waiting.take() {
+            Some(newest) => Some(newest),
+            None if again => self.last.clone(),
+            None => None,
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        self.waiting.is_some() || self.again
+    }
+
+    /// Forgets everything: a ring still buffered finds nothing to run.
+    fn clear(&mut self) {
+        self.waiting = None;
+        self.last = None;
+        self.again = false;
+    }
 }
 
 #[derive(Default)]
@@ -85,8 +136,7 @@ struct Published {
 impl WorkerShared {
     fn new(changed: Sender<()>, initial: Option<VmResult>) -> WorkerShared {
         WorkerShared {
-            mailbox: Mutex::new(None),
-            last: Mutex::new(None),
+            mailbox: Mutex::new(Mailbox::default()),
             published: Mutex::new(Published {
                 row: initial
                     .as_ref()
@@ -149,7 +199,7 @@ impl WorkerShared {
     }
 
     fn is_idle(&self) -> bool {
-        self.mailbox.lock().is_none() && self.published.lock().live.is_none()
+        !self.mailbox.lock().has_work() && self.published.lock().live.is_none()
     }
 
     fn result(&self) -> Option<VmResult> {
@@ -178,6 +228,13 @@ struct WorkerHandle {
     thread: Option<JoinHandle<()>>,
 }
 
+impl WorkerHandle {
+    /// Its thread never started, or its loop is over.
+    fn is_dead(&self) -> bool {
+        self.thread.is_none() || self.shared.mailbox.lock().ended
+    }
+}
+
 /// Every live worker's shared half and doorbell, by VM: what a poke needs.
 /// Kept apart from the worker table, under a lock held only for a lookup,
 /// so a poke (from a reaper thread) never waits on a step, nor on a
@@ -204,14 +261,8 @@ impl Pokes {
             }
             *poked = Some(Instant::now());
         }
-        {
-            let mut mailbox = shared.mailbox.lock();
-            if mailbox.is_none() {
-                *mailbox = shared.last.lock().clone();
-            }
-            if mailbox.is_none() {
-                return false;
-            }
+        if !shared.mailbox.lock().again() {
+            return false;
         }
         // Full: a pass is already due, and it takes the mailbox.
         let _ = doorbell.try_send(());
@@ -278,7 +329,7 @@ fn ring_in_chunks(batch: Vec<Bell>) {
         while started.elapsed() < CHUNK_WAIT
             && chunk
                 .iter()
-                .any(|(_, shared)| shared.mailbox.lock().is_some())
+                .any(|(_, shared)| shared.mailbox.lock().has_work())
         {
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -342,10 +393,7 @@ impl Workers {
         core: &Arc<Core>,
         initial: impl FnOnce() -> Option<VmResult>,
     ) {
-        let dead = self
-            .live
-            .get(vm_id)
-            .map(|h| h.thread.as_ref().is_none_or(JoinHandle::is_finished));
+        let dead = self.live.get(vm_id).map(WorkerHandle::is_dead);
         match dead {
             None => {
                 let predecessor = self.retiring.remove(vm_id);
@@ -361,36 +409,30 @@ impl Workers {
         // A worker that did not start takes no work: nothing would ever
         // take it, and the next delivery brings a newer assignment anyway.
         if handle.thread.is_some() {
-            *handle.shared.mailbox.lock() = Some(assignment.clone());
-            *handle.shared.last.lock() = Some(assignment);
+            handle.shared.mailbox.lock().deliver(assignment);
             self.to_ring
                 .push((handle.doorbell.clone(), Arc::clone(&handle.shared)));
         }
     }
 
-    /// Gives every worker its newest assignment again, for the level
+    /// Asks every worker to run its newest assignment again, for the level
     /// trigger of a step whose snapshot and records are the ones of the
     /// step before (what a full delivery would write is what each worker
-    /// already has). Returns false, delivering nothing, when a worker's
-    /// thread is gone: a full delivery replaces it.
+    /// already has). Returns false when a worker's thread is gone: the full
+    /// delivery the caller then makes replaces it (and supersedes what this
+    /// asked of the others).
     pub(crate) fn redeliver_all(&mut self) -> bool {
         self.to_ring.reserve(self.live.len());
-        if self
-            .live
-            .values()
-            .any(|h| h.thread.as_ref().is_none_or(JoinHandle::is_finished))
-        {
-            return false;
-        }
         for handle in self.live.values() {
-            let refilled = {
-                let mut mailbox = handle.shared.mailbox.lock();
-                if mailbox.is_none() {
-                    mailbox.clone_from(&handle.shared.last.lock());
-                }
-                mailbox.is_some()
+            let Some(mut mailbox) = handle.thread.as_ref().map(|_| handle.shared.mailbox.lock())
+            else {
+                return false;
             };
-            if refilled {
+            if mailbox.ended {
+                return false;
+            }
+            if mailbox.again() {
+                drop(mailbox);
                 self.to_ring
                     .push((handle.doorbell.clone(), Arc::clone(&handle.shared)));
             }
@@ -459,8 +501,7 @@ impl Workers {
             if let Some(handle) = self.live.remove(&id) {
                 // Emptied first: a ring still buffered must find nothing
                 // to run. Then dropping `handle.doorbell` is the stop signal.
-                handle.shared.mailbox.lock().take();
-                handle.shared.last.lock().take();
+                handle.shared.mailbox.lock().clear();
                 if let Some(thread) = handle.thread {
                     self.retiring.insert(id, thread);
                 }
@@ -520,7 +561,7 @@ impl Workers {
         }
         let handles: Vec<_> = std::mem::take(&mut self.live).into_iter().collect();
         for (id, handle) in handles {
-            handle.shared.mailbox.lock().take();
+            handle.shared.mailbox.lock().clear();
             drop(handle.doorbell);
             if let Some(thread) = handle.thread {
                 // A VM whose worker waits for a retired predecessor: the
@@ -563,6 +604,8 @@ fn spawn(
             .stack_size(stack_bytes)
             .spawn(move || {
                 // One pass per VM: the retired worker ends its pass first.
+                // Said however the loop ends, a panic included.
+                let _ended = Ended(&shared);
                 if let Some(predecessor) = predecessor {
                     let _ = predecessor.join();
                 }
@@ -585,6 +628,15 @@ fn spawn(
         shared,
         doorbell,
         thread,
+    }
+}
+
+/// Marks the worker's mailbox ended when dropped.
+struct Ended<'a>(&'a WorkerShared);
+
+impl Drop for Ended<'_> {
+    fn drop(&mut self) {
+        self.0.mailbox.lock().ended = true;
     }
 }
 
@@ -680,6 +732,77 @@ mod tests {
 
     fn detail(shared: &WorkerShared) -> Option<String> {
         shared.result().and_then(|r| r.row).map(|r| r.status_detail)
+    }
+
+    fn reaps(mailbox: &mut Mailbox) -> Option<bool> {
+        match mailbox.take() {
+            Some(Assignment::Reap { tombstoned }) => Some(tombstoned),
+            Some(Assignment::Desired(_)) => panic!("a desired assignment was never delivered"),
+            None => None,
+        }
+    }
+
+    #[test]
+    fn a_recheck_runs_the_last_assignment_again() {
+        let mut mailbox = Mailbox::default();
+        mailbox.deliver(Assignment::Reap { tombstoned: true });
+        assert_eq!(reaps(&mut mailbox), Some(true));
+
+        let woken = mailbox.again();
+
+        assert!(woken);
+        assert_eq!(reaps(&mut mailbox), Some(true));
+        assert_eq!(reaps(&mut mailbox), None, "once per recheck");
+    }
+
+    #[test]
+    fn a_newer_delivery_wins_over_a_recheck() {
+        let mut mailbox = Mailbox::default();
+        mailbox.deliver(Assignment::Reap { tombstoned: false });
+        mailbox.take();
+        mailbox.again();
+
+        mailbox.deliver(Assignment::Reap { tombstoned: true });
+
+        assert_eq!(reaps(&mut mailbox), Some(true));
+        assert_eq!(reaps(&mut mailbox), None, "the recheck is covered by it");
+    }
+
+    #[test]
+    fn a_worker_never_given_work_is_not_woken_by_a_recheck() {
+        let mut mailbox = Mailbox::default();
+
+        let woken = mailbox.again();
+
+        assert!(!woken);
+        assert!(!mailbox.has_work());
+    }
+
+    #[test]
+    fn a_cleared_mailbox_runs_nothing_even_when_a_recheck_was_asked() {
+        let mut mailbox = Mailbox::default();
+        mailbox.deliver(Assignment::Reap { tombstoned: true });
+        mailbox.again();
+
+        mailbox.clear();
+
+        assert_eq!(reaps(&mut mailbox), None);
+        assert!(!mailbox.again(), "and a later recheck finds nothing to run");
+    }
+
+    #[test]
+    fn a_worker_whose_loop_ended_is_dead_even_by_a_panic() {
+        let shared = Arc::new(shared());
+        let inside = Arc::clone(&shared);
+
+        let ended = std::thread::spawn(move || {
+            let _ended = Ended(&inside);
+            panic!("test: the loop itself failed");
+        })
+        .join();
+
+        assert!(ended.is_err());
+        assert!(shared.mailbox.lock().ended);
     }
 
     #[test]
