@@ -37,6 +37,7 @@ pub mod quote;
 pub mod reconcile;
 pub mod seed;
 pub mod source;
+pub mod stages;
 pub mod state;
 pub mod status;
 pub mod testkit;

@@ -730,6 +730,31 @@ fn preflight_refuses_a_hypervisor_older_than_v51_that_would_probe_disk_formats()
     assert!(err.to_string().contains("backing_files=off"), "{err}");
 }
 
+#[test]
+fn a_hypervisor_replaced_by_an_older_one_is_refused_at_the_next_preflight() {
+    let h = Host::new(&[]);
+    let hv = h.dir.path().join("hv");
+    std::fs::write(&hv, format!("#!/bin/sh\nexec {STANDIN} \"$@\"\n")).expect("hv");
+    std::fs::set_permissions(&hv, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let backend = CloudHypervisor::new(
+        Arc::clone(&h.store),
+        CloudHvConfig {
+            hypervisor: hv.clone(),
+            ..h.cfg.clone()
+        },
+    );
+    backend.preflight(Deadline::NONE).expect("v53 passes");
+    // Replaced as a package upgrade does: a new file renamed over it.
+    let staged = h.dir.path().join("hv.new");
+    std::fs::write(&staged, "#!/bin/sh\necho 'cloud-hypervisor v50.0'\n").expect("old");
+    std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&staged, &hv).expect("replace");
+
+    let err = backend.preflight(Deadline::NONE).expect_err("too old now");
+
+    assert!(err.to_string().contains("v51 or later"), "{err}");
+}
+
 fn preflight_passes_on(h: Host) {
     let ok = h.backend.preflight(Deadline::NONE);
 

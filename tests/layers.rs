@@ -27,6 +27,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("threads", 0),
     ("quote", 0),
     ("programs", 0),
+    ("stages", 0),
     ("state", 1),
     ("pb", 1),
     ("provision", 2),

@@ -176,7 +176,7 @@ impl HostNetwork {
     ///
     /// [`reserve`]: HostNetwork::reserve
     pub fn plug(&self, vm_id: &Id, mac: Mac) -> Result<Ipv4Addr, BoxFailure> {
-        let ip = self.addresses.allocate(vm_id)?;
+        let ip = crate::stages::timed("address", || self.addresses.allocate(vm_id))?;
         let tap = &self.taps_of(ip).underlay;
         self.underlay.attach(&Port {
             tap,
@@ -192,10 +192,11 @@ impl HostNetwork {
             dns: self.dns.clone(),
             lease_secs: self.lease_secs,
         };
-        let responder = Responder::start(tap, lease).map_err(|source| HostNetError::Responder {
-            tap: tap.to_owned(),
-            source,
-        })?;
+        let responder = crate::stages::timed("dhcp responder", || Responder::start(tap, lease))
+            .map_err(|source| HostNetError::Responder {
+                tap: tap.to_owned(),
+                source,
+            })?;
         self.responders.lock().insert(vm_id.clone(), responder);
         Ok(ip)
     }

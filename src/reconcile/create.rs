@@ -33,7 +33,11 @@ use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
 use crate::model::{DesiredVm, Mac, Phase, PowerState};
+use crate::stages::{span, timed};
 use crate::state::Record;
+
+/// The span of a create attempt: a pass with one is logged with its stages.
+pub(crate) const CREATE_STAGE: &str = "create";
 
 impl Core {
     pub(crate) fn create(
@@ -88,12 +92,13 @@ impl Core {
             counted: false,
         };
 
+        let _create = span(CREATE_STAGE);
         let mut host_key = None;
         if d.host_cert_required {
-            let key = match self
-                .host_keys
-                .load_or_create(&self.store.host_key_path(vm_id))
-            {
+            let key = match timed("host key", || {
+                self.host_keys
+                    .load_or_create(&self.store.host_key_path(vm_id))
+            }) {
                 Ok(key) => key,
                 Err(e) => return attempt.fail(rec, e, res),
             };
@@ -118,7 +123,7 @@ impl Core {
 
         // A refusal is no attempt and no record of one: reported failed,
         // as the reference does, and retried at the next tick.
-        if let Err(why) = self.ledger.admit(&rec.spec) {
+        if let Err(why) = timed("admission", || self.ledger.admit(&rec.spec)) {
             res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
             return;
         }
@@ -140,7 +145,7 @@ impl Core {
             PowerState::Stopped,
             Phase::Creating,
         );
-        if let Err(e) = self.prov.preflight(deadline) {
+        if let Err(e) = timed("preflight", || self.prov.preflight(deadline)) {
             return attempt.fail(rec, e, res);
         }
         // Bounds how much create concurrency reaches the disk: N parallel
@@ -149,7 +154,7 @@ impl Core {
         // queued VM says so and waits, at most until its deadline, and a
         // deadline failure is refunded: waiting costs it no attempt.
         narrator.say("waiting for a create slot on this host");
-        let slot = match self.slots.acquire(deadline) {
+        let slot = match timed("create slot", || self.slots.acquire(deadline)) {
             Ok(slot) => slot,
             Err(e) => return attempt.fail(rec, e.into(), res),
         };
@@ -161,19 +166,23 @@ impl Core {
         };
         // The image becomes the root disk: it may be no larger.
         let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
-        let base = match self.images.resolve(
-            &d.spec.image_url,
-            &d.spec.image_sha256,
-            max_bytes,
-            deadline,
-            progress,
-        ) {
+        let base = match timed("image", || {
+            self.images.resolve(
+                &d.spec.image_url,
+                &d.spec.image_sha256,
+                max_bytes,
+                deadline,
+                progress,
+            )
+        }) {
             Ok(path) => path,
             Err(e) => return attempt.fail(rec, e, res),
         };
 
         narrator.say("preparing root disk");
-        if let Err(e) = self.prov.prepare_root_disk(&rec.spec, &base, deadline) {
+        if let Err(e) = timed("root disk", || {
+            self.prov.prepare_root_disk(&rec.spec, &base, deadline)
+        }) {
             return attempt.fail(rec, e, res);
         }
         crate::crash::point("create.disk-prepared");
@@ -200,7 +209,9 @@ impl Core {
                 Mac::second_nic(vm_id).to_string()
             },
         };
-        if let Err(e) = self.seed.build(&self.store.seed_path(vm_id), &params) {
+        if let Err(e) = timed("seed", || {
+            self.seed.build(&self.store.seed_path(vm_id), &params)
+        }) {
             return attempt.fail(rec, e, res);
         }
         crate::crash::point("create.seed-built");
@@ -211,7 +222,7 @@ impl Core {
             }
             narrator.say("booting");
             let booting = std::time::Instant::now();
-            if let Err(e) = self.prov.boot(&rec.spec, deadline) {
+            if let Err(e) = timed("boot", || self.prov.boot(&rec.spec, deadline)) {
                 return attempt.fail(rec, e, res);
             }
             self.counts.boots.observe(booting.elapsed());

@@ -55,6 +55,7 @@ use crate::model::{
     Id, Phase, PowerState, Rejected, Report, Snapshot, VmStatus, VolumeStatus, WantedVm,
 };
 use crate::provision::Provisioner;
+use crate::stages::Stages;
 use crate::state::{RecordSlot, Store};
 use crate::version::{FloorVerdict, check_floor};
 
@@ -204,6 +205,7 @@ impl Engine {
             slots,
             logs: LogOnce::new(),
             counts: counts::Counts::default(),
+            create_watch: parking_lot::RwLock::new(None),
         };
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);
@@ -279,6 +281,13 @@ impl Engine {
     /// The VM's live hypervisor's pid, if the backend can say.
     pub fn hypervisor_pid(&self, vm_id: &Id) -> Option<u32> {
         self.core.prov.pid(vm_id)
+    }
+
+    /// Tells `watch` the stages of every create attempt from now on, as
+    /// they end (on the VM's worker thread: keep it short). Each attempt is
+    /// logged with its stages too; this is for what measures them.
+    pub fn watch_creates(&self, watch: impl Fn(&Id, &Stages) + Send + Sync + 'static) {
+        *self.core.create_watch.write() = Some(Arc::new(watch));
     }
 
     /// Create attempts a VM is given before its create is failed.

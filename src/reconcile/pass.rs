@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::EngineConfig;
 use super::admission::{CreateSlots, Ledger};
+use super::create::CREATE_STAGE;
 use super::lifecycle::{self, Budget, State};
 use super::seams::{HostFacts, HostKeys, Images, SeedBuilder};
 use super::workers::Publisher;
@@ -18,6 +19,7 @@ use crate::deadline::Deadline;
 use crate::logonce::LogOnce;
 use crate::model::{DesiredVm, Id, Phase, PowerState, QuarantinedVm, Report, VmStatus};
 use crate::provision::Provisioner;
+use crate::stages::Stages;
 use crate::state::{Record, RecordSlot, Store};
 
 /// One VM's slice of a snapshot. It holds the desired spec by `Arc`: the
@@ -177,9 +179,28 @@ pub(crate) struct Core {
     /// way every pass is one line, not one a tick.
     pub logs: LogOnce,
     pub counts: super::counts::Counts,
+    /// Told the stages of every create attempt (see [`Engine::watch_creates`]).
+    pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
 }
 
+/// What [`Engine::watch_creates`] is given: the VM and its create's stages.
+///
+/// [`Engine::watch_creates`]: super::Engine::watch_creates
+pub type CreateWatch = Arc<dyn Fn(&Id, &Stages) + Send + Sync>;
+
 impl Core {
+    /// After each pass: a pass that made a create attempt logs where its
+    /// time went, one line, and tells the watcher.
+    pub(crate) fn timed_pass(&self, vm_id: &Id, stages: Stages) {
+        if stages.marks.iter().all(|m| m.stage != CREATE_STAGE) {
+            return;
+        }
+        log::info!("VM {vm_id}: create attempt took {stages}");
+        if let Some(watch) = self.create_watch.read().as_ref() {
+            watch(vm_id, &stages);
+        }
+    }
+
     pub(crate) fn reconcile_one(
         &self,
         vm_id: &Id,

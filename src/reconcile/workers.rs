@@ -55,6 +55,7 @@ use parking_lot::Mutex;
 use super::pass::{Assignment, Core, PassOutcome, VmResult};
 use crate::deadline::Deadline;
 use crate::model::{Id, Phase, Report, VmStatus};
+use crate::stages;
 
 /// How soon after one poke of a VM another may run a pass at once.
 pub(crate) const POKE_SPACING: Duration = Duration::from_secs(10);
@@ -83,6 +84,8 @@ struct Mailbox {
     again: bool,
     /// The worker's loop is over: its thread is ending or gone.
     ended: bool,
+    /// When the work waiting now was asked for: the pass's dispatch time.
+    asked_at: Option<Instant>,
 }
 
 impl Mailbox {
@@ -90,13 +93,15 @@ impl Mailbox {
         self.waiting = Some(assignment.clone());
         self.last = Some(assignment);
         self.again = false;
+        self.asked_at = Some(Instant::now());
     }
 
-    /// Asks for `last` to run again. Returns whether there is work to wake
-    /// the worker for (a worker never given anything has none).
-    fn again(&mut self) -> bool {
-        if self.last.is_some() {
+    /// Asks for `last` to run again, as of `now`. Returns whether there is
+    /// work to wake the worker for (a worker never given anything has none).
+    fn again(&mut self, now: Instant) -> bool {
+        if self.last.is_some() && !self.has_work() {
             self.again = true;
+            self.asked_at = Some(now);
         }
         self.has_work()
     }
@@ -110,6 +115,13 @@ impl Mailbox {
         }
     }
 
+    /// How long the work just taken waited for its worker.
+    fn waited(&mut self) -> Duration {
+        self.asked_at
+            .take()
+            .map_or(Duration::ZERO, |at| at.elapsed())
+    }
+
     fn has_work(&self) -> bool {
         self.waiting.is_some() || self.again
     }
@@ -119,6 +131,7 @@ impl Mailbox {
         self.waiting = None;
         self.last = None;
         self.again = false;
+        self.asked_at = None;
     }
 }
 
@@ -261,7 +274,7 @@ impl Pokes {
             }
             *poked = Some(Instant::now());
         }
-        if !shared.mailbox.lock().again() {
+        if !shared.mailbox.lock().again(Instant::now()) {
             return false;
         }
         // Full: a pass is already due, and it takes the mailbox.
@@ -423,6 +436,7 @@ impl Workers {
     /// asked of the others).
     pub(crate) fn redeliver_all(&mut self) -> bool {
         self.to_ring.reserve(self.live.len());
+        let now = Instant::now();
         for handle in self.live.values() {
             let Some(mut mailbox) = handle.thread.as_ref().map(|_| handle.shared.mailbox.lock())
             else {
@@ -431,7 +445,7 @@ impl Workers {
             if mailbox.ended {
                 return false;
             }
-            if mailbox.again() {
+            if mailbox.again(now) {
                 drop(mailbox);
                 self.to_ring
                     .push((handle.doorbell.clone(), Arc::clone(&handle.shared)));
@@ -649,13 +663,15 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
         // Taken and begun under the mailbox's lock: never a moment where
         // the mailbox is empty and no pass is live while one is about to
         // run (`wait_idle` would call that idle).
-        let (assignment, generation) = {
+        let (assignment, generation, waited) = {
             let mut mailbox = shared.mailbox.lock();
             let Some(assignment) = mailbox.take() else {
                 continue;
             };
-            (assignment, shared.begin_pass())
+            (assignment, shared.begin_pass(), mailbox.waited())
         };
+        let mut recording = stages::record();
+        recording.add_before("dispatch", waited);
         let publisher = Publisher {
             shared: Arc::clone(shared),
             generation,
@@ -682,6 +698,7 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
             _ => {}
         }
         shared.end_pass(generation, outcome);
+        core.timed_pass(vm_id, recording.finish());
     }
 }
 
@@ -748,7 +765,7 @@ mod tests {
         mailbox.deliver(Assignment::Reap { tombstoned: true });
         assert_eq!(reaps(&mut mailbox), Some(true));
 
-        let woken = mailbox.again();
+        let woken = mailbox.again(Instant::now());
 
         assert!(woken);
         assert_eq!(reaps(&mut mailbox), Some(true));
@@ -760,7 +777,7 @@ mod tests {
         let mut mailbox = Mailbox::default();
         mailbox.deliver(Assignment::Reap { tombstoned: false });
         mailbox.take();
-        mailbox.again();
+        mailbox.again(Instant::now());
 
         mailbox.deliver(Assignment::Reap { tombstoned: true });
 
@@ -772,7 +789,7 @@ mod tests {
     fn a_worker_never_given_work_is_not_woken_by_a_recheck() {
         let mut mailbox = Mailbox::default();
 
-        let woken = mailbox.again();
+        let woken = mailbox.again(Instant::now());
 
         assert!(!woken);
         assert!(!mailbox.has_work());
@@ -782,12 +799,15 @@ mod tests {
     fn a_cleared_mailbox_runs_nothing_even_when_a_recheck_was_asked() {
         let mut mailbox = Mailbox::default();
         mailbox.deliver(Assignment::Reap { tombstoned: true });
-        mailbox.again();
+        mailbox.again(Instant::now());
 
         mailbox.clear();
 
         assert_eq!(reaps(&mut mailbox), None);
-        assert!(!mailbox.again(), "and a later recheck finds nothing to run");
+        assert!(
+            !mailbox.again(Instant::now()),
+            "and a later recheck finds nothing to run"
+        );
     }
 
     #[test]

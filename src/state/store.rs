@@ -208,6 +208,7 @@ impl Store {
     /// Saves a record durably, then updates the in-memory copy. A failed
     /// save changes neither.
     pub fn save(&self, rec: &Record) -> Result<(), StoreError> {
+        let _span = crate::stages::span("record save");
         let vm_id = &rec.spec.vm_id;
         let dir = self.vm_dir(vm_id);
         let write_err = |path: PathBuf| {

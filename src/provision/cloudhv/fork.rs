@@ -18,7 +18,8 @@
 //!    durably. Only then does it write the release byte.
 //! 4. Released, the child puts stdin (/dev/null), stdout and stderr (the
 //!    VM's log) and its own fds (the API socket, the taps: 3, 4, …) in
-//!    place, closes every other fd, enters its [`Jail`] (limits, no
+//!    place, moves itself into its cgroups (through files the parent
+//!    opened, see `Cgroups::entry_files`), enters its [`Jail`] (limits, no
 //!    capabilities, its own user and groups, no_new_privs) and execs the
 //!    hypervisor with an empty environment. If the agent died before the
 //!    release, the child reads end-of-file instead and exits without ever
@@ -42,6 +43,9 @@ pub const FIRST_OWN_FD: RawFd = 3;
 const HIGH_FD: RawFd = 64;
 /// The API socket and two NICs.
 pub const MAX_OWN_FDS: usize = 3;
+/// A cgroup entry file per controller hierarchy (memory, pids, cpu), or
+/// one unified.
+pub const MAX_CGROUP_FDS: usize = 3;
 
 /// Who the child becomes before it execs.
 #[derive(Clone, Debug)]
@@ -95,6 +99,7 @@ enum Stage {
     Ids,
     NoNewPrivs,
     Exec,
+    Cgroups,
 }
 
 impl Stage {
@@ -106,6 +111,7 @@ impl Stage {
             4 => "setting its groups",
             5 => "becoming its own user",
             6 => "setting no_new_privs",
+            8 => "entering its cgroups",
             _ => "exec",
         }
     }
@@ -119,20 +125,30 @@ pub struct Held {
 }
 
 /// Forks `program` with `args`, held (steps 1 and 2): `log` becomes its
-/// stdout and stderr, `own` its fds 3, 4, …, and it enters `jail` (when
-/// given) before it execs.
+/// stdout and stderr, `own` its fds 3, 4, …; it writes `0` into each of
+/// `cgroups` (moving itself in) and enters `jail` (when given) before it
+/// execs.
 pub fn fork_held(
     program: &Path,
     args: &[std::ffi::OsString],
     log: &OwnedFd,
     own: &[&OwnedFd],
+    cgroups: &[OwnedFd],
     jail: Option<&Jail>,
 ) -> io::Result<Held> {
-    if own.len() > MAX_OWN_FDS {
+    if own.len() > MAX_OWN_FDS || cgroups.len() > MAX_CGROUP_FDS {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!("{} fds to pass, at most {MAX_OWN_FDS}", own.len()),
+            format!(
+                "{} fds and {} cgroups to pass, at most {MAX_OWN_FDS} and {MAX_CGROUP_FDS}",
+                own.len(),
+                cgroups.len()
+            ),
         ));
+    }
+    let mut cgroup_fds = [-1; MAX_CGROUP_FDS];
+    for (slot, fd) in cgroup_fds.iter_mut().zip(cgroups) {
+        *slot = fd.as_raw_fd();
     }
     let groups: Vec<libc::gid_t> = jail.map(|j| j.groups.clone()).unwrap_or_default();
     let limits: Vec<(libc::c_int, Rlimit64)> = jail
@@ -168,6 +184,7 @@ pub fn fork_held(
         ids,
         groups: &groups,
         limits: &limits,
+        cgroups: &cgroup_fds[..cgroups.len()],
     };
     let (hold_fd, report_fd) = (hold_r.as_raw_fd(), report_w.as_raw_fd());
 
@@ -247,6 +264,8 @@ struct Entry<'a> {
     ids: Option<(u32, u32)>,
     groups: &'a [libc::gid_t],
     limits: &'a [(libc::c_int, Rlimit64)],
+    /// Written `0`: the parent's fds, copied high in the child.
+    cgroups: &'a [RawFd],
 }
 
 /// The child, after fork: steps 2 and 4. Never returns.
@@ -287,11 +306,21 @@ unsafe fn child(
                 fail(report, Stage::Fds);
             }
         }
-        let mut keep = [-1; 2 + 3 + MAX_OWN_FDS];
+        let cgroups = entry.cgroups.len();
+        let mut cgroup_high = [-1; MAX_CGROUP_FDS];
+        for (i, fd) in entry.cgroups.iter().enumerate() {
+            cgroup_high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, HIGH_FD);
+            if cgroup_high[i] < 0 {
+                fail(report, Stage::Fds);
+            }
+        }
+        let mut keep = [-1; 2 + 3 + MAX_OWN_FDS + MAX_CGROUP_FDS];
         keep[0] = report;
         keep[1] = hold;
-        keep[2..2 + sources.len()].copy_from_slice(&high[..sources.len()]);
-        close_all_but(&mut keep[..2 + sources.len()]);
+        let own_end = 2 + sources.len();
+        keep[2..own_end].copy_from_slice(&high[..sources.len()]);
+        keep[own_end..own_end + cgroups].copy_from_slice(&cgroup_high[..cgroups]);
+        close_all_but(&mut keep[..own_end + cgroups]);
         // Held until the pidfile is durable; end-of-file means the agent
         // died first, and this child must never become a VMM.
         let mut byte = 0u8;
@@ -319,6 +348,13 @@ unsafe fn child(
         // Not the agent's working directory.
         if libc::chdir(c"/".as_ptr()) != 0 {
             fail(report, Stage::Fds);
+        }
+        // Into its cgroups before anything of the hypervisor's runs; the
+        // one write that moves this thread, which is the whole process.
+        for fd in &cgroup_high[..cgroups] {
+            if libc::write(*fd, c"0".as_ptr().cast(), 1) != 1 {
+                fail(report, Stage::Cgroups);
+            }
         }
         enter(entry, report);
         // The high copies are close-on-exec: after the exec the hypervisor
@@ -527,7 +563,7 @@ mod tests {
         let marker = dir.path().join("ran");
         let args = ["-c".into(), format!("touch {}", marker.display()).into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], None).expect("fork");
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], &[], None).expect("fork");
         std::thread::sleep(std::time::Duration::from_millis(100));
         let before = marker.exists();
         let pid = held.pid;
@@ -546,7 +582,7 @@ mod tests {
         let marker = dir.path().join("ran");
         let args = ["-c".into(), format!("touch {}", marker.display()).into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], None).expect("fork");
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], &[], None).expect("fork");
         let pid = held.pid;
         // What the agent dying does to the pipe: its write end closes.
         drop(held);
@@ -564,7 +600,8 @@ mod tests {
         // The shell lists its fds into the log.
         let args = ["-c".into(), "ls /proc/self/fd".into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[&tap_w], None).expect("fork");
+        let held =
+            fork_held(Path::new("/bin/sh"), &args, &log, &[&tap_w], &[], None).expect("fork");
         let pid = held.pid;
         held.release().expect("exec");
         wait_raw(pid);
@@ -590,7 +627,8 @@ mod tests {
         let log = log_file(dir.path());
         let args = ["-c".into(), "cat /proc/self/status; ulimit -n".into()];
 
-        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], Some(jail)).expect("fork");
+        let held =
+            fork_held(Path::new("/bin/sh"), &args, &log, &[], &[], Some(jail)).expect("fork");
         let pid = held.pid;
         held.release().expect("exec");
         wait_raw(pid);
@@ -643,7 +681,8 @@ mod tests {
             limits: vec![(Limit::Files, u64::MAX - 1)],
         };
 
-        let held = fork_held(Path::new("/bin/true"), &[], &log, &[], Some(&jail)).expect("fork");
+        let held =
+            fork_held(Path::new("/bin/true"), &[], &log, &[], &[], Some(&jail)).expect("fork");
         let pid = held.pid;
         let err = held.release().expect_err("no such limit");
         wait_raw(pid);
@@ -704,6 +743,7 @@ mod tests {
             &args,
             &log,
             &[&first, &*on_three],
+            &[],
             None,
         )
         .expect("fork");
@@ -730,11 +770,34 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let log = log_file(dir.path());
 
-        let held = fork_held(Path::new("/nonexistent/vmm"), &[], &log, &[], None).expect("fork");
+        let held =
+            fork_held(Path::new("/nonexistent/vmm"), &[], &log, &[], &[], None).expect("fork");
         let pid = held.pid;
         let err = held.release().expect_err("no such program");
         wait_raw(pid);
 
         assert_eq!(err.kind(), io::ErrorKind::NotFound);
+    }
+
+    #[test]
+    fn a_child_that_cannot_enter_its_cgroup_never_execs_and_says_so() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = log_file(dir.path());
+        let ran = dir.path().join("ran");
+        let args = vec!["-c".into(), format!("touch {}", ran.display()).into()];
+        // A write to /dev/full fails (ENOSPC), as a full or removed cgroup would.
+        let full: OwnedFd = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("/dev/full")
+            .into();
+
+        let held = fork_held(Path::new("/bin/sh"), &args, &log, &[], &[full], None).expect("fork");
+        let pid = held.pid;
+        let err = held.release().expect_err("the cgroup write fails");
+        wait_raw(pid);
+
+        assert!(err.to_string().contains("entering its cgroups"), "{err}");
+        assert!(!ran.exists(), "the program ran outside its cgroups");
     }
 }

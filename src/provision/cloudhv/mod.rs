@@ -119,6 +119,8 @@ pub struct CloudHypervisor {
     watch: Option<ExitWatch>,
     /// What of each VMM's confinement this host can do (see [`jail`]).
     confined: jail::Confined,
+    /// The hypervisor binary whose version last passed (see `preflight`).
+    version_passed: Mutex<Option<preflight::Binary>>,
     /// Bounds every guest's serial output (see [`serial`]); `None` if its
     /// thread could not start (said at start).
     _serial: Option<crate::threads::OwnedThread>,
@@ -163,6 +165,7 @@ impl CloudHypervisor {
             cfg,
             exits: Arc::new(Mutex::new(HashMap::new())),
             unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
+            version_passed: Mutex::new(None),
             listener,
             watch,
             confined,
@@ -450,7 +453,7 @@ impl Provisioner for CloudHypervisor {
     }
 
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
-        if self.find(&spec.vm_id).is_some() {
+        if crate::stages::timed("find", || self.find(&spec.vm_id)).is_some() {
             return Ok(());
         }
         let tracked = self.spawn(spec)?;

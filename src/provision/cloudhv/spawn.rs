@@ -34,15 +34,16 @@ use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired};
 use crate::model::{Id, Mac, VmSpec};
 use crate::provision::{Piece, Provisioner};
+use crate::stages::{span, timed};
 
 impl CloudHypervisor {
     /// Starts the VM's VMM (see the module steps) and returns it, tracked.
     pub(super) fn spawn(&self, spec: &VmSpec) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
-        self.make_vm_dir(vm_id)?;
+        timed("vm dir", || self.make_vm_dir(vm_id))?;
         let files = self.files(spec);
-        let api = self.bind_api(vm_id)?;
-        let taps = self.prepare_nics(spec)?;
+        let api = timed("api socket", || self.bind_api(vm_id))?;
+        let taps = timed("nics", || self.prepare_nics(spec))?;
         // The API socket first, then the taps, from FIRST_OWN_FD.
         let nics: Vec<Nic> = taps
             .iter()
@@ -52,42 +53,37 @@ impl CloudHypervisor {
                 mac: *mac,
             })
             .collect();
-        let jail = self.jail(spec, &files)?;
+        let jail = timed("jail", || self.jail(spec, &files))?;
+        let landlock = timed("landlock", || self.confined.uses(Piece::Landlock))?;
         let shape = VmShape {
             api_fd: FIRST_OWN_FD,
             nics: &nics,
             vcpus: spec.vcpus,
             mem_mb: spec.mem_mb,
-            landlock: self.confined.uses(Piece::Landlock)?,
+            landlock,
         };
         let args = argv(self.guest_image(), &files, &shape);
         let mut own = vec![&api];
         own.extend(taps.iter().map(|(fd, _)| fd));
-        let cgroups = self.confined.cgroups()?;
-        if let Some(cgroups) = cgroups {
-            cgroups
-                .prepare(vm_id, jail::cgroup_limits(spec))
-                .map_err(|source| CloudHvError::Cgroup {
-                    vm_id: vm_id.clone(),
-                    source,
-                })?;
-        }
-        let held = self.fork(vm_id, &args, &own, &files.log, jail.as_ref())?;
-        // Into its cgroups while it is held: it never runs outside them.
-        // (A child not released exits on its own when `held` is dropped.)
-        if let Some(cgroups) = cgroups
-            && let Err(source) = cgroups.enter(vm_id, held.pid)
-        {
-            let pid = held.pid;
-            drop(held);
-            wait_raw(pid);
-            return Err(CloudHvError::Cgroup {
-                vm_id: vm_id.clone(),
-                source,
-            }
-            .into());
-        }
-        let tracked = self.track(vm_id, held)?;
+        let cgroups = timed("cgroups", || self.confined.cgroups())?;
+        let cgroup_err = |source| CloudHvError::Cgroup {
+            vm_id: vm_id.clone(),
+            source,
+        };
+        let entry_files = match cgroups {
+            Some(cgroups) => timed("cgroup", || {
+                cgroups.prepare(vm_id, jail::cgroup_limits(spec))?;
+                cgroups.entry_files(vm_id)
+            })
+            .map_err(cgroup_err)?,
+            None => Vec::new(),
+        };
+        // It moves itself into its cgroups before it execs: it never runs
+        // outside them.
+        let held = timed("fork", || {
+            self.fork(vm_id, &args, &own, &entry_files, &files.log, jail.as_ref())
+        })?;
+        let tracked = timed("track", || self.track(vm_id, held))?;
         // The VMM holds its socket and taps now; the agent's copies must
         // not keep them alive after it exits.
         drop(api);
@@ -197,8 +193,8 @@ impl CloudHypervisor {
         };
         let names = network.reserve(vm_id)?;
         let mac = Mac::underlay(vm_id);
-        let mut taps = vec![(open(&names.underlay)?, mac)];
-        let ip = network.plug(vm_id, mac)?;
+        let mut taps = vec![(timed("tap open", || open(&names.underlay))?, mac)];
+        let ip = timed("plug", || network.plug(vm_id, mac))?;
         log::info!("VM {vm_id}: {ip} on its tap {}", names.underlay);
         if !spec.network.is_empty() {
             let mac = Mac::second_nic(vm_id);
@@ -216,6 +212,7 @@ impl CloudHypervisor {
         vm_id: &Id,
         args: &[std::ffi::OsString],
         own: &[&OwnedFd],
+        cgroups: &[OwnedFd],
         log_path: &std::path::Path,
         jail: Option<&Jail>,
     ) -> Result<Held, BoxFailure> {
@@ -229,7 +226,15 @@ impl CloudHypervisor {
                 path: log_path.to_path_buf(),
                 source,
             })?;
-        fork_held(&self.cfg.hypervisor, args, &OwnedFd::from(log), own, jail).map_err(|source| {
+        fork_held(
+            &self.cfg.hypervisor,
+            args,
+            &OwnedFd::from(log),
+            own,
+            cgroups,
+            jail,
+        )
+        .map_err(|source| {
             CloudHvError::Start {
                 vm_id: vm_id.clone(),
                 program: self.cfg.hypervisor.clone(),
@@ -252,7 +257,7 @@ impl CloudHypervisor {
             let _ = tracked.signal(Signal::SIGKILL);
             wait_raw(pid);
         };
-        if let Err(source) = tracked.write(&pidfile) {
+        if let Err(source) = timed("pidfile", || tracked.write(&pidfile)) {
             end(Some(held));
             return Err(CloudHvError::Pidfile {
                 vm_id: vm_id.clone(),
@@ -316,6 +321,7 @@ impl CloudHypervisor {
         tracked: Tracked,
         deadline: Deadline,
     ) -> Result<(), BoxFailure> {
+        let _span = span("wait running");
         let socket = self.socket_path(vm_id);
         let until = deadline.capped(self.cfg.boot_wait);
         let started = Instant::now();

@@ -1,0 +1,289 @@
+//! `make bench-create`: from a VM added to the desired state to its row
+//! saying it runs, through the whole agent: the engine, the image cache
+//! (the image already cached), the seed, the host key, the record saves,
+//! the host network (underlay, guards, DHCP responder: on, in a private
+//! network namespace) and the cloud-hypervisor backend starting the
+//! stand-in hypervisor, jailed as on a host. Run as root.
+//!
+//! - Singles: `VMS` creates one at a time, each timed from the step that
+//!   names it to its row saying running. The stand-in logs its own time
+//!   from `main` to an API that answers; the rest is the agent's overhead.
+//!   Then the median of every stage of those creates (as the agent logs
+//!   them, see `eitri_agent::stages`).
+//! - Burst: `VMS` more named in one step; creates_per_core_s is VMS over
+//!   the time until the last runs, per core.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use eitri_agent::deadline::Deadline;
+use eitri_agent::hostkey::LocalHostKeys;
+use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
+use eitri_agent::model::{Id, Phase, PowerState, Snapshot, WantedVm};
+use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
+use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
+use eitri_agent::seed::NoCloudSeed;
+use eitri_agent::stages::Stages;
+use eitri_agent::state::Store;
+use eitri_agent::testkit::{Fakes, desired, present, snapshot, tombstoned};
+
+const VMS: usize = 20;
+const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+/// A bound to give up on, not a measurement.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+type Error = Box<dyn std::error::Error>;
+
+struct Bench {
+    dir: tempfile::TempDir,
+    store: Arc<Store>,
+    engine: Engine,
+    base_url: String,
+    base_sha: String,
+    wanted: Vec<WantedVm>,
+    epoch: u64,
+}
+
+impl Bench {
+    fn new() -> Result<Bench, Error> {
+        let dir = tempfile::tempdir()?;
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, b"not really a kernel")?;
+        let base = dir.path().join("base.raw");
+        std::fs::write(&base, vec![0x5a; 1 << 20])?;
+        let base_sha = sha256_file(&base)?;
+        let store = Arc::new(Store::open(&dir.path().join("state"))?);
+        let network = eitri_agent::net::host::HostNetwork::setup(
+            eitri_agent::net::underlay::UnderlayConfig {
+                tap_prefix: format!("ec{:04x}", std::process::id() & 0xffff),
+                ..eitri_agent::testkit::net::underlay_config()
+            },
+            store.root(),
+            vec![],
+            std::collections::HashMap::new(),
+        )
+        .map_err(|e| eitri_agent::error::chain(&*e))?;
+        let cfg = CloudHvConfig {
+            hypervisor: STANDIN.into(),
+            kernel: Some(kernel),
+            firmware: None,
+            cmdline: "console=ttyS0".into(),
+            run_dir: dir.path().join("run"),
+            tap_prefix: format!("ec{:04x}", std::process::id() & 0xffff),
+            boot_wait: Duration::from_secs(10),
+            network: Some(Arc::new(network)),
+            stop: StopTimeouts {
+                power_button: Duration::from_millis(200),
+                vmm_shutdown: Duration::from_millis(200),
+                terminate: Duration::from_millis(200),
+            },
+            confinement: eitri_agent::testkit::confinement(dir.path()),
+        };
+        let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg));
+        let seams = Seams {
+            provisioner: backend as Arc<dyn Provisioner>,
+            images: Arc::new(ImageCache::with(
+                store.images_dir(),
+                &ImageOptions {
+                    file_root: Some(dir.path().to_path_buf()),
+                    ..ImageOptions::default()
+                },
+            )),
+            seed: Arc::new(NoCloudSeed),
+            host_keys: Arc::new(LocalHostKeys),
+            host: Fakes::new().seams().host,
+        };
+        let config = EngineConfig {
+            agent_version: "1.0.0".into(),
+            tombstone_grace: Duration::ZERO,
+            ..EngineConfig::default()
+        };
+        let engine = Engine::new(Arc::clone(&store), seams, config);
+        Ok(Bench {
+            base_url: format!("file://{}", base.display()),
+            dir,
+            store,
+            engine,
+            base_sha,
+            wanted: Vec::new(),
+            epoch: 0,
+        })
+    }
+
+    /// A snapshot of every VM wanted so far plus `names`.
+    fn add(&mut self, names: &[String]) -> Snapshot {
+        for name in names {
+            let mut d = desired(name);
+            d.spec.image_url = self.base_url.clone();
+            d.spec.image_sha256 = self.base_sha.clone();
+            // As a host with SSH certificates runs: a host key per VM.
+            d.host_cert_required = true;
+            d.ssh_host_cert = "ssh-ed25519-cert-v01@openssh.com AAAAbench".into();
+            self.wanted.push(present(d));
+        }
+        self.epoch += 1;
+        snapshot(self.epoch, self.wanted.clone())
+    }
+
+    /// Steps `snap` and waits until every VM in `names` runs; returns when
+    /// the last did, from the step's start.
+    fn create(&self, snap: &Snapshot, names: &[String]) -> Result<Duration, Error> {
+        let started = Instant::now();
+        self.engine.step(snap);
+        let deadline = Deadline::after(PATIENCE);
+        loop {
+            let report = self.engine.published();
+            let running = names.iter().all(|name| {
+                report.vms.iter().any(|r| {
+                    r.vm_id == *name
+                        && r.phase == Some(Phase::Ready)
+                        && r.power == Some(PowerState::Running)
+                })
+            });
+            if running {
+                return Ok(started.elapsed());
+            }
+            if let Some(failed) = report
+                .vms
+                .iter()
+                .find(|r| names.contains(&r.vm_id) && r.phase == Some(Phase::Failed))
+            {
+                return Err(format!("{} failed: {}", failed.vm_id, failed.last_error).into());
+            }
+            if deadline.expired() {
+                return Err("creates did not finish in time".into());
+            }
+            let _ = self
+                .engine
+                .changes()
+                .recv_timeout(Duration::from_millis(100));
+        }
+    }
+
+    /// The stand-in's own time from `main` to an API that answers.
+    fn standin_boot(&self, name: &str) -> Option<Duration> {
+        let log = self.store.hypervisor_log_path(&Id::parse(name).ok()?);
+        let text = std::fs::read_to_string(log).ok()?;
+        let line = text.lines().rev().find(|l| l.contains("standin-timing"))?;
+        let field = |key: &str| -> Option<u64> {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(key))?
+                .parse()
+                .ok()
+        };
+        Some(Duration::from_nanos(
+            field("ready_ns=")?.checked_sub(field("main_ns=")?)?,
+        ))
+    }
+
+    /// Destroys every VM, so no stand-in outlives the bench.
+    fn destroy_all(&mut self) {
+        let ids: Vec<Id> = self.store.load_all().keys().cloned().collect();
+        self.epoch += 1;
+        let gone = snapshot(
+            self.epoch,
+            ids.iter().map(|i| tombstoned(i.as_str())).collect(),
+        );
+        let deadline = Deadline::after(PATIENCE);
+        while !self.store.load_all().is_empty() && !deadline.expired() {
+            self.engine.step(&gone);
+            self.engine.wait_idle(Deadline::after(PATIENCE));
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn percentile(mut values: Vec<f64>, p: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values
+        .get(((values.len() as f64 - 1.0) * p).round() as usize)
+        .copied()
+        .unwrap_or(f64::NAN)
+}
+
+fn main() -> Result<(), Error> {
+    eitri_agent::testkit::net::private_network();
+    let mut bench = Bench::new()?;
+    let traces: Arc<parking_lot::Mutex<Vec<Stages>>> = Arc::default();
+    {
+        let traces = Arc::clone(&traces);
+        bench
+            .engine
+            .watch_creates(move |_, stages| traces.lock().push(stages.clone()));
+    }
+    // The image into the cache, and every lazy first (the KVM grant, the
+    // cgroup parents) out of the way.
+    let warm = vec!["warm".to_owned()];
+    let snap = bench.add(&warm);
+    bench.create(&snap, &warm)?;
+    bench.engine.wait_idle(Deadline::after(PATIENCE));
+    traces.lock().clear();
+
+    let mut agent = Vec::new();
+    let mut standin = Vec::new();
+    let mut overhead = Vec::new();
+    for n in 0..VMS {
+        let names = vec![format!("one-{n:02}")];
+        let snap = bench.add(&names);
+        let took = bench.create(&snap, &names)?;
+        bench.engine.wait_idle(Deadline::after(PATIENCE));
+        let own = bench
+            .standin_boot(&names[0])
+            .ok_or("the stand-in did not log its timing")?;
+        agent.push(ms(took));
+        standin.push(ms(own));
+        overhead.push(ms(took.saturating_sub(own)));
+    }
+    let singles = std::mem::take(&mut *traces.lock());
+
+    let names: Vec<String> = (0..VMS).map(|n| format!("burst-{n:02}")).collect();
+    let snap = bench.add(&names);
+    let burst = bench.create(&snap, &names)?;
+    bench.engine.wait_idle(Deadline::after(PATIENCE));
+    bench.destroy_all();
+
+    // Every stage any single create went through, in the order of the first.
+    let mut order: Vec<&'static str> = Vec::new();
+    for trace in &singles {
+        for mark in &trace.marks {
+            if !order.contains(&mark.stage) {
+                order.push(mark.stage);
+            }
+        }
+    }
+    println!(
+        "stage medians over {} single creates (ms; nested stages are inside their parents):",
+        singles.len()
+    );
+    for stage in order {
+        let values: Vec<f64> = singles.iter().map(|t| ms(t.of(stage))).collect();
+        let count = singles
+            .first()
+            .map_or(0, |t| t.marks.iter().filter(|m| m.stage == stage).count());
+        println!("  {stage:<16} {:>8.3}  (×{count})", percentile(values, 0.5));
+    }
+    println!(
+        "  {:<16} {:>8.3}",
+        "total",
+        percentile(singles.iter().map(|t| ms(t.total)).collect(), 0.5)
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "burst: {VMS} creates in {:.1} ms on {cores} cores",
+        ms(burst)
+    );
+    drop(bench.dir);
+    println!(
+        "bench=create vms={VMS} agent_ms_p50={:.2} standin_boot_ms_p50={:.2} overhead_ms_p50={:.2} overhead_ms_p99={:.2} creates_per_core_s={:.2}",
+        percentile(agent, 0.5),
+        percentile(standin, 0.5),
+        percentile(overhead.clone(), 0.5),
+        percentile(overhead, 0.99),
+        VMS as f64 / burst.as_secs_f64() / cores as f64
+    );
+    Ok(())
+}
