@@ -266,9 +266,18 @@ impl HostNetwork {
     pub fn release(&self, vm_id: &Id, second_mac: Mac) -> Result<(), BoxFailure> {
         self.responders.lock().remove(vm_id);
         self.snoopers.lock().remove(vm_id);
-        if let Some(taps) = self.taps(vm_id) {
-            self.underlay.unguard(&taps.underlay)?;
-            self.underlay.unguard(&taps.site)?;
+        if let Some(ip) = self.addresses.get(vm_id) {
+            let taps = self.taps_of(ip);
+            self.underlay.unguard(&Port {
+                tap: &taps.underlay,
+                mac: Mac::underlay(vm_id),
+                ip: Some(ip),
+            })?;
+            self.underlay.unguard(&Port {
+                tap: &taps.site,
+                mac: second_mac,
+                ip: None,
+            })?;
         }
         self.learned.forget(&second_mac.to_string());
         self.addresses.release(vm_id).map_err(Into::into)
