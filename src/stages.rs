@@ -115,6 +115,14 @@ impl Drop for Recording {
     }
 }
 
+/// Adds to this thread's recording what another thread recorded for it
+/// (work the pass handed to a helper thread), each stage as it was.
+pub fn absorb(stages: &Stages) {
+    for mark in &stages.marks {
+        push(mark.stage, mark.took);
+    }
+}
+
 fn push(stage: &'static str, took: Duration) {
     MARKS.with(|m| {
         if let Some(marks) = m.borrow_mut().as_mut() {
@@ -190,6 +198,23 @@ mod tests {
         let stages = recording.finish();
 
         assert!(stages.marks.is_empty());
+    }
+
+    #[test]
+    fn a_helper_threads_stages_are_absorbed_into_the_pass() {
+        let recording = record();
+
+        let helper = std::thread::spawn(|| {
+            let inner = record();
+            timed("helper", || ());
+            inner.finish()
+        })
+        .join()
+        .expect("the thread ran");
+        absorb(&helper);
+        let stages = recording.finish();
+
+        assert_eq!(names(&stages), ["helper"]);
     }
 
     #[test]

@@ -1307,6 +1307,38 @@ fn an_agent_restart_serves_the_adopted_vms_network_again() {
 }
 
 #[test]
+fn a_vm_whose_tap_cannot_join_its_network_fails_and_leaves_no_hypervisor() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    // A named network whose bridge is gone: the second tap's join fails,
+    // on the plug's own thread, while the VMM starts.
+    let network = eitri_agent::net::host::HostNetwork::setup(
+        underlay(),
+        h.store.root(),
+        vec![],
+        std::collections::HashMap::from([("site".to_owned(), "etnobridge".to_owned())]),
+    )
+    .expect("network");
+    h.cfg.network = Some(Arc::new(network));
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    let mut spec = h.spec("vm-1");
+    spec.network = "site".into();
+
+    let err = h
+        .backend
+        .boot(&spec, Deadline::NONE)
+        .expect_err("no bridge");
+
+    assert!(err.to_string().contains("etnobridge"), "{err}");
+    let pid = h.pid("vm-1").expect("a VMM was started");
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the VMM of a failed plug still runs"
+    );
+    assert!(!h.backend.running(&id("vm-1")));
+}
+
+#[test]
 fn with_networking_off_a_vm_gets_no_nic() {
     let h = Host::new(&[]);
 

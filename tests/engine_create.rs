@@ -283,6 +283,19 @@ fn certificate_and_host_key_reach_the_seed() {
 }
 
 #[test]
+fn a_create_with_a_certificate_records_its_host_key_even_when_it_fails() {
+    let h = Harness::new();
+    h.fakes.fail(Op::PrepareRootDisk, "vm-1", "disk busy");
+
+    h.tick(&cert_vm("ssh-ed25519-cert-v01@openssh.com AAAAcert"));
+
+    let rec = h.record("vm-1");
+    assert_eq!(rec.create_attempts, 1);
+    assert!(rec.host_pubkey.starts_with("ssh-ed25519 "), "{rec:?}");
+    assert_eq!(rec.host_pubkey, h.row("vm-1").ssh_host_pubkey);
+}
+
+#[test]
 fn same_host_key_after_an_engine_restart() {
     let h = Harness::new();
     h.tick(&cert_vm(""));

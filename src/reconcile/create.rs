@@ -8,8 +8,9 @@
 //!    the lifecycle says one is due: a failed one waits out its backoff, a
 //!    budget spent on transient errors waits for its re-arm, a permanent
 //!    error waits for a new spec (see `lifecycle`).
-//! 2. With `host_cert_required`, the host key is loaded or made and its
-//!    public line saved first, then the pass waits for the certificate.
+//! 2. With `host_cert_required`, the host key is loaded or made; without a
+//!    certificate yet, its public line is saved and the pass waits for one
+//!    (with one, the attempt's save in 4 records the line).
 //! 3. Admission against the host caps. A refusal spends no attempt.
 //! 4. The attempt is counted and saved **before** any side effect, so a
 //!    crash mid-create still counts against the budget.
@@ -104,7 +105,12 @@ impl Core {
             };
             if rec.host_pubkey != key.public_line {
                 rec.host_pubkey = key.public_line.clone();
-                if let Err(e) = self.store.save(&rec) {
+                // Saved here only when the pass stops here to wait for the
+                // certificate; otherwise the attempt's own save, before any
+                // side effect, carries it (one fsync pair fewer per create).
+                if d.ssh_host_cert.is_empty()
+                    && let Err(e) = self.store.save(&rec)
+                {
                     return attempt.fail(rec, e.into(), res);
                 }
             }

@@ -115,6 +115,10 @@ pub enum CloudHvError {
         vm_id: Id,
         source: io::Error,
     },
+    /// The thread joining the VM's taps to the host's networks panicked.
+    PlugPanicked {
+        vm_id: Id,
+    },
     /// The new VMM exited before its API said Running.
     ExitedDuringBoot {
         vm_id: Id,
@@ -218,6 +222,10 @@ impl fmt::Display for CloudHvError {
             E::Reaper { vm_id, .. } => {
                 write!(f, "VM {vm_id}: cannot start the thread that reaps its hypervisor")
             }
+            E::PlugPanicked { vm_id } => write!(
+                f,
+                "VM {vm_id}: joining its taps to the host's networks failed inside the agent (a bug: see the agent's log); the hypervisor was stopped"
+            ),
             E::ExitedDuringBoot { reason, .. } => {
                 write!(f, "the hypervisor exited during boot: {reason}")
             }
@@ -270,6 +278,7 @@ impl std::error::Error for CloudHvError {
             | E::NetworkNotServed { .. }
             | E::ExitedDuringBoot { .. }
             | E::BootTimeout { .. }
+            | E::PlugPanicked { .. }
             | E::SurvivedKill { .. } => None,
         }
     }
@@ -303,6 +312,7 @@ impl Failure for CloudHvError {
             | E::Start { .. }
             | E::Pidfile { .. }
             | E::Reaper { .. }
+            | E::PlugPanicked { .. }
             | E::ExitedDuringBoot { .. }
             | E::BootTimeout { .. }
             | E::Kill { .. }

@@ -59,6 +59,7 @@ use super::{ExitListener, Provisioner, Say};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
+use crate::stages;
 use crate::state::Store;
 
 /// The oldest cloud-hypervisor this backend drives.
@@ -452,12 +453,65 @@ impl Provisioner for CloudHypervisor {
         .map_err(Into::into)
     }
 
+    /// Opens the VM's taps, then joins them to the host's networks on a
+    /// thread of its own while the VMM is forked, released and awaited:
+    /// neither waits for the other (a create's plug is nft, `ip` and a
+    /// packet socket: 5 ms, as long as the rest of the boot). A guest's
+    /// first frames meet the guard's fail-closed rule, never an open port,
+    /// and Running is said only once both are done; a plug that fails
+    /// kills the VMM it was for.
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
-        if crate::stages::timed("find", || self.find(&spec.vm_id)).is_some() {
+        let vm_id = &spec.vm_id;
+        if stages::timed("find", || self.find(vm_id)).is_some() {
             return Ok(());
         }
-        let tracked = self.spawn(spec)?;
-        self.await_running(&spec.vm_id, tracked, deadline)
+        let taps = stages::timed("tap open", || self.open_nics(spec))?;
+        let plug = || {
+            let recording = stages::record();
+            let plugged = stages::timed("plug", || self.plug_nics(spec));
+            (plugged, recording.finish())
+        };
+        std::thread::scope(|scope| {
+            let plugging = std::thread::Builder::new()
+                .name(format!("plug-{vm_id}"))
+                .stack_size(256 * 1024)
+                .spawn_scoped(scope, plug);
+            let plugging = match plugging {
+                Ok(thread) => Some(thread),
+                Err(e) => {
+                    log::warn!(
+                        "VM {vm_id}: cannot start a thread to plug its taps ({e}); plugging them first"
+                    );
+                    let (plugged, took) = plug();
+                    stages::absorb(&took);
+                    plugged?;
+                    None
+                }
+            };
+            let booted = self.spawn(spec, taps).and_then(|tracked| {
+                self.await_running(vm_id, tracked, deadline)
+                    .map(|()| tracked)
+            });
+            let plugged = match plugging.map(|t| t.join()) {
+                None => Ok(()),
+                Some(Ok((plugged, took))) => {
+                    stages::absorb(&took);
+                    plugged
+                }
+                Some(Err(_)) => Err(CloudHvError::PlugPanicked {
+                    vm_id: vm_id.clone(),
+                }
+                .into()),
+            };
+            match (booted, plugged) {
+                (Ok(_), Ok(())) => Ok(()),
+                (Ok(tracked), Err(e)) => {
+                    self.kill(tracked);
+                    Err(e)
+                }
+                (Err(e), _) => Err(e),
+            }
+        })
     }
 
     fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {

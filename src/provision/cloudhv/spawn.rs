@@ -2,8 +2,9 @@
 //! 1. Its directory, and its API socket, bound by the agent (a stale one of
 //!    a VMM that died replaced) and passed in as a listening fd.
 //! 2. Its NICs: taps opened on /dev/net/tun (not persistent: a tap lives
-//!    exactly as long as a process holds it) and joined to the host's
-//!    networks.
+//!    exactly as long as a process holds it), and joined to the host's
+//!    networks on a thread of their own while the steps below run (see
+//!    [`CloudHypervisor::boot`](super::CloudHypervisor)).
 //! 3. Its jail (see [`jail`](super::jail)): its own user id, its files made
 //!    its own, the KVM device open to its group, its limits.
 //! 4. Its command line, from [`argv`] (pure).
@@ -37,13 +38,17 @@ use crate::provision::{Piece, Provisioner};
 use crate::stages::{span, timed};
 
 impl CloudHypervisor {
-    /// Starts the VM's VMM (see the module steps) and returns it, tracked.
-    pub(super) fn spawn(&self, spec: &VmSpec) -> Result<Tracked, BoxFailure> {
+    /// Starts the VM's VMM (see the module steps) on its opened `taps`
+    /// and returns it, tracked.
+    pub(super) fn spawn(
+        &self,
+        spec: &VmSpec,
+        taps: Vec<(OwnedFd, Mac)>,
+    ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
         timed("vm dir", || self.make_vm_dir(vm_id))?;
         let files = self.files(spec);
         let api = timed("api socket", || self.bind_api(vm_id))?;
-        let taps = timed("nics", || self.prepare_nics(spec))?;
         // The API socket first, then the taps, from FIRST_OWN_FD.
         let nics: Vec<Nic> = taps
             .iter()
@@ -164,12 +169,13 @@ impl CloudHypervisor {
         }
     }
 
-    /// Opens the VM's taps and joins them to the host's networks: the
-    /// underlay NIC; a second NIC on the named host network the spec asks
-    /// for, its address learned from the site's own DHCP. With networking
-    /// off a VM gets no NIC at all: a tap joined to nothing would only be a
-    /// link for the guest to write into.
-    fn prepare_nics(&self, spec: &VmSpec) -> Result<Vec<(OwnedFd, Mac)>, BoxFailure> {
+    /// Opens the VM's taps (joined to the host's networks by
+    /// [`CloudHypervisor::plug_nics`]): the underlay NIC; a second NIC on
+    /// the named host network the spec asks for, its address learned from
+    /// the site's own DHCP. With networking off a VM gets no NIC at all: a
+    /// tap joined to nothing would only be a link for the guest to write
+    /// into.
+    pub(super) fn open_nics(&self, spec: &VmSpec) -> Result<Vec<(OwnedFd, Mac)>, BoxFailure> {
         let vm_id = &spec.vm_id;
         let not_served = || CloudHvError::NetworkNotServed {
             vm_id: vm_id.clone(),
@@ -192,16 +198,30 @@ impl CloudHypervisor {
             })
         };
         let names = network.reserve(vm_id)?;
-        let mac = Mac::underlay(vm_id);
-        let mut taps = vec![(timed("tap open", || open(&names.underlay))?, mac)];
-        let ip = timed("plug", || network.plug(vm_id, mac))?;
-        log::info!("VM {vm_id}: {ip} on its tap {}", names.underlay);
+        let mut taps = vec![(open(&names.underlay)?, Mac::underlay(vm_id))];
         if !spec.network.is_empty() {
-            let mac = Mac::second_nic(vm_id);
-            taps.push((open(&names.site)?, mac));
-            network.plug_named(vm_id, &spec.network, &names.site, mac)?;
+            taps.push((open(&names.site)?, Mac::second_nic(vm_id)));
         }
         Ok(taps)
+    }
+
+    /// Joins the VM's open taps to the host's networks: the underlay one
+    /// guarded, on the bridge, with its DHCP responder; the second one
+    /// guarded on the named network's bridge, its lease learned.
+    pub(super) fn plug_nics(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        let Some(network) = &self.cfg.network else {
+            return Ok(());
+        };
+        let ip = network.plug(vm_id, Mac::underlay(vm_id))?;
+        let Some(names) = network.taps(vm_id) else {
+            return Ok(());
+        };
+        log::info!("VM {vm_id}: {ip} on its tap {}", names.underlay);
+        if !spec.network.is_empty() {
+            network.plug_named(vm_id, &spec.network, &names.site, Mac::second_nic(vm_id))?;
+        }
+        Ok(())
     }
 
     /// Forks the VMM, held before exec (see the module steps): in its own
