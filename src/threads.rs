@@ -123,6 +123,64 @@ impl Wakeup {
     }
 }
 
+/// Runs `side` on a helper thread named `name` while `main` runs on this
+/// one, and returns both results once both are done: `side`'s as `Err`
+/// with its panic's message if it panicked. What `side` timed (see
+/// [`crate::stages`]) joins this thread's recording. If no thread can be
+/// started, `side` runs here first: slower, never lost.
+pub fn alongside<A: Send, B>(
+    name: &str,
+    side: impl FnOnce() -> A + Send,
+    main: impl FnOnce() -> B,
+) -> (Result<A, String>, B) {
+    let side = parking_lot::Mutex::new(Some(side));
+    // Whoever calls this first runs `side`; the other finds it taken.
+    let run_side = &|| {
+        let side = side.lock().take()?;
+        let recording = crate::stages::record();
+        let out = side();
+        Some((out, recording.finish()))
+    };
+    std::thread::scope(|scope| {
+        let helper = std::thread::Builder::new()
+            .name(name.to_owned())
+            .stack_size(256 * 1024)
+            .spawn_scoped(scope, run_side);
+        let inline = match &helper {
+            Ok(_) => None,
+            Err(e) => {
+                log::warn!("cannot start the thread {name} ({e}); running its work first");
+                run_side()
+            }
+        };
+        let main = main();
+        let side = match (inline, helper) {
+            (Some(done), _) => Ok(done),
+            (None, Ok(helper)) => helper
+                .join()
+                .map_err(|payload| panic_message(payload.as_ref()))
+                .and_then(|done| done.ok_or_else(|| "its work never ran".to_owned())),
+            (None, Err(_)) => Err("its work never ran".to_owned()),
+        };
+        let side = side.map(|(out, stages)| {
+            crate::stages::absorb(&stages);
+            out
+        });
+        (side, main)
+    })
+}
+
+/// What a panic said, from its payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "no message".to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -163,5 +221,29 @@ mod tests {
 
         assert!(woken);
         assert!(!readable(&w));
+    }
+
+    #[test]
+    fn alongside_returns_both_and_the_sides_stages_join_this_thread() {
+        let recording = crate::stages::record();
+
+        let (side, main) = alongside("test-side", || crate::stages::timed("side", || 1), || 2);
+        let stages = recording.finish();
+
+        assert_eq!((side, main), (Ok(1), 2));
+        assert_eq!(stages.marks.len(), 1);
+        assert_eq!(stages.marks[0].stage, "side");
+    }
+
+    #[test]
+    fn a_side_that_panics_is_an_error_and_main_still_runs() {
+        let (side, main): (Result<(), String>, _) = alongside(
+            "test-side",
+            || panic!("test: the side failed"),
+            || "main ran",
+        );
+
+        assert_eq!(side, Err("test: the side failed".to_owned()));
+        assert_eq!(main, "main ran");
     }
 }

@@ -94,6 +94,28 @@ fn an_attached_port_is_isolated() {
     .into_owned();
     assert!(detail.contains("master etbr0"), "{detail}");
     assert!(detail.contains("isolated on"), "{detail}");
+    assert!(detail.contains(",UP"), "{detail}");
+}
+
+#[test]
+fn a_port_that_cannot_join_names_the_ip_command_it_stands_for() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+
+    let err = underlay
+        .attach(&Port {
+            tap: "etgone0",
+            mac: Mac::parse("02:e1:00:00:00:01").expect("mac"),
+            ip: Some(Ipv4Addr::new(100, 77, 0, 9)),
+        })
+        .expect_err("no such link");
+
+    assert!(
+        err.to_string()
+            .contains("ip link set dev etgone0 master etbr0 up"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("etgone0"), "{err}");
 }
 
 /// Guest A's address, as the agent would allocate it.

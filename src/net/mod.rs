@@ -13,6 +13,8 @@ pub mod dhcp;
 #[cfg(target_os = "linux")]
 pub mod host;
 #[cfg(target_os = "linux")]
+pub mod netlink;
+#[cfg(target_os = "linux")]
 pub mod packet;
 #[cfg(target_os = "linux")]
 pub mod snoop;

@@ -44,7 +44,10 @@
 //!
 //! This shells out to iproute2 and nft/iptables, the tools every host has
 //! and an operator can read back; netlink by hand would hide the same
-//! operations in a few hundred lines of message building.
+//! operations in a few hundred lines of message building. One exception:
+//! a tap joining the bridge, on every create's path, is two rtnetlink
+//! messages (see [`netlink`](super::netlink)) that stand for two `ip`
+//! commands and are named as them in errors.
 
 use std::fmt;
 #[cfg(target_os = "linux")]
@@ -247,12 +250,11 @@ impl Underlay {
     /// Guards `port`, then makes it an isolated, up port of the bridge.
     pub fn attach(&self, port: &Port<'_>) -> Result<(), NetError> {
         self.guard(port)?;
-        run(
-            "ip",
-            &["-batch", "-"],
-            Some(&attach_batch(port.tap, &self.cfg.bridge)),
-        )
-        .map(drop)
+        let _span = crate::stages::span("netlink");
+        super::netlink::join_isolated(port.tap, &self.cfg.bridge).map_err(|e| NetError {
+            what: e.command,
+            detail: e.source.to_string(),
+        })
     }
 
     /// Holds `port` to its MAC (and address), in one transaction. Nothing to do without nft (said at setup).
@@ -426,16 +428,6 @@ fn port_elements(table: &str, port: &Port<'_>) -> Vec<String> {
         elements.push(format!("bridge {t} underlay {{ \"{tap}\" }}"));
     }
     elements
-}
-
-/// The `ip -batch` commands that put `tap` on `bridge`, isolated from the
-/// bridge's other isolated ports (guests never reach each other on it),
-/// and up: one fork for what took three.
-pub fn attach_batch(tap: &str, bridge: &str) -> String {
-    format!(
-        "link set dev {tap} master {bridge} up\n\
-         link set dev {tap} type bridge_slave isolated on\n"
-    )
 }
 
 #[cfg(target_os = "linux")]

@@ -15,7 +15,8 @@
 //! 4. The attempt is counted and saved **before** any side effect, so a
 //!    crash mid-create still counts against the budget.
 //! 5. Preflight, a create slot (bounded by the deadline), the image, the root
-//!    disk, the seed, and (when desired running) the volumes check and boot.
+//!    disk and the seed (side by side), and (when desired running) the
+//!    volumes check and boot.
 //! 6. Success writes the boot id, the create's completion witness.
 //!
 //! A failure before the deadline spends the attempt; a permanent one spends
@@ -32,12 +33,13 @@ use super::seams::{Progress, SeedParams};
 use super::volumes;
 use super::workers::Publisher;
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, chain};
+use crate::error::{BoxFailure, Simple, chain};
 use crate::model::{DesiredVm, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
 use crate::state::Record;
 
-/// The span of a create attempt: a pass with one is logged with its stages.
+/// The span of a counted create attempt, from its saved count to its end: a
+/// pass with one is logged with all its stages (those before it too).
 pub(crate) const CREATE_STAGE: &str = "create";
 
 impl Core {
@@ -93,7 +95,6 @@ impl Core {
             counted: false,
         };
 
-        let _create = span(CREATE_STAGE);
         let mut host_key = None;
         if d.host_cert_required {
             let key = match timed("host key", || {
@@ -140,6 +141,7 @@ impl Core {
             return attempt.fail(before, e.into(), res);
         }
         attempt.counted = true;
+        let _create = span(CREATE_STAGE);
         self.counts.create_attempts.inc();
         crate::crash::point("create.attempt-saved");
 
@@ -185,17 +187,8 @@ impl Core {
             Err(e) => return attempt.fail(rec, e, res),
         };
 
-        narrator.say("preparing root disk");
-        if let Err(e) = timed("root disk", || {
-            self.prov.prepare_root_disk(&rec.spec, &base, deadline)
-        }) {
-            return attempt.fail(rec, e, res);
-        }
-        crate::crash::point("create.disk-prepared");
-
         // The guest learns its address from the host network by DHCP; no
         // address is baked into the seed.
-        narrator.say("building the cloud-init seed");
         let params = SeedParams {
             hostname: d.spec.name.clone(),
             instance_id: vm_id.to_string(),
@@ -215,9 +208,30 @@ impl Core {
                 Mac::second_nic(vm_id).to_string()
             },
         };
-        if let Err(e) = timed("seed", || {
-            self.seed.build(&self.store.seed_path(vm_id), &params)
-        }) {
+        // Neither needs the other: the seed is built on a helper thread
+        // while the root disk is prepared (each mostly waits on its fsyncs).
+        narrator.say("preparing the root disk and the cloud-init seed");
+        let seed_path = self.store.seed_path(vm_id);
+        let (seeded, disk) = crate::threads::alongside(
+            &format!("seed-{vm_id}"),
+            || timed("seed", || self.seed.build(&seed_path, &params)),
+            || {
+                timed("root disk", || {
+                    self.prov.prepare_root_disk(&rec.spec, &base, deadline)
+                })
+            },
+        );
+        if let Err(e) = disk {
+            return attempt.fail(rec, e, res);
+        }
+        crate::crash::point("create.disk-prepared");
+        let seeded = seeded.unwrap_or_else(|why| {
+            Err(Simple::transient(format!(
+                "internal error: building the seed panicked ({why}); retried next attempt"
+            ))
+            .into())
+        });
+        if let Err(e) = seeded {
             return attempt.fail(rec, e, res);
         }
         crate::crash::point("create.seed-built");

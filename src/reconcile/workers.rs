@@ -460,7 +460,11 @@ impl Workers {
         if batch.is_empty() {
             return;
         }
+        // A chunk's worth is rung here: as few wakes as the router would
+        // make at once, without the router's own wake in between (a
+        // create's dispatch is then one thread hop, not two).
         let undelivered = match &self.ringer {
+            Some(_) if batch.len() <= RING_CHUNK => Some(batch),
             Some(ringer) => ringer.batches.send(batch).err().map(|e| e.into_inner()),
             None => Some(batch),
         };
@@ -680,7 +684,7 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
             core.reconcile_one(vm_id, &assignment, Some(&publisher))
         }))
         .unwrap_or_else(|payload| {
-            let what = panic_message(payload.as_ref());
+            let what = crate::threads::panic_message(payload.as_ref());
             log::error!("VM {vm_id}: reconcile pass panicked: {what}");
             PassOutcome::Done(VmResult::failed_unobserved(
                 vm_id,
@@ -699,16 +703,6 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
         }
         shared.end_pass(generation, outcome);
         core.timed_pass(vm_id, recording.finish());
-    }
-}
-
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "no message".to_owned()
     }
 }
 

@@ -466,52 +466,31 @@ impl Provisioner for CloudHypervisor {
             return Ok(());
         }
         let taps = stages::timed("tap open", || self.open_nics(spec))?;
-        let plug = || {
-            let recording = stages::record();
-            let plugged = stages::timed("plug", || self.plug_nics(spec));
-            (plugged, recording.finish())
-        };
-        std::thread::scope(|scope| {
-            let plugging = std::thread::Builder::new()
-                .name(format!("plug-{vm_id}"))
-                .stack_size(256 * 1024)
-                .spawn_scoped(scope, plug);
-            let plugging = match plugging {
-                Ok(thread) => Some(thread),
-                Err(e) => {
-                    log::warn!(
-                        "VM {vm_id}: cannot start a thread to plug its taps ({e}); plugging them first"
-                    );
-                    let (plugged, took) = plug();
-                    stages::absorb(&took);
-                    plugged?;
-                    None
-                }
-            };
-            let booted = self.spawn(spec, taps).and_then(|tracked| {
-                self.await_running(vm_id, tracked, deadline)
-                    .map(|()| tracked)
-            });
-            let plugged = match plugging.map(|t| t.join()) {
-                None => Ok(()),
-                Some(Ok((plugged, took))) => {
-                    stages::absorb(&took);
-                    plugged
-                }
-                Some(Err(_)) => Err(CloudHvError::PlugPanicked {
-                    vm_id: vm_id.clone(),
-                }
-                .into()),
-            };
-            match (booted, plugged) {
-                (Ok(_), Ok(())) => Ok(()),
-                (Ok(tracked), Err(e)) => {
-                    self.kill(tracked);
-                    Err(e)
-                }
-                (Err(e), _) => Err(e),
+        let (plugged, booted) = crate::threads::alongside(
+            &format!("plug-{vm_id}"),
+            || stages::timed("plug", || self.plug_nics(spec)),
+            || {
+                self.spawn(spec, taps).and_then(|tracked| {
+                    self.await_running(vm_id, tracked, deadline)
+                        .map(|()| tracked)
+                })
+            },
+        );
+        let plugged = plugged.unwrap_or_else(|why| {
+            log::error!("VM {vm_id}: plugging its taps panicked: {why}");
+            Err(CloudHvError::PlugPanicked {
+                vm_id: vm_id.clone(),
             }
-        })
+            .into())
+        });
+        match (booted, plugged) {
+            (Ok(_), Ok(())) => Ok(()),
+            (Ok(tracked), Err(e)) => {
+                self.kill(tracked);
+                Err(e)
+            }
+            (Err(e), _) => Err(e),
+        }
     }
 
     fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
