@@ -719,3 +719,23 @@ fn a_guests_router_advertisement_gives_the_host_no_route() {
         ) >= 1
     );
 }
+
+#[test]
+fn guard_elements_made_by_netlink_read_back_as_nft_writes_them() {
+    private_network();
+    let _underlay = Underlay::setup(underlay_config()).expect("setup");
+    let port = Port {
+        tap: "etnl0",
+        mac: Mac::parse("02:e1:00:00:00:2a").expect("mac"),
+        ip: Some(Ipv4Addr::new(100, 77, 0, 42)),
+    };
+
+    eitri_agent::net::nftables::add("eitri_test", &port).expect("added by netlink");
+
+    let listed = nft_table_bridge();
+    assert!(listed.contains("\"etnl0\" . 02:e1:00:00:00:2a"), "{listed}");
+    assert!(listed.contains("\"etnl0\" . 100.77.0.42"), "{listed}");
+    eitri_agent::net::nftables::remove("eitri_test", &port).expect("removed by netlink");
+    eitri_agent::net::nftables::remove("eitri_test", &port).expect("absent is no error");
+    assert!(!nft_table_bridge().contains("etnl0"));
+}

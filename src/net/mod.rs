@@ -15,6 +15,8 @@ pub mod host;
 #[cfg(target_os = "linux")]
 pub mod netlink;
 #[cfg(target_os = "linux")]
+pub mod nftables;
+#[cfg(target_os = "linux")]
 pub mod packet;
 #[cfg(target_os = "linux")]
 pub mod snoop;

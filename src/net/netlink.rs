@@ -23,7 +23,7 @@ pub const JOIN: [&str; 2] = [
 const RTM_NEWLINK: u16 = 16;
 const NLMSG_ERROR: u16 = 2;
 const NLM_F_REQUEST: u16 = 0x1;
-const NLM_F_ACK: u16 = 0x4;
+pub(super) const NLM_F_ACK: u16 = 0x4;
 const NLA_F_NESTED: u16 = 0x8000;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;
@@ -33,6 +33,7 @@ const IFLA_BRPORT_ISOLATED: u16 = 33;
 const IFF_UP: u32 = 0x1;
 /// `struct nlmsghdr` and `struct ifinfomsg`.
 const HEADER: usize = 16;
+#[cfg(test)]
 const IFINFO: usize = 16;
 
 /// A link change that failed: the `ip` command it stands for, and why.
@@ -51,7 +52,7 @@ pub fn join_isolated(tap: &str, bridge: &str) -> Result<(), LinkError> {
             source,
         }
     };
-    let socket = Socket::open().map_err(fail(0))?;
+    let socket = Socket::open(libc::NETLINK_ROUTE).map_err(fail(0))?;
     let (tap_index, bridge_index) = (
         index(tap).map_err(fail(0))?,
         index(bridge).map_err(fail(0))?,
@@ -84,28 +85,40 @@ fn index(name: &str) -> io::Result<i32> {
     }
 }
 
-/// One rtnetlink request, built in place.
-struct Message(Vec<u8>);
+/// One netlink request, built in place.
+pub(super) struct Message(Vec<u8>);
 
 impl Message {
-    /// RTM_NEWLINK on an existing link (no create flag: it only changes).
-    fn link(seq: u32, index: i32, flags: u32, change: u32) -> Message {
-        let mut bytes = Vec::with_capacity(HEADER + IFINFO + 64);
-        bytes.extend_from_slice(&0u32.to_ne_bytes()); // length, set by finish
-        bytes.extend_from_slice(&RTM_NEWLINK.to_ne_bytes());
-        bytes.extend_from_slice(&(NLM_F_REQUEST | NLM_F_ACK).to_ne_bytes());
+    /// A request of `kind` with `flags` (NLM_F_REQUEST is added); its
+    /// length is set by [`Message::finish`].
+    pub(super) fn new(kind: u16, flags: u16, seq: u32) -> Message {
+        let mut bytes = Vec::with_capacity(HEADER + 128);
+        bytes.extend_from_slice(&0u32.to_ne_bytes());
+        bytes.extend_from_slice(&kind.to_ne_bytes());
+        bytes.extend_from_slice(&(NLM_F_REQUEST | flags).to_ne_bytes());
         bytes.extend_from_slice(&seq.to_ne_bytes());
         bytes.extend_from_slice(&0u32.to_ne_bytes()); // port id: the kernel's
-        // struct ifinfomsg: family (unspecified), padding, type, index,
-        // flags, change mask.
-        bytes.extend_from_slice(&[0, 0, 0, 0]);
-        bytes.extend_from_slice(&index.to_ne_bytes());
-        bytes.extend_from_slice(&flags.to_ne_bytes());
-        bytes.extend_from_slice(&change.to_ne_bytes());
         Message(bytes)
     }
 
-    fn attr(&mut self, kind: u16, data: &[u8]) {
+    /// RTM_NEWLINK on an existing link (no create flag: it only changes).
+    fn link(seq: u32, index: i32, flags: u32, change: u32) -> Message {
+        let mut m = Message::new(RTM_NEWLINK, NLM_F_ACK, seq);
+        // struct ifinfomsg: family (unspecified), padding, type, index,
+        // flags, change mask.
+        m.raw(&[0, 0, 0, 0]);
+        m.raw(&index.to_ne_bytes());
+        m.raw(&flags.to_ne_bytes());
+        m.raw(&change.to_ne_bytes());
+        m
+    }
+
+    /// Bytes as they are (a family header).
+    pub(super) fn raw(&mut self, bytes: &[u8]) {
+        self.0.extend_from_slice(bytes);
+    }
+
+    pub(super) fn attr(&mut self, kind: u16, data: &[u8]) {
         let len = 4 + data.len();
         self.0.extend_from_slice(&(len as u16).to_ne_bytes());
         self.0.extend_from_slice(&kind.to_ne_bytes());
@@ -114,7 +127,7 @@ impl Message {
     }
 
     /// Opens a nested attribute; [`Message::end`] closes it.
-    fn begin(&mut self, kind: u16) -> usize {
+    pub(super) fn begin(&mut self, kind: u16) -> usize {
         let at = self.0.len();
         self.0.extend_from_slice(&0u16.to_ne_bytes());
         self.0
@@ -122,7 +135,7 @@ impl Message {
         at
     }
 
-    fn end(&mut self, at: usize) {
+    pub(super) fn end(&mut self, at: usize) {
         let len = (self.0.len() - at) as u16;
         self.0[at..at + 2].copy_from_slice(&len.to_ne_bytes());
     }
@@ -133,23 +146,24 @@ impl Message {
         }
     }
 
-    fn finish(mut self) -> Vec<u8> {
+    pub(super) fn finish(mut self) -> Vec<u8> {
         let len = self.0.len() as u32;
         self.0[..4].copy_from_slice(&len.to_ne_bytes());
         self.0
     }
 }
 
-struct Socket(OwnedFd);
+pub(super) struct Socket(OwnedFd);
 
 impl Socket {
-    fn open() -> io::Result<Socket> {
+    /// A netlink socket of `protocol` (NETLINK_ROUTE, NETLINK_NETFILTER).
+    pub(super) fn open(protocol: libc::c_int) -> io::Result<Socket> {
         // SAFETY: plain socket(2); the result is checked before use.
         let fd = unsafe {
             libc::socket(
                 libc::AF_NETLINK,
                 libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-                libc::NETLINK_ROUTE,
+                protocol,
             )
         };
         if fd < 0 {
@@ -182,12 +196,19 @@ impl Socket {
     /// Sends `request` and waits for the kernel's acknowledgement of it.
     fn ask(&self, request: &[u8]) -> io::Result<()> {
         let seq = u32::from_ne_bytes([request[8], request[9], request[10], request[11]]);
-        // SAFETY: `request` is valid for reads of its length.
+        self.ask_all(request, &[seq])
+    }
+
+    /// Sends `datagram` (one request, or a batch of them) and waits until
+    /// the kernel has acknowledged each of `seqs`; its first refusal is the
+    /// error.
+    pub(super) fn ask_all(&self, datagram: &[u8], seqs: &[u32]) -> io::Result<()> {
+        // SAFETY: `datagram` is valid for reads of its length.
         let sent = unsafe {
             libc::send(
                 self.0.as_raw_fd(),
-                request.as_ptr().cast(),
-                request.len(),
+                datagram.as_ptr().cast(),
+                datagram.len(),
                 0,
             )
         };
@@ -195,17 +216,26 @@ impl Socket {
             return Err(io::Error::last_os_error());
         }
         let mut buf = [0u8; 8192];
-        loop {
+        let mut waiting: Vec<u32> = seqs.to_vec();
+        while !waiting.is_empty() {
             // SAFETY: `buf` is valid for writes of its length.
             let n =
                 unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
             if n < 0 {
                 return Err(io::Error::last_os_error());
             }
-            if let Some(answer) = acknowledgement(&buf[..n as usize], seq) {
-                return answer;
+            let answers = &buf[..n as usize];
+            let mut acknowledged = Vec::new();
+            for seq in &waiting {
+                match acknowledgement(answers, *seq) {
+                    Some(Ok(())) => acknowledged.push(*seq),
+                    Some(Err(e)) => return Err(e),
+                    None => {}
+                }
             }
+            waiting.retain(|s| !acknowledged.contains(s));
         }
+        Ok(())
     }
 }
 

@@ -262,12 +262,11 @@ impl Underlay {
         if !self.nat.guards() {
             return Ok(());
         }
-        run(
-            "nft",
-            &["-f", "-"],
-            Some(&port_ruleset(&self.cfg.table, port)),
+        let _span = crate::stages::span("nft guard");
+        self.by_netlink_or_nft(
+            || super::nftables::add(&self.cfg.table, port),
+            || port_ruleset(&self.cfg.table, port),
         )
-        .map(drop)
     }
 
     /// Removes `port`'s guard, in one transaction (absent is fine).
@@ -275,12 +274,27 @@ impl Underlay {
         if !self.nat.guards() {
             return Ok(());
         }
-        run(
-            "nft",
-            &["-f", "-"],
-            Some(&unport_ruleset(&self.cfg.table, port)),
+        self.by_netlink_or_nft(
+            || super::nftables::remove(&self.cfg.table, port),
+            || unport_ruleset(&self.cfg.table, port),
         )
-        .map(drop)
+    }
+
+    /// A guard change by netlink (see [`nftables`](super::nftables)); if
+    /// the kernel refuses it, the same change as `nft` text, whose error is
+    /// the one an operator can read.
+    fn by_netlink_or_nft(
+        &self,
+        netlink: impl FnOnce() -> std::io::Result<()>,
+        text: impl FnOnce() -> String,
+    ) -> Result<(), NetError> {
+        match netlink() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                log::debug!("a guard change by netlink failed ({e}); running it with nft");
+                run("nft", &["-f", "-"], Some(&text())).map(drop)
+            }
+        }
     }
 }
 
