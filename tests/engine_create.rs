@@ -323,11 +323,11 @@ fn create_narrates_each_stage_in_order() {
         ),
         (
             h.fakes.block(Op::PrepareRootDisk, "vm-1"),
-            "preparing the root disk and the cloud-init seed",
+            "preparing root disk",
         ),
         (
             h.fakes.block(Op::Seed, "vm-1"),
-            "preparing the root disk and the cloud-init seed",
+            "building the cloud-init seed",
         ),
         (h.fakes.block(Op::Boot, "vm-1"), "booting"),
     ];

@@ -15,8 +15,7 @@
 //! 4. The attempt is counted and saved **before** any side effect, so a
 //!    crash mid-create still counts against the budget.
 //! 5. Preflight, a create slot (bounded by the deadline), the image, the root
-//!    disk and the seed (side by side), and (when desired running) the
-//!    volumes check and boot.
+//!    disk, the seed, and (when desired running) the volumes check and boot.
 //! 6. Success writes the boot id, the create's completion witness.
 //!
 //! A failure before the deadline spends the attempt; a permanent one spends
@@ -33,7 +32,7 @@ use super::seams::{Progress, SeedParams};
 use super::volumes;
 use super::workers::Publisher;
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, Simple, chain};
+use crate::error::{BoxFailure, chain};
 use crate::model::{DesiredVm, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
 use crate::state::Record;
@@ -208,30 +207,18 @@ impl Core {
                 Mac::second_nic(vm_id).to_string()
             },
         };
-        // Neither needs the other: the seed is built on a helper thread
-        // while the root disk is prepared (each mostly waits on its fsyncs).
-        narrator.say("preparing the root disk and the cloud-init seed");
-        let seed_path = self.store.seed_path(vm_id);
-        let (seeded, disk) = crate::threads::alongside(
-            &format!("seed-{vm_id}"),
-            || timed("seed", || self.seed.build(&seed_path, &params)),
-            || {
-                timed("root disk", || {
-                    self.prov.prepare_root_disk(&rec.spec, &base, deadline)
-                })
-            },
-        );
-        if let Err(e) = disk {
+        narrator.say("preparing root disk");
+        if let Err(e) = timed("root disk", || {
+            self.prov.prepare_root_disk(&rec.spec, &base, deadline)
+        }) {
             return attempt.fail(rec, e, res);
         }
         crate::crash::point("create.disk-prepared");
-        let seeded = seeded.unwrap_or_else(|why| {
-            Err(Simple::transient(format!(
-                "internal error: building the seed panicked ({why}); retried next attempt"
-            ))
-            .into())
-        });
-        if let Err(e) = seeded {
+
+        narrator.say("building the cloud-init seed");
+        if let Err(e) = timed("seed", || {
+            self.seed.build(&self.store.seed_path(vm_id), &params)
+        }) {
             return attempt.fail(rec, e, res);
         }
         crate::crash::point("create.seed-built");

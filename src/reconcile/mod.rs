@@ -129,27 +129,28 @@ pub struct Engine {
 
 /// The inputs of a full delivery. A step with the very same desired VMs
 /// (the same shared entries, not equal copies: a pointer compare per VM),
-/// the same refused ids and the same records (one shared map, replaced on
-/// every save) would deliver to every worker exactly what it already has:
+/// the same refused ids and the same records (the store's change count)
+/// would deliver to every worker exactly what it already has:
 /// it gives each its newest assignment again instead, and skips building
 /// and comparing ten thousand assignments.
 struct Dispatched {
     vms: Vec<WantedVm>,
     rejected: Vec<String>,
-    records: Arc<BTreeMap<Id, RecordSlot>>,
+    /// The records' change count (see [`Store::load_all_counted`]).
+    records: u64,
 }
 
 impl Dispatched {
-    fn of(snap: &Snapshot, records: &Arc<BTreeMap<Id, RecordSlot>>) -> Dispatched {
+    fn of(snap: &Snapshot, records: u64) -> Dispatched {
         Dispatched {
             vms: snap.vms.clone(),
             rejected: snap.rejected_vms.iter().map(|r| r.raw_id.clone()).collect(),
-            records: Arc::clone(records),
+            records,
         }
     }
 
-    fn matches(&self, snap: &Snapshot, records: &Arc<BTreeMap<Id, RecordSlot>>) -> bool {
-        Arc::ptr_eq(&self.records, records)
+    fn matches(&self, snap: &Snapshot, records: u64) -> bool {
+        self.records == records
             && self.vms.len() == snap.vms.len()
             && self.rejected.len() == snap.rejected_vms.len()
             && self.vms.iter().zip(&snap.vms).all(|pair| match pair {
@@ -325,7 +326,7 @@ impl Engine {
         store.reread_unreadable();
         // One record read serves the tick: dispatch slices it, and the
         // destroy ack is computed against it, before this tick's passes run.
-        let records = store.load_all();
+        let (generation, records) = store.load_all_counted();
         let volumes = volumes::converge(store, snap, &records);
         self.volumes.lock().clone_from(&volumes);
         let claimed = claimed_ids(snap);
@@ -336,7 +337,7 @@ impl Engine {
             .dispatched
             .lock()
             .as_ref()
-            .is_some_and(|d| d.matches(snap, &records));
+            .is_some_and(|d| d.matches(snap, generation));
         if !(same && workers.redeliver_all()) {
             let assignments = assignments(snap, &records, &claimed);
             for (vm_id, assignment) in &assignments {
@@ -354,7 +355,7 @@ impl Engine {
                 .chain(claimed.iter().copied())
                 .collect();
             workers.retire_absent(&keep);
-            *self.dispatched.lock() = Some(Dispatched::of(snap, &records));
+            *self.dispatched.lock() = Some(Dispatched::of(snap, generation));
         }
         let report = self.aggregate(snap, &workers, &records, volumes, &claimed);
         // Last, so the wakes and the passes they start cost this step nothing.

@@ -34,7 +34,7 @@ pub struct Store {
     /// Copy-on-write: readers take the current map for the price of an
     /// `Arc` clone, and a save copies it only while a reader still holds
     /// the old one.
-    records: RwLock<Arc<BTreeMap<Id, RecordSlot>>>,
+    records: RwLock<Records>,
     /// How many slots are unreadable: the step asks every tick, and the
     /// answer is almost always none.
     unreadable: AtomicUsize,
@@ -113,7 +113,10 @@ impl Store {
             _lock: lock,
             epoch: Mutex::new(epoch),
             unreadable: AtomicUsize::new(count_unreadable(&records)),
-            records: RwLock::new(Arc::new(records)),
+            records: RwLock::new(Records {
+                map: Arc::new(records),
+                generation: 0,
+            }),
         })
     }
 
@@ -145,7 +148,16 @@ impl Store {
     /// Every record, from memory: a consistent view that later saves do
     /// not change.
     pub fn load_all(&self) -> Arc<BTreeMap<Id, RecordSlot>> {
-        Arc::clone(&self.records.read())
+        Arc::clone(&self.records.read().map)
+    }
+
+    /// Every record, with the count of changes made to them: two loads
+    /// with the same count hold the same records. What compares records
+    /// across steps keeps the count, not the map (a held map would make
+    /// every save copy it whole).
+    pub fn load_all_counted(&self) -> (u64, Arc<BTreeMap<Id, RecordSlot>>) {
+        let records = self.records.read();
+        (records.generation, Arc::clone(&records.map))
     }
 
     /// Reads again, from disk, the records that were unreadable, and only
@@ -159,6 +171,7 @@ impl Store {
         let unreadable: Vec<Id> = self
             .records
             .read()
+            .map
             .iter()
             .filter(|(_, slot)| matches!(slot, RecordSlot::Unreadable(_)))
             .map(|(id, _)| id.clone())
@@ -171,7 +184,7 @@ impl Store {
                 Err(e) => Some(RecordSlot::Unreadable(e.to_string().into())),
             };
             let mut records = self.records.write();
-            let map = Arc::make_mut(&mut records);
+            let map = records.change();
             match now {
                 Some(RecordSlot::Readable(rec)) => {
                     map.insert(vm_id.clone(), RecordSlot::Readable(rec));
@@ -186,7 +199,7 @@ impl Store {
                 }
             }
         }
-        let left = count_unreadable(&self.records.read());
+        let left = count_unreadable(&self.records.read().map);
         self.unreadable.store(left, Ordering::Relaxed);
         repaired
     }
@@ -194,7 +207,7 @@ impl Store {
     /// One VM's record: `Ok(None)` when there is none, `Err` when there is
     /// one that cannot be read.
     pub fn get(&self, vm_id: &Id) -> Result<Option<Arc<Record>>, StoreError> {
-        match self.records.read().get(vm_id) {
+        match self.records.read().map.get(vm_id) {
             None => Ok(None),
             Some(RecordSlot::Readable(rec)) => Ok(Some(Arc::clone(rec))),
             Some(RecordSlot::Unreadable(problem)) => Err(StoreError::UnreadableRecord {
@@ -233,7 +246,10 @@ impl Store {
         })?;
         let path = self.record_path(vm_id);
         write_atomic(&path, &bytes).map_err(write_err(path.clone()))?;
-        let was = Arc::make_mut(&mut self.records.write())
+        let was = self
+            .records
+            .write()
+            .change()
             .insert(vm_id.clone(), RecordSlot::Readable(Arc::new(rec.clone())));
         if matches!(was, Some(RecordSlot::Unreadable(_))) {
             self.unreadable.fetch_sub(1, Ordering::Relaxed);
@@ -268,7 +284,7 @@ impl Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(delete_err(e)),
         }
-        let was = Arc::make_mut(&mut self.records.write()).remove(vm_id);
+        let was = self.records.write().change().remove(vm_id);
         if matches!(was, Some(RecordSlot::Unreadable(_))) {
             self.unreadable.fetch_sub(1, Ordering::Relaxed);
         }
@@ -395,6 +411,20 @@ fn sweep(root: &Path) -> Swept {
         }
     }
     swept
+}
+
+/// The records, and how many times they have changed.
+struct Records {
+    map: Arc<BTreeMap<Id, RecordSlot>>,
+    generation: u64,
+}
+
+impl Records {
+    /// The map, to change (copied first if a reader holds it), counted.
+    fn change(&mut self) -> &mut BTreeMap<Id, RecordSlot> {
+        self.generation += 1;
+        Arc::make_mut(&mut self.map)
+    }
 }
 
 fn count_unreadable(records: &BTreeMap<Id, RecordSlot>) -> usize {

@@ -13,7 +13,8 @@
 //!   Then the median of every stage of those creates (as the agent logs
 //!   them, see `eitri_agent::stages`).
 //! - Burst: `VMS` more named in one step; creates_per_core_s is VMS over
-//!   the time until the last runs, per core.
+//!   the time until the last runs, per core. `EITRI_BENCH_SLOTS` sets the
+//!   create slots (default: the engine's).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,6 +37,11 @@ const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
 const PATIENCE: Duration = Duration::from_secs(60);
 
 type Error = Box<dyn std::error::Error>;
+
+/// Create slots: `EITRI_BENCH_SLOTS`, else the engine's default.
+fn slots() -> Option<usize> {
+    std::env::var("EITRI_BENCH_SLOTS").ok()?.parse().ok()
+}
 
 struct Bench {
     dir: tempfile::TempDir,
@@ -98,10 +104,12 @@ impl Bench {
             host_keys: Arc::new(LocalHostKeys),
             host: Fakes::new().seams().host,
         };
+        let defaults = EngineConfig::default();
         let config = EngineConfig {
             agent_version: "1.0.0".into(),
             tombstone_grace: Duration::ZERO,
-            ..EngineConfig::default()
+            max_concurrent_creates: slots().unwrap_or(defaults.max_concurrent_creates),
+            ..defaults
         };
         let engine = Engine::new(Arc::clone(&store), seams, config);
         Ok(Bench {
@@ -304,8 +312,9 @@ fn main() -> Result<(), Error> {
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "burst: {VMS} creates in {:.1} ms on {cores} cores",
-        ms(burst)
+        "burst: {VMS} creates in {:.1} ms on {cores} cores, {} create slots",
+        ms(burst),
+        slots().map_or("default".to_owned(), |n| n.to_string())
     );
     drop(bench.dir);
     println!(
