@@ -338,8 +338,7 @@ impl Engine {
             .lock()
             .as_ref()
             .is_some_and(|d| d.matches(snap, generation));
-        if !(same && workers.redeliver_all(std::time::Instant::now())) {
-            workers.full_delivery_begins();
+        if !(same && workers.redeliver_all()) {
             let assignments = assignments(snap, &records, &claimed);
             for (vm_id, assignment) in &assignments {
                 let initial = || {
