@@ -14,6 +14,8 @@ use std::time::Duration;
 
 use nix::libc;
 
+use super::packet::ifindex;
+
 /// What [`join_isolated`] does, as `ip` commands (`{tap}`, `{bridge}`).
 pub const JOIN: [&str; 2] = [
     "ip link set dev {tap} master {bridge} up",
@@ -54,8 +56,8 @@ pub fn join_isolated(tap: &str, bridge: &str) -> Result<(), LinkError> {
     };
     let socket = Socket::open(libc::NETLINK_ROUTE).map_err(fail(0))?;
     let (tap_index, bridge_index) = (
-        index(tap).map_err(fail(0))?,
-        index(bridge).map_err(fail(0))?,
+        ifindex(tap).map_err(fail(0))?,
+        ifindex(bridge).map_err(fail(0))?,
     );
 
     let mut up = Message::link(1, tap_index, IFF_UP, IFF_UP);
@@ -70,19 +72,6 @@ pub fn join_isolated(tap: &str, bridge: &str) -> Result<(), LinkError> {
     isolated.end(data);
     isolated.end(info);
     socket.ask(&isolated.finish()).map_err(fail(1))
-}
-
-fn index(name: &str) -> io::Result<i32> {
-    let c = std::ffi::CString::new(name)
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "interface name has a NUL"))?;
-    // SAFETY: `c` is a valid NUL-terminated string for the call.
-    match unsafe { libc::if_nametoindex(c.as_ptr()) } {
-        0 => Err(io::Error::new(
-            io::ErrorKind::NotFound,
-            format!("no interface named {name}"),
-        )),
-        n => i32::try_from(n).map_err(|_| io::Error::other("interface index out of range")),
-    }
 }
 
 /// One netlink request, built in place.

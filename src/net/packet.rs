@@ -122,7 +122,8 @@ pub fn arp_frame(
     f
 }
 
-fn ifindex(name: &str) -> io::Result<i32> {
+/// The interface's index in this process's network namespace.
+pub(super) fn ifindex(name: &str) -> io::Result<i32> {
     let c = CString::new(name)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "interface name has a NUL"))?;
     // SAFETY: `c` is a valid NUL-terminated string for the call.
