@@ -35,6 +35,8 @@ const CONVERGE: Duration = Duration::from_secs(30);
 /// agent's tick (200 ms), so a restarted agent that undoes what it found at
 /// its first tick is caught.
 const STEADY: Duration = Duration::from_millis(300);
+/// How much of the agents' log a violation carries.
+const LOG_LINES: usize = 60;
 
 pub struct Summary {
     pub points: usize,
@@ -168,7 +170,7 @@ impl Host {
                 "5s",
             ])
             .env_clear()
-            .env("EITRI_LOG", "warn")
+            .env("EITRI_LOG", log_level())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(
@@ -414,6 +416,14 @@ impl Host {
         }
     }
 
+    /// The agents' log: its last `lines` lines, for a violation's message
+    /// (the host's directory goes with the test).
+    fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
     /// Stops the agent; what the whole run left wrong: temp files, and
     /// reads of `report.json` that did not parse.
     fn finish(&mut self) -> Vec<String> {
@@ -546,10 +556,27 @@ fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
         Err(p) => p,
     };
     problems.extend(host.finish());
-    problems
+    with_log(&host, problems)
         .into_iter()
         .map(|p| format!("{point}: {p}"))
         .collect()
+}
+
+/// `problems`, and when there are any, the agents' last log lines.
+fn with_log(host: &Host, mut problems: Vec<String>) -> Vec<String> {
+    if !problems.is_empty() {
+        problems.push(format!(
+            "the agents' log ends:\n{}",
+            host.log_tail(LOG_LINES)
+        ));
+    }
+    problems
+}
+
+/// The agents' log level: warnings, unless `EITRI_CHAOS_LOG` says (e.g.
+/// `debug`, to find out why a violation happened).
+fn log_level() -> String {
+    std::env::var("EITRI_CHAOS_LOG").unwrap_or_else(|_| "warn".into())
 }
 
 /// A random desired state of up to five VMs and a volume, which may grow
@@ -604,21 +631,32 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
         }
     }
     problems.extend(host.finish());
-    problems
+    with_log(&host, problems)
 }
 
 /// Every crash point, then `kills` random kills.
 pub fn run(kills: usize) -> Summary {
     let mut converge_s = Vec::new();
     let mut violations = Vec::new();
-    for (point, _) in eitri_agent::crash::POINTS {
+    // `EITRI_CHAOS_POINT` runs only the points it names (comma-separated):
+    // for chasing one violation.
+    let only = std::env::var("EITRI_CHAOS_POINT").ok();
+    let chosen: Vec<&str> = eitri_agent::crash::POINTS
+        .iter()
+        .map(|(point, _)| *point)
+        .filter(|point| {
+            only.as_ref()
+                .is_none_or(|o| o.split(',').any(|x| x == *point))
+        })
+        .collect();
+    for point in &chosen {
         violations.extend(run_point(point, &mut converge_s));
     }
     violations.extend(random_kills(kills, 0x000c_4a05, &mut converge_s));
     converge_s.sort_by(f64::total_cmp);
     Summary {
         points: eitri_agent::crash::POINTS.len(),
-        point_runs: eitri_agent::crash::POINTS.len(),
+        point_runs: chosen.len(),
         random_kills: kills,
         violations,
         converge_s,
