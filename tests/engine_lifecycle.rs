@@ -567,6 +567,45 @@ fn worker_survives_its_pass_panicking() {
     assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
 }
 
+/// Threads of this process named `name`.
+fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("tasks")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|n| n.trim() == name)
+        .count()
+}
+
+#[test]
+fn a_worker_whose_loop_ended_between_rechecks_is_started_again() {
+    // A create watch runs after the pass, outside its guard: one that
+    // panics ends the worker's loop. This one waits first, so the loop ends
+    // once the engine has settled into steps that only ask every worker to
+    // look again (the snapshot and the records unchanged).
+    let h = Harness::new();
+    let (release, wait) = crossbeam_channel::bounded::<()>(0);
+    h.engine.watch_creates(move |_, _| {
+        let _ = wait.recv();
+        panic!("test: the create watch failed");
+    });
+    let snap = running("vm-1");
+    h.tick(&snap);
+    h.engine.step(&snap);
+    h.engine.step(&snap);
+    drop(release);
+    let until = std::time::Instant::now() + SETTLE;
+    while threads_named("vm-vm-1") > 0 && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(threads_named("vm-vm-1"), 0, "the worker's loop did not end");
+    h.fakes.forget_calls();
+
+    h.tick(&snap);
+
+    assert_eq!(threads_named("vm-vm-1"), 1);
+    assert!(h.fakes.count(|c| *c == Call::Running(id("vm-1"))) > 0);
+}
+
 #[test]
 fn worker_that_cannot_start_fails_only_its_vm() {
     // A stack no host can map: the thread cannot be spawned, its channel is

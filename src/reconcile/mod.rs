@@ -338,7 +338,8 @@ impl Engine {
             .lock()
             .as_ref()
             .is_some_and(|d| d.matches(snap, generation));
-        if !(same && workers.redeliver_all()) {
+        if !(same && workers.redeliver_all(std::time::Instant::now())) {
+            workers.full_delivery_begins();
             let assignments = assignments(snap, &records, &claimed);
             for (vm_id, assignment) in &assignments {
                 let initial = || {

@@ -46,6 +46,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -310,9 +311,29 @@ pub(crate) struct Workers {
     /// Doorbells of the assignments written this step, rung by
     /// [`Workers::ring`].
     to_ring: Vec<Bell>,
+    /// Every live worker's doorbell, made once for as long as the workers
+    /// stay the same (`None`: to be made again). A tick's re-check hands it
+    /// to the router whole, instead of a copy of ten thousand doorbells.
+    roster: Option<Arc<Vec<Bell>>>,
+    /// A re-check of every worker asked this step, as of its instant.
+    recheck: Option<(Arc<Vec<Bell>>, Instant)>,
+    /// How many worker loops have ended, and how many had when the last
+    /// full delivery began: a worker that died since makes the next step a
+    /// full delivery, which starts it again.
+    ended: Arc<AtomicUsize>,
+    ended_seen: usize,
     ringer: Option<Ringer>,
     pokes: Arc<Pokes>,
     changed: Sender<()>,
+}
+
+/// What the router rings.
+enum Rings {
+    /// The workers delivered to.
+    These(Vec<Bell>),
+    /// Every worker, each asked first (as of the instant) to run its last
+    /// assignment again.
+    Recheck(Arc<Vec<Bell>>, Instant),
 }
 
 /// A worker's doorbell, with what tells whether it took its mailbox.
@@ -330,14 +351,25 @@ const RING_CHUNK: usize = 16;
 /// anyway (a worker stuck behind a lock must not hold the rest back).
 const CHUNK_WAIT: Duration = Duration::from_millis(20);
 
-/// Rings `batch` a chunk at a time (see [`RING_CHUNK`]).
-fn ring_in_chunks(batch: Vec<Bell>) {
-    for chunk in batch.chunks(RING_CHUNK) {
-        for (bell, _) in chunk {
-            // Full: already ringing. Disconnected: the worker is gone,
-            // which the next delivery notices and repairs.
-            let _ = bell.try_send(());
+/// Rings `bells` at once; with `recheck`, asks each worker first to run its
+/// last assignment again (one that never had one is not rung).
+fn ring_now(bells: &[Bell], recheck: Option<Instant>) {
+    for (bell, shared) in bells {
+        if let Some(now) = recheck
+            && !shared.mailbox.lock().again(now)
+        {
+            continue;
         }
+        // Full: already ringing. Disconnected: the worker is gone, which
+        // the next delivery notices and repairs.
+        let _ = bell.try_send(());
+    }
+}
+
+/// Rings `bells` a chunk at a time (see [`RING_CHUNK`]).
+fn ring_in_chunks(bells: &[Bell], recheck: Option<Instant>) {
+    for chunk in bells.chunks(RING_CHUNK) {
+        ring_now(chunk, recheck);
         let started = Instant::now();
         while started.elapsed() < CHUNK_WAIT
             && chunk
@@ -351,24 +383,39 @@ fn ring_in_chunks(batch: Vec<Bell>) {
 
 /// The `router` thread: rings batches of doorbells off the step's thread.
 struct Ringer {
-    batches: Sender<Vec<Bell>>,
+    batches: Sender<Rings>,
+    /// Batches handed to the router and not yet rung through: a re-check
+    /// not yet asked of every worker is work the engine has not done.
+    pending: Arc<AtomicUsize>,
     thread: JoinHandle<()>,
 }
 
 impl Workers {
     /// `changed` is the engine's change doorbell (see step 7).
     pub(crate) fn new(stack_bytes: usize, changed: Sender<()>) -> Workers {
-        let (batches, rx) = crossbeam_channel::unbounded::<Vec<Bell>>();
-        let ringer = std::thread::Builder::new()
-            .name("router".into())
-            .stack_size(stack_bytes)
-            .spawn(move || {
-                for batch in rx {
-                    ring_in_chunks(batch);
-                }
-            });
+        let (batches, rx) = crossbeam_channel::unbounded::<Rings>();
+        let pending = Arc::new(AtomicUsize::new(0));
+        let ringer = {
+            let pending = Arc::clone(&pending);
+            std::thread::Builder::new()
+                .name("router".into())
+                .stack_size(stack_bytes)
+                .spawn(move || {
+                    for rings in rx {
+                        match rings {
+                            Rings::These(bells) => ring_in_chunks(&bells, None),
+                            Rings::Recheck(bells, now) => ring_in_chunks(&bells, Some(now)),
+                        }
+                        pending.fetch_sub(1, Ordering::Release);
+                    }
+                })
+        };
         let ringer = match ringer {
-            Ok(thread) => Some(Ringer { batches, thread }),
+            Ok(thread) => Some(Ringer {
+                batches,
+                pending,
+                thread,
+            }),
             Err(e) => {
                 log::warn!("cannot start the router thread ({e}); steps ring doorbells themselves");
                 None
@@ -379,6 +426,10 @@ impl Workers {
             retiring: HashMap::new(),
             stack_bytes,
             to_ring: Vec::new(),
+            roster: None,
+            recheck: None,
+            ended: Arc::new(AtomicUsize::new(0)),
+            ended_seen: 0,
             ringer,
             pokes: Arc::new(Pokes::default()),
             changed,
@@ -412,6 +463,7 @@ impl Workers {
                 let predecessor = self.retiring.remove(vm_id);
                 let handle = self.spawn(vm_id, core, initial(), predecessor);
                 self.live.insert(vm_id.clone(), handle);
+                self.roster = None;
             }
             Some(true) => self.restart(vm_id, core),
             Some(false) => {}
@@ -428,48 +480,84 @@ impl Workers {
         }
     }
 
+    /// A full delivery begins: a worker that dies from now on is seen by
+    /// the next [`Workers::redeliver_all`].
+    pub(crate) fn full_delivery_begins(&mut self) {
+        self.ended_seen = self.ended.load(Ordering::Acquire);
+    }
+
     /// Asks every worker to run its newest assignment again, for the level
     /// trigger of a step whose snapshot and records are the ones of the
     /// step before (what a full delivery would write is what each worker
-    /// already has). Returns false when a worker's thread is gone: the full
-    /// delivery the caller then makes replaces it (and supersedes what this
-    /// asked of the others).
-    pub(crate) fn redeliver_all(&mut self) -> bool {
-        self.to_ring.reserve(self.live.len());
-        let now = Instant::now();
-        for handle in self.live.values() {
-            let Some(mut mailbox) = handle.thread.as_ref().map(|_| handle.shared.mailbox.lock())
-            else {
-                return false;
-            };
-            if mailbox.ended {
-                return false;
-            }
-            if mailbox.again(now) {
-                drop(mailbox);
-                self.to_ring
-                    .push((handle.doorbell.clone(), Arc::clone(&handle.shared)));
-            }
+    /// already has). The asking is the router's, a chunk at a time; the
+    /// step only hands it the roster. Returns false when a worker's thread
+    /// is gone or never started: the full delivery the caller then makes
+    /// replaces it.
+    pub(crate) fn redeliver_all(&mut self, now: Instant) -> bool {
+        if self.ended.load(Ordering::Acquire) != self.ended_seen {
+            return false;
         }
+        let roster = match &self.roster {
+            Some(roster) => Arc::clone(roster),
+            None => {
+                if self.live.values().any(|h| h.thread.is_none()) {
+                    return false;
+                }
+                let roster: Arc<Vec<Bell>> = Arc::new(
+                    self.live
+                        .values()
+                        .map(|h| (h.doorbell.clone(), Arc::clone(&h.shared)))
+                        .collect(),
+                );
+                self.roster = Some(Arc::clone(&roster));
+                roster
+            }
+        };
+        self.recheck = Some((roster, now));
         true
     }
 
-    /// Wakes every worker that was delivered to since the last ring.
+    /// Wakes every worker delivered to since the last ring, and every one
+    /// a re-check was asked of.
     pub(crate) fn ring(&mut self) {
         let batch = std::mem::take(&mut self.to_ring);
-        if batch.is_empty() {
-            return;
-        }
+        let recheck = self.recheck.take();
         // A chunk's worth is rung here: as few wakes as the router would
         // make at once, without the router's own wake in between (a
         // create's dispatch is then one thread hop, not two).
+        let inline = |n: usize| self.ringer.is_none() || n <= RING_CHUNK;
+        if !batch.is_empty() {
+            if inline(batch.len()) {
+                ring_now(&batch, None);
+            } else {
+                self.send(Rings::These(batch));
+            }
+        }
+        if let Some((roster, now)) = recheck {
+            if inline(roster.len()) {
+                ring_now(&roster, Some(now));
+            } else {
+                self.send(Rings::Recheck(roster, now));
+            }
+        }
+    }
+
+    /// Hands `rings` to the router; rings them here if it is gone.
+    fn send(&self, rings: Rings) {
         let undelivered = match &self.ringer {
-            Some(_) if batch.len() <= RING_CHUNK => Some(batch),
-            Some(ringer) => ringer.batches.send(batch).err().map(|e| e.into_inner()),
-            None => Some(batch),
+            Some(ringer) => {
+                ringer.pending.fetch_add(1, Ordering::AcqRel);
+                ringer.batches.send(rings).err().map(|e| {
+                    ringer.pending.fetch_sub(1, Ordering::AcqRel);
+                    e.into_inner()
+                })
+            }
+            None => Some(rings),
         };
-        for (bell, _) in undelivered.into_iter().flatten() {
-            let _ = bell.try_send(());
+        match undelivered {
+            Some(Rings::These(bells)) => ring_now(&bells, None),
+            Some(Rings::Recheck(bells, now)) => ring_now(&bells, Some(now)),
+            None => {}
         }
     }
 
@@ -485,6 +573,7 @@ impl Workers {
         }
         let new = self.spawn(vm_id, core, last, predecessor);
         self.live.insert(vm_id.clone(), new);
+        self.roster = None;
     }
 
     fn spawn(
@@ -498,7 +587,7 @@ impl Workers {
             vm_id,
             core,
             self.stack_bytes,
-            self.changed.clone(),
+            (self.changed.clone(), Arc::clone(&self.ended)),
             initial,
             predecessor,
         );
@@ -516,6 +605,7 @@ impl Workers {
             .collect();
         for id in gone {
             self.pokes.remove(&id);
+            self.roster = None;
             if let Some(handle) = self.live.remove(&id) {
                 // Emptied first: a ring still buffered must find nothing
                 // to run. Then dropping `handle.doorbell` is the stop signal.
@@ -560,7 +650,11 @@ impl Workers {
     }
 
     pub(crate) fn is_idle(&self) -> bool {
-        self.live.values().all(|h| h.shared.is_idle())
+        let routing = self
+            .ringer
+            .as_ref()
+            .is_some_and(|r| r.pending.load(Ordering::Acquire) > 0);
+        !routing && self.live.values().all(|h| h.shared.is_idle())
     }
 
     /// Stops every worker: no new passes start, and each thread is joined if
@@ -577,6 +671,8 @@ impl Workers {
             drop(ringer.batches);
             let _ = ringer.thread.join();
         }
+        self.roster = None;
+        self.recheck = None;
         let handles: Vec<_> = std::mem::take(&mut self.live).into_iter().collect();
         for (id, handle) in handles {
             handle.shared.mailbox.lock().clear();
@@ -605,14 +701,16 @@ impl Workers {
     }
 }
 
+/// `told`: the engine's change doorbell, and the count of ended loops.
 fn spawn(
     vm_id: &Id,
     core: &Arc<Core>,
     stack_bytes: usize,
-    changed: Sender<()>,
+    told: (Sender<()>, Arc<AtomicUsize>),
     initial: Option<VmResult>,
     predecessor: Option<JoinHandle<()>>,
 ) -> WorkerHandle {
+    let (changed, ended) = told;
     let (doorbell, rings) = bounded(1);
     let shared = Arc::new(WorkerShared::new(changed, initial));
     let thread = {
@@ -623,7 +721,7 @@ fn spawn(
             .spawn(move || {
                 // One pass per VM: the retired worker ends its pass first.
                 // Said however the loop ends, a panic included.
-                let _ended = Ended(&shared);
+                let _ended = Ended(&shared, &ended);
                 if let Some(predecessor) = predecessor {
                     let _ = predecessor.join();
                 }
@@ -649,12 +747,13 @@ fn spawn(
     }
 }
 
-/// Marks the worker's mailbox ended when dropped.
-struct Ended<'a>(&'a WorkerShared);
+/// Marks the worker's mailbox ended, and counts it, when dropped.
+struct Ended<'a>(&'a WorkerShared, &'a AtomicUsize);
 
 impl Drop for Ended<'_> {
     fn drop(&mut self) {
         self.0.mailbox.lock().ended = true;
+        self.1.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -812,14 +911,17 @@ mod tests {
         let shared = Arc::new(shared());
         let inside = Arc::clone(&shared);
 
+        let count = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&count);
         let ended = std::thread::spawn(move || {
-            let _ended = Ended(&inside);
+            let _ended = Ended(&inside, &counted);
             panic!("test: the loop itself failed");
         })
         .join();
 
         assert!(ended.is_err());
         assert!(shared.mailbox.lock().ended);
+        assert_eq!(count.load(Ordering::Acquire), 1);
     }
 
     #[test]
