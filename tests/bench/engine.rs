@@ -52,6 +52,41 @@ fn rss_mb() -> f64 {
     kb / 1024.0
 }
 
+/// Resident memory by kind, in MB: (worker stacks, the main heap, every
+/// other anonymous mapping: the threads' malloc arenas, mostly). A stack is
+/// an anonymous mapping of the workers' stack size, give or take a page.
+fn rss_by_kind(stack_bytes: u64) -> (f64, f64, f64) {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let (mut stacks, mut heap, mut other) = (0u64, 0u64, 0u64);
+    let mut kind = 0;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or("");
+        if let Some((from, to)) = first.split_once('-')
+            && let (Ok(from), Ok(to)) = (u64::from_str_radix(from, 16), u64::from_str_radix(to, 16))
+        {
+            let path = line.split_whitespace().nth(5);
+            let size = to - from;
+            kind = match path {
+                Some("[heap]") => 1,
+                Some(_) => 3,
+                None if size.abs_diff(stack_bytes) <= 8192 => 0,
+                None => 2,
+            };
+        } else if first == "Rss:" {
+            let kb: u64 = words.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+            match kind {
+                0 => stacks += kb,
+                1 => heap += kb,
+                2 => other += kb,
+                _ => {}
+            }
+        }
+    }
+    let mb = |kb: u64| kb as f64 / 1024.0;
+    (mb(stacks), mb(heap), mb(other))
+}
+
 fn engine(dir: &std::path::Path, fakes: &Arc<Fakes>) -> Result<Engine, Box<dyn std::error::Error>> {
     let store = Arc::new(Store::open(dir)?);
     Ok(Engine::new(store, fakes.seams(), config()))
@@ -107,6 +142,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     fast.step(&snap);
     fast.wait_idle(forever());
     let rss = rss_mb();
+    let (stacks, heap, arenas) = rss_by_kind(EngineConfig::default().worker_stack_bytes as u64);
     let mut steps: Vec<Duration> = Vec::with_capacity(STEPS);
     for _ in 0..STEPS {
         let start = Instant::now();
@@ -130,6 +166,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ideal.as_secs_f64() * 1e3,
         pct(0.5),
         pct(0.99)
+    );
+    println!(
+        "rss by kind: worker stacks {stacks:.1} MB, main heap {heap:.1} MB, other anonymous (thread arenas) {arenas:.1} MB"
     );
     println!(
         "bench=engine vms={vms} step_p50_us={:.0} step_p99_us={:.0} rss_mb={rss:.1} converge_ms={:.0} converge_ideal_ms={:.0} converge_ratio={:.3} converge_calibrated_ratio={:.3}",
