@@ -567,6 +567,40 @@ fn worker_survives_its_pass_panicking() {
     assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
 }
 
+#[test]
+fn two_steps_with_no_row_changed_hand_out_one_list() {
+    let h = created("vm-1");
+    let snap = running("vm-1");
+    h.tick(&snap);
+
+    let first = h.tick(&snap);
+    let second = h.tick(&snap);
+
+    assert!(first.vms.same_list(&second.vms));
+}
+
+#[test]
+fn a_row_a_recheck_changed_is_in_the_next_steps_report() {
+    let h = created("vm-1");
+    let snap = running("vm-1");
+    h.tick(&snap);
+    h.tick(&snap);
+    h.fakes.set_addresses(&id("vm-1"), "10.0.0.9", "192.0.2.9");
+    h.tick(&snap);
+
+    let report = h.engine.step(&snap);
+
+    let row = report
+        .vms
+        .iter()
+        .find(|r| r.vm_id == "vm-1")
+        .expect("a row");
+    assert_eq!(
+        (row.ip.as_str(), row.network_ip.as_str()),
+        ("10.0.0.9", "192.0.2.9")
+    );
+}
+
 /// Threads of this process named `name`.
 fn threads_named(name: &str) -> usize {
     std::fs::read_dir("/proc/self/task")

@@ -127,7 +127,8 @@ fn report_round_trips_every_field() {
                 phase: Some(Phase::Failed),
                 ..Default::default()
             }),
-        ],
+        ]
+        .into(),
         quarantined: vec![QuarantinedVm {
             vm_id: Id::parse("vm-q").unwrap(),
             name: "q".into(),
@@ -156,7 +157,8 @@ fn no_observation_is_an_empty_power_string() {
             vm_id: "vm-1".into(),
             power: None,
             ..Default::default()
-        })],
+        })]
+        .into(),
         ..Default::default()
     });
 

@@ -12,7 +12,7 @@ mod spec;
 
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
-pub use report::{QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus};
+pub use report::{QuarantinedVm, Report, Rows, VmStatus, VolumeState, VolumeStatus};
 pub use spec::{
     DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,
     WantedVm, WantedVolume, is_hostname,

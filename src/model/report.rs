@@ -9,12 +9,66 @@ use super::{Id, Phase, PowerState};
 pub struct Report {
     pub last_seen_epoch: u64,
     /// Shared with the VM workers that published them: a step hands out
-    /// ten thousand rows without copying one.
-    pub vms: Vec<Arc<VmStatus>>,
+    /// ten thousand rows without copying one, and a step in which no row
+    /// changed hands out the last step's list whole.
+    pub vms: Rows,
     pub quarantined: Vec<QuarantinedVm>,
     pub destroyed: Vec<Id>,
     pub volumes: Vec<VolumeStatus>,
     pub fence_violation: bool,
+}
+
+/// A report's VM rows: a shared list, copied only when it is changed
+/// while shared (see [`Rows::to_mut`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rows(Arc<Vec<Arc<VmStatus>>>);
+
+impl Rows {
+    pub fn push(&mut self, row: Arc<VmStatus>) {
+        self.to_mut().push(row);
+    }
+
+    /// The list to change: this one's own, copied first if it is shared.
+    pub fn to_mut(&mut self) -> &mut Vec<Arc<VmStatus>> {
+        Arc::make_mut(&mut self.0)
+    }
+
+    /// Whether `self` and `other` are one list, not two equal ones.
+    pub fn same_list(&self, other: &Rows) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::ops::Deref for Rows {
+    type Target = [Arc<VmStatus>];
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl From<Vec<Arc<VmStatus>>> for Rows {
+    fn from(rows: Vec<Arc<VmStatus>>) -> Rows {
+        Rows(Arc::new(rows))
+    }
+}
+
+impl IntoIterator for Rows {
+    type Item = Arc<VmStatus>;
+    type IntoIter = std::vec::IntoIter<Arc<VmStatus>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Arc::unwrap_or_clone(self.0).into_iter()
+    }
+}
+
+impl<'a> IntoIterator for &'a Rows {
+    type Item = &'a Arc<VmStatus>;
+    type IntoIter = std::slice::Iter<'a, Arc<VmStatus>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter()
+    }
 }
 
 /// One VM's row.

@@ -395,7 +395,7 @@ impl Engine {
             volumes,
             ..Report::default()
         };
-        workers.collect(&mut report, claimed);
+        (report.vms, report.quarantined) = workers.collect(claimed);
         let collected = (report.vms.len(), report.quarantined.len());
         // One row per id: a control plane keyed on vm_id cannot use two. An
         // id sent twice is refused in both places, and said once.
@@ -429,7 +429,7 @@ impl Engine {
     /// last published row and quarantined entry. For `status` and tests.
     pub fn published(&self) -> Report {
         let mut report = Report::default();
-        self.workers.lock().collect(&mut report, &HashSet::new());
+        (report.vms, report.quarantined) = self.workers.lock().collect(&HashSet::new());
         report
     }
 
@@ -519,7 +519,12 @@ impl Engine {
             if !said.insert(vm_id.clone()) {
                 continue;
             }
-            match report.vms.iter_mut().find(|row| row.vm_id == vm_id) {
+            match report
+                .vms
+                .to_mut()
+                .iter_mut()
+                .find(|row| row.vm_id == vm_id)
+            {
                 Some(row) => {
                     let row = Arc::make_mut(row);
                     row.phase = Some(Phase::Failed);
@@ -629,7 +634,7 @@ fn destroyed_ack(snap: &Snapshot, records: &BTreeMap<Id, RecordSlot>) -> Vec<Id>
 /// a step).
 fn sort(report: &mut Report, collected: (usize, usize)) {
     if report.vms.len() > collected.0 {
-        report.vms.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
+        report.vms.to_mut().sort_by(|a, b| a.vm_id.cmp(&b.vm_id));
     }
     if report.quarantined.len() > collected.1 {
         report.quarantined.sort_by(|a, b| a.vm_id.cmp(&b.vm_id));

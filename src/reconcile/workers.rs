@@ -46,7 +46,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -55,7 +55,7 @@ use parking_lot::Mutex;
 
 use super::pass::{Assignment, Core, PassOutcome, VmResult};
 use crate::deadline::Deadline;
-use crate::model::{Id, Phase, Report, VmStatus};
+use crate::model::{Id, Phase, QuarantinedVm, Rows, VmStatus};
 use crate::stages;
 
 /// How soon after one poke of a VM another may run a pass at once.
@@ -65,10 +65,30 @@ pub(crate) const POKE_SPACING: Duration = Duration::from_secs(10);
 pub(crate) struct WorkerShared {
     mailbox: Mutex<Mailbox>,
     published: Mutex<Published>,
-    /// The engine's change doorbell.
-    changed: Sender<()>,
+    signals: Arc<Signals>,
     /// When a poke last ran a pass for this VM.
     poked: Mutex<Option<Instant>>,
+}
+
+/// What every worker tells the engine, one for all of them.
+pub(crate) struct Signals {
+    /// The engine's change doorbell, rung when a VM's result changes.
+    changed: Sender<()>,
+    /// How many worker loops have ended.
+    ended: AtomicUsize,
+    /// How many times a published result has changed: rows collected at
+    /// one count are the rows as long as it stays the same.
+    published: AtomicU64,
+}
+
+impl Signals {
+    pub(crate) fn new(changed: Sender<()>) -> Arc<Signals> {
+        Arc::new(Signals {
+            changed,
+            ended: AtomicUsize::new(0),
+            published: AtomicU64::new(0),
+        })
+    }
 }
 
 /// What the worker is to run next, and what it last was given. One lock
@@ -148,7 +168,7 @@ struct Published {
 }
 
 impl WorkerShared {
-    fn new(changed: Sender<()>, initial: Option<VmResult>) -> WorkerShared {
+    fn new(signals: Arc<Signals>, initial: Option<VmResult>) -> WorkerShared {
         WorkerShared {
             mailbox: Mutex::new(Mailbox::default()),
             published: Mutex::new(Published {
@@ -159,7 +179,7 @@ impl WorkerShared {
                 result: initial,
                 ..Published::default()
             }),
-            changed,
+            signals,
             poked: Mutex::new(None),
         }
     }
@@ -171,7 +191,10 @@ impl WorkerShared {
         if p.result.as_ref() != Some(&result) {
             p.row = result.stamped_row().map(Arc::new);
             p.result = Some(result);
-            let _ = self.changed.try_send(());
+            // Under the lock: a collection that read the count before this
+            // reads the new row after it.
+            self.signals.published.fetch_add(1, Ordering::Release);
+            let _ = self.signals.changed.try_send(());
         }
     }
 
@@ -317,14 +340,26 @@ pub(crate) struct Workers {
     roster: Option<Arc<Vec<Bell>>>,
     /// A re-check of every worker asked this step, as of its instant.
     recheck: Option<(Arc<Vec<Bell>>, Instant)>,
-    /// How many worker loops have ended, and how many had when the last
-    /// full delivery began: a worker that died since makes the next step a
-    /// full delivery, which starts it again.
-    ended: Arc<AtomicUsize>,
+    /// How many worker loops had ended when the last full delivery began:
+    /// a worker that died since makes the next step a full delivery, which
+    /// starts it again.
     ended_seen: usize,
+    /// The last rows collected, reused while no result changed and the
+    /// workers stayed the same.
+    collected: Mutex<Option<Collected>>,
     ringer: Option<Ringer>,
     pokes: Arc<Pokes>,
-    changed: Sender<()>,
+    signals: Arc<Signals>,
+}
+
+/// Rows and quarantined entries collected from every worker.
+struct Collected {
+    /// The published count they were collected at.
+    count: u64,
+    /// The VMs whose rows were left out.
+    skipped: Vec<Id>,
+    rows: Rows,
+    quarantined: Vec<QuarantinedVm>,
 }
 
 /// What the router rings.
@@ -428,11 +463,11 @@ impl Workers {
             to_ring: Vec::new(),
             roster: None,
             recheck: None,
-            ended: Arc::new(AtomicUsize::new(0)),
             ended_seen: 0,
+            collected: Mutex::new(None),
             ringer,
             pokes: Arc::new(Pokes::default()),
-            changed,
+            signals: Signals::new(changed),
         }
     }
 
@@ -463,7 +498,7 @@ impl Workers {
                 let predecessor = self.retiring.remove(vm_id);
                 let handle = self.spawn(vm_id, core, initial(), predecessor);
                 self.live.insert(vm_id.clone(), handle);
-                self.roster = None;
+                self.changed_workers();
             }
             Some(true) => self.restart(vm_id, core),
             Some(false) => {}
@@ -483,7 +518,7 @@ impl Workers {
     /// A full delivery begins: a worker that dies from now on is seen by
     /// the next [`Workers::redeliver_all`].
     pub(crate) fn full_delivery_begins(&mut self) {
-        self.ended_seen = self.ended.load(Ordering::Acquire);
+        self.ended_seen = self.signals.ended.load(Ordering::Acquire);
     }
 
     /// Asks every worker to run its newest assignment again, for the level
@@ -494,7 +529,7 @@ impl Workers {
     /// is gone or never started: the full delivery the caller then makes
     /// replaces it.
     pub(crate) fn redeliver_all(&mut self, now: Instant) -> bool {
-        if self.ended.load(Ordering::Acquire) != self.ended_seen {
+        if self.signals.ended.load(Ordering::Acquire) != self.ended_seen {
             return false;
         }
         let roster = match &self.roster {
@@ -573,7 +608,7 @@ impl Workers {
         }
         let new = self.spawn(vm_id, core, last, predecessor);
         self.live.insert(vm_id.clone(), new);
-        self.roster = None;
+        self.changed_workers();
     }
 
     fn spawn(
@@ -587,7 +622,7 @@ impl Workers {
             vm_id,
             core,
             self.stack_bytes,
-            (self.changed.clone(), Arc::clone(&self.ended)),
+            Arc::clone(&self.signals),
             initial,
             predecessor,
         );
@@ -605,7 +640,7 @@ impl Workers {
             .collect();
         for id in gone {
             self.pokes.remove(&id);
-            self.roster = None;
+            self.changed_workers();
             if let Some(handle) = self.live.remove(&id) {
                 // Emptied first: a ring still buffered must find nothing
                 // to run. Then dropping `handle.doorbell` is the stop signal.
@@ -632,21 +667,49 @@ impl Workers {
         }
     }
 
-    /// Folds every worker's last published result into `report`, but the
-    /// rows of the VMs in `skip` (refused entries: their rows come from
-    /// elsewhere this tick; their quarantined entries do not).
-    pub(crate) fn collect(&self, report: &mut Report, skip: &HashSet<&Id>) {
-        report.vms.reserve(self.live.len());
+    /// Every worker's last published row, but those of the VMs in `skip`
+    /// (refused entries: their rows come from elsewhere this tick), in id
+    /// order; and every quarantined entry. The last step's lists, untouched,
+    /// when no result changed and the workers and `skip` are the same.
+    pub(crate) fn collect(&self, skip: &HashSet<&Id>) -> (Rows, Vec<QuarantinedVm>) {
+        // Read before the rows: a result published after this is either
+        // in them or makes the count differ next time.
+        let count = self.signals.published.load(Ordering::Acquire);
+        let mut collected = self.collected.lock();
+        if let Some(c) = collected.as_ref()
+            && c.count == count
+            && c.skipped.len() == skip.len()
+            && c.skipped.iter().all(|id| skip.contains(id))
+        {
+            return (c.rows.clone(), c.quarantined.clone());
+        }
+        let mut rows = Vec::with_capacity(self.live.len());
+        let mut quarantined = Vec::new();
         for (id, handle) in &self.live {
             let p = handle.shared.published.lock();
             // Its row comes from elsewhere; a quarantined entry does not.
             if let Some(row) = p.row.as_ref().filter(|_| !skip.contains(id)) {
-                report.vms.push(Arc::clone(row));
+                rows.push(Arc::clone(row));
             }
             if let Some(q) = p.result.as_ref().and_then(|r| r.quarantined.as_ref()) {
-                report.quarantined.push(q.clone());
+                quarantined.push(q.clone());
             }
         }
+        let rows = Rows::from(rows);
+        *collected = Some(Collected {
+            count,
+            skipped: skip.iter().map(|id| (*id).clone()).collect(),
+            rows: rows.clone(),
+            quarantined: quarantined.clone(),
+        });
+        (rows, quarantined)
+    }
+
+    /// A worker was started, replaced or retired: the roster and the rows
+    /// collected are made again when next needed.
+    fn changed_workers(&mut self) {
+        self.roster = None;
+        *self.collected.get_mut() = None;
     }
 
     pub(crate) fn is_idle(&self) -> bool {
@@ -671,7 +734,7 @@ impl Workers {
             drop(ringer.batches);
             let _ = ringer.thread.join();
         }
-        self.roster = None;
+        self.changed_workers();
         self.recheck = None;
         let handles: Vec<_> = std::mem::take(&mut self.live).into_iter().collect();
         for (id, handle) in handles {
@@ -701,18 +764,16 @@ impl Workers {
     }
 }
 
-/// `told`: the engine's change doorbell, and the count of ended loops.
 fn spawn(
     vm_id: &Id,
     core: &Arc<Core>,
     stack_bytes: usize,
-    told: (Sender<()>, Arc<AtomicUsize>),
+    signals: Arc<Signals>,
     initial: Option<VmResult>,
     predecessor: Option<JoinHandle<()>>,
 ) -> WorkerHandle {
-    let (changed, ended) = told;
     let (doorbell, rings) = bounded(1);
-    let shared = Arc::new(WorkerShared::new(changed, initial));
+    let shared = Arc::new(WorkerShared::new(signals, initial));
     let thread = {
         let (vm_id, core, shared) = (vm_id.clone(), Arc::clone(core), Arc::clone(&shared));
         std::thread::Builder::new()
@@ -721,7 +782,7 @@ fn spawn(
             .spawn(move || {
                 // One pass per VM: the retired worker ends its pass first.
                 // Said however the loop ends, a panic included.
-                let _ended = Ended(&shared, &ended);
+                let _ended = Ended(&shared);
                 if let Some(predecessor) = predecessor {
                     let _ = predecessor.join();
                 }
@@ -748,12 +809,12 @@ fn spawn(
 }
 
 /// Marks the worker's mailbox ended, and counts it, when dropped.
-struct Ended<'a>(&'a WorkerShared, &'a AtomicUsize);
+struct Ended<'a>(&'a WorkerShared);
 
 impl Drop for Ended<'_> {
     fn drop(&mut self) {
         self.0.mailbox.lock().ended = true;
-        self.1.fetch_add(1, Ordering::Release);
+        self.0.signals.ended.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -840,7 +901,7 @@ mod tests {
     }
 
     fn shared() -> WorkerShared {
-        WorkerShared::new(bounded(1).0, None)
+        WorkerShared::new(Signals::new(bounded(1).0), None)
     }
 
     fn detail(shared: &WorkerShared) -> Option<String> {
@@ -911,17 +972,15 @@ mod tests {
         let shared = Arc::new(shared());
         let inside = Arc::clone(&shared);
 
-        let count = Arc::new(AtomicUsize::new(0));
-        let counted = Arc::clone(&count);
         let ended = std::thread::spawn(move || {
-            let _ended = Ended(&inside, &counted);
+            let _ended = Ended(&inside);
             panic!("test: the loop itself failed");
         })
         .join();
 
         assert!(ended.is_err());
         assert!(shared.mailbox.lock().ended);
-        assert_eq!(count.load(Ordering::Acquire), 1);
+        assert_eq!(shared.signals.ended.load(Ordering::Acquire), 1);
     }
 
     #[test]
