@@ -362,14 +362,9 @@ struct Collected {
     quarantined: Vec<QuarantinedVm>,
 }
 
-/// What the router rings.
-enum Rings {
-    /// The workers delivered to.
-    These(Vec<Bell>),
-    /// Every worker, each asked first (as of the instant) to run its last
-    /// assignment again.
-    Recheck(Arc<Vec<Bell>>, Instant),
-}
+/// What the router rings: the doorbells, and for a re-check the instant
+/// as of which each worker is first asked to run its last assignment again.
+type Rings = (Arc<Vec<Bell>>, Option<Instant>);
 
 /// A worker's doorbell, with what tells whether it took its mailbox.
 type Bell = (Sender<()>, Arc<WorkerShared>);
@@ -436,11 +431,8 @@ impl Workers {
                 .name("router".into())
                 .stack_size(stack_bytes)
                 .spawn(move || {
-                    for rings in rx {
-                        match rings {
-                            Rings::These(bells) => ring_in_chunks(&bells, None),
-                            Rings::Recheck(bells, now) => ring_in_chunks(&bells, Some(now)),
-                        }
+                    for (bells, recheck) in rx {
+                        ring_in_chunks(&bells, recheck);
                         pending.fetch_sub(1, Ordering::Release);
                     }
                 })
@@ -556,30 +548,21 @@ impl Workers {
     /// a re-check was asked of.
     pub(crate) fn ring(&mut self) {
         let batch = std::mem::take(&mut self.to_ring);
-        let recheck = self.recheck.take();
-        // A chunk's worth is rung here: as few wakes as the router would
-        // make at once, without the router's own wake in between (a
-        // create's dispatch is then one thread hop, not two).
-        let inline = |n: usize| self.ringer.is_none() || n <= RING_CHUNK;
         if !batch.is_empty() {
-            if inline(batch.len()) {
-                ring_now(&batch, None);
-            } else {
-                self.send(Rings::These(batch));
-            }
+            self.send((Arc::new(batch), None));
         }
-        if let Some((roster, now)) = recheck {
-            if inline(roster.len()) {
-                ring_now(&roster, Some(now));
-            } else {
-                self.send(Rings::Recheck(roster, now));
-            }
+        if let Some((roster, now)) = self.recheck.take() {
+            self.send((roster, Some(now)));
         }
     }
 
-    /// Hands `rings` to the router; rings them here if it is gone.
+    /// Hands `rings` to the router; rings them here if it is gone, or if
+    /// they are a chunk's worth: as few wakes as the router would make at
+    /// once, without the router's own wake in between (a create's dispatch
+    /// is then one thread hop, not two).
     fn send(&self, rings: Rings) {
         let undelivered = match &self.ringer {
+            Some(_) if rings.0.len() <= RING_CHUNK => Some(rings),
             Some(ringer) => {
                 ringer.pending.fetch_add(1, Ordering::AcqRel);
                 ringer.batches.send(rings).err().map(|e| {
@@ -589,10 +572,8 @@ impl Workers {
             }
             None => Some(rings),
         };
-        match undelivered {
-            Some(Rings::These(bells)) => ring_now(&bells, None),
-            Some(Rings::Recheck(bells, now)) => ring_now(&bells, Some(now)),
-            None => {}
+        if let Some((bells, recheck)) = undelivered {
+            ring_now(&bells, recheck);
         }
     }
 
@@ -638,9 +619,11 @@ impl Workers {
             .filter(|id| !keep.contains(id))
             .cloned()
             .collect();
+        if !gone.is_empty() {
+            self.changed_workers();
+        }
         for id in gone {
             self.pokes.remove(&id);
-            self.changed_workers();
             if let Some(handle) = self.live.remove(&id) {
                 // Emptied first: a ring still buffered must find nothing
                 // to run. Then dropping `handle.doorbell` is the stop signal.
