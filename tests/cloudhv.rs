@@ -18,7 +18,8 @@ use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
 use eitri_agent::provision::Provisioner;
 use eitri_agent::provision::cloudhv::cgroup::Cgroups;
-use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::state::Store;
@@ -115,6 +116,7 @@ impl Host {
                 power_button: Duration::from_millis(500),
                 vmm_shutdown: Duration::from_millis(500),
                 terminate: Duration::from_millis(300),
+                ..StopTimeouts::default()
             },
             confinement: eitri_agent::testkit::confinement(dir.path()),
         };
@@ -458,8 +460,11 @@ fn a_long_stop_is_narrated_stage_by_stage() {
 
     let said = said.into_inner();
     assert_eq!(
-        said.first().map(String::as_str),
-        Some("stopping: waiting for the guest to power off, 0 s of 1"),
+        said[..2],
+        [
+            "stopping: pressing the power button",
+            "stopping: waiting for the guest to power off, 0 s of 1"
+        ],
         "{said:?}"
     );
     assert!(

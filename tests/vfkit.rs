@@ -12,7 +12,8 @@ use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot, VmStatus};
 use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::vfkit::{StopLadder, Vfkit, VfkitConfig};
+use eitri_agent::provision::supervise::StopTimeouts;
+use eitri_agent::provision::vfkit::{Vfkit, VfkitConfig};
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::state::Store;
@@ -135,9 +136,10 @@ fn config(dir: &Path) -> VfkitConfig {
         vfkit: PathBuf::from(VFKIT),
         run_dir: dir.join("run"),
         boot_wait: Duration::from_secs(5),
-        stop: StopLadder {
+        stop: StopTimeouts {
             power_button: Duration::from_millis(500),
-            hard_stop: Duration::from_millis(500),
+            vmm_shutdown: Duration::from_millis(500),
+            terminate: Duration::from_millis(500),
             kill: Duration::from_millis(500),
         },
         leases: dir.join("dhcpd_leases"),
@@ -221,7 +223,7 @@ fn a_guest_ignoring_the_power_button_is_hard_stopped() {
     );
     assert!(
         said.iter()
-            .any(|s| s == "stopping: the guest ignored the power button; hard stop"),
+            .any(|s| s == "stopping: asking vfkit to shut down"),
         "{said:?}"
     );
     assert!(

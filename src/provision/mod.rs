@@ -14,6 +14,7 @@
 
 #[cfg(target_os = "linux")]
 pub mod cloudhv;
+pub mod supervise;
 pub mod unix_http;
 pub mod vfkit;
 
@@ -228,9 +229,9 @@ pub fn for_host(
             run_dir: guest.run_dir.clone(),
             tap_prefix: guest.tap_prefix.clone(),
             boot_wait: std::time::Duration::from_secs(60),
-            stop: cloudhv::StopTimeouts {
+            stop: supervise::StopTimeouts {
                 power_button: guest.stop_grace,
-                ..cloudhv::StopTimeouts::default()
+                ..supervise::StopTimeouts::default()
             },
             network,
             confinement: guest.confinement.clone(),
@@ -250,9 +251,9 @@ pub fn for_host(
             vfkit: guest.hypervisor.clone(),
             run_dir: guest.run_dir.clone(),
             boot_wait: std::time::Duration::from_secs(60),
-            stop: vfkit::StopLadder {
+            stop: supervise::StopTimeouts {
                 power_button: guest.stop_grace,
-                ..vfkit::StopLadder::default()
+                ..supervise::StopTimeouts::default()
             },
             leases: vfkit::leases::LEASE_FILE.into(),
         },

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::Id;
 use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::state::Store;
 use eitri_agent::testkit::desired;
 

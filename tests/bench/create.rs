@@ -24,7 +24,8 @@ use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Id, Phase, PowerState, Snapshot, WantedVm};
 use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor, StopTimeouts};
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::stages::Stages;
@@ -87,6 +88,7 @@ impl Bench {
                 power_button: Duration::from_millis(200),
                 vmm_shutdown: Duration::from_millis(200),
                 terminate: Duration::from_millis(200),
+                ..StopTimeouts::default()
             },
             confinement: eitri_agent::testkit::confinement(dir.path()),
         };

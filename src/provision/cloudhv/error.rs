@@ -4,13 +4,12 @@
 //! resource busy" and a caller can still ask what the cause was.
 //! Permanence (no retry can succeed) is asked through [`Failure`].
 
+use crate::error::Failure;
+use crate::model::Id;
+use crate::provision::supervise::SuperviseError;
 use std::fmt;
 use std::io;
 use std::path::PathBuf;
-use std::time::Duration;
-
-use crate::error::Failure;
-use crate::model::Id;
 
 #[derive(Debug)]
 pub enum CloudHvError {
@@ -75,17 +74,6 @@ pub enum CloudHvError {
         path: PathBuf,
         source: io::Error,
     },
-    /// Its directory under the state dir could not be made.
-    VmDir {
-        vm_id: Id,
-        path: PathBuf,
-        source: io::Error,
-    },
-    /// A create retried after its record save failed must not clone over
-    /// the disk of a guest running on it.
-    DiskInUse {
-        vm_id: Id,
-    },
     OpenTap {
         vm_id: Id,
         tap: String,
@@ -111,44 +99,23 @@ pub enum CloudHvError {
         path: PathBuf,
         source: io::Error,
     },
-    Reaper {
-        vm_id: Id,
-        source: io::Error,
-    },
     /// The thread joining the VM's taps to the host's networks panicked.
     PlugPanicked {
         vm_id: Id,
-    },
-    /// The new VMM exited before its API said Running.
-    ExitedDuringBoot {
-        vm_id: Id,
-        reason: String,
-    },
-    /// The new VMM's API did not say Running in time; it was killed.
-    BootTimeout {
-        vm_id: Id,
-        waited: Duration,
-        reason: String,
-    },
-    Kill {
-        vm_id: Id,
-        pid: i32,
-        source: io::Error,
-    },
-    SurvivedKill {
-        vm_id: Id,
-        pid: i32,
     },
     RemoveTap {
         vm_id: Id,
         tap: String,
         source: io::Error,
     },
-    RemoveFile {
-        vm_id: Id,
-        path: PathBuf,
-        source: io::Error,
-    },
+    /// What every backend's supervision can fail at.
+    Supervise(SuperviseError),
+}
+
+impl From<SuperviseError> for CloudHvError {
+    fn from(e: SuperviseError) -> CloudHvError {
+        CloudHvError::Supervise(e)
+    }
 }
 
 impl fmt::Display for CloudHvError {
@@ -198,13 +165,6 @@ impl fmt::Display for CloudHvError {
             E::NoBootFile => {
                 f.write_str("no guest kernel or firmware is configured; give --kernel or --firmware")
             }
-            E::VmDir { vm_id, path, .. } => {
-                write!(f, "VM {vm_id}: cannot create its directory {}", path.display())
-            }
-            E::DiskInUse { vm_id } => write!(
-                f,
-                "VM {vm_id}: refusing to replace the root disk of a running hypervisor"
-            ),
             E::OpenTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot open its tap {tap}"),
             E::NetworkNotServed { vm_id, network } => write!(
                 f,
@@ -219,31 +179,12 @@ impl fmt::Display for CloudHvError {
             E::Pidfile { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot write its pidfile {}", path.display())
             }
-            E::Reaper { vm_id, .. } => {
-                write!(f, "VM {vm_id}: cannot start the thread that reaps its hypervisor")
-            }
             E::PlugPanicked { vm_id } => write!(
                 f,
                 "VM {vm_id}: joining its taps to the host's networks failed inside the agent (a bug: see the agent's log); the hypervisor was stopped"
             ),
-            E::ExitedDuringBoot { reason, .. } => {
-                write!(f, "the hypervisor exited during boot: {reason}")
-            }
-            E::BootTimeout { waited, reason, .. } => write!(
-                f,
-                "the hypervisor's API did not say Running within {}s; killed it: {reason}",
-                waited.as_secs()
-            ),
-            E::Kill { vm_id, pid, .. } => {
-                write!(f, "VM {vm_id}: cannot kill hypervisor {pid}")
-            }
-            E::SurvivedKill { vm_id, pid } => {
-                write!(f, "VM {vm_id}: hypervisor {pid} survived SIGKILL")
-            }
             E::RemoveTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot remove tap {tap}"),
-            E::RemoveFile { vm_id, path, .. } => {
-                write!(f, "VM {vm_id}: cannot remove {}", path.display())
-            }
+            E::Supervise(e) => e.fmt(f),
         }
     }
 }
@@ -257,15 +198,13 @@ impl std::error::Error for CloudHvError {
             | E::GiveFiles { source, .. }
             | E::ApiSocket { source, .. }
             | E::Cgroup { source, .. }
-            | E::VmDir { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
             | E::Start { source, .. }
             | E::Pidfile { source, .. }
-            | E::Reaper { source, .. }
-            | E::Kill { source, .. }
-            | E::RemoveTap { source, .. }
-            | E::RemoveFile { source, .. } => Some(source),
+            | E::RemoveTap { source, .. } => Some(source),
+            // Transparent: the wrapped error's own message is this one's.
+            E::Supervise(e) => e.source(),
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Version { .. }
@@ -274,12 +213,8 @@ impl std::error::Error for CloudHvError {
             | E::VmmId { .. }
             | E::BootFileMissing { .. }
             | E::NoBootFile
-            | E::DiskInUse { .. }
             | E::NetworkNotServed { .. }
-            | E::ExitedDuringBoot { .. }
-            | E::BootTimeout { .. }
-            | E::PlugPanicked { .. }
-            | E::SurvivedKill { .. } => None,
+            | E::PlugPanicked { .. } => None,
         }
     }
 }
@@ -305,20 +240,13 @@ impl Failure for CloudHvError {
             | E::GiveFiles { .. }
             | E::ApiSocket { .. }
             | E::Cgroup { .. }
-            | E::VmDir { .. }
-            | E::DiskInUse { .. }
             | E::OpenTap { .. }
             | E::OpenLog { .. }
             | E::Start { .. }
             | E::Pidfile { .. }
-            | E::Reaper { .. }
             | E::PlugPanicked { .. }
-            | E::ExitedDuringBoot { .. }
-            | E::BootTimeout { .. }
-            | E::Kill { .. }
-            | E::SurvivedKill { .. }
-            | E::RemoveTap { .. }
-            | E::RemoveFile { .. } => false,
+            | E::RemoveTap { .. } => false,
+            E::Supervise(e) => e.is_permanent(),
         }
     }
 }

@@ -13,9 +13,9 @@
 //! 4. Wait, within the pass deadline, for the API to say `Running`;
 //!    otherwise kill the child and fail with the hypervisor's own words.
 //!
-//! Stop: power button, bounded wait for the guest; `vmm.shutdown`, bounded
-//! wait; SIGTERM, bounded wait; SIGKILL. A process already gone is stopped.
-//! A pass whose deadline has passed goes straight to SIGKILL.
+//! Stop: the shared ladder ([`supervise::ladder`]): power button,
+//! `vmm.shutdown`, SIGTERM, SIGKILL, each bounded. A process already gone
+//! is stopped. A pass whose deadline has passed goes straight to SIGKILL.
 //!
 //! After an agent restart, VMMs are found again through their pidfiles and
 //! /proc; none is restarted. Only a changed boot id (the engine's business)
@@ -38,23 +38,21 @@ mod serial;
 mod spawn;
 mod stop;
 pub mod tap;
+mod vmm;
 mod watch;
 
-use std::collections::HashMap;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use sha2::{Digest, Sha256};
 
 pub use self::error::CloudHvError;
 use self::process::Tracked;
-use self::watch::{ExitWatch, Listener};
+use self::watch::ExitWatch;
+use super::supervise::{self, Children, StopTimeouts};
 use super::{ExitListener, Provisioner, Say};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
@@ -64,27 +62,6 @@ use crate::state::Store;
 
 /// The oldest cloud-hypervisor this backend drives.
 pub const MIN_VERSION: u32 = 51;
-/// How long each stage of a stop may take.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StopTimeouts {
-    /// For the guest to act on the power button.
-    pub power_button: Duration,
-    /// For the VMM to exit after `vmm.shutdown`.
-    pub vmm_shutdown: Duration,
-    /// For the VMM to exit after SIGTERM, before SIGKILL.
-    pub terminate: Duration,
-}
-
-impl Default for StopTimeouts {
-    fn default() -> StopTimeouts {
-        StopTimeouts {
-            power_button: Duration::from_secs(30),
-            vmm_shutdown: Duration::from_secs(5),
-            terminate: Duration::from_secs(5),
-        }
-    }
-}
-
 #[derive(Clone)]
 pub struct CloudHvConfig {
     pub hypervisor: PathBuf,
@@ -108,13 +85,9 @@ pub struct CloudHvConfig {
 pub struct CloudHypervisor {
     store: Arc<Store>,
     cfg: CloudHvConfig,
-    /// Exit statuses of children this process spawned, kept by their reapers.
-    exits: Arc<Mutex<HashMap<Id, ExitStatus>>>,
-    /// Pids of children spawned and not yet reaped: a stop waits for the
-    /// reaper too, so when it returns no zombie of the VM is left.
-    unreaped: Arc<Mutex<std::collections::HashSet<i32>>>,
-    /// Who is told of each VMM exit (the engine).
-    listener: Listener,
+    /// The VMMs this agent forked, their reapers and exits; who is told
+    /// of each exit (the engine).
+    children: Children,
     /// Exits of adopted VMMs; `None` if its thread could not start (then
     /// those exits are seen at the tick).
     watch: Option<ExitWatch>,
@@ -144,8 +117,8 @@ impl CloudHypervisor {
                 cfg.run_dir.display()
             );
         }
-        let listener = Listener::default();
-        let watch = ExitWatch::start(listener.clone())
+        let children = Children::new("hypervisor");
+        let watch = ExitWatch::start(children.listener().clone())
             .inspect_err(|e| {
                 log::warn!(
                     "cannot watch adopted hypervisors ({e}); their exits are seen at the tick"
@@ -164,10 +137,8 @@ impl CloudHypervisor {
         CloudHypervisor {
             store,
             cfg,
-            exits: Arc::new(Mutex::new(HashMap::new())),
-            unreaped: Arc::new(Mutex::new(std::collections::HashSet::new())),
+            children,
             version_passed: Mutex::new(None),
-            listener,
             watch,
             confined,
             _serial: serial,
@@ -270,19 +241,8 @@ impl CloudHypervisor {
         let _ = tracked.signal(nix::sys::signal::Signal::SIGKILL);
     }
 
-    fn digest(&self, vm_id: &Id) -> String {
-        let d = Sha256::new()
-            .chain_update(self.store.root().as_os_str().as_encoded_bytes())
-            .chain_update([0])
-            .chain_update(vm_id.as_str())
-            .finalize();
-        crate::hex::encode(&d)
-    }
-
     pub fn socket_path(&self, vm_id: &Id) -> PathBuf {
-        self.cfg
-            .run_dir
-            .join(format!("{}.sock", &self.digest(vm_id)[..16]))
+        supervise::api_socket(&self.cfg.run_dir, self.store.root(), vm_id)
     }
 
     /// The VM's tap names, while networking is on and it holds an address.
@@ -377,26 +337,6 @@ impl CloudHypervisor {
         Some(tracked)
     }
 
-    /// The VM's directory, made if missing: root's, searchable (its VMM
-    /// reaches its own files in it by name) but not listable or writable
-    /// by anyone else.
-    fn make_vm_dir(&self, vm_id: &Id) -> Result<PathBuf, CloudHvError> {
-        let dir = self.store.vm_dir(vm_id);
-        crate::state::perms::make_dir(&dir)
-            .and_then(|()| {
-                fs::set_permissions(
-                    &dir,
-                    fs::Permissions::from_mode(crate::state::perms::SEARCHABLE_DIR),
-                )
-            })
-            .map_err(|source| CloudHvError::VmDir {
-                vm_id: vm_id.clone(),
-                path: dir.clone(),
-                source,
-            })?;
-        Ok(dir)
-    }
-
     /// Makes a VMM found without (or despite) its pidfile this VM's again:
     /// the pidfile names it, and its exit is watched.
     fn take_over(&self, vm_id: &Id, tracked: Tracked) {
@@ -416,14 +356,6 @@ impl CloudHypervisor {
     }
 }
 
-fn describe(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exit status {code}"),
-        (None, Some(signal)) => format!("killed by signal {signal}"),
-        _ => "unknown status".into(),
-    }
-}
-
 impl Provisioner for CloudHypervisor {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
         self.check_host()
@@ -435,22 +367,8 @@ impl Provisioner for CloudHypervisor {
         base: &Path,
         deadline: Deadline,
     ) -> Result<(), BoxFailure> {
-        let vm_id = &spec.vm_id;
-        if self.find(vm_id).is_some() {
-            return Err(CloudHvError::DiskInUse {
-                vm_id: vm_id.clone(),
-            }
-            .into());
-        }
-        self.make_vm_dir(vm_id)?;
-        crate::disk::prepare(
-            base,
-            &self.store.root_disk_path(&spec.vm_id),
-            spec.disk_gb,
-            deadline,
-        )
-        .map(drop)
-        .map_err(Into::into)
+        let in_use = self.find(&spec.vm_id).is_some();
+        supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }
 
     /// Opens the VM's taps, then joins them to the host's networks on a
@@ -486,7 +404,7 @@ impl Provisioner for CloudHypervisor {
         match (booted, plugged) {
             (Ok(_), Ok(())) => Ok(()),
             (Ok(tracked), Err(e)) => {
-                self.kill(tracked);
+                supervise::ladder::kill(&self.vmm(vm_id, tracked));
                 Err(e)
             }
             (Err(e), _) => Err(e),
@@ -521,21 +439,9 @@ impl Provisioner for CloudHypervisor {
         }
         let socket = self.socket_path(vm_id);
         let lock = PathBuf::from(format!("{}.lock", socket.display()));
-        for path in [socket, lock, self.store.pidfile_path(vm_id)] {
-            match fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(source) => {
-                    return Err(CloudHvError::RemoveFile {
-                        vm_id: vm_id.clone(),
-                        path,
-                        source,
-                    }
-                    .into());
-                }
-            }
-        }
-        self.exits.lock().remove(vm_id);
+        supervise::remove_files(vm_id, &[socket, lock, self.store.pidfile_path(vm_id)])
+            .map_err(CloudHvError::from)?;
+        self.children.forget(vm_id);
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::second_nic(vm_id))?;
         }
@@ -566,11 +472,7 @@ impl Provisioner for CloudHypervisor {
 
     fn failure_reason(&self, vm_id: &Id) -> String {
         let tail = super::log_tail(&self.store.hypervisor_log_path(vm_id));
-        match self.exits.lock().get(vm_id) {
-            Some(status) if tail.is_empty() => format!("hypervisor {}", describe(*status)),
-            Some(status) => format!("hypervisor {}: {tail}", describe(*status)),
-            None => tail,
-        }
+        self.children.failure_reason(vm_id, tail)
     }
 
     fn address(&self, vm_id: &Id) -> String {
@@ -592,7 +494,7 @@ impl Provisioner for CloudHypervisor {
     }
 
     fn watch_exits(&self, listener: ExitListener) {
-        self.listener.set(listener);
+        self.children.listener().set(listener);
     }
 
     /// 1. Leaked taps go first (see [`CloudHypervisor::remove_leaked_taps`]).

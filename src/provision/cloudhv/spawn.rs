@@ -12,16 +12,15 @@
 //!    (pid and start time) is written and synced, and only then is the
 //!    child released to exec. A crash at any point leaves a tracked VMM or
 //!    none.
-//! 6. Its reaper thread, which tells the engine when it exits.
-//! 7. The wait for its API to say Running (see [`CloudHypervisor::await_running`]).
+//! 6. Its reaper (see [`supervise::Children`]), which tells the engine when
+//!    it exits.
+//! 7. The wait for its API to say Running (see [`supervise::await_running`]).
 
 use std::fs::{self, OpenOptions};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
@@ -30,12 +29,13 @@ use super::error::CloudHvError;
 use super::fork::{FIRST_OWN_FD, Held, Jail, fork_held, wait_raw};
 use super::jail;
 use super::process::Tracked;
-use super::{CloudHypervisor, api, describe, tap};
+use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, DeadlineExpired};
+use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
-use crate::provision::{Piece, Provisioner};
-use crate::stages::{span, timed};
+use crate::provision::Piece;
+use crate::provision::supervise;
+use crate::stages::timed;
 
 impl CloudHypervisor {
     /// Starts the VM's VMM (see the module steps) on its opened `taps`
@@ -46,7 +46,7 @@ impl CloudHypervisor {
         taps: Vec<(OwnedFd, Mac)>,
     ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
-        timed("vm dir", || self.make_vm_dir(vm_id))?;
+        timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
         let files = self.files(spec);
         let api = timed("api socket", || self.bind_api(vm_id))?;
         // The API socket first, then the taps, from FIRST_OWN_FD.
@@ -296,93 +296,28 @@ impl CloudHypervisor {
             }
             .into());
         }
-        self.exits.lock().remove(vm_id);
-        self.unreaped.lock().insert(pid);
-        let (exits, unreaped, listener, id) = (
-            Arc::clone(&self.exits),
-            Arc::clone(&self.unreaped),
-            self.listener.clone(),
-            vm_id.clone(),
-        );
-        let reaper = std::thread::Builder::new()
-            .name(format!("reap-{vm_id}"))
-            .stack_size(64 * 1024)
-            .spawn(move || {
-                if let Some(raw) = wait_raw(pid) {
-                    let status = ExitStatus::from_raw(raw);
-                    log::info!("VM {id}: hypervisor {pid} exited ({})", describe(status));
-                    exits.lock().insert(id.clone(), status);
-                }
-                // Reaped first: a stop waiting for this child must be free
-                // to return before the engine hears of the exit.
-                unreaped.lock().remove(&pid);
-                listener.exited(&id);
-            });
-        if let Err(source) = reaper {
-            // Without a reaper the child would become a zombie: end it here.
-            self.unreaped.lock().remove(&pid);
-            end(None);
-            return Err(CloudHvError::Reaper {
-                vm_id: vm_id.clone(),
-                source,
-            }
-            .into());
-        }
+        let reaped = self.children.reap(vm_id, pid.unsigned_abs(), move || {
+            wait_raw(pid).map(ExitStatus::from_raw)
+        });
+        reaped.map_err(CloudHvError::from)?;
         crate::crash::point("boot.hypervisor-started");
         log::info!("VM {vm_id}: hypervisor started (pid {pid})");
         Ok(tracked)
     }
 
-    /// Waits until the new VMM's API says Running, it exits, or time runs
-    /// out; the latter two kill it and fail with its own account.
+    /// Waits until the new VMM's API says Running (see
+    /// [`supervise::await_running`]).
     pub(super) fn await_running(
         &self,
         vm_id: &Id,
         tracked: Tracked,
         deadline: Deadline,
     ) -> Result<(), BoxFailure> {
-        let _span = span("wait running");
-        let socket = self.socket_path(vm_id);
-        let until = deadline.capped(self.cfg.boot_wait);
-        let started = Instant::now();
-        loop {
-            if !tracked.alive() {
-                return Err(CloudHvError::ExitedDuringBoot {
-                    vm_id: vm_id.clone(),
-                    reason: self.failure_reason(vm_id),
-                }
-                .into());
-            }
-            if api::vm_state(&socket, Duration::from_millis(500)).as_deref() == Some("Running") {
-                return Ok(());
-            }
-            if until.expired() {
-                self.kill(tracked);
-                let reason = self.failure_reason(vm_id);
-                if deadline.expired() {
-                    log::warn!(
-                        "VM {vm_id}: killed a hypervisor that did not boot in time: {reason}"
-                    );
-                    return Err(DeadlineExpired {
-                        waiting_for: "waiting for the hypervisor's API",
-                    }
-                    .into());
-                }
-                return Err(CloudHvError::BootTimeout {
-                    vm_id: vm_id.clone(),
-                    waited: self.cfg.boot_wait,
-                    reason,
-                }
-                .into());
-            }
-            // A VMM's API is up a few ms after exec: poll finely at first,
-            // then back off so a slow guest costs no CPU.
-            let pause = if started.elapsed() < Duration::from_millis(50) {
-                Duration::from_micros(250)
-            } else {
-                Duration::from_millis(5)
-            };
-            std::thread::sleep(pause);
-        }
+        supervise::await_running(
+            vm_id,
+            &self.vmm(vm_id, tracked),
+            self.cfg.boot_wait,
+            deadline,
+        )
     }
 }

@@ -21,29 +21,11 @@ use parking_lot::Mutex;
 
 use super::process::Tracked;
 use crate::model::Id;
-use crate::provision::ExitListener;
+use crate::provision::supervise::Listener;
 use crate::threads::{OwnedThread, StopFlag, Wakeup};
 
 /// How often VMMs without a pidfd are checked.
 const FALLBACK_POLL_MS: u16 = 1000;
-
-/// Who is told of exits: set once by the engine, read by every reaper and by
-/// the watch thread at the moment of an exit.
-#[derive(Clone, Default)]
-pub(super) struct Listener(Arc<Mutex<Option<ExitListener>>>);
-
-impl Listener {
-    pub(super) fn set(&self, listener: ExitListener) {
-        *self.0.lock() = Some(listener);
-    }
-
-    pub(super) fn exited(&self, vm_id: &Id) {
-        let listener = self.0.lock().clone();
-        if let Some(listener) = listener {
-            listener(vm_id);
-        }
-    }
-}
 
 struct Watched {
     vm_id: Id,

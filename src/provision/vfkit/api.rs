@@ -17,6 +17,8 @@ use crate::provision::unix_http;
 
 /// The state vfkit reports for a running VM.
 pub const RUNNING: &str = "VirtualMachineStateRunning";
+/// The state vfkit reports once the guest powered off.
+pub const STOPPED: &str = "VirtualMachineStateStopped";
 
 #[derive(Debug)]
 pub enum RestError {

@@ -1,0 +1,302 @@
+//! Stopping a VMM, politest first. The rungs, in order, each told to the
+//! VM's row as it starts and bounded by its own timeout and the pass's
+//! deadline:
+//! 1. the power button, until the guest powers off (or the VMM exits:
+//!    then it is stopped);
+//! 2. the VMM asked to shut down ([`Request::Shutdown`]), until it exits;
+//! 3. SIGTERM, until it exits;
+//! 4. SIGKILL, until it is gone, bounded by [`StopTimeouts::kill`] even
+//!    past the deadline: a stop never returns with the VMM still there
+//!    unless the kernel would not end it.
+//!
+//! Once the pass's deadline has passed, the polite rungs are skipped: a
+//! pass out of time goes straight to SIGKILL. "Gone" means reaped too, so
+//! a stop never leaves a zombie of the VM behind.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use super::{Request, SuperviseError, Vmm};
+use crate::deadline::Deadline;
+use crate::model::Id;
+use crate::provision::Say;
+
+/// How often a waiting rung looks again.
+const POLL: Duration = Duration::from_millis(10);
+
+/// How long each rung of the ladder waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StopTimeouts {
+    /// For the guest to act on the power button (`--stop-grace`).
+    pub power_button: Duration,
+    /// For the VMM to exit after it was asked to shut down.
+    pub vmm_shutdown: Duration,
+    /// For the VMM to exit after SIGTERM.
+    pub terminate: Duration,
+    /// For the VMM to be gone after SIGKILL.
+    pub kill: Duration,
+}
+
+impl Default for StopTimeouts {
+    fn default() -> StopTimeouts {
+        StopTimeouts {
+            power_button: Duration::from_secs(30),
+            vmm_shutdown: Duration::from_secs(5),
+            terminate: Duration::from_secs(5),
+            kill: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Stops `vmm` (see the module steps), telling `say` each rung and, while
+/// one waits, how long it has waited, once a second.
+pub fn stop(
+    vm_id: &Id,
+    vmm: &dyn Vmm,
+    timeouts: StopTimeouts,
+    deadline: Deadline,
+    say: Say<'_>,
+) -> Result<(), SuperviseError> {
+    let noun = vmm.noun();
+    if !deadline.expired() {
+        say("stopping: pressing the power button");
+        vmm.ask(Request::PowerButton);
+        wait_narrated(
+            "waiting for the guest to power off",
+            timeouts.power_button,
+            deadline,
+            say,
+            &|| vmm.gone() || vmm.powered_off(),
+        );
+        if vmm.gone() {
+            return Ok(());
+        }
+    }
+    if !deadline.expired() {
+        say(&format!("stopping: asking {noun} to shut down"));
+        vmm.ask(Request::Shutdown);
+        if wait_narrated(
+            &format!("waiting for {noun} to exit"),
+            timeouts.vmm_shutdown,
+            deadline,
+            say,
+            &|| vmm.gone(),
+        ) {
+            return Ok(());
+        }
+    }
+    if !deadline.expired() {
+        log::warn!("VM {vm_id}: {noun} ignored shutdown; sending SIGTERM");
+        say(&format!(
+            "stopping: {noun} ignored shutdown; sending SIGTERM"
+        ));
+        let _ = vmm.signal(Signal::SIGTERM);
+        if wait_narrated(
+            &format!("waiting for {noun} to exit"),
+            timeouts.terminate,
+            deadline,
+            say,
+            &|| vmm.gone(),
+        ) {
+            return Ok(());
+        }
+    }
+    if vmm.gone() {
+        return Ok(());
+    }
+    let pid = vmm.pid();
+    log::warn!("VM {vm_id}: killing {noun} (pid {pid})");
+    say(&format!("stopping: killing {noun}"));
+    vmm.signal(Signal::SIGKILL)
+        .map_err(|source| SuperviseError::Kill {
+            vm_id: vm_id.clone(),
+            noun,
+            pid,
+            source,
+        })?;
+    if wait_gone(vmm, Deadline::after(timeouts.kill)) {
+        Ok(())
+    } else {
+        Err(SuperviseError::SurvivedKill {
+            vm_id: vm_id.clone(),
+            noun,
+            pid,
+        })
+    }
+}
+
+/// Kills `vmm` and waits (5 s at most) for it to be gone: a VMM that
+/// failed its boot.
+pub fn kill(vmm: &dyn Vmm) {
+    let _ = vmm.signal(Signal::SIGKILL);
+    wait_gone(vmm, Deadline::after(StopTimeouts::default().kill));
+}
+
+/// Waits until `vmm` is gone, or `bound`; whether it is gone.
+pub fn wait_gone(vmm: &dyn Vmm, bound: Deadline) -> bool {
+    while !vmm.gone() {
+        if bound.expired() {
+            return false;
+        }
+        std::thread::sleep(POLL);
+    }
+    true
+}
+
+/// Waits up to `allowed` (and the deadline) for `done`, telling `say`
+/// "stopping: {what}, N s of M" once a second; whether `done` came.
+fn wait_narrated(
+    what: &str,
+    allowed: Duration,
+    deadline: Deadline,
+    say: Say<'_>,
+    done: &dyn Fn() -> bool,
+) -> bool {
+    let bound = deadline.capped(allowed);
+    let started = Instant::now();
+    let mut said = None;
+    loop {
+        let waited = started.elapsed().as_secs();
+        if said != Some(waited) {
+            say(&format!(
+                "stopping: {what}, {waited} s of {}",
+                allowed.as_millis().div_ceil(1000)
+            ));
+            said = Some(waited);
+        }
+        if done() {
+            return true;
+        }
+        if bound.expired() {
+            return false;
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::{Cell, RefCell};
+    use std::io;
+
+    /// A VMM that exits after the first of `exits_on` it is asked or sent.
+    struct Scripted {
+        exits_on: &'static str,
+        gone: Cell<bool>,
+        seen: RefCell<Vec<String>>,
+    }
+
+    impl Scripted {
+        fn new(exits_on: &'static str) -> Scripted {
+            Scripted {
+                exits_on,
+                gone: Cell::new(false),
+                seen: RefCell::new(Vec::new()),
+            }
+        }
+
+        fn saw(&self, what: String) {
+            if what == self.exits_on {
+                self.gone.set(true);
+            }
+            self.seen.borrow_mut().push(what);
+        }
+    }
+
+    impl Vmm for Scripted {
+        fn noun(&self) -> &'static str {
+            "the test VMM"
+        }
+        fn alive(&self) -> bool {
+            !self.gone.get()
+        }
+        fn gone(&self) -> bool {
+            self.gone.get()
+        }
+        fn says_running(&self) -> bool {
+            !self.gone.get()
+        }
+        fn powered_off(&self) -> bool {
+            false
+        }
+        fn ask(&self, request: Request) {
+            self.saw(format!("{request:?}"));
+        }
+        fn signal(&self, signal: Signal) -> io::Result<()> {
+            self.saw(format!("{signal:?}"));
+            Ok(())
+        }
+        fn pid(&self) -> u32 {
+            1
+        }
+        fn failure_reason(&self) -> String {
+            String::new()
+        }
+    }
+
+    fn quick() -> StopTimeouts {
+        StopTimeouts {
+            power_button: Duration::from_millis(30),
+            vmm_shutdown: Duration::from_millis(30),
+            terminate: Duration::from_millis(30),
+            kill: Duration::from_millis(30),
+        }
+    }
+
+    fn vm() -> Id {
+        Id::parse("vm-1").expect("id")
+    }
+
+    #[test]
+    fn each_rung_is_climbed_only_while_the_vmm_stays() {
+        let vmm = Scripted::new("SIGTERM");
+
+        stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect("stopped");
+
+        assert_eq!(*vmm.seen.borrow(), ["PowerButton", "Shutdown", "SIGTERM"]);
+    }
+
+    #[test]
+    fn a_pass_out_of_time_goes_straight_to_sigkill() {
+        let vmm = Scripted::new("SIGKILL");
+        let expired = Deadline::after(Duration::ZERO);
+
+        stop(&vm(), &vmm, quick(), expired, &|_| {}).expect("stopped");
+
+        assert_eq!(*vmm.seen.borrow(), ["SIGKILL"]);
+    }
+
+    #[test]
+    fn a_vmm_that_survives_sigkill_is_an_error_naming_it() {
+        let vmm = Scripted::new("nothing");
+
+        let err = stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect_err("survived");
+
+        assert_eq!(
+            err.to_string(),
+            "VM vm-1: the test VMM (pid 1) survived SIGKILL"
+        );
+    }
+
+    #[test]
+    fn the_row_is_told_each_rung_and_the_wait() {
+        let vmm = Scripted::new("Shutdown");
+        let said = RefCell::new(Vec::new());
+
+        stop(&vm(), &vmm, quick(), Deadline::NONE, &|s| {
+            said.borrow_mut().push(s.to_owned())
+        })
+        .expect("stopped");
+
+        assert_eq!(
+            said.borrow()[..3],
+            [
+                "stopping: pressing the power button",
+                "stopping: waiting for the guest to power off, 0 s of 1",
+                "stopping: asking the test VMM to shut down",
+            ]
+        );
+    }
+}

@@ -1,0 +1,26 @@
+//! Stopping a vfkit: the shared ladder (see [`supervise::ladder`]) on this
+//! backend's [`Vmm`](super::vmm::Vmm): the power button (`Stop`), then
+//! `HardStop` (vfkit exits before it answers), SIGTERM, SIGKILL.
+
+use super::Vfkit;
+use crate::deadline::Deadline;
+use crate::error::BoxFailure;
+use crate::model::Id;
+use crate::provision::Say;
+use crate::provision::supervise;
+
+impl Vfkit {
+    /// Stops the VM's vfkit, telling `say` each rung of the ladder.
+    pub(super) fn stop(
+        &self,
+        vm_id: &Id,
+        deadline: Deadline,
+        say: Say<'_>,
+    ) -> Result<(), BoxFailure> {
+        let Some(pid) = self.alive(vm_id) else {
+            return Ok(());
+        };
+        supervise::stop(vm_id, &self.vmm(vm_id, pid), self.cfg.stop, deadline, say)
+            .map_err(Into::into)
+    }
+}
