@@ -16,6 +16,7 @@
 //! - [`testkit`]: fakes of every seam, for engine tests and benchmarks.
 
 pub mod base64;
+pub mod cli;
 pub mod config;
 pub mod console;
 pub mod crash;
@@ -25,6 +26,7 @@ pub mod disk;
 pub mod error;
 pub mod hex;
 pub mod hostkey;
+pub mod human;
 pub mod image;
 pub mod logonce;
 pub mod metrics;

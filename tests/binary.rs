@@ -177,6 +177,46 @@ fn help_documents_every_flag() {
 }
 
 #[test]
+fn run_help_exits_0_with_runs_flags() {
+    let out = eitri(&["run", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("Flags of `run`")
+            && text.contains("--notify-fd")
+            && text.contains("EITRI_TICK"),
+        "{text}"
+    );
+}
+
+#[test]
+fn status_help_exits_0_with_its_flags_even_beside_others() {
+    let out = eitri(&["status", "--json", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.starts_with("usage: eitri-agent status"), "{text}");
+    assert!(
+        text.contains("--json") && text.contains("--watch") && text.contains("--state-dir"),
+        "{text}"
+    );
+}
+
+#[test]
+fn logs_help_exits_0_with_its_flags_and_needs_no_vm() {
+    let out = eitri(&["logs", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.starts_with("usage: eitri-agent logs VM"), "{text}");
+    assert!(
+        text.contains("--lines") && text.contains("--follow") && text.contains("--hypervisor"),
+        "{text}"
+    );
+}
+
+#[test]
 fn version_prints_the_release() {
     let out = eitri(&["--version"]);
 
@@ -371,8 +411,8 @@ fn images_prune_keeps_every_image_a_vm_names() {
                 disk_gb: 1,
             }))
             .expect("record");
-        std::fs::write(store.images_dir().join(&used), b"used").expect("image");
-        std::fs::write(store.images_dir().join(&unused), b"unused").expect("image");
+        std::fs::write(store.layout().images().join(&used), b"used").expect("image");
+        std::fs::write(store.layout().images().join(&unused), b"unused").expect("image");
     }
 
     let out = eitri(&[

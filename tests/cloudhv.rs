@@ -157,7 +157,7 @@ impl Host {
             // The images these tests boot are wherever the test (or the
             // real-hypervisor env vars) put them: the whole tree is the root.
             images: Arc::new(ImageCache::with(
-                self.store.images_dir(),
+                self.store.layout().images(),
                 &ImageOptions {
                     file_root: Some("/".into()),
                     ..ImageOptions::default()
@@ -196,7 +196,7 @@ impl Host {
     fn connect(&mut self) {
         let network = eitri_agent::net::host::HostNetwork::setup(
             underlay(),
-            self.store.root(),
+            self.store.layout(),
             vec![],
             std::collections::HashMap::new(),
         )
@@ -241,7 +241,7 @@ impl Host {
     }
 
     fn pid(&self, vm: &str) -> Option<i32> {
-        let text = std::fs::read_to_string(self.store.pidfile_path(&id(vm))).ok()?;
+        let text = std::fs::read_to_string(self.store.layout().pidfile(&id(vm))).ok()?;
         text.split_whitespace().next()?.parse().ok()
     }
 
@@ -335,7 +335,7 @@ fn a_created_vm_boots_and_runs_on(h: Host) {
         "{row:?}"
     );
     assert!(h.pid("vm-1").is_some_and(alive));
-    let serial = std::fs::read_to_string(h.store.serial_log_path(&id("vm-1"))).expect("serial");
+    let serial = std::fs::read_to_string(h.store.layout().serial_log(&id("vm-1"))).expect("serial");
     assert!(serial.contains("booting"), "{serial}");
 }
 
@@ -347,7 +347,7 @@ fn booting_twice_starts_one_process_on(h: Host) {
     h.backend.boot(&spec, Deadline::NONE).expect("second boot");
 
     assert_eq!(h.pid("vm-1"), first);
-    assert_eq!(processes_on(&h.store.root_disk_path(&id("vm-1"))), 1);
+    assert_eq!(processes_on(&h.store.layout().root_disk(&id("vm-1"))), 1);
 }
 
 fn an_agent_restart_adopts_the_running_hypervisor_on(h: Host) {
@@ -360,7 +360,7 @@ fn an_agent_restart_adopts_the_running_hypervisor_on(h: Host) {
     assert_eq!(h.pid("vm-1"), Some(before), "no new process");
     assert!(alive(before));
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
-    assert_eq!(processes_on(&h.store.root_disk_path(&id("vm-1"))), 1);
+    assert_eq!(processes_on(&h.store.layout().root_disk(&id("vm-1"))), 1);
 }
 
 /// Kills the VM's hypervisor with SIGKILL, and waits, with no step, for
@@ -486,7 +486,7 @@ fn destroy_leaves_no_process_socket_pidfile_tap_or_directory_on(h: Host) {
     assert!(!socket.exists());
     assert!(!PathBuf::from(format!("{}.lock", socket.display())).exists());
     assert!(!link_exists(&tap));
-    assert!(!h.store.vm_dir(&id("vm-1")).exists());
+    assert!(!h.store.layout().vm_dir(&id("vm-1")).exists());
 }
 
 fn the_tap_dies_with_a_killed_hypervisor_on(h: Host) {
@@ -523,7 +523,8 @@ fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
     let target = |fd: &str| fds.iter().find(|(n, _)| n == fd).map(|(_, t)| t.as_str());
     let log = h
         .store
-        .hypervisor_log_path(&id("vm-1"))
+        .layout()
+        .hypervisor_log(&id("vm-1"))
         .display()
         .to_string();
     assert_eq!(target("0"), Some("/dev/null"));
@@ -535,7 +536,7 @@ fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
     );
     assert_eq!(target("4"), Some("/dev/net/tun"), "its tap: {fds:?}");
     // Anything else it opened itself: its own files, or API connections.
-    let own_dir = h.store.vm_dir(&id("vm-1")).display().to_string();
+    let own_dir = h.store.layout().vm_dir(&id("vm-1")).display().to_string();
     let others: Vec<&(String, String)> = fds
         .iter()
         .filter(|(n, _)| n.parse::<u32>().is_ok_and(|n| n > 4))
@@ -590,9 +591,9 @@ fn a_pidfile_naming_an_unrelated_process_reads_not_running() {
         .next()
         .and_then(|r| r.split_whitespace().nth(19))
         .expect("start time");
-    std::fs::create_dir_all(h.store.vm_dir(&id("vm-1"))).expect("dir");
+    std::fs::create_dir_all(h.store.layout().vm_dir(&id("vm-1"))).expect("dir");
     std::fs::write(
-        h.store.pidfile_path(&id("vm-1")),
+        h.store.layout().pidfile(&id("vm-1")),
         format!("{pid} {start}\n"),
     )
     .expect("pidfile");
@@ -658,7 +659,7 @@ fn a_long_state_dir_still_gets_a_short_socket() {
     h.cfg.run_dir = run.path().to_path_buf();
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     assert!(
-        h.store.vm_dir(&id("vm-1")).as_os_str().len() > 200,
+        h.store.layout().vm_dir(&id("vm-1")).as_os_str().len() > 200,
         "the state dir is long"
     );
     let spec = h.spec("vm-1");
@@ -894,7 +895,7 @@ fn every_disk_the_hypervisor_is_given_is_raw_with_backing_files_off() {
         .split(|b| *b == 0)
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
-    let log = std::fs::read_to_string(h.store.hypervisor_log_path(&id("vm-1"))).expect("log");
+    let log = std::fs::read_to_string(h.store.layout().hypervisor_log(&id("vm-1"))).expect("log");
 
     let disks: Vec<&String> = args
         .iter()
@@ -954,15 +955,15 @@ fn the_hypervisor_runs_as_the_vms_own_user_with_no_capabilities_and_no_new_privi
     assert_eq!(status_of(pid, "NoNewPrivs:"), "1");
     let owner =
         |p: &Path| std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(p).expect("stat"));
-    assert_eq!(owner(&h.store.root_disk_path(&id("vm-1"))), uid);
-    assert_eq!(owner(&h.store.seed_path(&id("vm-1"))), uid);
+    assert_eq!(owner(&h.store.layout().root_disk(&id("vm-1"))), uid);
+    assert_eq!(owner(&h.store.layout().seed(&id("vm-1"))), uid);
     assert_eq!(
-        owner(&h.store.vm_dir(&id("vm-1"))),
+        owner(&h.store.layout().vm_dir(&id("vm-1"))),
         0,
         "its directory stays root's"
     );
     assert_eq!(
-        owner(&h.store.pidfile_path(&id("vm-1"))),
+        owner(&h.store.layout().pidfile(&id("vm-1"))),
         0,
         "and its pidfile"
     );
@@ -1047,7 +1048,7 @@ fn a_guest_printing_to_serial_forever_holds_no_more_disk_than_the_cap() {
     h.cfg.confinement.serial_log_bytes = 512 << 10;
     let h = h.restart();
     h.tick(&h.vm("vm-1"));
-    let serial = h.store.serial_log_path(&id("vm-1"));
+    let serial = h.store.layout().serial_log(&id("vm-1"));
 
     std::thread::sleep(Duration::from_secs(4));
 
@@ -1103,7 +1104,7 @@ fn a_vms_hypervisor_user_is_the_same_after_an_agent_restart() {
 fn a_local_users_process_naming_a_vms_disk_is_not_taken_for_its_hypervisor() {
     use std::os::unix::process::CommandExt;
     let h = Host::new(&[]);
-    let disk = format!("path={}", h.store.root_disk_path(&id("vm-1")).display());
+    let disk = format!("path={}", h.store.layout().root_disk(&id("vm-1")).display());
     // A process of nobody's with the VM's disk on its command line, as any
     // local user could start.
     // (A shell waiting on its stdin: it keeps the argument and runs
@@ -1137,7 +1138,7 @@ fn a_garbled_pidfile_does_not_hide_a_running_hypervisor() {
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let pid = h.pid("vm-1").expect("pid");
-    std::fs::write(h.store.pidfile_path(&id("vm-1")), b"\x00garbage").expect("garble");
+    std::fs::write(h.store.layout().pidfile(&id("vm-1")), b"\x00garbage").expect("garble");
 
     let running = h.backend.running(&id("vm-1"));
 
@@ -1158,8 +1159,11 @@ fn a_pidfile_naming_an_unrelated_process_does_not_hide_the_hypervisor() {
         .and_then(|s| s.rsplit(')').next().map(str::to_owned))
         .and_then(|r| r.split_whitespace().nth(19).map(str::to_owned))
         .expect("start time");
-    std::fs::write(h.store.pidfile_path(&id("vm-1")), format!("{me} {start}\n"))
-        .expect("wrong pid");
+    std::fs::write(
+        h.store.layout().pidfile(&id("vm-1")),
+        format!("{me} {start}\n"),
+    )
+    .expect("wrong pid");
 
     let running = h.backend.running(&id("vm-1"));
 
@@ -1172,7 +1176,7 @@ fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
     let h = Host::new(&[]);
     h.tick(&h.vm("vm-1"));
     let pid = h.pid("vm-1").expect("pid");
-    let disk = h.store.root_disk_path(&id("vm-1"));
+    let disk = h.store.layout().root_disk(&id("vm-1"));
     let inode =
         |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).expect("disk"));
     let disk_before = inode(&disk);
@@ -1190,7 +1194,7 @@ fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
         (Some(PowerState::Running), Some(Phase::Ready))
     );
     assert_eq!(h.pid("vm-1"), Some(pid), "the same VMM, no second one");
-    assert_eq!(processes_on(&h.store.root_disk_path(&id("vm-1"))), 1);
+    assert_eq!(processes_on(&h.store.layout().root_disk(&id("vm-1"))), 1);
     assert_eq!(inode(&disk), disk_before, "its disk was not replaced");
     assert_eq!(
         h.store
@@ -1296,7 +1300,7 @@ fn an_agent_restart_serves_the_adopted_vms_network_again() {
     let network = Arc::new(
         eitri_agent::net::host::HostNetwork::setup(
             underlay(),
-            h.store.root(),
+            h.store.layout(),
             vec![],
             std::collections::HashMap::new(),
         )
@@ -1319,7 +1323,7 @@ fn a_vm_whose_tap_cannot_join_its_network_fails_and_leaves_no_hypervisor() {
     // on the plug's own thread, while the VMM starts.
     let network = eitri_agent::net::host::HostNetwork::setup(
         underlay(),
-        h.store.root(),
+        h.store.layout(),
         vec![],
         std::collections::HashMap::from([("site".to_owned(), "etnobridge".to_owned())]),
     )
@@ -1399,7 +1403,7 @@ fn an_adopted_vm_is_guarded_again_before_its_first_tick() {
     cfg.network = Some(Arc::new(
         eitri_agent::net::host::HostNetwork::setup(
             underlay(),
-            h.store.root(),
+            h.store.layout(),
             vec![],
             std::collections::HashMap::new(),
         )
@@ -1474,7 +1478,7 @@ fn logs_of_a_guest_that_printed_10_mib_shows_its_newest_lines_within_the_cap() {
     h.cfg.confinement.serial_log_bytes = 1 << 20;
     let h = h.restart();
     h.tick(&h.vm("vm-1"));
-    let serial = h.store.serial_log_path(&id("vm-1"));
+    let serial = h.store.layout().serial_log(&id("vm-1"));
     wait_until("10 MiB of console", || {
         std::fs::metadata(&serial).is_ok_and(|m| m.len() > 10 << 20)
     });
@@ -1506,7 +1510,7 @@ fn logs_of_a_guest_that_printed_10_mib_shows_its_newest_lines_within_the_cap() {
 fn logs_follow_prints_a_new_line_within_a_tick() {
     let h = Host::new(&[]);
     h.tick(&h.vm("vm-1"));
-    let serial = h.store.serial_log_path(&id("vm-1"));
+    let serial = h.store.layout().serial_log(&id("vm-1"));
     let mut child = std::process::Command::new(AGENT)
         .args(["logs", "vm-1", "--follow", "--lines", "1", "--state-dir"])
         .arg(h.store.root())

@@ -236,7 +236,7 @@ fn host_key_is_saved_before_anything_else_and_awaits_a_certificate() {
     assert_eq!(h.record("vm-1").host_pubkey, row.ssh_host_pubkey);
     assert_eq!(
         h.fakes.actions(),
-        vec![Call::HostKey(h.store.host_key_path(&id("vm-1")))]
+        vec![Call::HostKey(h.store.layout().host_key(&id("vm-1")))]
     );
 }
 

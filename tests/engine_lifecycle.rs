@@ -443,7 +443,7 @@ fn with_unreadable(vm: &str, other: &str) -> Harness {
         1,
         vec![present(desired(vm)), present(desired(other))],
     ));
-    std::fs::write(h.store.record_path(&id(vm)), b"{\"format\":1,").expect("corrupt");
+    std::fs::write(h.store.layout().record(&id(vm)), b"{\"format\":1,").expect("corrupt");
     let h = h.restart();
     h.fakes.forget_calls();
     h
@@ -488,7 +488,7 @@ fn unreadable_record_is_never_reaped() {
         !actions.contains(&Call::Shutdown(id("vm-bad"))),
         "{actions:?}"
     );
-    assert!(h.store.record_path(&id("vm-bad")).exists());
+    assert!(h.store.layout().record(&id("vm-bad")).exists());
 }
 
 // ── the workers themselves ──────────────────────────────────────────────
@@ -724,7 +724,7 @@ fn one_pass_per_vm_even_when_it_leaves_and_returns_mid_pass() {
 #[test]
 fn a_repaired_record_is_read_again_within_a_tick() {
     let h = created("vm-1");
-    let path = h.store.record_path(&id("vm-1"));
+    let path = h.store.layout().record(&id("vm-1"));
     let good = std::fs::read(&path).expect("record");
     std::fs::write(&path, b"{\"format\":1,").expect("corrupt");
     let h = h.restart();

@@ -10,7 +10,8 @@
 //! 3. reconcile
 //! 4. source, config, status
 //! 5. daemon
-//! 6. testkit (fakes of everything, for tests) and the binary
+//! 6. testkit (fakes of everything, for tests), the subcommands (cli) and
+//!    the binary
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -26,6 +27,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("version", 0),
     ("threads", 0),
     ("quote", 0),
+    ("human", 0),
     ("programs", 0),
     ("stages", 0),
     ("state", 1),
@@ -43,6 +45,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("console", 4),
     ("daemon", 5),
     ("testkit", 6),
+    ("cli", 6),
     ("main", 6),
 ];
 

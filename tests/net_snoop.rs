@@ -46,7 +46,7 @@ impl Drop for Cleanup {
 fn host_network(state: &std::path::Path) -> HostNetwork {
     HostNetwork::setup(
         underlay_config(),
-        state,
+        &eitri_agent::state::Layout::new(state),
         vec![],
         HashMap::from([("site".to_owned(), "etsite".to_owned())]),
     )

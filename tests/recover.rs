@@ -99,7 +99,7 @@ fn a_vmm_left_running(config: &Config) -> i32 {
         },
     );
     backend.boot(&spec, Deadline::NONE).expect("boot");
-    let pidfile = std::fs::read_to_string(store.pidfile_path(&id("vm-live"))).expect("pidfile");
+    let pidfile = std::fs::read_to_string(store.layout().pidfile(&id("vm-live"))).expect("pidfile");
     pidfile
         .split_whitespace()
         .next()

@@ -50,7 +50,10 @@ fn interrupted_write_loads_the_old_record() {
     let old = record("vm-1", 1);
     let store = Store::open(dir.path()).expect("open");
     store.save(&old).expect("save");
-    let temp = store.vm_dir(&id("vm-1")).join(".record.json.tmp-999-0");
+    let temp = store
+        .layout()
+        .vm_dir(&id("vm-1"))
+        .join(".record.json.tmp-999-0");
     fs::write(&temp, br#"{"format":1,"record":{"#).expect("half-written temp");
     drop(store);
 
@@ -67,7 +70,7 @@ fn truncated_record_is_unreadable_not_absent() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     store.save(&record("vm-1", 1)).expect("save");
-    let path = store.record_path(&id("vm-1"));
+    let path = store.layout().record(&id("vm-1"));
     let bytes = fs::read(&path).expect("read");
     fs::write(&path, &bytes[..bytes.len() / 2]).expect("truncate");
     drop(store);
@@ -87,7 +90,7 @@ fn record_of_a_newer_format_is_unreadable() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     store.save(&record("vm-1", 1)).expect("save");
-    let path = store.record_path(&id("vm-1"));
+    let path = store.layout().record(&id("vm-1"));
     let text = fs::read_to_string(&path).expect("read");
     fs::write(&path, text.replace("\"format\": 1", "\"format\": 2")).expect("rewrite");
     drop(store);
@@ -171,12 +174,12 @@ fn delete_removes_the_vm_directory_and_record() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     store.save(&record("vm-1", 1)).expect("save");
-    fs::write(store.root_disk_path(&id("vm-1")), b"disk").expect("disk");
+    fs::write(store.layout().root_disk(&id("vm-1")), b"disk").expect("disk");
 
     store.delete(&id("vm-1")).expect("delete");
 
     assert!(store.get(&id("vm-1")).expect("readable").is_none());
-    assert!(!store.vm_dir(&id("vm-1")).exists());
+    assert!(!store.layout().vm_dir(&id("vm-1")).exists());
 }
 
 #[test]
@@ -184,7 +187,7 @@ fn delete_never_touches_volumes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     store.save(&record("vm-1", 1)).expect("save");
-    let volume = store.volume_path(&id("vol-1"));
+    let volume = store.layout().volume(&id("vol-1"));
     fs::write(&volume, b"customer data").expect("volume");
 
     store.delete(&id("vm-1")).expect("delete");
@@ -223,7 +226,7 @@ fn records_are_served_from_memory() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Store::open(dir.path()).expect("open");
     store.save(&record("vm-1", 1)).expect("save");
-    fs::remove_file(store.record_path(&id("vm-1"))).expect("remove");
+    fs::remove_file(store.layout().record(&id("vm-1"))).expect("remove");
 
     let all = store.load_all();
 

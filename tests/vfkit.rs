@@ -64,7 +64,7 @@ impl Host {
         let seams = Seams {
             provisioner: Arc::clone(&self.backend) as Arc<dyn Provisioner>,
             images: Arc::new(ImageCache::with(
-                self.store.images_dir(),
+                self.store.layout().images(),
                 &ImageOptions {
                     file_root: Some("/".into()),
                     ..ImageOptions::default()
@@ -176,7 +176,13 @@ fn a_created_vm_boots_and_runs() {
         "{row:?}"
     );
     assert!(h.pid("vm-1").is_some_and(alive));
-    assert!(h.store.vm_dir(&id("vm-1")).join("efi-vars").exists());
+    assert!(
+        h.store
+            .layout()
+            .vm_dir(&id("vm-1"))
+            .join("efi-vars")
+            .exists()
+    );
 }
 
 #[test]
@@ -242,7 +248,7 @@ fn the_engine_stops_a_guest_ignoring_the_power_button_with_a_hard_stop() {
 
     h.tick(&h.vm("vm-1", PowerState::Stopped));
 
-    let log = std::fs::read_to_string(h.store.hypervisor_log_path(&id("vm-1"))).expect("log");
+    let log = std::fs::read_to_string(h.store.layout().hypervisor_log(&id("vm-1"))).expect("log");
     assert!(!alive(pid));
     assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
     let asked: Vec<&str> = log
@@ -279,7 +285,7 @@ fn destroy_leaves_no_process_socket_pidfile_or_directory() {
 
     assert!(!alive(pid));
     assert!(!socket.exists());
-    assert!(!h.store.vm_dir(&id("vm-1")).exists());
+    assert!(!h.store.layout().vm_dir(&id("vm-1")).exists());
 }
 
 #[test]

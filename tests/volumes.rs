@@ -40,7 +40,7 @@ fn a_new_volume_is_a_sparse_file_of_its_size() {
 
     let report = h.tick(&with(vec![], vec![volume("data", 4)]));
 
-    let meta = std::fs::metadata(h.store.volume_path(&id("data"))).expect("file");
+    let meta = std::fs::metadata(h.store.layout().volume(&id("data"))).expect("file");
     assert_eq!(meta.len(), 4 * GIB);
     assert!(
         meta.blocks() * 512 < 1 << 20,
@@ -61,7 +61,7 @@ fn a_volume_grows_when_asked() {
     let report = h.tick(&with(vec![], vec![volume("data", 3)]));
 
     assert_eq!(
-        std::fs::metadata(h.store.volume_path(&id("data")))
+        std::fs::metadata(h.store.layout().volume(&id("data")))
             .expect("file")
             .len(),
         3 * GIB
@@ -83,7 +83,7 @@ fn a_volume_is_never_shrunk() {
         "{error}"
     );
     assert_eq!(
-        std::fs::metadata(h.store.volume_path(&id("data")))
+        std::fs::metadata(h.store.layout().volume(&id("data")))
             .expect("file")
             .len(),
         3 * GIB
@@ -94,7 +94,7 @@ fn a_volume_is_never_shrunk() {
 fn data_in_a_volume_survives_its_growth() {
     let h = Harness::new();
     h.tick(&with(vec![], vec![volume("data", 1)]));
-    let path = h.store.volume_path(&id("data"));
+    let path = h.store.layout().volume(&id("data"));
     std::fs::OpenOptions::new()
         .write(true)
         .open(&path)
@@ -125,7 +125,7 @@ fn a_tombstoned_volume_still_attached_to_a_vm_is_not_reclaimed() {
     let (state, _, why) = state_of(&report, "data").expect("still reported");
     assert_eq!(state, VolumeState::Tombstoned);
     assert!(why.contains("vm-1"), "{why}");
-    assert!(h.store.volume_path(&id("data")).exists());
+    assert!(h.store.layout().volume(&id("data")).exists());
 }
 
 #[test]
@@ -135,7 +135,7 @@ fn a_tombstoned_volume_no_vm_uses_is_reclaimed_and_no_longer_reported() {
 
     let report = h.tick(&with(vec![], vec![WantedVolume::Tombstoned(id("data"))]));
 
-    assert!(!h.store.volume_path(&id("data")).exists());
+    assert!(!h.store.layout().volume(&id("data")).exists());
     assert_eq!(state_of(&report, "data"), None, "absence is the ack");
 }
 
@@ -147,7 +147,7 @@ fn a_volume_left_out_of_the_snapshot_is_kept_and_reported() {
     let report = h.tick(&with(vec![], vec![]));
 
     assert!(
-        h.store.volume_path(&id("data")).exists(),
+        h.store.layout().volume(&id("data")).exists(),
         "only a tombstone deletes"
     );
     assert_eq!(
@@ -184,7 +184,7 @@ fn the_fence_path_reports_volumes_without_touching_them() {
         epoch: 5,
         ..with(vec![], vec![volume("data", 1)])
     });
-    let path = h.store.volume_path(&id("data"));
+    let path = h.store.layout().volume(&id("data"));
     let before = std::fs::metadata(&path)
         .expect("file")
         .modified()

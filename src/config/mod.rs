@@ -45,7 +45,8 @@ pub enum Command {
         state_dir: PathBuf,
     },
     Version,
-    Help,
+    /// Print this help text (the whole binary's, or one verb's).
+    Help(String),
 }
 
 /// Where desired state comes from.
@@ -97,44 +98,114 @@ pub(super) fn err(msg: impl Into<String>) -> ConfigError {
     ConfigError(msg.into())
 }
 
-/// The `--help` text, generated from the settings table.
+/// The synopsis of every command, the top of `--help`.
+const SYNOPSIS: &str = "\
+usage: eitri-agent run [FLAGS]        converge this host and report (the daemon)
+       eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
+       eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
+       eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
+       eitri-agent --version | --help
+       eitri-agent COMMAND --help         one command's flags
+";
+
+/// The `--help` text: every command, then `run`'s flags, generated from
+/// the settings table.
 pub fn usage() -> String {
-    let mut out = String::from(
-        "usage: eitri-agent run [FLAGS]        converge this host and report (the daemon)\n\
-         \x20      eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail\n\
-         \x20      eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)\n\
-         \x20      eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses\n\
-         \x20      eitri-agent --version | --help\n\n\
-         The host agent of the eitri microVM platform. Give --desired FILE (standalone)\n\
+    let mut out = String::from(SYNOPSIS);
+    out.push_str(
+        "\nThe host agent of the eitri microVM platform. Give --desired FILE (standalone)\n\
          or --control-plane URL. Every flag may instead be set by the environment\n\
-         variable shown; the flag wins.\n\nFlags of `run` (default in brackets):\n",
+         variable shown; the flag wins.\n\n",
     );
+    out.push_str(&run_usage());
+    out
+}
+
+/// `run --help`: its flags, with their defaults and environment variables.
+fn run_usage() -> String {
+    let mut out = String::from("Flags of `run` (default in brackets):\n");
     for s in Key::ALL.iter().map(|k| k.setting()) {
-        let default = if s.default.is_empty() {
-            "none"
-        } else {
-            s.default
-        };
-        out.push_str(&format!(
-            "  --{:<24} {}\n  {:<26} [{default}] ${}\n",
-            s.flag, s.help, "", s.env
-        ));
+        out.push_str(&flag_line(s.flag, s.help, s.default, Some(s.env)));
     }
     out.push_str("\nDurations take a unit: 500ms, 30s, 15m, 24h.\n");
     out
 }
 
+/// One flag of `--help`: the flag and what it does, then its default and
+/// its environment variable, if it has one.
+fn flag_line(flag: &str, help: &str, default: &str, env: Option<&str>) -> String {
+    let default = if default.is_empty() { "none" } else { default };
+    let env = env.map(|e| format!(" ${e}")).unwrap_or_default();
+    format!("  --{flag:<24} {help}\n  {:<26} [{default}]{env}\n", "")
+}
+
+/// The help of a command that reads the state dir: its synopsis, then its
+/// flags (`--state-dir` first, as `run` has it).
+fn verb_usage(synopsis: &str, flags: &[(&str, &str)]) -> String {
+    let dir = Key::StateDir.setting();
+    let mut out = format!("usage: eitri-agent {synopsis}\n\nFlags:\n");
+    out.push_str(&flag_line(dir.flag, dir.help, dir.default, Some(dir.env)));
+    for (flag, help) in flags {
+        out.push_str(&flag_line(flag, help, "", None));
+    }
+    out
+}
+
+fn status_usage() -> String {
+    verb_usage(
+        "status [VM] [--state-dir DIR] [--json] [--watch]\n\n\
+         The last report the agent wrote, or VM in detail. Reads the state dir\n\
+         without its lock: works beside a running agent.",
+        &[
+            ("json", "the report as JSON, as the agent wrote it"),
+            ("watch", "redraw every tick of the agent"),
+        ],
+    )
+}
+
+fn logs_usage() -> String {
+    verb_usage(
+        "logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]\n\n\
+         A VM's serial console, or its hypervisor's own log.",
+        &[
+            ("lines N", "how many of the last lines to print [50]"),
+            ("follow", "keep printing what is added"),
+            ("hypervisor", "the hypervisor's log instead of the console"),
+        ],
+    )
+}
+
+fn images_usage() -> String {
+    verb_usage(
+        "images prune [--state-dir DIR]\n\n\
+         Deletes cached base images no VM record names. Takes the state dir's\n\
+         lock: stop the agent first.",
+        &[],
+    )
+}
+
+/// Whether `--help` (or `-h`) is among a command's arguments: it wins over
+/// every other argument, right or wrong.
+fn asks_help(args: &[String]) -> bool {
+    args.iter().any(|a| a == "--help" || a == "-h")
+}
+
 /// Parses the arguments after the program name, with `env` for fallbacks.
 pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
     let Some((verb, rest)) = args.split_first() else {
-        return Ok(Command::Help);
+        return Ok(Command::Help(usage()));
     };
+    let help = asks_help(rest);
     match verb.as_str() {
         "--version" | "-V" | "version" => Ok(Command::Version),
-        "--help" | "-h" | "help" => Ok(Command::Help),
+        "--help" | "-h" | "help" => Ok(Command::Help(usage())),
+        "run" if help => Ok(Command::Help(run_usage())),
         "run" => run::parse(rest, env).map(|c| Command::Run(Box::new(c))),
+        "status" if help => Ok(Command::Help(status_usage())),
         "status" => parse_status(rest, env),
+        "logs" if help => Ok(Command::Help(logs_usage())),
         "logs" => parse_logs(rest, env),
+        "images" if help => Ok(Command::Help(images_usage())),
         "images" => match rest.split_first() {
             Some((sub, flags)) if sub == "prune" => {
                 let flags = flag_values(flags, &["state-dir"], &[])?;
@@ -233,13 +304,16 @@ fn parse_logs(args: &[String], env: &HashMap<String, String>) -> Result<Command,
     })
 }
 
+/// `--state-dir` of a command other than `run`, read as `run` reads it:
+/// the flag, else its environment variable, else its default.
 fn state_dir_of(flags: &HashMap<String, &str>, env: &HashMap<String, String>) -> PathBuf {
+    let setting = Key::StateDir.setting();
     PathBuf::from(
         flags
-            .get("state-dir")
+            .get(setting.flag)
             .map(|s| s.to_string())
-            .or_else(|| env.get("EITRI_STATE_DIR").cloned())
-            .unwrap_or_else(|| "/var/lib/eitri".into()),
+            .or_else(|| env.get(setting.env).cloned())
+            .unwrap_or_else(|| setting.default.into()),
     )
 }
 

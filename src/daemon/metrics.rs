@@ -187,18 +187,19 @@ impl MetricsFile {
             "Bytes of the base images downloaded and verified.",
             stats.download_bytes.get(),
         );
-        let (used, caps) = engine.quota();
-        let scale = [1.0, (1u64 << 20) as f64, (1u64 << 30) as f64];
-        let resources = ["vcpus", "memory_bytes", "disk_bytes"];
+        let quota = engine.quota();
+        let resources = [
+            ("vcpus", quota.vcpus, 1.0),
+            ("memory_bytes", quota.mem_mb, (1u64 << 20) as f64),
+            ("disk_bytes", quota.disk_gb, (1u64 << 30) as f64),
+        ];
         let committed: Vec<([(&str, &str); 1], f64)> = resources
             .iter()
-            .zip(used.iter().zip(scale))
-            .map(|(r, (u, s))| ([("resource", *r)], *u as f64 * s))
+            .map(|(r, q, unit)| ([("resource", *r)], q.used as f64 * unit))
             .collect();
         let capped: Vec<([(&str, &str); 1], f64)> = resources
             .iter()
-            .zip(caps.iter().zip(scale))
-            .map(|(r, (c, s))| ([("resource", *r)], *c as f64 * s))
+            .map(|(r, q, unit)| ([("resource", *r)], q.cap as f64 * unit))
             .collect();
         let committed: Vec<(&[(&str, &str)], f64)> =
             committed.iter().map(|(l, n)| (&l[..], *n)).collect();

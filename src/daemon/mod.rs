@@ -56,8 +56,6 @@ use crate::source::{Desired, FileSource, HttpSource, Source, SourceError};
 use crate::state::{Store, StoreError};
 use crate::status::ReportFile;
 
-const LAST_SNAPSHOT: &str = "snapshot.pb";
-
 /// The shortest gap between two change-driven `report.json` writes: a burst
 /// of rows changing (a hundred VMs booting) is a few writes, not a hundred.
 const MIN_WRITE_GAP: Duration = Duration::from_millis(10);
@@ -370,7 +368,7 @@ impl Daemon {
     }
 
     fn persist_last(&self, wire: &pb::Snapshot) {
-        let path = self.store.root().join(LAST_SNAPSHOT);
+        let path = self.store.layout().last_snapshot();
         match last::save(&path, wire) {
             Ok(()) => crate::crash::point("snapshot.persisted"),
             Err(e) => {
@@ -389,12 +387,11 @@ impl Daemon {
         let details = self
             .details
             .update(&report, &self.store, &self.engine, tick);
-        let (used, caps) = self.engine.quota();
         let file = ReportFile {
             notes: self.notes.clone(),
             tick_ms: u64::try_from(self.tick.as_millis()).unwrap_or(u64::MAX),
             details,
-            quota: crate::status::Quota { used, caps },
+            quota: self.engine.quota(),
             ..ReportFile::new(
                 self.host.clone(),
                 self.source.clone(),
@@ -424,7 +421,7 @@ impl Daemon {
 }
 
 fn load_last(store: &Store) -> Option<(Desired, Snapshot)> {
-    let path = store.root().join(LAST_SNAPSHOT);
+    let path = store.layout().last_snapshot();
     match last::load(&path) {
         Ok(None) => None,
         Ok(Some(wire)) => {

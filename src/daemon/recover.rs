@@ -92,7 +92,7 @@ fn host_network(
         }
         Some(underlay) => match HostNetwork::setup(
             keep_from_guests(underlay, config),
-            store.root(),
+            store.layout(),
             guest_dns,
             config.guest.host_networks.clone(),
         ) {
@@ -129,7 +129,7 @@ pub fn recover(
     // 1.
     let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
     // 2.
-    let images = Arc::new(ImageCache::with(store.images_dir(), &config.images));
+    let images = Arc::new(ImageCache::with(store.layout().images(), &config.images));
     let swept = store.sweep();
     let partials = images.sweep_partials();
     if swept.temp_files + swept.half_deleted_vms + partials > 0 {
@@ -157,7 +157,7 @@ pub fn recover(
     #[cfg(not(target_os = "linux"))]
     let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest);
     let mut known: Vec<crate::model::Id> = store.load_all().keys().cloned().collect();
-    if let Ok(Some(last)) = super::last::load(&store.root().join(super::LAST_SNAPSHOT)) {
+    if let Ok(Some(last)) = super::last::load(&store.layout().last_snapshot()) {
         known.extend(
             crate::pb::convert::snapshot_from_wire(&last)
                 .vms

@@ -67,7 +67,7 @@ pub fn prune(store: &Store) -> Result<Pruned, PruneError> {
             }
         }
     }
-    let dir = store.images_dir();
+    let dir = store.layout().images();
     let entries = fs::read_dir(&dir).map_err(|source| PruneError::List {
         dir: dir.clone(),
         source,

@@ -7,11 +7,13 @@
 
 mod id;
 mod mac;
+mod quota;
 mod report;
 mod spec;
 
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
+pub use quota::{Committed, Quota};
 pub use report::{QuarantinedVm, Report, Rows, VmStatus, VolumeState, VolumeStatus};
 pub use spec::{
     DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,

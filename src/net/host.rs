@@ -11,9 +11,9 @@
 //! from the id fits only 40 bits in 15 bytes, and a control plane can find
 //! two ids that share one.)
 
+use crate::state::Layout;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
-use std::path::Path;
 
 use parking_lot::Mutex;
 
@@ -113,20 +113,21 @@ pub struct HostNetwork {
 }
 
 impl HostNetwork {
-    /// Brings the underlay up and loads the address map from `state_dir`.
+    /// Brings the underlay up and loads the address map from the state dir
+    /// `layout` describes.
     pub fn setup(
         cfg: UnderlayConfig,
-        state_dir: &Path,
+        layout: &Layout,
         dns: Vec<Ipv4Addr>,
         named: HashMap<String, String>,
     ) -> Result<HostNetwork, BoxFailure> {
-        let addresses = Addresses::open(&state_dir.join("net/addresses.json"), cfg.subnet)
+        let addresses = Addresses::open(&layout.addresses(), cfg.subnet)
             .map_err(|e: AddressError| -> BoxFailure { e.into() })?;
         // Guests may always reach the DNS servers they are told.
         let mut cfg = cfg;
         cfg.egress.dns.clone_from(&dns);
         let underlay = Underlay::setup(cfg).map_err(|e| -> BoxFailure { e.into() })?;
-        let learned = Arc::new(Learned::open(&state_dir.join("net/learned.json")));
+        let learned = Arc::new(Learned::open(&layout.learned()));
         let writer = Writer::start(Arc::clone(&learned)).map_err(|source| -> BoxFailure {
             HostNetError::Thread {
                 what: "learned-writer",

@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 
 use crate::deadline::Deadline;
 use crate::error::DeadlineExpired;
-use crate::model::{Id, VmSpec};
+use crate::model::{Committed, Id, Quota, VmSpec};
 
 /// Host capacity caps; 0 = unlimited.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -111,20 +111,15 @@ impl Ledger {
     }
 
     /// Committed vCPUs, MB and GB, and the caps on each (0 = none).
-    pub fn usage(&self) -> ([u64; 3], [u64; 3]) {
+    pub fn usage(&self) -> Quota {
         let committed = self.committed.lock();
-        let mut used = [0u64; 3];
-        for c in committed.values() {
-            used[0] += c.vcpus;
-            used[1] += c.mem_mb;
-            used[2] += c.disk_gb;
+        let sum = |of: fn(&Compute) -> u64| committed.values().map(of).sum::<u64>();
+        let with = |used, cap| Committed { used, cap };
+        Quota {
+            vcpus: with(sum(|c| c.vcpus), self.caps.max_vcpus),
+            mem_mb: with(sum(|c| c.mem_mb), self.caps.max_mem_mb),
+            disk_gb: with(sum(|c| c.disk_gb), self.caps.max_disk_gb),
         }
-        let caps = [
-            self.caps.max_vcpus,
-            self.caps.max_mem_mb,
-            self.caps.max_disk_gb,
-        ];
-        (used, caps)
     }
 }
 

@@ -98,7 +98,7 @@ impl Core {
         if d.host_cert_required {
             let key = match timed("host key", || {
                 self.host_keys
-                    .load_or_create(&self.store.host_key_path(vm_id))
+                    .load_or_create(&self.store.layout().host_key(vm_id))
             }) {
                 Ok(key) => key,
                 Err(e) => return attempt.fail(rec, e, res),
@@ -217,7 +217,7 @@ impl Core {
 
         narrator.say("building the cloud-init seed");
         if let Err(e) = timed("seed", || {
-            self.seed.build(&self.store.seed_path(vm_id), &params)
+            self.seed.build(&self.store.layout().seed(vm_id), &params)
         }) {
             return attempt.fail(rec, e, res);
         }

@@ -159,13 +159,9 @@ pub fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
     }
 }
 
+/// How long from `now` until `at`, for people.
 fn human(at: SystemTime, now: SystemTime) -> String {
-    let s = at.duration_since(now).unwrap_or_default().as_secs();
-    match s {
-        0..=119 => format!("{s} s"),
-        120..=7199 => format!("{} min", s / 60),
-        _ => format!("{} h", s / 3600),
-    }
+    crate::human::duration(at.duration_since(now).unwrap_or_default())
 }
 
 /// The transitions: the only writers of a record's lifecycle fields.

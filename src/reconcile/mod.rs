@@ -275,7 +275,7 @@ impl Engine {
 
     /// Compute committed to live VMs and the host's caps (0 = none):
     /// vCPUs, memory in MB, disk in GB.
-    pub fn quota(&self) -> ([u64; 3], [u64; 3]) {
+    pub fn quota(&self) -> crate::model::Quota {
         self.core.ledger.usage()
     }
 

@@ -74,7 +74,7 @@ pub fn converge(
 /// would read upward as this host having none, and the control plane reaps
 /// tombstoned volumes on exactly that silence.
 pub fn sweep(store: &Store) -> Vec<VolumeStatus> {
-    let Ok(entries) = fs::read_dir(store.volumes_dir()) else {
+    let Ok(entries) = fs::read_dir(store.layout().volumes()) else {
         return Vec::new();
     };
     let mut rows: Vec<VolumeStatus> = entries
@@ -82,7 +82,7 @@ pub fn sweep(store: &Store) -> Vec<VolumeStatus> {
         .filter_map(|entry| {
             let id = Id::parse(entry.file_name().to_str()?).ok()?;
             let meta = entry.metadata().ok()?;
-            let state = if store.volume_tombstone_path(&id).exists() {
+            let state = if store.layout().volume_tombstone(&id).exists() {
                 VolumeState::Tombstoned
             } else {
                 VolumeState::Ready
@@ -98,7 +98,7 @@ pub fn sweep(store: &Store) -> Vec<VolumeStatus> {
 /// is permanent for the VM: nothing this host can do will bring it back.
 pub fn materialized(store: &Store, spec: &VmSpec) -> Result<(), BoxFailure> {
     for id in &spec.volume_ids {
-        let path = store.volume_path(id);
+        let path = store.layout().volume(id);
         if !path.is_file() {
             return Err(Simple::permanent(format!(
                 "volume {id} is not on this host ({} is missing); add it to the snapshot's volumes",
@@ -140,10 +140,10 @@ fn failed(id: &Id, len: u64, why: String) -> VolumeStatus {
 /// asked, never shrunk.
 fn ensure(store: &Store, v: &VolumeSpec) -> VolumeStatus {
     let id = &v.volume_id;
-    let path = store.volume_path(id);
+    let path = store.layout().volume(id);
     let want = v.size_gb * GIB;
     // Un-deleted: the control plane wants it again.
-    let marker = store.volume_tombstone_path(id);
+    let marker = store.layout().volume_tombstone(id);
     if marker.exists()
         && let Err(e) = fs::remove_file(&marker)
     {
@@ -212,8 +212,8 @@ fn reclaim(
     users: &HashMap<&Id, Vec<&Id>>,
     any_unreadable: bool,
 ) -> Option<VolumeStatus> {
-    let path = store.volume_path(id);
-    let marker = store.volume_tombstone_path(id);
+    let path = store.layout().volume(id);
+    let marker = store.layout().volume_tombstone(id);
     let len = match fs::metadata(&path) {
         Ok(meta) => meta.len(),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -254,7 +254,7 @@ fn reclaim(
             format!("cannot remove {}: {e}", path.display()),
         ));
     }
-    if let Err(e) = sync_dir(&store.volumes_dir()) {
+    if let Err(e) = sync_dir(&store.layout().volumes()) {
         log::warn!("volume {id}: removed, but syncing the volumes dir failed: {e}");
     }
     let _ = fs::remove_file(&marker);
@@ -267,7 +267,7 @@ fn refused(store: &Store, rejected: &Rejected) -> VolumeStatus {
     let len = rejected
         .id
         .as_ref()
-        .and_then(|id| fs::metadata(store.volume_path(id)).ok())
+        .and_then(|id| fs::metadata(store.layout().volume(id)).ok())
         .map_or(0, |m| m.len());
     VolumeStatus {
         volume_id: rejected.raw_id.clone(),

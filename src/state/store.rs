@@ -9,10 +9,9 @@ use parking_lot::{Mutex, RwLock};
 
 use super::atomic::{is_temp_name, remove_stray_temps, sync_dir, write_atomic};
 use super::record::Envelope;
-use super::{RECORD_FORMAT, Record, StoreError};
+use super::{Layout, RECORD_FILE, RECORD_FORMAT, Record, StoreError};
 use crate::model::Id;
 
-const RECORD_FILE: &str = "record.json";
 /// A VM directory being deleted is first renamed to a name with this prefix,
 /// so a crash mid-delete leaves something no loader mistakes for a VM.
 const DELETING_PREFIX: &str = ".deleting-";
@@ -27,7 +26,7 @@ pub enum RecordSlot {
 
 /// The state directory, locked for this process's lifetime.
 pub struct Store {
-    root: PathBuf,
+    layout: Layout,
     /// Held for its flock; released when the store is dropped.
     _lock: File,
     epoch: Mutex<u64>,
@@ -42,27 +41,16 @@ pub struct Store {
 
 static DELETE_COUNTER: AtomicU64 = AtomicU64::new(0);
 
-/// The guest's serial console, in its VM's directory.
-pub const SERIAL_LOG: &str = "serial.log";
-/// The hypervisor's own output, in its VM's directory.
-pub const HYPERVISOR_LOG: &str = "hypervisor.log";
-
-/// A VM's directory under the state dir `root`, for readers that must not
-/// open the store (which locks it against a second agent): `logs`,
-/// `status`.
-pub fn vm_dir_in(root: &Path, vm_id: &Id) -> PathBuf {
-    root.join("vms").join(vm_id.as_str())
-}
-
 impl Store {
     /// Opens (creating if needed) the state dir at `root` and takes its
     /// lock. Fails at once, naming the dir, when another agent holds it.
     pub fn open(root: &Path) -> Result<Store, StoreError> {
+        let layout = Layout::new(root);
         for dir in [
             root.to_path_buf(),
-            root.join("vms"),
-            root.join("images"),
-            root.join("volumes"),
+            layout.vms(),
+            layout.images(),
+            layout.volumes(),
         ] {
             super::perms::make_dir(&dir).map_err(|source| StoreError::CreateDir {
                 path: dir.clone(),
@@ -81,7 +69,7 @@ impl Store {
                 root.display()
             );
         }
-        let lock_path = root.join("lock");
+        let lock_path = layout.lock();
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -106,10 +94,10 @@ impl Store {
                 });
             }
         }
-        let epoch = read_epoch(&root.join("epoch"));
-        let records = scan_records(&root.join("vms"))?;
+        let epoch = read_epoch(&layout.epoch());
+        let records = scan_records(&layout.vms())?;
         Ok(Store {
-            root: root.to_path_buf(),
+            layout,
             _lock: lock,
             epoch: Mutex::new(epoch),
             unreadable: AtomicUsize::new(count_unreadable(&records)),
@@ -120,8 +108,14 @@ impl Store {
         })
     }
 
+    /// The state dir.
     pub fn root(&self) -> &Path {
-        &self.root
+        self.layout.state_dir()
+    }
+
+    /// Where everything under the state dir is.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
     }
 
     /// The highest accepted epoch. An epoch file that could not be read at
@@ -138,7 +132,7 @@ impl Store {
         if epoch <= *current {
             return Ok(());
         }
-        let path = self.root.join("epoch");
+        let path = self.layout.epoch();
         write_atomic(&path, format!("{epoch}\n").as_bytes())
             .map_err(|source| StoreError::WriteEpoch { path, source })?;
         *current = epoch;
@@ -178,7 +172,7 @@ impl Store {
             .collect();
         let mut repaired = Vec::new();
         for vm_id in unreadable {
-            let now = match fs::read(self.record_path(&vm_id)) {
+            let now = match fs::read(self.layout.record(&vm_id)) {
                 Ok(bytes) => Some(decode(&vm_id, &bytes)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                 Err(e) => Some(RecordSlot::Unreadable(e.to_string().into())),
@@ -212,7 +206,7 @@ impl Store {
             Some(RecordSlot::Readable(rec)) => Ok(Some(Arc::clone(rec))),
             Some(RecordSlot::Unreadable(problem)) => Err(StoreError::UnreadableRecord {
                 vm_id: vm_id.clone(),
-                path: self.record_path(vm_id),
+                path: self.layout.record(vm_id),
                 problem: problem.to_string(),
             }),
         }
@@ -223,7 +217,7 @@ impl Store {
     pub fn save(&self, rec: &Record) -> Result<(), StoreError> {
         let _span = crate::stages::span("record save");
         let vm_id = &rec.spec.vm_id;
-        let dir = self.vm_dir(vm_id);
+        let dir = self.layout.vm_dir(vm_id);
         let write_err = |path: PathBuf| {
             move |source| StoreError::WriteRecord {
                 vm_id: vm_id.clone(),
@@ -234,7 +228,7 @@ impl Store {
         if !dir.is_dir() {
             super::perms::make_dir(&dir).map_err(write_err(dir.clone()))?;
             // The new directory's own name must survive a crash too.
-            sync_dir(&self.root.join("vms")).map_err(write_err(dir.clone()))?;
+            sync_dir(&self.layout.vms()).map_err(write_err(dir.clone()))?;
         }
         let bytes = serde_json::to_vec_pretty(&Envelope {
             format: RECORD_FORMAT,
@@ -244,7 +238,7 @@ impl Store {
             vm_id: vm_id.clone(),
             source,
         })?;
-        let path = self.record_path(vm_id);
+        let path = self.layout.record(vm_id);
         write_atomic(&path, &bytes).map_err(write_err(path.clone()))?;
         let was = self
             .records
@@ -264,8 +258,8 @@ impl Store {
     /// crash the VM is either wholly present or gone; the renamed leftovers
     /// are removed then, or at the next open.
     pub fn delete(&self, vm_id: &Id) -> Result<(), StoreError> {
-        let dir = self.vm_dir(vm_id);
-        let vms = self.root.join("vms");
+        let dir = self.layout.vm_dir(vm_id);
+        let vms = self.layout.vms();
         let n = DELETE_COUNTER.fetch_add(1, Ordering::Relaxed);
         let aside = vms.join(format!(
             "{DELETING_PREFIX}{vm_id}-{}-{n}",
@@ -298,63 +292,6 @@ impl Store {
         }
         Ok(())
     }
-
-    /// `vms/`, where every VM's directory is.
-    pub fn vms_dir(&self) -> PathBuf {
-        self.root.join("vms")
-    }
-
-    pub fn vm_dir(&self, vm_id: &Id) -> PathBuf {
-        vm_dir_in(&self.root, vm_id)
-    }
-
-    pub fn record_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join(RECORD_FILE)
-    }
-
-    pub fn root_disk_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("disk.raw")
-    }
-
-    pub fn seed_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("seed.iso")
-    }
-
-    pub fn host_key_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("ssh_host_ed25519_key")
-    }
-
-    pub fn pidfile_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("hypervisor.pid")
-    }
-
-    pub fn serial_log_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join(SERIAL_LOG)
-    }
-
-    pub fn hypervisor_log_path(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join(HYPERVISOR_LOG)
-    }
-
-    pub fn images_dir(&self) -> PathBuf {
-        self.root.join("images")
-    }
-
-    pub fn volumes_dir(&self) -> PathBuf {
-        self.root.join("volumes")
-    }
-
-    pub fn volume_path(&self, volume_id: &Id) -> PathBuf {
-        self.volumes_dir().join(volume_id.as_str())
-    }
-
-    /// Marks a volume the control plane deleted, so a report made without a
-    /// snapshot (the fence path) still says it is on its way out. Hidden, so
-    /// it can never be mistaken for a volume: ids never start with a dot.
-    pub fn volume_tombstone_path(&self, volume_id: &Id) -> PathBuf {
-        self.volumes_dir()
-            .join(format!(".tombstoned-{}", volume_id.as_str()))
-    }
 }
 
 /// What [`Store::sweep`] removed.
@@ -371,7 +308,7 @@ impl Store {
     /// under the lock and before any writer starts, i.e. at start-up
     /// recovery.
     pub fn sweep(&self) -> Swept {
-        sweep(&self.root)
+        sweep(self.layout.state_dir())
     }
 }
 

@@ -57,14 +57,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut overheads = Vec::with_capacity(BOOTS);
     let mut totals = Vec::with_capacity(BOOTS);
     for _ in 0..BOOTS {
-        let _ = std::fs::remove_file(store.hypervisor_log_path(&vm));
+        let _ = std::fs::remove_file(store.layout().hypervisor_log(&vm));
         let start = Instant::now();
         backend
             .boot(&spec, Deadline::NONE)
             .map_err(|e| e.to_string())?;
         let total = start.elapsed();
-        let own =
-            standin_time(&store.hypervisor_log_path(&vm)).ok_or("the stand-in logged no timing")?;
+        let own = standin_time(&store.layout().hypervisor_log(&vm))
+            .ok_or("the stand-in logged no timing")?;
         overheads.push(total.saturating_sub(own));
         totals.push(total);
         backend

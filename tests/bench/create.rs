@@ -70,7 +70,7 @@ impl Bench {
                 tap_prefix: format!("ec{:04x}", std::process::id() & 0xffff),
                 ..eitri_agent::testkit::net::underlay_config()
             },
-            store.root(),
+            store.layout(),
             vec![],
             std::collections::HashMap::new(),
         )
@@ -96,7 +96,7 @@ impl Bench {
         let seams = Seams {
             provisioner: backend as Arc<dyn Provisioner>,
             images: Arc::new(ImageCache::with(
-                store.images_dir(),
+                store.layout().images(),
                 &ImageOptions {
                     file_root: Some(dir.path().to_path_buf()),
                     ..ImageOptions::default()
@@ -195,7 +195,7 @@ impl Bench {
 
     /// The stand-in's own time from `main` to an API that answers.
     fn standin_boot(&self, name: &str) -> Option<Duration> {
-        let log = self.store.hypervisor_log_path(&Id::parse(name).ok()?);
+        let log = self.store.layout().hypervisor_log(&Id::parse(name).ok()?);
         let text = std::fs::read_to_string(log).ok()?;
         let line = text.lines().rev().find(|l| l.contains("standin-timing"))?;
         let field = |key: &str| -> Option<u64> {

@@ -66,7 +66,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let save = start.elapsed();
 
-    let payload = std::fs::read(store.record_path(&records[0].spec.vm_id))?;
+    let payload = std::fs::read(store.layout().record(&records[0].spec.vm_id))?;
     let raw = raw_durable_writes(&dir.path().join("raw"), &payload)?;
 
     let mut loads: Vec<Duration> = (0..101)

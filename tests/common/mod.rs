@@ -140,7 +140,7 @@ impl Harness {
     /// store cannot write into it (root ignores permission bits, so a mode
     /// change would not do).
     pub fn break_record_dir(&self, vm: &str) {
-        let dir = self.store.vm_dir(&id(vm));
+        let dir = self.store.layout().vm_dir(&id(vm));
         std::fs::remove_dir_all(&dir).expect("remove vm dir");
         std::fs::write(&dir, b"not a directory").expect("file in its place");
     }

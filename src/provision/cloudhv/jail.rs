@@ -26,6 +26,7 @@ use super::error::CloudHvError;
 use super::fork::{Jail, Limit};
 use crate::model::{Id, VmSpec};
 use crate::provision::{Confinement, Piece};
+use crate::state::Layout;
 use crate::state::leases::{LeaseError, Leases};
 
 /// Open files a VMM may hold: its disks, queues, event fds and sockets.
@@ -39,14 +40,12 @@ pub struct VmmIds {
 }
 
 impl VmmIds {
-    pub fn open(state_dir: &Path, first: u32, count: u32) -> Result<VmmIds, LeaseError> {
+    /// The ids kept in `path` (the state dir's `jail/ids.json`, see
+    /// [`Layout::vmm_ids`](crate::state::Layout::vmm_ids)).
+    pub fn open(path: &Path, first: u32, count: u32) -> Result<VmmIds, LeaseError> {
         Ok(VmmIds {
             kvm_group: first,
-            leases: Leases::open(
-                &state_dir.join("jail/ids.json"),
-                first.saturating_add(1),
-                count.saturating_sub(1),
-            )?,
+            leases: Leases::open(path, first.saturating_add(1), count.saturating_sub(1))?,
         })
     }
 
@@ -145,7 +144,12 @@ impl Confined {
                     .into(),
             )
         } else {
-            VmmIds::open(state_dir, cfg.first_id, cfg.id_count).map_err(|e| describe(&e))
+            VmmIds::open(
+                &Layout::new(state_dir).vmm_ids(),
+                cfg.first_id,
+                cfg.id_count,
+            )
+            .map_err(|e| describe(&e))
         };
         Confined {
             ids,

@@ -168,7 +168,7 @@ impl CloudHypervisor {
     /// process. Those nothing explains are stopped, and said.
     fn adopt(&self, known: &[Id]) -> Vec<String> {
         let mut notes = Vec::new();
-        let ours = format!("path={}/", self.store.vms_dir().display());
+        let ours = format!("path={}/", self.store.layout().vms().display());
         for (tracked, arg) in process::scan(ours.as_bytes(), true) {
             let Some(vm_id) = self.vm_of_disk_arg(&arg) else {
                 continue;
@@ -177,7 +177,7 @@ impl CloudHypervisor {
                 continue;
             }
             if known.contains(&vm_id) {
-                if Tracked::read(&self.store.pidfile_path(&vm_id)) != Some(tracked) {
+                if Tracked::read(&self.store.layout().pidfile(&vm_id)) != Some(tracked) {
                     self.take_over(&vm_id, tracked);
                 } else if let Some(watch) = &self.watch {
                     watch.watch(&vm_id, tracked);
@@ -242,7 +242,7 @@ impl CloudHypervisor {
     }
 
     pub fn socket_path(&self, vm_id: &Id) -> PathBuf {
-        supervise::api_socket(&self.cfg.run_dir, self.store.root(), vm_id)
+        self.store.layout().api_socket(&self.cfg.run_dir, vm_id)
     }
 
     /// The VM's tap names, while networking is on and it holds an address.
@@ -251,7 +251,7 @@ impl CloudHypervisor {
     }
 
     fn tracked(&self, vm_id: &Id) -> Option<Tracked> {
-        Tracked::read(&self.store.pidfile_path(vm_id))
+        Tracked::read(&self.store.layout().pidfile(vm_id))
     }
 
     /// The VM's hypervisor, if it is alive: the pidfile's process, started
@@ -263,7 +263,7 @@ impl CloudHypervisor {
     /// dead process, is the normal state of a stopped VM, and costs no
     /// scan; [`CloudHypervisor::find`] looks harder, where it matters.)
     fn alive(&self, vm_id: &Id) -> Option<Tracked> {
-        let pidfile = self.store.pidfile_path(vm_id);
+        let pidfile = self.store.layout().pidfile(vm_id);
         match Tracked::read(&pidfile) {
             Some(tracked) if !tracked.alive() => None,
             Some(tracked) if self.is_vmm_of(vm_id, tracked) => Some(tracked),
@@ -302,7 +302,7 @@ impl CloudHypervisor {
     /// The VM whose root disk `arg` names: `path=<state>/vms/<id>/disk.raw`,
     /// alone or followed by `,` and options.
     fn vm_of_disk_arg(&self, arg: &[u8]) -> Option<Id> {
-        let prefix = format!("path={}/", self.store.vms_dir().display());
+        let prefix = format!("path={}/", self.store.layout().vms().display());
         let rest = arg.strip_prefix(prefix.as_bytes())?;
         let slash = rest.iter().position(|b| *b == b'/')?;
         let (id, tail) = rest.split_at(slash);
@@ -327,7 +327,7 @@ impl CloudHypervisor {
     /// The VM's VMM found by its command line, its pidfile rewritten to it
     /// and its exit watched (it is not this agent's child).
     fn find_by_cmdline(&self, vm_id: &Id) -> Option<Tracked> {
-        let disk = format!("path={}", self.store.root_disk_path(vm_id).display());
+        let disk = format!("path={}", self.store.layout().root_disk(vm_id).display());
         let (tracked, _) = process::scan(disk.as_bytes(), true)
             .into_iter()
             .find(|(t, arg)| {
@@ -340,7 +340,7 @@ impl CloudHypervisor {
     /// Makes a VMM found without (or despite) its pidfile this VM's again:
     /// the pidfile names it, and its exit is watched.
     fn take_over(&self, vm_id: &Id, tracked: Tracked) {
-        match tracked.write(&self.store.pidfile_path(vm_id)) {
+        match tracked.write(&self.store.layout().pidfile(vm_id)) {
             Ok(()) => log::warn!(
                 "VM {vm_id}: found its hypervisor (pid {}) by its command line; its pidfile now names it",
                 tracked.pid
@@ -437,10 +437,13 @@ impl Provisioner for CloudHypervisor {
                 .into());
             }
         }
-        let socket = self.socket_path(vm_id);
-        let lock = PathBuf::from(format!("{}.lock", socket.display()));
-        supervise::remove_files(vm_id, &[socket, lock, self.store.pidfile_path(vm_id)])
-            .map_err(CloudHvError::from)?;
+        let layout = self.store.layout();
+        let files = [
+            layout.api_socket(&self.cfg.run_dir, vm_id),
+            layout.api_socket_lock(&self.cfg.run_dir, vm_id),
+            layout.pidfile(vm_id),
+        ];
+        supervise::remove_files(vm_id, &files).map_err(CloudHvError::from)?;
         self.children.forget(vm_id);
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::second_nic(vm_id))?;
@@ -471,7 +474,7 @@ impl Provisioner for CloudHypervisor {
     }
 
     fn failure_reason(&self, vm_id: &Id) -> String {
-        let tail = super::log_tail(&self.store.hypervisor_log_path(vm_id));
+        let tail = super::log_tail(&self.store.layout().hypervisor_log(vm_id));
         self.children.failure_reason(vm_id, tail)
     }
 

@@ -76,7 +76,7 @@ pub fn start(store: Arc<Store>, cap: u64) -> io::Result<OwnedThread> {
         let mut said_error = false;
         while !stop.stopped() {
             for vm_id in store.load_all().keys() {
-                match bound(&store.serial_log_path(vm_id), cap) {
+                match bound(&store.layout().serial_log(vm_id), cap) {
                     Ok(0) => {}
                     Ok(freed) => {
                         log::debug!("VM {vm_id}: freed {freed} bytes of old serial output")

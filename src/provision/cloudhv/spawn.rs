@@ -146,15 +146,15 @@ impl CloudHypervisor {
     fn files(&self, spec: &VmSpec) -> VmFiles {
         let vm_id = &spec.vm_id;
         VmFiles {
-            root_disk: self.store.root_disk_path(vm_id),
-            seed: self.store.seed_path(vm_id),
+            root_disk: self.store.layout().root_disk(vm_id),
+            seed: self.store.layout().seed(vm_id),
             volumes: spec
                 .volume_ids
                 .iter()
-                .map(|v| self.store.volume_path(v))
+                .map(|v| self.store.layout().volume(v))
                 .collect(),
-            serial_log: self.store.serial_log_path(vm_id),
-            log: self.store.hypervisor_log_path(vm_id),
+            serial_log: self.store.layout().serial_log(vm_id),
+            log: self.store.layout().hypervisor_log(vm_id),
         }
     }
 
@@ -270,7 +270,7 @@ impl CloudHypervisor {
     fn track(&self, vm_id: &Id, held: Held) -> Result<Tracked, BoxFailure> {
         let pid = held.pid;
         let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
-        let pidfile = self.store.pidfile_path(vm_id);
+        let pidfile = self.store.layout().pidfile(vm_id);
         // A child never released, or whose exec failed: reaped here.
         let end = |held: Option<Held>| {
             drop(held);

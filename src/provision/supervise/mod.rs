@@ -83,25 +83,11 @@ pub fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// The VM's API socket: under the run dir, not the VM's directory, since a
-/// unix socket's path is limited to 108 bytes (103 on macOS) whatever the
-/// state dir's length; unique per state dir and VM, so two agents sharing
-/// a run dir never meet.
-pub fn api_socket(run_dir: &Path, state_dir: &Path, vm_id: &Id) -> PathBuf {
-    use sha2::{Digest, Sha256};
-    let digest = Sha256::new()
-        .chain_update(state_dir.as_os_str().as_encoded_bytes())
-        .chain_update([0])
-        .chain_update(vm_id.as_str())
-        .finalize();
-    run_dir.join(format!("{}.sock", &crate::hex::encode(&digest)[..16]))
-}
-
 /// The VM's directory, made if missing: root's, searchable (a jailed VMM
 /// reaches its own files in it by name) but not listable or writable by
 /// anyone else.
 pub fn vm_dir(store: &Store, vm_id: &Id) -> Result<PathBuf, SuperviseError> {
-    let dir = store.vm_dir(vm_id);
+    let dir = store.layout().vm_dir(vm_id);
     crate::state::perms::make_dir(&dir)
         .and_then(|()| {
             fs::set_permissions(
@@ -135,9 +121,14 @@ pub fn prepare_root_disk(
         .into());
     }
     vm_dir(store, vm_id)?;
-    crate::disk::prepare(base, &store.root_disk_path(vm_id), spec.disk_gb, deadline)
-        .map(drop)
-        .map_err(Into::into)
+    crate::disk::prepare(
+        base,
+        &store.layout().root_disk(vm_id),
+        spec.disk_gb,
+        deadline,
+    )
+    .map(drop)
+    .map_err(Into::into)
 }
 
 /// Removes each of `paths` that exists: what destroy leaves of a VMM.

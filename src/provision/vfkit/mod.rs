@@ -84,25 +84,25 @@ impl Vfkit {
 
     /// The VM's API socket: short, unique per state dir and VM.
     pub fn socket_path(&self, vm_id: &Id) -> PathBuf {
-        supervise::api_socket(&self.cfg.run_dir, self.store.root(), vm_id)
+        self.store.layout().api_socket(&self.cfg.run_dir, vm_id)
     }
 
     pub fn pidfile_path(&self, vm_id: &Id) -> PathBuf {
-        self.store.vm_dir(vm_id).join("vfkit.pid")
+        self.store.layout().vfkit_pidfile(vm_id)
     }
 
     fn files(&self, spec: &VmSpec) -> Files {
         let vm_id = &spec.vm_id;
         Files {
-            root_disk: self.store.root_disk_path(vm_id),
-            seed: self.store.seed_path(vm_id),
+            root_disk: self.store.layout().root_disk(vm_id),
+            seed: self.store.layout().seed(vm_id),
             volumes: spec
                 .volume_ids
                 .iter()
-                .map(|v| self.store.volume_path(v))
+                .map(|v| self.store.layout().volume(v))
                 .collect(),
-            efi_vars: self.store.vm_dir(vm_id).join("efi-vars"),
-            console_log: self.store.serial_log_path(vm_id),
+            efi_vars: self.store.layout().efi_vars(vm_id),
+            console_log: self.store.layout().serial_log(vm_id),
             socket: self.socket_path(vm_id),
             pidfile: self.pidfile_path(vm_id),
         }
@@ -118,7 +118,7 @@ impl Vfkit {
 
     /// Every VM dir with a pidfile: the VMs a vfkit may run for.
     fn with_pidfiles(&self) -> Vec<Id> {
-        fs::read_dir(self.store.vms_dir())
+        fs::read_dir(self.store.layout().vms())
             .into_iter()
             .flatten()
             .flatten()
@@ -208,7 +208,7 @@ impl Provisioner for Vfkit {
     }
 
     fn failure_reason(&self, vm_id: &Id) -> String {
-        let said = error_line(&self.store.hypervisor_log_path(vm_id));
+        let said = error_line(&self.store.layout().hypervisor_log(vm_id));
         self.children.failure_reason(vm_id, said)
     }
 

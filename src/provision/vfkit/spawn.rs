@@ -53,7 +53,7 @@ impl Vfkit {
             .map_err(files_err("make the run dir", &self.cfg.run_dir))?;
         supervise::remove_files(vm_id, &[files.socket.clone(), files.pidfile.clone()])
             .map_err(VfkitError::from)?;
-        let log_path = self.store.hypervisor_log_path(vm_id);
+        let log_path = self.store.layout().hypervisor_log(vm_id);
         let log = OpenOptions::new()
             .create(true)
             .append(true)

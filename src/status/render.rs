@@ -1,168 +1,17 @@
-//! `report.json` and `eitri-agent status`.
-//!
-//! Every tick, in both modes, the daemon writes its report atomically as
-//! `STATE_DIR/report.json`, with when it was written and how the last
-//! contact with the control plane went. `status` reads that file: it takes
-//! no lock, so it works beside a running agent.
+//! `report.json` for a person: the host's table (`status`), its one-line
+//! header, and one VM in detail (`status VM`). Every value from the report
+//! goes through [`inline`]: ids, names and errors can come from the wire
+//! or a guest, and must not move a terminal's cursor or start a line of
+//! their own.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
-
-use crate::pb;
+use super::ReportFile;
 use crate::quote::inline;
-use crate::state::atomic::replace_unsynced;
-
-pub const REPORT_FILE: &str = "report.json";
-const FORMAT: u32 = 1;
-
-/// Why `status` has no report to show.
-#[derive(Debug)]
-pub enum StatusError {
-    Read {
-        path: std::path::PathBuf,
-        source: std::io::Error,
-    },
-    NotAReport {
-        path: std::path::PathBuf,
-        source: serde_json::Error,
-    },
-}
-
-impl std::fmt::Display for StatusError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            StatusError::Read { path, .. } => write!(
-                f,
-                "cannot read {}; is the agent running with --state-dir {}?",
-                path.display(),
-                path.parent().unwrap_or(path).display()
-            ),
-            StatusError::NotAReport { path, .. } => {
-                write!(f, "{} is not a report", path.display())
-            }
-        }
-    }
-}
-
-impl std::error::Error for StatusError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            StatusError::Read { source, .. } => Some(source),
-            StatusError::NotAReport { source, .. } => Some(source),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ReportFile {
-    pub format: u32,
-    pub written_at_unix_ms: u64,
-    pub host: pb::HostInfo,
-    /// Where desired state comes from.
-    pub source: String,
-    /// How the last contact with the source went: "ok", or why it failed.
-    pub contact: String,
-    pub report: pb::Report,
-    /// Lasting facts about this host an operator should know (e.g. guest
-    /// networking is host-only).
-    #[serde(default)]
-    pub notes: Vec<String>,
-    /// The agent's tick: a report much older than this is stale (the agent
-    /// is stopped, or cannot write).
-    #[serde(default)]
-    pub tick_ms: u64,
-    /// What `status VM` shows beyond the report's row, by VM id.
-    #[serde(default)]
-    pub details: BTreeMap<String, VmDetail>,
-    /// Compute committed against the host's caps.
-    #[serde(default)]
-    pub quota: Quota,
-}
-
-/// One VM's history and shape, kept by the daemon across reports.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VmDetail {
-    /// When the row's power and phase last changed (Unix ms).
-    pub power_since_ms: u64,
-    pub phase_since_ms: u64,
-    /// When the current error was first and last seen (0: no error).
-    pub error_first_ms: u64,
-    pub error_last_ms: u64,
-    pub attempts: u32,
-    pub max_attempts: u32,
-    /// The host boot id the VM was last booted under.
-    pub booted_as: String,
-    /// The hypervisor's pid, and since when it has been this one.
-    pub pid: Option<u32>,
-    pub pid_since_ms: u64,
-    pub vcpus: u32,
-    pub mem_mb: u64,
-    pub disk_gb: u64,
-    pub image_url: String,
-    pub network: String,
-    pub volume_ids: Vec<String>,
-}
-
-/// Committed vCPUs, MB and GB, and their caps (0 = none).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Quota {
-    pub used: [u64; 3],
-    pub caps: [u64; 3],
-}
 
 impl ReportFile {
-    pub fn new(
-        host: pb::HostInfo,
-        source: String,
-        contact: String,
-        report: pb::Report,
-    ) -> ReportFile {
-        let written_at_unix_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        ReportFile {
-            format: FORMAT,
-            written_at_unix_ms,
-            host,
-            source,
-            contact,
-            report,
-            notes: Vec::new(),
-            tick_ms: 0,
-            details: BTreeMap::new(),
-            quota: Quota::default(),
-        }
-    }
-
-    /// Whether the report is older than three ticks at `now`: an agent that
-    /// runs writes one at least every tick.
-    pub fn is_stale(&self, now: SystemTime) -> bool {
-        let written = UNIX_EPOCH + Duration::from_millis(self.written_at_unix_ms);
-        let age = now.duration_since(written).unwrap_or_default();
-        self.tick_ms > 0 && age > Duration::from_millis(self.tick_ms.saturating_mul(3))
-    }
-
-    /// Replaces `report.json` atomically for readers, unsynced: it is a
-    /// view of memory rewritten every tick, not state (see
-    /// [`replace_unsynced`]).
-    pub fn write(&self, state_dir: &Path) -> std::io::Result<()> {
-        let json = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
-        replace_unsynced(&state_dir.join(REPORT_FILE), &json)
-    }
-
-    pub fn read(state_dir: &Path) -> Result<ReportFile, StatusError> {
-        let path = state_dir.join(REPORT_FILE);
-        let bytes = std::fs::read(&path).map_err(|source| StatusError::Read {
-            path: path.clone(),
-            source,
-        })?;
-        serde_json::from_slice(&bytes).map_err(|source| StatusError::NotAReport { path, source })
-    }
-
     /// The report as a table for a person. Every value from the report
     /// goes through [`inline`]: ids, names and errors can come from the
     /// wire or a guest, and must not move a terminal's cursor or start a
@@ -177,7 +26,7 @@ impl ReportFile {
             "host {} (agent {}), report written {} ago{}, epoch {}{}",
             inline(&self.host.host_id),
             inline(&self.host.agent_version),
-            human(age),
+            crate::human::duration(age),
             if self.is_stale(now) {
                 " (STALE: the agent writes one every tick; is it running, and can it write its state dir?)"
             } else {
@@ -252,9 +101,6 @@ impl ReportFile {
         }
         out
     }
-}
-
-impl ReportFile {
     /// The host in one line: epoch, contact, quota, VMs by phase.
     pub fn header(&self) -> String {
         let r = &self.report;
@@ -272,15 +118,12 @@ impl ReportFile {
             .iter()
             .map(|(p, n)| format!("{n} {}", inline(p)))
             .collect();
-        let units = ["vcpus", "MB", "GB"];
-        let quota: Vec<String> = (0..3)
-            .map(|i| {
-                let cap = self.quota.caps[i];
-                if cap == 0 {
-                    format!("{} {}", self.quota.used[i], units[i])
-                } else {
-                    format!("{}/{cap} {}", self.quota.used[i], units[i])
-                }
+        let q = &self.quota;
+        let quota: Vec<String> = [(q.vcpus, "vcpus"), (q.mem_mb, "MB"), (q.disk_gb, "GB")]
+            .iter()
+            .map(|(c, unit)| match c.cap {
+                0 => format!("{} {unit}", c.used),
+                cap => format!("{}/{cap} {unit}", c.used),
             })
             .collect();
         format!(
@@ -306,7 +149,8 @@ impl ReportFile {
         let now_ms = now
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        let ago = |ms: u64| human(Duration::from_millis(now_ms.saturating_sub(ms)));
+        let ago =
+            |ms: u64| crate::human::duration(Duration::from_millis(now_ms.saturating_sub(ms)));
         let detail = self.details.get(vm_id).cloned().unwrap_or_default();
         let mut out = String::new();
         let _ = writeln!(out, "VM {}", inline(vm_id));
@@ -405,7 +249,7 @@ impl ReportFile {
                 "quarantine",
                 format!(
                     "out of the desired state; destroyed in {}",
-                    human(at.duration_since(now).unwrap_or_default())
+                    crate::human::duration(at.duration_since(now).unwrap_or_default())
                 ),
             );
         }
@@ -448,18 +292,11 @@ fn table<const N: usize>(out: &mut String, head: [&str; N], rows: &[[String; N]]
     }
 }
 
-fn human(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0..=119 => format!("{s}s"),
-        120..=7199 => format!("{}m", s / 60),
-        _ => format!("{}h", s / 3600),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pb;
+    use crate::status::VmDetail;
 
     #[test]
     fn renders_rows_and_age() {
@@ -489,7 +326,7 @@ mod tests {
 
         let text = file.render(UNIX_EPOCH + Duration::from_millis(1_042_000));
 
-        assert!(text.contains("written 42s ago"), "{text}");
+        assert!(text.contains("written 42 s ago"), "{text}");
         assert!(
             text.lines()
                 .any(|l| l.starts_with("vm-1") && l.contains("running") && l.contains("10.0.0.2")),
@@ -610,9 +447,11 @@ mod tests {
                 ..Default::default()
             },
         );
-        file.quota = Quota {
-            used: [3, 3072, 30],
-            caps: [16, 0, 500],
+        let committed = |used, cap| crate::model::Committed { used, cap };
+        file.quota = crate::model::Quota {
+            vcpus: committed(3, 16),
+            mem_mb: committed(3072, 0),
+            disk_gb: committed(30, 500),
         };
         let hour = 3_600_000;
         file.details.insert(
@@ -671,12 +510,12 @@ mod tests {
             Some(
                 "VM web-1\n\
                  \x20 spec       2 vcpus, 2048 MB, 20 GB disk, image file:///srv/images/debian.raw\n\
-                 \x20 power      running for 60m\n\
-                 \x20 phase      ready for 2h\n\
+                 \x20 power      running for 60 min\n\
+                 \x20 phase      ready for 2 h\n\
                  \x20 error      -\n\
                  \x20 attempts   1 of 3\n\
                  \x20 boot id    b00t\n\
-                 \x20 hypervisor pid 4242, up 60m\n\
+                 \x20 hypervisor pid 4242, up 60 min\n\
                  \x20 address    100.77.5.5, 192.0.2.55 on site\n\
                  \x20 volumes    web-1-data (attached)\n\
                  \x20 console    (last 2 lines)\n\
@@ -695,9 +534,9 @@ mod tests {
             Some(
                 "VM db-1\n\
                  \x20 spec       1 vcpus, 1024 MB, 10 GB disk, image file:///srv/images/debian.raw\n\
-                 \x20 power      stopped for 10m\n\
-                 \x20 phase      failed for 10m\n\
-                 \x20 error      boot: the hypervisor exited: Error: KVM \\u{1b}[2J (first 10m ago, last 5s ago)\n\
+                 \x20 power      stopped for 10 min\n\
+                 \x20 phase      failed for 10 min\n\
+                 \x20 error      boot: the hypervisor exited: Error: KVM \\u{1b}[2J (first 10 min ago, last 5 s ago)\n\
                  \x20 attempts   3 of 3\n\
                  \x20 boot id    -\n\
                  \x20 hypervisor not running\n\
@@ -715,7 +554,7 @@ mod tests {
             text.as_deref(),
             Some(
                 "VM old-1\n\
-                 \x20 quarantine out of the desired state; destroyed in 3h\n\
+                 \x20 quarantine out of the desired state; destroyed in 3 h\n\
                  \x20 console    (last 0 lines)\n"
             )
         );

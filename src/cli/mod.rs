@@ -1,0 +1,87 @@
+//! The subcommands, each in its own file: what `main` dispatches to once
+//! the command line is parsed. Each returns the process's exit code:
+//! 0 done; 1 the daemon or a command failed (2, a bad command line, is
+//! `main`'s, before anything here runs).
+
+mod images;
+mod logs;
+mod status;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use crate::config::Command;
+use crate::daemon::Signals;
+use crate::version::AGENT_VERSION;
+
+/// Runs `command`. `signals` are the daemon's handlers, installed by `main`
+/// before anything else for `run` (and `None` for every other command).
+pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
+    match command {
+        Command::Help(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Command::Version => {
+            println!("eitri-agent {AGENT_VERSION}");
+            ExitCode::SUCCESS
+        }
+        Command::Status {
+            state_dir,
+            json,
+            vm_id,
+            watch,
+        } => status::run(&state_dir, json, vm_id.as_ref(), watch),
+        Command::Logs {
+            state_dir,
+            vm_id,
+            lines,
+            follow,
+            hypervisor,
+        } => logs::run(&state_dir, &vm_id, lines, follow, hypervisor),
+        Command::ImagesPrune { state_dir } => images::prune(&state_dir),
+        Command::Run(config) => {
+            init_logging();
+            let Some(signals) = signals else {
+                eprintln!("eitri-agent: internal error: run without signal handlers");
+                return ExitCode::FAILURE;
+            };
+            match crate::daemon::run(*config, signals) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+    }
+}
+
+/// Prints an error with its whole source chain, one cause per line.
+fn fail(err: &dyn std::error::Error) -> ExitCode {
+    let mut text = format!("eitri-agent: error: {err}");
+    let mut next = err.source();
+    while let Some(cause) = next {
+        text.push_str(&format!("\n  caused by: {cause}"));
+        next = cause.source();
+    }
+    eprintln!("{text}");
+    log::error!("{}", text.replace('\n', ";"));
+    ExitCode::FAILURE
+}
+
+/// One line per event on stderr: time, level, thread (`vm-<id>` for a VM's
+/// worker) and message. `EITRI_LOG` sets the level (default info).
+fn init_logging() {
+    env_logger::Builder::new()
+        .parse_filters(&std::env::var("EITRI_LOG").unwrap_or_else(|_| "info".into()))
+        .format(|buf, record| {
+            let thread = std::thread::current();
+            writeln!(
+                buf,
+                "{} {:<5} [{}] {}",
+                buf.timestamp_millis(),
+                record.level(),
+                thread.name().unwrap_or("main"),
+                record.args()
+            )
+        })
+        .init();
+}

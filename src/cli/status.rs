@@ -1,0 +1,67 @@
+//! `eitri-agent status [VM] [--json] [--watch]`: the last report, read
+//! from the state dir without its lock.
+
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use super::fail;
+use crate::model::Id;
+use crate::state::Layout;
+use crate::status::ReportFile;
+
+/// How many console lines `status VM` shows.
+const CONSOLE_LINES: usize = 5;
+
+/// Shows the report once, or again every tick of the agent with `watch`.
+pub(super) fn run(state_dir: &Path, json: bool, vm_id: Option<&Id>, watch: bool) -> ExitCode {
+    loop {
+        match show(state_dir, json, vm_id, watch) {
+            Ok(tick) if watch => std::thread::sleep(tick),
+            Ok(_) => return ExitCode::SUCCESS,
+            Err(code) => return code,
+        }
+    }
+}
+
+/// Prints the report (or one VM), once; returns the agent's tick, for
+/// `--watch`, or the exit code to end with.
+fn show(
+    state_dir: &Path,
+    json: bool,
+    vm_id: Option<&Id>,
+    watch: bool,
+) -> Result<Duration, ExitCode> {
+    let file = ReportFile::read(state_dir).map_err(|e| fail(&e))?;
+    let tick = Duration::from_millis(file.tick_ms.clamp(200, 60_000));
+    if json {
+        let text = serde_json::to_string_pretty(&file).map_err(|e| fail(&e))?;
+        println!("{text}");
+        return Ok(tick);
+    }
+    let now = SystemTime::now();
+    let text = match vm_id {
+        None => file.render(now),
+        Some(vm) => {
+            let serial = Layout::new(state_dir).serial_log(vm);
+            let console = crate::console::last_lines(&serial, CONSOLE_LINES).unwrap_or_default();
+            match file.render_vm(vm.as_str(), &console, now) {
+                Some(text) => text,
+                None => {
+                    eprintln!(
+                        "eitri-agent: VM {vm} is not on this host (the last report does not name it)"
+                    );
+                    return Err(ExitCode::FAILURE);
+                }
+            }
+        }
+    };
+    if watch {
+        // Home and clear, then the page: a redraw, not a scroll.
+        print!("\x1b[H\x1b[2J");
+    }
+    print!("{text}");
+    let _ = std::io::stdout().flush();
+    Ok(tick)
+}

@@ -1,0 +1,306 @@
+//! Where everything lives under the state dir and the run dir: the one
+//! place that joins path strings. Every module that reads or writes a file
+//! of the agent asks a [`Layout`] for its path.
+//!
+//! ```text
+//! STATE_DIR/                                   0711: a jailed VMM reaches its own files by name
+//!   lock                                       flock: one agent per state dir
+//!   epoch                                      highest accepted snapshot epoch
+//!   snapshot.pb                                the last accepted desired state
+//!   report.json                                the last report, for `status`
+//!   vms/                                       0711
+//!   vms/<vm_id>/                               0711, root's
+//!   vms/<vm_id>/record.json                    the VM's record
+//!   vms/<vm_id>/disk.raw                       root disk
+//!   vms/<vm_id>/seed.iso                       NoCloud seed
+//!   vms/<vm_id>/ssh_host_ed25519_key           the guest's host key
+//!   vms/<vm_id>/hypervisor.pid                 cloud-hypervisor: pid and start time
+//!   vms/<vm_id>/vfkit.pid                      vfkit: its own pidfile
+//!   vms/<vm_id>/hypervisor.log                 the VMM's output
+//!   vms/<vm_id>/serial.log                     the guest's serial console
+//!   vms/<vm_id>/efi-vars                       vfkit: the guest's EFI variable store
+//!   images/                                    0700
+//!   images/<sha256>                            a verified base image
+//!   volumes/                                   0711
+//!   volumes/<volume_id>                        a sparse volume file
+//!   volumes/.tombstoned-<volume_id>            the volume is on its way out
+//!   net/addresses.json                         underlay address leases
+//!   net/learned.json                           second-NIC addresses learned from the site
+//!   jail/ids.json                              VMM user ids, by VM
+//! RUN_DIR/                                     0700: sockets, short paths
+//!   <digest>.sock                              a VM's VMM API socket
+//!   <digest>.sock.lock                         cloud-hypervisor's lock beside it
+//! ```
+//!
+//! Temp files (`.<name>.tmp-…`, see [`atomic`](super::atomic)), half-made
+//! downloads (`images/.partial-…`) and half-deleted VM directories
+//! (`vms/.deleting-…`) are named by the modules that make and sweep them,
+//! always hidden, so no id can collide with one.
+
+use std::path::{Path, PathBuf};
+
+use crate::model::Id;
+
+/// The record's file name in a VM's directory; its loader recognises it.
+pub const RECORD_FILE: &str = "record.json";
+
+/// Every path under one state dir (and the run dir beside it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    state: PathBuf,
+}
+
+impl Layout {
+    pub fn new(state_dir: &Path) -> Layout {
+        Layout {
+            state: state_dir.to_path_buf(),
+        }
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.state
+    }
+
+    pub fn lock(&self) -> PathBuf {
+        self.state.join("lock")
+    }
+
+    pub fn epoch(&self) -> PathBuf {
+        self.state.join("epoch")
+    }
+
+    pub fn last_snapshot(&self) -> PathBuf {
+        self.state.join("snapshot.pb")
+    }
+
+    pub fn report(&self) -> PathBuf {
+        self.state.join("report.json")
+    }
+
+    /// `vms/`, where every VM's directory is.
+    pub fn vms(&self) -> PathBuf {
+        self.state.join("vms")
+    }
+
+    pub fn vm_dir(&self, vm_id: &Id) -> PathBuf {
+        self.vms().join(vm_id.as_str())
+    }
+
+    pub fn record(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join(RECORD_FILE)
+    }
+
+    pub fn root_disk(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("disk.raw")
+    }
+
+    pub fn seed(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("seed.iso")
+    }
+
+    pub fn host_key(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("ssh_host_ed25519_key")
+    }
+
+    /// cloud-hypervisor's pidfile, written by the agent.
+    pub fn pidfile(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("hypervisor.pid")
+    }
+
+    /// vfkit's pidfile, written by vfkit (`--pidfile`).
+    pub fn vfkit_pidfile(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("vfkit.pid")
+    }
+
+    pub fn hypervisor_log(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("hypervisor.log")
+    }
+
+    pub fn serial_log(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("serial.log")
+    }
+
+    pub fn efi_vars(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("efi-vars")
+    }
+
+    pub fn images(&self) -> PathBuf {
+        self.state.join("images")
+    }
+
+    /// A verified base image, named by its sha256 (checked hex).
+    pub fn image(&self, sha256: &str) -> PathBuf {
+        self.images().join(sha256)
+    }
+
+    pub fn volumes(&self) -> PathBuf {
+        self.state.join("volumes")
+    }
+
+    pub fn volume(&self, volume_id: &Id) -> PathBuf {
+        self.volumes().join(volume_id.as_str())
+    }
+
+    /// Marks a volume the control plane deleted, so a report made without
+    /// a snapshot (the fence path) still says it is on its way out.
+    /// Hidden, so it can never be mistaken for a volume: ids never start
+    /// with a dot.
+    pub fn volume_tombstone(&self, volume_id: &Id) -> PathBuf {
+        self.volumes()
+            .join(format!(".tombstoned-{}", volume_id.as_str()))
+    }
+
+    pub fn addresses(&self) -> PathBuf {
+        self.state.join("net").join("addresses.json")
+    }
+
+    pub fn learned(&self) -> PathBuf {
+        self.state.join("net").join("learned.json")
+    }
+
+    pub fn vmm_ids(&self) -> PathBuf {
+        self.state.join("jail").join("ids.json")
+    }
+
+    /// The VM's API socket in `run_dir`: not under the VM's directory,
+    /// since a unix socket's path is limited to 108 bytes (103 on macOS)
+    /// whatever the state dir's length; named by a digest of the state dir
+    /// and the id, so two agents sharing a run dir never meet.
+    pub fn api_socket(&self, run_dir: &Path, vm_id: &Id) -> PathBuf {
+        use sha2::{Digest, Sha256};
+        let digest = Sha256::new()
+            .chain_update(self.state.as_os_str().as_encoded_bytes())
+            .chain_update([0])
+            .chain_update(vm_id.as_str())
+            .finalize();
+        run_dir.join(format!("{}.sock", &crate::hex::encode(&digest)[..16]))
+    }
+
+    /// The lock cloud-hypervisor keeps beside its API socket.
+    pub fn api_socket_lock(&self, run_dir: &Path, vm_id: &Id) -> PathBuf {
+        let mut name = self.api_socket(run_dir, vm_id).into_os_string();
+        name.push(".lock");
+        PathBuf::from(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tree in this module's header, as `(path, placeholder-free)`
+    /// lines: each entry's first word.
+    fn header_entries() -> Vec<String> {
+        let source = include_str!("layout.rs");
+        let start = source.find("//! ```text").expect("tree");
+        let end = source[start + 11..].find("//! ```").expect("tree end") + start + 11;
+        source[start..end]
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.strip_prefix("//!"))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Every path a method gives, written as the header writes it.
+    fn method_paths() -> Vec<String> {
+        let state = Path::new("/S");
+        let run = Path::new("/R");
+        let layout = Layout::new(state);
+        let vm = Id::parse("VMID").expect("id");
+        let vol = Id::parse("VOLID").expect("id");
+        let paths = [
+            layout.state_dir().to_path_buf(),
+            layout.lock(),
+            layout.epoch(),
+            layout.last_snapshot(),
+            layout.report(),
+            layout.vms(),
+            layout.vm_dir(&vm),
+            layout.record(&vm),
+            layout.root_disk(&vm),
+            layout.seed(&vm),
+            layout.host_key(&vm),
+            layout.pidfile(&vm),
+            layout.vfkit_pidfile(&vm),
+            layout.hypervisor_log(&vm),
+            layout.serial_log(&vm),
+            layout.efi_vars(&vm),
+            layout.images(),
+            layout.image("SHA"),
+            layout.volumes(),
+            layout.volume(&vol),
+            layout.volume_tombstone(&vol),
+            layout.addresses(),
+            layout.learned(),
+            layout.vmm_ids(),
+            layout.api_socket(run, &vm),
+            layout.api_socket_lock(run, &vm),
+        ];
+        let digest = layout.api_socket(run, &vm);
+        let digest = digest.file_stem().and_then(|s| s.to_str()).expect("digest");
+        paths
+            .iter()
+            .map(|p| {
+                let text = p.to_string_lossy();
+                let dir = |p: &Path| {
+                    p.is_absolute()
+                        && [layout.vms(), layout.images(), layout.volumes()]
+                            .contains(&p.to_path_buf())
+                };
+                let shown = if let Some(rest) = text.strip_prefix("/S/") {
+                    rest.to_owned()
+                } else if let Some(rest) = text.strip_prefix("/R/") {
+                    rest.to_owned()
+                } else {
+                    text.into_owned()
+                };
+                let shown = shown
+                    .replace("VMID", "<vm_id>")
+                    .replace("VOLID", "<volume_id>")
+                    .replace("SHA", "<sha256>")
+                    .replace(digest, "<digest>");
+                match shown.as_str() {
+                    "/S" => "STATE_DIR/".to_owned(),
+                    _ if dir(p) || shown == "vms/<vm_id>" => format!("{shown}/"),
+                    _ => shown,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_header_tree_lists_every_path_a_method_gives() {
+        let tree = header_entries();
+
+        let missing: Vec<String> = method_paths()
+            .into_iter()
+            .filter(|p| !tree.contains(p))
+            .collect();
+
+        assert!(missing.is_empty(), "not in the header's tree: {missing:?}");
+    }
+
+    #[test]
+    fn every_path_in_the_header_tree_has_a_method() {
+        let paths = method_paths();
+
+        let unmade: Vec<String> = header_entries()
+            .into_iter()
+            .filter(|e| e != "RUN_DIR/" && !paths.contains(e))
+            .collect();
+
+        assert!(unmade.is_empty(), "no method gives: {unmade:?}");
+    }
+
+    #[test]
+    fn a_socket_path_fits_a_unix_socket_whatever_the_state_dir() {
+        let long = Path::new("/a").join("b".repeat(200));
+        let vm = Id::parse("vm-1").expect("id");
+
+        let socket = Layout::new(&long).api_socket(Path::new("/run/eitri"), &vm);
+
+        assert!(socket.as_os_str().len() < 104, "{}", socket.display());
+    }
+}

@@ -1,0 +1,8 @@
+//! What the agent says about its host outside the wire: the report file
+//! the daemon writes every tick ([`file`]), and how `status` shows it to a
+//! person ([`render`]). The daemon imports only the first.
+
+mod file;
+mod render;
+
+pub use file::{ReportFile, StatusError, VmDetail};
