@@ -1,6 +1,7 @@
 # eitri-agent: build, test, benchmark.
 #
-#   make test         everything CI runs: format, lint, programs and generated-code checks, tests
+#   make test         everything CI runs: format, lint, docs, the MSRV build, programs and
+#                     generated-code checks, no fakes in a release, tests
 #   make proto        regenerate src/pb/ from proto/ (no protoc needed)
 #   make bench        every benchmark; make bench-NAME runs one
 #   make chaos        the crash-consistency proof at length (1,000 random kills)
@@ -15,7 +16,7 @@ BENCHES  := store engine storage boot create net repair
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: bench-scale macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -33,13 +34,31 @@ static:
 
 MACOS    := aarch64-apple-darwin x86_64-apple-darwin
 
-test: fmt-check clippy programs-check proto-check macos-check unit-tests
+test: fmt-check clippy docs msrv-check release-check programs-check proto-check macos-check unit-tests
 
 fmt-check:
 	$(CARGO) fmt --check
 
 clippy:
 	$(CARGO) clippy --locked --all-targets --features standin,crashpoints -- -D warnings
+
+# The docs build with every private item, warnings denied: about 130
+# intra-doc links carry the design, and a broken one fails here.
+docs:
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --locked --no-deps --document-private-items --features standin,crashpoints
+
+# The oldest Rust the crate declares (Cargo.toml's rust-version) builds it
+# (needs: rustup toolchain install $(MSRV) --profile minimal).
+MSRV := $(shell sed -n 's/^rust-version = "\([0-9.]*\)".*/\1/p' Cargo.toml)
+msrv-check:
+	$(CARGO) +$(MSRV) check --locked --lib --bins --tests --features standin,crashpoints
+
+# A release build of the library holds none of the fakes (src/testkit is
+# built only with the testkit feature): no symbol of it is in the rlib.
+release-check:
+	$(CARGO) build --release --locked --lib
+	@if strings target/release/libeitri_agent.rlib | grep -q wait_entered; then \
+	  echo "the release library contains src/testkit" >&2; exit 1; fi
 
 # The macOS build compiles (lib, bins, tests; no Mac here to link or run
 # it): needs rustup target add $(MACOS).

@@ -42,6 +42,7 @@ pub mod source;
 pub mod stages;
 pub mod state;
 pub mod status;
+#[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 pub mod threads;
 pub mod version;

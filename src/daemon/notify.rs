@@ -15,18 +15,15 @@ impl Readiness {
     /// open would hold the pipe after the agent closed its end, so s6 would
     /// never see the agent's readiness line followed by EOF.
     pub fn adopt(fd: i32) -> nix::Result<Readiness> {
-        // SAFETY: F_GETFD only reads the descriptor's flags; an fd that is
-        // not open fails with EBADF instead of being touched.
-        let flags = fcntl(
-            unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
-            FcntlArg::F_GETFD,
-        )?;
+        // SAFETY: the borrow lives only for these two calls, during which
+        // nothing in the agent closes `fd`: F_GETFD only reads the
+        // descriptor's flags (an fd that is not open fails with EBADF
+        // instead of being touched), and F_SETFD runs only once it is shown
+        // to be open.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let flags = fcntl(borrowed, FcntlArg::F_GETFD)?;
         let flags = FdFlag::from_bits_truncate(flags) | FdFlag::FD_CLOEXEC;
-        // SAFETY: as above, the fd was just shown to be open.
-        fcntl(
-            unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
-            FcntlArg::F_SETFD(flags),
-        )?;
+        fcntl(borrowed, FcntlArg::F_SETFD(flags))?;
         // SAFETY: the fd is open (checked above) and was handed to this
         // process by its supervisor for it alone; nothing else in the agent
         // refers to it, so owning (and later closing) it is sound.

@@ -179,13 +179,13 @@ pub(crate) struct Core {
     /// way every pass is one line, not one a tick.
     pub logs: LogOnce,
     pub counts: super::counts::Counts,
-    /// Told the stages of every create attempt (see [`Engine::watch_creates`]).
+    /// Told the stages of every create attempt (see [`Engine::watch_creates`](super::Engine::watch_creates)).
     pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
 }
 
-/// What [`Engine::watch_creates`] is given: the VM and its create's stages.
+/// What [`Engine::watch_creates`](super::Engine::watch_creates) is given: the VM and its create's stages.
 ///
-/// [`Engine::watch_creates`]: super::Engine::watch_creates
+/// [`Engine::watch_creates`](super::Engine::watch_creates): super::Engine::watch_creates
 pub type CreateWatch = Arc<dyn Fn(&Id, &Stages) + Send + Sync>;
 
 impl Core {

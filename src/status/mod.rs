@@ -1,6 +1,6 @@
 //! What the agent says about its host outside the wire: the report file
-//! the daemon writes every tick ([`file`]), and how `status` shows it to a
-//! person ([`render`]). The daemon imports only the first.
+//! the daemon writes every tick ([`file`](mod@file)), and how `status` shows it to a
+//! person ([`render`](mod@render)). The daemon imports only the first.
 
 mod file;
 mod render;

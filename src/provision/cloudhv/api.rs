@@ -1,4 +1,4 @@
-//! cloud-hypervisor's API, over [`unix_http`](crate::provision::unix_http).
+//! cloud-hypervisor's API, over [`crate::provision::unix_http`].
 //!
 //! The server answers `Connection: keep-alive` even to `Connection: close`
 //! and never closes a connection itself, so a body is read by its

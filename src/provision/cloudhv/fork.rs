@@ -103,16 +103,34 @@ enum Stage {
 }
 
 impl Stage {
-    fn of(code: i32) -> &'static str {
-        match code {
-            1 => "placing its fds",
-            2 => "setting its resource limits",
-            3 => "dropping its capabilities",
-            4 => "setting its groups",
-            5 => "becoming its own user",
-            6 => "setting no_new_privs",
-            8 => "entering its cgroups",
-            _ => "exec",
+    const ALL: [Stage; 8] = [
+        Stage::Fds,
+        Stage::Limits,
+        Stage::Capabilities,
+        Stage::Groups,
+        Stage::Ids,
+        Stage::NoNewPrivs,
+        Stage::Exec,
+        Stage::Cgroups,
+    ];
+
+    /// The stage a child's report names; `None` for a code no child
+    /// writes (a torn or foreign report), never a guess.
+    fn decode(code: i32) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|s| *s as i32 == code)
+    }
+
+    /// What the child was doing, for the error.
+    fn doing(self) -> &'static str {
+        match self {
+            Stage::Fds => "placing its fds",
+            Stage::Limits => "setting its resource limits",
+            Stage::Capabilities => "dropping its capabilities",
+            Stage::Groups => "setting its groups",
+            Stage::Ids => "becoming its own user",
+            Stage::NoNewPrivs => "setting no_new_privs",
+            Stage::Exec => "exec",
+            Stage::Cgroups => "entering its cgroups",
         }
     }
 }
@@ -236,16 +254,16 @@ impl Held {
             0 => Ok(()),
             8 => {
                 let errno = io::Error::from_raw_os_error(word(4));
-                if word(0) == Stage::Exec as i32 {
-                    Err(errno)
-                } else {
-                    Err(io::Error::new(
+                match Stage::decode(word(0)) {
+                    Some(Stage::Exec) => Err(errno),
+                    Some(stage) => Err(io::Error::new(
                         errno.kind(),
-                        format!(
-                            "the hypervisor's process failed {}: {errno}",
-                            Stage::of(word(0))
-                        ),
-                    ))
+                        format!("the hypervisor's process failed {}: {errno}", stage.doing()),
+                    )),
+                    None => Err(io::Error::other(format!(
+                        "the hypervisor's process failed at an unknown stage {} ({errno})",
+                        word(0)
+                    ))),
                 }
             }
             _ => Err(io::Error::other("a torn exec report")),
@@ -543,6 +561,18 @@ pub fn wait_raw(pid: i32) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_stage_decodes_to_itself_and_an_unknown_code_to_none() {
+        let decoded: Vec<Option<Stage>> = Stage::ALL
+            .iter()
+            .map(|s| Stage::decode(*s as i32))
+            .collect();
+
+        assert!(decoded.iter().zip(Stage::ALL).all(|(d, s)| *d == Some(s)));
+        assert_eq!(Stage::decode(0), None);
+        assert_eq!(Stage::decode(99), None);
+    }
     use std::io::Read;
     use std::os::fd::FromRawFd;
 

@@ -61,7 +61,7 @@ impl CloudHypervisor {
     }
 
     /// Makes sure the jailed VMMs' `group` may open the KVM device: it does
-    /// already, or an ACL entry is added (see [`acl`](super::acl)).
+    /// already, or an ACL entry is added (see [`super::acl`]).
     pub(super) fn open_kvm_to(&self, group: u32) -> Result<(), BoxFailure> {
         let kvm = &self.cfg.confinement.kvm;
         if acl::group_may_read_write(kvm, group).unwrap_or(false) {

@@ -15,11 +15,11 @@ use crate::state::atomic::write_atomic;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Tracked {
     pub pid: i32,
-    /// Field 22 of /proc/<pid>/stat: clock ticks after boot.
+    /// Field 22 of `/proc/<pid>/stat`: clock ticks after boot.
     pub start: u64,
 }
 
-/// State letter and start time of `pid`, from /proc/<pid>/stat.
+/// State letter and start time of `pid`, from `/proc/<pid>/stat`.
 pub fn stat(pid: i32) -> Option<(char, u64)> {
     let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces and parentheses; the
@@ -82,7 +82,7 @@ pub fn uid(pid: i32) -> Option<u32> {
 
 /// Every live process with an argument `arg` exactly, or starting with
 /// `prefix` when `prefix` is true, and that argument: found by reading
-/// /proc/<pid>/cmdline of every process. A scan, so used only where a
+/// `/proc/<pid>/cmdline` of every process. A scan, so used only where a
 /// pidfile cannot be trusted (after a crash, a garbled or stale one).
 pub fn scan(arg: &[u8], prefix: bool) -> Vec<(Tracked, Vec<u8>)> {
     let Ok(entries) = fs::read_dir("/proc") else {

@@ -5,7 +5,7 @@
 //!    exactly as long as a process holds it), and joined to the host's
 //!    networks on a thread of their own while the steps below run (see
 //!    [`CloudHypervisor::boot`](super::CloudHypervisor)).
-//! 3. Its jail (see [`jail`](super::jail)): its own user id, its files made
+//! 3. Its jail (see [`super::jail`]): its own user id, its files made
 //!    its own, the KVM device open to its group, its limits.
 //! 4. Its command line, from [`argv`] (pure).
 //! 5. The fork, held before exec (see [`fork`](super::fork)): the pidfile

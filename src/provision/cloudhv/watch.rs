@@ -8,7 +8,7 @@
 //! On a kernel without pidfds it falls back to checking each adopted VMM's
 //! liveness once a second, which still beats waiting for the tick.
 //!
-//! Either way the exit goes to the registered [`ExitListener`]; whether it
+//! Either way the exit goes to the registered [`ExitListener`](crate::provision::ExitListener); whether it
 //! needs anything done is the engine's decision (a stop it asked for is an
 //! exit too).
 

@@ -1,5 +1,5 @@
 //! Starting a vfkit, in order:
-//! 1. Its command line, from [`argv`](super::argv) (pure; a path vfkit
+//! 1. Its command line, from [`super::argv`] (pure; a path vfkit
 //!    cannot take is refused here, permanently).
 //! 2. Its run dir, and a leftover API socket and pidfile removed (vfkit's
 //!    bind fails on a socket file that exists).
