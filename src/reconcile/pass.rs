@@ -63,6 +63,20 @@ impl VmResult {
         }
     }
 
+    /// A row for a VM the agent could not work on and did not look at.
+    pub(crate) fn failed_unobserved(vm_id: &Id, why: String) -> VmResult {
+        VmResult {
+            row: Some(VmStatus {
+                vm_id: vm_id.to_string(),
+                power: None,
+                phase: Some(Phase::Failed),
+                last_error: why,
+                ..VmStatus::default()
+            }),
+            ..VmResult::default()
+        }
+    }
+
     /// Sets this VM's row (a later call in the same pass replaces it).
     pub fn report(
         &mut self,
