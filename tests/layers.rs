@@ -135,6 +135,138 @@ fn module_edges() -> BTreeMap<String, BTreeSet<String>> {
     edges
 }
 
+/// Inside each folder, which of its files (or subfolders) imports which
+/// sibling: `super::x` from a file directly in the folder, or
+/// `crate::folder::x` from anywhere in it. `mod.rs` is the folder itself
+/// (it declares and re-exports its children), not a sibling.
+fn sibling_edges() -> BTreeMap<String, BTreeSet<String>> {
+    let sources = eitri_agent::testkit::sources::rust_sources();
+    let name = |c: std::path::Component<'_>| {
+        c.as_os_str()
+            .to_str()
+            .unwrap_or_default()
+            .trim_end_matches(".rs")
+            .to_owned()
+    };
+    let mut members: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for source in &sources {
+        let parts: Vec<String> = source.relative.components().map(name).collect();
+        if parts.len() >= 2 && parts[1] != "mod" {
+            members
+                .entry(parts[0].clone())
+                .or_default()
+                .insert(parts[1].clone());
+        }
+    }
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for source in &sources {
+        let parts: Vec<String> = source.relative.components().map(name).collect();
+        if parts.len() < 2 || parts[1] == "mod" {
+            continue;
+        }
+        let (folder, me) = (&parts[0], &parts[1]);
+        let siblings = &members[folder];
+        let direct = parts.len() == 2;
+        let mut named = BTreeSet::new();
+        for line in source.text.lines() {
+            let code = line.split("//").next().unwrap_or("");
+            let mut prefixes = vec![format!("crate::{folder}::")];
+            if direct {
+                prefixes.push("super::".to_owned());
+            }
+            for prefix in &prefixes {
+                for (at, _) in code.match_indices(prefix.as_str()) {
+                    // `super::` must not be the tail of a longer path.
+                    if prefix == "super::" && code[..at].ends_with("::") {
+                        continue;
+                    }
+                    let rest = &code[at + prefix.len()..];
+                    let target: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    if siblings.contains(&target) && &target != me {
+                        named.insert(target);
+                    }
+                    // `use super::{a, b::C}`: each sibling named in braces.
+                    if let Some(group) = rest.strip_prefix('{') {
+                        for item in group.split([',', '}']) {
+                            let target: String = item
+                                .trim()
+                                .chars()
+                                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                                .collect();
+                            if siblings.contains(&target) && &target != me {
+                                named.insert(target);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        edges
+            .entry(format!("{folder}/{me}"))
+            .or_default()
+            .extend(named.into_iter().map(|t| format!("{folder}/{t}")));
+    }
+    edges
+}
+
+/// Circles among the files of one folder.
+fn circles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    let mut out = Vec::new();
+    for start in edges.keys() {
+        let mut seen = BTreeSet::new();
+        let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
+        while let Some((at, path)) = stack.pop() {
+            for next in edges.get(&at).into_iter().flatten() {
+                if next == start {
+                    let mut circle = path.clone();
+                    circle.push(start.clone());
+                    if path.iter().all(|m| m >= start) {
+                        out.push(format!("import circle: {}", circle.join(" -> ")));
+                    }
+                } else if seen.insert(next.clone()) {
+                    let mut longer = path.clone();
+                    longer.push(next.clone());
+                    stack.push((next.clone(), longer));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn no_two_files_of_a_folder_import_each_other_in_a_circle() {
+    let edges = sibling_edges();
+
+    let found = circles(&edges);
+
+    assert!(
+        found.is_empty(),
+        "circles inside folders:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_folder_check_catches_a_circle_of_siblings() {
+    let edges: BTreeMap<String, BTreeSet<String>> = [
+        ("net/a", &["net/b"][..]),
+        ("net/b", &["net/c"][..]),
+        ("net/c", &["net/a"][..]),
+        ("net/d", &["net/a"][..]),
+    ]
+    .into_iter()
+    .map(|(m, ts)| (m.to_owned(), ts.iter().map(|t| t.to_string()).collect()))
+    .collect();
+
+    let found = circles(&edges);
+
+    assert_eq!(found, ["import circle: net/a -> net/b -> net/c -> net/a"]);
+}
+
 #[test]
 fn no_module_imports_upward_or_in_a_circle() {
     let edges = module_edges();

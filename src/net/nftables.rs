@@ -19,7 +19,17 @@ use std::net::Ipv4Addr;
 use nix::libc;
 
 use super::netlink::{Message, NLM_F_ACK, Socket};
-use super::underlay::Port;
+use crate::model::Mac;
+
+/// A VM's tap as the guard knows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Port<'a> {
+    pub tap: &'a str,
+    pub mac: Mac,
+    /// Its underlay address; `None` on a site network, whose addresses the
+    /// site's own DHCP grants (the MAC is held there, not the address).
+    pub ip: Option<Ipv4Addr>,
+}
 
 const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;

@@ -57,7 +57,7 @@ use std::net::Ipv4Addr;
 
 use super::addresses::Subnet;
 use super::cidr::Cidr;
-use crate::model::Mac;
+pub use super::nftables::Port;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnderlayConfig {
@@ -88,16 +88,6 @@ pub const LINK_LOCAL: Cidr = Cidr {
     network: Ipv4Addr::new(169, 254, 0, 0),
     prefix: 16,
 };
-
-/// A VM's tap as the guard knows it.
-#[derive(Clone, Copy, Debug)]
-pub struct Port<'a> {
-    pub tap: &'a str,
-    pub mac: Mac,
-    /// Its underlay address; `None` on a site network, whose addresses the
-    /// site's own DHCP grants (the MAC is held there, not the address).
-    pub ip: Option<Ipv4Addr>,
-}
 
 /// How guests reach beyond the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

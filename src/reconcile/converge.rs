@@ -10,9 +10,8 @@
 //! the way every report derives it (`lifecycle::phase`).
 
 use super::lifecycle::{self, State};
-use super::pass::{Core, Narrator, VmResult};
+use super::pass::{Core, Narrator, Publisher, VmResult};
 use super::volumes;
-use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
 use crate::model::{DesiredVm, Phase, PowerState};

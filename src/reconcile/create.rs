@@ -27,19 +27,14 @@
 use std::sync::Arc;
 
 use super::lifecycle::{self, Attempts, State};
-use super::pass::{Core, Narrator, VmResult};
+use super::pass::{CREATE_STAGE, Core, Narrator, Publisher, VmResult};
 use super::seams::{Progress, SeedParams};
 use super::volumes;
-use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
 use crate::model::{DesiredVm, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
 use crate::state::Record;
-
-/// The span of a counted create attempt, from its saved count to its end: a
-/// pass with one is logged with all its stages (those before it too).
-pub(crate) const CREATE_STAGE: &str = "create";
 
 impl Core {
     pub(crate) fn create(

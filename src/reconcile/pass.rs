@@ -11,10 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use super::EngineConfig;
 use super::admission::{CreateSlots, Ledger};
-use super::create::CREATE_STAGE;
 use super::lifecycle::{self, Budget, State};
 use super::seams::{HostFacts, HostKeys, Images, SeedBuilder};
-use super::workers::Publisher;
 use crate::deadline::Deadline;
 use crate::logonce::LogOnce;
 use crate::model::{DesiredVm, Id, Phase, PowerState, QuarantinedVm, Report, VmStatus};
@@ -197,10 +195,25 @@ pub(crate) struct Core {
     pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
 }
 
-/// What [`Engine::watch_creates`](super::Engine::watch_creates) is given: the VM and its create's stages.
+/// What [`Engine::watch_creates`] is given: the VM and its create's stages.
 ///
-/// [`Engine::watch_creates`](super::Engine::watch_creates): super::Engine::watch_creates
+/// [`Engine::watch_creates`]: super::Engine::watch_creates
 pub type CreateWatch = Arc<dyn Fn(&Id, &Stages) + Send + Sync>;
+
+/// The span of a counted create attempt, from its saved count to its end: a
+/// pass with one is logged with all its stages (those before it too).
+pub(crate) const CREATE_STAGE: &str = "create";
+
+/// Where a pass publishes its VM's row mid-pass: the worker's, under the
+/// pass's generation (see `workers`), so a publish from a pass that is
+/// over lands nowhere.
+pub(crate) trait Publish: Send + Sync {
+    fn publish(&self, result: VmResult);
+}
+
+/// A pass's publisher: cheap to clone and `'static`, so it can ride a
+/// progress callback onto another thread.
+pub(crate) type Publisher = Arc<dyn Publish>;
 
 impl Core {
     /// After each pass: a pass that made a create attempt logs where its

@@ -13,8 +13,7 @@
 //!    gone the VM is reported quarantined, never silently omitted.
 
 use super::lifecycle::{self, State};
-use super::pass::{Core, VmResult, grace_expired, quarantined_entry};
-use super::workers::Publisher;
+use super::pass::{Core, Publisher, VmResult, grace_expired, quarantined_entry};
 use crate::deadline::Deadline;
 use crate::error::chain;
 use crate::state::Record;

@@ -59,13 +59,7 @@ pub fn udhcpc(ns: &str, iface: &str, script: &Path, extra: &[&str]) -> Output {
         .unwrap_or_else(|e| panic!("udhcpc (busybox): {e}"))
 }
 
-/// Writes an executable shell script.
-pub fn script(path: &Path, body: &str) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::write(path, format!("#!/bin/sh\n{body}")).unwrap_or_else(|e| panic!("script: {e}"));
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
-        .unwrap_or_else(|e| panic!("chmod: {e}"));
-}
+pub use super::tools::script;
 
 /// The tests' underlay: bridge `etbr0`, 100.77.0.0/16, table `eitri_test`,
 /// guest taps named `etg…`, no ranges denied beyond the defaults.

@@ -7,7 +7,7 @@
 //! otherwise, because CI runs on a fresh machine where nothing installed by
 //! hand exists.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Where `program` is on `PATH`. Panics, naming it, when it is not there.
@@ -37,7 +37,7 @@ pub fn without(tools: &[&str]) -> Missing {
     let dir = std::env::temp_dir().join(format!("eitri-missing-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     for tool in tools {
-        super::net::script(&dir.join(tool), "exit 127\n");
+        script(&dir.join(tool), "exit 127\n");
     }
     let path = format!(
         "{}:{}",
@@ -56,6 +56,14 @@ impl Drop for Missing {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Writes an executable shell script.
+pub fn script(path: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("#!/bin/sh\n{body}")).unwrap_or_else(|e| panic!("script: {e}"));
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("chmod: {e}"));
 }
 
 #[cfg(test)]

@@ -69,7 +69,6 @@ mod thread;
 pub(crate) use self::pokes::Pokes;
 use self::router::{Batch, Doorbell, RING_CHUNK, Ringer, ring_now};
 use self::rows::Collected;
-pub(crate) use self::shared::Publisher;
 use self::shared::Signals;
 use self::thread::WorkerHandle;
 use super::pass::{Assignment, Core, VmResult};

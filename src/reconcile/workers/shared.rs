@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use super::mailbox::Mailbox;
 use crate::model::{Id, VmStatus};
-use crate::reconcile::pass::{PassOutcome, VmResult};
+use crate::reconcile::pass::{PassOutcome, Publish, VmResult};
 
 /// What a worker shares with the router.
 pub(crate) struct WorkerShared {
@@ -135,13 +135,13 @@ impl WorkerShared {
 /// so it can ride a progress callback onto another thread; the generation
 /// check keeps it harmless once the pass is over.
 #[derive(Clone)]
-pub(crate) struct Publisher {
+pub(crate) struct PassPublisher {
     pub(super) shared: Arc<WorkerShared>,
     pub(super) generation: u64,
 }
 
-impl Publisher {
-    pub(crate) fn publish(&self, result: VmResult) {
+impl Publish for PassPublisher {
+    fn publish(&self, result: VmResult) {
         self.shared.publish(self.generation, result);
     }
 }

@@ -10,9 +10,9 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, bounded};
 
 use super::router::Doorbell;
-use super::shared::{Publisher, Signals, WorkerShared};
+use super::shared::{PassPublisher, Signals, WorkerShared};
 use crate::model::Id;
-use crate::reconcile::pass::{Core, PassOutcome, VmResult};
+use crate::reconcile::pass::{Core, PassOutcome, Publisher, VmResult};
 use crate::stages;
 
 pub(super) struct WorkerHandle {
@@ -108,10 +108,10 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
         };
         let mut recording = stages::record();
         recording.add_before("dispatch", waited);
-        let publisher = Publisher {
+        let publisher: Publisher = Arc::new(PassPublisher {
             shared: Arc::clone(shared),
             generation,
-        };
+        });
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
             core.reconcile_one(vm_id, &assignment, Some(&publisher))
         }))
