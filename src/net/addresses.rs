@@ -11,74 +11,90 @@
 
 use std::fmt;
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
+use super::cidr::{Cidr, CidrError};
 use crate::model::{Id, Mac};
 use crate::state::leases::{LeaseError, Leases};
 
-/// An IPv4 subnet: the gateway takes the first host address, guests the rest.
+/// The underlay's subnet: a [`Cidr`] written `a.b.c.d/n`, from /8 to /29,
+/// so it holds the gateway (its first host address) and guests (the rest).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Subnet {
-    pub network: Ipv4Addr,
-    pub prefix: u8,
+pub struct Subnet(Cidr);
+
+/// Why a text is not an underlay subnet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SubnetError {
+    NoPrefix { text: String },
+    Range(CidrError),
+    Size { prefix: u8 },
 }
+
+impl fmt::Display for SubnetError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SubnetError::NoPrefix { text } => write!(f, "{text:?} is not an a.b.c.d/n subnet"),
+            SubnetError::Range(e) => e.fmt(f),
+            SubnetError::Size { prefix } => write!(f, "/{prefix} must be between /8 and /29"),
+        }
+    }
+}
+
+impl std::error::Error for SubnetError {}
 
 impl Subnet {
     /// Parses `a.b.c.d/n`, refusing host bits and subnets too small for a
     /// gateway and a guest.
-    pub fn parse(text: &str) -> Result<Subnet, String> {
-        let (addr, prefix) = text
-            .split_once('/')
-            .ok_or_else(|| format!("{text:?} is not an a.b.c.d/n subnet"))?;
-        let network: Ipv4Addr = addr
-            .parse()
-            .map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
-        let prefix: u8 = prefix
-            .parse()
-            .ok()
-            .filter(|p| (8..=29).contains(p))
-            .ok_or_else(|| format!("/{prefix} must be between /8 and /29"))?;
-        let subnet = Subnet { network, prefix };
-        if u32::from(network) & !subnet.mask_bits() != 0 {
-            return Err(format!(
-                "{text} has host bits set; did you mean {}/{prefix}?",
-                Ipv4Addr::from(u32::from(network) & subnet.mask_bits())
-            ));
+    pub fn parse(text: &str) -> Result<Subnet, SubnetError> {
+        if !text.contains('/') {
+            return Err(SubnetError::NoPrefix {
+                text: text.to_owned(),
+            });
         }
-        Ok(subnet)
+        let cidr = Cidr::parse(text).map_err(SubnetError::Range)?;
+        if !(8..=29).contains(&cidr.prefix) {
+            return Err(SubnetError::Size {
+                prefix: cidr.prefix,
+            });
+        }
+        Ok(Subnet(cidr))
     }
 
-    fn mask_bits(&self) -> u32 {
-        u32::MAX << (32 - u32::from(self.prefix))
+    pub fn network(&self) -> Ipv4Addr {
+        self.0.network
+    }
+
+    pub fn prefix(&self) -> u8 {
+        self.0.prefix
     }
 
     pub fn netmask(&self) -> Ipv4Addr {
-        Ipv4Addr::from(self.mask_bits())
+        Ipv4Addr::from(self.0.mask())
     }
 
     pub fn gateway(&self) -> Ipv4Addr {
-        Ipv4Addr::from(u32::from(self.network) + 1)
+        Ipv4Addr::from(u32::from(self.0.network) + 1)
     }
 
     /// Guest addresses: after the gateway, before the broadcast address.
     fn guests(&self) -> (u32, u32) {
-        let first = u32::from(self.network) + 2;
-        let last = (u32::from(self.network) | !self.mask_bits()) - 1;
+        let first = u32::from(self.0.network) + 2;
+        let last = (u32::from(self.0.network) | !self.0.mask()) - 1;
         (first, last)
     }
 
     pub fn contains(&self, ip: Ipv4Addr) -> bool {
-        u32::from(ip) & self.mask_bits() == u32::from(self.network)
+        self.0.contains(ip)
     }
 }
 
 impl fmt::Display for Subnet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.network, self.prefix)
+        self.0.fmt(f)
     }
 }
 
@@ -87,14 +103,8 @@ pub enum AddressError {
     Full {
         subnet: Subnet,
     },
-    Unreadable {
-        path: PathBuf,
-        problem: String,
-    },
-    Save {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    /// The persisted map could not be read or saved.
+    Map(LeaseError),
     /// The VM's MAC is another VM's.
     MacCollision {
         vm_id: Id,
@@ -110,14 +120,16 @@ impl fmt::Display for AddressError {
                 f,
                 "no free address left in {subnet}; use a larger --underlay-subnet"
             ),
-            AddressError::Unreadable { path, problem } => write!(
+            AddressError::Map(LeaseError::Unreadable { path, problem }) => write!(
                 f,
                 "the address map {} is unreadable ({problem}); no address is handed out until it is repaired, since a fresh map could give a live VM's address away",
                 path.display()
             ),
-            AddressError::Save { path, .. } => {
+            AddressError::Map(LeaseError::Save { path, .. }) => {
                 write!(f, "cannot save the address map {}", path.display())
             }
+            // Mapped to `Full` with its subnet (see `from`).
+            AddressError::Map(LeaseError::Full) => f.write_str("no free address left"),
             AddressError::MacCollision { vm_id, other, mac } => write!(
                 f,
                 "VM {vm_id}'s underlay MAC {mac} is VM {other}'s too; two guests cannot share a MAC on one bridge: create it under another id"
@@ -129,7 +141,7 @@ impl fmt::Display for AddressError {
 impl std::error::Error for AddressError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            AddressError::Save { source, .. } => Some(source),
+            AddressError::Map(LeaseError::Save { source, .. }) => Some(source),
             _ => None,
         }
     }
@@ -227,15 +239,14 @@ impl Addresses {
     /// Where `ip` sits in the subnet: distinct for every address, so it
     /// names the VM's taps (see `tap_names`).
     pub fn offset(&self, ip: Ipv4Addr) -> u32 {
-        u32::from(ip).wrapping_sub(u32::from(self.subnet.network))
+        u32::from(ip).wrapping_sub(u32::from(self.subnet.network()))
     }
 }
 
 fn from(e: LeaseError, subnet: Subnet) -> AddressError {
     match e {
         LeaseError::Full => AddressError::Full { subnet },
-        LeaseError::Unreadable { path, problem } => AddressError::Unreadable { path, problem },
-        LeaseError::Save { path, source } => AddressError::Save { path, source },
+        other => AddressError::Map(other),
     }
 }
 
@@ -360,6 +371,9 @@ mod tests {
     fn subnets_with_host_bits_are_refused() {
         let err = Subnet::parse("10.0.0.5/24").expect_err("host bits");
 
-        assert!(err.contains("10.0.0.0/24"), "{err}");
+        assert!(
+            err.to_string().contains("did you mean 10.0.0.0/24?"),
+            "{err}"
+        );
     }
 }

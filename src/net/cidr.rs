@@ -1,9 +1,43 @@
 //! An IPv4 range as an operator writes it: `a.b.c.d/n`, or a bare address
-//! for one host. Used for the guests' egress policy (`--guest-deny`,
-//! `--guest-allow`).
+//! for one host. The one prefix type of the agent: the guests' egress
+//! policy (`--guest-deny`, `--guest-allow`) is a list of them, and the
+//! underlay's [`Subnet`](super::addresses::Subnet) is one that can hold a
+//! gateway and guests.
 
 use std::fmt;
 use std::net::Ipv4Addr;
+
+/// Why a text is not a range.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CidrError {
+    NotAnAddress {
+        text: String,
+    },
+    NotAPrefix {
+        text: String,
+    },
+    /// The address has bits set past the prefix: `meant` is the range.
+    HostBits {
+        text: String,
+        meant: Cidr,
+    },
+}
+
+impl fmt::Display for CidrError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CidrError::NotAnAddress { text } => write!(f, "{text:?} is not an IPv4 address"),
+            CidrError::NotAPrefix { text } => {
+                write!(f, "/{text} is not a prefix length (0 to 32)")
+            }
+            CidrError::HostBits { text, meant } => {
+                write!(f, "{text} has host bits set; did you mean {meant}?")
+            }
+        }
+    }
+}
+
+impl std::error::Error for CidrError {}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Cidr {
@@ -21,29 +55,36 @@ impl Cidr {
     }
 
     /// Parses `a.b.c.d/n` (0 ≤ n ≤ 32, no host bits) or `a.b.c.d`.
-    pub fn parse(text: &str) -> Result<Cidr, String> {
+    pub fn parse(text: &str) -> Result<Cidr, CidrError> {
         let text = text.trim();
         let (addr, prefix) = text.split_once('/').unwrap_or((text, "32"));
-        let network: Ipv4Addr = addr
-            .parse()
-            .map_err(|_| format!("{addr:?} is not an IPv4 address"))?;
-        let prefix: u8 = prefix
-            .parse()
-            .ok()
-            .filter(|p| *p <= 32)
-            .ok_or_else(|| format!("/{prefix} is not a prefix length (0 to 32)"))?;
+        let network: Ipv4Addr = addr.parse().map_err(|_| CidrError::NotAnAddress {
+            text: addr.to_owned(),
+        })?;
+        let prefix: u8 =
+            prefix
+                .parse()
+                .ok()
+                .filter(|p| *p <= 32)
+                .ok_or_else(|| CidrError::NotAPrefix {
+                    text: prefix.to_owned(),
+                })?;
         let cidr = Cidr { network, prefix };
         let masked = Ipv4Addr::from(u32::from(network) & cidr.mask());
         if masked != network {
-            return Err(format!(
-                "{text} has host bits set; did you mean {masked}/{prefix}?"
-            ));
+            return Err(CidrError::HostBits {
+                text: text.to_owned(),
+                meant: Cidr {
+                    network: masked,
+                    prefix,
+                },
+            });
         }
         Ok(cidr)
     }
 
     /// A comma-separated list; empty text is an empty list.
-    pub fn parse_list(text: &str) -> Result<Vec<Cidr>, String> {
+    pub fn parse_list(text: &str) -> Result<Vec<Cidr>, CidrError> {
         text.split(',')
             .map(str::trim)
             .filter(|s| !s.is_empty())
@@ -51,7 +92,8 @@ impl Cidr {
             .collect()
     }
 
-    fn mask(&self) -> u32 {
+    /// The prefix's bits, as a number.
+    pub fn mask(&self) -> u32 {
         u32::MAX
             .checked_shl(32 - u32::from(self.prefix))
             .unwrap_or(0)
@@ -83,7 +125,7 @@ mod tests {
     fn host_bits_are_refused_with_the_range_meant() {
         let e = Cidr::parse("10.1.2.3/8").expect_err("host bits");
 
-        assert!(e.contains("10.0.0.0/8"), "{e}");
+        assert!(e.to_string().contains("did you mean 10.0.0.0/8?"), "{e}");
     }
 
     #[test]

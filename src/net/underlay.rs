@@ -202,7 +202,7 @@ impl Underlay {
             run("ip", &["link", "add", bridge, "type", "bridge"], None)?;
             log::info!("created the underlay bridge {bridge}");
         }
-        let gateway = format!("{}/{}", cfg.subnet.gateway(), cfg.subnet.prefix);
+        let gateway = format!("{}/{}", cfg.subnet.gateway(), cfg.subnet.prefix());
         run("ip", &["addr", "replace", &gateway, "dev", bridge], None)?;
         run("ip", &["link", "set", bridge, "up"], None)?;
         enable_forwarding()?;
