@@ -19,7 +19,10 @@ use std::path::Path;
 use prost::Message;
 use sha2::{Digest, Sha256};
 
-use crate::pb;
+use crate::model::Snapshot;
+use crate::pb::{self, convert};
+use crate::source::Desired;
+use crate::state::Store;
 use crate::state::atomic::write_atomic;
 
 const MAGIC: &[u8; 8] = b"EITRISNP";
@@ -72,6 +75,33 @@ pub fn load(path: &Path) -> Result<Option<pb::Snapshot>, String> {
     pb::Snapshot::decode(payload)
         .map(Some)
         .map_err(|e| format!("it does not decode: {e}"))
+}
+
+/// The last accepted snapshot a previous agent persisted, read and checked.
+pub(super) fn load_last(store: &Store) -> Option<(Desired, Snapshot)> {
+    let path = store.layout().last_snapshot();
+    match load(&path) {
+        Ok(None) => None,
+        Ok(Some(wire)) => {
+            let snap = convert::snapshot_from_wire(&wire);
+            Some((
+                Desired {
+                    wire,
+                    ..Desired::default()
+                },
+                snap,
+            ))
+        }
+        // Observed instead, as at a first start: nothing is reaped until
+        // desired state comes.
+        Err(why) => {
+            log::warn!(
+                "ignoring the last snapshot at {}: {why}; observing the host until desired state comes",
+                path.display()
+            );
+            None
+        }
+    }
 }
 
 #[cfg(test)]

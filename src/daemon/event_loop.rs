@@ -1,0 +1,294 @@
+//! The main loop (the module steps of [`super`]): events in, engine
+//! steps, reports out.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, select};
+
+use super::last::load_last;
+use super::{ExchangeThread, Link, Readiness, details, metrics};
+use crate::deadline::Deadline;
+use crate::logonce::LogOnce;
+use crate::model::Snapshot;
+use crate::pb::{self, convert};
+use crate::reconcile::Engine;
+use crate::source::Desired;
+use crate::state::Store;
+
+/// The shortest gap between two change-driven `report.json` writes: a burst
+/// of rows changing (a hundred VMs booting) is a few writes, not a hundred.
+pub(super) const MIN_WRITE_GAP: Duration = Duration::from_millis(10);
+
+/// What the main loop is told from outside.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// SIGTERM or SIGINT.
+    Shutdown,
+    /// SIGHUP: read the desired file afresh.
+    Reload,
+    /// The exchange handed over new desired state.
+    Desired,
+    /// The contact state changed; `report.json` says it.
+    Contact,
+    /// Step now, as at a tick; `done` is told once the step's report is
+    /// out (a test waiting for exactly that step).
+    Step {
+        done: Option<crossbeam_channel::Sender<()>>,
+    },
+}
+
+/// Monotonic time since an arbitrary start; a fake in tests.
+pub trait Clock: Send {
+    fn now(&self) -> Duration;
+}
+
+pub struct SystemClock(Instant);
+
+impl SystemClock {
+    pub fn new() -> SystemClock {
+        SystemClock(Instant::now())
+    }
+}
+
+impl Default for SystemClock {
+    fn default() -> SystemClock {
+        SystemClock::new()
+    }
+}
+
+impl Clock for SystemClock {
+    fn now(&self) -> Duration {
+        self.0.elapsed()
+    }
+}
+
+/// What the main loop is made of; its own settings come from `Config`.
+pub struct Parts {
+    pub store: Arc<Store>,
+    pub engine: Arc<Engine>,
+    pub link: Arc<Link>,
+    pub host: pb::HostInfo,
+    /// What the source is called in logs and `status`.
+    pub source: String,
+    /// Whether snapshots come from a control plane (and fence), or from a
+    /// file (and never do).
+    pub remote: bool,
+    pub readiness: Option<Readiness>,
+    /// Lasting facts for `status` (e.g. networking is host-only).
+    pub notes: Vec<String>,
+    /// `--metrics-file`, when asked for.
+    pub metrics: Option<metrics::MetricsFile>,
+}
+
+pub struct Daemon {
+    pub(super) store: Arc<Store>,
+    pub(super) engine: Arc<Engine>,
+    pub(super) link: Arc<Link>,
+    pub(super) host: pb::HostInfo,
+    pub(super) source: String,
+    pub(super) remote: bool,
+    pub(super) readiness: Option<Readiness>,
+    pub(super) notes: Vec<String>,
+    pub(super) tick: Duration,
+    /// The last accepted desired state, as read and as checked.
+    pub(super) last: Option<(Desired, Snapshot)>,
+    /// The epoch of the stale snapshot the control plane sent last, while
+    /// it sends stale ones.
+    pub(super) fenced: Option<u64>,
+    pub(super) logs: LogOnce,
+    /// When `report.json` was last written, and whether a change waits.
+    pub(super) written: Option<Instant>,
+    pub(super) dirty: bool,
+    pub(super) metrics: Option<metrics::MetricsFile>,
+    pub(super) details: details::Details,
+}
+
+impl Daemon {
+    /// Builds the main loop, loading the last accepted snapshot if one was
+    /// persisted (a restart during an outage keeps converging).
+    pub fn new(tick: Duration, parts: Parts) -> Daemon {
+        let last = load_last(&parts.store);
+        if let Some((_, snap)) = &last {
+            log::info!(
+                "resuming with the last accepted snapshot (epoch {})",
+                snap.epoch
+            );
+        }
+        Daemon {
+            store: parts.store,
+            engine: parts.engine,
+            link: parts.link,
+            host: parts.host,
+            source: parts.source,
+            remote: parts.remote,
+            readiness: parts.readiness,
+            notes: parts.notes,
+            tick,
+            last,
+            fenced: None,
+            logs: LogOnce::new(),
+            written: None,
+            dirty: false,
+            metrics: parts.metrics,
+            details: details::Details::default(),
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// Runs until told to stop (see the module steps), then stops the
+    /// exchange and gives passes in flight `grace`, all within `grace`.
+    pub fn run(
+        mut self,
+        events: &Receiver<Event>,
+        exchange: Option<ExchangeThread>,
+        grace: Duration,
+    ) {
+        let changes = self.engine.changes().clone();
+        self.step(None);
+        let mut next_tick = Instant::now() + self.tick;
+        loop {
+            let wake = match self.write_due_at() {
+                Some(at) => at.min(next_tick),
+                None => next_tick,
+            };
+            select! {
+                recv(events) -> event => match event {
+                    Ok(Event::Shutdown) | Err(_) => break,
+                    Ok(Event::Reload) => {
+                        log::info!("reloading {}", self.source);
+                        if let Some(x) = &exchange {
+                            x.reload();
+                        }
+                    }
+                    Ok(Event::Desired) => {
+                        if let Some((seq, desired)) = self.link.take_desired() {
+                            self.accept(desired);
+                            self.step(Some(seq));
+                        }
+                    }
+                    Ok(Event::Contact) => self.dirty = true,
+                    Ok(Event::Step { done }) => {
+                        self.step(None);
+                        next_tick = Instant::now() + self.tick;
+                        if let Some(done) = done {
+                            let _ = done.send(());
+                        }
+                    }
+                },
+                recv(changes) -> _ => self.dirty = true,
+                default(wake.saturating_duration_since(Instant::now())) => {}
+            }
+            if Instant::now() >= next_tick {
+                self.step(None);
+                next_tick = Instant::now() + self.tick;
+            }
+            if self.write_due_at().is_some_and(|at| at <= Instant::now()) {
+                self.report_changes();
+            }
+        }
+        log::info!(
+            "stopping: passes in flight get up to {}s; VMs keep running",
+            grace.as_secs()
+        );
+        let deadline = Deadline::after(grace);
+        if let Some(x) = &exchange {
+            x.ask_to_stop();
+        }
+        self.engine.shutdown(deadline);
+        if let Some(x) = exchange {
+            x.join(deadline);
+        }
+    }
+
+    /// When a waiting change may be written: at once, or once the last
+    /// write is [`MIN_WRITE_GAP`] old.
+    fn write_due_at(&self) -> Option<Instant> {
+        if !self.dirty {
+            return None;
+        }
+        Some(match self.written {
+            Some(at) => at + MIN_WRITE_GAP,
+            None => Instant::now(),
+        })
+    }
+
+    /// Takes new desired state (see the module's step 1).
+    fn accept(&mut self, desired: Desired) {
+        let Desired {
+            mut wire,
+            refused_vms,
+            refused_volumes,
+        } = desired;
+        let current = self.store.epoch();
+        if self.remote && wire.epoch < current {
+            self.logs.warn(
+                "fence",
+                &format!(
+                    "refusing a stale snapshot: its epoch {} is older than the accepted epoch {current}; keeping the last accepted desired state, and reporting the fence",
+                    wire.epoch
+                ),
+            );
+            self.fenced = Some(wire.epoch);
+            return;
+        }
+        if !self.remote {
+            // Standalone mode never fences: a hand-written file may leave
+            // the epoch out, or reset it.
+            wire.epoch = wire.epoch.max(current);
+        }
+        if self.fenced.take().is_some() {
+            self.logs.clear("fence");
+            log::info!("snapshot epoch {} accepted; no longer fenced", wire.epoch);
+        }
+        let desired = Desired {
+            wire,
+            refused_vms,
+            refused_volumes,
+        };
+        // A control plane sends the same snapshot tick after tick: check
+        // and convert only what changed.
+        if self.last.as_ref().is_some_and(|(old, _)| *old == desired) {
+            return;
+        }
+        let mut snap = convert::snapshot_from_wire(&desired.wire);
+        snap.refuse_more(desired.refused_vms.clone(), desired.refused_volumes.clone());
+        self.logs.clear_prefix("rejected/");
+        for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
+            self.logs.warn(
+                &format!("rejected/{}", rejected.raw_id),
+                &format!(
+                    "refusing the entry {}: {}",
+                    crate::quote::text(&rejected.raw_id),
+                    rejected.error
+                ),
+            );
+        }
+        self.persist_last(&desired.wire);
+        self.last = Some((desired, snap));
+    }
+
+    /// Steps the engine (the module's steps 1 and 2) and reports.
+    fn step(&mut self, reflects: Option<u64>) {
+        let started = Instant::now();
+        let report = match &self.last {
+            Some((_, snap)) => self.engine.step(snap),
+            None => self.engine.observe(),
+        };
+        self.publish(&report, reflects, true);
+        self.write_metrics(&report, started);
+    }
+
+    /// Reports the rows that changed since the last report, dispatching
+    /// nothing (the module's step 3).
+    fn report_changes(&mut self) {
+        let report = match &self.last {
+            Some((_, snap)) => self.engine.report(snap),
+            None => self.engine.observe(),
+        };
+        self.publish(&report, None, false);
+    }
+}

@@ -1,0 +1,136 @@
+//! The composition root: the one place the daemon's real parts are made
+//! and wired together (the store, the backend and its network through
+//! [`super::recover`], the image cache, the engine, the source and
+//! its exchange thread, the signal thread), then handed to the main loop.
+//! Tests wire fakes instead, through [`Daemon::new`](super::Daemon::new).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::{
+    Daemon, DaemonError, Exchange, Link, Parts, Readiness, Recovered, Signals, SystemClock,
+    XorShift, discover, metrics, recover,
+};
+use crate::config::{Config, DesiredSource};
+use crate::pb;
+use crate::reconcile::seams::{HostFacts, SystemHost};
+use crate::reconcile::{Engine, Seams};
+use crate::seed::NoCloudSeed;
+use crate::source::{FileSource, HttpSource, Source};
+
+/// The host's self-description, sent with every request.
+pub fn host_info(config: &Config, host_id: String, boot_id: String) -> pb::HostInfo {
+    pb::HostInfo {
+        host_id,
+        agent_version: crate::version::AGENT_VERSION.to_owned(),
+        boot_id,
+        max_vcpus: config.engine.caps.max_vcpus as i64,
+        max_mem_mb: config.engine.caps.max_mem_mb as i64,
+        max_disk_gb: config.engine.caps.max_disk_gb as i64,
+    }
+}
+
+/// Runs the daemon with the host's real parts until SIGTERM or SIGINT.
+/// `signals` were installed first thing in `main`, so a signal that came
+/// while the agent was starting is acted on, not fatal.
+pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
+    // Take the readiness fd first, so no child can inherit it.
+    let readiness = config
+        .notify_fd
+        .map(|fd| Readiness::adopt(fd).map_err(|source| DaemonError::Notify { fd, source }))
+        .transpose()?;
+    if let DesiredSource::ControlPlane(cp) = &config.source
+        && let Some(token) = &cp.token_file
+    {
+        crate::source::check_token_mode(token).map_err(DaemonError::Token)?;
+    }
+    // Every program the agent will run, found once by absolute path (and
+    // logged) before anything runs one.
+    if config.guest.underlay.is_some() {
+        for program in ["ip", "nft", "iptables"] {
+            crate::programs::resolved(program);
+        }
+    }
+    let (events, rx) = crossbeam_channel::unbounded();
+    let signal_thread = signals
+        .spawn(events.clone())
+        .map_err(DaemonError::Signals)?;
+    let host = Arc::new(SystemHost::new().map_err(DaemonError::BootId)?);
+    let boot_id = host.boot_id();
+    let guest_dns = config
+        .guest
+        .guest_dns
+        .clone()
+        .unwrap_or_else(discover::resolvers);
+    let Recovered {
+        store,
+        images,
+        provisioner,
+        notes,
+    } = recover::recover(&config, guest_dns)?;
+    let seams = Seams {
+        provisioner,
+        images: Arc::clone(&images) as Arc<dyn crate::reconcile::seams::Images>,
+        seed: Arc::new(NoCloudSeed),
+        host_keys: Arc::new(crate::hostkey::LocalHostKeys),
+        host,
+    };
+    let engine = Arc::new(Engine::new(
+        Arc::clone(&store),
+        seams,
+        config.engine.clone(),
+    ));
+    let source: Box<dyn Source> = match &config.source {
+        DesiredSource::File(path) => Box::new(FileSource::new(PathBuf::from(path), config.limits)),
+        DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(
+            cp.clone(),
+            config.limits,
+            config.proxy.as_deref(),
+        )),
+    };
+    let (remote, described) = (source.is_remote(), source.describe());
+    let host_id = config.host_id.clone().unwrap_or_else(discover::host_id);
+    log::info!(
+        "eitri-agent {} starting: host {host_id}, state dir {}, {described}",
+        crate::version::AGENT_VERSION,
+        config.state_dir.display(),
+    );
+    let link = Link::new(events);
+    let info = host_info(&config, host_id, boot_id);
+    let mut rng = XorShift::seeded();
+    let exchange = Exchange::new(
+        source,
+        info.clone(),
+        config.tick,
+        config.backoff_max,
+        Box::new(SystemClock::new()),
+        Box::new(move || rng.next_unit()),
+        Arc::clone(&link),
+    )
+    .spawn()
+    .map_err(|source| DaemonError::Thread {
+        name: "source",
+        source,
+    })?;
+    let daemon = Daemon::new(
+        config.tick,
+        Parts {
+            store,
+            engine,
+            link,
+            host: info,
+            source: described,
+            remote,
+            readiness,
+            notes,
+            metrics: config
+                .metrics_file
+                .clone()
+                .map(|path| metrics::MetricsFile::new(path, Arc::clone(&images))),
+        },
+    );
+    daemon.run(&rx, Some(exchange), config.shutdown_grace);
+    signal_thread.stop();
+    log::info!("stopped");
+    Ok(())
+}
