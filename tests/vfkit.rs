@@ -374,7 +374,10 @@ fn the_address_is_the_newest_lease_for_the_vms_mac() {
     )
     .expect("leases");
 
-    assert_eq!(h.backend.address(&id("vm-1")), "192.168.64.12");
+    assert_eq!(
+        h.backend.address(&id("vm-1")),
+        Some("192.168.64.12".parse().expect("ip"))
+    );
 }
 
 #[test]

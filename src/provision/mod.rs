@@ -19,6 +19,7 @@ pub mod unix_http;
 pub mod vfkit;
 
 use std::collections::HashMap;
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -69,18 +70,18 @@ pub trait Provisioner: Send + Sync {
         None
     }
 
-    /// What the hypervisor said before it stopped, or "" when the backend
-    /// has nothing to add. Asked when a guest that should run does not, so
-    /// the report says why, not only that.
-    fn failure_reason(&self, vm_id: &Id) -> String;
+    /// What the hypervisor said before it stopped, or `None` when the
+    /// backend has nothing to add. Asked when a guest that should run does
+    /// not, so the report says why, not only that.
+    fn failure_reason(&self, vm_id: &Id) -> Option<String>;
 
-    /// The VM's address on the host underlay, or "" when unknown.
-    fn address(&self, vm_id: &Id) -> String;
+    /// The VM's address on the host underlay, `None` while unknown.
+    fn address(&self, vm_id: &Id) -> Option<Ipv4Addr>;
 
-    /// The address of the VM's second NIC on a named host network, or ""
+    /// The address of the VM's second NIC on a named host network, `None`
     /// when it has none or it is not learned yet. Learned late: someone
     /// else's DHCP server grants it after boot.
-    fn network_address(&self, vm_id: &Id) -> String;
+    fn network_address(&self, vm_id: &Id) -> Option<Ipv4Addr>;
 
     /// Registers who to tell the moment a VM's hypervisor exits, so a guest
     /// that crashed is repaired at once instead of at the next tick. The

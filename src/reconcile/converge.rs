@@ -163,8 +163,7 @@ impl Core {
     fn fail_boot(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
         let err: &dyn std::error::Error = &*err;
         let mut error = chain(err);
-        let reason = self.prov.failure_reason(&rec.spec.vm_id);
-        if !reason.is_empty() {
+        if let Some(reason) = self.prov.failure_reason(&rec.spec.vm_id) {
             error = format!("{error}: {reason}");
         }
         self.log_failure(&rec.spec.vm_id, "boot failed", &error);

@@ -387,14 +387,19 @@ impl Core {
     /// arrives after boot.
     pub(crate) fn note_address(&self, rec: &mut Record) -> bool {
         let mut changed = false;
-        let ip = self.prov.address(&rec.spec.vm_id);
-        if !ip.is_empty() && ip != rec.ip {
+        if let Some(ip) = self.prov.address(&rec.spec.vm_id).map(|ip| ip.to_string())
+            && ip != rec.ip
+        {
             rec.ip = ip;
             changed = true;
         }
-        let network_ip = self.prov.network_address(&rec.spec.vm_id);
-        if !network_ip.is_empty() && network_ip != rec.network_ip {
-            rec.network_ip = network_ip;
+        if let Some(ip) = self
+            .prov
+            .network_address(&rec.spec.vm_id)
+            .map(|ip| ip.to_string())
+            && ip != rec.network_ip
+        {
+            rec.network_ip = ip;
             changed = true;
         }
         changed

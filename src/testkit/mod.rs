@@ -17,6 +17,7 @@ pub mod tmpfs;
 pub mod tools;
 
 use std::collections::{HashMap, HashSet};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -152,12 +153,19 @@ struct Rule {
     panic: bool,
 }
 
+/// What the fake says a VM's addresses are.
+#[derive(Clone, Copy, Default)]
+struct Addresses {
+    underlay: Option<Ipv4Addr>,
+    network: Option<Ipv4Addr>,
+}
+
 /// Every seam, faked. See the module docs.
 pub struct Fakes {
     calls: Mutex<Vec<Call>>,
     rules: Mutex<HashMap<(Op, String), Rule>>,
     running: Mutex<HashSet<Id>>,
-    addresses: Mutex<HashMap<Id, (String, String)>>,
+    addresses: Mutex<HashMap<Id, Addresses>>,
     reasons: Mutex<HashMap<Id, String>>,
     progress: Mutex<HashMap<String, Vec<ProgressStep>>>,
     callbacks: Mutex<HashMap<String, Progress>>,
@@ -278,10 +286,17 @@ impl Fakes {
         }
     }
 
+    /// The addresses the fake reports for the VM; "" for none. A text that
+    /// is not an address panics: the fakes are for tests.
     pub fn set_addresses(&self, vm_id: &Id, ip: &str, network_ip: &str) {
-        self.addresses
-            .lock()
-            .insert(vm_id.clone(), (ip.to_owned(), network_ip.to_owned()));
+        let parse = |text: &str| {
+            (!text.is_empty()).then(|| text.parse().unwrap_or_else(|e| panic!("{text:?}: {e}")))
+        };
+        let addresses = Addresses {
+            underlay: parse(ip),
+            network: parse(network_ip),
+        };
+        self.addresses.lock().insert(vm_id.clone(), addresses);
     }
 
     pub fn set_failure_reason(&self, vm_id: &Id, reason: &str) {
@@ -442,27 +457,19 @@ impl Provisioner for Fakes {
         self.running.lock().contains(vm_id)
     }
 
-    fn failure_reason(&self, vm_id: &Id) -> String {
+    fn failure_reason(&self, vm_id: &Id) -> Option<String> {
         self.record(Call::FailureReason(vm_id.clone()));
-        self.reasons.lock().get(vm_id).cloned().unwrap_or_default()
+        self.reasons.lock().get(vm_id).cloned()
     }
 
-    fn address(&self, vm_id: &Id) -> String {
+    fn address(&self, vm_id: &Id) -> Option<Ipv4Addr> {
         self.record(Call::Address(vm_id.clone()));
-        self.addresses
-            .lock()
-            .get(vm_id)
-            .map(|a| a.0.clone())
-            .unwrap_or_default()
+        self.addresses.lock().get(vm_id).and_then(|a| a.underlay)
     }
 
-    fn network_address(&self, vm_id: &Id) -> String {
+    fn network_address(&self, vm_id: &Id) -> Option<Ipv4Addr> {
         self.record(Call::NetworkAddress(vm_id.clone()));
-        self.addresses
-            .lock()
-            .get(vm_id)
-            .map(|a| a.1.clone())
-            .unwrap_or_default()
+        self.addresses.lock().get(vm_id).and_then(|a| a.network)
     }
 
     fn watch_exits(&self, listener: ExitListener) {

@@ -473,27 +473,20 @@ impl Provisioner for CloudHypervisor {
         self.alive(vm_id).and_then(|t| u32::try_from(t.pid).ok())
     }
 
-    fn failure_reason(&self, vm_id: &Id) -> String {
+    fn failure_reason(&self, vm_id: &Id) -> Option<String> {
         let tail = super::log_tail(&self.store.layout().hypervisor_log(vm_id));
-        self.children.failure_reason(vm_id, tail)
+        Some(self.children.failure_reason(vm_id, tail)).filter(|r| !r.is_empty())
     }
 
-    fn address(&self, vm_id: &Id) -> String {
-        self.cfg
-            .network
-            .as_ref()
-            .and_then(|n| n.address(vm_id))
-            .map(|ip| ip.to_string())
-            .unwrap_or_default()
+    fn address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {
+        self.cfg.network.as_ref().and_then(|n| n.address(vm_id))
     }
 
-    fn network_address(&self, vm_id: &Id) -> String {
+    fn network_address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {
         self.cfg
             .network
             .as_ref()
             .and_then(|n| n.network_address(Mac::second_nic(vm_id)))
-            .map(|ip| ip.to_string())
-            .unwrap_or_default()
     }
 
     fn watch_exits(&self, listener: ExitListener) {

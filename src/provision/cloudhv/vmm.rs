@@ -88,6 +88,6 @@ impl supervise::Vmm for Vmm<'_> {
     }
 
     fn failure_reason(&self) -> String {
-        self.backend.failure_reason(self.vm_id)
+        self.backend.failure_reason(self.vm_id).unwrap_or_default()
     }
 }

@@ -207,19 +207,18 @@ impl Provisioner for Vfkit {
         self.alive(vm_id)
     }
 
-    fn failure_reason(&self, vm_id: &Id) -> String {
+    fn failure_reason(&self, vm_id: &Id) -> Option<String> {
         let said = error_line(&self.store.layout().hypervisor_log(vm_id));
-        self.children.failure_reason(vm_id, said)
+        Some(self.children.failure_reason(vm_id, said)).filter(|r| !r.is_empty())
     }
 
-    fn address(&self, vm_id: &Id) -> String {
+    fn address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {
         leases::address(&self.cfg.leases, Mac::underlay(vm_id).octets())
-            .map(|ip| ip.to_string())
-            .unwrap_or_default()
     }
 
-    fn network_address(&self, _vm_id: &Id) -> String {
-        String::new()
+    /// vfkit serves no second NIC (see the module header).
+    fn network_address(&self, _vm_id: &Id) -> Option<std::net::Ipv4Addr> {
+        None
     }
 
     fn watch_exits(&self, listener: ExitListener) {
