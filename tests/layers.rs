@@ -135,62 +135,66 @@ fn module_edges() -> BTreeMap<String, BTreeSet<String>> {
     edges
 }
 
-/// Inside each folder, which of its files (or subfolders) imports which
-/// sibling: `super::x` from a file directly in the folder, or
-/// `crate::folder::x` from anywhere in it. `mod.rs` is the folder itself
-/// (it declares and re-exports its children), not a sibling.
+/// Inside each folder, at every depth, which of its files (or
+/// subfolders) imports which sibling: `super::x` from a file directly in
+/// the folder, or `crate::folder::x` from anywhere in it. A folder's
+/// `mod.rs` is the folder itself (it declares and re-exports its
+/// children): a member of the folder above, never of its own.
 fn sibling_edges() -> BTreeMap<String, BTreeSet<String>> {
     let sources = eitri_agent::testkit::sources::rust_sources();
-    let name = |c: std::path::Component<'_>| {
-        c.as_os_str()
-            .to_str()
-            .unwrap_or_default()
-            .trim_end_matches(".rs")
-            .to_owned()
+    let path_of = |relative: &std::path::Path| -> Vec<String> {
+        let mut parts: Vec<String> = relative
+            .components()
+            .map(|c| {
+                c.as_os_str()
+                    .to_str()
+                    .unwrap_or_default()
+                    .trim_end_matches(".rs")
+                    .to_owned()
+            })
+            .collect();
+        if parts.last().is_some_and(|p| p == "mod") {
+            parts.pop();
+        }
+        parts
     };
     let mut members: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for source in &sources {
-        let parts: Vec<String> = source.relative.components().map(name).collect();
-        if parts.len() >= 2 && parts[1] != "mod" {
+        let parts = path_of(&source.relative);
+        for d in 1..parts.len() {
             members
-                .entry(parts[0].clone())
+                .entry(parts[..d].join("/"))
                 .or_default()
-                .insert(parts[1].clone());
+                .insert(parts[d].clone());
         }
     }
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for source in &sources {
-        let parts: Vec<String> = source.relative.components().map(name).collect();
-        if parts.len() < 2 || parts[1] == "mod" {
-            continue;
-        }
-        let (folder, me) = (&parts[0], &parts[1]);
-        let siblings = &members[folder];
-        let direct = parts.len() == 2;
-        let mut named = BTreeSet::new();
-        for line in source.text.lines() {
-            let code = line.split("//").next().unwrap_or("");
-            let mut prefixes = vec![format!("crate::{folder}::")];
-            if direct {
+        let parts = path_of(&source.relative);
+        for d in 1..parts.len() {
+            let folder = parts[..d].join("/");
+            let me = &parts[d];
+            let siblings = &members[&folder];
+            let mut prefixes = vec![format!("crate::{}::", parts[..d].join("::"))];
+            if d == parts.len() - 1 {
                 prefixes.push("super::".to_owned());
             }
-            for prefix in &prefixes {
-                for (at, _) in code.match_indices(prefix.as_str()) {
-                    // `super::` must not be the tail of a longer path.
-                    if prefix == "super::" && code[..at].ends_with("::") {
-                        continue;
-                    }
-                    let rest = &code[at + prefix.len()..];
-                    let target: String = rest
-                        .chars()
-                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                        .collect();
-                    if siblings.contains(&target) && &target != me {
-                        named.insert(target);
-                    }
-                    // `use super::{a, b::C}`: each sibling named in braces.
-                    if let Some(group) = rest.strip_prefix('{') {
-                        for item in group.split([',', '}']) {
+            let mut named = BTreeSet::new();
+            for line in source.text.lines() {
+                let code = line.split("//").next().unwrap_or("");
+                for prefix in &prefixes {
+                    for (at, _) in code.match_indices(prefix.as_str()) {
+                        // `super::` must not be the tail of a longer path.
+                        if prefix == "super::" && code[..at].ends_with("::") {
+                            continue;
+                        }
+                        let rest = &code[at + prefix.len()..];
+                        // `use super::{a, b::C}`: each name in the braces.
+                        let names: Vec<&str> = match rest.strip_prefix('{') {
+                            Some(group) => group.split([',', '}']).collect(),
+                            None => vec![rest],
+                        };
+                        for item in names {
                             let target: String = item
                                 .trim()
                                 .chars()
@@ -203,11 +207,11 @@ fn sibling_edges() -> BTreeMap<String, BTreeSet<String>> {
                     }
                 }
             }
+            edges
+                .entry(format!("{folder}/{me}"))
+                .or_default()
+                .extend(named.into_iter().map(|t| format!("{folder}/{t}")));
         }
-        edges
-            .entry(format!("{folder}/{me}"))
-            .or_default()
-            .extend(named.into_iter().map(|t| format!("{folder}/{t}")));
     }
     edges
 }

@@ -99,37 +99,92 @@ pub enum Nat {
 }
 
 #[derive(Debug)]
-pub struct NetError {
-    pub what: String,
-    pub detail: String,
+pub enum NetError {
+    /// The program is not installed (not found when the agent started).
+    Missing {
+        program: &'static str,
+        command: String,
+    },
+    /// The program could not be run, or its input written.
+    Run {
+        command: String,
+        source: std::io::Error,
+    },
+    /// It ran and failed: its exit status and what it said.
+    Failed {
+        command: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    /// A netlink request the kernel refused.
+    Netlink {
+        request: String,
+        source: std::io::Error,
+    },
+    /// IPv4 forwarding could not be turned on.
+    Forwarding {
+        path: &'static str,
+        source: std::io::Error,
+    },
 }
 
 impl fmt::Display for NetError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.what, self.detail)
+        match self {
+            NetError::Missing { program, command } => write!(
+                f,
+                "{command}: {program} is not installed (not found in PATH when the agent started)"
+            ),
+            NetError::Run { command, .. } => write!(f, "cannot run {command}"),
+            NetError::Failed {
+                command,
+                status,
+                stderr,
+            } => write!(
+                f,
+                "{command} failed ({}): {}",
+                crate::human::exit(*status),
+                crate::quote::inline(stderr)
+            ),
+            NetError::Netlink { request, .. } => f.write_str(request),
+            NetError::Forwarding { path, .. } => {
+                write!(f, "cannot enable IPv4 forwarding ({path})")
+            }
+        }
     }
 }
 
-impl std::error::Error for NetError {}
+impl std::error::Error for NetError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            NetError::Run { source, .. }
+            | NetError::Netlink { source, .. }
+            | NetError::Forwarding { source, .. } => Some(source),
+            NetError::Missing { .. } | NetError::Failed { .. } => None,
+        }
+    }
+}
 
 impl crate::error::Failure for NetError {}
 
 #[cfg(target_os = "linux")]
-fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
+fn run(program: &'static str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
     use std::io::Write;
     let _span = crate::stages::span(match program {
         "ip" => "ip",
         "nft" => "nft",
         _ => "command",
     });
-    let what = || format!("{program} {}", args.join(" "));
+    let command = || format!("{program} {}", args.join(" "));
     let Some(path) = crate::programs::resolved(program) else {
-        return Err(NetError {
-            what: what(),
-            detail: format!(
-                "{program} is not installed (not found in PATH when the agent started)"
-            ),
+        return Err(NetError::Missing {
+            program,
+            command: command(),
         });
+    };
+    let run_err = |source| NetError::Run {
+        command: command(),
+        source,
     };
     let mut cmd = Command::new(path);
     cmd.args(args)
@@ -140,26 +195,18 @@ fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, NetE
         })
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| NetError {
-        what: what(),
-        detail: e.to_string(),
-    })?;
+    let mut child = cmd.spawn().map_err(run_err)?;
     if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(text.as_bytes()).map_err(|e| NetError {
-            what: what(),
-            detail: e.to_string(),
-        })?;
+        pipe.write_all(text.as_bytes()).map_err(run_err)?;
     }
-    let out = child.wait_with_output().map_err(|e| NetError {
-        what: what(),
-        detail: e.to_string(),
-    })?;
+    let out = child.wait_with_output().map_err(run_err)?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
-        Err(NetError {
-            what: what(),
-            detail: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        Err(NetError::Failed {
+            command: command(),
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
         })
     }
 }
@@ -241,9 +288,9 @@ impl Underlay {
     pub fn attach(&self, port: &Port<'_>) -> Result<(), NetError> {
         self.guard(port)?;
         let _span = crate::stages::span("netlink");
-        super::netlink::join_isolated(port.tap, &self.cfg.bridge).map_err(|e| NetError {
-            what: e.command,
-            detail: e.source.to_string(),
+        super::netlink::join_isolated(port.tap, &self.cfg.bridge).map_err(|e| NetError::Netlink {
+            request: e.command,
+            source: e.source,
         })
     }
 
@@ -296,10 +343,7 @@ fn enable_forwarding() -> Result<(), NetError> {
     let path = "/proc/sys/net/ipv4/ip_forward";
     let now = std::fs::read_to_string(path).unwrap_or_default();
     if now.trim() != "1" {
-        std::fs::write(path, "1").map_err(|e| NetError {
-            what: "enable IPv4 forwarding".into(),
-            detail: e.to_string(),
-        })?;
+        std::fs::write(path, "1").map_err(|source| NetError::Forwarding { path, source })?;
         log::info!("enabled IPv4 forwarding ({path} was {:?})", now.trim());
     }
     Ok(())

@@ -13,6 +13,7 @@ use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
+use super::lack::Lack;
 use crate::model::Id;
 
 /// The controllers a VMM is limited by.
@@ -62,9 +63,8 @@ pub struct Cgroups {
 impl Cgroups {
     /// Finds memory, pids and cpu in `/proc/self/mountinfo`; why not, when
     /// one of them is nowhere.
-    pub fn probe(root: &str) -> Result<Cgroups, String> {
-        let mountinfo = fs::read_to_string("/proc/self/mountinfo")
-            .map_err(|e| format!("cannot read /proc/self/mountinfo: {e}"))?;
+    pub fn probe(root: &str) -> Result<Cgroups, Lack> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").map_err(Lack::Mountinfo)?;
         Cgroups::from_mountinfo(root, &mountinfo, |mount| {
             fs::read_to_string(mount.join("cgroup.controllers")).unwrap_or_default()
         })
@@ -76,7 +76,7 @@ impl Cgroups {
         root: &str,
         mountinfo: &str,
         controllers_of: impl Fn(&Path) -> String,
-    ) -> Result<Cgroups, String> {
+    ) -> Result<Cgroups, Lack> {
         let mut unified: Option<Hierarchy> = None;
         let mut v1: Vec<Hierarchy> = Vec::new();
         for line in mountinfo.lines() {
@@ -132,10 +132,7 @@ impl Cgroups {
         }
         for c in Controller::ALL {
             if !hierarchies.iter().any(|h| h.controllers.contains(&c)) {
-                return Err(format!(
-                    "this host has no {} cgroup controller (neither on the unified hierarchy nor a v1 one)",
-                    c.name()
-                ));
+                return Err(Lack::NoController(c.name()));
             }
         }
         Ok(Cgroups {
@@ -326,7 +323,10 @@ mod tests {
         let err = Cgroups::from_mountinfo("eitri", UNIFIED, |_| "cpu memory\n".into())
             .expect_err("no pids");
 
-        assert!(err.contains("pids"), "{err}");
+        assert!(
+            err.to_string().contains("no pids cgroup controller"),
+            "{err}"
+        );
     }
 
     #[test]

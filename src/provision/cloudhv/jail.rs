@@ -24,6 +24,7 @@ use nix::libc;
 use super::cgroup::{Cgroups, Limits};
 use super::error::CloudHvError;
 use super::fork::{Jail, Limit};
+pub use super::lack::Lack;
 use crate::model::{Id, VmSpec};
 use crate::provision::{Confinement, Piece};
 use crate::state::Layout;
@@ -128,28 +129,25 @@ pub fn give(paths: &[PathBuf], id: u32) -> std::io::Result<()> {
 /// What this host can do of each VMM's confinement, probed once at start.
 pub struct Confined {
     /// The VMM ids, or why VMMs cannot be jailed here.
-    pub ids: Result<VmmIds, String>,
+    pub ids: Result<VmmIds, Lack>,
     /// Whether the kernel has Landlock, or why not.
-    pub landlock: Result<(), String>,
+    pub landlock: Result<(), Lack>,
     /// The cgroup hierarchies, or why there are none.
-    pub cgroups: Result<Cgroups, String>,
+    pub cgroups: Result<Cgroups, Lack>,
     allowed: Vec<Piece>,
 }
 
 impl Confined {
     pub fn probe(cfg: &Confinement, state_dir: &Path) -> Confined {
         let ids = if !nix::unistd::geteuid().is_root() {
-            Err(
-                "the agent does not run as root, so it cannot give a hypervisor another user"
-                    .into(),
-            )
+            Err(Lack::NotRoot)
         } else {
             VmmIds::open(
                 &Layout::new(state_dir).vmm_ids(),
                 cfg.first_id,
                 cfg.id_count,
             )
-            .map_err(|e| describe(&e))
+            .map_err(Lack::Ids)
         };
         Confined {
             ids,
@@ -171,7 +169,7 @@ impl Confined {
         } else {
             Err(CloudHvError::Unconfinable {
                 piece: piece.name(),
-                why: why.to_owned(),
+                why: why.to_string(),
             })
         }
     }
@@ -186,7 +184,7 @@ impl Confined {
                 Ok(false) => Some(format!(
                     "hypervisors run without {} (--allow-without {0}): {}",
                     piece.name(),
-                    self.why(piece).unwrap_or_default()
+                    self.why(piece).map(Lack::to_string).unwrap_or_default()
                 )),
                 Err(e) => Some(format!("no hypervisor can start: {e}")),
             })
@@ -194,13 +192,12 @@ impl Confined {
     }
 
     /// Why the host lacks `piece`; `None` when it has it.
-    fn why(&self, piece: Piece) -> Option<&str> {
-        let missing = match piece {
+    fn why(&self, piece: Piece) -> Option<&Lack> {
+        match piece {
             Piece::Jail => self.ids.as_ref().err(),
             Piece::Landlock => self.landlock.as_ref().err(),
             Piece::Cgroups => self.cgroups.as_ref().err(),
-        };
-        missing.map(String::as_str)
+        }
     }
 
     /// The VMM ids, `None` when VMMs run unjailed.
@@ -222,21 +219,8 @@ impl Confined {
     }
 }
 
-pub fn describe(e: &LeaseError) -> String {
-    match e {
-        LeaseError::Full => "every id of --vmm-ids is taken; give a larger range".into(),
-        LeaseError::Unreadable { path, problem } => format!(
-            "the id map {} is unreadable ({problem}); no id is handed out until it is repaired, since a fresh map could give a live VMM's id to another",
-            path.display()
-        ),
-        LeaseError::Save { path, source } => {
-            format!("cannot save the id map {}: {source}", path.display())
-        }
-    }
-}
-
 /// The kernel's Landlock ABI version, or why there is none.
-fn landlock_abi() -> Result<i64, String> {
+fn landlock_abi() -> Result<i64, Lack> {
     const CREATE_RULESET_VERSION: libc::c_uint = 1;
     // SAFETY: with a null attribute pointer and size 0, this only asks the
     // kernel for its ABI version; nothing is read or written.
@@ -251,10 +235,7 @@ fn landlock_abi() -> Result<i64, String> {
     if abi > 0 {
         Ok(abi)
     } else {
-        Err(format!(
-            "this kernel has no Landlock ({}); boot it with lsm=…,landlock",
-            std::io::Error::last_os_error()
-        ))
+        Err(Lack::NoLandlock(std::io::Error::last_os_error()))
     }
 }
 
@@ -265,9 +246,9 @@ mod tests {
     /// A host that cannot jail and has no cgroups, but has Landlock.
     fn lacking(allowed: Vec<Piece>) -> Confined {
         Confined {
-            ids: Err("the agent does not run as root".into()),
+            ids: Err(Lack::NotRoot),
             landlock: Ok(()),
-            cgroups: Err("no pids controller".into()),
+            cgroups: Err(Lack::NoController("pids")),
             allowed,
         }
     }

@@ -32,6 +32,7 @@ pub mod cgroup;
 mod error;
 mod fork;
 pub mod jail;
+mod lack;
 mod preflight;
 mod process;
 mod serial;
@@ -459,7 +460,7 @@ impl Provisioner for CloudHypervisor {
         if let Ok(ids) = &self.confined.ids {
             ids.release(vm_id).map_err(|e| CloudHvError::VmmId {
                 vm_id: vm_id.clone(),
-                why: jail::describe(&e),
+                why: lack::describe(&e),
             })?;
         }
         Ok(())

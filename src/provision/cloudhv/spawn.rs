@@ -29,7 +29,7 @@ use super::error::CloudHvError;
 use super::fork::{FIRST_OWN_FD, Held, Jail, fork_held, wait_raw};
 use super::jail;
 use super::process::Tracked;
-use super::{CloudHypervisor, tap};
+use super::{CloudHypervisor, lack, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
@@ -126,7 +126,7 @@ impl CloudHypervisor {
         self.open_kvm_to(ids.kvm_group)?;
         let id = ids.of(vm_id).map_err(|e| CloudHvError::VmmId {
             vm_id: vm_id.clone(),
-            why: jail::describe(&e),
+            why: lack::describe(&e),
         })?;
         let mut own = vec![
             files.root_disk.clone(),

@@ -25,9 +25,7 @@ pub mod ladder;
 use std::fs;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::ExitStatus;
 
 pub use self::boot::await_running;
 pub use self::children::{Children, Listener};
@@ -75,13 +73,7 @@ pub enum Request {
 }
 
 /// How a process ended, in the words every log line and report uses.
-pub fn describe(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exit status {code}"),
-        (None, Some(signal)) => format!("killed by signal {signal}"),
-        _ => "unknown status".into(),
-    }
-}
+pub use crate::human::exit as describe;
 
 /// The VM's directory, made if missing: root's, searchable (a jailed VMM
 /// reaches its own files in it by name) but not listable or writable by
@@ -152,12 +144,6 @@ pub fn remove_files(vm_id: &Id, paths: &[PathBuf]) -> Result<(), SuperviseError>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_exit_reads_the_same_from_every_backend() {
-        assert_eq!(describe(ExitStatus::from_raw(3 << 8)), "exit status 3");
-        assert_eq!(describe(ExitStatus::from_raw(9)), "killed by signal 9");
-    }
 
     #[test]
     fn removing_files_that_are_gone_already_is_success() {
