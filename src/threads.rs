@@ -1,19 +1,27 @@
-//! Threads the agent owns for a while and then stops: a DHCP responder or
-//! a snooper on a tap, the watch on adopted hypervisors, the watch on the
-//! desired file.
+//! Every thread the agent starts is one of two kinds, and says which:
 //!
-//! An [`OwnedThread`] is named, runs its body with a [`StopFlag`], and is
-//! stopped and joined when it is dropped (crosvm's `WorkerThread` is the
-//! model). A body looks at the flag whenever its blocking call returns: one
-//! blocked on a socket with a receive timeout sees it within that timeout;
-//! one blocked in poll(2) puts a [`Wakeup`] in its poll set, and the drop
-//! wakes it at once.
+//! 1. **Owned**: stopped and joined by its owner, within a bound. An
+//!    [`OwnedThread`] (a DHCP responder or a snooper on a tap, the watch on
+//!    adopted hypervisors, the watch on the desired file) is named, runs
+//!    its body with a [`StopFlag`], and is stopped and joined when dropped
+//!    (crosvm's `WorkerThread` is the model). A body looks at the flag
+//!    whenever its blocking call returns: one blocked on a socket with a
+//!    receive timeout sees it within that timeout; one blocked in poll(2)
+//!    puts a [`Wakeup`] in its poll set, and the drop wakes it at once.
+//!    Owners whose stop is a message instead (the `signals`, `source` and
+//!    `router` threads, the VM workers) join through [`join_within`]: a
+//!    thread still busy at the bound is left to the process's exit, said.
+//! 2. **Detached on purpose** ([`detached`]): threads that must outlive
+//!    whoever started them, each for a reason named by an [`Outlives`].
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::deadline::Deadline;
 
 /// Whether the thread's owner asked it to stop.
 #[derive(Clone)]
@@ -57,6 +65,10 @@ impl OwnedThread {
     }
 }
 
+/// How long dropping an [`OwnedThread`] waits for its body to see the
+/// flag: its bodies block at most a receive timeout (a second) at a time.
+const OWNED_JOIN: Duration = Duration::from_secs(5);
+
 impl Drop for OwnedThread {
     fn drop(&mut self) {
         self.stop.0.store(true, Ordering::Relaxed);
@@ -64,10 +76,54 @@ impl Drop for OwnedThread {
             wakeup.wake();
         }
         if let Some(thread) = self.thread.take() {
-            // A body that panicked has nothing left to stop.
-            let _ = thread.join();
+            join_within(thread, Deadline::after(OWNED_JOIN));
         }
     }
+}
+
+/// Joins `thread` if it ends by `deadline`; whether it did. One still
+/// running then is detached (dropping a handle does that) and said: it is
+/// inside a call that has its own bound, and the process exiting ends it.
+/// A body that panicked has nothing left to stop: joined all the same.
+pub fn join_within(thread: JoinHandle<()>, deadline: Deadline) -> bool {
+    while !thread.is_finished() && !deadline.expired() {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    if thread.is_finished() {
+        let _ = thread.join();
+        return true;
+    }
+    let name = thread.thread().name().unwrap_or("unnamed").to_owned();
+    log::warn!("thread {name} is still busy; not waiting for it");
+    false
+}
+
+/// Why a thread is started detached: nothing joins it, and it ends on its
+/// own when its work does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outlives {
+    /// A reaper waits in waitpid for its VMM, which outlives a stop of the
+    /// engine (VMs keep running) and is not the agent's to end.
+    TheChild,
+    /// An image download is shared by every pass waiting for it; a pass
+    /// that gives up (its deadline) must not end it for the others.
+    ThePass,
+}
+
+/// Starts `body` on a thread called `name` that nothing will join, for
+/// the reason `why` names (see [`Outlives`]).
+pub fn detached(
+    name: String,
+    stack_bytes: usize,
+    why: Outlives,
+    body: impl FnOnce() + Send + 'static,
+) -> io::Result<()> {
+    log::trace!("starting {name}, detached: it outlives {why:?}");
+    std::thread::Builder::new()
+        .name(name)
+        .stack_size(stack_bytes)
+        .spawn(body)
+        .map(drop)
 }
 
 /// Waking a thread blocked in poll(2): the read end of a pipe sits in its
@@ -208,6 +264,21 @@ mod tests {
         drop(thread);
 
         assert!(ran_to_the_end.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn join_within_joins_a_thread_that_ends_and_leaves_one_that_does_not() {
+        let quick = std::thread::spawn(|| {});
+        let (_hold, held) = crossbeam_channel::bounded::<()>(0);
+        let busy = std::thread::spawn(move || {
+            let _ = held.recv();
+        });
+
+        let joined = join_within(quick, Deadline::after(std::time::Duration::from_secs(5)));
+        let left = join_within(busy, Deadline::after(std::time::Duration::from_millis(20)));
+
+        assert!(joined);
+        assert!(!left);
     }
 
     #[test]

@@ -32,6 +32,7 @@ use crate::error::chain;
 use crate::logonce::LogOnce;
 use crate::pb;
 use crate::source::{Desired, Source, SourceError};
+use crate::threads::join_within;
 
 /// How the contact went.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -342,24 +343,22 @@ impl ExchangeThread {
     /// that has not timed out yet is left behind: the process exiting ends
     /// it, and the agent's exit must not wait on the network either.
     pub fn join(mut self, deadline: Deadline) {
-        let Some(thread) = self.thread.take() else {
-            return;
-        };
-        while !thread.is_finished() && !deadline.expired() {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if thread.is_finished() {
-            let _ = thread.join();
-        } else {
-            log::warn!(
-                "the exchange with the source is still inside a request; not waiting for it"
-            );
+        if let Some(thread) = self.thread.take() {
+            join_within(thread, deadline);
         }
     }
 }
 
+/// Dropped without [`ExchangeThread::join`]: asked to stop, and given a
+/// request timeout's worth of a moment at most; the process exiting ends
+/// one still inside a request.
+const DROP_JOIN: Duration = Duration::from_secs(1);
+
 impl Drop for ExchangeThread {
     fn drop(&mut self) {
         self.ask_to_stop();
+        if let Some(thread) = self.thread.take() {
+            join_within(thread, Deadline::after(DROP_JOIN));
+        }
     }
 }

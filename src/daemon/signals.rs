@@ -4,12 +4,15 @@
 //! turns them into [`Event`] messages for the main loop.
 
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use signal_hook::iterator::Handle;
 
 use super::Event;
+use crate::deadline::Deadline;
+use crate::threads::join_within;
 
 /// Handlers installed; signals that arrive before [`Signals::spawn`] are
 /// kept and delivered then.
@@ -38,19 +41,34 @@ impl Signals {
                     }
                 }
             })?;
-        Ok(SignalThread { handle, thread })
+        Ok(SignalThread {
+            handle,
+            thread: Some(thread),
+        })
     }
 }
 
+/// The `signals` thread; ended and joined (within a bound) when dropped.
 pub struct SignalThread {
     handle: Handle,
-    thread: JoinHandle<()>,
+    thread: Option<JoinHandle<()>>,
 }
+
+/// Closing the handle ends the thread's wait at once.
+const SIGNALS_JOIN: Duration = Duration::from_secs(1);
 
 impl SignalThread {
     /// Ends the thread and joins it.
     pub fn stop(self) {
+        drop(self);
+    }
+}
+
+impl Drop for SignalThread {
+    fn drop(&mut self) {
         self.handle.close();
-        let _ = self.thread.join();
+        if let Some(thread) = self.thread.take() {
+            join_within(thread, Deadline::after(SIGNALS_JOIN));
+        }
     }
 }

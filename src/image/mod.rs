@@ -36,6 +36,7 @@ pub use prune::{PruneError, Pruned, prune};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
+use crate::threads::{Outlives, detached};
 
 /// Called as an image download advances: (bytes done, total when known).
 /// It may be called from a shared download thread after the pass that asked
@@ -150,6 +151,9 @@ struct DownloadState {
     result: Option<Result<PathBuf, ImageError>>,
     listeners: Vec<Progress>,
 }
+
+/// A download thread's stack.
+const DOWNLOAD_STACK: usize = 2 << 20;
 
 /// How images are fetched on this host: the operator's settings.
 #[derive(Clone, Debug, PartialEq)]
@@ -311,43 +315,44 @@ impl ImageCache {
             Arc::clone(&download),
             Arc::clone(&self.stats),
         );
-        std::thread::Builder::new()
-            .name(format!("image-{}", &sha[..8]))
-            .spawn(move || {
-                let mut report = |done: u64, total: Option<u64>| {
-                    let listeners = d.state.lock().listeners.clone();
-                    for listener in listeners {
-                        listener(done, total);
-                    }
-                };
-                let source = fetch::Source {
-                    agent: &agent,
-                    file_root: root.as_deref(),
-                    url: &url,
-                    sha256: &sha,
-                    max_bytes,
-                    stall,
-                };
-                let result = fetch::fetch(&source, &dir, &mut report);
-                match &result {
-                    Ok(path) => {
-                        stats.downloads.inc();
-                        stats
-                            .download_bytes
-                            .add(fs::metadata(path).map_or(0, |m| m.len()));
-                        log::info!("image {sha}: downloaded and verified from {url}");
-                    }
-                    Err(e) => log::warn!("image {sha}: {e}"),
+        let name = format!("image-{}", &sha[..8]);
+        // Rust's default stack: an HTTP client (and, with the tls feature,
+        // a TLS handshake) below it.
+        detached(name, DOWNLOAD_STACK, Outlives::ThePass, move || {
+            let mut report = |done: u64, total: Option<u64>| {
+                let listeners = d.state.lock().listeners.clone();
+                for listener in listeners {
+                    listener(done, total);
                 }
-                // Deregister first: a pass arriving after this finds the
-                // file (or, on failure, starts afresh).
-                registry.lock().remove(&sha);
-                let mut state = d.state.lock();
-                state.result = Some(result);
-                state.listeners.clear();
-                d.changed.notify_all();
-            })
-            .map_err(|e| ImageError::store(self.dir.clone(), e))?;
+            };
+            let source = fetch::Source {
+                agent: &agent,
+                file_root: root.as_deref(),
+                url: &url,
+                sha256: &sha,
+                max_bytes,
+                stall,
+            };
+            let result = fetch::fetch(&source, &dir, &mut report);
+            match &result {
+                Ok(path) => {
+                    stats.downloads.inc();
+                    stats
+                        .download_bytes
+                        .add(fs::metadata(path).map_or(0, |m| m.len()));
+                    log::info!("image {sha}: downloaded and verified from {url}");
+                }
+                Err(e) => log::warn!("image {sha}: {e}"),
+            }
+            // Deregister first: a pass arriving after this finds the
+            // file (or, on failure, starts afresh).
+            registry.lock().remove(&sha);
+            let mut state = d.state.lock();
+            state.result = Some(result);
+            state.listeners.clear();
+            d.changed.notify_all();
+        })
+        .map_err(|e| ImageError::store(self.dir.clone(), e))?;
         inflight.insert(sha256.to_owned(), Arc::clone(&download));
         Ok(download)
     }

@@ -8,9 +8,10 @@
 //!    the engine hears of the exit.
 //! 3. The status stays until the VM boots again or is destroyed.
 //!
-//! Reapers are detached on purpose: each ends when its child does, which
-//! may be long after the agent stopped asking (a VMM outlives a stop of
-//! the agent's engine), and joining one would wait for a guest.
+//! Reapers are detached on purpose ([`Outlives::TheChild`]): each ends when
+//! its child does, which may be long after the agent stopped asking (a VMM
+//! outlives a stop of the agent's engine), and joining one would wait for
+//! a guest.
 
 use std::collections::HashMap;
 use std::process::ExitStatus;
@@ -23,6 +24,7 @@ use parking_lot::Mutex;
 use super::{SuperviseError, describe};
 use crate::model::Id;
 use crate::provision::ExitListener;
+use crate::threads::{Outlives, detached};
 
 /// A reaper waits on nothing deeper than waitpid.
 const REAPER_STACK: usize = 64 * 1024;
@@ -90,17 +92,19 @@ impl Children {
             vm_id.clone(),
             self.program,
         );
-        let reaper = std::thread::Builder::new()
-            .name(format!("reap-{vm_id}"))
-            .stack_size(REAPER_STACK)
-            .spawn(move || {
+        let reaper = detached(
+            format!("reap-{vm_id}"),
+            REAPER_STACK,
+            Outlives::TheChild,
+            move || {
                 if let Some(status) = wait() {
                     log::info!("VM {id}: {program} {pid} exited ({})", describe(status));
                     exits.lock().insert(id.clone(), status);
                 }
                 forget_child(&unreaped, &id, pid);
                 listener.exited(&id);
-            });
+            },
+        );
         if let Err(source) = reaper {
             forget_child(&self.unreaped, vm_id, pid);
             let raw = Pid::from_raw(pid as i32);

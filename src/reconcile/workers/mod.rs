@@ -335,7 +335,7 @@ impl Workers {
         // doorbell clone it held, so the workers see theirs close.
         if let Some(ringer) = self.ringer.take() {
             drop(ringer.batches);
-            let _ = ringer.thread.join();
+            crate::threads::join_within(ringer.thread, deadline);
         }
         self.changed_workers();
         self.recheck = None;
