@@ -6,6 +6,7 @@
 // cloud-hypervisor backend or its stand-in).
 #![cfg(target_os = "linux")]
 
+use eitri_agent::state::lifecycle::{Lifecycle, LifecycleParts};
 use std::net::Ipv4Addr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -1182,7 +1183,10 @@ fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
     let disk_before = inode(&disk);
     // The crash: the VMM runs, the record never said the create finished.
     let mut rec = (*h.store.get(&id("vm-1")).expect("readable").expect("record")).clone();
-    rec.boot_id.clear();
+    rec.lifecycle = Lifecycle::from_parts(LifecycleParts {
+        boot_id: String::new(),
+        ..rec.lifecycle.parts()
+    });
     h.store.save(&rec).expect("save");
     let h = h.restart();
 
@@ -1201,7 +1205,8 @@ fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
             .get(&id("vm-1"))
             .expect("r")
             .expect("r")
-            .create_attempts,
+            .lifecycle
+            .create_attempts(),
         1
     );
 }

@@ -40,8 +40,8 @@ fn attempt_is_saved_before_any_side_effect() {
 
     let rec = h.record("vm-1");
 
-    assert_eq!(rec.create_attempts, 1);
-    assert!(rec.created_at.is_some());
+    assert_eq!(rec.lifecycle.create_attempts(), 1);
+    assert!(rec.lifecycle.created_at().is_some());
     assert_eq!(
         h.fakes.actions(),
         vec![Call::Preflight],
@@ -83,7 +83,7 @@ fn quota_refusal_is_retried_next_tick() {
     });
 
     assert_eq!(row.power, Some(PowerState::Running));
-    assert_eq!(h.record("vm-b").create_attempts, 1);
+    assert_eq!(h.record("vm-b").lifecycle.create_attempts(), 1);
 }
 
 #[test]
@@ -131,8 +131,8 @@ fn spec_change_resets_attempts_and_error() {
     h.tick(&snapshot(2, vec![present(bigger)]));
 
     let rec = h.record("vm-1");
-    assert_eq!(rec.create_attempts, 1);
-    assert_eq!(rec.last_error, "");
+    assert_eq!(rec.lifecycle.create_attempts(), 1);
+    assert_eq!(rec.lifecycle.last_error(), "");
     assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
 }
 
@@ -147,7 +147,7 @@ fn permanent_error_is_terminal_at_once() {
     h.tick(&snap);
 
     assert_eq!(h.row("vm-1").phase, Some(Phase::Failed));
-    assert_eq!(h.record("vm-1").create_attempts, 3);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 3);
     assert_eq!(h.fakes.count(|c| matches!(c, Call::PrepareRootDisk(_))), 1);
 }
 
@@ -161,7 +161,7 @@ fn expired_pass_refunds_its_attempt() {
     let row = h.row("vm-1");
     assert_eq!(row.phase, Some(Phase::Creating));
     assert!(row.last_error.contains("deadline"), "{}", row.last_error);
-    assert_eq!(h.record("vm-1").create_attempts, 0);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 0);
 }
 
 #[test]
@@ -181,7 +181,7 @@ fn refund_wins_over_permanence() {
         "the permanent error was met"
     );
     assert_eq!(row.phase, Some(Phase::Creating));
-    assert_eq!(h.record("vm-1").create_attempts, 0);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 0);
 }
 
 #[test]
@@ -199,7 +199,7 @@ fn desired_stopped_is_created_but_not_booted() {
     );
     assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 0);
     assert_eq!(h.fakes.count(|c| matches!(c, Call::Seed(_))), 1);
-    assert!(h.record("vm-1").stop_requested);
+    assert!(h.record("vm-1").lifecycle.stop_requested());
 }
 
 #[test]
@@ -213,7 +213,7 @@ fn missing_volume_is_a_permanent_error() {
     let row = h.row("vm-1");
     assert_eq!(row.phase, Some(Phase::Failed));
     assert!(row.last_error.contains("vol-nowhere"), "{}", row.last_error);
-    assert_eq!(h.record("vm-1").create_attempts, 3);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 3);
 }
 
 fn cert_vm(cert: &str) -> eitri_agent::model::Snapshot {
@@ -290,7 +290,7 @@ fn a_create_with_a_certificate_records_its_host_key_even_when_it_fails() {
     h.tick(&cert_vm("ssh-ed25519-cert-v01@openssh.com AAAAcert"));
 
     let rec = h.record("vm-1");
-    assert_eq!(rec.create_attempts, 1);
+    assert_eq!(rec.lifecycle.create_attempts(), 1);
     assert!(rec.host_pubkey.starts_with("ssh-ed25519 "), "{rec:?}");
     assert_eq!(rec.host_pubkey, h.row("vm-1").ssh_host_pubkey);
 }
@@ -496,7 +496,7 @@ fn vm_queued_past_its_deadline_fails_with_a_refund() {
         row.last_error
     );
     assert_eq!(row.phase, Some(Phase::Creating));
-    assert_eq!(h.record("vm-b").create_attempts, 0);
+    assert_eq!(h.record("vm-b").lifecycle.create_attempts(), 0);
 }
 
 fn wait_for_error(h: &Harness, vm: &str) -> eitri_agent::model::VmStatus {

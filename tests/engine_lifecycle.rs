@@ -50,7 +50,7 @@ fn crashed_vm_is_booted_again_and_its_error_cleared() {
         (Some(PowerState::Running), Some(Phase::Ready))
     );
     assert_eq!(row.last_error, "");
-    assert_eq!(h.record("vm-1").last_error, "");
+    assert_eq!(h.record("vm-1").lifecycle.last_error(), "");
 }
 
 #[test]
@@ -62,8 +62,8 @@ fn host_reboot_with_desired_stopped_records_boot_id_and_stop_intent() {
     h.tick(&stopped("vm-1"));
 
     let rec = h.record("vm-1");
-    assert_eq!(rec.boot_id, "boot-2");
-    assert!(rec.stop_requested);
+    assert_eq!(rec.lifecycle.boot_id(), "boot-2");
+    assert!(rec.lifecycle.stop_requested());
     let row = h.row("vm-1");
     assert_eq!(
         (row.power, row.phase),
@@ -81,7 +81,7 @@ fn host_reboot_with_desired_running_boots_and_restamps() {
     h.tick(&running("vm-1"));
 
     assert_eq!(h.fakes.count(|c| *c == Call::Boot(id("vm-1"))), 1);
-    assert_eq!(h.record("vm-1").boot_id, "boot-2");
+    assert_eq!(h.record("vm-1").lifecycle.boot_id(), "boot-2");
 }
 
 #[test]
@@ -104,7 +104,7 @@ fn stopped_vm_wanted_running_is_booted() {
     h.tick(&running("vm-1"));
 
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
-    assert!(!h.record("vm-1").stop_requested);
+    assert!(!h.record("vm-1").lifecycle.stop_requested());
 }
 
 #[test]
@@ -119,7 +119,7 @@ fn stop_intent_is_saved_before_shutdown() {
     h.idle();
 
     assert!(
-        rec.stop_requested,
+        rec.lifecycle.stop_requested(),
         "saved while shutdown was still in progress"
     );
     assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
@@ -219,7 +219,7 @@ fn a_spec_refused_for_an_existing_vm_leaves_it_alone() {
         "neither stopped nor reaped: {:?}",
         h.fakes.actions()
     );
-    assert!(h.record("vm-1").quarantined_at.is_none());
+    assert!(h.record("vm-1").lifecycle.quarantined_at().is_none());
 }
 
 #[test]
@@ -263,8 +263,8 @@ fn first_sight_quarantines_with_the_stop_intent_saved_before_shutdown() {
     gate.release();
     h.idle();
 
-    assert!(rec.quarantined_at.is_some());
-    assert!(rec.stop_requested);
+    assert!(rec.lifecycle.quarantined_at().is_some());
+    assert!(rec.lifecycle.stop_requested());
 }
 
 #[test]
@@ -303,7 +303,7 @@ fn vanished_then_tombstoned_switches_to_the_tombstone_grace() {
 
     let q = &h.engine.published().quarantined[0];
     assert_eq!(q.destroy_at_unix, t0 + TOMBSTONE_GRACE.as_secs() as i64);
-    assert!(h.record("vm-1").quarantine_tombstoned);
+    assert!(h.record("vm-1").lifecycle.quarantine_tombstoned());
 }
 
 #[test]
@@ -362,7 +362,7 @@ fn returning_vm_leaves_quarantine_and_counts_again() {
         vec![present(desired("vm-a")), present(desired("vm-b"))],
     ));
 
-    assert!(h.record("vm-a").quarantined_at.is_none());
+    assert!(h.record("vm-a").lifecycle.quarantined_at().is_none());
     assert_eq!(h.row("vm-a").power, Some(PowerState::Running));
     assert_eq!(
         h.row("vm-b").last_error,
@@ -815,7 +815,7 @@ fn transient_failures_are_paced_not_spent_tick_by_tick() {
 
     let row = h.row("vm-1");
     assert_eq!(
-        h.record("vm-1").create_attempts,
+        h.record("vm-1").lifecycle.create_attempts(),
         1,
         "one attempt, then a wait"
     );
@@ -888,7 +888,7 @@ fn a_live_hypervisor_with_no_record_of_its_boot_is_adopted_not_created_again() {
     // The crash: the attempt was saved, the VMM started, the record never
     // said so.
     let mut rec = eitri_agent::state::Record::new(desired("vm-1").spec);
-    rec.create_attempts = 1;
+    rec.begin_attempt(std::time::SystemTime::now());
     h.store.save(&rec).expect("save");
     let h = h.restart();
     h.fakes.set_running(&id("vm-1"), true);
@@ -908,5 +908,9 @@ fn a_live_hypervisor_with_no_record_of_its_boot_is_adopted_not_created_again() {
         "{:?}",
         h.fakes.actions()
     );
-    assert_eq!(h.record("vm-1").create_attempts, 1, "no attempt spent");
+    assert_eq!(
+        h.record("vm-1").lifecycle.create_attempts(),
+        1,
+        "no attempt spent"
+    );
 }

@@ -6,6 +6,7 @@
 
 mod common;
 
+use eitri_agent::state::lifecycle::{Lifecycle, LifecycleParts};
 use std::time::Duration;
 
 use common::{Harness, config};
@@ -281,16 +282,19 @@ fn every_state_meets_every_event() {
 fn random_record(rng: &mut XorShift, now: std::time::SystemTime) -> Record {
     let mut pick = |n: u64| (rng.next_unit() * n as f64) as u64;
     let mut rec = Record::new(desired(VM).spec);
-    rec.create_attempts = pick(5) as u32;
-    rec.last_error = ["", "kvm busy", "disk full"][pick(3) as usize].into();
-    rec.failed_at = match pick(3) {
-        0 => None,
-        1 => Some(now - Duration::from_secs(pick(7200))),
-        _ => Some(now),
-    };
-    rec.failure_permanent = pick(4) == 0;
-    rec.boot_id = ["", "boot-1", "boot-0"][pick(3) as usize].into();
-    rec.stop_requested = pick(2) == 0;
+    rec.lifecycle = Lifecycle::from_parts(LifecycleParts {
+        create_attempts: pick(5) as u32,
+        last_error: ["", "kvm busy", "disk full"][pick(3) as usize].into(),
+        failed_at: match pick(3) {
+            0 => None,
+            1 => Some(now - Duration::from_secs(pick(7200))),
+            _ => Some(now),
+        },
+        failure_permanent: pick(4) == 0,
+        boot_id: ["", "boot-1", "boot-0"][pick(3) as usize].into(),
+        stop_requested: pick(2) == 0,
+        ..LifecycleParts::default()
+    });
     rec
 }
 

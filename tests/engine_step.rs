@@ -140,7 +140,7 @@ fn equal_epoch_repeated_converges_once() {
         ]
     );
     assert!(matches!(actions[3], Call::Seed(_)));
-    assert_eq!(h.record("vm-1").create_attempts, 1);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 1);
 }
 
 #[test]
@@ -243,7 +243,7 @@ fn desired_only_vm_is_created() {
     h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
 
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
-    assert_eq!(h.record("vm-1").create_attempts, 1);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 1);
 }
 
 #[test]
@@ -254,8 +254,11 @@ fn record_only_vm_is_reaped_as_vanished() {
     let _ = h.tick(&snapshot(2, vec![]));
 
     let rec = h.record("vm-1");
-    assert!(rec.quarantined_at.is_some());
-    assert!(!rec.quarantine_tombstoned, "vanished, not tombstoned");
+    assert!(rec.lifecycle.quarantined_at().is_some());
+    assert!(
+        !rec.lifecycle.quarantine_tombstoned(),
+        "vanished, not tombstoned"
+    );
     assert_eq!(h.fakes.count(|c| *c == Call::Shutdown(id("vm-1"))), 1);
 }
 

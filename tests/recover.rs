@@ -81,7 +81,7 @@ fn a_vmm_left_running(config: &Config) -> i32 {
     let store = Arc::new(Store::open(&config.state_dir).expect("store"));
     let spec = desired("vm-live").spec;
     let mut rec = Record::new(spec.clone());
-    rec.boot_id = "boot-1".into();
+    rec.created("boot-1".into(), true);
     store.save(&rec).expect("record");
     let backend = CloudHypervisor::new(
         Arc::clone(&store),

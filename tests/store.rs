@@ -1,5 +1,6 @@
 //! The state store's crash-safety and locking rules.
 
+use eitri_agent::state::lifecycle::{Lifecycle, LifecycleParts};
 use std::fs;
 
 use eitri_agent::model::{Id, VmSpec};
@@ -23,7 +24,10 @@ fn record(vm: &str, attempts: u32) -> Record {
         mem_mb: 512,
         disk_gb: 4,
     });
-    rec.create_attempts = attempts;
+    rec.lifecycle = Lifecycle::from_parts(LifecycleParts {
+        create_attempts: attempts,
+        ..LifecycleParts::default()
+    });
     rec
 }
 

@@ -73,8 +73,9 @@ impl Details {
             };
             let id = Id::parse(vm_id).ok();
             if let Some(RecordSlot::Readable(rec)) = id.as_ref().and_then(|id| records.get(id)) {
-                d.attempts = rec.create_attempts;
-                d.booted_as.clone_from(&rec.boot_id);
+                d.attempts = rec.lifecycle.create_attempts();
+                d.booted_as.clear();
+                d.booted_as.push_str(rec.lifecycle.boot_id());
                 d.vcpus = rec.spec.vcpus;
                 d.mem_mb = rec.spec.mem_mb;
                 d.disk_gb = rec.spec.disk_gb;

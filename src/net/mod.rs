@@ -18,6 +18,7 @@ pub mod netlink;
 pub mod nftables;
 #[cfg(target_os = "linux")]
 pub mod packet;
+pub mod port;
 #[cfg(target_os = "linux")]
 pub mod snoop;
 pub mod underlay;

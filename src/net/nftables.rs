@@ -19,17 +19,7 @@ use std::net::Ipv4Addr;
 use nix::libc;
 
 use super::netlink::{Message, NLM_F_ACK, Socket};
-use crate::model::Mac;
-
-/// A VM's tap as the guard knows it.
-#[derive(Clone, Copy, Debug)]
-pub struct Port<'a> {
-    pub tap: &'a str,
-    pub mac: Mac,
-    /// Its underlay address; `None` on a site network, whose addresses the
-    /// site's own DHCP grants (the MAC is held there, not the address).
-    pub ip: Option<Ipv4Addr>,
-}
+use super::port::Port;
 
 const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -161,8 +151,8 @@ fn nul_terminated(s: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use crate::model::Mac;
+    use super::*;
 
     #[test]
     fn a_mac_key_is_the_name_zero_filled_then_the_mac_padded() {

@@ -57,7 +57,7 @@ use std::net::Ipv4Addr;
 
 use super::addresses::Subnet;
 use super::cidr::Cidr;
-pub use super::nftables::Port;
+pub use super::port::Port;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnderlayConfig {

@@ -36,7 +36,7 @@ impl Core {
             self.save_best_effort(&rec);
         }
 
-        let rebooted = rec.boot_id != boot_id;
+        let rebooted = rec.lifecycle.boot_id() != boot_id;
         let up = lifecycle::state(&rec, self.budget()) == State::Up;
         if rebooted || (!running && up) {
             let why = if rebooted {
@@ -74,7 +74,9 @@ impl Core {
             // At the desired state: whatever an earlier operation left in
             // the record is history now.
             (PowerState::Running, true) | (PowerState::Stopped, false) => {
-                if rec.stop_requested == running || !rec.last_error.is_empty() {
+                if rec.lifecycle.stop_requested() == running
+                    || !rec.lifecycle.last_error().is_empty()
+                {
                     rec.converged(running);
                     self.save_best_effort(&rec);
                 }

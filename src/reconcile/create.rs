@@ -278,9 +278,10 @@ impl Attempt<'_> {
             &rec.spec.vm_id,
             &format!(
                 "create failed ({} of {} attempts spent)",
-                rec.create_attempts, budget.max_attempts
+                rec.lifecycle.create_attempts(),
+                budget.max_attempts
             ),
-            &rec.last_error,
+            rec.lifecycle.last_error(),
         );
         core.save_best_effort(&rec);
         core.report_recorded(res, &rec, PowerState::Stopped);

@@ -29,7 +29,8 @@ mod admission;
 mod converge;
 pub mod counts;
 mod create;
-pub mod lifecycle;
+/// The lifecycle lives beside the record it writes (see its header).
+pub use crate::state::lifecycle;
 mod pass;
 mod reap;
 pub mod seams;
@@ -187,7 +188,7 @@ impl Engine {
         let ledger = Ledger::new(config.caps);
         for slot in store.load_all().values() {
             if let RecordSlot::Readable(rec) = slot
-                && rec.quarantined_at.is_none()
+                && rec.lifecycle.quarantined_at().is_none()
             {
                 ledger.note(&rec.spec);
             }
@@ -412,7 +413,7 @@ impl Engine {
         // its record, when no worker of this agent has said it yet).
         for id in claimed {
             if let Some(RecordSlot::Readable(rec)) = records.get(*id)
-                && rec.quarantined_at.is_some()
+                && rec.lifecycle.quarantined_at().is_some()
                 && !report.quarantined.iter().any(|q| q.vm_id == **id)
             {
                 report

@@ -318,9 +318,14 @@ impl Core {
         match lifecycle::phase(rec, budget) {
             None => res.quarantined = Some(quarantined_entry(rec, self.grace_for(rec))),
             Some(phase) => {
-                res.report(rec, Some(power), phase, rec.last_error.clone());
+                res.report(
+                    rec,
+                    Some(power),
+                    phase,
+                    rec.lifecycle.last_error().to_owned(),
+                );
                 // Only a create waits for anything the row should time.
-                if rec.boot_id.is_empty()
+                if rec.lifecycle.boot_id().is_empty()
                     && let Some(row) = &mut res.row
                 {
                     row.status_detail = lifecycle::detail(rec, budget, self.host.now());
@@ -342,7 +347,7 @@ impl Core {
             host_pubkey: rec.host_pubkey.clone(),
             ..VmResult::default()
         };
-        let power = if rec.quarantined_at.is_some() {
+        let power = if rec.lifecycle.quarantined_at().is_some() {
             PowerState::Stopped
         } else {
             PowerState::observed(self.prov.running(vm_id))
@@ -406,7 +411,7 @@ impl Core {
     }
 
     pub(crate) fn grace_for(&self, rec: &Record) -> Duration {
-        if rec.quarantine_tombstoned {
+        if rec.lifecycle.quarantine_tombstoned() {
             self.config.tombstone_grace
         } else {
             self.config.vanish_grace
@@ -429,7 +434,7 @@ impl Core {
 /// The quarantined entry for a record: its spec as JSON, so the control
 /// plane can restore it, and when it will be destroyed.
 pub(crate) fn quarantined_entry(rec: &Record, grace: Duration) -> QuarantinedVm {
-    let since = rec.quarantined_at.unwrap_or(UNIX_EPOCH);
+    let since = rec.lifecycle.quarantined_at().unwrap_or(UNIX_EPOCH);
     let destroy_at = since
         .checked_add(grace)
         .unwrap_or(since)

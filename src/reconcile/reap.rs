@@ -70,7 +70,7 @@ impl Core {
         }
 
         let grace = self.grace_for(&rec);
-        let since = rec.quarantined_at.unwrap_or(now);
+        let since = rec.lifecycle.quarantined_at().unwrap_or(now);
         if grace_expired(since, now, grace) {
             let destroyed = self.prov.destroy(&vm_id, deadline).inspect(|()| {
                 crate::crash::point("destroy.vmm-gone");

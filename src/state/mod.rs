@@ -12,11 +12,13 @@ pub mod atomic;
 mod error;
 mod layout;
 pub mod leases;
+pub mod lifecycle;
 pub mod perms;
 mod record;
 mod store;
 
 pub use error::StoreError;
 pub use layout::{Layout, RECORD_FILE};
+pub use lifecycle::Lifecycle;
 pub use record::{RECORD_FORMAT, Record};
 pub use store::{RecordSlot, Store, Swept};

@@ -1,10 +1,9 @@
 //! A VM's persisted record: everything the agent must remember about a VM
 //! across its own restarts, written before the side effect it announces.
 
-use std::time::SystemTime;
-
 use serde::{Deserialize, Serialize};
 
+use super::Lifecycle;
 use crate::model::VmSpec;
 
 /// The on-disk format this agent writes. A record of a higher format was
@@ -15,31 +14,11 @@ pub const RECORD_FORMAT: u32 = 1;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     pub spec: VmSpec,
-    /// Create attempts spent on this spec. Reset when the spec changes.
-    pub create_attempts: u32,
-    /// When the latest create attempt started.
-    #[serde(with = "unix_ms")]
-    pub created_at: Option<SystemTime>,
-    pub last_error: String,
-    /// When the latest create attempt failed; the next waits out a backoff
-    /// from then. Absent in records of older agents: no wait.
-    #[serde(with = "unix_ms", default)]
-    pub failed_at: Option<SystemTime>,
-    /// The latest create attempt failed permanently: no retry can succeed
-    /// until the spec changes (a budget spent on transient errors re-arms).
-    #[serde(default)]
-    pub failure_permanent: bool,
-    /// Boot id of the host when the VM was last created or booted. Empty
-    /// until a create completes: it is the create's completion witness.
-    pub boot_id: String,
-    /// The VM was deliberately stopped; its absence is not a crash.
-    pub stop_requested: bool,
-    /// When the VM entered quarantine; `None` when it is not quarantined.
-    #[serde(with = "unix_ms")]
-    pub quarantined_at: Option<SystemTime>,
-    /// Quarantined because it was tombstoned (the shorter grace) rather than
-    /// because it vanished from desired state.
-    pub quarantine_tombstoned: bool,
+    /// Where the VM is in its life: the fields only the lifecycle's
+    /// transitions write. Flattened: on disk they are this record's own
+    /// fields, as in every record written before they were grouped.
+    #[serde(flatten)]
+    pub lifecycle: Lifecycle,
     pub ip: String,
     pub network_ip: String,
     /// OpenSSH public line of the guest's host key, when one was made.
@@ -51,15 +30,7 @@ impl Record {
     pub fn new(spec: VmSpec) -> Record {
         Record {
             spec,
-            create_attempts: 0,
-            created_at: None,
-            last_error: String::new(),
-            failed_at: None,
-            failure_permanent: false,
-            boot_id: String::new(),
-            stop_requested: false,
-            quarantined_at: None,
-            quarantine_tombstoned: false,
+            lifecycle: Lifecycle::default(),
             ip: String::new(),
             network_ip: String::new(),
             host_pubkey: String::new(),
@@ -77,7 +48,7 @@ pub(super) struct Envelope<R> {
 
 /// Times as Unix milliseconds: readable in the file, exact enough for a
 /// grace period, and free of serde's platform-shaped SystemTime encoding.
-mod unix_ms {
+pub(super) mod unix_ms {
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
     use serde::{Deserialize, Deserializer, Serializer};

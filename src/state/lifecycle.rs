@@ -5,13 +5,18 @@
 //! - [`phase`]: the one derivation of the phase every row reports, read by
 //!   the passes and by the reports made without a pass (`observe`, the
 //!   fence, a refusal) alike, so two reports of one record never disagree.
-//! - The transitions, methods on `Record` named for what happened, are the
-//!   only code that writes the record's lifecycle fields (`create_attempts`,
+//! - [`Lifecycle`]: the record's lifecycle fields (`create_attempts`,
 //!   `created_at`, `last_error`, `failed_at`, `failure_permanent`,
 //!   `boot_id`, `stop_requested`, `quarantined_at`,
-//!   `quarantine_tombstoned`; `tests/lifecycle_writers.rs` checks it). A
-//!   pass reads as: decide, transition (the intent), save, side effect,
-//!   transition (the outcome), save.
+//!   `quarantine_tombstoned`), private to this module: everyone reads them
+//!   through getters, and the transitions, methods on `Record` named for
+//!   what happened, are the only code that can write them. A pass that set
+//!   a field by hand does not compile. A pass reads as: decide, transition
+//!   (the intent), save, side effect, transition (the outcome), save.
+//!
+//! It lives beside the record it writes (in `state`, below the engine),
+//! so the compiler holds the rule; the engine re-exports it as
+//! `reconcile::lifecycle`.
 //!
 //! ```text
 //!             begin_attempt / attempt_failed (retry after backoff)
@@ -40,8 +45,133 @@
 
 use std::time::{Duration, SystemTime};
 
+use serde::{Deserialize, Serialize};
+
+use super::Record;
+use super::record::unix_ms;
 use crate::model::{Phase, VmSpec};
-use crate::state::Record;
+
+/// A record's lifecycle fields: written only by the transitions below
+/// (the fields are private to this module), read through the getters. On
+/// disk they are the record's own fields, as before (see
+/// [`Record::lifecycle`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lifecycle {
+    /// Create attempts spent on this spec. Reset when the spec changes.
+    create_attempts: u32,
+    /// When the latest create attempt started.
+    #[serde(with = "unix_ms")]
+    created_at: Option<SystemTime>,
+    last_error: String,
+    /// When the latest create attempt failed; the next waits out a backoff
+    /// from then. Absent in records of older agents: no wait.
+    #[serde(with = "unix_ms", default)]
+    failed_at: Option<SystemTime>,
+    /// The latest create attempt failed permanently: no retry can succeed
+    /// until the spec changes (a budget spent on transient errors re-arms).
+    #[serde(default)]
+    failure_permanent: bool,
+    /// Boot id of the host when the VM was last created or booted. Empty
+    /// until a create completes: it is the create's completion witness.
+    boot_id: String,
+    /// The VM was deliberately stopped; its absence is not a crash.
+    stop_requested: bool,
+    /// When the VM entered quarantine; `None` when it is not quarantined.
+    #[serde(with = "unix_ms")]
+    quarantined_at: Option<SystemTime>,
+    /// Quarantined because it was tombstoned (the shorter grace) rather
+    /// than because it vanished from desired state.
+    quarantine_tombstoned: bool,
+}
+
+impl Lifecycle {
+    pub fn create_attempts(&self) -> u32 {
+        self.create_attempts
+    }
+
+    pub fn created_at(&self) -> Option<SystemTime> {
+        self.created_at
+    }
+
+    pub fn last_error(&self) -> &str {
+        &self.last_error
+    }
+
+    pub fn failed_at(&self) -> Option<SystemTime> {
+        self.failed_at
+    }
+
+    pub fn failure_permanent(&self) -> bool {
+        self.failure_permanent
+    }
+
+    pub fn boot_id(&self) -> &str {
+        &self.boot_id
+    }
+
+    pub fn stop_requested(&self) -> bool {
+        self.stop_requested
+    }
+
+    pub fn quarantined_at(&self) -> Option<SystemTime> {
+        self.quarantined_at
+    }
+
+    pub fn quarantine_tombstoned(&self) -> bool {
+        self.quarantine_tombstoned
+    }
+
+    /// Any lifecycle at all, field by field, for tests that arrange a
+    /// state no sequence of transitions reaches quickly (a table of every
+    /// combination, a record an older agent wrote). Not in a release
+    /// build: there, only the transitions write.
+    #[cfg(any(test, feature = "testkit"))]
+    pub fn from_parts(parts: LifecycleParts) -> Lifecycle {
+        Lifecycle {
+            create_attempts: parts.create_attempts,
+            created_at: parts.created_at,
+            last_error: parts.last_error,
+            failed_at: parts.failed_at,
+            failure_permanent: parts.failure_permanent,
+            boot_id: parts.boot_id,
+            stop_requested: parts.stop_requested,
+            quarantined_at: parts.quarantined_at,
+            quarantine_tombstoned: parts.quarantine_tombstoned,
+        }
+    }
+
+    /// This lifecycle's fields, to change some and make it again with
+    /// [`Lifecycle::from_parts`] (tests only, as that is).
+    #[cfg(any(test, feature = "testkit"))]
+    pub fn parts(&self) -> LifecycleParts {
+        LifecycleParts {
+            create_attempts: self.create_attempts,
+            created_at: self.created_at,
+            last_error: self.last_error.clone(),
+            failed_at: self.failed_at,
+            failure_permanent: self.failure_permanent,
+            boot_id: self.boot_id.clone(),
+            stop_requested: self.stop_requested,
+            quarantined_at: self.quarantined_at,
+            quarantine_tombstoned: self.quarantine_tombstoned,
+        }
+    }
+}
+
+/// Every lifecycle field, for [`Lifecycle::from_parts`].
+#[cfg(any(test, feature = "testkit"))]
+#[derive(Clone, Debug, Default)]
+pub struct LifecycleParts {
+    pub create_attempts: u32,
+    pub created_at: Option<SystemTime>,
+    pub last_error: String,
+    pub failed_at: Option<SystemTime>,
+    pub failure_permanent: bool,
+    pub boot_id: String,
+    pub stop_requested: bool,
+    pub quarantined_at: Option<SystemTime>,
+    pub quarantine_tombstoned: bool,
+}
 
 /// The first retry waits this long after a failed attempt; each next one
 /// three times as long.
@@ -82,29 +212,29 @@ pub enum Attempts {
 
 /// The state `rec` is in, under `budget`.
 pub fn state(rec: &Record, budget: Budget) -> State {
-    if rec.quarantined_at.is_some() {
+    if rec.lifecycle.quarantined_at.is_some() {
         return State::Quarantined {
-            tombstoned: rec.quarantine_tombstoned,
+            tombstoned: rec.lifecycle.quarantine_tombstoned,
         };
     }
-    if !rec.boot_id.is_empty() {
-        return if rec.stop_requested {
+    if !rec.lifecycle.boot_id.is_empty() {
+        return if rec.lifecycle.stop_requested {
             State::Down
         } else {
             State::Up
         };
     }
-    if rec.failure_permanent {
+    if rec.lifecycle.failure_permanent {
         return State::Creating(Attempts::Permanent);
     }
-    let failed_at = rec.failed_at.unwrap_or(SystemTime::UNIX_EPOCH);
-    if rec.create_attempts >= budget.max_attempts {
+    let failed_at = rec.lifecycle.failed_at.unwrap_or(SystemTime::UNIX_EPOCH);
+    if rec.lifecycle.create_attempts >= budget.max_attempts {
         return State::Creating(Attempts::Spent {
             rearm_at: failed_at + budget.rearm,
         });
     }
-    let due = (rec.create_attempts > 0 && rec.failed_at.is_some())
-        .then(|| failed_at + retry_delay(rec.create_attempts));
+    let due = (rec.lifecycle.create_attempts > 0 && rec.lifecycle.failed_at.is_some())
+        .then(|| failed_at + retry_delay(rec.lifecycle.create_attempts));
     State::Creating(Attempts::Open { due })
 }
 
@@ -129,7 +259,7 @@ pub fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
         State::Quarantined { .. } => None,
         State::Creating(Attempts::Open { .. }) => Some(Phase::Creating),
         State::Creating(Attempts::Spent { .. } | Attempts::Permanent) => Some(Phase::Failed),
-        State::Up | State::Down => Some(if rec.last_error.is_empty() {
+        State::Up | State::Down => Some(if rec.lifecycle.last_error.is_empty() {
             Phase::Ready
         } else {
             Phase::Failed
@@ -142,11 +272,15 @@ pub fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
 pub fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
     match state(rec, budget) {
         State::Creating(Attempts::Open { due: Some(due) }) if due > now => {
-            format!("retrying in {}: {}", human(due, now), rec.last_error)
+            format!(
+                "retrying in {}: {}",
+                human(due, now),
+                rec.lifecycle.last_error
+            )
         }
         State::Creating(Attempts::Spent { rearm_at }) => format!(
             "{} create attempts spent on errors that may pass; trying again in {} (--create-rearm)",
-            rec.create_attempts,
+            rec.lifecycle.create_attempts,
             human(rearm_at.max(now), now)
         ),
         State::Creating(Attempts::Permanent) => {
@@ -165,130 +299,131 @@ fn human(at: SystemTime, now: SystemTime) -> String {
 }
 
 /// The transitions: the only writers of a record's lifecycle fields.
+/// Public: anyone may say what happened; nobody may set a field.
 impl Record {
     /// The desired spec differs from the one recorded: what the VM is
     /// changed, so the create budget starts over (a permanent error was
     /// about the old spec).
-    pub(crate) fn spec_changed(&mut self, spec: VmSpec) {
+    pub fn spec_changed(&mut self, spec: VmSpec) {
         self.spec = spec;
-        self.create_attempts = 0;
-        self.last_error.clear();
-        self.failed_at = None;
-        self.failure_permanent = false;
+        self.lifecycle.create_attempts = 0;
+        self.lifecycle.last_error.clear();
+        self.lifecycle.failed_at = None;
+        self.lifecycle.failure_permanent = false;
     }
 
     /// A budget spent on transient errors, past its re-arm time.
-    pub(crate) fn rearm(&mut self) {
-        self.create_attempts = 0;
-        self.failed_at = None;
+    pub fn rearm(&mut self) {
+        self.lifecycle.create_attempts = 0;
+        self.lifecycle.failed_at = None;
     }
 
     /// A create attempt starts; saved before any of its side effects, so a
     /// crash mid-create still counts against the budget.
-    pub(crate) fn begin_attempt(&mut self, now: SystemTime) {
-        self.create_attempts += 1;
-        self.created_at = Some(now);
-        self.last_error.clear();
+    pub fn begin_attempt(&mut self, now: SystemTime) {
+        self.lifecycle.create_attempts += 1;
+        self.lifecycle.created_at = Some(now);
+        self.lifecycle.last_error.clear();
     }
 
     /// The attempt this pass counted gives its attempt back: it only ran
     /// out of time (queued for a slot, a download still going).
-    pub(crate) fn refund_attempt(&mut self, error: String) {
-        self.create_attempts = self.create_attempts.saturating_sub(1);
-        self.last_error = error;
+    pub fn refund_attempt(&mut self, error: String) {
+        self.lifecycle.create_attempts = self.lifecycle.create_attempts.saturating_sub(1);
+        self.lifecycle.last_error = error;
     }
 
     /// A create attempt failed; a permanent error spends the budget.
-    pub(crate) fn attempt_failed(
+    pub fn attempt_failed(
         &mut self,
         error: String,
         permanent: bool,
         now: SystemTime,
         budget: Budget,
     ) {
-        self.last_error = error;
-        self.failed_at = Some(now);
+        self.lifecycle.last_error = error;
+        self.lifecycle.failed_at = Some(now);
         if permanent {
-            self.failure_permanent = true;
-            self.create_attempts = budget.max_attempts;
+            self.lifecycle.failure_permanent = true;
+            self.lifecycle.create_attempts = budget.max_attempts;
         }
     }
 
     /// A create failed before it could count an attempt (its own record
     /// could not be saved): the error is said, nothing is spent.
-    pub(crate) fn could_not_attempt(&mut self, error: String) {
-        self.last_error = error;
+    pub fn could_not_attempt(&mut self, error: String) {
+        self.lifecycle.last_error = error;
     }
 
     /// Every side effect of the create succeeded: the boot id is its
     /// completion witness. `up`: it was booted; else created stopped.
-    pub(crate) fn created(&mut self, boot_id: String, up: bool) {
-        self.boot_id = boot_id;
-        self.stop_requested = !up;
-        self.last_error.clear();
-        self.failed_at = None;
-        self.failure_permanent = false;
+    pub fn created(&mut self, boot_id: String, up: bool) {
+        self.lifecycle.boot_id = boot_id;
+        self.lifecycle.stop_requested = !up;
+        self.lifecycle.last_error.clear();
+        self.lifecycle.failed_at = None;
+        self.lifecycle.failure_permanent = false;
     }
 
     /// A created VM's hypervisor was started (again); `boot_id` is the
     /// host's now, which re-stamps a VM lost to a reboot.
-    pub(crate) fn booted(&mut self, boot_id: String) {
-        self.boot_id = boot_id;
-        self.stop_requested = false;
-        self.last_error.clear();
+    pub fn booted(&mut self, boot_id: String) {
+        self.lifecycle.boot_id = boot_id;
+        self.lifecycle.stop_requested = false;
+        self.lifecycle.last_error.clear();
     }
 
-    pub(crate) fn boot_failed(&mut self, error: String) {
-        self.last_error = error;
+    pub fn boot_failed(&mut self, error: String) {
+        self.lifecycle.last_error = error;
     }
 
     /// A VM that should not run is lost (its hypervisor gone, or the host
     /// rebooted): it is recorded as deliberately stopped on this boot.
-    pub(crate) fn lost_while_stopped(&mut self, boot_id: String) {
-        self.boot_id = boot_id;
-        self.stop_requested = true;
-        self.last_error.clear();
+    pub fn lost_while_stopped(&mut self, boot_id: String) {
+        self.lifecycle.boot_id = boot_id;
+        self.lifecycle.stop_requested = true;
+        self.lifecycle.last_error.clear();
     }
 
     /// The stop is about to be asked for: saved first, so a stop without a
     /// durable intent never reads as a crash after an agent restart.
-    pub(crate) fn stop_intended(&mut self) {
-        self.stop_requested = true;
+    pub fn stop_intended(&mut self) {
+        self.lifecycle.stop_requested = true;
     }
 
-    pub(crate) fn stopped(&mut self) {
-        self.last_error.clear();
+    pub fn stopped(&mut self) {
+        self.lifecycle.last_error.clear();
     }
 
-    pub(crate) fn stop_failed(&mut self, error: String) {
-        self.last_error = error;
+    pub fn stop_failed(&mut self, error: String) {
+        self.lifecycle.last_error = error;
     }
 
     /// At its desired power state (`up`: running): an error left by an
     /// earlier operation is history, not a failure, and the stop intent
     /// says what the VM is doing now.
-    pub(crate) fn converged(&mut self, up: bool) {
-        self.stop_requested = !up;
-        self.last_error.clear();
+    pub fn converged(&mut self, up: bool) {
+        self.lifecycle.stop_requested = !up;
+        self.lifecycle.last_error.clear();
     }
 
     /// Gone from desired state (or tombstoned): quarantined, and the stop
     /// intent recorded with it, before the guest is stopped.
-    pub(crate) fn quarantine(&mut self, now: SystemTime, tombstoned: bool) {
-        self.quarantined_at = Some(now);
-        self.quarantine_tombstoned = tombstoned;
-        self.stop_requested = true;
+    pub fn quarantine(&mut self, now: SystemTime, tombstoned: bool) {
+        self.lifecycle.quarantined_at = Some(now);
+        self.lifecycle.quarantine_tombstoned = tombstoned;
+        self.lifecycle.stop_requested = true;
     }
 
     /// A vanished VM later tombstoned: the (shorter) tombstone grace now.
-    pub(crate) fn tombstoned_in_quarantine(&mut self) {
-        self.quarantine_tombstoned = true;
+    pub fn tombstoned_in_quarantine(&mut self) {
+        self.lifecycle.quarantine_tombstoned = true;
     }
 
     /// Back in desired state: out of quarantine; converge decides the rest.
-    pub(crate) fn unquarantine(&mut self) {
-        self.quarantined_at = None;
-        self.quarantine_tombstoned = false;
+    pub fn unquarantine(&mut self) {
+        self.lifecycle.quarantined_at = None;
+        self.lifecycle.quarantine_tombstoned = false;
     }
 }
 
@@ -320,6 +455,22 @@ mod tests {
 
     fn t(s: u64) -> SystemTime {
         SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + s)
+    }
+
+    #[test]
+    fn on_disk_the_lifecycle_fields_are_the_records_own_as_before() {
+        let mut r = rec();
+        r.begin_attempt(t(0));
+        r.created("boot-1".into(), false);
+
+        let json = serde_json::to_value(&r).expect("json");
+        let back: Record = serde_json::from_value(json.clone()).expect("back");
+
+        assert_eq!(json["boot_id"], "boot-1");
+        assert_eq!(json["create_attempts"], 1);
+        assert_eq!(json["stop_requested"], true);
+        assert!(json.get("lifecycle").is_none(), "{json}");
+        assert_eq!(back, r);
     }
 
     #[test]
