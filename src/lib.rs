@@ -1,19 +1,74 @@
 //! eitri-agent: the host agent of a microVM platform.
 //!
-//! It reads the host's desired state (a snapshot from a control plane or a
-//! local file), drives the host toward it through a hypervisor backend, and
-//! reports what the host actually has. See `DESIGN.md` in the shared docs for
-//! the architecture; the module map:
+//! One agent runs on every host. It reads the host's desired state (a
+//! snapshot from a control plane, or a local file), drives the host toward
+//! it through a hypervisor backend (cloud-hypervisor on Linux, vfkit on
+//! macOS), and reports what the host actually has, truthfully, while the
+//! host, the network or the agent itself fails. This page is the map; each
+//! module's header states its own protocol.
 //!
-//! - [`model`]: checked domain types (ids, specs, power states, reports).
-//! - [`pb`]: wire types generated from `proto/`, and conversion to [`model`].
-//! - [`state`]: the crash-safe state directory.
-//! - [`reconcile`]: the engine: `Engine::step` routes a snapshot to one
-//!   worker thread per VM and aggregates their results into a report.
-//! - [`provision`]: the hypervisor backend seam.
-//! - [`deadline`], [`error`]: what every blocking, fallible call shares.
-//! - [`version`]: release ordering for the snapshot's version floor.
-//! - [`testkit`]: fakes of every seam, for engine tests and benchmarks.
+//! # Modules, by layer
+//!
+//! A module imports only from its own layer or below, and no two modules
+//! (nor two files of one folder) import each other in a circle;
+//! `tests/layers.rs` holds both.
+//!
+//! | layer | module | owns |
+//! |---|---|---|
+//! | 0 | [`model`] | checked domain types: ids, specs, power states, phases, rows, quota |
+//! | 0 | [`error`], [`deadline`] | what every fallible, blocking call shares: permanence, error chains, pass deadlines |
+//! | 0 | [`threads`] | the one thread-ownership idiom (owned and joined within a bound, or detached by reason) |
+//! | 0 | [`crash`], [`stages`], [`metrics`] | named crash points (`make chaos`), a create's timed stages, counters |
+//! | 0 | [`human`], [`quote`], [`hex`], [`base64`], [`logonce`], [`version`], [`programs`] | words for people, untrusted text made printable, encoders, log-once, release order, host programs found once |
+//! | 1 | [`state`] | the crash-safe state directory: its [`Layout`](state::Layout), the record store, leases, and the VM [`lifecycle`](state::lifecycle) whose fields only its transitions write |
+//! | 1 | [`pb`] | wire types generated from `proto/`, and their validating conversion to [`model`] |
+//! | 2 | [`provision`] | the hypervisor seam: the shared [`supervise`](provision::supervise) layer, and the `cloudhv` and [`vfkit`](provision::vfkit) backends |
+//! | 2 | [`net`] | the underlay: addresses, the port guard, DHCP, the second NIC's snooper |
+//! | 2 | [`image`], [`seed`], [`disk`], [`hostkey`] | the artifacts of a create: base images, the NoCloud seed, root disks, guest host keys |
+//! | 3 | [`reconcile`] | the engine: `Engine::step` routes a snapshot to one worker thread per VM and collects their rows |
+//! | 4 | [`source`], [`config`], [`status`], [`console`] | desired state in, flags in, the report file and its rendering, a VM's console |
+//! | 5 | [`daemon`] | the main loop, and the one place the real parts are wired |
+//! | 6 | [`cli`], `testkit` | the subcommands `main` dispatches to; the fakes of every seam (built only with the `testkit` feature) |
+//!
+//! # Threads
+//!
+//! | thread | does | may wait on |
+//! |---|---|---|
+//! | `main` | steps the engine on new desired state and every tick; writes the report | nothing slow: a step never waits on a VM |
+//! | `source` | the exchange with the control plane (or the desired file) | the network, bounded by `--request-timeout` |
+//! | `desired-watch` | inotify on the desired file's directory | the kernel |
+//! | `router` | rings the workers' doorbells after a step, a chunk at a time | nothing |
+//! | `vm-<id>` | one VM's reconcile passes, one at a time | the hypervisor, the disk, downloads, each bounded by `--vm-timeout` |
+//! | `reap-<id>` | waits for a VM's hypervisor (a child) to exit (detached: it outlives the engine) | the child |
+//! | `vmm-exits` | pidfds of hypervisors adopted after a restart | the kernel |
+//! | `image-<sha8>` | one base image's download, shared by every pass that waits for it (detached) | the network, bounded by `--image-stall-timeout` |
+//! | `image-hash` | hashes a download's blocks beside it, joined by it | nothing |
+//! | `plug-<id>` | joins a new VM's taps to the host's networks while its VMM starts, joined by the boot | netlink, `nft` |
+//! | `serial-bound` | holds each VM's `serial.log` to `--serial-log-max-mb` | nothing |
+//! | `dhcp-<tap>`, `snoop-<tap>` | a guest's DHCP responder; the second NIC's snooper | the tap |
+//! | `learned-writer` | writes the second NICs' learned addresses, at most once a second | the disk |
+//! | `signals` | SIGTERM/SIGINT/SIGHUP as events for `main` | signals |
+//!
+//! # Threat model
+//!
+//! The agent runs as root, and everything it is handed may be hostile:
+//! - **Guests** own every frame on their NICs, their DHCP client, ARP and
+//!   serial output, and the bytes of their disks and volumes.
+//! - **The control plane** (or anyone on the plain-HTTP path to it)
+//!   controls every field of a snapshot: ids, URLs, digests, user-data,
+//!   keys, sizes. Each is validated before it touches the host.
+//! - **A guest that has taken over its VMM** holds that process: its uid,
+//!   its fds (API socket, taps), the files it was given, whatever syscalls
+//!   its jail leaves. It must reach no other VM and no host service, no
+//!   more disk than its bounds, and nothing it sends the agent may cost the
+//!   agent more than a bounded amount. It must not outlive its VM.
+//! - **Local users** must read nothing under the state dir and run dir.
+//!
+//! Hence every VMM in a jail (its own uid and cgroups, no capabilities,
+//! no_new_privs, Landlock, fds and environment cleaned), disks passed raw
+//! with backing files off, `file://` images only under an operator-named
+//! root, a port guard and an egress policy on every tap, caps on every size
+//! and count from the wire, and untrusted text quoted when printed.
 
 pub mod base64;
 pub mod cli;

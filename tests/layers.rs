@@ -1,4 +1,4 @@
-//! The import layers DESIGN.md draws, checked over the source: a module
+//! The import layers `src/lib.rs` draws, checked over the source: a module
 //! imports only from its own layer or below, and modules of one layer never
 //! import each other in a circle. A new module must be given a layer here.
 //!

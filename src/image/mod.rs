@@ -12,7 +12,7 @@
 //!   file and is permanent, naming both digests (for a `file://` image only
 //!   the expected one: the digest of a host file is not told); so is a 4xx
 //!   other than 408/429, or a missing file. Everything else is transient.
-//! - Sources are untrusted (see DESIGN.md, "Threat model"): `file://` is
+//! - Sources are untrusted (see the threat model in the crate's docs): `file://` is
 //!   served only from under the operator's `--image-root`; a download may
 //!   not be larger than the VM's disk; a server that sends nothing for the
 //!   stall timeout fails the download (transiently), which frees its

@@ -151,8 +151,8 @@ fn nul_terminated(s: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use crate::model::Mac;
     use super::*;
+    use crate::model::Mac;
 
     #[test]
     fn a_mac_key_is_the_name_zero_filled_then_the_mac_padded() {

@@ -176,7 +176,8 @@ fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
 /// Made with protocol 0, which receives nothing, and given its protocol by
 /// the bind: a socket made with a protocol listens on every interface at
 /// once, and binding it must first take that listener down, which waits
-/// out an RCU grace period (10 ms of every VM's plug, measured).
+/// out an RCU grace period (10 ms of every VM's plug: the `dhcp responder`
+/// stage of `make bench-create`).
 fn packet_socket(iface: &str) -> io::Result<OwnedFd> {
     let index = ifindex(iface)?;
     let proto = (libc::ETH_P_ALL as u16).to_be();

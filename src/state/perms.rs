@@ -1,5 +1,5 @@
 //! Who may read the state dir: root, and each VM's jailed hypervisor its
-//! own files; nobody else (DESIGN.md, "Threat model"). Records and the
+//! own files; nobody else (the threat model in the crate's docs). Records and the
 //! persisted snapshot hold user-data, volumes hold tenants' data.
 //!
 //! Files are 0600. Directories are 0700, except those a jailed VMM must pass

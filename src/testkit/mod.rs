@@ -403,7 +403,8 @@ impl Fakes {
 }
 
 /// Sleeps `d` without the kernel's wake-up lateness: a sleep of 2 ms runs
-/// 2.07 ms on a small VM, an error the fake would otherwise charge to
+/// 2.07 ms on a small VM (the calibration `make bench-engine` prints), an
+/// error the fake would otherwise charge to
 /// whatever it is timing. Sleeps to just short of the target, then spins.
 fn precise_sleep(d: Duration) {
     const SPIN: Duration = Duration::from_micros(150);

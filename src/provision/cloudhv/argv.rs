@@ -2,7 +2,8 @@
 //! boot, and where the VM's files are. Nothing here touches the host, so
 //! every shape of it is tested as golden output, without root.
 //!
-//! The flags are cloud-hypervisor's (see `shared/cloud-hypervisor.md`):
+//! The flags are cloud-hypervisor's own (v51 and later, as its `--help`
+//! names them):
 //! the API socket as an inherited listening fd (the agent binds it, so the
 //! jailed VMM creates nothing in the run dir), the guest's kernel or
 //! firmware, the disks (root, then the seed read-only, then the volumes in

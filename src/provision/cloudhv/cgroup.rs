@@ -181,8 +181,8 @@ impl Cgroups {
     /// On a v1 hierarchy that is `tasks`, not `cgroup.procs`: a thread
     /// moving only itself is the one move the kernel makes without its
     /// global thread-group lock, whose first taking after a quiet spell
-    /// waits out an RCU grace period (measured here: 9-10 ms per create,
-    /// against 0.04 ms). The child is single-threaded before its exec, so
+    /// waits out an RCU grace period (9-10 ms per create against 0.04 ms:
+    /// the `cgroup enter` and `fork` stages of `make bench-create`). The child is single-threaded before its exec, so
     /// moving its one thread moves the process, and every thread the VMM
     /// starts later is born in the cgroup. The unified hierarchy takes
     /// `cgroup.procs`.

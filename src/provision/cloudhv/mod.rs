@@ -375,7 +375,8 @@ impl Provisioner for CloudHypervisor {
     /// Opens the VM's taps, then joins them to the host's networks on a
     /// thread of its own while the VMM is forked, released and awaited:
     /// neither waits for the other (a create's plug is nft, `ip` and a
-    /// packet socket: 5 ms, as long as the rest of the boot). A guest's
+    /// packet socket: 5 ms, as long as the rest of the boot; the `plug` and
+    /// `wait running` stages of `make bench-create`). A guest's
     /// first frames meet the guard's fail-closed rule, never an open port,
     /// and Running is said only once both are done; a plug that fails
     /// kills the VMM it was for.

@@ -18,7 +18,7 @@ impl CloudHypervisor {
             return Err(CloudHvError::NotExecutable { path }.into());
         }
         // Asked once per binary: `--version` is a fork and an exec (5 ms of
-        // every create, measured). A binary replaced in place (an upgrade,
+        // every create: the `preflight` stage of `make bench-create`). A binary replaced in place (an upgrade,
         // a downgrade) is another file, and is asked again.
         let binary = Binary::of(&path);
         if binary.is_some() && *self.version_passed.lock() == binary {
