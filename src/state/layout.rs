@@ -141,6 +141,11 @@ impl Layout {
         self.volumes().join(volume_id.as_str())
     }
 
+    /// The volume files a VM's spec attaches, in its order.
+    pub fn volumes_of(&self, spec: &crate::model::VmSpec) -> Vec<PathBuf> {
+        spec.volume_ids.iter().map(|v| self.volume(v)).collect()
+    }
+
     /// Marks a volume the control plane deleted, so a report made without
     /// a snapshot (the fence path) still says it is on its way out.
     /// Hidden, so it can never be mistaken for a volume: ids never start

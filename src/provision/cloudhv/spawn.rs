@@ -148,11 +148,7 @@ impl CloudHypervisor {
         VmFiles {
             root_disk: self.store.layout().root_disk(vm_id),
             seed: self.store.layout().seed(vm_id),
-            volumes: spec
-                .volume_ids
-                .iter()
-                .map(|v| self.store.layout().volume(v))
-                .collect(),
+            volumes: self.store.layout().volumes_of(spec),
             serial_log: self.store.layout().serial_log(vm_id),
             log: self.store.layout().hypervisor_log(vm_id),
         }

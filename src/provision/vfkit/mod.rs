@@ -96,11 +96,7 @@ impl Vfkit {
         Files {
             root_disk: self.store.layout().root_disk(vm_id),
             seed: self.store.layout().seed(vm_id),
-            volumes: spec
-                .volume_ids
-                .iter()
-                .map(|v| self.store.layout().volume(v))
-                .collect(),
+            volumes: self.store.layout().volumes_of(spec),
             efi_vars: self.store.layout().efi_vars(vm_id),
             console_log: self.store.layout().serial_log(vm_id),
             socket: self.socket_path(vm_id),
