@@ -9,8 +9,19 @@ use std::fmt;
 /// Permanence is a property of the error, asked through one method: a
 /// permanent error (a checksum mismatch, a disk that would shrink, a missing
 /// volume) makes a create terminal at once, because no retry can succeed.
+///
+/// A host condition is the third kind, beside transient and permanent: the
+/// host, not the spec, must change (a missing or too old hypervisor, a
+/// path its jailed user cannot reach, a missing piece of confinement). No
+/// create attempt is spent on one, the row says what to change on the
+/// host, and the create is tried again every tick, so a VM converges by
+/// itself once the host is fixed.
 pub trait Failure: Error + Send + Sync + 'static {
     fn is_permanent(&self) -> bool {
+        false
+    }
+
+    fn is_host_condition(&self) -> bool {
         false
     }
 }
@@ -27,21 +38,37 @@ impl<F: Failure> From<F> for BoxFailure {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Simple {
     pub message: String,
-    pub permanent: bool,
+    pub kind: Kind,
+}
+
+/// Which of the three kinds a [`Simple`] failure is (see [`Failure`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Transient,
+    Permanent,
+    Host,
 }
 
 impl Simple {
     pub fn transient(message: impl Into<String>) -> Simple {
         Simple {
             message: message.into(),
-            permanent: false,
+            kind: Kind::Transient,
         }
     }
 
     pub fn permanent(message: impl Into<String>) -> Simple {
         Simple {
             message: message.into(),
-            permanent: true,
+            kind: Kind::Permanent,
+        }
+    }
+
+    /// A host condition: the host must change before it can pass.
+    pub fn host(message: impl Into<String>) -> Simple {
+        Simple {
+            message: message.into(),
+            kind: Kind::Host,
         }
     }
 }
@@ -56,7 +83,11 @@ impl Error for Simple {}
 
 impl Failure for Simple {
     fn is_permanent(&self) -> bool {
-        self.permanent
+        self.kind == Kind::Permanent
+    }
+
+    fn is_host_condition(&self) -> bool {
+        self.kind == Kind::Host
     }
 }
 
@@ -117,8 +148,10 @@ mod tests {
     }
 
     #[test]
-    fn simple_errors_carry_permanence() {
+    fn simple_errors_carry_their_kind() {
         assert!(Simple::permanent("x").is_permanent());
         assert!(!Simple::transient("x").is_permanent());
+        assert!(Simple::host("x").is_host_condition());
+        assert!(!Simple::host("x").is_permanent());
     }
 }

@@ -671,6 +671,86 @@ fn a_long_state_dir_still_gets_a_short_socket() {
     assert!(h.backend.running(&id("vm-1")));
 }
 
+/// The host over `h`'s state dir again, its hypervisor and kernel in
+/// `elsewhere` (searchable by anyone), so only the state dir's parent can
+/// stand in the VMM's way.
+fn booting_from(h: &mut Host, elsewhere: &Path) {
+    let kernel = elsewhere.join("vmlinux");
+    std::fs::write(&kernel, b"not really a kernel").expect("kernel");
+    h.cfg.hypervisor = launcher(elsewhere, &[]);
+    h.cfg.kernel = Some(kernel);
+    drop(h.engine.take());
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.engine = Some(h.make_engine());
+}
+
+#[test]
+fn a_state_dir_under_a_0700_directory_is_refused_naming_it_and_spends_no_attempt() {
+    let mut h = Host::new(&[]);
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    booting_from(&mut h, elsewhere.path());
+    std::fs::set_permissions(h.dir.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+
+    h.tick(&h.vm("vm-1"));
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    let rec = h.store.get(&id("vm-1")).expect("readable").expect("record");
+    let closed = h.dir.path().display().to_string();
+    assert!(
+        row.last_error.contains(&format!("{closed} is 0700 0:0"))
+            && row.last_error.contains(&format!("chmod o+x {closed}"))
+            && row.last_error.contains("--state-dir"),
+        "{row:?}"
+    );
+    assert_eq!(row.phase, Some(Phase::Creating));
+    assert_eq!(rec.lifecycle.create_attempts(), 0);
+    assert!(!h.backend.running(&id("vm-1")));
+    std::fs::set_permissions(h.dir.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod back");
+}
+
+#[test]
+fn a_state_dir_opened_to_0711_converges_at_the_next_tick_with_no_spec_change() {
+    let mut h = Host::new(&[]);
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    booting_from(&mut h, elsewhere.path());
+    std::fs::set_permissions(h.dir.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    h.tick(&h.vm("vm-1"));
+
+    std::fs::set_permissions(h.dir.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert_eq!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert!(h.backend.running(&id("vm-1")));
+}
+
+#[test]
+fn a_hypervisor_installed_after_start_is_found_at_the_next_tick() {
+    let mut h = Host::new(&[]);
+    let later = h.dir.path().join("installed-later");
+    h.cfg.hypervisor = later.clone();
+    drop(h.engine.take());
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.engine = Some(h.make_engine());
+    h.tick(&h.vm("vm-1"));
+    let missing = h.row("vm-1");
+
+    std::fs::rename(launcher(h.dir.path(), &[]), &later).expect("install");
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert!(
+        missing.last_error.contains("is not an executable file"),
+        "{missing:?}"
+    );
+    assert_eq!(missing.phase, Some(Phase::Creating));
+    assert_eq!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert!(h.backend.running(&id("vm-1")));
+}
+
 #[test]
 fn preflight_names_a_missing_hypervisor() {
     let mut h = Host::new(&[]);
@@ -679,7 +759,7 @@ fn preflight_names_a_missing_hypervisor() {
 
     let err = backend.preflight(Deadline::NONE).expect_err("missing");
 
-    assert!(err.is_permanent());
+    assert!(err.is_host_condition() && !err.is_permanent());
     assert!(err.to_string().contains("no-such-hypervisor"), "{err}");
 }
 
@@ -732,7 +812,7 @@ fn preflight_refuses_a_hypervisor_older_than_v51_that_would_probe_disk_formats()
 
     let err = backend.preflight(Deadline::NONE).expect_err("too old");
 
-    assert!(err.is_permanent());
+    assert!(err.is_host_condition() && !err.is_permanent());
     assert!(err.to_string().contains("v51 or later"), "{err}");
     assert!(err.to_string().contains("backing_files=off"), "{err}");
 }

@@ -34,7 +34,9 @@ const SHORT: Duration = Duration::from_millis(200);
 #[test]
 fn attempt_is_saved_before_any_side_effect() {
     let h = Harness::new();
-    let gate = h.fakes.block(Op::Preflight, "");
+    // The first side effect: the image download. Preflight, before it,
+    // only looks at the host.
+    let gate = h.fakes.block(Op::Resolve, &image_url("vm-1"));
     h.engine.step(&snapshot(1, vec![present(desired("vm-1"))]));
     assert!(gate.wait_entered(1, SETTLE));
 
@@ -44,10 +46,28 @@ fn attempt_is_saved_before_any_side_effect() {
     assert!(rec.lifecycle.created_at().is_some());
     assert_eq!(
         h.fakes.actions(),
-        vec![Call::Preflight],
+        vec![
+            Call::Preflight,
+            Call::Resolve {
+                url: image_url("vm-1")
+            }
+        ],
         "nothing else happened yet"
     );
     gate.release();
+}
+
+#[test]
+fn a_host_condition_is_found_before_any_attempt_is_counted() {
+    let h = Harness::new();
+    let gate = h.fakes.block(Op::Preflight, "");
+    h.engine.step(&snapshot(1, vec![present(desired("vm-1"))]));
+    assert!(gate.wait_entered(1, SETTLE));
+
+    let counted = h.has_record("vm-1");
+    gate.release();
+
+    assert!(!counted, "preflight runs before the attempt is saved");
 }
 
 #[test]
@@ -67,6 +87,52 @@ fn quota_refusal_names_the_cap_and_spends_no_attempt() {
         "host capacity limit reached: needs 2 vcpus, host cap 1"
     );
     assert!(!h.has_record("vm-b"), "no attempt recorded");
+}
+
+#[test]
+fn a_host_condition_spends_no_attempt_however_many_ticks_it_lasts() {
+    let h = Harness::new();
+    h.fakes
+        .fail_on_host(Op::Preflight, "", "the hypervisor is not installed");
+    let snap = snapshot(1, vec![present(desired("vm-1"))]);
+
+    for _ in 0..5 {
+        h.tick(&snap);
+    }
+
+    let row = h.row("vm-1");
+    let rec = h.record("vm-1");
+    assert_eq!(rec.lifecycle.create_attempts(), 0);
+    assert!(rec.lifecycle.waiting_for_host());
+    assert_eq!(row.phase, Some(Phase::Creating));
+    assert!(
+        row.last_error.contains("the hypervisor is not installed"),
+        "{row:?}"
+    );
+    assert!(
+        row.status_detail
+            .starts_with("waiting for the host to be fixed"),
+        "{row:?}"
+    );
+    assert!(!h.fakes.calls().iter().any(|c| matches!(c, Call::Boot(_))));
+}
+
+#[test]
+fn a_vm_waiting_for_the_host_converges_at_the_next_tick_once_it_is_fixed() {
+    let h = Harness::new();
+    h.fakes
+        .fail_on_host(Op::Preflight, "", "the hypervisor is not installed");
+    let snap = snapshot(1, vec![present(desired("vm-1"))]);
+    h.tick(&snap);
+    h.tick(&snap);
+
+    h.fakes.clear(Op::Preflight, "");
+    h.tick(&snap);
+
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Ready));
+    assert_eq!(row.power, Some(PowerState::Running));
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 1);
 }
 
 #[test]

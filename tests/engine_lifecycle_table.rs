@@ -29,6 +29,9 @@ enum Start {
     Spent,
     /// A create failed on an error no retry fixes.
     Permanent,
+    /// A create was stopped by what the host lacks (no hypervisor); the
+    /// host is fixed before the event.
+    WaitingForHost,
     Up,
     /// Up, and its hypervisor died, not yet noticed.
     Crashed,
@@ -110,6 +113,13 @@ fn arrange(h: &Harness, from: Start) -> Snapshot {
             h.fakes.clear(Op::PrepareRootDisk, VM);
             running()
         }
+        Start::WaitingForHost => {
+            h.fakes
+                .fail_on_host(Op::Preflight, "", "the hypervisor is not installed");
+            h.tick(&running());
+            h.fakes.clear(Op::Preflight, "");
+            running()
+        }
         Start::Up => {
             h.tick(&running());
             running()
@@ -164,6 +174,7 @@ fn state_of(h: &Harness) -> &'static str {
         State::Creating(Attempts::Open { .. }) => "creating",
         State::Creating(Attempts::Spent { .. }) => "creating, spent",
         State::Creating(Attempts::Permanent) => "creating, permanent",
+        State::Creating(Attempts::WaitingForHost) => "creating, host",
         State::Up => "up",
         State::Down => "down",
         State::Quarantined { .. } => "quarantined",
@@ -225,6 +236,14 @@ fn every_state_meets_every_event() {
         (Permanent,   Tombstone, "quarantined",         q),
         (Permanent,   Wait,      "creating, permanent", row(Off, Failed)),
         (Permanent,   Respec,    "up",                  row(On, Ready)),
+        // What the host lacked spent nothing: the next pass finds it fixed.
+        (WaitingForHost, Run,    "up",                  row(On, Ready)),
+        (WaitingForHost, Stop,   "down",                row(Off, Ready)),
+        (WaitingForHost, Reboot, "up",                  row(On, Ready)),
+        (WaitingForHost, Vanish, "quarantined",         q),
+        (WaitingForHost, Tombstone, "quarantined",      q),
+        (WaitingForHost, Wait,   "up",                  row(On, Ready)),
+        (WaitingForHost, Respec, "up",                  row(On, Ready)),
         (Up,          Run,       "up",                  row(On, Ready)),
         (Up,          Stop,      "down",                row(Off, Ready)),
         (Up,          Reboot,    "up",                  row(On, Ready)),
@@ -257,7 +276,7 @@ fn every_state_meets_every_event() {
         (Quarantined, Respec,    "up",                  row(On, Ready)),
     ];
     // Every pair, once.
-    assert_eq!(table.len(), 8 * 7);
+    assert_eq!(table.len(), 9 * 7);
 
     let mut wrong = Vec::new();
     for &(from, event, state, report) in table {

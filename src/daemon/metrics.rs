@@ -13,7 +13,7 @@
 //! | `eitri_vms{power,phase}` | gauge | VMs in the last report |
 //! | `eitri_vms_quarantined` | gauge | VMs waiting out their grace |
 //! | `eitri_create_attempts_total` | counter | create attempts counted against a budget |
-//! | `eitri_create_failures_total{permanence}` | counter | failed creates |
+//! | `eitri_create_failures_total{permanence}` | counter | failed creates: `permanent`, `transient`, or `host` (the host must change; no attempt spent) |
 //! | `eitri_create_refunds_total` | counter | attempts given back (out of time, not the VM's fault) |
 //! | `eitri_vm_lost_total{vm_id}` | counter | booted again after its hypervisor died unasked (series gone at destroy) |
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |

@@ -49,8 +49,14 @@ impl Daemon {
         let details = self
             .details
             .update(&report, &self.store, &self.engine, tick);
+        let mut notes = self.notes.clone();
+        if let Some(lacks) = self.engine.host_condition() {
+            notes.push(format!(
+                "this host cannot run guests until it is fixed: {lacks}"
+            ));
+        }
         let file = ReportFile {
-            notes: self.notes.clone(),
+            notes,
             tick_ms: u64::try_from(self.tick.as_millis()).unwrap_or(u64::MAX),
             details,
             quota: self.engine.quota(),

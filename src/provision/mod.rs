@@ -38,6 +38,13 @@ pub trait Provisioner: Send + Sync {
     /// Whether this backend can run a guest on this host at all.
     fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure>;
 
+    /// What the host lacks right now (a host condition, see
+    /// [`Failure`](crate::error::Failure)), for `status`: `None` when it
+    /// can run guests. Cheap and bounded: asked with every report.
+    fn host_condition(&self) -> Option<String> {
+        None
+    }
+
     /// Materialises the VM's root disk from a verified base image (clone and
     /// grow). Root disk only: the rebuild path calls create again, so routing
     /// a volume through here would destroy data meant to outlive the VM.

@@ -10,7 +10,8 @@ pub struct Counts {
     /// How long `Engine::step` took.
     pub steps: Histogram,
     pub create_attempts: Counter,
-    /// Failed creates, by `permanent` or `transient`.
+    /// Failed creates, by `permanent`, `transient` or `host` (a host
+    /// condition: no attempt spent).
     pub create_failures: CounterVec,
     /// Attempts given back (the pass ran out of time, not the VM).
     pub refunds: Counter,
@@ -26,6 +27,7 @@ impl Default for Counts {
         let create_failures = CounterVec::default();
         create_failures.touch("permanent");
         create_failures.touch("transient");
+        create_failures.touch("host");
         Counts {
             steps: Histogram::new(FAST_BUCKETS),
             create_attempts: Counter::default(),

@@ -65,7 +65,7 @@ impl Core {
             return self.report_recorded(res, &rec, PowerState::Running);
         }
         match lifecycle::state(&rec, self.budget()) {
-            State::Creating(Attempts::Open { due: None }) => {}
+            State::Creating(Attempts::Open { due: None } | Attempts::WaitingForHost) => {}
             State::Creating(Attempts::Open { due: Some(due) }) if due <= now => {}
             State::Creating(Attempts::Spent { rearm_at }) if rearm_at <= now => {
                 log::info!(
@@ -129,6 +129,16 @@ impl Core {
             return;
         }
 
+        // Whether this host can run a guest at all, before an attempt is
+        // counted: what the host lacks spends none (see `Attempt::fail`).
+        let preflight = timed("preflight", || self.prov.preflight(deadline));
+        if let Err(e) = &preflight
+            && e.is_host_condition()
+        {
+            let error = chain(&**e);
+            return attempt.wait_for_host(rec, error, res);
+        }
+
         let before = rec.clone();
         rec.begin_attempt(now);
         if let Err(e) = self.store.save(&rec) {
@@ -147,7 +157,7 @@ impl Core {
             PowerState::Stopped,
             Phase::Creating,
         );
-        if let Err(e) = timed("preflight", || self.prov.preflight(deadline)) {
+        if let Err(e) = preflight {
             return attempt.fail(rec, e, res);
         }
         // Bounds how much create concurrency reaches the disk: N parallel
@@ -251,10 +261,33 @@ struct Attempt<'a> {
 }
 
 impl Attempt<'_> {
+    /// The host, not the spec, must change: no attempt is spent (one this
+    /// pass counted is given back), the row says what to fix, and the next
+    /// pass checks again. Saved only when the account changes, so a VM
+    /// waiting for a fixed host costs no write per tick.
+    fn wait_for_host(&self, mut rec: Record, error: String, res: &mut VmResult) {
+        let core = self.core;
+        let unchanged = rec.lifecycle.waiting_for_host() && rec.lifecycle.last_error() == error;
+        rec.host_not_ready(error, self.counted);
+        if !unchanged {
+            core.counts.create_failures.inc("host");
+            core.log_failure(
+                &rec.spec.vm_id,
+                "cannot create it until the host is fixed",
+                rec.lifecycle.last_error(),
+            );
+            core.save_best_effort(&rec);
+        }
+        core.report_recorded(res, &rec, PowerState::Stopped);
+    }
+
     fn fail(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
         let core = self.core;
         let budget = core.budget();
         let permanent = err.is_permanent();
+        if err.is_host_condition() && !self.deadline.expired() {
+            return self.wait_for_host(rec, chain(&*err), res);
+        }
         let err: &dyn std::error::Error = &*err;
         let error = chain(err);
         let counts = &core.counts;

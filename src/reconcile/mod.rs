@@ -280,6 +280,12 @@ impl Engine {
         self.core.ledger.usage()
     }
 
+    /// What the host lacks to run guests right now, if anything (see
+    /// [`Provisioner::host_condition`](crate::provision::Provisioner::host_condition)).
+    pub fn host_condition(&self) -> Option<String> {
+        self.core.prov.host_condition()
+    }
+
     /// The VM's live hypervisor's pid, if the backend can say.
     pub fn hypervisor_pid(&self, vm_id: &Id) -> Option<u32> {
         self.core.prov.pid(vm_id)

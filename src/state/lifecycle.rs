@@ -82,6 +82,10 @@ pub struct Lifecycle {
     /// Quarantined because it was tombstoned (the shorter grace) rather
     /// than because it vanished from desired state.
     quarantine_tombstoned: bool,
+    /// The last create was stopped by a host condition (`last_error` says
+    /// which): no attempt was spent, and the next tick tries again.
+    #[serde(default)]
+    waiting_for_host: bool,
 }
 
 impl Lifecycle {
@@ -121,6 +125,10 @@ impl Lifecycle {
         self.quarantine_tombstoned
     }
 
+    pub fn waiting_for_host(&self) -> bool {
+        self.waiting_for_host
+    }
+
     /// Any lifecycle at all, field by field, for tests that arrange a
     /// state no sequence of transitions reaches quickly (a table of every
     /// combination, a record an older agent wrote). Not in a release
@@ -137,6 +145,7 @@ impl Lifecycle {
             stop_requested: parts.stop_requested,
             quarantined_at: parts.quarantined_at,
             quarantine_tombstoned: parts.quarantine_tombstoned,
+            waiting_for_host: parts.waiting_for_host,
         }
     }
 
@@ -154,6 +163,7 @@ impl Lifecycle {
             stop_requested: self.stop_requested,
             quarantined_at: self.quarantined_at,
             quarantine_tombstoned: self.quarantine_tombstoned,
+            waiting_for_host: self.waiting_for_host,
         }
     }
 }
@@ -171,6 +181,7 @@ pub struct LifecycleParts {
     pub stop_requested: bool,
     pub quarantined_at: Option<SystemTime>,
     pub quarantine_tombstoned: bool,
+    pub waiting_for_host: bool,
 }
 
 /// The first retry waits this long after a failed attempt; each next one
@@ -208,6 +219,9 @@ pub enum Attempts {
     Spent { rearm_at: SystemTime },
     /// A permanent error: terminal until the spec changes.
     Permanent,
+    /// Stopped by a host condition, with no attempt spent: tried again at
+    /// every pass, so a fixed host is seen within a tick.
+    WaitingForHost,
 }
 
 /// The state `rec` is in, under `budget`.
@@ -226,6 +240,9 @@ pub fn state(rec: &Record, budget: Budget) -> State {
     }
     if rec.lifecycle.failure_permanent {
         return State::Creating(Attempts::Permanent);
+    }
+    if rec.lifecycle.waiting_for_host {
+        return State::Creating(Attempts::WaitingForHost);
     }
     let failed_at = rec.lifecycle.failed_at.unwrap_or(SystemTime::UNIX_EPOCH);
     if rec.lifecycle.create_attempts >= budget.max_attempts {
@@ -257,7 +274,7 @@ pub fn retry_delay(failed: u32) -> Duration {
 pub fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
     match state(rec, budget) {
         State::Quarantined { .. } => None,
-        State::Creating(Attempts::Open { .. }) => Some(Phase::Creating),
+        State::Creating(Attempts::Open { .. } | Attempts::WaitingForHost) => Some(Phase::Creating),
         State::Creating(Attempts::Spent { .. } | Attempts::Permanent) => Some(Phase::Failed),
         State::Up | State::Down => Some(if rec.lifecycle.last_error.is_empty() {
             Phase::Ready
@@ -286,6 +303,10 @@ pub fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
         State::Creating(Attempts::Permanent) => {
             "no retry can succeed with this spec; change the spec to try again".into()
         }
+        State::Creating(Attempts::WaitingForHost) => {
+            "waiting for the host to be fixed (no create attempt is spent; checked again every tick)"
+                .into()
+        }
         State::Creating(Attempts::Open { .. })
         | State::Up
         | State::Down
@@ -310,6 +331,18 @@ impl Record {
         self.lifecycle.last_error.clear();
         self.lifecycle.failed_at = None;
         self.lifecycle.failure_permanent = false;
+        self.lifecycle.waiting_for_host = false;
+    }
+
+    /// A create was stopped by a host condition before it did anything
+    /// the host must undo: no attempt is spent (a counted one is given
+    /// back), and the next pass tries again.
+    pub fn host_not_ready(&mut self, error: String, counted: bool) {
+        if counted {
+            self.lifecycle.create_attempts = self.lifecycle.create_attempts.saturating_sub(1);
+        }
+        self.lifecycle.last_error = error;
+        self.lifecycle.waiting_for_host = true;
     }
 
     /// A budget spent on transient errors, past its re-arm time.
@@ -324,6 +357,7 @@ impl Record {
         self.lifecycle.create_attempts += 1;
         self.lifecycle.created_at = Some(now);
         self.lifecycle.last_error.clear();
+        self.lifecycle.waiting_for_host = false;
     }
 
     /// The attempt this pass counted gives its attempt back: it only ran
@@ -363,6 +397,7 @@ impl Record {
         self.lifecycle.last_error.clear();
         self.lifecycle.failed_at = None;
         self.lifecycle.failure_permanent = false;
+        self.lifecycle.waiting_for_host = false;
     }
 
     /// A created VM's hypervisor was started (again); `boot_id` is the

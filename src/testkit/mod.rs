@@ -223,6 +223,11 @@ impl Fakes {
         self.rule(op, key).fail = Some(Simple::permanent(message));
     }
 
+    /// `op` fails with a host condition: the host must change.
+    pub fn fail_on_host(&self, op: Op, key: &str, message: &str) {
+        self.rule(op, key).fail = Some(Simple::host(message));
+    }
+
     pub fn panic_in(&self, op: Op, key: &str) {
         self.rule(op, key).panic = true;
     }

@@ -53,6 +53,49 @@ pub fn group_may_read_write(path: &Path, gid: u32) -> io::Result<bool> {
     Ok(granted)
 }
 
+/// Whether a user `uid` in `groups` has every bit of `want` (`r` 4, `w` 2,
+/// `x` 1) on `path`, as the kernel decides it for a user who is not root:
+/// the owner's bits if it owns the file; else a named user entry; else
+/// every group entry that applies (the owning group, named groups), any of
+/// which may grant it, and if one applies and none grants, no; else the
+/// bits for others. Named entries and the owning group are bounded by the
+/// mask (acl(5), "Access check algorithm").
+pub fn may(path: &Path, uid: u32, groups: &[u32], want: u16) -> io::Result<bool> {
+    let meta = std::fs::metadata(path)?;
+    let mode = meta.mode() as u16;
+    let entries = read(path)?.unwrap_or_default();
+    let has = |perm: u16| perm & want == want;
+    if meta.uid() == uid {
+        return Ok(has((mode >> 6) & 7));
+    }
+    let mask = entries
+        .iter()
+        .find(|e| e.tag == MASK)
+        .map_or(0o7, |e| e.perm);
+    if let Some(user) = entries.iter().find(|e| e.tag == USER && e.id == uid) {
+        return Ok(has(user.perm & mask));
+    }
+    let owning_group = groups.contains(&meta.gid());
+    let group_perms: Vec<u16> = if entries.is_empty() {
+        owning_group
+            .then_some((mode >> 3) & 7)
+            .into_iter()
+            .collect()
+    } else {
+        entries
+            .iter()
+            .filter(|e| {
+                (e.tag == GROUP_OBJ && owning_group) || (e.tag == GROUP && groups.contains(&e.id))
+            })
+            .map(|e| e.perm & mask)
+            .collect()
+    };
+    if !group_perms.is_empty() {
+        return Ok(group_perms.into_iter().any(has));
+    }
+    Ok(has(mode & 7))
+}
+
 /// Grants group `gid` read and write on `path` by an ACL entry, changing no
 /// other entry's rights.
 pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {

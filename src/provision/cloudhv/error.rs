@@ -49,6 +49,14 @@ pub enum CloudHvError {
     BootFileMissing {
         path: PathBuf,
     },
+    /// A path the jailed VMMs are given cannot be reached by their users:
+    /// `blocked` is the first directory (or the file) that stops them.
+    Unreachable {
+        path: PathBuf,
+        blocked: super::reach::Blocked,
+        /// What to change instead of the mode: the flag naming the path.
+        flag: &'static str,
+    },
     NoBootFile,
 
     // ── one VM ────────────────────────────────────────────────────────────
@@ -162,6 +170,16 @@ impl fmt::Display for CloudHvError {
                 "the guest boot file {} does not exist; fix --kernel or --firmware",
                 path.display()
             ),
+            E::Unreachable {
+                path,
+                blocked,
+                flag,
+            } => write!(
+                f,
+                "the jailed hypervisors cannot reach {}: {blocked}; {}, or move {flag}",
+                path.display(),
+                blocked.fix()
+            ),
             E::NoBootFile => {
                 f.write_str("no guest kernel or firmware is configured; give --kernel or --firmware")
             }
@@ -212,6 +230,7 @@ impl std::error::Error for CloudHvError {
             | E::Unconfinable { .. }
             | E::VmmId { .. }
             | E::BootFileMissing { .. }
+            | E::Unreachable { .. }
             | E::NoBootFile
             | E::NetworkNotServed { .. }
             | E::PlugPanicked { .. } => None,
@@ -220,12 +239,14 @@ impl std::error::Error for CloudHvError {
 }
 
 impl Failure for CloudHvError {
-    /// Permanent: what this host lacks, and a network it does not serve; no
-    /// retry of the same spec on the same host can succeed. Everything else
-    /// is about a moment (a busy tap, a VMM that crashed, a full disk).
+    /// Permanent: a network this host does not serve; no retry of the same
+    /// spec can succeed. What the host lacks is a host condition (below),
+    /// not permanent: it passes once the host is fixed. Everything else is
+    /// about a moment (a busy tap, a VMM that crashed, a full disk).
     fn is_permanent(&self) -> bool {
         use CloudHvError as E;
         match self {
+            E::NetworkNotServed { .. } => true,
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Kvm { .. }
@@ -234,8 +255,8 @@ impl Failure for CloudHvError {
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile
-            | E::NetworkNotServed { .. } => true,
-            E::Version { .. }
+            | E::Unreachable { .. }
+            | E::Version { .. }
             | E::VmmId { .. }
             | E::GiveFiles { .. }
             | E::ApiSocket { .. }
@@ -247,6 +268,36 @@ impl Failure for CloudHvError {
             | E::PlugPanicked { .. }
             | E::RemoveTap { .. } => false,
             E::Supervise(e) => e.is_permanent(),
+        }
+    }
+
+    /// What this host lacks: a hypervisor, its version, a device, a boot
+    /// file, a piece of confinement, a path its jailed user can reach.
+    fn is_host_condition(&self) -> bool {
+        use CloudHvError as E;
+        match self {
+            E::NotExecutable { .. }
+            | E::TooOld { .. }
+            | E::Kvm { .. }
+            | E::KvmGroup { .. }
+            | E::Unconfinable { .. }
+            | E::NoTun
+            | E::BootFileMissing { .. }
+            | E::NoBootFile
+            | E::Unreachable { .. } => true,
+            E::NetworkNotServed { .. }
+            | E::Version { .. }
+            | E::VmmId { .. }
+            | E::GiveFiles { .. }
+            | E::ApiSocket { .. }
+            | E::Cgroup { .. }
+            | E::OpenTap { .. }
+            | E::OpenLog { .. }
+            | E::Start { .. }
+            | E::Pidfile { .. }
+            | E::PlugPanicked { .. }
+            | E::RemoveTap { .. } => false,
+            E::Supervise(e) => e.is_host_condition(),
         }
     }
 }
@@ -278,7 +329,7 @@ mod tests {
     }
 
     #[test]
-    fn what_the_host_lacks_is_permanent_and_a_busy_tap_is_not() {
+    fn an_unserved_network_is_permanent_and_a_busy_tap_is_not() {
         let unserved = CloudHvError::NetworkNotServed {
             vm_id: vm(),
             network: "lab".into(),
@@ -291,5 +342,15 @@ mod tests {
 
         assert!(unserved.is_permanent());
         assert!(!busy.is_permanent());
+    }
+
+    #[test]
+    fn a_missing_hypervisor_is_the_hosts_to_fix_not_the_specs() {
+        let missing = CloudHvError::NotExecutable {
+            path: "/usr/bin/cloud-hypervisor".into(),
+        };
+
+        assert!(missing.is_host_condition());
+        assert!(!missing.is_permanent());
     }
 }

@@ -35,6 +35,7 @@ pub mod jail;
 mod lack;
 mod preflight;
 mod process;
+mod reach;
 mod serial;
 mod spawn;
 mod stop;
@@ -63,6 +64,9 @@ use crate::state::Store;
 
 /// The oldest cloud-hypervisor this backend drives.
 pub const MIN_VERSION: u32 = 51;
+
+/// How long `status`'s account of what the host lacks is reused.
+const HOST_RECHECK: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct CloudHvConfig {
     pub hypervisor: PathBuf,
@@ -96,6 +100,8 @@ pub struct CloudHypervisor {
     confined: jail::Confined,
     /// The hypervisor binary whose version last passed (see `preflight`).
     version_passed: Mutex<Option<preflight::Binary>>,
+    /// The last host check for `status`, and when it ran.
+    host_checked: Mutex<Option<(std::time::Instant, Option<String>)>>,
     /// Bounds every guest's serial output (see [`serial`]); `None` if its
     /// thread could not start (said at start).
     _serial: Option<crate::threads::OwnedThread>,
@@ -140,6 +146,7 @@ impl CloudHypervisor {
             cfg,
             children,
             version_passed: Mutex::new(None),
+            host_checked: Mutex::new(None),
             watch,
             confined,
             _serial: serial,
@@ -360,6 +367,24 @@ impl CloudHypervisor {
 impl Provisioner for CloudHypervisor {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
         self.check_host()
+    }
+
+    /// The host check, again when the last is older than
+    /// [`HOST_RECHECK`]: what a fixed host no longer says goes from
+    /// `status` within that.
+    fn host_condition(&self) -> Option<String> {
+        let mut checked = self.host_checked.lock();
+        if let Some((at, said)) = checked.as_ref()
+            && at.elapsed() < HOST_RECHECK
+        {
+            return said.clone();
+        }
+        let said = match self.check_host() {
+            Err(e) if e.is_host_condition() => Some(crate::error::chain(&*e)),
+            Ok(()) | Err(_) => None,
+        };
+        *checked = Some((std::time::Instant::now(), said.clone()));
+        said
     }
 
     fn prepare_root_disk(

@@ -1,5 +1,8 @@
 //! Whether this host can run guests with cloud-hypervisor at all: each
-//! missing piece is a permanent error that names it and says how to fix it.
+//! missing piece is a host condition (see [`crate::error::Failure`]) that
+//! names it and says how to fix it: no create attempt is spent on it, and
+//! it is asked again before every create, so a fixed host is seen within a
+//! tick.
 
 use std::fs::OpenOptions;
 use std::io::Read;
@@ -7,6 +10,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::reach::{self, Need};
 use super::{CloudHvError, CloudHypervisor, MIN_VERSION, acl};
 use crate::error::BoxFailure;
 
@@ -18,8 +22,9 @@ impl CloudHypervisor {
             return Err(CloudHvError::NotExecutable { path }.into());
         }
         // Asked once per binary: `--version` is a fork and an exec (5 ms of
-        // every create: the `preflight` stage of `make bench-create`). A binary replaced in place (an upgrade,
-        // a downgrade) is another file, and is asked again.
+        // every create: the `preflight` stage of `make bench-create`). A
+        // binary replaced in place (an upgrade, a downgrade) is another
+        // file, and is asked again.
         let binary = Binary::of(&path);
         if binary.is_some() && *self.version_passed.lock() == binary {
             return self.check_devices();
@@ -52,12 +57,45 @@ impl CloudHypervisor {
             return Err(CloudHvError::NoTun.into());
         }
         match (&self.cfg.kernel, &self.cfg.firmware) {
-            (Some(p), _) | (None, Some(p)) if p.is_file() => Ok(()),
+            (Some(p), _) | (None, Some(p)) if p.is_file() => {}
             (Some(p), _) | (None, Some(p)) => {
-                Err(CloudHvError::BootFileMissing { path: p.clone() }.into())
+                return Err(CloudHvError::BootFileMissing { path: p.clone() }.into());
             }
-            (None, None) => Err(CloudHvError::NoBootFile.into()),
+            (None, None) => return Err(CloudHvError::NoBootFile.into()),
         }
+        self.check_reach()
+    }
+
+    /// Every path a jailed VMM is given by name is reachable by its user
+    /// (see [`super::reach`]): its binary, its boot file, and the
+    /// directories its VM's files and volumes are in. Any VMM's user
+    /// stands for all: none owns a directory above its own VM's.
+    fn check_reach(&self) -> Result<(), BoxFailure> {
+        let Ok(ids) = &self.confined.ids else {
+            // Unjailed (allowed): the VMM runs as root and reaches all.
+            return Ok(());
+        };
+        let uid = ids.kvm_group.saturating_add(1);
+        let groups = [uid, ids.kvm_group];
+        let layout = self.store.layout();
+        let boot_file = self.cfg.kernel.iter().chain(&self.cfg.firmware);
+        let needed = std::iter::once((self.cfg.hypervisor.clone(), Need::Exec, "--hypervisor"))
+            .chain(boot_file.map(|p| (p.clone(), Need::Read, "--kernel or --firmware")))
+            .chain([
+                (layout.vms(), Need::Search, "--state-dir"),
+                (layout.volumes(), Need::Search, "--state-dir"),
+            ]);
+        for (path, need, flag) in needed {
+            if let Some(blocked) = reach::blocked(&path, uid, &groups, need) {
+                return Err(CloudHvError::Unreachable {
+                    path,
+                    blocked,
+                    flag,
+                }
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// Makes sure the jailed VMMs' `group` may open the KVM device: it does

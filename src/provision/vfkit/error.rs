@@ -92,4 +92,16 @@ impl Failure for VfkitError {
             VfkitError::Supervise(e) => e.is_permanent(),
         }
     }
+
+    /// A vfkit that is not installed is the host's to fix.
+    fn is_host_condition(&self) -> bool {
+        match self {
+            VfkitError::NotInstalled { .. } => true,
+            VfkitError::Argv { .. }
+            | VfkitError::HostNetwork { .. }
+            | VfkitError::Files { .. }
+            | VfkitError::Start { .. } => false,
+            VfkitError::Supervise(e) => e.is_host_condition(),
+        }
+    }
 }

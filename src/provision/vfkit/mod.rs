@@ -158,6 +158,13 @@ impl Provisioner for Vfkit {
         Ok(())
     }
 
+    fn host_condition(&self) -> Option<String> {
+        let lacks = self.preflight(Deadline::NONE).err()?;
+        lacks
+            .is_host_condition()
+            .then(|| crate::error::chain(&*lacks))
+    }
+
     fn prepare_root_disk(
         &self,
         spec: &VmSpec,
