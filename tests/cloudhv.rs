@@ -671,6 +671,39 @@ fn a_long_state_dir_still_gets_a_short_socket() {
     assert!(h.backend.running(&id("vm-1")));
 }
 
+#[test]
+fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
+    // This process's own once-per-process sweep is done first, so only the
+    // call below can see the root this test leaves.
+    let scratch = tempfile::tempdir().expect("tempdir");
+    eitri_agent::testkit::confinement(scratch.path());
+    // No process has a pid past the kernel's largest pid_max (2^22).
+    let root = format!("eitri-test-{}", (1u32 << 22) + 7);
+    let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&root).expect("cgroups");
+    let dirs: Vec<PathBuf> = cgroups.roots().iter().map(|r| r.join("vm-1")).collect();
+    for dir in &dirs {
+        std::fs::create_dir_all(dir).expect("cgroup");
+    }
+    let mut left = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .expect("sleep");
+    std::fs::write(dirs[0].join("cgroup.procs"), left.id().to_string()).expect("move");
+
+    eitri_agent::testkit::sweep_stale_test_roots();
+
+    let ended = left.wait().expect("wait");
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&ended),
+        Some(9)
+    );
+    assert!(
+        cgroups.roots().iter().all(|r| !r.exists()),
+        "{:?}",
+        cgroups.roots()
+    );
+}
+
 /// The host over `h`'s state dir again, its hypervisor and kernel in
 /// `elsewhere` (searchable by anyone), so only the state dir's parent can
 /// stand in the VMM's way.

@@ -620,21 +620,93 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
         let _ = std::fs::write(&kvm, b"");
         let _ = std::fs::set_permissions(&kvm, std::fs::Permissions::from_mode(0o600));
     }
+    #[cfg(target_os = "linux")]
+    {
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(sweep_stale_test_roots);
+    }
     crate::provision::Confinement {
         kvm,
-        cgroup_root: format!("eitri-test-{}", std::process::id()),
+        cgroup_root: format!("{TEST_ROOT_PREFIX}{}", std::process::id()),
         ..crate::provision::Confinement::default()
     }
 }
 
+/// A test's cgroup root is this and its process's pid.
+const TEST_ROOT_PREFIX: &str = "eitri-test-";
+
 /// Removes a test's cgroup root (see [`confinement`]) from every
-/// hierarchy, with any empty VM cgroups left in it.
+/// hierarchy, with every process still in it (a hypervisor a failed test
+/// or benchmark left) killed first: what a test started ends with it.
 #[cfg(target_os = "linux")]
 pub fn remove_cgroup_root(root: &str) {
-    if let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) {
-        cgroups.remove_unknown(&[]);
-        for dir in cgroups.roots() {
-            let _ = std::fs::remove_dir(dir);
+    let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) else {
+        return;
+    };
+    for dir in cgroups.roots() {
+        let vms: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.is_dir())
+            .collect();
+        for vm in &vms {
+            kill_all_in(vm);
+            let _ = std::fs::remove_dir(vm);
         }
+        let _ = std::fs::remove_dir(&dir);
+    }
+}
+
+/// Kills every process in the cgroup `dir`, and waits (2 s at most) until
+/// it holds none.
+#[cfg(target_os = "linux")]
+fn kill_all_in(dir: &Path) {
+    let procs = || -> Vec<i32> {
+        std::fs::read_to_string(dir.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    };
+    let until = Instant::now() + Duration::from_secs(2);
+    while !procs().is_empty() && Instant::now() < until {
+        for pid in procs() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Ends the cgroup roots of earlier test and benchmark processes that are
+/// gone (killed, interrupted with ^C) with their hypervisors still in
+/// them: one run must not leave the next its VMMs. Once per process.
+#[cfg(target_os = "linux")]
+pub fn sweep_stale_test_roots() {
+    let Ok(mountinfo) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut stale = std::collections::BTreeSet::new();
+    for mount in mountinfo.lines().filter(|l| l.contains(" - cgroup")) {
+        let Some(point) = mount.split(' ').nth(4) else {
+            continue;
+        };
+        for entry in std::fs::read_dir(point).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let gone = name
+                .strip_prefix(TEST_ROOT_PREFIX)
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+            if gone {
+                stale.insert(name);
+            }
+        }
+    }
+    for root in stale {
+        remove_cgroup_root(&root);
     }
 }

@@ -45,7 +45,8 @@ fn slots() -> Option<usize> {
 }
 
 struct Bench {
-    dir: tempfile::TempDir,
+    /// Held for its removal when the bench ends.
+    _dir: tempfile::TempDir,
     store: Arc<Store>,
     engine: Engine,
     base_url: String,
@@ -54,6 +55,32 @@ struct Bench {
     epoch: u64,
     /// How long each measured `Engine::step` took.
     steps: parking_lot::Mutex<Vec<Duration>>,
+    /// The cgroups every stand-in of this bench runs in: whatever way the
+    /// bench ends (an error, a panic, ^C), every process in them is killed.
+    cgroup_root: String,
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        eitri_agent::testkit::remove_cgroup_root(&self.cgroup_root);
+    }
+}
+
+/// ^C or a TERM ends the bench's stand-ins before the bench: they run in
+/// sessions of their own, so the signal that ends the bench never reaches
+/// them.
+fn end_with_the_bench(cgroup_root: String) -> Result<(), Error> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    std::thread::Builder::new()
+        .name("bench-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                eitri_agent::testkit::remove_cgroup_root(&cgroup_root);
+                std::process::exit(128 + signal);
+            }
+        })?;
+    Ok(())
 }
 
 impl Bench {
@@ -92,6 +119,8 @@ impl Bench {
             },
             confinement: eitri_agent::testkit::confinement(dir.path()),
         };
+        let cgroup_root = cfg.confinement.cgroup_root.clone();
+        end_with_the_bench(cgroup_root.clone())?;
         let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg));
         let seams = Seams {
             provisioner: backend as Arc<dyn Provisioner>,
@@ -116,13 +145,14 @@ impl Bench {
         let engine = Engine::new(Arc::clone(&store), seams, config);
         Ok(Bench {
             base_url: format!("file://{}", base.display()),
-            dir,
+            _dir: dir,
             store,
             engine,
             base_sha,
             wanted: Vec::new(),
             epoch: 0,
             steps: parking_lot::Mutex::default(),
+            cgroup_root,
         })
     }
 
@@ -318,7 +348,7 @@ fn main() -> Result<(), Error> {
         ms(burst),
         slots().map_or("default".to_owned(), |n| n.to_string())
     );
-    drop(bench.dir);
+    drop(bench);
     println!(
         "bench=create vms={VMS} agent_ms_p50={:.2} standin_boot_ms_p50={:.2} overhead_ms_p50={:.2} overhead_ms_p99={:.2} creates_per_core_s={:.2}",
         percentile(agent, 0.5),

@@ -6,7 +6,7 @@
 //! which directory, and used to read as an error that may pass.
 //!
 //! The check reads each ancestor's mode, owner and ACL (see
-//! [`acl::may`](super::acl::may)) for the VMM's user and groups; it does
+//! [`super::acl::may`]) for the VMM's user and groups; it does
 //! not switch a thread to that user to try: libc's setuid(2) changes the
 //! ids of every thread of the process at once. The first directory (or
 //! the file) that stops it is named, with the fix.
