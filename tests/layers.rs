@@ -93,26 +93,7 @@ fn violations(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
         }
     }
     // A circle: a module that reaches itself through other modules.
-    for start in edges.keys() {
-        let mut seen = BTreeSet::new();
-        let mut stack: Vec<(String, Vec<String>)> = vec![(start.clone(), vec![start.clone()])];
-        while let Some((at, path)) = stack.pop() {
-            for next in edges.get(&at).into_iter().flatten() {
-                if next == start {
-                    let mut circle = path.clone();
-                    circle.push(start.clone());
-                    // Reported once, from its smallest member.
-                    if path.iter().all(|m| m >= start) {
-                        out.push(format!("import circle: {}", circle.join(" -> ")));
-                    }
-                } else if seen.insert(next.clone()) {
-                    let mut longer = path.clone();
-                    longer.push(next.clone());
-                    stack.push((next.clone(), longer));
-                }
-            }
-        }
-    }
+    out.extend(circles(edges));
     out
 }
 
@@ -216,7 +197,8 @@ fn sibling_edges() -> BTreeMap<String, BTreeSet<String>> {
     edges
 }
 
-/// Circles among the files of one folder.
+/// Every circle in `edges`: a node that reaches itself through others,
+/// reported once, from its smallest member.
 fn circles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
     let mut out = Vec::new();
     for start in edges.keys() {

@@ -4,7 +4,7 @@
 //! resource busy" and a caller can still ask what the cause was.
 //! Permanence (no retry can succeed) is asked through [`Failure`].
 
-use crate::error::Failure;
+use crate::error::{Failure, Kind};
 use crate::model::Id;
 use crate::provision::supervise::SuperviseError;
 use std::fmt;
@@ -238,15 +238,19 @@ impl std::error::Error for CloudHvError {
     }
 }
 
-impl Failure for CloudHvError {
-    /// Permanent: a network this host does not serve; no retry of the same
-    /// spec can succeed. What the host lacks is a host condition (below),
-    /// not permanent: it passes once the host is fixed. Everything else is
-    /// about a moment (a busy tap, a VMM that crashed, a full disk).
-    fn is_permanent(&self) -> bool {
+impl CloudHvError {
+    /// Which kind of failure this is, in one exhaustive match:
+    /// - permanent: a network this host does not serve; no retry of the
+    ///   same spec can succeed;
+    /// - a host condition: what this host lacks (a hypervisor, its
+    ///   version, a device, a boot file, a piece of confinement, a path its
+    ///   jailed user can reach), which passes once the host is fixed;
+    /// - transient: about a moment (a busy tap, a VMM that crashed, a full
+    ///   disk).
+    fn kind(&self) -> Kind {
         use CloudHvError as E;
         match self {
-            E::NetworkNotServed { .. } => true,
+            E::NetworkNotServed { .. } => Kind::Permanent,
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Kvm { .. }
@@ -255,8 +259,8 @@ impl Failure for CloudHvError {
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile
-            | E::Unreachable { .. }
-            | E::Version { .. }
+            | E::Unreachable { .. } => Kind::Host,
+            E::Version { .. }
             | E::VmmId { .. }
             | E::GiveFiles { .. }
             | E::ApiSocket { .. }
@@ -266,39 +270,21 @@ impl Failure for CloudHvError {
             | E::Start { .. }
             | E::Pidfile { .. }
             | E::PlugPanicked { .. }
-            | E::RemoveTap { .. } => false,
-            E::Supervise(e) => e.is_permanent(),
+            | E::RemoveTap { .. } => Kind::Transient,
+            E::Supervise(e) if e.is_permanent() => Kind::Permanent,
+            E::Supervise(e) if e.is_host_condition() => Kind::Host,
+            E::Supervise(_) => Kind::Transient,
         }
     }
+}
 
-    /// What this host lacks: a hypervisor, its version, a device, a boot
-    /// file, a piece of confinement, a path its jailed user can reach.
+impl Failure for CloudHvError {
+    fn is_permanent(&self) -> bool {
+        self.kind() == Kind::Permanent
+    }
+
     fn is_host_condition(&self) -> bool {
-        use CloudHvError as E;
-        match self {
-            E::NotExecutable { .. }
-            | E::TooOld { .. }
-            | E::Kvm { .. }
-            | E::KvmGroup { .. }
-            | E::Unconfinable { .. }
-            | E::NoTun
-            | E::BootFileMissing { .. }
-            | E::NoBootFile
-            | E::Unreachable { .. } => true,
-            E::NetworkNotServed { .. }
-            | E::Version { .. }
-            | E::VmmId { .. }
-            | E::GiveFiles { .. }
-            | E::ApiSocket { .. }
-            | E::Cgroup { .. }
-            | E::OpenTap { .. }
-            | E::OpenLog { .. }
-            | E::Start { .. }
-            | E::Pidfile { .. }
-            | E::PlugPanicked { .. }
-            | E::RemoveTap { .. } => false,
-            E::Supervise(e) => e.is_host_condition(),
-        }
+        self.kind() == Kind::Host
     }
 }
 
