@@ -281,7 +281,7 @@ impl Engine {
     }
 
     /// What the host lacks to run guests right now, if anything (see
-    /// [`Provisioner::host_condition`](crate::provision::Provisioner::host_condition)).
+    /// [`Provisioner::host_condition`]).
     pub fn host_condition(&self) -> Option<String> {
         self.core.prov.host_condition()
     }
