@@ -15,7 +15,17 @@
 //! - Burst: `VMS` more named in one step; creates_per_core_s is VMS over
 //!   the time until the last runs, per core. `EITRI_BENCH_SLOTS` sets the
 //!   create slots (default: the engine's).
+//! - Real: with `EITRI_REAL_CH` naming a cloud-hypervisor binary (and
+//!   `EITRI_REAL_GUEST` a PVH guest it boots, default the tiny guest at
+//!   /srv/eitri-guest/guest.elf, from `mkguest.py`), `REAL_VMS` creates
+//!   one at a time through the whole agent against it, and as many bare
+//!   starts of the same binary with the same confinement: its own user
+//!   and the KVM group, its own cgroups entered before exec, no_new_privs,
+//!   Landlock, the API socket and a tap passed as fds 3 and 4, the agent's
+//!   own command line. Each is timed to the VMM's API saying Running; the
+//!   difference of the medians is the agent's (`real_overhead_ms_p50`).
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,7 +43,11 @@ use eitri_agent::state::Store;
 use eitri_agent::testkit::{Fakes, desired, present, snapshot, tombstoned};
 
 const VMS: usize = 20;
+/// Creates and bare starts against a real hypervisor.
+const REAL_VMS: usize = 15;
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+/// Where `mkguest.py` writes the tiny guest by default here.
+const TINY_GUEST: &str = "/srv/eitri-guest/guest.elf";
 /// A bound to give up on, not a measurement.
 const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -71,23 +85,176 @@ impl Drop for Bench {
 /// them.
 fn end_with_the_bench(cgroup_root: String) -> Result<(), Error> {
     use signal_hook::consts::{SIGINT, SIGTERM};
+    static ROOTS: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
+    static WATCHING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    ROOTS.lock().push(cgroup_root);
+    if WATCHING.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return Ok(());
+    }
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
     std::thread::Builder::new()
         .name("bench-signals".into())
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
-                eitri_agent::testkit::remove_cgroup_root(&cgroup_root);
+                for root in ROOTS.lock().iter() {
+                    eitri_agent::testkit::remove_cgroup_root(root);
+                }
                 std::process::exit(128 + signal);
             }
         })?;
     Ok(())
 }
 
+/// One bare start of the real hypervisor `ch` booting `kernel`, confined
+/// as the agent confines a VMM (see the module header), in `dir`: the time
+/// from spawning it to its API saying Running. The VMM is killed after.
+fn bare_confined_start(
+    ch: &Path,
+    kernel: &Path,
+    dir: &Path,
+    n: usize,
+    ids: (u32, u32),
+    cgroup_root: &str,
+) -> Result<Duration, Error> {
+    use eitri_agent::provision::cloudhv::argv::{GuestImage, Nic, VmFiles, VmShape, argv};
+    use nix::libc;
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::os::unix::process::CommandExt;
+    let (uid, kvm_group) = ids;
+    let vm_id = Id::parse(&format!("bare-{n}"))?;
+    let vm = dir.join(vm_id.as_str());
+    std::fs::create_dir_all(&vm)?;
+    std::fs::set_permissions(&vm, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
+    let files = VmFiles {
+        root_disk: vm.join("disk.raw"),
+        seed: vm.join("seed.iso"),
+        volumes: Vec::new(),
+        serial_log: vm.join("serial.log"),
+        log: vm.join("hypervisor.log"),
+    };
+    for (path, len) in [
+        (&files.root_disk, 1u64 << 20),
+        (&files.seed, 1 << 16),
+        (&files.serial_log, 0),
+        (&files.log, 0),
+    ] {
+        std::fs::File::create(path)?.set_len(len)?;
+        std::os::unix::fs::chown(path, Some(uid), Some(uid))?;
+    }
+    let socket = vm.join("api.sock");
+    let api = OwnedFd::from(std::os::unix::net::UnixListener::bind(&socket)?);
+    let tap_name = format!("eb{:04x}{n:02}", std::process::id() & 0xffff);
+    let tap = eitri_agent::provision::cloudhv::tap::open(&tap_name)?;
+    let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(cgroup_root)
+        .map_err(|e| e.to_string())?;
+    let mut spec = desired(vm_id.as_str()).spec;
+    spec.mem_mb = 256;
+    cgroups.prepare(
+        &vm_id,
+        eitri_agent::provision::cloudhv::jail::cgroup_limits(&spec),
+    )?;
+    let entries = cgroups.entry_files(&vm_id)?;
+    let image = GuestImage::Kernel {
+        kernel,
+        cmdline: "console=ttyS0",
+    };
+    let nics = [Nic {
+        fd: 4,
+        mac: eitri_agent::model::Mac::underlay(&vm_id),
+    }];
+    let shape = VmShape {
+        api_fd: 3,
+        nics: &nics,
+        vcpus: spec.vcpus,
+        mem_mb: spec.mem_mb,
+        landlock: true,
+    };
+    let log = std::fs::OpenOptions::new().append(true).open(&files.log)?;
+    let (api_fd, tap_fd) = (api.as_raw_fd(), tap.as_raw_fd());
+    let entry_fds: Vec<i32> = entries.iter().map(AsRawFd::as_raw_fd).collect();
+    let mut command = std::process::Command::new(ch);
+    command
+        .args(argv(Some(image), &files, &shape))
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    // SAFETY: between fork and exec the child only makes system calls
+    // (setsid, write, dup2, setgroups, setgid, setuid, prctl) on values
+    // prepared before the fork: no allocation, no lock.
+    unsafe {
+        command.pre_exec(move || {
+            let fail = || Err(std::io::Error::last_os_error());
+            if libc::setsid() < 0 {
+                return fail();
+            }
+            for fd in &entry_fds {
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return fail();
+                }
+            }
+            if libc::dup2(api_fd, 3) < 0 || libc::dup2(tap_fd, 4) < 0 {
+                return fail();
+            }
+            let groups = [kvm_group];
+            if libc::setgroups(1, groups.as_ptr()) < 0
+                || libc::setgid(uid) < 0
+                || libc::setuid(uid) < 0
+                || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0
+            {
+                return fail();
+            }
+            Ok(())
+        })
+    };
+    let started = Instant::now();
+    let mut child = command.spawn()?;
+    drop((api, tap, entries));
+    let deadline = Deadline::after(PATIENCE);
+    let running = loop {
+        let answer = eitri_agent::provision::unix_http::request(
+            &socket,
+            "GET",
+            "/api/v1/vm.info",
+            None,
+            Duration::from_millis(500),
+        );
+        let state = answer.ok().and_then(|(status, body)| {
+            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            (status == 200).then(|| v.get("state")?.as_str().map(str::to_owned))?
+        });
+        if state.as_deref() == Some("Running") {
+            break Ok(started.elapsed());
+        }
+        if deadline.expired() || child.try_wait()?.is_some() {
+            let said = std::fs::read_to_string(&files.log).unwrap_or_default();
+            break Err(format!("the bare hypervisor did not say Running: {said}").into());
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = cgroups.remove(&vm_id);
+    running
+}
+
 impl Bench {
+    /// Against the stand-in.
     fn new() -> Result<Bench, Error> {
+        Bench::with(None)
+    }
+
+    /// Against a real hypervisor and guest kernel when given, on the real
+    /// KVM device; against the stand-in otherwise.
+    fn with(real: Option<(PathBuf, PathBuf)>) -> Result<Bench, Error> {
         let dir = tempfile::tempdir()?;
-        let kernel = dir.path().join("vmlinux");
-        std::fs::write(&kernel, b"not really a kernel")?;
+        let (hypervisor, kernel) = match real.clone() {
+            Some(pair) => pair,
+            None => {
+                let kernel = dir.path().join("vmlinux");
+                std::fs::write(&kernel, b"not really a kernel")?;
+                (PathBuf::from(STANDIN), kernel)
+            }
+        };
         let base = dir.path().join("base.raw");
         std::fs::write(&base, vec![0x5a; 1 << 20])?;
         let base_sha = sha256_file(&base)?;
@@ -102,8 +269,14 @@ impl Bench {
             std::collections::HashMap::new(),
         )
         .map_err(|e| eitri_agent::error::chain(&*e))?;
+        let mut confinement = eitri_agent::testkit::confinement(dir.path());
+        if real.is_some() {
+            // The real VMM opens the real device (its group is given
+            // access by an ACL entry, as on a host).
+            confinement.kvm = PathBuf::from("/dev/kvm");
+        }
         let cfg = CloudHvConfig {
-            hypervisor: STANDIN.into(),
+            hypervisor,
             kernel: Some(kernel),
             firmware: None,
             cmdline: "console=ttyS0".into(),
@@ -117,7 +290,7 @@ impl Bench {
                 terminate: Duration::from_millis(200),
                 ..StopTimeouts::default()
             },
-            confinement: eitri_agent::testkit::confinement(dir.path()),
+            confinement,
         };
         let cgroup_root = cfg.confinement.cgroup_root.clone();
         end_with_the_bench(cgroup_root.clone())?;
@@ -349,8 +522,20 @@ fn main() -> Result<(), Error> {
         slots().map_or("default".to_owned(), |n| n.to_string())
     );
     drop(bench);
+    let real = match std::env::var_os("EITRI_REAL_CH") {
+        Some(ch) => {
+            let guest = std::env::var_os("EITRI_REAL_GUEST").unwrap_or_else(|| TINY_GUEST.into());
+            real_figures(PathBuf::from(ch), PathBuf::from(guest))?
+        }
+        None => {
+            println!(
+                "real: skipped (set EITRI_REAL_CH to a cloud-hypervisor binary to measure it)"
+            );
+            String::new()
+        }
+    };
     println!(
-        "bench=create vms={VMS} agent_ms_p50={:.2} standin_boot_ms_p50={:.2} overhead_ms_p50={:.2} overhead_ms_p99={:.2} creates_per_core_s={:.2}",
+        "bench=create vms={VMS} agent_ms_p50={:.2} standin_boot_ms_p50={:.2} overhead_ms_p50={:.2} overhead_ms_p99={:.2} creates_per_core_s={:.2}{real}",
         percentile(agent, 0.5),
         percentile(standin, 0.5),
         percentile(overhead.clone(), 0.5),
@@ -358,4 +543,68 @@ fn main() -> Result<(), Error> {
         VMS as f64 / burst.as_secs_f64() / cores as f64
     );
     Ok(())
+}
+
+/// The real hypervisor's figures (see the module header), as the tail of
+/// the `bench=create` line.
+fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
+    let mut bench = Bench::with(Some((ch.clone(), guest.clone())))?;
+    let traces: Arc<parking_lot::Mutex<Vec<Stages>>> = Arc::default();
+    {
+        let traces = Arc::clone(&traces);
+        bench
+            .engine
+            .watch_creates(move |_, stages| traces.lock().push(stages.clone()));
+    }
+    let warm = vec!["real-warm".to_owned()];
+    bench.keyed(&warm);
+    let snap = bench.want(&warm, true);
+    bench.create(&snap, &warm)?;
+    bench.engine.wait_idle(Deadline::after(PATIENCE));
+    traces.lock().clear();
+    let mut agent = Vec::new();
+    for n in 0..REAL_VMS {
+        let names = vec![format!("real-{n:02}")];
+        bench.keyed(&names);
+        let snap = bench.want(&names, true);
+        agent.push(ms(bench.create(&snap, &names)?));
+        bench.engine.wait_idle(Deadline::after(PATIENCE));
+    }
+    let waits: Vec<f64> = traces
+        .lock()
+        .iter()
+        .filter_map(|t| t.marks.iter().find(|m| m.stage == "wait running"))
+        .map(|m| ms(m.took))
+        .collect();
+    bench.destroy_all();
+    let confinement = eitri_agent::provision::Confinement::default();
+    let ids = (
+        confinement.first_id + confinement.id_count - 1,
+        confinement.first_id,
+    );
+    let bare_dir = tempfile::tempdir()?;
+    std::fs::set_permissions(
+        bare_dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )?;
+    let mut bare = Vec::new();
+    for n in 0..REAL_VMS {
+        bare.push(ms(bare_confined_start(
+            &ch,
+            &guest,
+            bare_dir.path(),
+            n,
+            ids,
+            &bench.cgroup_root,
+        )?));
+    }
+    let (agent_p50, bare_p50) = (percentile(agent, 0.5), percentile(bare, 0.5));
+    println!(
+        "real: {REAL_VMS} creates through the agent, p50 {agent_p50:.2} ms (its `wait running` p50 {:.2}); {REAL_VMS} bare confined starts, p50 {bare_p50:.2} ms",
+        percentile(waits, 0.5)
+    );
+    Ok(format!(
+        " real_agent_ms_p50={agent_p50:.2} real_bare_confined_ms_p50={bare_p50:.2} real_overhead_ms_p50={:.2}",
+        agent_p50 - bare_p50
+    ))
 }
