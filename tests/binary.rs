@@ -267,6 +267,23 @@ fn a_second_agent_on_the_same_state_dir_fails_naming_it() {
 }
 
 #[test]
+fn each_signal_is_logged_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let mut agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("first report", |_| true);
+    nix::sys::signal::kill(agent.pid(), Signal::SIGHUP).expect("hup");
+    wait_for("the reload", || agent.log_text().contains("reloading"));
+
+    agent.stop(Signal::SIGTERM);
+
+    let log = agent.log_text();
+    let lines = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(lines("signal 1: Reload"), 1, "{log}");
+    assert_eq!(lines("signal 15: Shutdown"), 1, "{log}");
+}
+
+#[test]
 fn sigterm_exits_0() {
     let dir = tempfile::tempdir().expect("tempdir");
     desired(dir.path(), ONE_VOLUME);
