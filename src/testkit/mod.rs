@@ -636,10 +636,24 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
 const TEST_ROOT_PREFIX: &str = "eitri-test-";
 
 /// Removes a test's cgroup root (see [`confinement`]) from every
-/// hierarchy, with every process still in it (a hypervisor a failed test
-/// or benchmark left) killed first: what a test started ends with it.
+/// hierarchy, with the empty VM cgroups left in it. What a VM still runs
+/// in stays: tests of one process share the root (`cargo test` runs them
+/// as threads), so one test's end must not end another's VMMs.
 #[cfg(target_os = "linux")]
 pub fn remove_cgroup_root(root: &str) {
+    clear_cgroup_root(root, false);
+}
+
+/// Ends a cgroup root whose whole process is over (a benchmark's end, its
+/// ^C, a gone run's root): every process still in it killed, then every
+/// cgroup of it removed.
+#[cfg(target_os = "linux")]
+pub fn end_cgroup_root(root: &str) {
+    clear_cgroup_root(root, true);
+}
+
+#[cfg(target_os = "linux")]
+fn clear_cgroup_root(root: &str, kill: bool) {
     let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) else {
         return;
     };
@@ -652,7 +666,9 @@ pub fn remove_cgroup_root(root: &str) {
             .filter(|p| p.is_dir())
             .collect();
         for vm in &vms {
-            kill_all_in(vm);
+            if kill {
+                kill_all_in(vm);
+            }
             let _ = std::fs::remove_dir(vm);
         }
         let _ = std::fs::remove_dir(&dir);
@@ -707,6 +723,6 @@ pub fn sweep_stale_test_roots() {
         }
     }
     for root in stale {
-        remove_cgroup_root(&root);
+        end_cgroup_root(&root);
     }
 }

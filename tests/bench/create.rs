@@ -76,7 +76,7 @@ struct Bench {
 
 impl Drop for Bench {
     fn drop(&mut self) {
-        eitri_agent::testkit::remove_cgroup_root(&self.cgroup_root);
+        eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
     }
 }
 
@@ -97,7 +97,7 @@ fn end_with_the_bench(cgroup_root: String) -> Result<(), Error> {
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
                 for root in ROOTS.lock().iter() {
-                    eitri_agent::testkit::remove_cgroup_root(root);
+                    eitri_agent::testkit::end_cgroup_root(root);
                 }
                 std::process::exit(128 + signal);
             }
