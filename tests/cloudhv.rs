@@ -441,6 +441,94 @@ fn a_crashed_hypervisors_last_words_reach_the_row() {
     );
 }
 
+/// The pid of the process the stand-in started (`STANDIN_FORK_CHILD`).
+fn vmm_child(h: &Host, vm: &str) -> i32 {
+    let log = h.store.layout().hypervisor_log(&id(vm));
+    let mut pid = None;
+    wait_until("the VMM to start its child", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        pid = text
+            .lines()
+            .find_map(|l| l.split("standin-child pid=").nth(1))
+            .and_then(|p| p.trim().parse().ok());
+        pid.is_some()
+    });
+    pid.unwrap_or_default()
+}
+
+#[test]
+fn what_a_vmm_forked_is_gone_after_its_stop() {
+    let h = Host::new(&[("STANDIN_FORK_CHILD", "1")]);
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+    let child = vmm_child(&h, "vm-1");
+    assert!(alive(child), "the VMM's child runs");
+
+    h.backend
+        .shutdown(&id("vm-1"), Deadline::NONE, &|_| {})
+        .expect("stopped");
+
+    assert!(!alive(child), "the VMM's child {child} outlived its stop");
+}
+
+#[test]
+fn what_a_vmm_forked_is_gone_after_destroy_and_its_cgroups_with_it() {
+    let h = Host::new(&[("STANDIN_FORK_CHILD", "1")]);
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+    let child = vmm_child(&h, "vm-1");
+    let cgroups = Cgroups::probe(&h.cfg.confinement.cgroup_root).expect("cgroups");
+
+    h.backend
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroyed");
+
+    assert!(
+        !alive(child),
+        "the VMM's child {child} outlived the destroy"
+    );
+    assert!(cgroups.dirs(&id("vm-1")).iter().all(|d| !d.exists()));
+}
+
+/// This process's resident memory, in bytes.
+fn rss() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kb << 10
+}
+
+#[test]
+fn a_vmm_flooding_its_answers_costs_no_memory_and_frees_the_worker_at_its_deadline() {
+    // A VMM its guest took over answers every API call with a status line
+    // that never ends. Read line by line it took the agent to 1.5 GB.
+    let h = Host::new(&[("STANDIN_FLOOD_ANSWERS", "1")]);
+    let spec = h.spec("vm-1");
+    let before = rss();
+    let started = Instant::now();
+
+    let booted = h
+        .backend
+        .boot(&spec, Deadline::after(Duration::from_secs(3)));
+
+    let (took, grew) = (started.elapsed(), rss().saturating_sub(before));
+    assert!(
+        booted.is_err(),
+        "a VMM that never says Running did not boot"
+    );
+    assert!(grew < 10 << 20, "the agent grew by {grew} bytes");
+    // Free at its deadline (3 s), not when the VMM stops sending.
+    assert!(
+        took < Duration::from_secs(8),
+        "the boot held on for {took:?}"
+    );
+}
+
 #[test]
 fn a_hypervisor_that_ignores_shutdown_is_gone_within_the_bound() {
     let h = Host::new(&[("STANDIN_IGNORE_SHUTDOWN", "1")]);

@@ -26,6 +26,11 @@
 //! - `STANDIN_SERIAL_FLOOD=n`: a guest printing n bytes a second to its
 //!   serial port forever, numbered lines, as the real VMM writes them (one
 //!   file opened once, its offset only growing).
+//! - `STANDIN_FORK_CHILD=1`: start a `sleep` in a process group of its
+//!   own and log its pid (`standin-child pid=N`): what a VMM taken over by
+//!   its guest leaves behind.
+//! - `STANDIN_FLOOD_ANSWERS=1`: answer every API request with a status
+//!   line that never ends, as a VMM taken over by its guest could.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -249,6 +254,22 @@ fn main() {
             std::process::exit(1);
         });
     }
+    if knob("STANDIN_FORK_CHILD").is_some() {
+        // In a process group of its own, as a VMM its guest took over
+        // would start it, so no signal to the VMM's group reaches it.
+        use std::os::unix::process::CommandExt;
+        match std::process::Command::new("sleep")
+            .arg("100000")
+            .process_group(0)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+        {
+            Ok(child) => log.line(&format!("standin-child pid={}", child.id())),
+            Err(e) => log.line(&format!("standin-child not started: {e}")),
+        }
+    }
     if knob("STANDIN_NO_SOCKET").is_some() {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
@@ -365,6 +386,12 @@ fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: Option<&Pat
         }
         let mut body = vec![0u8; len];
         if reader.read_exact(&mut body).is_err() {
+            return;
+        }
+        if knob("STANDIN_FLOOD_ANSWERS").is_some() {
+            // A status line that never ends, for as long as the peer reads.
+            let chunk = [b'A'; 64 << 10];
+            while out.write_all(&chunk).is_ok() {}
             return;
         }
         let ignore = knob("STANDIN_IGNORE_SHUTDOWN").is_some();
