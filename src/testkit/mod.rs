@@ -667,34 +667,12 @@ fn clear_cgroup_root(root: &str, kill: bool) {
             .collect();
         for vm in &vms {
             if kill {
-                kill_all_in(vm);
+                let deadline = crate::deadline::Deadline::after(Duration::from_secs(2));
+                let _ = crate::provision::cloudhv::cgroup::kill_until_empty(vm, deadline);
             }
             let _ = std::fs::remove_dir(vm);
         }
         let _ = std::fs::remove_dir(&dir);
-    }
-}
-
-/// Kills every process in the cgroup `dir`, and waits (2 s at most) until
-/// it holds none.
-#[cfg(target_os = "linux")]
-fn kill_all_in(dir: &Path) {
-    let procs = || -> Vec<i32> {
-        std::fs::read_to_string(dir.join("cgroup.procs"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect()
-    };
-    let until = Instant::now() + Duration::from_secs(2);
-    while !procs().is_empty() && Instant::now() < until {
-        for pid in procs() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -76,6 +76,12 @@ pub enum CloudHvError {
         vm_id: Id,
         source: io::Error,
     },
+    /// Processes its VMM left (it forked them) outlived every kill: the
+    /// cgroup, and the VM's uid, stay held until they are gone.
+    Leftovers {
+        vm_id: Id,
+        source: super::cgroup::Held,
+    },
     /// Its API socket could not be bound.
     ApiSocket {
         vm_id: Id,
@@ -162,6 +168,10 @@ impl fmt::Display for CloudHvError {
                 write!(f, "VM {vm_id}: cannot make its files its hypervisor's own")
             }
             E::Cgroup { vm_id, .. } => write!(f, "VM {vm_id}: cannot set up its cgroups"),
+            E::Leftovers { vm_id, .. } => write!(
+                f,
+                "VM {vm_id}: processes its hypervisor started outlive it; they are killed again at the next try"
+            ),
             E::ApiSocket { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot bind its API socket {}", path.display())
             }
@@ -221,6 +231,7 @@ impl std::error::Error for CloudHvError {
             | E::Start { source, .. }
             | E::Pidfile { source, .. }
             | E::RemoveTap { source, .. } => Some(source),
+            E::Leftovers { source, .. } => Some(source),
             // Transparent: the wrapped error's own message is this one's.
             E::Supervise(e) => e.source(),
             E::NotExecutable { .. }
@@ -265,6 +276,7 @@ impl CloudHvError {
             | E::GiveFiles { .. }
             | E::ApiSocket { .. }
             | E::Cgroup { .. }
+            | E::Leftovers { .. }
             | E::OpenTap { .. }
             | E::OpenLog { .. }
             | E::Start { .. }

@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use super::CloudHypervisor;
+use super::error::CloudHvError;
+use super::{CloudHypervisor, cgroup};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::Id;
@@ -22,21 +23,94 @@ impl CloudHypervisor {
         deadline: Deadline,
         say: Say<'_>,
     ) -> Result<(), BoxFailure> {
-        let Some(tracked) = self.find(vm_id) else {
+        match self.find(vm_id) {
+            Some(tracked) => supervise::stop(
+                vm_id,
+                &self.vmm(vm_id, tracked),
+                self.cfg.stop,
+                deadline,
+                say,
+            )?,
             // Already dead; if it was this agent's child, let its reaper
             // finish, so no zombie outlives the stop.
-            if let Some(dead) = self.tracked(vm_id) {
-                ladder::wait_gone(&self.vmm(vm_id, dead), Deadline::after(REAP_WAIT));
+            None => {
+                if let Some(dead) = self.tracked(vm_id) {
+                    ladder::wait_gone(&self.vmm(vm_id, dead), Deadline::after(REAP_WAIT));
+                }
             }
-            return Ok(());
+        }
+        self.end_leftovers(vm_id, say)
+    }
+
+    /// Ends whatever the VM's VMM forked (a VMM its guest took over may
+    /// fork anything its jail allows), which the VMM's own end leaves
+    /// running: every process of its cgroups, or, without cgroups, every
+    /// process of its uid. A stopped VM holds nothing; a destroyed one
+    /// releases its cgroups and uid only after this.
+    fn end_leftovers(&self, vm_id: &Id, say: Say<'_>) -> Result<(), BoxFailure> {
+        let deadline = Deadline::after(LEFTOVER_KILL);
+        let ended = match (&self.confined.cgroups, &self.confined.ids) {
+            (Ok(cgroups), _) => cgroups.kill(vm_id, LEFTOVER_KILL),
+            (Err(_), Ok(ids)) => match ids.get(vm_id) {
+                Some(uid) => cgroup::kill_all(
+                    &format!("the VMM user {uid}"),
+                    || processes_of(uid),
+                    deadline,
+                ),
+                None => Ok(()),
+            },
+            // Unjailed (allowed by the operator): its VMM ran as the
+            // agent's own user, and nothing tells its children apart.
+            (Err(_), Err(_)) => Ok(()),
         };
-        supervise::stop(
-            vm_id,
-            &self.vmm(vm_id, tracked),
-            self.cfg.stop,
-            deadline,
-            say,
-        )
-        .map_err(Into::into)
+        ended.map_err(|source| {
+            say(&format!("{source}"));
+            CloudHvError::Leftovers {
+                vm_id: vm_id.clone(),
+                source,
+            }
+            .into()
+        })
+    }
+}
+
+/// How long the processes a VMM left are given to die of SIGKILL.
+const LEFTOVER_KILL: Duration = Duration::from_secs(2);
+
+/// The pids of every process whose real, effective or saved uid is `uid`.
+fn processes_of(uid: u32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|status| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))
+                    .is_some_and(|ids| ids.split_whitespace().take(3).any(|u| u == uid.to_string()))
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_processes_of_a_uid_include_this_one() {
+        let uid = nix::unistd::getuid().as_raw();
+
+        let found = processes_of(uid);
+
+        assert!(found.contains(&(std::process::id() as i32)), "{found:?}");
+    }
+
+    #[test]
+    fn the_processes_of_an_unused_uid_are_none() {
+        assert_eq!(processes_of(1_999_999_999), Vec::<i32>::new());
     }
 }
