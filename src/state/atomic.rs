@@ -30,9 +30,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
 
 /// Replaces `path` atomically for its readers (steps 1 and 3 only), without
 /// the fsyncs that make it survive a power cut. Only for files that are not
-/// state: `report.json` is rewritten from memory at every tick, so after a
-/// power cut a stale, empty or missing one costs nothing, while two fsyncs
-/// per write would delay every report a VM's change triggers.
+/// state, or whose loss in a power cut is harmless: `report.json` is
+/// rewritten from memory at every tick, so after a power cut a stale, empty
+/// or missing one costs nothing, while two fsyncs per write would delay
+/// every report a VM's change triggers (and a VMM's pidfile names a
+/// process no power cut leaves alive).
 pub fn replace_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
     replace(path, bytes, super::perms::FILE, Durability::Unsynced)
 }

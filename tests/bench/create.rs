@@ -44,7 +44,7 @@ use eitri_agent::testkit::{Fakes, desired, present, snapshot, tombstoned};
 
 const VMS: usize = 20;
 /// Creates and bare starts against a real hypervisor.
-const REAL_VMS: usize = 15;
+const REAL_VMS: usize = 25;
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
 /// Where `mkguest.py` writes the tiny guest by default here.
 const TINY_GUEST: &str = "/srv/eitri-guest/guest.elf";
@@ -428,6 +428,35 @@ impl Bench {
     }
 }
 
+/// The median of every stage the creates of `traces` went through, in the
+/// order of the first, and of their totals.
+fn print_stages(traces: &[Stages]) {
+    let mut order: Vec<&'static str> = Vec::new();
+    for trace in traces {
+        for mark in &trace.marks {
+            if !order.contains(&mark.stage) {
+                order.push(mark.stage);
+            }
+        }
+    }
+    println!(
+        "stage medians over {} single creates (ms; nested stages are inside their parents):",
+        traces.len()
+    );
+    for stage in order {
+        let values: Vec<f64> = traces.iter().map(|t| ms(t.of(stage))).collect();
+        let count = traces
+            .first()
+            .map_or(0, |t| t.marks.iter().filter(|m| m.stage == stage).count());
+        println!("  {stage:<16} {:>8.3}  (×{count})", percentile(values, 0.5));
+    }
+    println!(
+        "  {:<16} {:>8.3}",
+        "total",
+        percentile(traces.iter().map(|t| ms(t.total)).collect(), 0.5)
+    );
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -485,35 +514,11 @@ fn main() -> Result<(), Error> {
     bench.engine.wait_idle(Deadline::after(PATIENCE));
     bench.destroy_all();
 
-    // Every stage any single create went through, in the order of the first.
-    let mut order: Vec<&'static str> = Vec::new();
-    for trace in &singles {
-        for mark in &trace.marks {
-            if !order.contains(&mark.stage) {
-                order.push(mark.stage);
-            }
-        }
-    }
-    println!(
-        "stage medians over {} single creates (ms; nested stages are inside their parents):",
-        singles.len()
-    );
-    for stage in order {
-        let values: Vec<f64> = singles.iter().map(|t| ms(t.of(stage))).collect();
-        let count = singles
-            .first()
-            .map_or(0, |t| t.marks.iter().filter(|m| m.stage == stage).count());
-        println!("  {stage:<16} {:>8.3}  (×{count})", percentile(values, 0.5));
-    }
+    print_stages(&singles);
     println!(
         "  {:<16} {:>8.3}  (the step that named them, before dispatch)",
         "step",
         percentile(steps, 0.5)
-    );
-    println!(
-        "  {:<16} {:>8.3}",
-        "total",
-        percentile(singles.iter().map(|t| ms(t.total)).collect(), 0.5)
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
@@ -562,21 +567,6 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
     bench.create(&snap, &warm)?;
     bench.engine.wait_idle(Deadline::after(PATIENCE));
     traces.lock().clear();
-    let mut agent = Vec::new();
-    for n in 0..REAL_VMS {
-        let names = vec![format!("real-{n:02}")];
-        bench.keyed(&names);
-        let snap = bench.want(&names, true);
-        agent.push(ms(bench.create(&snap, &names)?));
-        bench.engine.wait_idle(Deadline::after(PATIENCE));
-    }
-    let waits: Vec<f64> = traces
-        .lock()
-        .iter()
-        .filter_map(|t| t.marks.iter().find(|m| m.stage == "wait running"))
-        .map(|m| ms(m.took))
-        .collect();
-    bench.destroy_all();
     let confinement = eitri_agent::provision::Confinement::default();
     let ids = (
         confinement.first_id + confinement.id_count - 1,
@@ -587,8 +577,15 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
         bare_dir.path(),
         std::os::unix::fs::PermissionsExt::from_mode(0o711),
     )?;
-    let mut bare = Vec::new();
+    // One of each in turn, so whatever else this machine does meanwhile
+    // weighs on both alike.
+    let (mut agent, mut bare) = (Vec::new(), Vec::new());
     for n in 0..REAL_VMS {
+        let names = vec![format!("real-{n:02}")];
+        bench.keyed(&names);
+        let snap = bench.want(&names, true);
+        agent.push(ms(bench.create(&snap, &names)?));
+        bench.engine.wait_idle(Deadline::after(PATIENCE));
         bare.push(ms(bare_confined_start(
             &ch,
             &guest,
@@ -598,6 +595,15 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
             &bench.cgroup_root,
         )?));
     }
+    println!("real hypervisor:");
+    print_stages(&traces.lock());
+    let waits: Vec<f64> = traces
+        .lock()
+        .iter()
+        .filter_map(|t| t.marks.iter().find(|m| m.stage == "wait running"))
+        .map(|m| ms(m.took))
+        .collect();
+    bench.destroy_all();
     let (agent_p50, bare_p50) = (percentile(agent, 0.5), percentile(bare, 0.5));
     println!(
         "real: {REAL_VMS} creates through the agent, p50 {agent_p50:.2} ms (its `wait running` p50 {:.2}); {REAL_VMS} bare confined starts, p50 {bare_p50:.2} ms",
