@@ -98,7 +98,8 @@ pub struct Taps {
 }
 
 pub struct HostNetwork {
-    underlay: Underlay,
+    /// Shared with each snooper, which rebinds its site tap's address.
+    underlay: Arc<Underlay>,
     addresses: Addresses,
     dns: Vec<Ipv4Addr>,
     lease_secs: u32,
@@ -136,7 +137,7 @@ impl HostNetwork {
             .into()
         })?;
         Ok(HostNetwork {
-            underlay,
+            underlay: Arc::new(underlay),
             addresses,
             dns,
             lease_secs: 3600,
@@ -232,12 +233,24 @@ impl HostNetwork {
         };
         self.underlay.guard(&Port { tap, mac, ip: None })?;
         super::underlay::join(tap, bridge)?;
-        let snooper = Snooper::start(tap, mac, Arc::clone(&self.learned)).map_err(|source| {
-            HostNetError::Snoop {
-                tap: tap.to_owned(),
-                source,
-            }
-        })?;
+        let rebind: super::snoop::Rebind = {
+            let (underlay, tap) = (Arc::clone(&self.underlay), tap.to_owned());
+            Box::new(move |old, new| {
+                // Failing closed: without its element the tap only asks.
+                if let Err(e) = underlay.rebind(&tap, old, new) {
+                    log::warn!(
+                        "cannot let the site tap {tap} send from {new:?} (was {old:?}): {e}"
+                    );
+                }
+            })
+        };
+        let snooper =
+            Snooper::start(tap, mac, Arc::clone(&self.learned), rebind).map_err(|source| {
+                HostNetError::Snoop {
+                    tap: tap.to_owned(),
+                    source,
+                }
+            })?;
         self.snoopers.lock().insert(vm_id.clone(), snooper);
         Ok(())
     }
@@ -266,9 +279,12 @@ impl HostNetwork {
     /// what was learned of its second NIC forgotten.
     pub fn release(&self, vm_id: &Id, second_mac: Mac) -> Result<(), BoxFailure> {
         self.responders.lock().remove(vm_id);
-        self.snoopers.lock().remove(vm_id);
+        // Stopped first, so nothing binds the address again after this.
+        let snooper = self.snoopers.lock().remove(vm_id);
+        let bound = snooper.and_then(Snooper::end);
         if let Some(ip) = self.addresses.get(vm_id) {
             let taps = self.taps_of(ip);
+            self.underlay.rebind(&taps.site, bound, None)?;
             self.underlay.unguard(&Port {
                 tap: &taps.underlay,
                 mac: Mac::underlay(vm_id),

@@ -8,8 +8,8 @@
 //! runs with `nft` when this fails and names in its errors.
 //!
 //! The sets are the ones [`nft_ruleset`](super::underlay::nft_ruleset)
-//! declares: `macs` (ifname . ether_addr), `addrs` (ifname . ipv4_addr)
-//! and `underlay` (ifname). A concatenated key is each field padded to
+//! declares: `macs` (ifname . ether_addr) and `addrs` (ifname .
+//! ipv4_addr). A concatenated key is each field padded to
 //! four bytes: an interface name is 16 bytes, zero-filled; a MAC 6 bytes
 //! and 2 of padding; an IPv4 address 4 bytes in network order.
 
@@ -65,10 +65,35 @@ fn elements(port: &Port<'_>) -> io::Result<Vec<(&'static str, Vec<u8>)>> {
     mac.extend_from_slice(&[0, 0]);
     let mut out = vec![("macs", [name.as_slice(), &mac].concat())];
     if let Some(ip) = port.ip {
-        out.push(("addrs", [name.as_slice(), &ipv4(ip)].concat()));
-        out.push(("underlay", name.to_vec()));
+        out.push(address(port.tap, ip)?);
     }
     Ok(out)
+}
+
+/// The `addrs` element that lets `tap` send from `ip`.
+fn address(tap: &str, ip: Ipv4Addr) -> io::Result<(&'static str, Vec<u8>)> {
+    Ok(("addrs", [ifname(tap)?.as_slice(), &ipv4(ip)].concat()))
+}
+
+/// Lets `tap` send from `ip` (a site NIC's granted address), or no longer
+/// from `old`, in one batch.
+pub fn rebind(
+    table: &str,
+    tap: &str,
+    old: Option<Ipv4Addr>,
+    new: Option<Ipv4Addr>,
+) -> io::Result<()> {
+    let mut batch = Batch::new();
+    if let Some(old) = old {
+        let (set, key) = address(tap, old)?;
+        batch.element(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, set, &key);
+        batch.element(NFT_MSG_DELSETELEM, 0, table, set, &key);
+    }
+    if let Some(new) = new {
+        let (set, key) = address(tap, new)?;
+        batch.element(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, set, &key);
+    }
+    batch.send()
 }
 
 fn ifname(tap: &str) -> io::Result<[u8; IFNAMSIZ]> {
@@ -184,9 +209,8 @@ mod tests {
         let keys = elements(&port).expect("elements");
 
         let sets: Vec<&str> = keys.iter().map(|(s, _)| *s).collect();
-        assert_eq!(sets, ["macs", "addrs", "underlay"]);
+        assert_eq!(sets, ["macs", "addrs"]);
         assert_eq!(&keys[1].1[16..], &[100, 77, 0, 9]);
-        assert_eq!(keys[2].1.len(), 16);
     }
 
     #[test]

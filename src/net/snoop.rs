@@ -12,11 +12,18 @@
 //!   lease ends, capped at [`MAX_LEASE_SECS`]. A NAK forgets it, when it
 //!   answers the guest's REQUEST and comes from the server that granted the
 //!   lease. Nothing else from the site (ARP above all) teaches anything.
-//! - **From the guest**, with the VM's MAC as the frame's source: a RELEASE
-//!   or DECLINE of its own forgets the address; ARP whose sender MAC is the
-//!   VM's, or IPv4 traffic, teaches the address it uses (a guest with a
-//!   static address is learned this way), but never over a DHCP lease that
-//!   is still running.
+//! - **From the guest**, with the VM's MAC as the frame's source: its
+//!   REQUEST (whose xid and server the ACK must answer), and a RELEASE or
+//!   DECLINE of its own, which forgets the address. Nothing the guest
+//!   sends teaches an address: its ARP and IPv4 would let it pick one (a
+//!   RELEASE, then traffic from the site gateway's address), and what is
+//!   learned here is what the site guard lets it send from. A guest with a
+//!   static address on a site network has no IPv4 there.
+//!
+//! The snooper keeps the site guard in step with what is learned (see
+//! [`crate::net::underlay::nft_ruleset`]): the address a lease grants is
+//! the one the tap may send from, until the lease ends, a NAK or the
+//! guest's RELEASE forgets it, or the VM is destroyed.
 //!
 //! What is learned is persisted: a guest asks again only at renewal, so an
 //! agent restart must not forget an address it cannot learn again for
@@ -53,7 +60,8 @@ const WRITE_EVERY: Duration = Duration::from_secs(1);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Entry {
     ip: Ipv4Addr,
-    /// Unix seconds; `None` for an address learned from traffic.
+    /// Unix seconds. `None` only in a map an older agent wrote, for an
+    /// address it learned from the guest's own traffic: not believed.
     expires: Option<u64>,
 }
 
@@ -98,8 +106,8 @@ impl Learned {
         let map = self.map.lock();
         let entry = map.get(mac)?;
         match entry.expires {
-            Some(at) if at <= now_unix() => None,
-            _ => Some(entry.ip),
+            Some(at) if at > now_unix() => Some(entry.ip),
+            _ => None,
         }
     }
 
@@ -108,16 +116,11 @@ impl Learned {
         self.writes.load(Ordering::Relaxed)
     }
 
-    /// Learns `entry` for `mac`; one learned from traffic never replaces a
-    /// lease still running.
+    /// Learns `entry` for `mac`.
     fn set(&self, mac: &str, entry: Entry) {
         let mut map = self.map.lock();
-        match map.get(mac) {
-            Some(old) if *old == entry => return,
-            Some(Entry {
-                expires: Some(at), ..
-            }) if entry.expires.is_none() && *at > now_unix() => return,
-            _ => {}
+        if map.get(mac) == Some(&entry) {
+            return;
         }
         map.insert(mac.to_owned(), entry);
         drop(map);
@@ -206,7 +209,8 @@ fn write_changes(learned: &Learned, stop: &StopFlag) {
 /// What one frame teaches about `mac`'s address.
 #[derive(Debug, PartialEq, Eq)]
 enum Lesson {
-    Learn(Ipv4Addr, Option<u64>),
+    /// The address, until the unix second given.
+    Learn(Ipv4Addr, u64),
     Forget,
 }
 
@@ -255,12 +259,6 @@ fn lesson(
     if frame.get(6..12)? != mac {
         return None;
     }
-    if ethertype == [0x08, 0x06] {
-        // ARP: sender MAC at 8..14, sender IP at 14..18 of its body.
-        let arp = frame.get(14..42)?;
-        let sender_ip = Ipv4Addr::new(arp[14], arp[15], arp[16], arp[17]);
-        return (arp[8..14] == mac && usable(sender_ip)).then_some(Lesson::Learn(sender_ip, None));
-    }
     if ethertype != [0x08, 0x00] {
         return None;
     }
@@ -281,10 +279,7 @@ fn lesson(
             _ => None,
         };
     }
-    // Any other IPv4: the source address the guest uses.
-    let header = frame.get(14..34)?;
-    let src = Ipv4Addr::new(header[12], header[13], header[14], header[15]);
-    usable(src).then_some(Lesson::Learn(src, None))
+    None
 }
 
 /// A frame from the site side: only the server's answer to the guest's
@@ -312,7 +307,7 @@ fn from_site(frame: &[u8], mac: [u8; 6], talk: &mut Conversation, now: u64) -> O
                 })
                 .min(MAX_LEASE_SECS);
             talk.granted_by = Some(server);
-            Some(Lesson::Learn(m.yiaddr, Some(now + secs)))
+            Some(Lesson::Learn(m.yiaddr, now + secs))
         }
         Kind::Nak if talk.granted_by.is_none_or(|g| g == server) => {
             talk.granted_by = None;
@@ -322,19 +317,53 @@ fn from_site(frame: &[u8], mac: [u8; 6], talk: &mut Conversation, now: u64) -> O
     }
 }
 
+/// How the guard is told the tap's address changed: `(old, new)`.
+pub type Rebind = Box<dyn Fn(Option<Ipv4Addr>, Option<Ipv4Addr>) + Send>;
+
+/// How often a lease's end is looked for when no frame comes.
+const EXPIRY_CHECK: Duration = Duration::from_secs(1);
+
 /// The `snoop-<tap>` thread; stopped and joined on drop.
 pub struct Snooper {
+    /// The address the guard lets the tap send from now.
+    bound: Arc<Mutex<Option<Ipv4Addr>>>,
     _thread: OwnedThread,
 }
 
 impl Snooper {
-    pub fn start(iface: &str, mac: Mac, learned: Arc<Learned>) -> std::io::Result<Snooper> {
+    /// Snoops `iface`, the tap of the second NIC `mac`, and calls `rebind`
+    /// each time the address it may send from changes (at once, for a
+    /// lease learned before a restart).
+    pub fn start(
+        iface: &str,
+        mac: Mac,
+        learned: Arc<Learned>,
+        rebind: Rebind,
+    ) -> std::io::Result<Snooper> {
         let (key, mac) = (mac.to_string(), mac.octets());
         let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
+        let bound: Arc<Mutex<Option<Ipv4Addr>>> = Arc::default();
+        let follow = {
+            let (bound, learned, key) = (Arc::clone(&bound), Arc::clone(&learned), key.clone());
+            move || {
+                let now = learned.get(&key);
+                let mut bound = bound.lock();
+                if *bound != now {
+                    rebind(*bound, now);
+                    *bound = now;
+                }
+            }
+        };
+        follow();
         let thread = OwnedThread::spawn(format!("snoop-{iface}"), 128 * 1024, None, move |stop| {
             let mut buf = vec![0u8; 2048];
             let mut talk = Conversation::default();
+            let mut checked = std::time::Instant::now();
             while !stop.stopped() {
+                if checked.elapsed() >= EXPIRY_CHECK {
+                    follow();
+                    checked = std::time::Instant::now();
+                }
                 let (n, to_guest) = match socket.recv_with_direction(&mut buf) {
                     Ok(got) => got,
                     Err(e)
@@ -348,13 +377,31 @@ impl Snooper {
                     Err(_) => return, // the tap is gone
                 };
                 match lesson(&buf[..n], to_guest, mac, &mut talk, now_unix()) {
-                    Some(Lesson::Learn(ip, expires)) => learned.set(&key, Entry { ip, expires }),
+                    Some(Lesson::Learn(ip, until)) => learned.set(
+                        &key,
+                        Entry {
+                            ip,
+                            expires: Some(until),
+                        },
+                    ),
                     Some(Lesson::Forget) => learned.forget(&key),
-                    None => {}
+                    None => continue,
                 }
+                follow();
             }
         })?;
-        Ok(Snooper { _thread: thread })
+        Ok(Snooper {
+            bound,
+            _thread: thread,
+        })
+    }
+
+    /// Stops the thread; the address the guard lets the tap send from,
+    /// which nothing changes any more.
+    pub fn end(self) -> Option<Ipv4Addr> {
+        let Snooper { bound, _thread } = self;
+        drop(_thread);
+        *bound.lock()
     }
 }
 
@@ -431,7 +478,7 @@ mod tests {
 
         let got = lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
 
-        assert_eq!(got, Some(Lesson::Learn(GRANTED, Some(NOW + 600))));
+        assert_eq!(got, Some(Lesson::Learn(GRANTED, NOW + 600)));
     }
 
     #[test]
@@ -480,10 +527,7 @@ mod tests {
             NOW,
         );
 
-        assert_eq!(
-            got,
-            Some(Lesson::Learn(GRANTED, Some(NOW + MAX_LEASE_SECS)))
-        );
+        assert_eq!(got, Some(Lesson::Learn(GRANTED, NOW + MAX_LEASE_SECS)));
     }
 
     #[test]
@@ -520,12 +564,40 @@ mod tests {
     }
 
     #[test]
-    fn arp_from_the_guest_with_its_own_mac_teaches_its_address() {
+    fn arp_from_the_guest_with_its_own_mac_teaches_nothing() {
+        // Else a guest picks the address the site guard lets it send from.
         let mut talk = Conversation::default();
 
         let got = lesson(&arp(MAC, GRANTED), false, MAC, &mut talk, NOW);
 
-        assert_eq!(got, Some(Lesson::Learn(GRANTED, None)));
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn ipv4_from_the_guest_teaches_nothing() {
+        let mut talk = Conversation::default();
+        let frame = build_frame(MAC, [0xff; 6], (SERVER, 5000), (GRANTED, 5000), b"x");
+
+        let got = lesson(&frame, false, MAC, &mut talk, NOW);
+
+        assert_eq!(got, None);
+    }
+
+    #[test]
+    fn an_entry_without_a_lease_end_is_not_believed() {
+        // What an older agent learned from traffic.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let learned = Learned::open(&dir.path().join("l.json"));
+
+        learned.set(
+            "m",
+            Entry {
+                ip: GRANTED,
+                expires: None,
+            },
+        );
+
+        assert_eq!(learned.get("m"), None);
     }
 
     #[test]
@@ -541,29 +613,6 @@ mod tests {
         );
 
         assert_eq!(got, None);
-    }
-
-    #[test]
-    fn traffic_never_replaces_a_lease_still_running() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let learned = Learned::open(&dir.path().join("l.json"));
-        learned.set(
-            "m",
-            Entry {
-                ip: GRANTED,
-                expires: Some(now_unix() + 600),
-            },
-        );
-
-        learned.set(
-            "m",
-            Entry {
-                ip: Ipv4Addr::new(10, 9, 9, 9),
-                expires: None,
-            },
-        );
-
-        assert_eq!(learned.get("m"), Some(GRANTED));
     }
 
     #[test]
@@ -591,7 +640,13 @@ mod tests {
 
         for n in 0..1000u32 {
             let ip = Ipv4Addr::from(0x0a00_0000 + n);
-            learned.set("m", Entry { ip, expires: None });
+            learned.set(
+                "m",
+                Entry {
+                    ip,
+                    expires: Some(u64::MAX),
+                },
+            );
         }
         drop(writer);
 

@@ -306,6 +306,38 @@ impl Underlay {
         )
     }
 
+    /// Lets the site tap `tap` send from `new` instead of `old` (either may
+    /// be none), in one transaction: the address the site's DHCP server
+    /// granted it, while the lease lasts.
+    pub fn rebind(
+        &self,
+        tap: &str,
+        old: Option<Ipv4Addr>,
+        new: Option<Ipv4Addr>,
+    ) -> Result<(), NetError> {
+        if !self.nat.guards() || old == new {
+            return Ok(());
+        }
+        let table = &self.cfg.table;
+        self.by_netlink_or_nft(
+            || super::nftables::rebind(table, tap, old, new),
+            || {
+                let mut text = String::new();
+                if let Some(old) = old {
+                    let e = address_element(table, tap, old);
+                    text.push_str(&format!("add element {e}\ndelete element {e}\n"));
+                }
+                if let Some(new) = new {
+                    text.push_str(&format!(
+                        "add element {}\n",
+                        address_element(table, tap, new)
+                    ));
+                }
+                text
+            },
+        )
+    }
+
     /// Removes `port`'s guard, in one transaction (absent is fine).
     pub fn unguard(&self, port: &Port<'_>) -> Result<(), NetError> {
         if !self.nat.guards() {
@@ -352,6 +384,18 @@ fn enable_forwarding() -> Result<(), NetError> {
 /// The agent's nft tables, as one transaction: make sure each exists,
 /// delete it, define it afresh (so every VM's port chain is gone until its
 /// tap is guarded again, and its tap meanwhile dropped).
+///
+/// The bridge table's guard is the same for every tap, underlay or site,
+/// in the manner of DHCP snooping with dynamic ARP inspection: a frame
+/// carries the tap's own MAC, no VLAN tag of any kind (802.1Q, 802.1ad,
+/// the old QinQ 0x9100: an uplink that honours an S-tag would let a guest
+/// hop VLANs), and is IPv4 from the tap's address, DHCP from 0.0.0.0, or
+/// ARP whose sender is its MAC and its address (or 0.0.0.0, a probe).
+/// A tap's address is the one the agent leased (underlay), or the one the
+/// site's DHCP server granted in an ACK the snooper saw from the site side
+/// (see [`crate::net::snoop`]); until then it can only ask. IPv6 and every
+/// other ethertype are dropped: no site policy here serves IPv6, and an
+/// IPv6 fragment hides its header from any rule that would inspect it.
 pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
     let (t, b, s) = (&cfg.table, &cfg.bridge, cfg.subnet);
     let gateway = s.gateway();
@@ -415,20 +459,15 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \tset addrs {{\n\
          \t\ttype ifname . ipv4_addr;\n\
          \t}}\n\
-         \tset underlay {{\n\
-         \t\ttype ifname;\n\
-         \t}}\n\
          \tchain prerouting {{\n\
          \t\ttype filter hook prerouting priority filter; policy accept;\n\
          \t\tiifname != \"{prefix}*\" accept\n\
+         \t\tether type {{ 0x8100, 0x88a8, 0x9100 }} counter drop comment \"VLAN-tagged (802.1Q, 802.1ad or QinQ)\"\n\
          \t\tiifname . ether saddr != @macs counter drop comment \"not its MAC, or a tap with no guard\"\n\
          \t\tiifname . ip saddr @addrs meta l4proto != udp accept\n\
          \t\tiifname . ip saddr @addrs udp sport != {{ 67, 547 }} accept\n\
-         \t\tether type vlan counter drop comment \"VLAN-tagged\"\n\
          \t\tiifname . arp saddr ether != @macs counter drop comment \"ARP for another MAC\"\n\
          \t\tmeta l4proto udp udp sport {{ 67, 547 }} counter drop comment \"a DHCP server\"\n\
-         \t\ticmpv6 type {{ nd-router-advert, nd-redirect }} counter drop comment \"a router advertisement\"\n\
-         \t\tiifname != @underlay accept\n\
          \t\tarp saddr ip != 0.0.0.0 iifname . arp saddr ip != @addrs counter drop comment \"ARP for another address\"\n\
          \t\tip saddr 0.0.0.0 udp sport 68 udp dport 67 accept comment \"DHCP before it has its address\"\n\
          \t\tether type ip counter drop comment \"not its address\"\n\
@@ -444,9 +483,9 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
 }
 
 /// What holds one port, as set elements: its tap and MAC in `macs`, and
-/// for an underlay port its tap and address in `addrs` and its tap in
-/// `underlay` (see [`nft_ruleset`] for the rules that read them). One
-/// transaction; adding an element already there is no error.
+/// for an underlay port its tap and address in `addrs` (see
+/// [`nft_ruleset`] for the rules that read them). One transaction; adding
+/// an element already there is no error.
 ///
 /// Elements, not a chain of rules per port: nft reads every rule of the
 /// ruleset into its cache before it adds one, so a guard made of rules
@@ -474,10 +513,13 @@ fn port_elements(table: &str, port: &Port<'_>) -> Vec<String> {
     let (t, tap, mac) = (table, port.tap, port.mac);
     let mut elements = vec![format!("bridge {t} macs {{ \"{tap}\" . {mac} }}")];
     if let Some(ip) = port.ip {
-        elements.push(format!("bridge {t} addrs {{ \"{tap}\" . {ip} }}"));
-        elements.push(format!("bridge {t} underlay {{ \"{tap}\" }}"));
+        elements.push(address_element(table, tap, ip));
     }
     elements
+}
+
+fn address_element(table: &str, tap: &str, ip: Ipv4Addr) -> String {
+    format!("bridge {table} addrs {{ \"{tap}\" . {ip} }}")
 }
 
 #[cfg(target_os = "linux")]
