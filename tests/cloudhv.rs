@@ -457,6 +457,30 @@ fn vmm_child(h: &Host, vm: &str) -> i32 {
 }
 
 #[test]
+fn a_vmm_cannot_reach_a_service_on_the_hosts_loopback() {
+    // The jailed uid reached a service on the host's 127.0.0.1 before.
+    let service = std::net::TcpListener::bind("127.0.0.1:0").expect("a loopback service");
+    let at = service.local_addr().expect("its address").to_string();
+    let h = Host::new(&[("STANDIN_CONNECT", at.as_str())]);
+
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+
+    let log = h.store.layout().hypervisor_log(&id("vm-1"));
+    let mut said = String::new();
+    wait_until("the VMM to try the service", || {
+        said = std::fs::read_to_string(&log).unwrap_or_default();
+        said.contains("standin-connect")
+    });
+    let line = said
+        .lines()
+        .find(|l| l.contains("standin-connect"))
+        .unwrap_or_default();
+    assert!(line.contains("refused:"), "{line}");
+}
+
+#[test]
 fn what_a_vmm_forked_is_gone_after_its_stop() {
     let h = Host::new(&[("STANDIN_FORK_CHILD", "1")]);
     h.backend
@@ -601,6 +625,30 @@ fn the_tap_dies_with_a_killed_hypervisor_on(h: Host) {
     .expect("kill -9");
 
     wait_until("the tap to go", || !link_exists(&tap));
+}
+
+/// Which namespace of `kind` (`net`, `mnt`) process `pid` is in.
+fn namespace(pid: &str, kind: &str) -> String {
+    std::fs::read_link(format!("/proc/{pid}/ns/{kind}"))
+        .map(|t| t.display().to_string())
+        .unwrap_or_else(|e| panic!("/proc/{pid}/ns/{kind}: {e}"))
+}
+
+fn the_hypervisor_runs_in_a_network_namespace_of_its_own_on(h: Host) {
+    let spec = h.spec("vm-1");
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    let pid = h.pid("vm-1").expect("pid").to_string();
+
+    let (theirs, ours) = (namespace(&pid, "net"), namespace("thread-self", "net"));
+    assert!(h.backend.running(&id("vm-1")), "it runs in it");
+    h.backend
+        .shutdown(&id("vm-1"), Deadline::NONE, &|_| {})
+        .expect("stopped in it");
+    h.backend
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroyed");
+
+    assert_ne!(theirs, ours, "the VMM's network namespace is the agent's");
 }
 
 fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
@@ -1041,6 +1089,7 @@ both!(
     destroy_leaves_no_process_socket_pidfile_tap_or_directory_on,
     the_tap_dies_with_a_killed_hypervisor_on,
     the_hypervisor_holds_only_its_own_fds_on,
+    the_hypervisor_runs_in_a_network_namespace_of_its_own_on,
     a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on,
     preflight_passes_on
 );

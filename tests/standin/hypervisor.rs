@@ -26,6 +26,8 @@
 //! - `STANDIN_SERIAL_FLOOD=n`: a guest printing n bytes a second to its
 //!   serial port forever, numbered lines, as the real VMM writes them (one
 //!   file opened once, its offset only growing).
+//! - `STANDIN_CONNECT=ip:port`: try a TCP connection there at start and
+//!   log what came of it (`standin-connect ip:port reached|refused: why`).
 //! - `STANDIN_FORK_CHILD=1`: start a `sleep` in a process group of its
 //!   own and log its pid (`standin-child pid=N`): what a VMM taken over by
 //!   its guest leaves behind.
@@ -253,6 +255,17 @@ fn main() {
             log.line("Error running VM: vCPU error: KVM internal error (emulation failure)");
             std::process::exit(1);
         });
+    }
+    if let Some(at) = knob("STANDIN_CONNECT") {
+        let said = match std::net::TcpStream::connect_timeout(
+            &at.parse()
+                .unwrap_or_else(|_| std::net::SocketAddr::from(([127, 0, 0, 1], 1))),
+            Duration::from_secs(1),
+        ) {
+            Ok(_) => "reached".to_owned(),
+            Err(e) => format!("refused: {e}"),
+        };
+        log.line(&format!("standin-connect {at} {said}"));
     }
     if knob("STANDIN_FORK_CHILD").is_some() {
         // In a process group of its own, as a VMM its guest took over

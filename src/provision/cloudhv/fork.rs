@@ -100,10 +100,11 @@ enum Stage {
     NoNewPrivs,
     Exec,
     Cgroups,
+    Namespaces,
 }
 
 impl Stage {
-    const ALL: [Stage; 8] = [
+    const ALL: [Stage; 9] = [
         Stage::Fds,
         Stage::Limits,
         Stage::Capabilities,
@@ -112,6 +113,7 @@ impl Stage {
         Stage::NoNewPrivs,
         Stage::Exec,
         Stage::Cgroups,
+        Stage::Namespaces,
     ];
 
     /// The stage a child's report names; `None` for a code no child
@@ -131,6 +133,7 @@ impl Stage {
             Stage::NoNewPrivs => "setting no_new_privs",
             Stage::Exec => "exec",
             Stage::Cgroups => "entering its cgroups",
+            Stage::Namespaces => "entering its own network namespace",
         }
     }
 }
@@ -291,7 +294,8 @@ struct Entry<'a> {
 /// # Safety
 /// Only to be called in a freshly forked child. It calls only
 /// async-signal-safe functions (setsid, read, fcntl, dup2, close, prlimit64,
-/// prctl, raw set*id/setgroups/capset syscalls, execve, write, _exit) and
+/// unshare, prctl, raw set*id/setgroups/capset syscalls, execve, write,
+/// _exit) and
 /// allocates nothing.
 unsafe fn child(
     hold: RawFd,
@@ -382,11 +386,14 @@ unsafe fn child(
     }
 }
 
-/// Enters the jail: limits first (raising none), then every capability
-/// dropped from the bounding set while the child still may, then its
-/// groups and its own user (which clears the rest of its capabilities),
-/// then no_new_privs, so no setuid file or file capability can give any
-/// back. Raw system calls: glibc's set*id wrappers signal every thread of
+/// Enters the jail: limits first (raising none), then its own network
+/// namespace (nothing in it but a loopback that is down: the taps work
+/// through their fds, and the host's loopback services, abstract unix
+/// sockets and routing tables are out of its reach), then every
+/// capability dropped from the bounding set while the child still may,
+/// then its groups and its own user (which clears the rest of its
+/// capabilities), then no_new_privs, so no setuid file or file capability
+/// can give any back. Raw system calls: glibc's set*id wrappers signal every thread of
 /// a process, and this child has only itself to change.
 ///
 /// # Safety
@@ -410,6 +417,9 @@ unsafe fn enter(entry: &Entry<'_>, report: RawFd) {
         let Some((uid, gid)) = entry.ids else {
             return;
         };
+        if libc::unshare(libc::CLONE_NEWNET) != 0 {
+            fail(report, Stage::Namespaces);
+        }
         let mut cap = 0;
         while cap < 64 {
             if libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) != 0
