@@ -132,7 +132,7 @@ impl fmt::Display for AddressError {
             AddressError::Map(LeaseError::Full) => f.write_str("no free address left"),
             AddressError::MacCollision { vm_id, other, mac } => write!(
                 f,
-                "VM {vm_id}'s underlay MAC {mac} is VM {other}'s too; two guests cannot share a MAC on one bridge: create it under another id"
+                "a MAC of VM {vm_id}, {mac}, is one of VM {other}'s too; two guests cannot share a MAC (on the underlay or a site network): create it under another id"
             ),
         }
     }
@@ -156,11 +156,19 @@ impl crate::error::Failure for AddressError {
     }
 }
 
+/// Every MAC a VM's NICs may have: derived from its id, 48 bits of a
+/// hash, so a control plane that searched ids for it could make two VMs
+/// share one (on the underlay, on a site network, or one VM's underlay MAC
+/// another's second NIC's).
+fn macs_of(vm_id: &Id) -> [Mac; 2] {
+    [Mac::underlay(vm_id), Mac::second_nic(vm_id)]
+}
+
 /// The persisted VM id → address map of one subnet.
 pub struct Addresses {
     subnet: Subnet,
     leases: Leases<Ipv4Addr>,
-    /// The underlay MAC of every VM holding an address.
+    /// Both MACs (underlay and second NIC) of every VM holding an address.
     macs: Mutex<HashMap<Mac, Id>>,
 }
 
@@ -175,7 +183,9 @@ impl Addresses {
         for key in leases.keys() {
             match Id::parse(&key) {
                 Ok(id) => {
-                    macs.insert(Mac::underlay(&id), id);
+                    for mac in macs_of(&id) {
+                        macs.insert(mac, id.clone());
+                    }
                 }
                 // A map from before addresses were keyed by VM id (its
                 // keys were MACs): the entry's VM cannot be named, and its
@@ -206,21 +216,25 @@ impl Addresses {
     /// returned.
     pub fn allocate(&self, vm_id: &Id) -> Result<Ipv4Addr, AddressError> {
         let mut macs = self.macs.lock();
-        let mac = Mac::underlay(vm_id);
-        if let Some(other) = macs.get(&mac)
-            && other != vm_id
-        {
-            return Err(AddressError::MacCollision {
-                vm_id: vm_id.clone(),
-                other: other.clone(),
-                mac,
-            });
+        let mine = macs_of(vm_id);
+        for mac in mine {
+            if let Some(other) = macs.get(&mac)
+                && other != vm_id
+            {
+                return Err(AddressError::MacCollision {
+                    vm_id: vm_id.clone(),
+                    other: other.clone(),
+                    mac,
+                });
+            }
         }
         let ip = self
             .leases
             .allocate(vm_id.as_str(), vm_id.as_str())
             .map_err(|e| from(e, self.subnet))?;
-        macs.insert(mac, vm_id.clone());
+        for mac in mine {
+            macs.insert(mac, vm_id.clone());
+        }
         Ok(ip)
     }
 
@@ -230,8 +244,10 @@ impl Addresses {
         self.leases
             .release(vm_id.as_str())
             .map_err(|e| from(e, self.subnet))?;
-        if macs.get(&Mac::underlay(vm_id)) == Some(vm_id) {
-            macs.remove(&Mac::underlay(vm_id));
+        for mac in macs_of(vm_id) {
+            if macs.get(&mac) == Some(vm_id) {
+                macs.remove(&mac);
+            }
         }
         Ok(())
     }
@@ -340,6 +356,25 @@ mod tests {
 
         assert!(matches!(err, AddressError::MacCollision { .. }), "{err}");
         assert!(err.to_string().contains("vm-1"), "{err}");
+    }
+
+    #[test]
+    fn a_vm_whose_second_nic_mac_is_anothers_underlay_mac_gets_no_address() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Addresses::open(&dir.path().join("a.json"), small()).expect("open");
+        a.allocate(&id("vm-1")).expect("ip");
+        // As a searched-for id would make it.
+        a.macs
+            .lock()
+            .insert(Mac::second_nic(&id("vm-2")), id("vm-1"));
+
+        let err = a.allocate(&id("vm-2")).expect_err("collision");
+
+        assert!(
+            err.to_string()
+                .contains(&Mac::second_nic(&id("vm-2")).to_string()),
+            "{err}"
+        );
     }
 
     #[test]
