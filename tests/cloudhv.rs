@@ -66,12 +66,10 @@ fn known(store: &Store) -> Vec<eitri_agent::model::Id> {
     store.load_all().keys().cloned().collect()
 }
 
-/// A launcher that runs the stand-in with knobs set.
+/// A copy of the stand-in in `dir`, with knobs set.
 fn launcher(dir: &Path, knobs: &[(&str, &str)]) -> PathBuf {
     let path = dir.join(format!("hv-{}", knobs.len()));
-    let env: String = knobs.iter().map(|(k, v)| format!("{k}='{v}' ")).collect();
-    std::fs::write(&path, format!("#!/bin/sh\n{env}exec {STANDIN} \"$@\"\n")).expect("launcher");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    eitri_agent::testkit::standin_hypervisor(Path::new(STANDIN), &path, knobs);
     path
 }
 
@@ -422,7 +420,11 @@ fn a_crashed_hypervisors_last_words_reach_the_row() {
     h.tick(&h.vm("vm-1"));
     // From now on it cannot even start: when it crashes, the boot that
     // repairs it at once fails, and the row says why the last one died.
-    std::fs::write(&h.cfg.hypervisor, "#!/bin/sh\nexit 1\n").expect("break the launcher");
+    // (Renamed over it: the running one holds its binary busy.)
+    let broken = h.dir.path().join("broken-hv");
+    std::fs::write(&broken, "#!/bin/sh\nexit 1\n").expect("a broken hypervisor");
+    std::fs::set_permissions(&broken, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::rename(&broken, &h.cfg.hypervisor).expect("break the hypervisor");
 
     wait_until("the repair to fail", || {
         h.engine()
@@ -454,6 +456,89 @@ fn vmm_child(h: &Host, vm: &str) -> i32 {
         pid.is_some()
     });
     pid.unwrap_or_default()
+}
+
+/// The line the stand-in logged for `tag` (`standin-look`, …), once it has.
+fn standin_said(h: &Host, vm: &str, tag: &str) -> String {
+    let log = h.store.layout().hypervisor_log(&id(vm));
+    let mut said = String::new();
+    wait_until(&format!("the VMM to log {tag}"), || {
+        said = std::fs::read_to_string(&log).unwrap_or_default();
+        said.contains(tag)
+    });
+    said.lines()
+        .filter(|l| l.contains(tag))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn a_vmm_sees_its_own_files_and_nothing_else_of_the_host() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, b"the host's").expect("secret");
+    let other_disk = dir.path().join("state/vms/vm-2/disk.raw");
+    let own_disk = dir.path().join("state/vms/vm-1/disk.raw");
+    let look = format!(
+        "{},{},{},/etc/passwd,/proc/1",
+        secret.display(),
+        other_disk.display(),
+        own_disk.display()
+    );
+    let h = Host::in_dir(dir, &[("STANDIN_LOOK", look.as_str())]);
+    h.backend
+        .boot(&h.spec("vm-2"), Deadline::NONE)
+        .expect("boot vm-2");
+
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot vm-1");
+
+    let said = standin_said(&h, "vm-1", "standin-look");
+    assert!(
+        said.contains(&format!("{} there", own_disk.display())),
+        "{said}"
+    );
+    for hidden in [
+        secret.display().to_string(),
+        other_disk.display().to_string(),
+    ] {
+        assert!(said.contains(&format!("{hidden} absent")), "{said}");
+    }
+    assert!(said.contains("/etc/passwd absent"), "{said}");
+    assert!(said.contains("/proc/1 absent"), "{said}");
+}
+
+#[test]
+fn a_vmm_cannot_grow_its_seed() {
+    // The seed is the VMM's to read, not to write: grown to 1 TiB, it
+    // would fill the state dir's filesystem for every tenant.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let seed = dir.path().join("state/vms/vm-1/seed.iso");
+    let grow = seed.display().to_string();
+    let h = Host::in_dir(dir, &[("STANDIN_GROW", grow.as_str())]);
+
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+
+    let said = standin_said(&h, "vm-1", "standin-grow");
+    assert!(said.contains("refused: Read-only file system"), "{said}");
+    assert!(std::fs::metadata(&seed).expect("seed").len() < 1 << 30);
+}
+
+#[test]
+fn a_vmm_reaches_what_it_is_given_under_the_agents_umask() {
+    // `main` sets 077; the view's directories must still be the VMM's to
+    // pass (a daemon's VMMs could not exec their binary before).
+    let h = Host::new(&[]);
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+
+    assert!(h.backend.running(&id("vm-1")));
 }
 
 #[test]
@@ -634,12 +719,16 @@ fn namespace(pid: &str, kind: &str) -> String {
         .unwrap_or_else(|e| panic!("/proc/{pid}/ns/{kind}: {e}"))
 }
 
-fn the_hypervisor_runs_in_a_network_namespace_of_its_own_on(h: Host) {
+fn the_hypervisor_runs_in_network_and_mount_namespaces_of_its_own_on(h: Host) {
     let spec = h.spec("vm-1");
     h.backend.boot(&spec, Deadline::NONE).expect("boot");
     let pid = h.pid("vm-1").expect("pid").to_string();
 
-    let (theirs, ours) = (namespace(&pid, "net"), namespace("thread-self", "net"));
+    let theirs = (namespace(&pid, "net"), namespace(&pid, "mnt"));
+    let ours = (
+        namespace("thread-self", "net"),
+        namespace("thread-self", "mnt"),
+    );
     assert!(h.backend.running(&id("vm-1")), "it runs in it");
     h.backend
         .shutdown(&id("vm-1"), Deadline::NONE, &|_| {})
@@ -648,7 +737,11 @@ fn the_hypervisor_runs_in_a_network_namespace_of_its_own_on(h: Host) {
         .destroy(&id("vm-1"), Deadline::NONE)
         .expect("destroyed");
 
-    assert_ne!(theirs, ours, "the VMM's network namespace is the agent's");
+    assert_ne!(
+        theirs.0, ours.0,
+        "the VMM's network namespace is the agent's"
+    );
+    assert_ne!(theirs.1, ours.1, "the VMM's mount namespace is the agent's");
 }
 
 fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
@@ -1015,8 +1108,7 @@ fn preflight_refuses_a_hypervisor_older_than_v51_that_would_probe_disk_formats()
 fn a_hypervisor_replaced_by_an_older_one_is_refused_at_the_next_preflight() {
     let h = Host::new(&[]);
     let hv = h.dir.path().join("hv");
-    std::fs::write(&hv, format!("#!/bin/sh\nexec {STANDIN} \"$@\"\n")).expect("hv");
-    std::fs::set_permissions(&hv, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    eitri_agent::testkit::standin_hypervisor(Path::new(STANDIN), &hv, &[]);
     let backend = CloudHypervisor::new(
         Arc::clone(&h.store),
         CloudHvConfig {
@@ -1089,7 +1181,7 @@ both!(
     destroy_leaves_no_process_socket_pidfile_tap_or_directory_on,
     the_tap_dies_with_a_killed_hypervisor_on,
     the_hypervisor_holds_only_its_own_fds_on,
-    the_hypervisor_runs_in_a_network_namespace_of_its_own_on,
+    the_hypervisor_runs_in_network_and_mount_namespaces_of_its_own_on,
     a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on,
     preflight_passes_on
 );

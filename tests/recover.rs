@@ -10,7 +10,6 @@
 #![cfg(target_os = "linux")]
 
 use std::collections::HashMap;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,8 +33,7 @@ fn tap_prefix() -> String {
 
 fn launcher(dir: &Path) -> PathBuf {
     let path = dir.join("hv");
-    std::fs::write(&path, format!("#!/bin/sh\nexec {STANDIN} \"$@\"\n")).expect("launcher");
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    eitri_agent::testkit::standin_hypervisor(Path::new(STANDIN), &path, &[]);
     path
 }
 

@@ -560,6 +560,30 @@ impl HostFacts for Fakes {
 // ── desired state builders ───────────────────────────────────────────────
 
 /// Parses a test id; panics on a bad one (a test bug).
+/// What comes, in a copy of the stand-in hypervisor (see
+/// [`standin_hypervisor`]), after its binary and before the knobs it
+/// carries, and what ends the copy after them.
+pub const STANDIN_KNOBS: (&[u8], &[u8]) = (b"\n--eitri-standin-knobs--\n", b"\n--end--\n");
+
+/// A copy of the stand-in hypervisor `standin` at `at`, carrying `knobs`
+/// (its `STANDIN_*` settings) after its last byte, where no ELF loader
+/// looks. A VMM sees only its own binary (a mount namespace of its own)
+/// and starts with an empty environment, so a wrapper script that set the
+/// knobs and exec'd the stand-in would find neither: the copy is the
+/// whole hypervisor, knobs and all.
+pub fn standin_hypervisor(standin: &std::path::Path, at: &std::path::Path, knobs: &[(&str, &str)]) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut bytes = std::fs::read(standin).unwrap_or_else(|e| panic!("{}: {e}", standin.display()));
+    bytes.extend_from_slice(STANDIN_KNOBS.0);
+    for (name, value) in knobs {
+        bytes.extend_from_slice(format!("{name}={value}\n").as_bytes());
+    }
+    bytes.extend_from_slice(STANDIN_KNOBS.1);
+    std::fs::write(at, bytes).unwrap_or_else(|e| panic!("{}: {e}", at.display()));
+    std::fs::set_permissions(at, std::fs::Permissions::from_mode(0o755))
+        .unwrap_or_else(|e| panic!("chmod {}: {e}", at.display()));
+}
+
 pub fn id(raw: &str) -> Id {
     Id::parse(raw).unwrap_or_else(|e| panic!("test id: {e}"))
 }

@@ -20,7 +20,7 @@
 #![cfg(target_os = "linux")]
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -112,8 +112,7 @@ impl Host {
         let base_sha = eitri_agent::image::sha256_file(&base).expect("hash");
         std::fs::write(dir.path().join("vmlinux"), b"k").expect("kernel");
         let hv = dir.path().join("hv");
-        std::fs::write(&hv, format!("#!/bin/sh\nexec {STANDIN} \"$@\"\n")).expect("launcher");
-        std::fs::set_permissions(&hv, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        eitri_agent::testkit::standin_hypervisor(std::path::Path::new(STANDIN), &hv, &[]);
         Host {
             base_url: format!("file://{}", base.display()),
             base_sha,

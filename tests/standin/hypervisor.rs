@@ -28,6 +28,10 @@
 //!   file opened once, its offset only growing).
 //! - `STANDIN_CONNECT=ip:port`: try a TCP connection there at start and
 //!   log what came of it (`standin-connect ip:port reached|refused: why`).
+//! - `STANDIN_LOOK=path,path`: log whether each path is there for it
+//!   (`standin-look path there|absent`).
+//! - `STANDIN_GROW=path`: try to grow that file to 1 TiB, and log what
+//!   came of it (`standin-grow path grown|refused: why`).
 //! - `STANDIN_FORK_CHILD=1`: start a `sleep` in a process group of its
 //!   own and log its pid (`standin-child pid=N`): what a VMM taken over by
 //!   its guest leaves behind.
@@ -182,8 +186,33 @@ fn flood(path: &str, rate: u64) {
     }
 }
 
+/// A knob from the environment (a stand-in run by hand), else from the
+/// knobs its own binary carries after its last byte (a copy made by
+/// `testkit::standin_hypervisor`: a VMM starts with an empty environment).
 fn knob(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
+    static CARRIED: std::sync::OnceLock<HashMap<String, String>> = std::sync::OnceLock::new();
+    if let Some(v) = std::env::var(name).ok().filter(|v| !v.is_empty()) {
+        return Some(v);
+    }
+    let carried = CARRIED.get_or_init(|| {
+        let Some(own) = std::env::args().next() else {
+            return HashMap::new();
+        };
+        let bytes = std::fs::read(own).unwrap_or_default();
+        let (start, end) = eitri_agent::testkit::STANDIN_KNOBS;
+        let Some(body) = bytes.strip_suffix(end) else {
+            return HashMap::new();
+        };
+        let Some(at) = body.windows(start.len()).rposition(|w| w == start) else {
+            return HashMap::new();
+        };
+        String::from_utf8_lossy(&body[at + start.len()..])
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    });
+    carried.get(name).cloned().filter(|v| !v.is_empty())
 }
 
 struct Log(Option<Mutex<File>>);
@@ -210,6 +239,11 @@ fn unix_ns() -> u128 {
 fn main() {
     let started_ns = unix_ns();
     let args = Args::parse();
+    if args.has("standin-sleep") {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
     if args.has("version") {
         println!("cloud-hypervisor v53.0");
         return;
@@ -267,12 +301,36 @@ fn main() {
         };
         log.line(&format!("standin-connect {at} {said}"));
     }
+    if let Some(paths) = knob("STANDIN_LOOK") {
+        // What this VMM can see of the host: each path, there or not.
+        for path in paths.split(',') {
+            let seen = if std::fs::symlink_metadata(path).is_ok() {
+                "there"
+            } else {
+                "absent"
+            };
+            log.line(&format!("standin-look {path} {seen}"));
+        }
+    }
+    if let Some(path) = knob("STANDIN_GROW") {
+        // What a VMM its guest took over tries: the file grown to 1 TiB.
+        let said = match OpenOptions::new().write(true).open(&path) {
+            Ok(f) => match f.set_len(1 << 40) {
+                Ok(()) => "grown".to_owned(),
+                Err(e) => format!("refused: {e}"),
+            },
+            Err(e) => format!("refused: {e}"),
+        };
+        log.line(&format!("standin-grow {path} {said}"));
+    }
     if knob("STANDIN_FORK_CHILD").is_some() {
         // In a process group of its own, as a VMM its guest took over
         // would start it, so no signal to the VMM's group reaches it.
         use std::os::unix::process::CommandExt;
-        match std::process::Command::new("sleep")
-            .arg("100000")
+        // Itself again (its own binary is all it sees), asleep.
+        let own = std::env::args().next().unwrap_or_default();
+        match std::process::Command::new(own)
+            .arg("--standin-sleep")
             .process_group(0)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())

@@ -82,6 +82,12 @@ pub enum CloudHvError {
         vm_id: Id,
         source: super::cgroup::Held,
     },
+    /// The files its VMM is to see could not be planned (one is missing,
+    /// or a path of them is not plain).
+    View {
+        vm_id: Id,
+        source: io::Error,
+    },
     /// Its API socket could not be bound.
     ApiSocket {
         vm_id: Id,
@@ -168,6 +174,10 @@ impl fmt::Display for CloudHvError {
                 write!(f, "VM {vm_id}: cannot make its files its hypervisor's own")
             }
             E::Cgroup { vm_id, .. } => write!(f, "VM {vm_id}: cannot set up its cgroups"),
+            E::View { vm_id, .. } => write!(
+                f,
+                "VM {vm_id}: cannot give its hypervisor its files to see"
+            ),
             E::Leftovers { vm_id, .. } => write!(
                 f,
                 "VM {vm_id}: processes its hypervisor started outlive it; they are killed again at the next try"
@@ -226,6 +236,7 @@ impl std::error::Error for CloudHvError {
             | E::GiveFiles { source, .. }
             | E::ApiSocket { source, .. }
             | E::Cgroup { source, .. }
+            | E::View { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
             | E::Start { source, .. }
@@ -276,6 +287,7 @@ impl CloudHvError {
             | E::GiveFiles { .. }
             | E::ApiSocket { .. }
             | E::Cgroup { .. }
+            | E::View { .. }
             | E::Leftovers { .. }
             | E::OpenTap { .. }
             | E::OpenLog { .. }

@@ -36,6 +36,8 @@ use std::path::Path;
 
 use nix::libc;
 
+use super::view::View;
+
 /// The hypervisor's fds after the exec: 0 /dev/null, 1 and 2 its log, and
 /// its own (API socket, taps) from 3.
 pub const FIRST_OWN_FD: RawFd = 3;
@@ -56,6 +58,8 @@ pub struct Jail {
     pub groups: Vec<u32>,
     /// Resource limits, each set as both soft and hard limit.
     pub limits: Vec<(Limit, u64)>,
+    /// The files it sees (see [`View`]); all of the host's without one.
+    pub view: Option<View>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,10 +105,11 @@ enum Stage {
     Exec,
     Cgroups,
     Namespaces,
+    Mounts,
 }
 
 impl Stage {
-    const ALL: [Stage; 9] = [
+    const ALL: [Stage; 10] = [
         Stage::Fds,
         Stage::Limits,
         Stage::Capabilities,
@@ -114,6 +119,7 @@ impl Stage {
         Stage::Exec,
         Stage::Cgroups,
         Stage::Namespaces,
+        Stage::Mounts,
     ];
 
     /// The stage a child's report names; `None` for a code no child
@@ -134,6 +140,7 @@ impl Stage {
             Stage::Exec => "exec",
             Stage::Cgroups => "entering its cgroups",
             Stage::Namespaces => "entering its own network namespace",
+            Stage::Mounts => "entering its own view of the files (a mount namespace)",
         }
     }
 }
@@ -206,6 +213,7 @@ pub fn fork_held(
         groups: &groups,
         limits: &limits,
         cgroups: &cgroup_fds[..cgroups.len()],
+        view: jail.and_then(|j| j.view.as_ref()),
     };
     let (hold_fd, report_fd) = (hold_r.as_raw_fd(), report_w.as_raw_fd());
 
@@ -287,6 +295,7 @@ struct Entry<'a> {
     limits: &'a [(libc::c_int, Rlimit64)],
     /// Written `0`: the parent's fds, copied high in the child.
     cgroups: &'a [RawFd],
+    view: Option<&'a View>,
 }
 
 /// The child, after fork: steps 2 and 4. Never returns.
@@ -419,6 +428,11 @@ unsafe fn enter(entry: &Entry<'_>, report: RawFd) {
         };
         if libc::unshare(libc::CLONE_NEWNET) != 0 {
             fail(report, Stage::Namespaces);
+        }
+        if let Some(view) = entry.view
+            && view.enter().is_err()
+        {
+            fail(report, Stage::Mounts);
         }
         let mut cap = 0;
         while cap < 64 {
@@ -689,6 +703,7 @@ mod tests {
             gid: 1_900_000_123,
             groups: vec![1_900_000_000],
             limits: vec![(Limit::Files, 256), (Limit::Core, 0)],
+            view: None,
         };
 
         let status = status_in(&jail);
@@ -719,6 +734,7 @@ mod tests {
             gid: 65534,
             groups: vec![],
             limits: vec![(Limit::Files, u64::MAX - 1)],
+            view: None,
         };
 
         let held =

@@ -80,6 +80,7 @@ pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32) -> Jail {
             (Limit::Processes, max_threads(spec.vcpus)),
             (Limit::Core, 0),
         ],
+        view: None,
     }
 }
 

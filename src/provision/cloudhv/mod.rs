@@ -40,6 +40,7 @@ mod serial;
 mod spawn;
 mod stop;
 pub mod tap;
+pub mod view;
 mod vmm;
 mod watch;
 

@@ -29,6 +29,7 @@ use super::error::CloudHvError;
 use super::fork::{FIRST_OWN_FD, Held, Jail, fork_held, wait_raw};
 use super::jail;
 use super::process::Tracked;
+use super::view::{self, Access, View, Visible};
 use super::{CloudHypervisor, lack, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
@@ -139,7 +140,38 @@ impl CloudHypervisor {
             vm_id: vm_id.clone(),
             source,
         })?;
-        Ok(Some(jail::jail_for(spec, id, ids.kvm_group)))
+        let mut jail = jail::jail_for(spec, id, ids.kvm_group);
+        jail.view = Some(self.view(files).map_err(|source| CloudHvError::View {
+            vm_id: vm_id.clone(),
+            source,
+        })?);
+        Ok(Some(jail))
+    }
+
+    /// The files the VM's VMM sees (see [`view`](super::view)): its binary
+    /// and what that needs to run, its kernel or firmware, its seed (read
+    /// only: it reads it, and must not grow it), its disks, volumes,
+    /// serial and log files, and the devices it opens.
+    fn view(&self, files: &VmFiles) -> std::io::Result<View> {
+        let hypervisor = &self.cfg.hypervisor;
+        let mut visible = view::runtime_of(hypervisor)?;
+        visible.push(Visible::new(hypervisor, Access::Execute));
+        for boot in [&self.cfg.kernel, &self.cfg.firmware].into_iter().flatten() {
+            visible.push(Visible::new(boot, Access::Read));
+        }
+        visible.push(Visible::new(&files.seed, Access::Read));
+        for rw in [&files.root_disk, &files.serial_log, &files.log]
+            .into_iter()
+            .chain(&files.volumes)
+        {
+            visible.push(Visible::new(rw, Access::Write));
+        }
+        visible.push(Visible::new(&self.cfg.confinement.kvm, Access::Write));
+        visible.push(Visible::new("/dev/null", Access::Write));
+        visible.push(Visible::new("/dev/urandom", Access::Read));
+        let mountpoint = self.cfg.run_dir.join("vmm-root");
+        crate::state::perms::make_dir(&mountpoint)?;
+        View::plan(&mountpoint, &visible)
     }
 
     /// Where the VM's files are, as its command line names them.
