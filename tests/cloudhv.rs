@@ -1435,6 +1435,23 @@ fn a_guest_printing_to_serial_forever_holds_no_more_disk_than_the_cap() {
 }
 
 #[test]
+fn a_vmm_writing_its_log_forever_holds_no_more_disk_than_the_cap() {
+    let rate: u64 = 2 << 20;
+    let mut h = Host::new(&[("STANDIN_LOG_FLOOD", &rate.to_string())]);
+    h.cfg.confinement.serial_log_bytes = 512 << 10;
+    let h = h.restart();
+    h.tick(&h.vm("vm-1"));
+    let log = h.store.layout().hypervisor_log(&id("vm-1"));
+
+    std::thread::sleep(Duration::from_secs(4));
+
+    let meta = std::fs::metadata(&log).expect("log");
+    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+    assert!(meta.len() > 4 << 20, "the VMM wrote {} bytes", meta.len());
+    assert!(held <= (512 << 10) + rate * 5 / 4, "{held} bytes held");
+}
+
+#[test]
 fn the_hypervisor_keeps_its_cgroups_across_an_agent_restart() {
     let h = Host::new(&[]);
     h.tick(&h.vm("vm-1"));

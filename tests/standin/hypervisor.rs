@@ -26,6 +26,8 @@
 //! - `STANDIN_SERIAL_FLOOD=n`: a guest printing n bytes a second to its
 //!   serial port forever, numbered lines, as the real VMM writes them (one
 //!   file opened once, its offset only growing).
+//! - `STANDIN_LOG_FLOOD=n`: n bytes a second into its own log file, for
+//!   ever, as a VMM its guest took over could write.
 //! - `STANDIN_CONNECT=ip:port`: try a TCP connection there at start and
 //!   log what came of it (`standin-connect ip:port reached|refused: why`).
 //! - `STANDIN_LOOK=path,path`: log whether each path is there for it
@@ -166,8 +168,13 @@ fn check(args: &Args, log: &Log) -> Result<(), String> {
 }
 
 /// Writes numbered lines to `path` at `rate` bytes a second, forever.
-fn flood(path: &str, rate: u64) {
-    let Ok(mut file) = OpenOptions::new().write(true).truncate(true).open(path) else {
+fn flood(path: &str, rate: u64, append: bool) {
+    let mut open = OpenOptions::new();
+    match append {
+        true => open.append(true),
+        false => open.write(true).truncate(true),
+    };
+    let Ok(mut file) = open.open(path) else {
         return;
     };
     const TICK_MS: u64 = 10;
@@ -276,8 +283,14 @@ fn main() {
     if let Some(serial) = args.option("serial", "file") {
         let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
         if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
-            std::thread::spawn(move || flood(&serial, rate));
+            std::thread::spawn(move || flood(&serial, rate, false));
         }
+    }
+    if let (Some(path), Some(rate)) = (
+        args.flags.get("log-file").and_then(|v| v.first()).cloned(),
+        knob("STANDIN_LOG_FLOOD").and_then(|v| v.parse::<u64>().ok()),
+    ) {
+        std::thread::spawn(move || flood(&path, rate, true));
     }
     // The NIC's fd is held for the process's life, like a real VMM holds its
     // tap: the tap exists exactly as long as this process does.

@@ -7,6 +7,10 @@
 //! output is at its end (`tail -c`), its older part reading as zeros and
 //! holding no disk. So a guest's serial output takes at most the cap, plus
 //! what it writes in a second, of the host's disk: a ring, in blocks.
+//!
+//! The VMM's own log (`hypervisor.log`, its stdout and stderr and
+//! `--log-file`) is held the same way and to the same cap: a VMM its guest
+//! took over could write it without end.
 
 use std::fs::OpenOptions;
 use std::io;
@@ -76,16 +80,22 @@ pub fn start(store: Arc<Store>, cap: u64) -> io::Result<OwnedThread> {
         let mut said_error = false;
         while !stop.stopped() {
             for vm_id in store.load_all().keys() {
-                match bound(&store.layout().serial_log(vm_id), cap) {
-                    Ok(0) => {}
-                    Ok(freed) => {
-                        log::debug!("VM {vm_id}: freed {freed} bytes of old serial output")
+                let layout = store.layout();
+                for (what, path) in [
+                    ("serial output", layout.serial_log(vm_id)),
+                    ("hypervisor log", layout.hypervisor_log(vm_id)),
+                ] {
+                    match bound(&path, cap) {
+                        Ok(0) => {}
+                        Ok(freed) => {
+                            log::debug!("VM {vm_id}: freed {freed} bytes of old {what}")
+                        }
+                        Err(e) if !said_error => {
+                            log::warn!("VM {vm_id}: cannot bound its {what}: {e}");
+                            said_error = true;
+                        }
+                        Err(_) => {}
                     }
-                    Err(e) if !said_error => {
-                        log::warn!("VM {vm_id}: cannot bound its serial log: {e}");
-                        said_error = true;
-                    }
-                    Err(_) => {}
                 }
             }
             // A short sleep, so a drop is not kept waiting.
