@@ -200,3 +200,39 @@ fn malformed_packets_are_counted_and_dropped() {
 
     assert_eq!(responder.stats().answered.load(Ordering::Relaxed), 0);
 }
+
+#[test]
+fn a_dhcp_socket_is_woken_by_dhcp_alone() {
+    // What a guest flooding its tap sends, then one DHCP frame.
+    let client = private_pair();
+    let dhcp_only =
+        PacketSocket::open_dhcp("etfh", Some(Duration::from_millis(100))).expect("a DHCP socket");
+    let other_udp = build_frame(
+        GUEST_MAC,
+        [0xff; 6],
+        (VM_IP, 4000),
+        (Ipv4Addr::BROADCAST, 4000),
+        b"not dhcp",
+    );
+    let arp = eitri_agent::net::packet::arp_frame(
+        1,
+        None,
+        (GUEST_MAC, VM_IP),
+        ([0; 6], Ipv4Addr::new(100, 77, 0, 1)),
+    );
+    let mut fragment = client_frame(GUEST_MAC, Kind::Discover, 9, None);
+    fragment[20] = 0x00;
+    fragment[21] = 0x10; // a later fragment, offset 128 bytes
+    let discover = client_frame(GUEST_MAC, Kind::Discover, 7, None);
+
+    for frame in [other_udp, arp, fragment, discover.clone()] {
+        client.send(&frame).expect("send");
+    }
+
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 2048];
+    while let Ok(n) = dhcp_only.recv(&mut buf) {
+        got.push(buf[..n].to_vec());
+    }
+    assert_eq!(got, vec![discover]);
+}

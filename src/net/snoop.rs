@@ -341,7 +341,7 @@ impl Snooper {
         rebind: Rebind,
     ) -> std::io::Result<Snooper> {
         let (key, mac) = (mac.to_string(), mac.octets());
-        let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
+        let socket = PacketSocket::open_dhcp(iface, Some(Duration::from_millis(200)))?;
         let bound: Arc<Mutex<Option<Ipv4Addr>>> = Arc::default();
         let follow = {
             let (bound, learned, key) = (Arc::clone(&bound), Arc::clone(&learned), key.clone());

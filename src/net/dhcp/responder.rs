@@ -41,7 +41,7 @@ pub struct Responder {
 impl Responder {
     /// Starts answering `lease.mac` on `iface`.
     pub fn start(iface: &str, lease: Lease) -> io::Result<Responder> {
-        let socket = PacketSocket::open(iface, Some(Duration::from_millis(200)))?;
+        let socket = PacketSocket::open_dhcp(iface, Some(Duration::from_millis(200)))?;
         let our_mac = socket.mac();
         let stats = Arc::new(ResponderStats::default());
         let thread = {
