@@ -91,12 +91,15 @@ pub fn request(
 /// room without end (a unix socket's connect waits for as long as its send
 /// timeout says).
 fn connect(socket: &Path, deadline: Deadline) -> io::Result<UnixStream> {
-    let fd: OwnedFd = socket::socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )?;
+    // Close-on-exec from its birth where the kernel can (Linux); macOS
+    // sets it just after, and its VMMs are spawned, not forked by hand.
+    #[cfg(target_os = "linux")]
+    let flags = SockFlag::SOCK_CLOEXEC;
+    #[cfg(not(target_os = "linux"))]
+    let flags = SockFlag::empty();
+    let fd: OwnedFd = socket::socket(AddressFamily::Unix, SockType::Stream, flags, None)?;
+    #[cfg(not(target_os = "linux"))]
+    nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))?;
     let addr = UnixAddr::new(socket)?;
     socket::setsockopt(&fd, sockopt::SendTimeout, &timeval(left(deadline)?))?;
     socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr).map_err(|e| match e {
