@@ -208,3 +208,32 @@ fn the_fence_path_reports_volumes_without_touching_them() {
         before
     );
 }
+
+#[test]
+fn a_volume_attached_to_a_running_vm_is_refused_to_a_second_one_naming_the_first() {
+    let h = Harness::new();
+    let mut first = desired("vm-1");
+    first.spec.volume_ids = vec![id("data")];
+    h.tick(&with(vec![present(first.clone())], vec![volume("data", 1)]));
+    let mut second = desired("vm-2");
+    second.spec.volume_ids = vec![id("data")];
+
+    let both = with(
+        vec![present(first), present(second)],
+        vec![volume("data", 1)],
+    );
+
+    let refused = h.tick_until(&both, "vm-2", |r| {
+        r.phase == Some(eitri_agent::model::Phase::Failed)
+    });
+
+    assert!(
+        refused.last_error.contains("attached to VM vm-1"),
+        "{}",
+        refused.last_error
+    );
+    assert_eq!(
+        h.row("vm-1").power,
+        Some(eitri_agent::model::PowerState::Running)
+    );
+}

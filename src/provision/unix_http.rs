@@ -99,7 +99,10 @@ fn connect(socket: &Path, deadline: Deadline) -> io::Result<UnixStream> {
     let flags = SockFlag::empty();
     let fd: OwnedFd = socket::socket(AddressFamily::Unix, SockType::Stream, flags, None)?;
     #[cfg(not(target_os = "linux"))]
-    nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC))?;
+    nix::fcntl::fcntl(
+        &fd,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    )?;
     let addr = UnixAddr::new(socket)?;
     socket::setsockopt(&fd, sockopt::SendTimeout, &timeval(left(deadline)?))?;
     socket::connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &addr).map_err(|e| match e {

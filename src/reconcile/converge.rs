@@ -89,8 +89,9 @@ impl Core {
     /// which re-stamps a VM lost to a reboot.
     fn boot(&self, deadline: Deadline, mut rec: Record, boot_id: String, res: &mut VmResult) {
         let booting = std::time::Instant::now();
-        let booted = volumes::materialized(&self.store, &rec.spec)
-            .and_then(|()| self.prov.boot(&rec.spec, deadline));
+        let booted =
+            volumes::materialized(&self.store, &rec.spec, &|other| self.prov.running(other))
+                .and_then(|()| self.prov.boot(&rec.spec, deadline));
         match booted {
             Ok(()) => {
                 self.counts.boots.observe(booting.elapsed());

@@ -229,7 +229,8 @@ impl Core {
         crate::crash::point("create.seed-built");
 
         if d.power == PowerState::Running {
-            if let Err(e) = volumes::materialized(&self.store, &rec.spec) {
+            let live = |other: &crate::model::Id| self.prov.running(other);
+            if let Err(e) = volumes::materialized(&self.store, &rec.spec, &live) {
                 return attempt.fail(rec, e, res);
             }
             narrator.say("booting");

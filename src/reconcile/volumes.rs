@@ -94,15 +94,46 @@ pub fn sweep(store: &Store) -> Vec<VolumeStatus> {
     rows
 }
 
-/// Checks that every volume a VM needs is a file on this host. A missing one
-/// is permanent for the VM: nothing this host can do will bring it back.
-pub fn materialized(store: &Store, spec: &VmSpec) -> Result<(), BoxFailure> {
+/// Checks that every volume a VM needs is a file on this host, and that no
+/// other VM whose VMM is `live` has it attached: a volume is one guest's
+/// disk at a time (two VMMs writing one filesystem corrupt it, and the
+/// file would become the VMM's that booted last while the first still
+/// holds it open). Either is permanent for the VM until its spec, or the
+/// other VM's, changes.
+pub fn materialized(
+    store: &Store,
+    spec: &VmSpec,
+    live: &dyn Fn(&Id) -> bool,
+) -> Result<(), BoxFailure> {
     for id in &spec.volume_ids {
         let path = store.layout().volume(id);
         if !path.is_file() {
             return Err(Simple::permanent(format!(
                 "volume {id} is not on this host ({} is missing); add it to the snapshot's volumes",
                 path.display()
+            ))
+            .into());
+        }
+    }
+    if spec.volume_ids.is_empty() {
+        return Ok(());
+    }
+    let records = store.load_all();
+    for (other, slot) in records.iter() {
+        let RecordSlot::Readable(rec) = slot else {
+            continue;
+        };
+        if *other == spec.vm_id {
+            continue;
+        }
+        if let Some(shared) = spec
+            .volume_ids
+            .iter()
+            .find(|v| rec.spec.volume_ids.contains(v))
+            && live(other)
+        {
+            return Err(Simple::permanent(format!(
+                "volume {shared} is attached to VM {other}, whose hypervisor runs; a volume is one VM's at a time: detach it from {other} (or stop {other}) before attaching it here"
             ))
             .into());
         }
