@@ -528,6 +528,23 @@ fn a_vmm_cannot_grow_its_seed() {
 }
 
 #[test]
+fn a_vmm_cannot_grow_a_disk_past_the_largest_of_its_disks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk = dir.path().join("state/vms/vm-1/disk.raw");
+    let grow = disk.display().to_string();
+    let h = Host::in_dir(dir, &[("STANDIN_GROW", grow.as_str())]);
+    let spec = h.spec("vm-1");
+    let size = spec.disk_gb << 30;
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let said = standin_said(&h, "vm-1", "standin-grow");
+    assert!(said.contains("refused: File too large"), "{said}");
+    assert!(std::fs::metadata(&disk).expect("disk").len() <= size);
+    assert!(h.backend.running(&id("vm-1")), "the VMM lives on");
+}
+
+#[test]
 fn a_vmm_reaches_what_it_is_given_under_the_agents_umask() {
     // `main` sets 077; the view's directories must still be the VMM's to
     // pass (a daemon's VMMs could not exec their binary before).

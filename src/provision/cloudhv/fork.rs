@@ -70,6 +70,9 @@ pub enum Limit {
     Processes,
     /// Core dumps (0: a crashed VMM never writes guest memory to disk).
     Core,
+    /// The largest file it may make or grow (see `jail::jail_for`); a
+    /// write past it fails with EFBIG, SIGXFSZ being ignored.
+    FileSize,
 }
 
 impl Limit {
@@ -79,6 +82,7 @@ impl Limit {
             Limit::Files => libc::RLIMIT_NOFILE,
             Limit::Processes => libc::RLIMIT_NPROC,
             Limit::Core => libc::RLIMIT_CORE,
+            Limit::FileSize => libc::RLIMIT_FSIZE,
         };
         resource as libc::c_int
     }
@@ -426,6 +430,12 @@ unsafe fn enter(entry: &Entry<'_>, report: RawFd) {
         let Some((uid, gid)) = entry.ids else {
             return;
         };
+        // A write past the file-size limit fails (EFBIG) instead of
+        // killing the VMM: it ignores what it cannot write, serial output
+        // included. An ignored disposition survives the exec.
+        if libc::signal(libc::SIGXFSZ, libc::SIG_IGN) == libc::SIG_ERR {
+            fail(report, Stage::Limits);
+        }
         if libc::unshare(libc::CLONE_NEWNET) != 0 {
             fail(report, Stage::Namespaces);
         }

@@ -66,11 +66,15 @@ impl VmmIds {
 }
 
 /// The jail the VM's VMM enters: `id` as user and group, the KVM group,
-/// and limits sized for the VM. No file-size limit: the serial file's size
-/// only grows (its disk is bounded by punching holes, see
-/// [`serial`](super::serial)), and a limit would kill a chatty guest's VMM;
-/// what a VMM may write is its own files, by ownership and Landlock.
-pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32) -> Jail {
+/// and limits sized for the VM, the largest of its disks (`largest_disk`
+/// bytes) among them: no file it writes can grow past that, so a VMM its
+/// guest took over cannot grow a disk, a volume or a log to fill the
+/// state dir's filesystem. (A limit per file is not to be had; this bounds
+/// each.) Its serial file's offset only grows (its blocks are bounded by
+/// punching holes, see [`serial`](super::serial)): a guest that prints
+/// more than that in one boot loses the rest of its output, which the
+/// VMM drops (it ignores the EFBIG), not the VMM itself.
+pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_disk: u64) -> Jail {
     Jail {
         uid: id,
         gid: id,
@@ -79,10 +83,15 @@ pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32) -> Jail {
             (Limit::Files, FILES),
             (Limit::Processes, max_threads(spec.vcpus)),
             (Limit::Core, 0),
+            (Limit::FileSize, largest_disk.max(MIN_FILE_SIZE)),
         ],
         view: None,
     }
 }
+
+/// The file-size limit's floor: room for a serial log of any sane boot
+/// however small the disks.
+const MIN_FILE_SIZE: u64 = 1 << 30;
 
 /// Memory a VMM may use beyond its guest's: its own (about 10 MB resident
 /// for a real cloud-hypervisor running the tiny test guest, read from its

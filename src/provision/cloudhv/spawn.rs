@@ -140,7 +140,15 @@ impl CloudHypervisor {
             vm_id: vm_id.clone(),
             source,
         })?;
-        let mut jail = jail::jail_for(spec, id, ids.kvm_group);
+        let largest_disk = [&files.root_disk]
+            .into_iter()
+            .chain(&files.volumes)
+            .filter_map(|disk| fs::metadata(disk).ok())
+            .map(|m| m.len())
+            .max()
+            .unwrap_or(0)
+            .max(spec.disk_gb.saturating_mul(1 << 30));
+        let mut jail = jail::jail_for(spec, id, ids.kvm_group, largest_disk);
         jail.view = Some(self.view(files).map_err(|source| CloudHvError::View {
             vm_id: vm_id.clone(),
             source,
