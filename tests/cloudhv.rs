@@ -1425,23 +1425,33 @@ fn the_hypervisor_inherits_none_of_the_agents_environment() {
     assert_eq!(cwd, Path::new("/"), "not the agent's working directory");
 }
 
+/// A VM whose VMM writes `rate` bytes a second for 4 s (by `knob`)
+/// against a 512 KiB cap; the length and the bytes held of the file `of`
+/// names.
+fn flooded(knob: &str, rate: u64, of: fn(&Host) -> PathBuf) -> (Host, PathBuf, u64, u64) {
+    let mut h = Host::new(&[(knob, &rate.to_string())]);
+    h.cfg.confinement.serial_log_bytes = 512 << 10;
+    let h = h.restart();
+    h.tick(&h.vm("vm-1"));
+    let path = of(&h);
+    std::thread::sleep(Duration::from_secs(4));
+    let meta = std::fs::metadata(&path).expect("the flooded file");
+    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+    (h, path, meta.len(), held)
+}
+
 #[test]
 fn a_guest_printing_to_serial_forever_holds_no_more_disk_than_the_cap() {
     // 2 MiB a second against a 512 KiB cap.
     let rate: u64 = 2 << 20;
-    let mut h = Host::new(&[("STANDIN_SERIAL_FLOOD", &rate.to_string())]);
-    h.cfg.confinement.serial_log_bytes = 512 << 10;
-    let h = h.restart();
-    h.tick(&h.vm("vm-1"));
-    let serial = h.store.layout().serial_log(&id("vm-1"));
 
-    std::thread::sleep(Duration::from_secs(4));
+    let (_h, serial, len, held) = flooded("STANDIN_SERIAL_FLOOD", rate, |h| {
+        h.store.layout().serial_log(&id("vm-1"))
+    });
 
-    let meta = std::fs::metadata(&serial).expect("serial");
-    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
     let text = std::fs::read(&serial).expect("read");
     let last = text.rsplit(|b| *b == b'\n').nth(1).unwrap_or_default();
-    assert!(meta.len() > 4 << 20, "the guest wrote {} bytes", meta.len());
+    assert!(len > 4 << 20, "the guest wrote {len} bytes");
     // The cap, and at most what the guest writes in a check's second.
     assert!(held <= (512 << 10) + rate * 5 / 4, "{held} bytes held");
     assert!(
@@ -1454,17 +1464,12 @@ fn a_guest_printing_to_serial_forever_holds_no_more_disk_than_the_cap() {
 #[test]
 fn a_vmm_writing_its_log_forever_holds_no_more_disk_than_the_cap() {
     let rate: u64 = 2 << 20;
-    let mut h = Host::new(&[("STANDIN_LOG_FLOOD", &rate.to_string())]);
-    h.cfg.confinement.serial_log_bytes = 512 << 10;
-    let h = h.restart();
-    h.tick(&h.vm("vm-1"));
-    let log = h.store.layout().hypervisor_log(&id("vm-1"));
 
-    std::thread::sleep(Duration::from_secs(4));
+    let (_h, _log, len, held) = flooded("STANDIN_LOG_FLOOD", rate, |h| {
+        h.store.layout().hypervisor_log(&id("vm-1"))
+    });
 
-    let meta = std::fs::metadata(&log).expect("log");
-    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
-    assert!(meta.len() > 4 << 20, "the VMM wrote {} bytes", meta.len());
+    assert!(len > 4 << 20, "the VMM wrote {len} bytes");
     assert!(held <= (512 << 10) + rate * 5 / 4, "{held} bytes held");
 }
 

@@ -101,6 +101,9 @@ pub struct CloudHypervisor {
     confined: jail::Confined,
     /// The hypervisor binary whose version last passed (see `preflight`).
     version_passed: Mutex<Option<preflight::Binary>>,
+    /// What the hypervisor binary needs to run (see `view::runtime_of`),
+    /// for the binary it was read from: read again only when it changes.
+    runtime: Mutex<Option<(preflight::Binary, Vec<view::Visible>)>>,
     /// The last host check for `status`, and when it ran.
     host_checked: Mutex<Option<(std::time::Instant, Option<String>)>>,
     /// Bounds every guest's serial output (see [`serial`]); `None` if its
@@ -147,6 +150,7 @@ impl CloudHypervisor {
             cfg,
             children,
             version_passed: Mutex::new(None),
+            runtime: Mutex::new(None),
             host_checked: Mutex::new(None),
             watch,
             confined,

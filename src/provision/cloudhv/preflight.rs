@@ -171,7 +171,7 @@ pub(super) struct Binary {
 }
 
 impl Binary {
-    fn of(path: &Path) -> Option<Binary> {
+    pub(super) fn of(path: &Path) -> Option<Binary> {
         use std::os::unix::fs::MetadataExt;
         let m = std::fs::metadata(path).ok()?;
         Some(Binary {

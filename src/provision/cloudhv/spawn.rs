@@ -162,7 +162,7 @@ impl CloudHypervisor {
     /// serial and log files, and the devices it opens.
     fn view(&self, files: &VmFiles) -> std::io::Result<View> {
         let hypervisor = &self.cfg.hypervisor;
-        let mut visible = view::runtime_of(hypervisor)?;
+        let mut visible = self.runtime()?;
         visible.push(Visible::new(hypervisor, Access::Execute));
         for boot in [&self.cfg.kernel, &self.cfg.firmware].into_iter().flatten() {
             visible.push(Visible::new(boot, Access::Read));
@@ -180,6 +180,23 @@ impl CloudHypervisor {
         let mountpoint = self.cfg.run_dir.join("vmm-root");
         crate::state::perms::make_dir(&mountpoint)?;
         View::plan(&mountpoint, &visible)
+    }
+
+    /// What the hypervisor binary needs to run, read once per binary.
+    fn runtime(&self) -> std::io::Result<Vec<Visible>> {
+        let hypervisor = &self.cfg.hypervisor;
+        let now = super::preflight::Binary::of(hypervisor);
+        let mut cached = self.runtime.lock();
+        if let (Some(now), Some((read, needs))) = (now, cached.as_ref())
+            && now == *read
+        {
+            return Ok(needs.clone());
+        }
+        let needs = view::runtime_of(hypervisor)?;
+        if let Some(now) = now {
+            *cached = Some((now, needs.clone()));
+        }
+        Ok(needs)
     }
 
     /// Where the VM's files are, as its command line names them.
