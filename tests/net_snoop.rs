@@ -220,6 +220,26 @@ fn arp_reply_claiming(sender: Ipv4Addr) -> Vec<u8> {
     )
 }
 
+/// An IPv6 frame from the guest's MAC whose payload is a later fragment
+/// (so no rule can read its UDP or ICMPv6 header), carrying `marker`.
+fn ipv6_fragment(marker: &[u8]) -> Vec<u8> {
+    let mut f = vec![0x33, 0x33, 0, 0, 0, 1];
+    f.extend_from_slice(&second_mac().octets());
+    f.extend_from_slice(&[0x86, 0xdd]);
+    let payload_len = 8 + marker.len() as u16;
+    // Version 6, no class or flow; the payload's length; next header 44
+    // (fragment); hop limit 64; from fe80::1 to ff02::1.
+    f.extend_from_slice(&[0x60, 0, 0, 0]);
+    f.extend_from_slice(&payload_len.to_be_bytes());
+    f.extend_from_slice(&[44, 64]);
+    f.extend_from_slice(&[0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    f.extend_from_slice(&[0xff, 0x02, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    // The fragment header: next header UDP, offset 8 (a later fragment).
+    f.extend_from_slice(&[17, 0, 0x00, 0x08, 0, 0, 0, 1]);
+    f.extend_from_slice(marker);
+    f
+}
+
 /// A UDP frame from the guest's MAC and `src`, to the site broadcast,
 /// carrying `marker`.
 fn ipv4_from(src: Ipv4Addr, marker: &[u8]) -> Vec<u8> {
@@ -340,6 +360,7 @@ fn a_guest_cannot_spoof_the_site_network_from_its_second_nic() {
         arp_reply_claiming(gateway),
         ipv4_from(gateway, b"from-the-gateway"),
         stagged,
+        ipv6_fragment(b"ipv6-fragment"),
     ];
     let honest = ipv4_from(granted, b"honest");
 
@@ -358,6 +379,10 @@ fn a_guest_cannot_spoof_the_site_network_from_its_second_nic() {
         "IPv4 from the gateway's address"
     );
     assert!(!carries(b"s-tagged"), "an 802.1ad-tagged frame");
+    assert!(
+        !carries(b"ipv6-fragment"),
+        "an IPv6 fragment hiding its header"
+    );
     let gateway_claim = |f: &Vec<u8>| {
         f.get(12..14) == Some(&[0x08, 0x06]) && f.get(28..32) == Some(&gateway.octets())
     };

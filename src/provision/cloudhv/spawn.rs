@@ -156,7 +156,7 @@ impl CloudHypervisor {
         Ok(Some(jail))
     }
 
-    /// The files the VM's VMM sees (see [`view`](super::view)): its binary
+    /// The files the VM's VMM sees (see [`super::view`]): its binary
     /// and what that needs to run, its kernel or firmware, its seed (read
     /// only: it reads it, and must not grow it), its disks, volumes,
     /// serial and log files, and the devices it opens.
