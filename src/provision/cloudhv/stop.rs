@@ -82,6 +82,7 @@ fn processes_of(uid: u32) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
+    let uid = uid.to_string();
     entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
@@ -90,7 +91,7 @@ fn processes_of(uid: u32) -> Vec<i32> {
                 status
                     .lines()
                     .find_map(|l| l.strip_prefix("Uid:"))
-                    .is_some_and(|ids| ids.split_whitespace().take(3).any(|u| u == uid.to_string()))
+                    .is_some_and(|ids| ids.split_whitespace().take(3).any(|u| u == uid))
             })
         })
         .collect()
