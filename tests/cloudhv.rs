@@ -445,17 +445,11 @@ fn a_crashed_hypervisors_last_words_reach_the_row() {
 
 /// The pid of the process the stand-in started (`STANDIN_FORK_CHILD`).
 fn vmm_child(h: &Host, vm: &str) -> i32 {
-    let log = h.store.layout().hypervisor_log(&id(vm));
-    let mut pid = None;
-    wait_until("the VMM to start its child", || {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        pid = text
-            .lines()
-            .find_map(|l| l.split("standin-child pid=").nth(1))
-            .and_then(|p| p.trim().parse().ok());
-        pid.is_some()
-    });
-    pid.unwrap_or_default()
+    standin_said(h, vm, "standin-child pid=")
+        .split("standin-child pid=")
+        .nth(1)
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("the stand-in named no child"))
 }
 
 /// The line the stand-in logged for `tag` (`standin-look`, …), once it has.
@@ -569,16 +563,7 @@ fn a_vmm_cannot_reach_a_service_on_the_hosts_loopback() {
         .boot(&h.spec("vm-1"), Deadline::NONE)
         .expect("boot");
 
-    let log = h.store.layout().hypervisor_log(&id("vm-1"));
-    let mut said = String::new();
-    wait_until("the VMM to try the service", || {
-        said = std::fs::read_to_string(&log).unwrap_or_default();
-        said.contains("standin-connect")
-    });
-    let line = said
-        .lines()
-        .find(|l| l.contains("standin-connect"))
-        .unwrap_or_default();
+    let line = standin_said(&h, "vm-1", "standin-connect");
     assert!(line.contains("refused:"), "{line}");
 }
 

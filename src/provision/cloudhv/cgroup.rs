@@ -289,7 +289,7 @@ impl std::fmt::Display for Held {
 impl std::error::Error for Held {}
 
 /// The pids listed in a cgroup's `cgroup.procs` (none when it is gone).
-pub fn procs_in(dir: &Path) -> Vec<i32> {
+fn procs_in(dir: &Path) -> Vec<i32> {
     fs::read_to_string(dir.join("cgroup.procs"))
         .unwrap_or_default()
         .lines()
@@ -298,7 +298,7 @@ pub fn procs_in(dir: &Path) -> Vec<i32> {
 }
 
 /// A process's command name, as `/proc` has it ("?" once it is gone).
-pub fn comm(pid: i32) -> String {
+fn comm(pid: i32) -> String {
     fs::read_to_string(format!("/proc/{pid}/comm"))
         .map_or_else(|_| "?".to_owned(), |c| c.trim().to_owned())
 }
