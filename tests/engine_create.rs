@@ -389,11 +389,11 @@ fn create_narrates_each_stage_in_order() {
         ),
         (
             h.fakes.block(Op::PrepareRootDisk, "vm-1"),
-            "preparing root disk",
+            "preparing root disk and seed",
         ),
         (
             h.fakes.block(Op::Seed, "vm-1"),
-            "building the cloud-init seed",
+            "preparing root disk and seed",
         ),
         (h.fakes.block(Op::Boot, "vm-1"), "booting"),
     ];
@@ -418,6 +418,39 @@ fn create_narrates_each_stage_in_order() {
         "",
         "a finished create narrates nothing"
     );
+}
+
+#[test]
+fn the_seed_is_built_while_the_root_disk_is_still_being_made() {
+    let h = Harness::new();
+    let disk = h.fakes.block(Op::PrepareRootDisk, "vm-1");
+    let seed = h.fakes.block(Op::Seed, "vm-1");
+
+    h.engine.step(&snapshot(1, vec![present(desired("vm-1"))]));
+    let disk_entered = disk.wait_entered(1, SETTLE);
+    let seed_entered_meanwhile = seed.wait_entered(1, SETTLE);
+    seed.release();
+    disk.release();
+    h.idle();
+
+    assert!(disk_entered && seed_entered_meanwhile);
+    assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
+}
+
+#[test]
+fn a_seed_that_fails_beside_a_good_root_disk_fails_the_attempt() {
+    let h = Harness::new();
+    h.fakes.fail(Op::Seed, "vm-1", "seed dir full");
+
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+
+    let rec = h.record("vm-1");
+    assert_eq!(rec.lifecycle.create_attempts(), 1);
+    assert!(
+        rec.lifecycle.last_error().contains("seed dir full"),
+        "{rec:?}"
+    );
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 0);
 }
 
 #[test]

@@ -55,6 +55,16 @@ pub trait Provisioner: Send + Sync {
         deadline: Deadline,
     ) -> Result<(), BoxFailure>;
 
+    /// Takes, durably, what of the host the VM's boot will hold (its
+    /// addresses, its VMM's user id), so the boot finds it taken. Asked
+    /// beside the root disk and the seed: each is a durable write, and
+    /// writes made at once share the filesystem's journal commits where one
+    /// after another would each wait for its own. Idempotent; nothing by
+    /// default.
+    fn reserve(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
+        Ok(())
+    }
+
     /// Starts the VM and attaches it to the host network. Idempotent: a VM
     /// whose hypervisor is alive is never started twice.
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
