@@ -107,7 +107,7 @@ fn end_with_the_bench(cgroup_root: String) -> Result<(), Error> {
 
 /// One bare start of the real hypervisor `ch` booting `kernel`, confined
 /// as the agent confines a VMM (see the module header), in `dir`: the time
-/// from spawning it to its API saying Running. The VMM is killed after.
+/// from starting it to its API saying Running. The VMM is killed after.
 fn bare_confined_start(
     ch: &Path,
     kernel: &Path,
@@ -117,9 +117,8 @@ fn bare_confined_start(
     cgroup_root: &str,
 ) -> Result<Duration, Error> {
     use eitri_agent::provision::cloudhv::argv::{GuestImage, Nic, VmFiles, VmShape, argv};
-    use nix::libc;
-    use std::os::fd::{AsRawFd, OwnedFd};
-    use std::os::unix::process::CommandExt;
+    use eitri_agent::provision::cloudhv::{fork, jail, view};
+    use std::os::fd::OwnedFd;
     let (uid, kvm_group) = ids;
     let vm_id = Id::parse(&format!("bare-{n}"))?;
     let vm = dir.join(vm_id.as_str());
@@ -149,10 +148,7 @@ fn bare_confined_start(
         .map_err(|e| e.to_string())?;
     let mut spec = desired(vm_id.as_str()).spec;
     spec.mem_mb = 256;
-    cgroups.prepare(
-        &vm_id,
-        eitri_agent::provision::cloudhv::jail::cgroup_limits(&spec),
-    )?;
+    cgroups.prepare(&vm_id, jail::cgroup_limits(&spec))?;
     let entries = cgroups.entry_files(&vm_id)?;
     let image = GuestImage::Kernel {
         kernel,
@@ -169,45 +165,36 @@ fn bare_confined_start(
         mem_mb: spec.mem_mb,
         landlock: true,
     };
-    let log = std::fs::OpenOptions::new().append(true).open(&files.log)?;
-    let (api_fd, tap_fd) = (api.as_raw_fd(), tap.as_raw_fd());
-    let entry_fds: Vec<i32> = entries.iter().map(AsRawFd::as_raw_fd).collect();
-    let mut command = std::process::Command::new(ch);
-    command
-        .args(argv(Some(image), &files, &shape))
-        .stdin(std::process::Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log);
-    // SAFETY: between fork and exec the child only makes system calls
-    // (setsid, write, dup2, setgroups, setgid, setuid, prctl) on values
-    // prepared before the fork: no allocation, no lock.
-    unsafe {
-        command.pre_exec(move || {
-            let fail = || Err(std::io::Error::last_os_error());
-            if libc::setsid() < 0 {
-                return fail();
-            }
-            for fd in &entry_fds {
-                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
-                    return fail();
-                }
-            }
-            if libc::dup2(api_fd, 3) < 0 || libc::dup2(tap_fd, 4) < 0 {
-                return fail();
-            }
-            let groups = [kvm_group];
-            if libc::setgroups(1, groups.as_ptr()) < 0
-                || libc::setgid(uid) < 0
-                || libc::setuid(uid) < 0
-                || libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0
-            {
-                return fail();
-            }
-            Ok(())
-        })
-    };
+    // The agent's jail for it: its user, the KVM group, the same limits,
+    // its own network namespace (made by the child: the agent's are made
+    // ahead, which is the agent's doing) and its own view of the files.
+    let mut confined = jail::jail_for(&spec, uid, kvm_group, 1 << 20);
+    let mountpoint = dir.join("vmm-root");
+    std::fs::create_dir_all(&mountpoint)?;
+    let seen = view::what_a_vmm_sees(
+        view::runtime_of(ch)?,
+        ch,
+        &[kernel],
+        &files,
+        Path::new("/dev/kvm"),
+    );
+    confined.view = Some(view::View::plan(&mountpoint, &seen)?);
+    let log = OwnedFd::from(std::fs::OpenOptions::new().append(true).open(&files.log)?);
+    let args = argv(Some(image), &files, &shape);
     let started = Instant::now();
-    let mut child = command.spawn()?;
+    let pid = fork::start(
+        &fork::Start {
+            program: ch,
+            args: &args,
+            log: &log,
+            own: &[&api, &tap],
+            cgroups: &entries,
+            netns: None,
+            jail: Some(&confined),
+        },
+        |_| Ok(()),
+    )
+    .map_err(|e| format!("the bare hypervisor did not start: {e:?}"))?;
     drop((api, tap, entries));
     let deadline = Deadline::after(PATIENCE);
     let running = loop {
@@ -225,14 +212,22 @@ fn bare_confined_start(
         if state.as_deref() == Some("Running") {
             break Ok(started.elapsed());
         }
-        if deadline.expired() || child.try_wait()?.is_some() {
+        let exited = nix::sys::wait::waitpid(
+            nix::unistd::Pid::from_raw(pid),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        )
+        .is_ok_and(|s| s != nix::sys::wait::WaitStatus::StillAlive);
+        if deadline.expired() || exited {
             let said = std::fs::read_to_string(&files.log).unwrap_or_default();
             break Err(format!("the bare hypervisor did not say Running: {said}").into());
         }
         std::thread::sleep(Duration::from_micros(100));
     };
-    let _ = child.kill();
-    let _ = child.wait();
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None);
     let _ = cgroups.remove(&vm_id);
     running
 }

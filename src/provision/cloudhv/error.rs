@@ -120,8 +120,12 @@ pub enum CloudHvError {
         source: io::Error,
     },
     /// The thread joining the VM's taps to the host's networks panicked.
-    PlugPanicked {
+    /// A helper thread of the VM's boot panicked (a bug): what it was
+    /// `doing`, and its panic's message.
+    Panicked {
         vm_id: Id,
+        doing: &'static str,
+        why: String,
     },
     RemoveTap {
         vm_id: Id,
@@ -217,9 +221,9 @@ impl fmt::Display for CloudHvError {
             E::Pidfile { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot write its pidfile {}", path.display())
             }
-            E::PlugPanicked { vm_id } => write!(
+            E::Panicked { vm_id, doing, why } => write!(
                 f,
-                "VM {vm_id}: joining its taps to the host's networks failed inside the agent (a bug: see the agent's log); the hypervisor was stopped"
+                "VM {vm_id}: {doing} failed inside the agent (a bug: {why}; see the agent's log)"
             ),
             E::RemoveTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot remove tap {tap}"),
             E::Supervise(e) => e.fmt(f),
@@ -255,7 +259,7 @@ impl std::error::Error for CloudHvError {
             | E::Unreachable { .. }
             | E::NoBootFile
             | E::NetworkNotServed { .. }
-            | E::PlugPanicked { .. } => None,
+            | E::Panicked { .. } => None,
         }
     }
 }
@@ -293,7 +297,7 @@ impl CloudHvError {
             | E::OpenLog { .. }
             | E::Start { .. }
             | E::Pidfile { .. }
-            | E::PlugPanicked { .. }
+            | E::Panicked { .. }
             | E::RemoveTap { .. } => Kind::Transient,
             E::Supervise(e) if e.is_permanent() => Kind::Permanent,
             E::Supervise(e) if e.is_host_condition() => Kind::Host,

@@ -30,9 +30,10 @@ mod api;
 pub mod argv;
 pub mod cgroup;
 mod error;
-mod fork;
+pub mod fork;
 pub mod jail;
 mod lack;
+mod netns;
 mod preflight;
 mod process;
 mod reach;
@@ -106,6 +107,9 @@ pub struct CloudHypervisor {
     runtime: Mutex<Option<(preflight::Binary, Vec<view::Visible>)>>,
     /// The last host check for `status`, and when it ran.
     host_checked: Mutex<Option<(std::time::Instant, Option<String>)>>,
+    /// Network namespaces made ahead for jailed VMMs (see [`netns`]);
+    /// `None` when VMMs are not jailed or its thread could not start.
+    netns: Option<netns::SpareNetns>,
     /// Bounds every guest's serial output (see [`serial`]); `None` if its
     /// thread could not start (said at start).
     _serial: Option<crate::threads::OwnedThread>,
@@ -145,6 +149,9 @@ impl CloudHypervisor {
         for note in confined.notes() {
             log::error!("{note}");
         }
+        let netns = matches!(confined.jail(), Ok(Some(_)))
+            .then(netns::SpareNetns::start)
+            .flatten();
         CloudHypervisor {
             store,
             cfg,
@@ -154,6 +161,7 @@ impl CloudHypervisor {
             host_checked: Mutex::new(None),
             watch,
             confined,
+            netns,
             _serial: serial,
         }
     }
@@ -402,6 +410,10 @@ impl Provisioner for CloudHypervisor {
         supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }
 
+    fn reserve(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+        self.reserve_host(spec)
+    }
+
     /// Opens the VM's taps, then joins them to the host's networks on a
     /// thread of its own while the VMM is forked, released and awaited:
     /// neither waits for the other (a create's plug is nft, `ip` and a
@@ -428,8 +440,10 @@ impl Provisioner for CloudHypervisor {
         );
         let plugged = plugged.unwrap_or_else(|why| {
             log::error!("VM {vm_id}: plugging its taps panicked: {why}");
-            Err(CloudHvError::PlugPanicked {
+            Err(CloudHvError::Panicked {
                 vm_id: vm_id.clone(),
+                doing: "joining its taps to the host's networks (the hypervisor was stopped)",
+                why,
             }
             .into())
         });

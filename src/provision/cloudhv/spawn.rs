@@ -8,10 +8,10 @@
 //! 3. Its jail (see [`super::jail`]): its own user id, its files made
 //!    its own, the KVM device open to its group, its limits.
 //! 4. Its command line, from [`argv`] (pure).
-//! 5. The fork, held before exec (see [`fork`](super::fork)): the pidfile
-//!    (pid and start time) is written and synced, and only then is the
-//!    child released to exec. A crash at any point leaves a tracked VMM or
-//!    none.
+//! 5. The start, held before exec (see [`fork`](super::fork)): the pidfile
+//!    (pid and start time) is written while the child enters its jail,
+//!    and only then is it released to exec. A crash at any point leaves a
+//!    tracked VMM or none.
 //! 6. Its reaper (see [`supervise::Children`]), which tells the engine when
 //!    it exits.
 //! 7. The wait for its API to say Running (see [`supervise::await_running`]).
@@ -22,14 +22,12 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
-use nix::sys::signal::Signal;
-
 use super::argv::{GuestImage, Nic, VmFiles, VmShape, argv};
 use super::error::CloudHvError;
-use super::fork::{FIRST_OWN_FD, Held, Jail, fork_held, wait_raw};
+use super::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
 use super::jail;
 use super::process::Tracked;
-use super::view::{self, Access, View, Visible};
+use super::view::{self, View, Visible};
 use super::{CloudHypervisor, lack, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
@@ -86,10 +84,9 @@ impl CloudHypervisor {
         };
         // It moves itself into its cgroups before it execs: it never runs
         // outside them.
-        let held = timed("fork", || {
-            self.fork(vm_id, &args, &own, &entry_files, &files.log, jail.as_ref())
+        let tracked = timed("start", || {
+            self.start(vm_id, &args, &own, &entry_files, &files.log, jail.as_ref())
         })?;
-        let tracked = timed("track", || self.track(vm_id, held))?;
         // The VMM holds its socket and taps now; the agent's copies must
         // not keep them alive after it exits.
         drop(api);
@@ -125,10 +122,7 @@ impl CloudHypervisor {
             return Ok(None);
         };
         self.open_kvm_to(ids.kvm_group)?;
-        let id = ids.of(vm_id).map_err(|e| CloudHvError::VmmId {
-            vm_id: vm_id.clone(),
-            why: lack::describe(&e),
-        })?;
+        let id = vmm_id(ids, vm_id)?;
         let mut own = vec![
             files.root_disk.clone(),
             files.seed.clone(),
@@ -156,27 +150,46 @@ impl CloudHypervisor {
         Ok(Some(jail))
     }
 
+    /// Takes the VM's address and its VMM's user id, each saved before it
+    /// is handed out (see [`Provisioner::reserve`](crate::provision::Provisioner::reserve)).
+    /// Both at once, for the reason the engine asks for them beside the
+    /// disk: two durable writes made together share a journal commit.
+    pub(super) fn reserve_host(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        let address = || match &self.cfg.network {
+            Some(network) => timed("address lease", || network.reserve(vm_id)).map(drop),
+            None => Ok(()),
+        };
+        let id = || match self.confined.jail()? {
+            Some(ids) => timed("vmm id", || vmm_id(ids, vm_id)).map(drop),
+            None => Ok(()),
+        };
+        let (address, id) = crate::threads::alongside(&format!("lease-{vm_id}"), address, id);
+        address.map_err(|why| CloudHvError::Panicked {
+            vm_id: vm_id.clone(),
+            doing: "taking its address",
+            why,
+        })??;
+        id
+    }
+
     /// The files the VM's VMM sees (see [`super::view`]): its binary
     /// and what that needs to run, its kernel or firmware, its seed (read
     /// only: it reads it, and must not grow it), its disks, volumes,
     /// serial and log files, and the devices it opens.
     fn view(&self, files: &VmFiles) -> std::io::Result<View> {
-        let hypervisor = &self.cfg.hypervisor;
-        let mut visible = self.runtime()?;
-        visible.push(Visible::new(hypervisor, Access::Execute));
-        for boot in [&self.cfg.kernel, &self.cfg.firmware].into_iter().flatten() {
-            visible.push(Visible::new(boot, Access::Read));
-        }
-        visible.push(Visible::new(&files.seed, Access::Read));
-        for rw in [&files.root_disk, &files.serial_log, &files.log]
+        let boot: Vec<&std::path::Path> = [&self.cfg.kernel, &self.cfg.firmware]
             .into_iter()
-            .chain(&files.volumes)
-        {
-            visible.push(Visible::new(rw, Access::Write));
-        }
-        visible.push(Visible::new(&self.cfg.confinement.kvm, Access::Write));
-        visible.push(Visible::new("/dev/null", Access::Write));
-        visible.push(Visible::new("/dev/urandom", Access::Read));
+            .flatten()
+            .map(|p| p.as_path())
+            .collect();
+        let visible = view::what_a_vmm_sees(
+            self.runtime()?,
+            &self.cfg.hypervisor,
+            &boot,
+            files,
+            &self.cfg.confinement.kvm,
+        );
         let mountpoint = self.cfg.run_dir.join("vmm-root");
         crate::state::perms::make_dir(&mountpoint)?;
         View::plan(&mountpoint, &visible)
@@ -277,10 +290,14 @@ impl CloudHypervisor {
         Ok(())
     }
 
-    /// Forks the VMM, held before exec (see the module steps): in its own
-    /// session, stdin from /dev/null, output appended to its log, `own`
-    /// (API socket, taps) as fds 3, 4, …, in `jail` when given.
-    fn fork(
+    /// Starts the VMM, held before exec until it is recorded (see
+    /// [`fork`](super::fork)): in its own session, stdin from /dev/null,
+    /// output appended to its log, `own` (API socket, taps) as fds 3, 4,
+    /// …, moved into `cgroups`, in `jail` when given (in a network
+    /// namespace made ahead when one is ready). Recorded means its pidfile
+    /// (pid and start time) names it; then the thread that reaps it, and
+    /// tells the engine when it exits, is started.
+    fn start(
         &self,
         vm_id: &Id,
         args: &[std::ffi::OsString],
@@ -288,7 +305,7 @@ impl CloudHypervisor {
         cgroups: &[OwnedFd],
         log_path: &std::path::Path,
         jail: Option<&Jail>,
-    ) -> Result<Held, BoxFailure> {
+    ) -> Result<Tracked, BoxFailure> {
         let log = OpenOptions::new()
             .create(true)
             .append(true)
@@ -299,56 +316,46 @@ impl CloudHypervisor {
                 path: log_path.to_path_buf(),
                 source,
             })?;
-        fork_held(
-            &self.cfg.hypervisor,
-            args,
-            &OwnedFd::from(log),
-            own,
-            cgroups,
-            jail,
-        )
-        .map_err(|source| {
-            CloudHvError::Start {
-                vm_id: vm_id.clone(),
-                program: self.cfg.hypervisor.clone(),
-                source,
-            }
-            .into()
-        })
-    }
-
-    /// Records the held VMM (pidfile with its start time, synced), releases
-    /// it to exec, and starts the thread that reaps it and tells the engine
-    /// when it exits.
-    fn track(&self, vm_id: &Id, held: Held) -> Result<Tracked, BoxFailure> {
-        let pid = held.pid;
-        let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
+        let log = OwnedFd::from(log);
+        let netns = jail.and(self.netns.as_ref()).and_then(|n| n.take());
         let pidfile = self.store.layout().pidfile(vm_id);
-        // A child never released, or whose exec failed: reaped here.
-        let end = |held: Option<Held>| {
-            drop(held);
-            let _ = tracked.signal(Signal::SIGKILL);
-            wait_raw(pid);
+        let started = fork::start(
+            &fork::Start {
+                program: &self.cfg.hypervisor,
+                args,
+                log: &log,
+                own,
+                cgroups,
+                netns: netns.as_ref(),
+                jail,
+            },
+            |pid| {
+                let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
+                timed("pidfile", || tracked.write(&pidfile))?;
+                crate::crash::point("boot.pidfile-written");
+                Ok(())
+            },
+        );
+        let failed = |source| CloudHvError::Start {
+            vm_id: vm_id.clone(),
+            program: self.cfg.hypervisor.clone(),
+            source,
         };
-        if let Err(source) = timed("pidfile", || tracked.write(&pidfile)) {
-            end(Some(held));
-            return Err(CloudHvError::Pidfile {
-                vm_id: vm_id.clone(),
-                path: pidfile,
-                source,
+        let pid = match started {
+            Ok(pid) => pid,
+            Err(StartError::Record(source)) => {
+                return Err(CloudHvError::Pidfile {
+                    vm_id: vm_id.clone(),
+                    path: pidfile,
+                    source,
+                }
+                .into());
             }
-            .into());
-        }
-        crate::crash::point("boot.pidfile-written");
-        if let Err(source) = held.release() {
-            end(None);
-            return Err(CloudHvError::Start {
-                vm_id: vm_id.clone(),
-                program: self.cfg.hypervisor.clone(),
-                source,
+            Err(StartError::Spawn(source) | StartError::Exec(source)) => {
+                return Err(failed(source).into());
             }
-            .into());
-        }
+        };
+        let tracked = Tracked::of(pid).unwrap_or(Tracked { pid, start: 0 });
         let reaped = self.children.reap(vm_id, pid.unsigned_abs(), move || {
             wait_raw(pid).map(ExitStatus::from_raw)
         });
@@ -373,4 +380,15 @@ impl CloudHypervisor {
             deadline,
         )
     }
+}
+
+/// The VM's own user and group id: the one it has, or a new one, saved.
+fn vmm_id(ids: &jail::VmmIds, vm_id: &Id) -> Result<u32, BoxFailure> {
+    ids.of(vm_id).map_err(|e| {
+        CloudHvError::VmmId {
+            vm_id: vm_id.clone(),
+            why: lack::describe(&e),
+        }
+        .into()
+    })
 }

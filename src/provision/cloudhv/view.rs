@@ -34,6 +34,37 @@ use std::path::{Component, Path, PathBuf};
 
 use nix::libc;
 
+use super::argv::VmFiles;
+
+/// Everything a VMM is given to see: what its binary needs to run
+/// (`runtime`, see [`runtime_of`]), the binary, its kernel or firmware
+/// (`boot`) and its seed read-only (it reads them, and must not grow or
+/// change them), its disks, volumes, serial and log files, and the devices
+/// it opens (`kvm`, `/dev/null`, `/dev/urandom`).
+pub fn what_a_vmm_sees(
+    mut runtime: Vec<Visible>,
+    hypervisor: &Path,
+    boot: &[&Path],
+    files: &VmFiles,
+    kvm: &Path,
+) -> Vec<Visible> {
+    runtime.push(Visible::new(hypervisor, Access::Execute));
+    for boot in boot {
+        runtime.push(Visible::new(boot, Access::Read));
+    }
+    runtime.push(Visible::new(&files.seed, Access::Read));
+    for rw in [&files.root_disk, &files.serial_log, &files.log]
+        .into_iter()
+        .chain(&files.volumes)
+    {
+        runtime.push(Visible::new(rw, Access::Write));
+    }
+    runtime.push(Visible::new(kvm, Access::Write));
+    runtime.push(Visible::new("/dev/null", Access::Write));
+    runtime.push(Visible::new("/dev/urandom", Access::Read));
+    runtime
+}
+
 /// A path the VMM is to see, and how.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Visible {
