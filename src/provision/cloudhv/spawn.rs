@@ -121,7 +121,7 @@ impl CloudHypervisor {
         let Some(ids) = self.confined.jail()? else {
             return Ok(None);
         };
-        self.open_kvm_to(ids.kvm_group)?;
+        timed("kvm access", || self.open_kvm_to(ids.kvm_group))?;
         let id = vmm_id(ids, vm_id)?;
         let mut own = vec![
             files.root_disk.clone(),
@@ -130,7 +130,7 @@ impl CloudHypervisor {
             files.log.clone(),
         ];
         own.extend(files.volumes.iter().cloned());
-        jail::give(&own, id).map_err(|source| CloudHvError::GiveFiles {
+        timed("give files", || jail::give(&own, id)).map_err(|source| CloudHvError::GiveFiles {
             vm_id: vm_id.clone(),
             source,
         })?;
@@ -143,10 +143,13 @@ impl CloudHypervisor {
             .unwrap_or(0)
             .max(spec.disk_gb.saturating_mul(1 << 30));
         let mut jail = jail::jail_for(spec, id, ids.kvm_group, largest_disk);
-        jail.view = Some(self.view(files).map_err(|source| CloudHvError::View {
-            vm_id: vm_id.clone(),
-            source,
-        })?);
+        jail.view =
+            Some(
+                timed("view", || self.view(files)).map_err(|source| CloudHvError::View {
+                    vm_id: vm_id.clone(),
+                    source,
+                })?,
+            );
         Ok(Some(jail))
     }
 
