@@ -14,7 +14,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::quote::inline;
@@ -64,11 +64,49 @@ pub fn last_lines(path: &Path, n: usize) -> io::Result<Vec<String>> {
     }
 }
 
-/// Prints the newest `n` lines, then (with `follow`) every line written
-/// after, until `out` fails (the reader went away) or the file cannot be
-/// read.
-pub fn print(path: &Path, n: usize, follow: bool, out: &mut impl Write) -> io::Result<()> {
-    for line in last_lines(path, n)? {
+/// The newest `n` lines across `earlier` (older segments of the same
+/// console, oldest first) and then `path`: a resumed VM's console is the
+/// segments its resumes moved aside, and the file its VMM writes now.
+pub fn last_lines_across(earlier: &[PathBuf], path: &Path, n: usize) -> io::Result<Vec<String>> {
+    let mut lines = last_lines(path, n)?;
+    for segment in earlier.iter().rev() {
+        if lines.len() >= n {
+            break;
+        }
+        let mut older = match last_lines(segment, n - lines.len()) {
+            Ok(older) => older,
+            // Bounded away (see `cloudhv::suspend`) since it was listed.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        older.append(&mut lines);
+        lines = older;
+    }
+    Ok(lines)
+}
+
+/// A VM's console's earlier segments, oldest first (see
+/// [`Layout::serial_segment`](crate::state::Layout::serial_segment)).
+pub fn earlier_segments(layout: &crate::state::Layout, vm_id: &crate::model::Id) -> Vec<PathBuf> {
+    layout
+        .serial_segments(vm_id)
+        .into_iter()
+        .map(|(_, path)| path)
+        .collect()
+}
+
+/// Prints the newest `n` lines (of `earlier`'s segments too, see
+/// [`last_lines_across`]), then (with `follow`) every line written to
+/// `path` after, until `out` fails (the reader went away) or the file
+/// cannot be read.
+pub fn print(
+    earlier: &[PathBuf],
+    path: &Path,
+    n: usize,
+    follow: bool,
+    out: &mut impl Write,
+) -> io::Result<()> {
+    for line in last_lines_across(earlier, path, n)? {
         writeln!(out, "{line}")?;
     }
     out.flush()?;
@@ -139,6 +177,31 @@ mod tests {
         assert_eq!(lines.len(), 2, "{lines:?}");
         assert_eq!(lines[0], "ok");
         assert!(!lines[1].contains('\x1b'), "{lines:?}");
+    }
+
+    #[test]
+    fn a_console_moved_aside_by_resumes_reads_as_one_in_order() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = dir.path().join("serial.1.log");
+        let second = dir.path().join("serial.2.log");
+        let now = dir.path().join("serial.log");
+        std::fs::write(&first, "booted\nworking\n").expect("write");
+        std::fs::write(&second, "after the first resume\n").expect("write");
+        std::fs::write(&now, "after the second\n").expect("write");
+
+        let all = last_lines_across(&[first.clone(), second.clone()], &now, 10).expect("read");
+        let newest = last_lines_across(&[first, second], &now, 2).expect("read");
+
+        assert_eq!(
+            all,
+            [
+                "booted",
+                "working",
+                "after the first resume",
+                "after the second"
+            ]
+        );
+        assert_eq!(newest, ["after the first resume", "after the second"]);
     }
 
     #[test]

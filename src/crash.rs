@@ -44,6 +44,42 @@ pub const POINTS: &[(&str, &str)] = &[
         "a stopped VM whose record was not yet updated stays stopped",
     ),
     (
+        "suspend.intent-saved",
+        "a suspend intended but not begun is done, or undone if the VM is wanted running",
+    ),
+    (
+        "suspend.snapshot-written",
+        "a guest paused with its snapshot written but not committed is resumed or suspended again, never left paused",
+    ),
+    (
+        "suspend.committed",
+        "a committed snapshot with its VMM still alive ends as one of the two: suspended with no VMM, or running with no snapshot",
+    ),
+    (
+        "suspend.vmm-stopped",
+        "a suspend done but not recorded is recorded: suspended, its snapshot whole",
+    ),
+    (
+        "resume.intent-saved",
+        "a resume intended but not begun never restores the spent snapshot: the VM boots from its disks",
+    ),
+    (
+        "resume.restore-started",
+        "a restoring VMM found after a restart is finished, never started twice",
+    ),
+    (
+        "resume.resumed",
+        "a resumed VM not yet recorded is recorded running, and its snapshot discarded",
+    ),
+    (
+        "resume.snapshot-discarded",
+        "a resumed VM whose snapshot is gone is recorded running",
+    ),
+    (
+        "stop.snapshot-discarded",
+        "a suspended VM stopped, its snapshot gone but not recorded, is recorded stopped and never resumed",
+    ),
+    (
         "quarantine.saved",
         "a quarantine decided but not acted on is acted on, and reported",
     ),

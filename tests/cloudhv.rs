@@ -89,6 +89,8 @@ impl Host {
         // Confined as on a host: the real VMM, as its own user, opens the
         // real /dev/kvm (its group is given access by an ACL entry).
         h.cfg.confinement.kvm = PathBuf::from("/dev/kvm");
+        // And, resuming, the real userfaultfd device (given the same way).
+        h.cfg.confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
         if let Some(image) = std::env::var_os("EITRI_TEST_GUEST_IMAGE") {
             h.base_sha = sha256_file(Path::new(&image)).expect("hash the guest image");
             h.base_url = format!("file://{}", PathBuf::from(image).display());
@@ -346,6 +348,219 @@ fn a_created_vm_boots_and_runs_on(h: Host) {
     assert!(h.pid("vm-1").is_some_and(alive));
     let serial = std::fs::read_to_string(h.store.layout().serial_log(&id("vm-1"))).expect("serial");
     assert!(serial.contains(&h.serial_marker), "{serial}");
+}
+
+// ── suspend and resume ───────────────────────────────────────────────────
+
+/// `vm` wanted at `power`.
+fn wanting(h: &Host, vm: &str, power: PowerState) -> Snapshot {
+    let mut d = desired(vm);
+    d.spec.image_url = h.base_url.clone();
+    d.spec.image_sha256 = h.base_sha.clone();
+    d.power = power;
+    snapshot(1, vec![present(d)])
+}
+
+/// The VM's console as `logs` reads it: what its resumes moved aside,
+/// then what its VMM writes now.
+fn console(h: &Host, vm: &str) -> Vec<String> {
+    let layout = h.store.layout();
+    let earlier = eitri_agent::console::earlier_segments(layout, &id(vm));
+    eitri_agent::console::last_lines_across(&earlier, &layout.serial_log(&id(vm)), 100_000)
+        .expect("the console")
+}
+
+/// What the VM's VMM's API says its state is.
+fn vm_state(h: &Host, vm: &str) -> Option<String> {
+    let (status, body) = eitri_agent::provision::unix_http::request(
+        &h.backend.socket_path(&id(vm)),
+        "GET",
+        "/api/v1/vm.info",
+        None,
+        Duration::from_secs(2),
+    )
+    .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    (status == 200).then(|| v.get("state")?.as_str().map(str::to_owned))?
+}
+
+/// Live processes whose command line names `vm` as theirs: its root disk
+/// (a boot) or its snapshot (a restore).
+fn vmms_of(h: &Host, vm: &str) -> usize {
+    let layout = h.store.layout();
+    let disk = format!("path={}", layout.root_disk(&id(vm)).display());
+    let snapshot = format!("source_url=file://{}", layout.snapshot(&id(vm)).display());
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| alive(*pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                c.split(|b| *b == 0).any(|a| {
+                    [disk.as_bytes(), snapshot.as_bytes()].iter().any(|n| {
+                        a.strip_prefix(*n)
+                            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b","))
+                    })
+                })
+            })
+        })
+        .count()
+}
+
+fn suspend_and_resume_twice_keep_the_guest_and_its_console_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    wait_until("the guest's marker", || {
+        console(&h, "vm-1")
+            .iter()
+            .any(|l| l.contains(&h.serial_marker))
+    });
+    let booted = h.pid("vm-1").expect("pid");
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    let asleep = (
+        h.row("vm-1").power,
+        vmms_of(&h, "vm-1"),
+        h.store.layout().snapshot_manifest(&id("vm-1")).is_file(),
+    );
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let resumed = (h.row("vm-1").power, vmms_of(&h, "vm-1"));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(asleep, (Some(PowerState::Suspended), 0, true));
+    assert!(!alive(booted), "the suspended VM's VMM is gone");
+    assert_eq!(resumed, (Some(PowerState::Running), 1));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+    assert!(h.backend.running(&id("vm-1")));
+    assert!(
+        !h.store.layout().snapshot(&id("vm-1")).exists(),
+        "a snapshot is spent once its guest runs"
+    );
+    let lines = console(&h, "vm-1");
+    let markers = lines
+        .iter()
+        .filter(|l| l.contains(&h.serial_marker))
+        .count();
+    assert_eq!(markers, 1, "resumed, never booted again: {lines:?}");
+}
+
+fn a_suspended_vm_resumes_after_an_agent_restart_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let h = h.restart();
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    let still = (h.row("vm-1").power, vmms_of(&h, "vm-1"));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(still, (Some(PowerState::Suspended), 0));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+    assert_eq!(h.engine().counts().cold_boots.get("interrupted"), 0);
+}
+
+fn a_restored_hypervisor_is_jailed_in_namespaces_of_its_own_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let pid = h.pid("vm-1").expect("pid").to_string();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+
+    assert_ne!(namespace(&pid, "net"), namespace("thread-self", "net"));
+    assert_ne!(namespace(&pid, "mnt"), namespace("thread-self", "mnt"));
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse::<u32>().ok())
+        .expect("uid");
+    assert!(uid >= 1_900_000_000, "runs as its VM's own user: {uid}");
+    assert!(status.contains("NoNewPrivs:\t1"), "{status}");
+}
+
+fn a_disk_changed_while_suspended_boots_the_vm_from_its_disks_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    {
+        use std::io::Write;
+        let mut disk = std::fs::OpenOptions::new()
+            .write(true)
+            .open(h.store.layout().root_disk(&id("vm-1")))
+            .expect("the root disk");
+        disk.write_all(b"written while it slept").expect("write");
+    }
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().cold_boots.get("unusable"), 1);
+    assert!(
+        !h.store.layout().snapshot(&id("vm-1")).exists(),
+        "discarded"
+    );
+    let pid = h.pid("vm-1").expect("pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(
+        cmdline.contains("--kernel") && !cmdline.contains("--restore"),
+        "booted, not restored: {cmdline}"
+    );
+}
+
+fn stopping_a_suspended_vm_discards_its_snapshot_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Stopped));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 0);
+}
+
+fn destroying_a_suspended_vm_leaves_nothing_of_it_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&snapshot(2, vec![tombstoned("vm-1")]));
+
+    assert!(!h.store.layout().vm_dir(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 0);
+}
+
+#[test]
+fn a_snapshot_holding_a_file_cloud_hypervisor_never_writes_is_refused_and_the_vm_runs_on() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_EXTRA", "planted.json")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(row.last_error.contains("planted.json"), "{row:?}");
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(
+        vm_state(&h, "vm-1").as_deref(),
+        Some("Running"),
+        "the paused guest was resumed"
+    );
+}
+
+#[test]
+fn a_restore_that_fails_boots_the_vm_from_its_disks_and_never_restores_again() {
+    let h = Host::new(&[("STANDIN_RESTORE_FAIL", "1")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().cold_boots.get("failed"), 1);
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
 }
 
 fn booting_twice_starts_one_process_on(h: Host) {
@@ -788,6 +1003,8 @@ fn the_hypervisor_holds_only_its_own_fds_on(h: Host) {
         t.starts_with(&own_dir)
             || t.starts_with("socket:")
             || t.starts_with("anon_inode:kvm-")
+            // Its guest's memory (shared, so it snapshots sparse).
+            || t.starts_with("/memfd:ch_ram")
             || [
                 "anon_inode:[eventfd]",
                 "anon_inode:[eventpoll]",
@@ -1188,7 +1405,13 @@ both!(
     the_hypervisor_holds_only_its_own_fds_on,
     the_hypervisor_runs_in_network_and_mount_namespaces_of_its_own_on,
     a_hundred_boot_destroy_cycles_leave_no_zombie_and_no_fd_on,
-    preflight_passes_on
+    preflight_passes_on,
+    suspend_and_resume_twice_keep_the_guest_and_its_console_on,
+    a_suspended_vm_resumes_after_an_agent_restart_on,
+    a_restored_hypervisor_is_jailed_in_namespaces_of_its_own_on,
+    a_disk_changed_while_suspended_boots_the_vm_from_its_disks_on,
+    stopping_a_suspended_vm_discards_its_snapshot_on,
+    destroying_a_suspended_vm_leaves_nothing_of_it_on,
 );
 
 /// Deletes a test link on the way out, whatever happened.
@@ -1270,9 +1493,10 @@ fn every_disk_the_hypervisor_is_given_is_raw_with_backing_files_off() {
         .collect();
     let log = std::fs::read_to_string(h.store.layout().hypervisor_log(&id("vm-1"))).expect("log");
 
-    let disks: Vec<&String> = args
+    let start = args.iter().position(|a| a == "--disk").expect("--disk") + 1;
+    let disks: Vec<&String> = args[start..]
         .iter()
-        .filter(|a| a.starts_with("path=") && a.contains("/vms/"))
+        .take_while(|a| !a.starts_with("--"))
         .collect();
     assert_eq!(disks.len(), 2, "root disk and seed: {args:?}");
     assert!(

@@ -11,10 +11,12 @@ use std::time::Duration;
 
 use common::{Harness, config};
 use eitri_agent::daemon::XorShift;
-use eitri_agent::model::{Phase, PowerState, Snapshot};
+use eitri_agent::model::{Phase, PowerState, Saved, Snapshot};
+use eitri_agent::provision::SavedGuest;
 use eitri_agent::reconcile::lifecycle::{self, Attempts, Budget, State};
 use eitri_agent::reconcile::seams::HostFacts;
 use eitri_agent::state::Record;
+use eitri_agent::state::lifecycle::Suspension;
 use eitri_agent::testkit::{Op, desired, id, present, snapshot, tombstoned};
 
 const VM: &str = "vm-1";
@@ -37,6 +39,12 @@ enum Start {
     Crashed,
     Down,
     Quarantined,
+    Suspended,
+    /// A suspend cut short by a crash, its VMM alive (paused).
+    SuspendCut,
+    /// A resume cut short by a crash before its VMM ran: the saved state is
+    /// there, and spent.
+    ResumeCut,
 }
 
 /// What happens next, followed by a tick.
@@ -55,6 +63,8 @@ enum Event {
     Wait,
     /// Desired running with another spec (more memory).
     Respec,
+    /// Desired suspended.
+    Suspend,
 }
 
 /// What the report says of the VM after the event.
@@ -79,6 +89,23 @@ fn absent() -> Snapshot {
     snapshot(1, vec![])
 }
 
+fn suspended() -> Snapshot {
+    let mut d = desired(VM);
+    d.power = PowerState::Suspended;
+    snapshot(1, vec![present(d)])
+}
+
+/// Rewrites the VM's record with `suspension`, as a crash would leave it
+/// (the engine made again over the same store).
+fn cut_short(h: Harness, suspension: Suspension) -> Harness {
+    let mut rec = h.record(VM);
+    let mut parts = rec.lifecycle.parts();
+    parts.suspension = suspension;
+    rec.lifecycle = Lifecycle::from_parts(parts);
+    h.store.save(&rec).expect("save");
+    h.restart()
+}
+
 fn budget() -> Budget {
     let c = config();
     Budget {
@@ -87,9 +114,32 @@ fn budget() -> Budget {
     }
 }
 
-/// Brings a VM to `from`, and returns the snapshot it lives under.
-fn arrange(h: &Harness, from: Start) -> Snapshot {
+/// Brings a VM to `from`, and returns the harness and the snapshot it
+/// lives under.
+fn arrange(h: Harness, from: Start) -> (Harness, Snapshot) {
     match from {
+        Start::SuspendCut => {
+            h.tick(&running());
+            (cut_short(h, Suspension::Suspending), suspended())
+        }
+        Start::ResumeCut => {
+            h.tick(&running());
+            h.tick(&suspended());
+            let saved = h.fakes.saved(&id(VM));
+            let h = cut_short(h, Suspension::Resuming);
+            h.fakes.set_saved(&id(VM), saved);
+            (h, running())
+        }
+        _ => {
+            let steady = arrange_in(&h, from);
+            (h, steady)
+        }
+    }
+}
+
+fn arrange_in(h: &Harness, from: Start) -> Snapshot {
+    match from {
+        Start::SuspendCut | Start::ResumeCut => unreachable!("arranged above"),
         Start::NoRecord => absent(),
         Start::Retrying => {
             h.fakes.fail(Op::Boot, VM, "kvm busy");
@@ -139,6 +189,11 @@ fn arrange(h: &Harness, from: Start) -> Snapshot {
             h.tick(&absent());
             absent()
         }
+        Start::Suspended => {
+            h.tick(&running());
+            h.tick(&suspended());
+            suspended()
+        }
     }
 }
 
@@ -162,6 +217,7 @@ fn act(h: &Harness, event: Event, steady: &Snapshot) {
             d.spec.mem_mb = 512;
             h.tick(&snapshot(1, vec![present(d)]))
         }
+        Event::Suspend => h.tick(&suspended()),
     };
 }
 
@@ -177,6 +233,9 @@ fn state_of(h: &Harness) -> &'static str {
         State::Creating(Attempts::WaitingForHost) => "creating, host",
         State::Up => "up",
         State::Down => "down",
+        State::Suspending => "suspending",
+        State::Suspended => "suspended",
+        State::Resuming => "resuming",
         State::Quarantined { .. } => "quarantined",
     }
 }
@@ -199,7 +258,7 @@ fn said(h: &Harness) -> Said {
 fn every_state_meets_every_event() {
     use Event::*;
     use Phase::{Creating, Failed, Ready};
-    use PowerState::{Running as On, Stopped as Off};
+    use PowerState::{Running as On, Stopped as Off, Suspended as Sus};
     use Start::*;
     let row = Said::Row;
     let q = Said::Quarantined;
@@ -212,6 +271,7 @@ fn every_state_meets_every_event() {
         (NoRecord,    Tombstone, "no record",           Said::Nothing),
         (NoRecord,    Wait,      "no record",           Said::Nothing),
         (NoRecord,    Respec,    "up",                  row(On, Ready)),
+        (NoRecord,    Suspend,   "suspended",           row(Sus, Ready)),
         // A failed attempt waits out its backoff, whatever else is asked.
         (Retrying,    Run,       "creating",            row(Off, Creating)),
         (Retrying,    Stop,      "creating",            row(Off, Creating)),
@@ -220,6 +280,7 @@ fn every_state_meets_every_event() {
         (Retrying,    Tombstone, "quarantined",         q),
         (Retrying,    Wait,      "up",                  row(On, Ready)),
         (Retrying,    Respec,    "up",                  row(On, Ready)),
+        (Retrying,    Suspend,   "creating",            row(Off, Creating)),
         // A budget spent on errors that may pass heals with time...
         (Spent,       Run,       "creating, spent",     row(Off, Failed)),
         (Spent,       Stop,      "creating, spent",     row(Off, Failed)),
@@ -228,6 +289,7 @@ fn every_state_meets_every_event() {
         (Spent,       Tombstone, "quarantined",         q),
         (Spent,       Wait,      "up",                  row(On, Ready)),
         (Spent,       Respec,    "up",                  row(On, Ready)),
+        (Spent,       Suspend,   "creating, spent",     row(Off, Failed)),
         // ...a permanent error only with a new spec.
         (Permanent,   Run,       "creating, permanent", row(Off, Failed)),
         (Permanent,   Stop,      "creating, permanent", row(Off, Failed)),
@@ -236,6 +298,7 @@ fn every_state_meets_every_event() {
         (Permanent,   Tombstone, "quarantined",         q),
         (Permanent,   Wait,      "creating, permanent", row(Off, Failed)),
         (Permanent,   Respec,    "up",                  row(On, Ready)),
+        (Permanent,   Suspend,   "creating, permanent", row(Off, Failed)),
         // What the host lacked spent nothing: the next pass finds it fixed.
         (WaitingForHost, Run,    "up",                  row(On, Ready)),
         (WaitingForHost, Stop,   "down",                row(Off, Ready)),
@@ -244,6 +307,7 @@ fn every_state_meets_every_event() {
         (WaitingForHost, Tombstone, "quarantined",      q),
         (WaitingForHost, Wait,   "up",                  row(On, Ready)),
         (WaitingForHost, Respec, "up",                  row(On, Ready)),
+        (WaitingForHost, Suspend, "suspended",          row(Sus, Ready)),
         (Up,          Run,       "up",                  row(On, Ready)),
         (Up,          Stop,      "down",                row(Off, Ready)),
         (Up,          Reboot,    "up",                  row(On, Ready)),
@@ -251,6 +315,7 @@ fn every_state_meets_every_event() {
         (Up,          Tombstone, "quarantined",         q),
         (Up,          Wait,      "up",                  row(On, Ready)),
         (Up,          Respec,    "up",                  row(On, Ready)),
+        (Up,          Suspend,   "suspended",           row(Sus, Ready)),
         // Lost: booted again if it should run, recorded stopped if not.
         (Crashed,     Run,       "up",                  row(On, Ready)),
         (Crashed,     Stop,      "down",                row(Off, Ready)),
@@ -259,6 +324,7 @@ fn every_state_meets_every_event() {
         (Crashed,     Tombstone, "quarantined",         q),
         (Crashed,     Wait,      "up",                  row(On, Ready)),
         (Crashed,     Respec,    "up",                  row(On, Ready)),
+        (Crashed,     Suspend,   "suspended",           row(Sus, Ready)),
         (Down,        Run,       "up",                  row(On, Ready)),
         (Down,        Stop,      "down",                row(Off, Ready)),
         (Down,        Reboot,    "up",                  row(On, Ready)),
@@ -266,6 +332,7 @@ fn every_state_meets_every_event() {
         (Down,        Tombstone, "quarantined",         q),
         (Down,        Wait,      "down",                row(Off, Ready)),
         (Down,        Respec,    "up",                  row(On, Ready)),
+        (Down,        Suspend,   "suspended",           row(Sus, Ready)),
         // Back in desired state: out of quarantine; past its grace: gone.
         (Quarantined, Run,       "up",                  row(On, Ready)),
         (Quarantined, Stop,      "down",                row(Off, Ready)),
@@ -274,14 +341,42 @@ fn every_state_meets_every_event() {
         (Quarantined, Tombstone, "quarantined",         q),
         (Quarantined, Wait,      "no record",           Said::Nothing),
         (Quarantined, Respec,    "up",                  row(On, Ready)),
+        (Quarantined, Suspend,   "suspended",           row(Sus, Ready)),
+        // Resumed, discarded, kept; a host reboot loses nothing saved.
+        (Suspended,   Run,       "up",                  row(On, Ready)),
+        (Suspended,   Stop,      "down",                row(Off, Ready)),
+        (Suspended,   Reboot,    "up",                  row(On, Ready)),
+        (Suspended,   Vanish,    "quarantined",         q),
+        (Suspended,   Tombstone, "quarantined",         q),
+        (Suspended,   Wait,      "suspended",           row(Sus, Ready)),
+        (Suspended,   Respec,    "up",                  row(On, Ready)),
+        (Suspended,   Suspend,   "suspended",           row(Sus, Ready)),
+        // Cut short with its VMM alive: resumed where it stands, or
+        // suspended again; with its VMM gone (a reboot), booted from disk.
+        (SuspendCut,  Run,       "up",                  row(On, Ready)),
+        (SuspendCut,  Stop,      "down",                row(Off, Ready)),
+        (SuspendCut,  Reboot,    "up",                  row(On, Ready)),
+        (SuspendCut,  Vanish,    "quarantined",         q),
+        (SuspendCut,  Tombstone, "quarantined",         q),
+        (SuspendCut,  Wait,      "suspended",           row(Sus, Ready)),
+        (SuspendCut,  Respec,    "up",                  row(On, Ready)),
+        (SuspendCut,  Suspend,   "suspended",           row(Sus, Ready)),
+        // A spent saved state is never restored again: booted from disk.
+        (ResumeCut,   Run,       "up",                  row(On, Ready)),
+        (ResumeCut,   Stop,      "down",                row(Off, Ready)),
+        (ResumeCut,   Reboot,    "up",                  row(On, Ready)),
+        (ResumeCut,   Vanish,    "quarantined",         q),
+        (ResumeCut,   Tombstone, "quarantined",         q),
+        (ResumeCut,   Wait,      "up",                  row(On, Ready)),
+        (ResumeCut,   Respec,    "up",                  row(On, Ready)),
+        (ResumeCut,   Suspend,   "suspended",           row(Sus, Ready)),
     ];
     // Every pair, once.
-    assert_eq!(table.len(), 9 * 7);
+    assert_eq!(table.len(), 12 * 8);
 
     let mut wrong = Vec::new();
     for &(from, event, state, report) in table {
-        let h = Harness::new();
-        let steady = arrange(&h, from);
+        let (h, steady) = arrange(Harness::new(), from);
 
         act(&h, event, &steady);
 
@@ -312,6 +407,12 @@ fn random_record(rng: &mut XorShift, now: std::time::SystemTime) -> Record {
         failure_permanent: pick(4) == 0,
         boot_id: ["", "boot-1", "boot-0"][pick(3) as usize].into(),
         stop_requested: pick(2) == 0,
+        suspension: match pick(5) {
+            0 => Suspension::Suspending,
+            1 => Suspension::Suspended(Saved::default()),
+            2 => Suspension::Resuming,
+            _ => Suspension::None,
+        },
         ..LifecycleParts::default()
     });
     rec
@@ -328,6 +429,10 @@ fn a_pass_and_the_record_it_left_agree_on_phase_and_error() {
         h = h.restart();
         let up = rng.next_unit() < 0.5;
         h.fakes.set_running(&id(VM), rng.next_unit() < 0.5);
+        if rng.next_unit() < 0.5 {
+            h.fakes
+                .set_saved(&id(VM), Some(SavedGuest::Usable(Saved::default())));
+        }
         if rng.next_unit() < 0.3 {
             h.fakes.fail(Op::Boot, VM, "boot refused");
         }
@@ -335,7 +440,11 @@ fn a_pass_and_the_record_it_left_agree_on_phase_and_error() {
             h.fakes
                 .fail(Op::Shutdown, VM, "guest ignored the power button");
         }
-        let snap = if up { running() } else { stopped() };
+        let snap = match (up, rng.next_unit() < 0.3) {
+            (_, true) => suspended(),
+            (true, false) => running(),
+            (false, false) => stopped(),
+        };
 
         h.tick(&snap);
 

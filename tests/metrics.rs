@@ -147,6 +147,34 @@ fn the_metrics_file_parses_with_a_prometheus_parser() {
 }
 
 #[test]
+fn a_suspend_and_a_resume_are_counted_and_timed_and_the_vm_counted_by_its_power() {
+    let h = Host::new();
+    let mut asleep = desired("vm-1");
+    asleep.power = eitri_agent::model::PowerState::Suspended;
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+    let suspended = parse(&h.tick(&snapshot(2, vec![present(asleep)])));
+
+    let resumed = parse(&h.tick(&snapshot(3, vec![present(desired("vm-1"))])));
+
+    assert_eq!(
+        suspended.get("eitri_vms{phase=ready,power=suspended}"),
+        Some(&1.0)
+    );
+    assert_eq!(
+        suspended.get("eitri_suspend_duration_seconds_count{}"),
+        Some(&1.0)
+    );
+    assert_eq!(
+        resumed.get("eitri_resume_duration_seconds_count{}"),
+        Some(&1.0)
+    );
+    assert_eq!(
+        resumed.get("eitri_resume_cold_boots_total{why=unusable}"),
+        Some(&0.0)
+    );
+}
+
+#[test]
 fn counters_only_rise_across_ticks() {
     let h = Host::new();
     h.fakes.fail(Op::Boot, "vm-3", "a moment's trouble");

@@ -16,13 +16,15 @@ pub(super) fn run(
     hypervisor: bool,
 ) -> ExitCode {
     let layout = Layout::new(state_dir);
-    let (file, what) = if hypervisor {
-        (layout.hypervisor_log(vm_id), "hypervisor log")
+    let (earlier, file, what) = if hypervisor {
+        (Vec::new(), layout.hypervisor_log(vm_id), "hypervisor log")
     } else {
-        (layout.serial_log(vm_id), "console")
+        // What the guest said before its resumes, then since.
+        let earlier = crate::console::earlier_segments(&layout, vm_id);
+        (earlier, layout.serial_log(vm_id), "console")
     };
     let mut out = std::io::stdout().lock();
-    match crate::console::print(&file, lines, follow, &mut out) {
+    match crate::console::print(&earlier, &file, lines, follow, &mut out) {
         Ok(()) => ExitCode::SUCCESS,
         // The reader went away (`| head`): done.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,

@@ -44,8 +44,11 @@ fn show(
     let text = match vm_id {
         None => file.render(now),
         Some(vm) => {
-            let serial = Layout::new(state_dir).serial_log(vm);
-            let console = crate::console::last_lines(&serial, CONSOLE_LINES).unwrap_or_default();
+            let layout = Layout::new(state_dir);
+            let earlier = crate::console::earlier_segments(&layout, vm);
+            let console =
+                crate::console::last_lines_across(&earlier, &layout.serial_log(vm), CONSOLE_LINES)
+                    .unwrap_or_default();
             match file.render_vm(vm.as_str(), &console, now) {
                 Some(text) => text,
                 None => {

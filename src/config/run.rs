@@ -308,6 +308,7 @@ fn confinement(raw: &Raw<'_>) -> Result<Confinement, ConfigError> {
         first_id: first,
         id_count: count,
         kvm: PathBuf::from(raw.get(Key::KvmDevice)),
+        userfaultfd: raw.optional(Key::UserfaultfdDevice).map(PathBuf::from),
         cgroup_root,
         allow_without,
         serial_log_bytes: serial_mb.saturating_mul(1 << 20),

@@ -125,6 +125,8 @@ settings! {
         "FIRST:COUNT user and group ids for jailed hypervisors: FIRST is the group that may open /dev/kvm, each VM gets one of the rest";
     KvmDevice => "kvm-device", "EITRI_KVM_DEVICE", "/dev/kvm",
         "the KVM device the hypervisors' group is given read-write access to (an ACL entry when it lacks it)";
+    UserfaultfdDevice => "userfaultfd-device", "EITRI_USERFAULTFD_DEVICE", "/dev/userfaultfd",
+        "the device a resuming hypervisor faults its guest's memory in through, given to the hypervisors' group like the KVM device and seen only by a hypervisor that resumes (empty: resumes read the whole snapshot first)";
     CgroupRoot => "cgroup-root", "EITRI_CGROUP_ROOT", "eitri",
         "cgroup (in each hierarchy) under which each VM's hypervisor gets its own";
     SerialLogMaxMb => "serial-log-max-mb", "EITRI_SERIAL_LOG_MAX_MB", "16",

@@ -17,6 +17,9 @@
 //! | `eitri_create_refunds_total` | counter | attempts given back (out of time, not the VM's fault) |
 //! | `eitri_vm_lost_total{vm_id}` | counter | booted again after its hypervisor died unasked (series gone at destroy) |
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |
+//! | `eitri_suspend_duration_seconds` | histogram | suspend asked → snapshot committed and VMM gone (its `_count`: suspends) |
+//! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
+//! | `eitri_resume_cold_boots_total{why}` | counter | suspended VMs booted from their disks instead: `gone`, `unusable`, `failed`, `interrupted` |
 //! | `eitri_destroys_total` | counter | VMs destroyed (then acknowledged in reports) |
 //! | `eitri_image_cache_bytes` | gauge | disk the image cache holds |
 //! | `eitri_image_cache_hits_total`, `eitri_image_downloads_total`, `eitri_image_download_bytes_total` | counter | the cache at work |
@@ -160,6 +163,22 @@ impl MetricsFile {
             "eitri_boot_duration_seconds",
             "Boots: asking the hypervisor to boot until it says running.",
             &counts.boots,
+        );
+        e.histogram(
+            "eitri_suspend_duration_seconds",
+            "Suspends: asking the backend until the snapshot is committed and the hypervisor gone.",
+            &counts.suspends,
+        );
+        e.histogram(
+            "eitri_resume_duration_seconds",
+            "Resumes: asking the backend until the restored guest runs.",
+            &counts.resumes,
+        );
+        e.counter_vec(
+            "eitri_resume_cold_boots_total",
+            "Suspended VMs booted from their disks instead of resumed, by why.",
+            "why",
+            &counts.cold_boots,
         );
         e.counter(
             "eitri_destroys_total",

@@ -3,18 +3,20 @@
 //! Wire types (`crate::pb`) are raw input from the network or a file; these
 //! are the checked form. Conversion (`crate::pb::convert`) validates once, so
 //! everything below it can trust an [`Id`] to be safe as a path component and
-//! a [`PowerState`] to be one of two values.
+//! a [`PowerState`] to be one of three values.
 
 mod id;
 mod mac;
 mod quota;
 mod report;
+mod saved;
 mod spec;
 
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
 pub use quota::{Committed, Quota};
 pub use report::{QuarantinedVm, Report, Rows, VmStatus, VolumeState, VolumeStatus};
+pub use saved::Saved;
 pub use spec::{
     DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,
     WantedVm, WantedVolume, is_hostname,

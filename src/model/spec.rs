@@ -66,6 +66,9 @@ pub struct VmSpec {
 pub enum PowerState {
     Running,
     Stopped,
+    /// Its guest's state saved on the host, ready to continue where it
+    /// left off; no VMM runs for it.
+    Suspended,
 }
 
 impl PowerState {
@@ -74,6 +77,7 @@ impl PowerState {
         match self {
             PowerState::Running => "running",
             PowerState::Stopped => "stopped",
+            PowerState::Suspended => "suspended",
         }
     }
 
@@ -81,6 +85,7 @@ impl PowerState {
         match raw {
             "running" => Some(PowerState::Running),
             "stopped" => Some(PowerState::Stopped),
+            "suspended" => Some(PowerState::Suspended),
             _ => None,
         }
     }

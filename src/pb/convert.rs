@@ -96,7 +96,7 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         SpecError::new(
             "power_state",
             format!(
-                "{} is not \"running\" or \"stopped\"",
+                "{} is not \"running\", \"stopped\" or \"suspended\"",
                 quote::text(&raw.power_state)
             ),
         )

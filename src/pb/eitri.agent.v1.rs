@@ -65,7 +65,10 @@ pub struct VmSpec {
     /// a base larger than this is refused, never shrunk.
     #[prost(int64, tag = "11")]
     pub disk_gb: i64,
-    /// "running" or "stopped".
+    /// "running", "stopped" or "suspended". Suspended: the guest's memory
+    /// and devices saved beside its disks and no VMM running (it holds no
+    /// CPU or memory); resumed where it left off when "running" again.
+    /// "stopped" from "suspended" discards the saved state.
     #[prost(string, tag = "12")]
     pub power_state: ::prost::alloc::string::String,
     /// The VM is deleted: the agent stops it, quarantines it for the tombstone
@@ -165,8 +168,9 @@ pub struct VmStatus {
     /// Address of the second NIC on the named host network; empty when none.
     #[prost(string, tag = "3")]
     pub network_ip: ::prost::alloc::string::String,
-    /// "running", "stopped", or "" when the agent made no observation
-    /// (e.g. a snapshot refused by the version floor).
+    /// "running", "stopped", "suspended" (its saved state on the host, no
+    /// VMM), or "" when the agent made no observation (e.g. a snapshot
+    /// refused by the version floor).
     #[prost(string, tag = "4")]
     pub power_state: ::prost::alloc::string::String,
     /// "creating", "ready" or "failed"; "" when unknown.

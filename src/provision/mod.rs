@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
-use crate::model::{Id, VmSpec};
+use crate::model::{Id, Saved, VmSpec};
 
 /// Told what a long operation is doing now, for the VM's row.
 pub type Say<'a> = &'a dyn Fn(&str);
@@ -128,6 +128,57 @@ pub trait Provisioner: Send + Sync {
     fn adopt(&self, vm_id: &Id) -> bool {
         self.running(vm_id)
     }
+
+    /// Suspends a running VM: its guest paused, its state saved and
+    /// committed where [`Provisioner::resume`] finds it, and (for a backend
+    /// that saves to disk) its VMM stopped. `say` is told each stage. Only a
+    /// committed save is `Ok`; on an error the VM is left running where the
+    /// backend can. Idempotent: a suspend cut short is done again from the
+    /// start.
+    fn suspend(&self, vm_id: &Id, _deadline: Deadline, _say: Say<'_>) -> Result<Saved, BoxFailure> {
+        Err(crate::error::Simple::permanent(format!(
+            "VM {vm_id}: this host's hypervisor backend cannot suspend a VM"
+        ))
+        .into())
+    }
+
+    /// Resumes a suspended VM where it left off: a live VMM of it (a
+    /// suspend or resume cut short) is made to run, else its saved state is
+    /// restored into a new VMM, on its own taps, in its own jail. Once the
+    /// guest runs its saved state is discarded: it is stale from then on.
+    /// The engine never asks twice for one saved state (see the lifecycle's
+    /// rules).
+    fn resume(&self, spec: &VmSpec, _deadline: Deadline) -> Result<(), BoxFailure> {
+        Err(crate::error::Simple::permanent(format!(
+            "VM {}: this host's hypervisor backend cannot resume a VM",
+            spec.vm_id
+        ))
+        .into())
+    }
+
+    /// What holds the VM's suspended guest on this host now, as found (a
+    /// committed save, checked against the disks it was taken with);
+    /// `None` when nothing does.
+    fn suspension(&self, _vm_id: &Id) -> Option<SavedGuest> {
+        None
+    }
+
+    /// Removes whatever holds the VM's suspended guest; nothing there is
+    /// success.
+    fn discard_suspension(&self, _vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
+        Ok(())
+    }
+}
+
+/// A suspended guest's saved state as the backend finds it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SavedGuest {
+    /// Whole, and taken with the disks the VM has now: a resume continues
+    /// it.
+    Usable(Saved),
+    /// There, but it cannot be restored; why (torn, or taken with other
+    /// disks). Never guessed at: the VM is booted from its disks.
+    Unusable(String),
 }
 
 /// How guests boot on this host, and the network they join: built from
@@ -209,6 +260,10 @@ pub struct Confinement {
     pub id_count: u32,
     /// The KVM device the jailed VMMs' group is given.
     pub kvm: PathBuf,
+    /// The device a resuming VMM faults its guest's memory in through,
+    /// given to the same group and seen only in a restoring VMM's view;
+    /// `None`: a resume reads the whole snapshot before its guest runs.
+    pub userfaultfd: Option<PathBuf>,
     /// The cgroup, in each hierarchy, under which each VM gets its own.
     pub cgroup_root: String,
     /// Pieces a VMM may run without where the host lacks them.
@@ -223,6 +278,7 @@ impl Default for Confinement {
             first_id: 1_900_000_000,
             id_count: 65_536,
             kvm: PathBuf::from("/dev/kvm"),
+            userfaultfd: Some(PathBuf::from("/dev/userfaultfd")),
             cgroup_root: "eitri".into(),
             allow_without: Vec::new(),
             serial_log_bytes: 16 << 20,

@@ -106,6 +106,20 @@ impl Ledger {
             .insert(spec.vm_id.clone(), Compute::of(spec));
     }
 
+    /// Counts a suspended VM: its disk and the disk its saved state holds,
+    /// and no vCPUs or memory (no VMM runs for it), unless its state is
+    /// held in memory (a paused VMM, which keeps its guest's memory).
+    pub fn note_suspended(&self, spec: &VmSpec, saved: &crate::model::Saved) {
+        const GIB: u64 = 1 << 30;
+        let mut compute = Compute::of(spec);
+        compute.disk_gb = compute.disk_gb.saturating_add(saved.bytes.div_ceil(GIB));
+        if !saved.in_memory {
+            compute.vcpus = 0;
+            compute.mem_mb = 0;
+        }
+        self.committed.lock().insert(spec.vm_id.clone(), compute);
+    }
+
     pub fn release(&self, vm_id: &Id) {
         self.committed.lock().remove(vm_id);
     }
@@ -219,6 +233,40 @@ mod tests {
         let again = ledger.admit(&spec("a", 3));
 
         assert!(again.is_ok());
+    }
+
+    #[test]
+    fn a_vm_saved_to_disk_holds_disk_for_its_state_but_no_compute() {
+        let ledger = Ledger::new(caps(4));
+        let saved = crate::model::Saved {
+            taken_at_ms: 0,
+            bytes: (1 << 30) + 1,
+            in_memory: false,
+        };
+
+        ledger.note_suspended(&spec("a", 3), &saved);
+        let usage = ledger.usage();
+
+        assert_eq!(usage.vcpus.used, 0);
+        assert_eq!(usage.mem_mb.used, 0);
+        assert_eq!(
+            usage.disk_gb.used,
+            1 + 2,
+            "its disk and its state, rounded up"
+        );
+    }
+
+    #[test]
+    fn a_vm_held_in_memory_by_a_paused_vmm_keeps_its_compute() {
+        let ledger = Ledger::new(caps(4));
+        let saved = crate::model::Saved {
+            in_memory: true,
+            ..crate::model::Saved::default()
+        };
+
+        ledger.note_suspended(&spec("a", 3), &saved);
+
+        assert_eq!(ledger.usage().vcpus.used, 3);
     }
 
     #[test]

@@ -26,6 +26,12 @@ impl Core {
         res: &mut VmResult,
         publisher: Option<&Publisher>,
     ) {
+        match lifecycle::state(&rec, self.budget()) {
+            State::Suspended | State::Suspending | State::Resuming => {
+                return self.converge_suspension(deadline, d, rec, res, publisher);
+            }
+            State::Creating(_) | State::Up | State::Down | State::Quarantined { .. } => {}
+        }
         // Keeps the ledger true for every live VM, however it got here (an
         // un-quarantined VM's compute was released).
         self.ledger.note(&rec.spec);
@@ -47,7 +53,7 @@ impl Core {
             log::warn!("VM {}: lost ({why})", rec.spec.vm_id);
             self.counts.lost.inc(rec.spec.vm_id.as_str());
             return match d.power {
-                PowerState::Running => {
+                PowerState::Running | PowerState::Suspended => {
                     // Said before the boot: the guest is down until it ends.
                     Narrator::new(
                         publisher,
@@ -58,7 +64,11 @@ impl Core {
                         Phase::Ready,
                     )
                     .say(&format!("booting again: {why}"));
-                    self.boot(deadline, rec, boot_id, res);
+                    if let Some(rec) = self.boot(deadline, rec, boot_id, res)
+                        && d.power == PowerState::Suspended
+                    {
+                        self.suspend(deadline, rec, res, publisher);
+                    }
                 }
                 PowerState::Stopped => {
                     rec.lost_while_stopped(boot_id);
@@ -69,8 +79,18 @@ impl Core {
         }
 
         match (d.power, running) {
-            (PowerState::Running, false) => self.boot(deadline, rec, boot_id, res),
+            (PowerState::Running, false) => {
+                self.boot(deadline, rec, boot_id, res);
+            }
             (PowerState::Stopped, true) => self.stop(deadline, rec, res, publisher),
+            (PowerState::Suspended, true) => self.suspend(deadline, rec, res, publisher),
+            // A stopped VM is suspended by way of a boot: what is wanted is
+            // a guest's state saved, and a guest that never ran has none.
+            (PowerState::Suspended, false) => {
+                if let Some(rec) = self.boot(deadline, rec, boot_id, res) {
+                    self.suspend(deadline, rec, res, publisher);
+                }
+            }
             // At the desired state: whatever an earlier operation left in
             // the record is history now.
             (PowerState::Running, true) | (PowerState::Stopped, false) => {
@@ -86,8 +106,15 @@ impl Core {
     }
 
     /// Boots a VM that should run and does not; `boot_id` is the host's,
-    /// which re-stamps a VM lost to a reboot.
-    fn boot(&self, deadline: Deadline, mut rec: Record, boot_id: String, res: &mut VmResult) {
+    /// which re-stamps a VM lost to a reboot. The record as saved, if it
+    /// booted.
+    fn boot(
+        &self,
+        deadline: Deadline,
+        mut rec: Record,
+        boot_id: String,
+        res: &mut VmResult,
+    ) -> Option<Record> {
         let booting = std::time::Instant::now();
         let booted =
             volumes::materialized(&self.store, &rec.spec, &|other| self.prov.running(other))
@@ -101,8 +128,12 @@ impl Core {
                 self.forget_logs(&rec.spec.vm_id);
                 log::info!("VM {}: booted", rec.spec.vm_id);
                 self.report_recorded(res, &rec, PowerState::Running);
+                Some(rec)
             }
-            Err(e) => self.fail_boot(rec, e, res),
+            Err(e) => {
+                self.fail_boot(rec, e, res);
+                None
+            }
         }
     }
 

@@ -1,6 +1,7 @@
 //! What the engine counts, for the metrics file: steps, create attempts
 //! and how they ended, boots, VMs lost (their hypervisor gone without a
-//! stop asked) and VMs destroyed. A VM's own series are dropped when it is
+//! stop asked), suspends and resumes (and the resumes that had to boot
+//! from the disks instead) and VMs destroyed. A VM's own series are dropped when it is
 //! destroyed.
 
 use crate::metrics::{BOOT_BUCKETS, Counter, CounterVec, FAST_BUCKETS, Histogram};
@@ -19,6 +20,15 @@ pub struct Counts {
     pub lost: CounterVec,
     /// Successful boots: from asking the hypervisor to its saying running.
     pub boots: Histogram,
+    /// Successful suspends: from asking the backend to its committed save.
+    pub suspends: Histogram,
+    /// Successful resumes: from asking the backend to its guest running.
+    pub resumes: Histogram,
+    /// Suspended VMs booted from their disks instead of resumed, by why:
+    /// `gone`, `unusable` (torn, or other disks), `failed` (a resume that
+    /// did not end running), `interrupted` (a crash mid-suspend or
+    /// mid-resume left nothing to continue).
+    pub cold_boots: CounterVec,
     pub destroyed: Counter,
 }
 
@@ -28,6 +38,10 @@ impl Default for Counts {
         create_failures.touch("permanent");
         create_failures.touch("transient");
         create_failures.touch("host");
+        let cold_boots = CounterVec::default();
+        for why in ["gone", "unusable", "failed", "interrupted"] {
+            cold_boots.touch(why);
+        }
         Counts {
             steps: Histogram::new(FAST_BUCKETS),
             create_attempts: Counter::default(),
@@ -35,6 +49,9 @@ impl Default for Counts {
             refunds: Counter::default(),
             lost: CounterVec::default(),
             boots: Histogram::new(BOOT_BUCKETS),
+            suspends: Histogram::new(BOOT_BUCKETS),
+            resumes: Histogram::new(BOOT_BUCKETS),
+            cold_boots,
             destroyed: Counter::default(),
         }
     }

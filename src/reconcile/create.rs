@@ -79,6 +79,9 @@ impl Core {
             )
             | State::Up
             | State::Down
+            | State::Suspending
+            | State::Suspended
+            | State::Resuming
             | State::Quarantined { .. } => {
                 return self.report_recorded(res, &rec, PowerState::Stopped);
             }
@@ -212,7 +215,9 @@ impl Core {
                 Mac::second_nic(vm_id).to_string()
             },
         };
-        let boots = d.power == PowerState::Running;
+        // A VM wanted suspended is booted, then suspended: a guest that
+        // never ran has no state to save.
+        let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
         if let Err(e) = self.prepare(&rec.spec, &base, &params, boots, deadline) {
             return attempt.fail(rec, e, res);
@@ -236,7 +241,7 @@ impl Core {
 
         rec.created(self.host.boot_id(), boots);
         self.counts.lost.touch(vm_id.as_str());
-        res.report(&rec, Some(d.power), Phase::Ready, "");
+        res.report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
         // What the host has is said before the record follows it: the VMM
         // runs whether or not the save below lands, and a crash before it
         // is adopted as this create's (step 0), never started twice.
@@ -248,6 +253,9 @@ impl Core {
         self.save_best_effort(&rec);
         crate::crash::point("create.booted-saved");
         self.forget_logs(vm_id);
+        if d.power == PowerState::Suspended {
+            self.suspend(deadline, rec, res, publisher);
+        }
     }
 
     /// The root disk, the seed and (for a VM about to boot) the host's

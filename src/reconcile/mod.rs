@@ -34,6 +34,7 @@ pub use crate::state::lifecycle;
 mod pass;
 mod reap;
 pub mod seams;
+mod suspend;
 pub mod volumes;
 mod workers;
 

@@ -286,7 +286,9 @@ impl Core {
         };
         match lifecycle::state(&rec, self.budget()) {
             State::Creating(_) => self.create(deadline, desired, Some(&rec), res, publisher),
-            State::Up | State::Down => self.converge(deadline, desired, rec, res, publisher),
+            State::Up | State::Down | State::Suspending | State::Suspended | State::Resuming => {
+                self.converge(deadline, desired, rec, res, publisher)
+            }
             State::Quarantined { .. } => {
                 rec.unquarantine();
                 let vm_id = &rec.spec.vm_id;
@@ -349,6 +351,8 @@ impl Core {
         };
         let power = if rec.lifecycle.quarantined_at().is_some() {
             PowerState::Stopped
+        } else if rec.lifecycle.suspension().saved().is_some() {
+            PowerState::Suspended
         } else {
             PowerState::observed(self.prov.running(vm_id))
         };

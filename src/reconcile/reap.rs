@@ -31,7 +31,15 @@ impl Core {
         self.ledger.release(&vm_id);
         let now = self.host.now();
         match lifecycle::state(&rec, self.budget()) {
-            State::Creating(_) | State::Up | State::Down => {
+            // A suspended VM keeps its saved state through quarantine: back
+            // in desired state, it resumes; destroyed, the state goes with
+            // its directory.
+            State::Creating(_)
+            | State::Up
+            | State::Down
+            | State::Suspending
+            | State::Suspended
+            | State::Resuming => {
                 rec.quarantine(now, tombstoned);
                 if let Err(e) = self.store.save(&rec) {
                     self.logs.error(

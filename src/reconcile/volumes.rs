@@ -95,7 +95,7 @@ pub fn sweep(store: &Store) -> Vec<VolumeStatus> {
 }
 
 /// Checks that every volume a VM needs is a file on this host, and that no
-/// other VM whose VMM is `live` has it attached: a volume is one guest's
+/// other VM whose VMM is `live`, or that is suspended, has it attached: a volume is one guest's
 /// disk at a time (two VMMs writing one filesystem corrupt it, and the
 /// file would become the VMM's that booted last while the first still
 /// holds it open). Either is permanent for the VM until its spec, or the
@@ -126,12 +126,22 @@ pub fn materialized(
         if *other == spec.vm_id {
             continue;
         }
-        if let Some(shared) = spec
+        let Some(shared) = spec
             .volume_ids
             .iter()
             .find(|v| rec.spec.volume_ids.contains(v))
-            && live(other)
-        {
+        else {
+            continue;
+        };
+        // A suspended guest holds its volumes as it left them: its saved
+        // state was taken with them, and it resumes on them.
+        if !rec.lifecycle.suspension().is_none() {
+            return Err(Simple::permanent(format!(
+                "volume {shared} is attached to VM {other}, which is suspended with it; a volume is one VM's at a time: detach it from {other} (or stop {other}) before attaching it here"
+            ))
+            .into());
+        }
+        if live(other) {
             return Err(Simple::permanent(format!(
                 "volume {shared} is attached to VM {other}, whose hypervisor runs; a volume is one VM's at a time: detach it from {other} (or stop {other}) before attaching it here"
             ))

@@ -18,6 +18,12 @@
 //!   vms/<vm_id>/vfkit.pid                      vfkit: its own pidfile
 //!   vms/<vm_id>/hypervisor.log                 the VMM's output
 //!   vms/<vm_id>/serial.log                     the guest's serial console
+//!   vms/<vm_id>/serial.<n>.log                 its console before its n-th resume (a restored VMM starts its own)
+//!   vms/<vm_id>/snapshot.tmp                   cloud-hypervisor: where its VMM writes a snapshot, the VMM's own
+//!   vms/<vm_id>/snapshot                       a suspended guest's snapshot, committed by rename, root's
+//!   vms/<vm_id>/snapshot/manifest.json         the agent's account of it: its files, the disks it was taken with
+//!   vms/<vm_id>/.snapshot-new                  a snapshot being committed, its files moved in from snapshot.tmp
+//!   vms/<vm_id>/.snapshot-discarded            a snapshot on its way out
 //!   vms/<vm_id>/efi-vars                       vfkit: the guest's EFI variable store
 //!   images/                                    0700
 //!   images/<sha256>                            a verified base image
@@ -118,6 +124,62 @@ impl Layout {
 
     pub fn serial_log(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("serial.log")
+    }
+
+    /// The console as it was before the VM's `n`-th resume: a restored VMM
+    /// truncates the console file it is given, so the agent moves it aside.
+    pub fn serial_segment(&self, vm_id: &Id, n: u32) -> PathBuf {
+        self.vm_dir(vm_id).join(format!("serial.{n}.log"))
+    }
+
+    /// The console's earlier segments (see [`Layout::serial_segment`]),
+    /// oldest first.
+    pub fn serial_segments(&self, vm_id: &Id) -> Vec<(u32, PathBuf)> {
+        let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir(self.vm_dir(vm_id))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|entry| {
+                let name = entry.file_name();
+                let n = name
+                    .to_str()?
+                    .strip_prefix("serial.")?
+                    .strip_suffix(".log")?
+                    .parse()
+                    .ok()?;
+                Some((n, entry.path()))
+            })
+            .collect();
+        found.sort();
+        found
+    }
+
+    /// Where the VM's VMM writes a snapshot (cloud-hypervisor): made its
+    /// own before it starts, bound into its view.
+    pub fn snapshot_work(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("snapshot.tmp")
+    }
+
+    /// A suspended guest's committed snapshot.
+    pub fn snapshot(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("snapshot")
+    }
+
+    pub fn snapshot_manifest(&self, vm_id: &Id) -> PathBuf {
+        self.snapshot(vm_id).join("manifest.json")
+    }
+
+    /// A snapshot being committed: its files are moved here from
+    /// [`Layout::snapshot_work`], which stays its VMM's, then it is renamed
+    /// to [`Layout::snapshot`].
+    pub fn snapshot_incoming(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join(".snapshot-new")
+    }
+
+    /// A snapshot being removed: renamed here first, so no half-removed one
+    /// is ever under the committed name.
+    pub fn snapshot_discarded(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join(".snapshot-discarded")
     }
 
     pub fn efi_vars(&self, vm_id: &Id) -> PathBuf {
@@ -231,6 +293,12 @@ mod tests {
             layout.vfkit_pidfile(&vm),
             layout.hypervisor_log(&vm),
             layout.serial_log(&vm),
+            layout.serial_segment(&vm, 7),
+            layout.snapshot_work(&vm),
+            layout.snapshot(&vm),
+            layout.snapshot_manifest(&vm),
+            layout.snapshot_incoming(&vm),
+            layout.snapshot_discarded(&vm),
             layout.efi_vars(&vm),
             layout.images(),
             layout.image("SHA"),
@@ -264,6 +332,7 @@ mod tests {
                 let shown = shown
                     .replace("VMID", "<vm_id>")
                     .replace("VOLID", "<volume_id>")
+                    .replace("serial.7.log", "serial.<n>.log")
                     .replace("SHA", "<sha256>")
                     .replace(digest, "<digest>");
                 match shown.as_str() {

@@ -8,7 +8,7 @@
 //! - [`Lifecycle`]: the record's lifecycle fields (`create_attempts`,
 //!   `created_at`, `last_error`, `failed_at`, `failure_permanent`,
 //!   `boot_id`, `stop_requested`, `quarantined_at`,
-//!   `quarantine_tombstoned`), private to this module: everyone reads them
+//!   `quarantine_tombstoned`, `suspension`), private to this module: everyone reads them
 //!   through getters, and the transitions, methods on `Record` named for
 //!   what happened, are the only code that can write them. A pass that set
 //!   a field by hand does not compile. A pass reads as: decide, transition
@@ -30,7 +30,24 @@
 //!
 //!  any ── quarantine ──▶ Quarantined ── unquarantine ──▶ (the state before)
 //!                          └─ grace over: destroyed (the record is deleted)
+//!
+//!        suspend_intended          suspended            resume_intended
+//!  Up ─────────────────▶ Suspending ─────────▶ Suspended ──────────────▶ Resuming ── resumed ──▶ Up
+//!   ▲                      │ suspend_failed      │ suspension_discarded ──▶ Down       │
+//!   └──────────────────────┘                     └ suspension_lost ───────▶ Down ◀──────┘ suspension_lost
 //! ```
+//!
+//! A suspension's rules, which the engine's passes and `make chaos` hold:
+//! - Suspending is saved before the VMM is paused: a crash mid-suspend
+//!   finds either a live VMM (resumed, or suspended again) or a committed
+//!   snapshot (the suspend happened), never neither while the agent alone
+//!   died (a VMM outlives it).
+//! - Suspended holds what the backend saved ([`Saved`]); the VMM is gone,
+//!   so its absence is no crash, and neither is a host reboot.
+//! - Resuming is saved before the VMM that restores the snapshot starts:
+//!   from then the snapshot is spent. Its memory is stale the moment the
+//!   guest runs, so a resume that does not end with that VMM running is
+//!   never tried again: the VM is booted from its disks (`suspension_lost`).
 //!
 //! Departure from the reference, argued: the reference retries a failed
 //! create on the very next tick and fails it for good after the budget,
@@ -49,7 +66,7 @@ use serde::{Deserialize, Serialize};
 
 use super::Record;
 use super::record::unix_ms;
-use crate::model::{Phase, VmSpec};
+use crate::model::{Phase, Saved, VmSpec};
 
 /// A record's lifecycle fields: written only by the transitions below
 /// (the fields are private to this module), read through the getters. On
@@ -86,6 +103,39 @@ pub struct Lifecycle {
     /// which): no attempt was spent, and the next tick tries again.
     #[serde(default)]
     waiting_for_host: bool,
+    /// Where a suspension stands; absent in records of VMs never
+    /// suspended (and of older agents).
+    #[serde(default, skip_serializing_if = "Suspension::is_none")]
+    suspension: Suspension,
+}
+
+/// Where a VM's suspension stands (see the module's rules).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "lowercase")]
+pub enum Suspension {
+    #[default]
+    None,
+    /// Intended, saved before the VMM is paused; under way.
+    Suspending,
+    /// Its guest's state saved, as the backend made it.
+    Suspended(Saved),
+    /// Intended, saved before the VMM that restores it starts: the saved
+    /// state is spent from here.
+    Resuming,
+}
+
+impl Suspension {
+    pub fn is_none(&self) -> bool {
+        *self == Suspension::None
+    }
+
+    /// The saved state of a suspended VM.
+    pub fn saved(&self) -> Option<Saved> {
+        match self {
+            Suspension::Suspended(saved) => Some(*saved),
+            Suspension::None | Suspension::Suspending | Suspension::Resuming => None,
+        }
+    }
 }
 
 impl Lifecycle {
@@ -129,6 +179,10 @@ impl Lifecycle {
         self.waiting_for_host
     }
 
+    pub fn suspension(&self) -> Suspension {
+        self.suspension
+    }
+
     /// Any lifecycle at all, field by field, for tests that arrange a
     /// state no sequence of transitions reaches quickly (a table of every
     /// combination, a record an older agent wrote). Not in a release
@@ -146,6 +200,7 @@ impl Lifecycle {
             quarantined_at: parts.quarantined_at,
             quarantine_tombstoned: parts.quarantine_tombstoned,
             waiting_for_host: parts.waiting_for_host,
+            suspension: parts.suspension,
         }
     }
 
@@ -164,6 +219,7 @@ impl Lifecycle {
             quarantined_at: self.quarantined_at,
             quarantine_tombstoned: self.quarantine_tombstoned,
             waiting_for_host: self.waiting_for_host,
+            suspension: self.suspension,
         }
     }
 }
@@ -182,6 +238,7 @@ pub struct LifecycleParts {
     pub quarantined_at: Option<SystemTime>,
     pub quarantine_tombstoned: bool,
     pub waiting_for_host: bool,
+    pub suspension: Suspension,
 }
 
 /// The first retry waits this long after a failed attempt; each next one
@@ -206,6 +263,14 @@ pub enum State {
     Up,
     /// Created, and deliberately stopped: its absence is no crash.
     Down,
+    /// A suspend under way (or cut short by a crash): its VMM may be
+    /// paused, its snapshot written or committed.
+    Suspending,
+    /// Its guest's state saved ([`Suspension::Suspended`]); no VMM runs
+    /// and none should.
+    Suspended,
+    /// A resume under way (or cut short): its saved state is spent.
+    Resuming,
     /// Gone from desired state, stopped, waiting out its grace.
     Quarantined { tombstoned: bool },
 }
@@ -232,10 +297,12 @@ pub fn state(rec: &Record, budget: Budget) -> State {
         };
     }
     if !rec.lifecycle.boot_id.is_empty() {
-        return if rec.lifecycle.stop_requested {
-            State::Down
-        } else {
-            State::Up
+        return match rec.lifecycle.suspension {
+            Suspension::Suspending => State::Suspending,
+            Suspension::Suspended(_) => State::Suspended,
+            Suspension::Resuming => State::Resuming,
+            Suspension::None if rec.lifecycle.stop_requested => State::Down,
+            Suspension::None => State::Up,
         };
     }
     if rec.lifecycle.failure_permanent {
@@ -276,11 +343,13 @@ pub fn phase(rec: &Record, budget: Budget) -> Option<Phase> {
         State::Quarantined { .. } => None,
         State::Creating(Attempts::Open { .. } | Attempts::WaitingForHost) => Some(Phase::Creating),
         State::Creating(Attempts::Spent { .. } | Attempts::Permanent) => Some(Phase::Failed),
-        State::Up | State::Down => Some(if rec.lifecycle.last_error.is_empty() {
-            Phase::Ready
-        } else {
-            Phase::Failed
-        }),
+        State::Up | State::Down | State::Suspending | State::Suspended | State::Resuming => {
+            Some(if rec.lifecycle.last_error.is_empty() {
+                Phase::Ready
+            } else {
+                Phase::Failed
+            })
+        }
     }
 }
 
@@ -310,6 +379,9 @@ pub fn detail(rec: &Record, budget: Budget, now: SystemTime) -> String {
         State::Creating(Attempts::Open { .. })
         | State::Up
         | State::Down
+        | State::Suspending
+        | State::Suspended
+        | State::Resuming
         | State::Quarantined { .. } => String::new(),
     }
 }
@@ -401,11 +473,64 @@ impl Record {
     }
 
     /// A created VM's hypervisor was started (again); `boot_id` is the
-    /// host's now, which re-stamps a VM lost to a reboot.
+    /// host's now, which re-stamps a VM lost to a reboot. A boot from the
+    /// disks ends whatever suspension there was.
     pub fn booted(&mut self, boot_id: String) {
         self.lifecycle.boot_id = boot_id;
         self.lifecycle.stop_requested = false;
         self.lifecycle.last_error.clear();
+        self.lifecycle.suspension = Suspension::None;
+    }
+
+    /// A suspend is about to pause the VMM: saved first, so a crash
+    /// mid-suspend is finished (or undone) by the next pass, never taken
+    /// for a lost VM.
+    pub fn suspend_intended(&mut self) {
+        self.lifecycle.suspension = Suspension::Suspending;
+        self.lifecycle.stop_requested = false;
+    }
+
+    /// The guest's state is saved and committed, and its VMM is gone: its
+    /// absence is no crash, and neither is a host reboot.
+    pub fn suspended(&mut self, saved: Saved) {
+        self.lifecycle.suspension = Suspension::Suspended(saved);
+        self.lifecycle.stop_requested = true;
+        self.lifecycle.last_error.clear();
+    }
+
+    /// A suspend failed and its VMM was left running (or found gone): the
+    /// error is said, and the next pass tries again if it is still wanted.
+    pub fn suspend_failed(&mut self, error: String) {
+        self.lifecycle.suspension = Suspension::None;
+        self.lifecycle.last_error = error;
+    }
+
+    /// A resume is about to start the VMM that restores the saved state:
+    /// saved first, and from here the saved state is spent.
+    pub fn resume_intended(&mut self) {
+        self.lifecycle.suspension = Suspension::Resuming;
+        self.lifecycle.stop_requested = false;
+    }
+
+    /// The guest runs again where it left off, on a VMM started on this
+    /// host's `boot_id`.
+    pub fn resumed(&mut self, boot_id: String) {
+        self.booted(boot_id);
+    }
+
+    /// A suspended VM is to be stopped: its saved state is discarded, and it
+    /// is down, to be booted from its disks when it is wanted again.
+    pub fn suspension_discarded(&mut self) {
+        self.lifecycle.suspension = Suspension::None;
+        self.lifecycle.stop_requested = true;
+    }
+
+    /// The saved state cannot be used (gone, torn, taken with other disks,
+    /// or spent by a resume that did not end running): the VM is down, to
+    /// be booted from its disks. Never guessed at, never restored twice.
+    pub fn suspension_lost(&mut self) {
+        self.lifecycle.suspension = Suspension::None;
+        self.lifecycle.stop_requested = true;
     }
 
     pub fn boot_failed(&mut self, error: String) {
@@ -506,6 +631,57 @@ mod tests {
         assert_eq!(json["stop_requested"], true);
         assert!(json.get("lifecycle").is_none(), "{json}");
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn a_record_never_suspended_has_no_suspension_on_disk_and_a_suspended_one_keeps_it() {
+        let mut never = rec();
+        never.created("boot-1".into(), true);
+        let mut asleep = never.clone();
+        let saved = Saved {
+            taken_at_ms: 1_800_000_000_000,
+            bytes: 4096,
+            in_memory: false,
+        };
+        asleep.suspend_intended();
+        asleep.suspended(saved);
+
+        let never_json = serde_json::to_value(&never).expect("json");
+        let asleep_json = serde_json::to_value(&asleep).expect("json");
+        let back: Record = serde_json::from_value(asleep_json.clone()).expect("back");
+
+        assert!(never_json.get("suspension").is_none(), "{never_json}");
+        assert_eq!(asleep_json["suspension"]["state"], "suspended");
+        assert_eq!(back.lifecycle.suspension().saved(), Some(saved));
+        assert_eq!(state(&back, BUDGET), State::Suspended);
+    }
+
+    #[test]
+    fn a_resume_ends_the_suspension_and_the_vm_is_up_on_the_new_boot() {
+        let mut r = rec();
+        r.created("boot-1".into(), true);
+        r.suspend_intended();
+        r.suspended(Saved::default());
+        r.resume_intended();
+        assert_eq!(state(&r, BUDGET), State::Resuming);
+
+        r.resumed("boot-2".into());
+
+        assert_eq!(state(&r, BUDGET), State::Up);
+        assert_eq!(r.lifecycle.boot_id(), "boot-2");
+        assert!(r.lifecycle.suspension().is_none());
+    }
+
+    #[test]
+    fn a_lost_suspension_leaves_the_vm_down_to_be_booted_from_its_disks() {
+        let mut r = rec();
+        r.created("boot-1".into(), true);
+        r.resume_intended();
+
+        r.suspension_lost();
+
+        assert_eq!(state(&r, BUDGET), State::Down);
+        assert_eq!(phase(&r, BUDGET), Some(Phase::Ready));
     }
 
     #[test]

@@ -27,8 +27,8 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Simple};
-use crate::model::{DesiredVm, Id, PowerState, Snapshot, VmSpec, WantedVm};
-use crate::provision::{ExitListener, Provisioner, Say};
+use crate::model::{DesiredVm, Id, PowerState, Saved, Snapshot, VmSpec, WantedVm};
+use crate::provision::{ExitListener, Provisioner, SavedGuest, Say};
 use crate::reconcile::Seams;
 use crate::reconcile::seams::{
     HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
@@ -45,6 +45,8 @@ pub enum Op {
     Boot,
     Shutdown,
     Destroy,
+    Suspend,
+    Resume,
 }
 
 /// One call a fake received, in order across all seams.
@@ -58,6 +60,10 @@ pub enum Call {
     Boot(Id),
     Shutdown(Id),
     Destroy(Id),
+    Suspend(Id),
+    Resume(Id),
+    DiscardSuspension(Id),
+    Suspension(Id),
     Running(Id),
     FailureReason(Id),
     Address(Id),
@@ -69,7 +75,11 @@ impl Call {
     pub fn is_query(&self) -> bool {
         matches!(
             self,
-            Call::Running(_) | Call::FailureReason(_) | Call::Address(_) | Call::NetworkAddress(_)
+            Call::Running(_)
+                | Call::FailureReason(_)
+                | Call::Address(_)
+                | Call::NetworkAddress(_)
+                | Call::Suspension(_)
         )
     }
 }
@@ -165,6 +175,9 @@ pub struct Fakes {
     calls: Mutex<Vec<Call>>,
     rules: Mutex<HashMap<(Op, String), Rule>>,
     running: Mutex<HashSet<Id>>,
+    /// What holds each suspended VM's guest: a suspend puts it here, a
+    /// resume takes it (and runs the VM), a discard removes it.
+    saved: Mutex<HashMap<Id, SavedGuest>>,
     addresses: Mutex<HashMap<Id, Addresses>>,
     reasons: Mutex<HashMap<Id, String>>,
     progress: Mutex<HashMap<String, Vec<ProgressStep>>>,
@@ -185,6 +198,7 @@ impl Fakes {
             calls: Mutex::new(Vec::new()),
             rules: Mutex::new(HashMap::new()),
             running: Mutex::new(HashSet::new()),
+            saved: Mutex::new(HashMap::new()),
             addresses: Mutex::new(HashMap::new()),
             reasons: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),
@@ -289,6 +303,21 @@ impl Fakes {
         } else {
             set.remove(vm_id);
         }
+    }
+
+    /// What holds the VM's suspended guest from now on (`None`: nothing,
+    /// as if its saved state were deleted behind the agent's back).
+    pub fn set_saved(&self, vm_id: &Id, saved: Option<SavedGuest>) {
+        let mut all = self.saved.lock();
+        match saved {
+            Some(saved) => all.insert(vm_id.clone(), saved),
+            None => all.remove(vm_id),
+        };
+    }
+
+    /// What holds the VM's suspended guest now, as the fake has it.
+    pub fn saved(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.saved.lock().get(vm_id).cloned()
     }
 
     /// The addresses the fake reports for the VM; "" for none. A text that
@@ -481,6 +510,58 @@ impl Provisioner for Fakes {
     fn watch_exits(&self, listener: ExitListener) {
         *self.exits.lock() = Some(listener);
     }
+
+    /// Saves 64 MiB "taken" now and stops the VM's hypervisor, as the
+    /// cloud-hypervisor backend does.
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
+        self.record(Call::Suspend(vm_id.clone()));
+        say("suspending: saving the guest's state");
+        self.act(Op::Suspend, vm_id.as_str(), deadline)?;
+        let taken_at_ms = self
+            .now
+            .lock()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let saved = Saved {
+            taken_at_ms,
+            bytes: 64 << 20,
+            in_memory: false,
+        };
+        self.saved
+            .lock()
+            .insert(vm_id.clone(), SavedGuest::Usable(saved));
+        self.running.lock().remove(vm_id);
+        Ok(saved)
+    }
+
+    /// Runs a live hypervisor on, or one restored from a usable saved
+    /// state, which it then takes.
+    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        self.record(Call::Resume(vm_id.clone()));
+        self.act(Op::Resume, vm_id.as_str(), deadline)?;
+        let live = self.running.lock().contains(vm_id);
+        let saved = self.saved.lock().remove(vm_id);
+        match (live, saved) {
+            (true, _) | (false, Some(SavedGuest::Usable(_))) => {
+                self.running.lock().insert(vm_id.clone());
+                Ok(())
+            }
+            (false, Some(SavedGuest::Unusable(why))) => Err(Simple::transient(why).into()),
+            (false, None) => Err(Simple::transient("no saved state to resume").into()),
+        }
+    }
+
+    fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.record(Call::Suspension(vm_id.clone()));
+        self.saved.lock().get(vm_id).cloned()
+    }
+
+    fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
+        self.record(Call::DiscardSuspension(vm_id.clone()));
+        self.saved.lock().remove(vm_id);
+        Ok(())
+    }
 }
 
 impl Images for Fakes {
@@ -649,8 +730,16 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
         static SWEPT: std::sync::Once = std::sync::Once::new();
         SWEPT.call_once(sweep_stale_test_roots);
     }
+    // A root-only file of the test's own, like its KVM device: no test
+    // changes the host's device's ACL (the stand-in faults nothing in).
+    let userfaultfd = dir.join("userfaultfd");
+    if !userfaultfd.exists() {
+        let _ = std::fs::write(&userfaultfd, b"");
+        let _ = std::fs::set_permissions(&userfaultfd, std::fs::Permissions::from_mode(0o600));
+    }
     crate::provision::Confinement {
         kvm,
+        userfaultfd: Some(userfaultfd),
         cgroup_root: format!("{TEST_ROOT_PREFIX}{}", std::process::id()),
         ..crate::provision::Confinement::default()
     }

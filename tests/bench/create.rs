@@ -130,6 +130,7 @@ fn bare_confined_start(
         volumes: Vec::new(),
         serial_log: vm.join("serial.log"),
         log: vm.join("hypervisor.log"),
+        snapshot_work: vm.join("snapshot.tmp"),
     };
     for (path, len) in [
         (&files.root_disk, 1u64 << 20),
@@ -140,6 +141,8 @@ fn bare_confined_start(
         std::fs::File::create(path)?.set_len(len)?;
         std::os::unix::fs::chown(path, Some(uid), Some(uid))?;
     }
+    std::fs::create_dir_all(&files.snapshot_work)?;
+    std::os::unix::fs::chown(&files.snapshot_work, Some(uid), Some(uid))?;
     let socket = vm.join("api.sock");
     let api = OwnedFd::from(std::os::unix::net::UnixListener::bind(&socket)?);
     let tap_name = format!("eb{:04x}{n:02}", std::process::id() & 0xffff);
@@ -269,6 +272,7 @@ impl Bench {
             // The real VMM opens the real device (its group is given
             // access by an ACL entry, as on a host).
             confinement.kvm = PathBuf::from("/dev/kvm");
+            confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
         }
         let cfg = CloudHvConfig {
             hypervisor,

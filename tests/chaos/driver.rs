@@ -13,7 +13,11 @@
 //! 5. no volume is lost;
 //! 6. no temp file is left (checked after a clean stop);
 //! 7. `report.json` always parses (polled throughout);
-//! 8. the report matches the processes.
+//! 8. the report matches the processes;
+//! 9. every desired-suspended VM has no live VMM and a whole snapshot, and
+//!    every desired-running one no snapshot: never both, never neither;
+//! 10. no snapshot is restored twice (the stand-in writes a nonce into
+//!     each snapshot and logs it at each restore).
 
 // Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
 // cloud-hypervisor backend or its stand-in).
@@ -51,6 +55,7 @@ pub struct Summary {
 enum Want {
     Running,
     Stopped,
+    Suspended,
     /// Tombstoned: destroyed at once (the tombstone grace is zero).
     Gone,
 }
@@ -71,7 +76,11 @@ impl Desired {
                 Want::Gone => format!(r#"{{"vm_id":"{id}","tombstoned":true}}"#),
                 _ => format!(
                     r#"{{"vm_id":"{id}","name":"{id}","image_url":"{base_url}","image_sha256":"{base_sha}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"{}"}}"#,
-                    if *want == Want::Running { "running" } else { "stopped" }
+                    match want {
+                        Want::Running => "running",
+                        Want::Suspended => "suspended",
+                        Want::Stopped | Want::Gone => "stopped",
+                    }
                 ),
             })
             .collect();
@@ -242,6 +251,8 @@ impl Host {
     /// started on, read from their log).
     fn vmms(&self) -> BTreeMap<String, Vec<(i32, u64)>> {
         let serial_prefix = format!("file={}/vms/", self.state().display());
+        // A restoring VMM names its snapshot instead of its serial file.
+        let restore_prefix = format!("source_url=file://{}/vms/", self.state().display());
         let mut out: BTreeMap<String, Vec<(i32, u64)>> = BTreeMap::new();
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             let Some(pid) = entry
@@ -268,9 +279,15 @@ impl Host {
             }
             for arg in cmdline.split(|b| *b == 0) {
                 let arg = String::from_utf8_lossy(arg);
-                if let Some(rest) = arg.strip_prefix(&serial_prefix)
-                    && let Some(vm) = rest.strip_suffix("/serial.log")
-                {
+                let named = arg
+                    .strip_prefix(&serial_prefix)
+                    .and_then(|rest| rest.strip_suffix("/serial.log"))
+                    .or_else(|| {
+                        let rest = arg.strip_prefix(&restore_prefix)?;
+                        let (vm, tail) = rest.split_once('/')?;
+                        (tail == "snapshot" || tail.starts_with("snapshot,")).then_some(vm)
+                    });
+                if let Some(vm) = named {
                     let ino = self.started_on(vm, pid);
                     out.entry(vm.to_owned()).or_default().push((pid, ino));
                 }
@@ -287,6 +304,18 @@ impl Host {
             .rev()
             .find_map(|l| l.split(&needle).nth(1)?.trim().parse().ok())
             .unwrap_or(0)
+    }
+
+    /// The nonces of every snapshot the VM's VMMs restored, in order,
+    /// from its hypervisor log (which every VMM of it appends to).
+    fn restores(&self, vm: &str) -> Vec<String> {
+        let log = self.state().join("vms").join(vm).join("hypervisor.log");
+        std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split("standin-restored nonce=").nth(1))
+            .map(|n| n.trim().to_owned())
+            .collect()
     }
 
     fn records(&self) -> BTreeSet<String> {
@@ -308,12 +337,32 @@ impl Host {
         let report = self.report();
         for (vm, want) in &d.vms {
             let live = vmms.get(vm).map_or(0, Vec::len);
+            let snapshot = self
+                .state()
+                .join("vms")
+                .join(vm)
+                .join("snapshot/manifest.json")
+                .is_file();
             match want {
                 Want::Running if live != 1 => out.push(format!("{vm}: {live} live VMMs, want 1")),
-                Want::Stopped | Want::Gone if live != 0 => {
+                Want::Stopped | Want::Gone | Want::Suspended if live != 0 => {
                     out.push(format!("{vm}: {live} live VMMs, want none"))
                 }
                 _ => {}
+            }
+            match want {
+                Want::Suspended if !snapshot => {
+                    out.push(format!("{vm}: suspended with no whole snapshot"))
+                }
+                Want::Running | Want::Stopped if snapshot => {
+                    out.push(format!("{vm}: {want:?} with a snapshot left"))
+                }
+                _ => {}
+            }
+            let restores = self.restores(vm);
+            let mut seen = BTreeSet::new();
+            if let Some(twice) = restores.iter().find(|n| !seen.insert(*n)) {
+                out.push(format!("{vm}: snapshot {twice} restored twice"));
             }
             if *want == Want::Gone && records.contains(vm) {
                 out.push(format!("{vm}: tombstoned, still has a record"));
@@ -369,6 +418,7 @@ impl Host {
                     let good = match want {
                         Want::Running => says == Some(("running".into(), "ready".into())) && live,
                         Want::Stopped => says == Some(("stopped".into(), "ready".into())),
+                        Want::Suspended => says == Some(("suspended".into(), "ready".into())),
                         Want::Gone => row.is_none(),
                     };
                     if !good {
@@ -508,6 +558,24 @@ fn scenario(point: &str) -> (Desired, Desired) {
             vms(&[("vm-a", Stopped), ("vm-b", Running), ("vm-c", Stopped)]),
         ),
         "quarantine.saved" => (three.clone(), vms(&[("vm-b", Running), ("vm-c", Stopped)])),
+        "suspend.intent-saved"
+        | "suspend.snapshot-written"
+        | "suspend.committed"
+        | "suspend.vmm-stopped" => (
+            three.clone(),
+            vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),
+        ),
+        "resume.intent-saved"
+        | "resume.restore-started"
+        | "resume.resumed"
+        | "resume.snapshot-discarded" => (
+            vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),
+            three.clone(),
+        ),
+        "stop.snapshot-discarded" => (
+            vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),
+            vms(&[("vm-a", Stopped), ("vm-b", Running), ("vm-c", Stopped)]),
+        ),
         "destroy.vmm-gone" | "store.delete-renamed" => (
             three.clone(),
             vms(&[("vm-a", Gone), ("vm-b", Running), ("vm-c", Stopped)]),
@@ -585,10 +653,12 @@ fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
     let mut d = Desired::default();
     for id in ["vm-a", "vm-b", "vm-c", "vm-d", "vm-e"] {
         let r = rng.next_unit();
-        let want = if r < 0.45 {
+        let want = if r < 0.35 {
             Some(Want::Running)
-        } else if r < 0.65 {
+        } else if r < 0.5 {
             Some(Want::Stopped)
+        } else if r < 0.65 {
+            Some(Want::Suspended)
         } else if r < 0.8 {
             Some(Want::Gone)
         } else {

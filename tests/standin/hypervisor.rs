@@ -11,6 +11,16 @@
 //! - `vm.shutdown` keeps the process alive; `vmm.shutdown` answers 200,
 //!   removes the socket and exits 0.
 //! - The serial file is truncated at start and gets a boot line.
+//! - `vm.snapshot {"destination_url":"file://DIR"}` (the VM paused, as
+//!   v53 demands) writes `config.json` (what it was started with: serial
+//!   file, disks, memory, NICs), `state.json` and `memory-ranges` (its
+//!   memory's size, sparse: a few pages written) into DIR, which must
+//!   exist; `--restore source_url=file://DIR,…,net_fds=[net0@[N],…],resume=true`
+//!   reads them back: it truncates the serial file the config names and
+//!   writes a resume line (no boot line), holds its new taps, and runs
+//!   (or stays paused without `resume=true`). NICs in `net_fds` must be
+//!   the config's. Each snapshot carries a nonce, logged at each restore
+//!   (`standin-restored nonce=…`), so a snapshot restored twice shows.
 //! - Flags are checked as v53 checks them: an unknown flag or disk option is
 //!   an error (exit 2); a disk without `image_type` logs the deprecation of
 //!   format probing; `image_type` and `backing_files` take only their
@@ -39,6 +49,10 @@
 //!   its guest leaves behind.
 //! - `STANDIN_FLOOD_ANSWERS=1`: answer every API request with a status
 //!   line that never ends, as a VMM taken over by its guest could.
+//! - `STANDIN_SNAPSHOT_FAIL=1`: `vm.snapshot` answers 500.
+//! - `STANDIN_SNAPSHOT_EXTRA=name`: `vm.snapshot` also writes a file
+//!   called `name`, as a VMM its guest took over could.
+//! - `STANDIN_RESTORE_FAIL=1`: a restore logs an error and exits 1.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -99,6 +113,7 @@ const FLAGS: &[&str] = &[
     "landlock",
     "landlock-rules",
     "seccomp",
+    "restore",
 ];
 
 const DISK_KEYS: &[&str] = &[
@@ -163,6 +178,100 @@ fn check(args: &Args, log: &Log) -> Result<(), String> {
                 "invalid landlock rule {rule:?}: needs path= and access="
             ));
         }
+        let path = rule
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("path="))
+            .unwrap_or("");
+        if !Path::new(path).exists() {
+            return Err(format!(
+                "Path {path:?} provided in landlock-rules does not exist"
+            ));
+        }
+    }
+    if args.has("restore") && (args.has("kernel") || args.has("firmware")) {
+        return Err("--restore cannot be given with a payload".into());
+    }
+    Ok(())
+}
+
+/// What a snapshot's `config.json` holds (the stand-in's own shape, the
+/// real one's role): what the VM was started with.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Config {
+    serial: Option<String>,
+    disks: Vec<String>,
+    memory: String,
+    nets: Vec<String>,
+}
+
+impl Config {
+    fn of(args: &Args) -> Config {
+        let list = |flag: &str| args.flags.get(flag).cloned().unwrap_or_default();
+        let nets = list("net")
+            .iter()
+            .filter_map(|n| {
+                n.split(',')
+                    .find_map(|kv| kv.strip_prefix("id=").map(str::to_owned))
+            })
+            .collect();
+        Config {
+            serial: args.option("serial", "file"),
+            disks: list("disk")
+                .iter()
+                .filter_map(|d| {
+                    d.split(',')
+                        .find_map(|kv| kv.strip_prefix("path=").map(str::to_owned))
+                })
+                .collect(),
+            memory: args.option("memory", "size").unwrap_or_default(),
+            nets,
+        }
+    }
+
+    /// The memory's size in bytes (`512M`).
+    fn memory_bytes(&self) -> u64 {
+        self.memory
+            .trim_end_matches(['M', 'm'])
+            .parse::<u64>()
+            .unwrap_or(0)
+            << 20
+    }
+}
+
+/// Writes a snapshot of the VM started with `config` into `dir` (which
+/// must exist, as for the real one).
+fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
+    if !dir.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    let json = serde_json::to_vec(config).map_err(|e| e.to_string())?;
+    let write = |name: &str, bytes: &[u8]| {
+        std::fs::write(dir.join(name), bytes).map_err(|e| format!("{name}: {e}"))
+    };
+    write("config.json", &json)?;
+    // A nonce for the chaos harness: a snapshot restored twice logs one
+    // nonce twice.
+    let nonce = format!("{}-{}", std::process::id(), unix_ns());
+    write(
+        "state.json",
+        format!(r#"{{"standin":"device state","nonce":"{nonce}"}}"#).as_bytes(),
+    )?;
+    // Sparse, as the real one writes a shared memory: the size of the
+    // guest's memory, and only the pages it touched (a few) allocated.
+    let memory = File::create(dir.join("memory-ranges")).map_err(|e| e.to_string())?;
+    memory
+        .set_len(config.memory_bytes())
+        .map_err(|e| e.to_string())?;
+    {
+        use std::os::unix::fs::FileExt;
+        for page in 0..4u64 {
+            memory
+                .write_at(&[0x5a; 4096], page * (1 << 20))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    if let Some(name) = knob("STANDIN_SNAPSHOT_EXTRA") {
+        write(&name, b"planted")?;
     }
     Ok(())
 }
@@ -291,7 +400,18 @@ fn main() {
             );
         }
     }
-    if let Some(serial) = args.option("serial", "file") {
+    // A restore takes its VM from the snapshot's config instead.
+    let restored = match args.option("restore", "source_url") {
+        Some(url) => match restore(&args, &url, &log) {
+            Ok(config) => Some(config),
+            Err(e) => {
+                log.line(&format!("Error restoring VM: {e}"));
+                std::process::exit(1);
+            }
+        },
+        None => None,
+    };
+    if let (None, Some(serial)) = (&restored, args.option("serial", "file")) {
         let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
         if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
             std::thread::spawn(move || flood(&serial, rate, false));
@@ -382,7 +502,7 @@ fn main() {
         // SAFETY: the fd was inherited for this purpose and nothing else in
         // this process owns it.
         let listener = unsafe { UnixListener::from_raw_fd(fd) };
-        serve_all(listener, &args, &log, started_ns, None);
+        serve_all(listener, &args, &log, started_ns, None, restored);
         return;
     }
     let Some(socket) = args.option("api-socket", "path").map(PathBuf::from) else {
@@ -411,17 +531,73 @@ fn main() {
             std::process::exit(1);
         }
     };
-    serve_all(listener, &args, &log, started_ns, Some(socket));
+    serve_all(listener, &args, &log, started_ns, Some(socket), restored);
+}
+
+/// A restore from `url` (`file://DIR`, as `--restore source_url=` gives
+/// it): the snapshot's config read back, its NICs' new taps checked
+/// against it, its serial file truncated (as the real one does) with a
+/// resume line, and its root disk's inode logged for the chaos harness.
+fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
+    if knob("STANDIN_RESTORE_FAIL").is_some() {
+        return Err("restore refused (STANDIN_RESTORE_FAIL)".into());
+    }
+    let dir = url
+        .strip_prefix("file://")
+        .ok_or_else(|| format!("{url}: not a file:// URL"))?;
+    let dir = Path::new(dir);
+    let text = std::fs::read(dir.join("config.json")).map_err(|e| format!("config.json: {e}"))?;
+    let config: Config = serde_json::from_slice(&text).map_err(|e| format!("config.json: {e}"))?;
+    let state = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
+    let nonce = serde_json::from_slice::<serde_json::Value>(&state)
+        .ok()
+        .and_then(|v| v.get("nonce")?.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    // `net_fds=[net0@[4],net1@[5]]`: each id must be one of the config's.
+    let restore_arg = args
+        .flags
+        .get("restore")
+        .and_then(|v| v.first())
+        .cloned()
+        .unwrap_or_default();
+    if let Some(list) = restore_arg.split("net_fds=[").nth(1) {
+        // The list ends where its brackets close: `net0@[4],net1@[5]]`.
+        let mut depth = 1;
+        let end = list
+            .char_indices()
+            .find_map(|(i, c)| {
+                match c {
+                    '[' => depth += 1,
+                    ']' => depth -= 1,
+                    _ => {}
+                }
+                (depth == 0).then_some(i)
+            })
+            .unwrap_or(list.len());
+        for item in list[..end].split("],") {
+            let id = item.split('@').next().unwrap_or("");
+            if !id.is_empty() && !config.nets.iter().any(|n| n == id) {
+                return Err(format!("no net device {id:?} in the snapshot"));
+            }
+        }
+    }
+    if let Some(serial) = &config.serial {
+        std::fs::write(serial, "eitri standin: resumed\n").map_err(|e| format!("{serial}: {e}"))?;
+    }
+    log.line(&format!("standin-restored nonce={nonce}"));
+    Ok(config)
 }
 
 /// Serves the API on `listener` until `vmm.shutdown` (which removes
-/// `socket`, the path this process bound, if it bound one).
+/// `socket`, the path this process bound, if it bound one); `restored`:
+/// the config of the snapshot it restored.
 fn serve_all(
     listener: UnixListener,
     args: &Args,
     log: &Arc<Log>,
     started_ns: u128,
     socket: Option<PathBuf>,
+    restored: Option<Config>,
 ) {
     // For make bench-boot: this process's own time from main to a socket
     // that accepts, so the agent's overhead can be told apart from it.
@@ -431,24 +607,43 @@ fn serve_all(
     ));
     // For the chaos harness: which root disk this VMM runs on, so a disk
     // replaced under it (a new inode at its path) can be told.
-    if let Some(disk) = args.option("disk", "path") {
+    let resumes = args
+        .option("restore", "resume")
+        .is_some_and(|v| v == "true" || v == "on");
+    let first = match &restored {
+        Some(_) if !resumes => "Paused",
+        _ => "Running",
+    };
+    let config = Arc::new(restored.unwrap_or_else(|| Config::of(args)));
+    if let Some(disk) = config.disks.first() {
         use std::os::unix::fs::MetadataExt;
-        let ino = std::fs::metadata(&disk).map_or(0, |m| m.ino());
+        let ino = std::fs::metadata(disk).map_or(0, |m| m.ino());
         log.line(&format!(
             "standin-disk pid={} ino={ino}",
             std::process::id()
         ));
     }
     log.line("VM booted");
-    let state = Arc::new(Mutex::new(String::from("Running")));
+    let state = Arc::new(Mutex::new(String::from(first)));
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        let (state, log, socket) = (Arc::clone(&state), Arc::clone(log), socket.clone());
-        std::thread::spawn(move || serve(conn, &state, &log, socket.as_deref()));
+        let (state, log, socket, config) = (
+            Arc::clone(&state),
+            Arc::clone(log),
+            socket.clone(),
+            Arc::clone(&config),
+        );
+        std::thread::spawn(move || serve(conn, &state, &log, socket.as_deref(), &config));
     }
 }
 
-fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: Option<&Path>) {
+fn serve(
+    conn: UnixStream,
+    state: &Mutex<String>,
+    log: &Log,
+    socket: Option<&Path>,
+    config: &Config,
+) {
     let Ok(write_half) = conn.try_clone() else {
         return;
     };
@@ -530,6 +725,33 @@ fn serve(conn: UnixStream, state: &Mutex<String>, log: &Log, socket: Option<&Pat
                 ("PUT", "/api/v1/vm.pause") => {
                     *s = "Paused".into();
                     (204, String::new(), false)
+                }
+                ("PUT", "/api/v1/vm.snapshot") if *s != "Paused" => (
+                    500,
+                    r#"["Error from API","The VM could not be snapshotted","VM is not paused"]"#
+                        .to_owned(),
+                    false,
+                ),
+                ("PUT", "/api/v1/vm.snapshot") if knob("STANDIN_SNAPSHOT_FAIL").is_some() => (
+                    500,
+                    r#"["Error from API","The VM could not be snapshotted","STANDIN_SNAPSHOT_FAIL"]"#
+                        .to_owned(),
+                    false,
+                ),
+                ("PUT", "/api/v1/vm.snapshot") => {
+                    let dir = serde_json::from_slice::<serde_json::Value>(&body)
+                        .ok()
+                        .and_then(|v| v.get("destination_url")?.as_str().map(str::to_owned))
+                        .and_then(|url| url.strip_prefix("file://").map(PathBuf::from));
+                    match dir.map(|d| write_snapshot(&d, config)) {
+                        Some(Ok(())) => (204, String::new(), false),
+                        Some(Err(e)) => (
+                            500,
+                            format!(r#"["Error from API","The VM could not be snapshotted","{}"]"#, e.replace('"', "'")),
+                            false,
+                        ),
+                        None => (400, r#"["Error from API","no destination_url"]"#.to_owned(), false),
+                    }
                 }
                 ("PUT", "/api/v1/vm.delete") => {
                     *s = "Deleted".into();

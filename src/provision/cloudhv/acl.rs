@@ -1,4 +1,5 @@
-//! Letting the jailed hypervisors' group open /dev/kvm.
+//! Letting the jailed hypervisors' group open /dev/kvm (and, for a VMM that
+//! resumes, /dev/userfaultfd).
 //!
 //! Every VMM runs as its own user, with one shared supplementary group that
 //! may open the KVM device. A host whose /dev/kvm already belongs to that
@@ -33,6 +34,24 @@ struct Entry {
     tag: u16,
     perm: u16,
     id: u32,
+}
+
+/// Makes `path` open to group `gid` for reading and writing: nothing if
+/// it already is, else an ACL entry, checked after it is written.
+pub fn give_group_read_write(path: &Path, gid: u32) -> io::Result<()> {
+    if group_may_read_write(path, gid).unwrap_or(false) {
+        return Ok(());
+    }
+    grant_group(path, gid)?;
+    if group_may_read_write(path, gid)? {
+        log::info!(
+            "gave the hypervisors' group {gid} read-write access to {} (an ACL entry)",
+            path.display()
+        );
+        Ok(())
+    } else {
+        Err(io::Error::other("the entry was written but grants nothing"))
+    }
 }
 
 /// Whether members of group `gid` may open `path` for reading and writing.

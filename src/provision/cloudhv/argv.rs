@@ -7,13 +7,23 @@
 //! the API socket as an inherited listening fd (the agent binds it, so the
 //! jailed VMM creates nothing in the run dir), the guest's kernel or
 //! firmware, the disks (root, then the seed read-only, then the volumes in
-//! the spec's order), one `--net` per NIC as an inherited tap fd, serial
+//! the spec's order), one `--net` per NIC as an inherited tap fd named
+//! `net0`, `net1` (a restore hands each its new tap by that name), serial
 //! output to a file and the virtio console off (it would be the agent's
-//! tty), CPUs, memory, the VMM's own log, and Landlock when the host has
-//! it (the VMM then confines itself to the files this command line names).
+//! tty), CPUs, memory shared (a memfd: its snapshot is written sparse,
+//! only the pages the guest touched), the VMM's own log, and Landlock when
+//! the host has it (the VMM then confines itself to the files this
+//! command line names, and its snapshot directory).
 //!
-//! The root disk's argument, `path=<state>/vms/<id>/disk.raw,…`, is also
-//! how the agent knows a VM's VMM by its command line.
+//! A resume starts the VMM with [`restore_argv`] instead: the API socket,
+//! the snapshot to restore (its memory faulted in on demand where the host
+//! allows it), the new taps by NIC name, resumed as soon as it is restored.
+//! The VM's configuration (disks, serial file, Landlock rules) is the
+//! snapshot's own.
+//!
+//! The root disk's argument, `path=<state>/vms/<id>/disk.raw,…`, and a
+//! restore's `source_url=file://<state>/vms/<id>/snapshot,…` are also how
+//! the agent knows a VM's VMM by its command line.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -37,6 +47,8 @@ pub struct VmFiles {
     pub volumes: Vec<PathBuf>,
     pub serial_log: PathBuf,
     pub log: PathBuf,
+    /// Where the VMM writes a snapshot when the VM is suspended.
+    pub snapshot_work: PathBuf,
 }
 
 /// A NIC as the VMM is given it: a tap fd it inherits, and the guest MAC.
@@ -89,8 +101,8 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
     }
     if !shape.nics.is_empty() {
         arg("--net".into());
-        for nic in shape.nics {
-            arg(format!("fd={},mac={}", nic.fd, nic.mac).into());
+        for (i, nic) in shape.nics.iter().enumerate() {
+            arg(format!("fd={},mac={},id={}", nic.fd, nic.mac, nic_id(i)).into());
         }
     }
     arg("--serial".into());
@@ -100,13 +112,77 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
     arg("--cpus".into());
     arg(format!("boot={}", shape.vcpus).into());
     arg("--memory".into());
-    arg(format!("size={}M", shape.mem_mb).into());
+    arg(format!("size={}M,shared=on", shape.mem_mb).into());
     arg("--log-file".into());
     arg(files.log.clone().into_os_string());
     if shape.landlock {
         arg("--landlock".into());
+        arg("--landlock-rules".into());
+        arg(option("path=", &files.snapshot_work, ",access=rw"));
     }
     args
+}
+
+/// What a new VMM does once it runs.
+#[derive(Clone, Copy, Debug)]
+pub enum Launch<'a> {
+    /// Boots its guest from the disks ([`argv`]).
+    Boot,
+    /// Restores the snapshot at `snapshot` (read-only in its view), and
+    /// resumes it ([`restore_argv`]).
+    Restore {
+        snapshot: &'a Path,
+        memory: MemoryRestore,
+    },
+}
+
+/// How a restored VMM fills its guest's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryRestore {
+    /// Each page read from the snapshot on its first touch (userfaultfd):
+    /// the guest runs in milliseconds, whatever its size.
+    OnDemand,
+    /// The whole snapshot read before the guest runs.
+    Copy,
+}
+
+/// The arguments of a VMM that restores the snapshot at `snapshot` and
+/// resumes it: its API socket and NICs as at boot (`shape`; its vCPUs and
+/// memory are the snapshot's), its log.
+pub fn restore_argv(
+    snapshot: &Path,
+    memory: MemoryRestore,
+    log: &Path,
+    shape: &VmShape<'_>,
+) -> Vec<OsString> {
+    let mut source = option("source_url=file://", snapshot, "");
+    source.push(match memory {
+        MemoryRestore::OnDemand => ",memory_restore_mode=ondemand",
+        MemoryRestore::Copy => ",memory_restore_mode=copy",
+    });
+    if !shape.nics.is_empty() {
+        let nets: Vec<String> = shape
+            .nics
+            .iter()
+            .enumerate()
+            .map(|(i, nic)| format!("{}@[{}]", nic_id(i), nic.fd))
+            .collect();
+        source.push(format!(",net_fds=[{}]", nets.join(",")));
+    }
+    source.push(",resume=true");
+    vec![
+        "--api-socket".into(),
+        format!("fd={}", shape.api_fd).into(),
+        "--restore".into(),
+        source,
+        "--log-file".into(),
+        log.as_os_str().to_owned(),
+    ]
+}
+
+/// The name of the VM's `i`-th NIC, as its VMM knows it.
+fn nic_id(i: usize) -> String {
+    format!("net{i}")
 }
 
 /// `key` + the path + `rest`, as one argument, whatever bytes the path has.
@@ -128,6 +204,7 @@ mod tests {
             volumes: volumes.iter().map(PathBuf::from).collect(),
             serial_log: "/var/lib/eitri/vms/web-1/serial.log".into(),
             log: "/var/lib/eitri/vms/web-1/hypervisor.log".into(),
+            snapshot_work: "/var/lib/eitri/vms/web-1/snapshot.tmp".into(),
         }
     }
 
@@ -178,7 +255,7 @@ mod tests {
                 "path=/var/lib/eitri/vms/web-1/disk.raw,image_type=raw,backing_files=off",
                 "path=/var/lib/eitri/vms/web-1/seed.iso,readonly=on,image_type=raw,backing_files=off",
                 "--net",
-                "fd=4,mac=02:00:00:00:00:01",
+                "fd=4,mac=02:00:00:00:00:01,id=net0",
                 "--serial",
                 "file=/var/lib/eitri/vms/web-1/serial.log",
                 "--console",
@@ -186,10 +263,12 @@ mod tests {
                 "--cpus",
                 "boot=2",
                 "--memory",
-                "size=512M",
+                "size=512M,shared=on",
                 "--log-file",
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
                 "--landlock",
+                "--landlock-rules",
+                "path=/var/lib/eitri/vms/web-1/snapshot.tmp,access=rw",
             ]
         );
     }
@@ -221,8 +300,8 @@ mod tests {
                 "path=/var/lib/eitri/volumes/data-1,image_type=raw,backing_files=off",
                 "path=/var/lib/eitri/volumes/logs,image_type=raw,backing_files=off",
                 "--net",
-                "fd=4,mac=02:00:00:00:00:01",
-                "fd=5,mac=02:00:00:00:00:02",
+                "fd=4,mac=02:00:00:00:00:01,id=net0",
+                "fd=5,mac=02:00:00:00:00:02,id=net1",
                 "--serial",
                 "file=/var/lib/eitri/vms/web-1/serial.log",
                 "--console",
@@ -230,10 +309,12 @@ mod tests {
                 "--cpus",
                 "boot=1",
                 "--memory",
-                "size=128M",
+                "size=128M,shared=on",
                 "--log-file",
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
                 "--landlock",
+                "--landlock-rules",
+                "path=/var/lib/eitri/vms/web-1/snapshot.tmp,access=rw",
             ]
         );
     }
@@ -256,6 +337,43 @@ mod tests {
                 "{disk}"
             );
         }
+    }
+
+    #[test]
+    fn a_restore_names_its_snapshot_its_memory_mode_and_each_nics_new_tap() {
+        let args = restore_argv(
+            Path::new("/var/lib/eitri/vms/web-1/snapshot"),
+            MemoryRestore::OnDemand,
+            Path::new("/var/lib/eitri/vms/web-1/hypervisor.log"),
+            &shape(&[nic(4, 1), nic(5, 2)], 1, 128),
+        );
+
+        assert_eq!(
+            text(args),
+            [
+                "--api-socket",
+                "fd=3",
+                "--restore",
+                "source_url=file:///var/lib/eitri/vms/web-1/snapshot,memory_restore_mode=ondemand,net_fds=[net0@[4],net1@[5]],resume=true",
+                "--log-file",
+                "/var/lib/eitri/vms/web-1/hypervisor.log",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_restore_without_nics_or_userfaultfd_copies_and_names_no_taps() {
+        let args = text(restore_argv(
+            Path::new("/s/vms/a/snapshot"),
+            MemoryRestore::Copy,
+            Path::new("/s/vms/a/hypervisor.log"),
+            &shape(&[], 1, 64),
+        ));
+
+        assert_eq!(
+            args[3],
+            "source_url=file:///s/vms/a/snapshot,memory_restore_mode=copy,resume=true"
+        );
     }
 
     #[test]

@@ -120,6 +120,16 @@ pub enum CloudHvError {
         source: io::Error,
     },
     /// The thread joining the VM's taps to the host's networks panicked.
+    /// No VMM of the VM runs (to suspend).
+    NotRunning {
+        vm_id: Id,
+    },
+    /// A step of a suspend or a resume failed: what it was `doing`, and why.
+    Suspension {
+        vm_id: Id,
+        doing: &'static str,
+        why: String,
+    },
     /// A helper thread of the VM's boot panicked (a bug): what it was
     /// `doing`, and its panic's message.
     Panicked {
@@ -221,6 +231,10 @@ impl fmt::Display for CloudHvError {
             E::Pidfile { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot write its pidfile {}", path.display())
             }
+            E::NotRunning { vm_id } => write!(f, "VM {vm_id}: its hypervisor is not running"),
+            E::Suspension { vm_id, doing, why } => {
+                write!(f, "VM {vm_id}: cannot {doing}: {why}")
+            }
             E::Panicked { vm_id, doing, why } => write!(
                 f,
                 "VM {vm_id}: {doing} failed inside the agent (a bug: {why}; see the agent's log)"
@@ -259,7 +273,9 @@ impl std::error::Error for CloudHvError {
             | E::Unreachable { .. }
             | E::NoBootFile
             | E::NetworkNotServed { .. }
-            | E::Panicked { .. } => None,
+            | E::Panicked { .. }
+            | E::NotRunning { .. }
+            | E::Suspension { .. } => None,
         }
     }
 }
@@ -298,6 +314,8 @@ impl CloudHvError {
             | E::Start { .. }
             | E::Pidfile { .. }
             | E::Panicked { .. }
+            | E::NotRunning { .. }
+            | E::Suspension { .. }
             | E::RemoveTap { .. } => Kind::Transient,
             E::Supervise(e) if e.is_permanent() => Kind::Permanent,
             E::Supervise(e) if e.is_host_condition() => Kind::Host,

@@ -40,6 +40,7 @@ mod reach;
 mod serial;
 mod spawn;
 mod stop;
+mod suspend;
 pub mod tap;
 pub mod view;
 mod vmm;
@@ -57,10 +58,10 @@ pub use self::error::CloudHvError;
 use self::process::Tracked;
 use self::watch::ExitWatch;
 use super::supervise::{self, Children, StopTimeouts};
-use super::{ExitListener, Provisioner, Say};
+use super::{ExitListener, Provisioner, SavedGuest, Say};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
-use crate::model::{Id, Mac, VmSpec};
+use crate::model::{Id, Mac, Saved, VmSpec};
 use crate::stages;
 use crate::state::Store;
 
@@ -189,9 +190,8 @@ impl CloudHypervisor {
     /// process. Those nothing explains are stopped, and said.
     fn adopt(&self, known: &[Id]) -> Vec<String> {
         let mut notes = Vec::new();
-        let ours = format!("path={}/", self.store.layout().vms().display());
-        for (tracked, arg) in process::scan(ours.as_bytes(), true) {
-            let Some(vm_id) = self.vm_of_disk_arg(&arg) else {
+        for (tracked, arg) in self.scan_ours() {
+            let Some(vm_id) = self.vm_of_arg(&arg) else {
                 continue;
             };
             if !self.runs_as_ours(tracked, &vm_id) {
@@ -310,28 +310,55 @@ impl CloudHypervisor {
     }
 
     /// Whether `tracked` is this VM's VMM: its command line names the VM's
-    /// root disk, and it runs as root or as the VM's own user, which no
-    /// local user can (so no process of theirs can pass for a VMM).
+    /// root disk (or, restoring it, its snapshot), and it runs as root or
+    /// as the VM's own user, which no local user can (so no process of
+    /// theirs can pass for a VMM).
     fn is_vmm_of(&self, vm_id: &Id, tracked: Tracked) -> bool {
-        let names_its_disk = fs::read(format!("/proc/{}/cmdline", tracked.pid)).is_ok_and(|c| {
+        let names_it = fs::read(format!("/proc/{}/cmdline", tracked.pid)).is_ok_and(|c| {
             c.split(|b| *b == 0)
-                .any(|arg| self.vm_of_disk_arg(arg).as_ref() == Some(vm_id))
+                .any(|arg| self.vm_of_arg(arg).as_ref() == Some(vm_id))
         });
-        names_its_disk && self.runs_as_ours(tracked, vm_id)
+        names_it && self.runs_as_ours(tracked, vm_id)
     }
 
-    /// The VM whose root disk `arg` names: `path=<state>/vms/<id>/disk.raw`,
-    /// alone or followed by `,` and options.
-    fn vm_of_disk_arg(&self, arg: &[u8]) -> Option<Id> {
-        let prefix = format!("path={}/", self.store.layout().vms().display());
-        let rest = arg.strip_prefix(prefix.as_bytes())?;
-        let slash = rest.iter().position(|b| *b == b'/')?;
-        let (id, tail) = rest.split_at(slash);
-        let tail = tail.strip_prefix(b"/disk.raw")?;
-        if !(tail.is_empty() || tail.starts_with(b",")) {
-            return None;
-        }
-        Id::parse(std::str::from_utf8(id).ok()?).ok()
+    /// The two arguments by which a VMM names its VM: a boot's root disk
+    /// (`path=<state>/vms/<id>/disk.raw`) and a restore's snapshot
+    /// (`source_url=file://<state>/vms/<id>/snapshot`), each alone or
+    /// followed by `,` and options: (the argument's start, the file it
+    /// names in the VM's directory).
+    fn naming_args(&self) -> [(String, &'static [u8]); 2] {
+        let vms = self.store.layout().vms();
+        [
+            (format!("path={}/", vms.display()), b"/disk.raw"),
+            (
+                format!("source_url=file://{}/", vms.display()),
+                b"/snapshot",
+            ),
+        ]
+    }
+
+    /// The VM whose root disk or snapshot `arg` names (see
+    /// [`CloudHypervisor::naming_args`]).
+    fn vm_of_arg(&self, arg: &[u8]) -> Option<Id> {
+        self.naming_args().into_iter().find_map(|(prefix, file)| {
+            let rest = arg.strip_prefix(prefix.as_bytes())?;
+            let slash = rest.iter().position(|b| *b == b'/')?;
+            let (id, tail) = rest.split_at(slash);
+            let tail = tail.strip_prefix(file)?;
+            if !(tail.is_empty() || tail.starts_with(b",")) {
+                return None;
+            }
+            Id::parse(std::str::from_utf8(id).ok()?).ok()
+        })
+    }
+
+    /// Every process whose command line names one of this agent's VMs (see
+    /// [`CloudHypervisor::naming_args`]), with that argument.
+    fn scan_ours(&self) -> Vec<(Tracked, Vec<u8>)> {
+        self.naming_args()
+            .iter()
+            .flat_map(|(prefix, _)| process::scan(prefix.as_bytes(), true))
+            .collect()
     }
 
     /// Whether the process runs as root or as the VM's own user.
@@ -348,12 +375,9 @@ impl CloudHypervisor {
     /// The VM's VMM found by its command line, its pidfile rewritten to it
     /// and its exit watched (it is not this agent's child).
     fn find_by_cmdline(&self, vm_id: &Id) -> Option<Tracked> {
-        let disk = format!("path={}", self.store.layout().root_disk(vm_id).display());
-        let (tracked, _) = process::scan(disk.as_bytes(), true)
-            .into_iter()
-            .find(|(t, arg)| {
-                self.vm_of_disk_arg(arg).as_ref() == Some(vm_id) && self.runs_as_ours(*t, vm_id)
-            })?;
+        let (tracked, _) = self.scan_ours().into_iter().find(|(t, arg)| {
+            self.vm_of_arg(arg).as_ref() == Some(vm_id) && self.runs_as_ours(*t, vm_id)
+        })?;
         self.take_over(vm_id, tracked);
         Some(tracked)
     }
@@ -374,6 +398,62 @@ impl CloudHypervisor {
         if let Some(watch) = &self.watch {
             watch.watch(vm_id, tracked);
         }
+    }
+}
+
+impl CloudHypervisor {
+    /// Starts the VM's VMM to do what `launch` says, on taps of its own
+    /// (opened here, joined to the host's networks alongside, see
+    /// [`Provisioner::boot`]), and waits for its API to say Running.
+    /// `started` is called once the VMM runs, before the wait.
+    fn start_vmm(
+        &self,
+        spec: &VmSpec,
+        launch: argv::Launch<'_>,
+        deadline: Deadline,
+        started: impl FnOnce(),
+    ) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        let taps = stages::timed("tap open", || self.open_nics(spec))?;
+        let (plugged, booted) = crate::threads::alongside(
+            &format!("plug-{vm_id}"),
+            || stages::timed("plug", || self.plug_nics(spec)),
+            || {
+                self.spawn(spec, taps, launch).and_then(|tracked| {
+                    started();
+                    self.await_running(vm_id, tracked, deadline)
+                        .map(|()| tracked)
+                })
+            },
+        );
+        let plugged = plugged.unwrap_or_else(|why| {
+            log::error!("VM {vm_id}: plugging its taps panicked: {why}");
+            Err(CloudHvError::Panicked {
+                vm_id: vm_id.clone(),
+                doing: "joining its taps to the host's networks (the hypervisor was stopped)",
+                why,
+            }
+            .into())
+        });
+        match (booted, plugged) {
+            (Ok(_), Ok(())) => Ok(()),
+            (Ok(tracked), Err(e)) => {
+                supervise::ladder::kill(&self.vmm(vm_id, tracked));
+                Err(e)
+            }
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// The disks a snapshot of the VM is taken with: its root disk and its
+    /// volumes, as its record's spec names them.
+    fn disks_of(&self, vm_id: &Id) -> Vec<PathBuf> {
+        let layout = self.store.layout();
+        let mut disks = vec![layout.root_disk(vm_id)];
+        if let Ok(Some(rec)) = self.store.get(vm_id) {
+            disks.extend(layout.volumes_of(&rec.spec));
+        }
+        disks
     }
 }
 
@@ -423,38 +503,10 @@ impl Provisioner for CloudHypervisor {
     /// and Running is said only once both are done; a plug that fails
     /// kills the VMM it was for.
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
-        let vm_id = &spec.vm_id;
-        if stages::timed("find", || self.find(vm_id)).is_some() {
+        if stages::timed("find", || self.find(&spec.vm_id)).is_some() {
             return Ok(());
         }
-        let taps = stages::timed("tap open", || self.open_nics(spec))?;
-        let (plugged, booted) = crate::threads::alongside(
-            &format!("plug-{vm_id}"),
-            || stages::timed("plug", || self.plug_nics(spec)),
-            || {
-                self.spawn(spec, taps).and_then(|tracked| {
-                    self.await_running(vm_id, tracked, deadline)
-                        .map(|()| tracked)
-                })
-            },
-        );
-        let plugged = plugged.unwrap_or_else(|why| {
-            log::error!("VM {vm_id}: plugging its taps panicked: {why}");
-            Err(CloudHvError::Panicked {
-                vm_id: vm_id.clone(),
-                doing: "joining its taps to the host's networks (the hypervisor was stopped)",
-                why,
-            }
-            .into())
-        });
-        match (booted, plugged) {
-            (Ok(_), Ok(())) => Ok(()),
-            (Ok(tracked), Err(e)) => {
-                supervise::ladder::kill(&self.vmm(vm_id, tracked));
-                Err(e)
-            }
-            (Err(e), _) => Err(e),
-        }
+        self.start_vmm(spec, argv::Launch::Boot, deadline, || {})
     }
 
     fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
@@ -554,5 +606,21 @@ impl Provisioner for CloudHypervisor {
 
     fn adopt(&self, vm_id: &Id) -> bool {
         self.find(vm_id).is_some()
+    }
+
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
+        self.suspend_vm(&self.disks_of(vm_id), vm_id, deadline, say)
+    }
+
+    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+        self.resume_vm(spec, deadline)
+    }
+
+    fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.saved_guest(vm_id)
+    }
+
+    fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
+        self.discard_saved(vm_id)
     }
 }

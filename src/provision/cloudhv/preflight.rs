@@ -102,33 +102,14 @@ impl CloudHypervisor {
     /// already, or an ACL entry is added (see [`super::acl`]).
     pub(super) fn open_kvm_to(&self, group: u32) -> Result<(), BoxFailure> {
         let kvm = &self.cfg.confinement.kvm;
-        if acl::group_may_read_write(kvm, group).unwrap_or(false) {
-            return Ok(());
-        }
-        let granted = acl::grant_group(kvm, group).and_then(|()| {
-            if acl::group_may_read_write(kvm, group)? {
-                Ok(())
-            } else {
-                Err(std::io::Error::other(
-                    "the entry was written but grants nothing",
-                ))
-            }
-        });
-        match granted {
-            Ok(()) => {
-                log::info!(
-                    "gave the hypervisors' group {group} read-write access to {} (an ACL entry)",
-                    kvm.display()
-                );
-                Ok(())
-            }
-            Err(source) => Err(CloudHvError::KvmGroup {
+        acl::give_group_read_write(kvm, group).map_err(|source| {
+            CloudHvError::KvmGroup {
                 path: kvm.clone(),
                 group,
                 source,
             }
-            .into()),
-        }
+            .into()
+        })
     }
 
     /// The first line `--version` prints, within a bound.

@@ -8,7 +8,7 @@
 //! 3. Its jail (see [`super::jail`]): its own user id, its files made
 //!    its own, the KVM device open to its group, its limits.
 //! 4. Its command line, from [`argv`] (pure).
-//! 5. The start, held before exec (see [`fork`](super::fork)): the pidfile
+//! 5. The start, held before exec (see [`fork`]): the pidfile
 //!    (pid and start time) is written while the child enters its jail,
 //!    and only then is it released to exec. A crash at any point leaves a
 //!    tracked VMM or none.
@@ -22,7 +22,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
-use super::argv::{GuestImage, Nic, VmFiles, VmShape, argv};
+use super::argv::{GuestImage, Launch, MemoryRestore, Nic, VmFiles, VmShape, argv, restore_argv};
 use super::error::CloudHvError;
 use super::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
 use super::jail;
@@ -37,12 +37,13 @@ use crate::provision::supervise;
 use crate::stages::timed;
 
 impl CloudHypervisor {
-    /// Starts the VM's VMM (see the module steps) on its opened `taps`
-    /// and returns it, tracked.
+    /// Starts the VM's VMM (see the module steps) on its opened `taps`,
+    /// to do what `launch` says, and returns it, tracked.
     pub(super) fn spawn(
         &self,
         spec: &VmSpec,
         taps: Vec<(OwnedFd, Mac)>,
+        launch: Launch<'_>,
     ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
         timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
@@ -57,7 +58,7 @@ impl CloudHypervisor {
                 mac: *mac,
             })
             .collect();
-        let jail = timed("jail", || self.jail(spec, &files))?;
+        let jail = timed("jail", || self.jail(spec, &files, launch))?;
         let landlock = timed("landlock", || self.confined.uses(Piece::Landlock))?;
         let shape = VmShape {
             api_fd: FIRST_OWN_FD,
@@ -66,7 +67,12 @@ impl CloudHypervisor {
             mem_mb: spec.mem_mb,
             landlock,
         };
-        let args = argv(self.guest_image(), &files, &shape);
+        let args = match launch {
+            Launch::Boot => argv(self.guest_image(), &files, &shape),
+            Launch::Restore { snapshot, memory } => {
+                restore_argv(snapshot, memory, &files.log, &shape)
+            }
+        };
         let mut own = vec![&api];
         own.extend(taps.iter().map(|(fd, _)| fd));
         let cgroups = timed("cgroups", || self.confined.cgroups())?;
@@ -116,9 +122,20 @@ impl CloudHypervisor {
     /// allowed that: its id, its files made its own (they must exist
     /// before: the VMM can create nothing), the KVM device open to its
     /// group, limits sized for the VM.
-    fn jail(&self, spec: &VmSpec, files: &VmFiles) -> Result<Option<Jail>, BoxFailure> {
+    fn jail(
+        &self,
+        spec: &VmSpec,
+        files: &VmFiles,
+        launch: Launch<'_>,
+    ) -> Result<Option<Jail>, BoxFailure> {
         let vm_id = &spec.vm_id;
         let Some(ids) = self.confined.jail()? else {
+            super::suspend::fresh_work_dir(&files.snapshot_work, None).map_err(|source| {
+                CloudHvError::GiveFiles {
+                    vm_id: vm_id.clone(),
+                    source,
+                }
+            })?;
             return Ok(None);
         };
         timed("kvm access", || self.open_kvm_to(ids.kvm_group))?;
@@ -130,7 +147,15 @@ impl CloudHypervisor {
             files.log.clone(),
         ];
         own.extend(files.volumes.iter().cloned());
-        timed("give files", || jail::give(&own, id)).map_err(|source| CloudHvError::GiveFiles {
+        timed("give files", || {
+            jail::give(&own, id)?;
+            super::suspend::fresh_work_dir(&files.snapshot_work, Some(id))?;
+            match launch {
+                Launch::Boot => Ok(()),
+                Launch::Restore { snapshot, .. } => super::suspend::lend(snapshot, id),
+            }
+        })
+        .map_err(|source| CloudHvError::GiveFiles {
             vm_id: vm_id.clone(),
             source,
         })?;
@@ -143,13 +168,11 @@ impl CloudHypervisor {
             .unwrap_or(0)
             .max(spec.disk_gb.saturating_mul(1 << 30));
         let mut jail = jail::jail_for(spec, id, ids.kvm_group, largest_disk);
-        jail.view =
-            Some(
-                timed("view", || self.view(files)).map_err(|source| CloudHvError::View {
-                    vm_id: vm_id.clone(),
-                    source,
-                })?,
-            );
+        let view = timed("view", || self.view(files, launch));
+        jail.view = Some(view.map_err(|source| CloudHvError::View {
+            vm_id: vm_id.clone(),
+            source,
+        })?);
         Ok(Some(jail))
     }
 
@@ -180,19 +203,26 @@ impl CloudHypervisor {
     /// and what that needs to run, its kernel or firmware, its seed (read
     /// only: it reads it, and must not grow it), its disks, volumes,
     /// serial and log files, and the devices it opens.
-    fn view(&self, files: &VmFiles) -> std::io::Result<View> {
+    fn view(&self, files: &VmFiles, launch: Launch<'_>) -> std::io::Result<View> {
         let boot: Vec<&std::path::Path> = [&self.cfg.kernel, &self.cfg.firmware]
             .into_iter()
             .flatten()
             .map(|p| p.as_path())
             .collect();
-        let visible = view::what_a_vmm_sees(
+        let mut visible = view::what_a_vmm_sees(
             self.runtime()?,
             &self.cfg.hypervisor,
             &boot,
             files,
             &self.cfg.confinement.kvm,
         );
+        if let Launch::Restore { snapshot, memory } = launch {
+            let userfaultfd = match memory {
+                MemoryRestore::OnDemand => self.cfg.confinement.userfaultfd.as_deref(),
+                MemoryRestore::Copy => None,
+            };
+            visible.extend(view::what_a_restore_sees(snapshot, userfaultfd));
+        }
         let mountpoint = self.cfg.run_dir.join("vmm-root");
         crate::state::perms::make_dir(&mountpoint)?;
         View::plan(&mountpoint, &visible)
@@ -224,6 +254,7 @@ impl CloudHypervisor {
             volumes: self.store.layout().volumes_of(spec),
             serial_log: self.store.layout().serial_log(vm_id),
             log: self.store.layout().hypervisor_log(vm_id),
+            snapshot_work: self.store.layout().snapshot_work(vm_id),
         }
     }
 
@@ -294,7 +325,7 @@ impl CloudHypervisor {
     }
 
     /// Starts the VMM, held before exec until it is recorded (see
-    /// [`fork`](super::fork)): in its own session, stdin from /dev/null,
+    /// [`fork`]): in its own session, stdin from /dev/null,
     /// output appended to its log, `own` (API socket, taps) as fds 3, 4,
     /// …, moved into `cgroups`, in `jail` when given (in a network
     /// namespace made ahead when one is ready). Recorded means its pidfile

@@ -47,7 +47,7 @@ impl CloudHypervisor {
     /// running: every process of its cgroups, or, without cgroups, every
     /// process of its uid. A stopped VM holds nothing; a destroyed one
     /// releases its cgroups and uid only after this.
-    fn end_leftovers(&self, vm_id: &Id, say: Say<'_>) -> Result<(), BoxFailure> {
+    pub(super) fn end_leftovers(&self, vm_id: &Id, say: Say<'_>) -> Result<(), BoxFailure> {
         let deadline = Deadline::after(LEFTOVER_KILL);
         let ended = match (&self.confined.cgroups, &self.confined.ids) {
             (Ok(cgroups), _) => cgroups.kill(vm_id, LEFTOVER_KILL),

@@ -59,10 +59,24 @@ pub fn what_a_vmm_sees(
     {
         runtime.push(Visible::new(rw, Access::Write));
     }
+    runtime.push(Visible::new(&files.snapshot_work, Access::Write));
     runtime.push(Visible::new(kvm, Access::Write));
     runtime.push(Visible::new("/dev/null", Access::Write));
     runtime.push(Visible::new("/dev/urandom", Access::Read));
     runtime
+}
+
+/// What a VMM that restores a snapshot sees besides: the snapshot, read
+/// only (it is spent once the guest runs; nothing may change it before),
+/// and, to fault its memory in on demand, the host's `userfaultfd` device.
+/// No other VMM sees that device: its access (an ACL for the VMMs' group)
+/// is gated by the view.
+pub fn what_a_restore_sees(snapshot: &Path, userfaultfd: Option<&Path>) -> Vec<Visible> {
+    let mut out = vec![Visible::new(snapshot, Access::Read)];
+    if let Some(device) = userfaultfd {
+        out.push(Visible::new(device, Access::Write));
+    }
+    out
 }
 
 /// A path the VMM is to see, and how.

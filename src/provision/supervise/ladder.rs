@@ -58,8 +58,31 @@ pub fn stop(
     deadline: Deadline,
     say: Say<'_>,
 ) -> Result<(), SuperviseError> {
+    stop_from(vm_id, vmm, timeouts, deadline, say, true)
+}
+
+/// Stops a `vmm` whose guest is paused (a suspend's last step): from the
+/// second rung, since a paused guest hears no power button.
+pub fn stop_paused(
+    vm_id: &Id,
+    vmm: &dyn Vmm,
+    timeouts: StopTimeouts,
+    deadline: Deadline,
+    say: Say<'_>,
+) -> Result<(), SuperviseError> {
+    stop_from(vm_id, vmm, timeouts, deadline, say, false)
+}
+
+fn stop_from(
+    vm_id: &Id,
+    vmm: &dyn Vmm,
+    timeouts: StopTimeouts,
+    deadline: Deadline,
+    say: Say<'_>,
+    power_button: bool,
+) -> Result<(), SuperviseError> {
     let noun = vmm.noun();
-    if !deadline.expired() {
+    if power_button && !deadline.expired() {
         say("stopping: pressing the power button");
         vmm.ask(Request::PowerButton);
         wait_narrated(

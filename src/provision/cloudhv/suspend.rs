@@ -1,0 +1,621 @@
+//! Suspend and resume on cloud-hypervisor: the guest's snapshot beside its
+//! disks, and no VMM while it sleeps.
+//!
+//! Where (see [`Layout`](crate::state::Layout)): `snapshot.tmp/` is the
+//! VMM's to write (made empty and its own before every start, bound into
+//! its view, allowed by its Landlock rules); `snapshot/` is a committed
+//! snapshot, whole by construction; `.snapshot-discarded/` one on its way
+//! out.
+//!
+//! Suspend, in order:
+//! 1. The guest is paused (`vm.pause`).
+//! 2. `snapshot.tmp/` is emptied (never replaced: the VMM's view holds that
+//!    directory) and `vm.snapshot` writes its files there.
+//! 3. Sealed, each file: a regular file of one link and an expected name,
+//!    opened without following a link, made root's, its size bounded,
+//!    synced, and moved to `.snapshot-new/` (root's, out of the VMM's
+//!    sight), checked to be the file that was sealed. The manifest (its
+//!    files' sizes, the disks' identities) is written beside them and the
+//!    directory synced.
+//! 4. Committed: an older snapshot discarded, `.snapshot-new/` renamed to
+//!    `snapshot/`, the VM's directory synced. A crash before leaves a
+//!    paused VMM and no snapshot; after, a whole snapshot. `snapshot.tmp/`
+//!    stays the VMM's, empty: a suspend cut short is done again in it.
+//! 5. The VMM stopped: asked to shut down, then signalled (a paused guest
+//!    hears no power button), and whatever it forked ended.
+//!
+//! An error before the commit resumes the guest: a failed suspend leaves
+//! the VM running.
+//!
+//! Resume, in order:
+//! 1. A live VMM of the VM (a suspend or a resume cut short) is resumed
+//!    where it stands, and any snapshot discarded.
+//! 2. Else the console is moved aside (a restoring VMM truncates the
+//!    serial file its snapshot names, and the operator keeps what the
+//!    guest said before); the snapshot is lent to the VM's user (read-only
+//!    in its view); a new VMM is started in the VM's jail and cgroups, on
+//!    its own taps, told to restore it (its memory faulted in on demand
+//!    where the host's userfaultfd device is given, else read whole first)
+//!    and resume.
+//! 3. Once its API says Running, the snapshot is discarded: renamed aside,
+//!    then removed. A VMM faulting pages in on demand keeps reading the
+//!    memory file it holds open; the disk is freed when it closes it.
+//!
+//! Why a snapshot is believed: its manifest is the agent's own, written
+//! after the seal, and checked at every look. A file of another size, a
+//! missing one, or a disk that is not the one it was taken with (device,
+//! inode, size, mtime, ctime: a write to a disk moves its mtime, and only
+//! the kernel moves ctime) makes it unusable, never guessed at: the VM is
+//! booted from its disks. What is inside the files is the VMM's: a VMM its
+//! guest took over could have written anything there, and restoring it
+//! gives it nothing its own jail did not.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use super::argv::{Launch, MemoryRestore};
+use super::error::CloudHvError;
+use super::{CloudHypervisor, api};
+use crate::deadline::Deadline;
+use crate::error::BoxFailure;
+use crate::model::{Id, Saved, VmSpec};
+use crate::provision::supervise;
+use crate::provision::{SavedGuest, Say};
+use crate::stages::timed;
+use crate::state::atomic::{sync_dir, write_atomic};
+
+/// The manifest's format.
+const FORMAT: u32 = 1;
+/// What cloud-hypervisor writes into a snapshot, and nothing else may be
+/// there: `memory-ranges` only when the guest has memory to save.
+const FILES: [&str; 3] = ["config.json", "state.json", "memory-ranges"];
+const REQUIRED: [&str; 2] = ["config.json", "state.json"];
+const MANIFEST: &str = "manifest.json";
+/// A snapshot's configuration and device state are kilobytes; a VMM its
+/// guest took over must not make the agent hold more.
+const SMALL_FILE_MAX: u64 = 64 << 20;
+/// A manifest is a few hundred bytes.
+const MANIFEST_MAX: u64 = 1 << 20;
+/// How long a pause or a resume may take; a snapshot gets what is left of
+/// the pass.
+const API_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The agent's account of a committed snapshot (see the module's why).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Manifest {
+    format: u32,
+    taken_at_ms: u64,
+    files: Vec<FileEntry>,
+    disks: Vec<DiskIdentity>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct FileEntry {
+    name: String,
+    bytes: u64,
+}
+
+/// What tells a disk apart from any other and from itself changed.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct DiskIdentity {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl DiskIdentity {
+    fn of(path: &Path) -> io::Result<DiskIdentity> {
+        let m = fs::symlink_metadata(path)?;
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        Ok(DiskIdentity {
+            path: path.to_path_buf(),
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+        })
+    }
+
+    /// How this disk differs from `now`, in words; `None` if it does not.
+    fn differs(&self, now: &DiskIdentity) -> Option<String> {
+        let name = self.path.display();
+        if (self.dev, self.ino) != (now.dev, now.ino) {
+            return Some(format!(
+                "{name} is another file than the one it was taken with"
+            ));
+        }
+        if self.size != now.size {
+            return Some(format!(
+                "{name} is {} bytes, and was {} when it was taken",
+                now.size, self.size
+            ));
+        }
+        if (self.mtime_ns, self.ctime_ns) != (now.mtime_ns, now.ctime_ns) {
+            return Some(format!("{name} was changed after it was taken"));
+        }
+        None
+    }
+}
+
+impl CloudHypervisor {
+    /// Suspends the VM (see the module's steps).
+    pub(super) fn suspend_vm(
+        &self,
+        spec_disks: &[PathBuf],
+        vm_id: &Id,
+        deadline: Deadline,
+        say: Say<'_>,
+    ) -> Result<Saved, BoxFailure> {
+        let Some(tracked) = self.find(vm_id) else {
+            return Err(CloudHvError::NotRunning {
+                vm_id: vm_id.clone(),
+            }
+            .into());
+        };
+        let layout = self.store.layout();
+        let socket = self.socket_path(vm_id);
+        let work = layout.snapshot_work(vm_id);
+        say("suspending: pausing the guest");
+        let saved = (|| -> Result<Saved, BoxFailure> {
+            put(
+                &socket,
+                "/api/v1/vm.pause",
+                None,
+                deadline.capped(API_TIMEOUT),
+            )
+            .map_err(|e| failed(vm_id, "pause its guest", e))?;
+            if !work.is_dir() {
+                return Err(failed(
+                    vm_id,
+                    "save its guest",
+                    format!(
+                        "its hypervisor was started without {} (by an older agent): stop and start it once to make it suspendable",
+                        work.display()
+                    ),
+                ));
+            }
+            empty_dir(&work).map_err(|e| failed(vm_id, "empty its snapshot directory", e))?;
+            say("suspending: saving its memory");
+            let body = serde_json::json!({
+                "destination_url": format!("file://{}", work.display())
+            })
+            .to_string();
+            // A dense 1 GiB guest takes seconds; the pass's deadline
+            // bounds it (an hour without one).
+            let bound = deadline.capped(Duration::from_secs(3600));
+            timed("snapshot", || {
+                put(&socket, "/api/v1/vm.snapshot", Some(body.as_bytes()), bound)
+            })
+            .map_err(|e| failed(vm_id, "save its guest", e))?;
+            crate::crash::point("suspend.snapshot-written");
+            let paths = SnapshotPaths {
+                incoming: layout.snapshot_incoming(vm_id),
+                committed: layout.snapshot(vm_id),
+                discarded: layout.snapshot_discarded(vm_id),
+            };
+            let taken_at_ms = unix_ms(SystemTime::now());
+            timed("commit", || {
+                seal_and_commit(
+                    &work,
+                    &paths,
+                    &layout.vm_dir(vm_id),
+                    spec_disks,
+                    taken_at_ms,
+                )
+            })
+            .map_err(|e| failed(vm_id, "commit its snapshot", e))
+        })();
+        let saved = match saved {
+            Ok(saved) => saved,
+            Err(e) => {
+                // Left as it was: running.
+                let _ = put(
+                    &socket,
+                    "/api/v1/vm.resume",
+                    None,
+                    Deadline::after(API_TIMEOUT),
+                );
+                return Err(e);
+            }
+        };
+        crate::crash::point("suspend.committed");
+        say("suspending: stopping its hypervisor");
+        supervise::ladder::stop_paused(
+            vm_id,
+            &self.vmm(vm_id, tracked),
+            self.cfg.stop,
+            deadline,
+            say,
+        )?;
+        self.end_leftovers(vm_id, say)?;
+        crate::crash::point("suspend.vmm-stopped");
+        Ok(saved)
+    }
+
+    /// Resumes the VM (see the module's steps).
+    pub(super) fn resume_vm(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        if let Some(tracked) = self.find(vm_id) {
+            let socket = self.socket_path(vm_id);
+            if api::vm_state(&socket, API_TIMEOUT).as_deref() == Some("Paused") {
+                put(
+                    &socket,
+                    "/api/v1/vm.resume",
+                    None,
+                    deadline.capped(API_TIMEOUT),
+                )
+                .map_err(|e| failed(vm_id, "resume its paused guest", e))?;
+            }
+            self.await_running(vm_id, tracked, deadline)?;
+            return self.discard_saved(vm_id);
+        }
+        let layout = self.store.layout();
+        let snapshot = layout.snapshot(vm_id);
+        if let Err(why) = check(&layout.snapshot_manifest(vm_id), &snapshot) {
+            return Err(failed(vm_id, "restore its snapshot", why));
+        }
+        timed("console", || keep_console(self, vm_id))
+            .map_err(|e| failed(vm_id, "move its console aside", e))?;
+        let memory = self.memory_restore();
+        let launch = Launch::Restore {
+            snapshot: &snapshot,
+            memory,
+        };
+        self.start_vmm(spec, launch, deadline, || {
+            crate::crash::point("resume.restore-started");
+        })?;
+        crate::crash::point("resume.resumed");
+        self.discard_saved(vm_id)?;
+        crate::crash::point("resume.snapshot-discarded");
+        Ok(())
+    }
+
+    /// The VM's committed snapshot, as found now (see the module's why).
+    pub(super) fn saved_guest(&self, vm_id: &Id) -> Option<SavedGuest> {
+        let layout = self.store.layout();
+        let snapshot = layout.snapshot(vm_id);
+        if !snapshot.exists() {
+            return None;
+        }
+        Some(match check(&layout.snapshot_manifest(vm_id), &snapshot) {
+            Ok(saved) => SavedGuest::Usable(saved),
+            Err(why) => SavedGuest::Unusable(why),
+        })
+    }
+
+    /// Removes the VM's snapshot, whole or not: renamed aside first, so a
+    /// crash never leaves part of one under the committed name.
+    pub(super) fn discard_saved(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+        let layout = self.store.layout();
+        discard(&layout.snapshot(vm_id), &layout.snapshot_discarded(vm_id))
+            .map_err(|e| failed(vm_id, "discard its snapshot", e))
+    }
+
+    /// How a restoring VMM fills its guest's memory: on demand where the
+    /// host's userfaultfd device can be given to the VMMs' group (or the
+    /// VMMs are not jailed, and run as root), else by reading it whole.
+    pub(super) fn memory_restore(&self) -> MemoryRestore {
+        let Some(device) = &self.cfg.confinement.userfaultfd else {
+            return MemoryRestore::Copy;
+        };
+        if !device.exists() {
+            return MemoryRestore::Copy;
+        }
+        let Ok(Some(ids)) = self.confined.jail() else {
+            return MemoryRestore::OnDemand;
+        };
+        match super::acl::give_group_read_write(device, ids.kvm_group) {
+            Ok(()) => MemoryRestore::OnDemand,
+            Err(e) => {
+                log::warn!(
+                    "cannot give the hypervisors' group {} {} ({e}); resumes read the whole snapshot first",
+                    ids.kvm_group,
+                    device.display()
+                );
+                MemoryRestore::Copy
+            }
+        }
+    }
+}
+
+/// The error of a suspend or resume step `doing`.
+fn failed(vm_id: &Id, doing: &'static str, why: impl std::fmt::Display) -> BoxFailure {
+    CloudHvError::Suspension {
+        vm_id: vm_id.clone(),
+        doing,
+        why: why.to_string(),
+    }
+    .into()
+}
+
+/// One `PUT` to the VMM's API, `body` as JSON; any 2xx is done.
+fn put(socket: &Path, path: &str, body: Option<&[u8]>, deadline: Deadline) -> io::Result<()> {
+    let timeout = deadline.remaining().unwrap_or(API_TIMEOUT);
+    let (code, answer) = crate::provision::unix_http::request(socket, "PUT", path, body, timeout)?;
+    if (200..300).contains(&code) {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "{path} answered {code}: {}",
+        crate::quote::inline(&String::from_utf8_lossy(&answer))
+    )))
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Steps 3 and 4 of a suspend: `work`'s files sealed into `incoming`,
+/// the manifest written, and committed to `committed` (an older snapshot
+/// there discarded first, through `discarded`). What the snapshot holds of
+/// the disk.
+fn seal_and_commit(
+    work: &Path,
+    paths: &SnapshotPaths,
+    vm_dir: &Path,
+    disks: &[PathBuf],
+    taken_at_ms: u64,
+) -> io::Result<Saved> {
+    let SnapshotPaths {
+        incoming,
+        committed,
+        discarded,
+    } = paths;
+    if incoming.exists() {
+        fs::remove_dir_all(incoming)?;
+    }
+    crate::state::perms::make_dir(incoming)?;
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+        .open(work)?;
+    let mut files = Vec::new();
+    let mut allocated = 0u64;
+    for entry in fs::read_dir(work)? {
+        let name = entry?.file_name();
+        let name = name.to_str().unwrap_or("").to_owned();
+        if !FILES.contains(&name.as_str()) {
+            return Err(io::Error::other(format!(
+                "it holds {}, which cloud-hypervisor does not write",
+                crate::quote::text(&name)
+            )));
+        }
+        let file = open_beneath(&dir, &name)?;
+        let meta = file.metadata()?;
+        if !meta.is_file() || meta.nlink() != 1 {
+            return Err(io::Error::other(format!(
+                "its {name} is not a regular file of one link"
+            )));
+        }
+        if name != "memory-ranges" && meta.len() > SMALL_FILE_MAX {
+            return Err(io::Error::other(format!(
+                "its {name} is {} bytes, more than any snapshot's",
+                meta.len()
+            )));
+        }
+        std::os::unix::fs::fchown(&file, Some(0), Some(0))?;
+        file.set_permissions(fs::Permissions::from_mode(0o600))?;
+        file.sync_all()?;
+        let moved = incoming.join(&name);
+        fs::rename(work.join(&name), &moved)?;
+        // The VMM could have swapped the name for another file between the
+        // open and the move: what moved must be what was sealed.
+        let landed = fs::symlink_metadata(&moved)?;
+        if (landed.dev(), landed.ino()) != (meta.dev(), meta.ino()) {
+            return Err(io::Error::other(format!(
+                "its {name} was replaced while it was sealed"
+            )));
+        }
+        allocated = allocated.saturating_add(meta.blocks().saturating_mul(512));
+        files.push(FileEntry {
+            name,
+            bytes: meta.len(),
+        });
+    }
+    for required in REQUIRED {
+        if !files.iter().any(|f| f.name == required) {
+            return Err(io::Error::other(format!("it has no {required}")));
+        }
+    }
+    files.sort_by(|a, b| a.name.cmp(&b.name));
+    let manifest = Manifest {
+        format: FORMAT,
+        taken_at_ms,
+        files,
+        disks: disks
+            .iter()
+            .map(|d| DiskIdentity::of(d))
+            .collect::<io::Result<_>>()?,
+    };
+    let text = serde_json::to_vec_pretty(&manifest).map_err(io::Error::other)?;
+    write_atomic(&incoming.join(MANIFEST), &text)?;
+    discard(committed, discarded)?;
+    fs::rename(incoming, committed)?;
+    sync_dir(vm_dir)?;
+    Ok(Saved {
+        taken_at_ms,
+        bytes: allocated,
+        in_memory: false,
+    })
+}
+
+/// Where a suspend moves its snapshot through (see the module's steps).
+struct SnapshotPaths {
+    incoming: PathBuf,
+    committed: PathBuf,
+    discarded: PathBuf,
+}
+
+/// `name` in the directory `dir`, opened read-only without following a
+/// symlink.
+fn open_beneath(dir: &File, name: &str) -> io::Result<File> {
+    use std::os::fd::FromRawFd;
+    let c = std::ffi::CString::new(name).map_err(io::Error::other)?;
+    // SAFETY: openat on a directory fd this function borrows and a
+    // NUL-terminated name; the fd it returns is owned by the File.
+    let fd = unsafe {
+        nix::libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            nix::libc::O_RDONLY
+                | nix::libc::O_NOFOLLOW
+                | nix::libc::O_CLOEXEC
+                | nix::libc::O_NONBLOCK,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd from openat, owned by nothing else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Whether the committed snapshot at `snapshot` is usable: what it holds
+/// of the disk, or why it is not.
+fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, String> {
+    let meta = fs::symlink_metadata(manifest).map_err(|e| format!("it has no manifest: {e}"))?;
+    if !meta.is_file() || meta.len() > MANIFEST_MAX {
+        return Err("its manifest is not the agent's".into());
+    }
+    let text = fs::read(manifest).map_err(|e| format!("its manifest cannot be read: {e}"))?;
+    let manifest: Manifest =
+        serde_json::from_slice(&text).map_err(|e| format!("its manifest is torn: {e}"))?;
+    if manifest.format != FORMAT {
+        return Err(format!(
+            "its manifest is of format {}, this agent writes {FORMAT}",
+            manifest.format
+        ));
+    }
+    let mut allocated = 0u64;
+    for file in &manifest.files {
+        let path = snapshot.join(&file.name);
+        let meta =
+            fs::symlink_metadata(&path).map_err(|e| format!("its {} is gone: {e}", file.name))?;
+        if !meta.is_file() || meta.len() != file.bytes {
+            return Err(format!(
+                "torn: its {} is {} bytes, and was {} when it was taken",
+                file.name,
+                meta.len(),
+                file.bytes
+            ));
+        }
+        allocated = allocated.saturating_add(meta.blocks().saturating_mul(512));
+    }
+    for disk in &manifest.disks {
+        let now = DiskIdentity::of(&disk.path).map_err(|e| {
+            format!(
+                "it was taken with {}, which is gone: {e}",
+                disk.path.display()
+            )
+        })?;
+        if let Some(why) = disk.differs(&now) {
+            return Err(format!("it was taken with other disks: {why}"));
+        }
+    }
+    Ok(Saved {
+        taken_at_ms: manifest.taken_at_ms,
+        bytes: allocated,
+        in_memory: false,
+    })
+}
+
+/// Removes every entry of the directory `dir` (never following a
+/// symlink), and keeps the directory.
+fn empty_dir(dir: &Path) -> io::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            fs::remove_dir_all(entry.path())?;
+        } else {
+            fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// `path` made an empty directory of `owner`'s (root's with `None`), 0700,
+/// whatever was there: what a new VMM writes its snapshot into.
+pub(super) fn fresh_work_dir(path: &Path, owner: Option<u32>) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path)?,
+        Ok(_) => fs::remove_file(path)?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    crate::state::perms::make_dir(path)?;
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+        .open(path)?;
+    if let Some(owner) = owner {
+        std::os::unix::fs::fchown(&dir, Some(owner), Some(owner))?;
+    }
+    dir.set_permissions(fs::Permissions::from_mode(0o700))
+}
+
+/// The committed snapshot made readable by the VM's user `uid`, who
+/// restores it (read-only in its view: it can change nothing of it).
+pub(super) fn lend(snapshot: &Path, uid: u32) -> io::Result<()> {
+    let dir = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+        .open(snapshot)?;
+    std::os::unix::fs::fchown(&dir, Some(uid), Some(uid))?;
+    for entry in fs::read_dir(snapshot)? {
+        let name = entry?.file_name();
+        let file = open_beneath(&dir, &name.to_string_lossy())?;
+        std::os::unix::fs::fchown(&file, Some(uid), Some(uid))?;
+    }
+    Ok(())
+}
+
+/// Removes `snapshot` by way of `discarded` (a leftover there first).
+fn discard(snapshot: &Path, discarded: &Path) -> io::Result<()> {
+    if discarded.exists() {
+        fs::remove_dir_all(discarded)?;
+    }
+    match fs::rename(snapshot, discarded) {
+        Ok(()) => fs::remove_dir_all(discarded),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Moves the VM's console aside before a restore (which truncates it):
+/// `serial.log` becomes the next `serial.<n>.log`, and the oldest segments
+/// go once they hold more than the console's bound.
+fn keep_console(backend: &CloudHypervisor, vm_id: &Id) -> io::Result<()> {
+    let layout = backend.store.layout();
+    let current = layout.serial_log(vm_id);
+    let segments = layout.serial_segments(vm_id);
+    let next = segments.last().map_or(1, |(n, _)| n.saturating_add(1));
+    match fs::rename(&current, layout.serial_segment(vm_id, next)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    }
+    let bound = backend.cfg.confinement.serial_log_bytes;
+    let mut kept = layout.serial_segments(vm_id);
+    let held = |list: &[(u32, PathBuf)]| -> u64 {
+        list.iter()
+            .filter_map(|(_, p)| fs::metadata(p).ok())
+            .map(|m| m.blocks().saturating_mul(512))
+            .sum()
+    };
+    while kept.len() > 1 && held(&kept) > bound {
+        let (_, oldest) = kept.remove(0);
+        fs::remove_file(oldest)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! Suspending and resuming a created VM, and finishing either when a crash
+//! cut it short. The states and their rules are the lifecycle's
+//! (`state::lifecycle`); this is the order of their side effects.
+//!
+//! Suspend, in order:
+//! 1. `suspend_intended` saved: from here a crash is finished by the next
+//!    pass, never taken for a lost VM.
+//! 2. The backend pauses the guest, saves and commits its state and stops
+//!    its VMM (its crash points: snapshot written, committed, VMM stopped).
+//! 3. `suspended` saved, with what the backend saved. The ledger keeps the
+//!    VM's disk and its saved state's, not its vCPUs or memory.
+//!
+//! Resume, in order:
+//! 1. Admitted like a create: on a full host it waits, narrated, and
+//!    nothing is spent.
+//! 2. The saved state is looked at: gone, torn or taken with other disks,
+//!    it is never guessed at, and the VM is booted from its disks,
+//!    narrated and counted.
+//! 3. `resume_intended` saved: the saved state is spent from here.
+//! 4. The backend restores it into a new VMM that runs it, then discards
+//!    it (its memory is stale the moment the guest runs).
+//! 5. `resumed` saved. A resume that does not end running is not tried
+//!    again: the VM is booted from its disks.
+//!
+//! Cut short (the record says suspending or resuming when a pass starts):
+//! - suspending, its VMM alive: the suspend is done again from the start,
+//!   or, if the VM is wanted running now, its VMM is resumed;
+//! - suspending, no VMM, a committed save: the suspend happened; recorded;
+//! - suspending, no VMM, nothing saved: its memory is gone (only a host
+//!   that died can do this: a VMM outlives the agent); booted from its
+//!   disks;
+//! - resuming, its VMM alive: the resume is finished;
+//! - resuming, no VMM: the saved state may have run; booted from its
+//!   disks, never restored twice.
+//!
+//! So after a crash anywhere a VM wanted suspended ends with a whole
+//! snapshot and no VMM, one wanted running with exactly one VMM; never
+//! both, never neither (`make chaos` holds it).
+
+use std::time::Instant;
+
+use super::lifecycle::{self, State};
+use super::pass::{Core, Narrator, Publisher, VmResult};
+use crate::deadline::Deadline;
+use crate::error::chain;
+use crate::model::{DesiredVm, Phase, PowerState, Saved};
+use crate::provision::SavedGuest;
+use crate::state::Record;
+
+/// Why a suspended VM is booted from its disks instead of resumed; the
+/// `cold_boots` counter's label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ColdBoot {
+    /// Its saved state is not on the host any more.
+    Gone,
+    /// Its saved state is there but cannot be restored (torn, or taken
+    /// with other disks).
+    Unusable,
+    /// A resume was tried and did not end with its guest running.
+    Failed,
+    /// A crash mid-suspend or mid-resume left nothing to continue.
+    Interrupted,
+}
+
+impl ColdBoot {
+    fn label(self) -> &'static str {
+        match self {
+            ColdBoot::Gone => "gone",
+            ColdBoot::Unusable => "unusable",
+            ColdBoot::Failed => "failed",
+            ColdBoot::Interrupted => "interrupted",
+        }
+    }
+}
+
+impl Core {
+    /// A created VM whose record says suspended, suspending or resuming.
+    pub(crate) fn converge_suspension(
+        &self,
+        deadline: Deadline,
+        d: &DesiredVm,
+        rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        self.counts.lost.touch(vm_id.as_str());
+        match lifecycle::state(&rec, self.budget()) {
+            State::Suspended => self.converge_suspended(deadline, d, rec, res, publisher),
+            State::Suspending => {
+                self.ledger.note(&rec.spec);
+                let running = self.prov.running(&vm_id);
+                match (running, self.prov.suspension(&vm_id), d.power) {
+                    (_, Some(SavedGuest::Usable(saved)), _) if !running => {
+                        let mut rec = rec;
+                        log::info!(
+                            "VM {vm_id}: its suspend was cut short after its commit; it is suspended"
+                        );
+                        self.record_suspended(&mut rec, saved);
+                        self.converge_suspended(deadline, d, rec, res, publisher);
+                    }
+                    (true, _, PowerState::Suspended) => self.suspend(deadline, rec, res, publisher),
+                    (true, _, PowerState::Running | PowerState::Stopped) => {
+                        // Resumed where it stands (paused, or saving): what
+                        // the suspend saved, if anything, goes with it.
+                        self.resume_live(deadline, d, rec, res, publisher);
+                    }
+                    (false, _, _) => {
+                        self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Interrupted)
+                    }
+                }
+            }
+            State::Resuming => {
+                self.ledger.note(&rec.spec);
+                if self.prov.running(&vm_id) {
+                    self.resume_live(deadline, d, rec, res, publisher);
+                } else {
+                    self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Interrupted);
+                }
+            }
+            State::Creating(_) | State::Up | State::Down | State::Quarantined { .. } => {
+                self.converge(deadline, d, rec, res, publisher);
+            }
+        }
+    }
+
+    /// A suspended VM: kept so, resumed, or discarded and stopped, as
+    /// desired.
+    fn converge_suspended(
+        &self,
+        deadline: Deadline,
+        d: &DesiredVm,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        let Some(saved) = rec.lifecycle.suspension().saved() else {
+            return self.converge(deadline, d, rec, res, publisher);
+        };
+        self.ledger.note_suspended(&rec.spec, &saved);
+        match d.power {
+            PowerState::Suspended => match self.prov.suspension(&vm_id) {
+                Some(SavedGuest::Usable(_)) => {
+                    if !rec.lifecycle.last_error().is_empty() {
+                        rec.suspended(saved);
+                        self.save_best_effort(&rec);
+                    }
+                    self.report_recorded(res, &rec, PowerState::Suspended);
+                }
+                Some(SavedGuest::Unusable(why)) => {
+                    self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Unusable);
+                    log::warn!("VM {vm_id}: its saved state cannot be restored: {why}");
+                }
+                None => self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Gone),
+            },
+            PowerState::Running => self.resume(deadline, d, rec, res, publisher),
+            PowerState::Stopped => {
+                Narrator::new(
+                    publisher,
+                    deadline,
+                    res,
+                    &rec,
+                    PowerState::Suspended,
+                    Phase::Ready,
+                )
+                .say("stopping: discarding its saved state");
+                // The saved state goes first: a suspended record whose state
+                // is gone is driven as one that lost it, never restored.
+                if let Err(e) = self.prov.discard_suspension(&vm_id, deadline) {
+                    // Still suspended, as the record says; the next pass
+                    // tries again.
+                    let why = chain(&*e);
+                    self.log_failure(&vm_id, "discarding its saved state failed", &why);
+                    return res.report(&rec, Some(PowerState::Suspended), Phase::Failed, why);
+                }
+                crate::crash::point("stop.snapshot-discarded");
+                rec.suspension_discarded();
+                self.save_best_effort(&rec);
+                self.ledger.note(&rec.spec);
+                log::info!("VM {vm_id}: stopped; its saved state discarded");
+                self.report_recorded(res, &rec, PowerState::Stopped);
+            }
+        }
+    }
+
+    /// Suspends a running VM (see the module's steps).
+    pub(crate) fn suspend(
+        &self,
+        deadline: Deadline,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        // Whatever saved state is on the host now is stale (a leftover of a
+        // discard that failed): a suspend under way finds only its own.
+        if let Err(e) = self.prov.discard_suspension(&vm_id, deadline) {
+            let why = chain(&*e);
+            self.log_failure(&vm_id, "suspend failed", &why);
+            return self.report_recorded(res, &rec, PowerState::Running);
+        }
+        rec.suspend_intended();
+        if let Err(e) = self.store.save(&rec) {
+            let why = chain(&e);
+            self.logs.error(
+                &format!("{vm_id}/suspend"),
+                &format!("VM {vm_id}: not suspending it: {why}"),
+            );
+            return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+        }
+        crate::crash::point("suspend.intent-saved");
+        let narrator = Narrator::new(
+            publisher,
+            deadline,
+            res,
+            &rec,
+            PowerState::Running,
+            Phase::Ready,
+        );
+        let say = |what: &str| narrator.say(what);
+        let started = Instant::now();
+        match self.prov.suspend(&vm_id, deadline, &say) {
+            Ok(saved) => {
+                self.counts.suspends.observe(started.elapsed());
+                log::info!(
+                    "VM {vm_id}: suspended in {} ms ({} MB saved)",
+                    started.elapsed().as_millis(),
+                    saved.bytes >> 20
+                );
+                self.record_suspended(&mut rec, saved);
+                self.forget_logs(&vm_id);
+                self.report_recorded(res, &rec, PowerState::Suspended);
+            }
+            Err(e) => {
+                let why = chain(&*e);
+                self.log_failure(&vm_id, "suspend failed", &why);
+                rec.suspend_failed(why);
+                self.save_best_effort(&rec);
+                let power = PowerState::observed(self.prov.running(&vm_id));
+                self.report_recorded(res, &rec, power);
+            }
+        }
+    }
+
+    fn record_suspended(&self, rec: &mut Record, saved: Saved) {
+        rec.suspended(saved);
+        self.save_best_effort(rec);
+        self.ledger.note_suspended(&rec.spec, &saved);
+    }
+
+    /// Resumes a suspended VM from its saved state (see the module's
+    /// steps).
+    fn resume(
+        &self,
+        deadline: Deadline,
+        d: &DesiredVm,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        if let Err(why) = self.ledger.admit(&rec.spec) {
+            self.report_recorded(res, &rec, PowerState::Suspended);
+            if let Some(row) = &mut res.row {
+                row.status_detail = format!("waiting for room on this host to resume it: {why}");
+            }
+            return;
+        }
+        match self.prov.suspension(&vm_id) {
+            Some(SavedGuest::Usable(_)) => {}
+            Some(SavedGuest::Unusable(why)) => {
+                log::warn!("VM {vm_id}: its saved state cannot be restored: {why}");
+                return self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Unusable);
+            }
+            None => return self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Gone),
+        }
+        rec.resume_intended();
+        if let Err(e) = self.store.save(&rec) {
+            let why = chain(&e);
+            self.logs.error(
+                &format!("{vm_id}/resume"),
+                &format!("VM {vm_id}: not resuming it: {why}"),
+            );
+            return res.report(&rec, Some(PowerState::Suspended), Phase::Failed, why);
+        }
+        crate::crash::point("resume.intent-saved");
+        Narrator::new(
+            publisher,
+            deadline,
+            res,
+            &rec,
+            PowerState::Suspended,
+            Phase::Ready,
+        )
+        .say("resuming");
+        let started = Instant::now();
+        match self.prov.resume(&rec.spec, deadline) {
+            Ok(()) => {
+                self.counts.resumes.observe(started.elapsed());
+                log::info!(
+                    "VM {vm_id}: resumed in {} ms",
+                    started.elapsed().as_millis()
+                );
+                self.record_resumed(rec, res, publisher, deadline, d);
+            }
+            Err(e) => {
+                let why = chain(&*e);
+                self.log_failure(&vm_id, "resume failed; booting it from its disks", &why);
+                self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Failed);
+            }
+        }
+    }
+
+    /// A suspend or resume cut short with the VMM alive: it is made to
+    /// run (whatever was saved is discarded by the backend), then driven
+    /// to what is desired.
+    fn resume_live(
+        &self,
+        deadline: Deadline,
+        d: &DesiredVm,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        if rec.lifecycle.suspension() != lifecycle::Suspension::Resuming {
+            rec.resume_intended();
+            if let Err(e) = self.store.save(&rec) {
+                let why = chain(&e);
+                return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+            }
+        }
+        match self.prov.resume(&rec.spec, deadline) {
+            Ok(()) => {
+                log::info!("VM {vm_id}: a suspend or resume cut short is finished: it runs");
+                self.record_resumed(rec, res, publisher, deadline, d);
+            }
+            Err(e) => {
+                let why = chain(&*e);
+                self.log_failure(&vm_id, "resuming it failed", &why);
+                if self.prov.running(&vm_id) {
+                    // Still there: the next pass tries again.
+                    res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+                } else {
+                    self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Failed);
+                }
+            }
+        }
+    }
+
+    /// Records a guest running again, then drives it on if it is wanted
+    /// otherwise now (a suspend cut short while the wish changed).
+    fn record_resumed(
+        &self,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+        deadline: Deadline,
+        d: &DesiredVm,
+    ) {
+        rec.resumed(self.host.boot_id());
+        self.note_address(&mut rec);
+        self.save_best_effort(&rec);
+        self.ledger.note(&rec.spec);
+        self.forget_logs(&rec.spec.vm_id);
+        match d.power {
+            PowerState::Running => self.report_recorded(res, &rec, PowerState::Running),
+            PowerState::Suspended | PowerState::Stopped => {
+                self.converge(deadline, d, rec, res, publisher)
+            }
+        }
+    }
+
+    /// The saved state cannot be continued: discarded, said, counted, and
+    /// the VM driven as one that is down (booted from its disks if it is
+    /// wanted running or suspended).
+    fn cold_boot(
+        &self,
+        deadline: Deadline,
+        d: &DesiredVm,
+        mut rec: Record,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+        why: ColdBoot,
+    ) {
+        let vm_id = rec.spec.vm_id.clone();
+        let said = match why {
+            ColdBoot::Gone => "its saved state is gone",
+            ColdBoot::Unusable => "its saved state cannot be restored",
+            ColdBoot::Failed => "its resume did not end with it running",
+            ColdBoot::Interrupted => "a crash cut its suspend or resume short",
+        };
+        log::warn!("VM {vm_id}: {said}; it will be booted from its disks");
+        self.counts.cold_boots.inc(why.label());
+        if let Err(e) = self.prov.discard_suspension(&vm_id, deadline) {
+            log::warn!("VM {vm_id}: cannot discard its saved state: {}", chain(&*e));
+        }
+        rec.suspension_lost();
+        self.save_best_effort(&rec);
+        self.ledger.note(&rec.spec);
+        if d.power != PowerState::Stopped {
+            Narrator::new(
+                publisher,
+                deadline,
+                res,
+                &rec,
+                PowerState::Stopped,
+                Phase::Ready,
+            )
+            .say(&format!("booting it from its disks: {said}"));
+        }
+        self.converge(deadline, d, rec, res, publisher);
+    }
+}
