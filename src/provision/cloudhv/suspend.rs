@@ -548,12 +548,15 @@ fn empty_dir(dir: &Path) -> io::Result<()> {
 /// whatever was there: what a new VMM writes its snapshot into.
 pub(super) fn fresh_work_dir(path: &Path, owner: Option<u32>) -> io::Result<()> {
     match fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => fs::remove_dir_all(path)?,
-        Ok(_) => fs::remove_file(path)?,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        // Kept, emptied: a directory made once per VM, not once per boot.
+        Ok(m) if m.is_dir() => empty_dir(path)?,
+        Ok(_) => {
+            fs::remove_file(path)?;
+            crate::state::perms::make_dir(path)?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => crate::state::perms::make_dir(path)?,
         Err(e) => return Err(e),
     }
-    crate::state::perms::make_dir(path)?;
     let dir = OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
