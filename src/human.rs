@@ -16,6 +16,20 @@ pub fn duration(d: Duration) -> String {
     }
 }
 
+/// A size on disk, in the unit it reads best in: "72 KiB", "65.0 MiB",
+/// "1.0 GiB".
+pub fn bytes(n: u64) -> String {
+    const KIB: u64 = 1 << 10;
+    const MIB: u64 = 1 << 20;
+    const GIB: u64 = 1 << 30;
+    match n {
+        0..KIB => format!("{n} B"),
+        KIB..MIB => format!("{} KiB", n / KIB),
+        MIB..GIB => format!("{:.1} MiB", n as f64 / MIB as f64),
+        _ => format!("{:.1} GiB", n as f64 / GIB as f64),
+    }
+}
+
 /// How a process ended: "exit status 1", "killed by signal 9".
 pub fn exit(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
@@ -33,6 +47,14 @@ mod tests {
     fn an_exit_reads_the_same_from_every_program() {
         assert_eq!(exit(ExitStatus::from_raw(3 << 8)), "exit status 3");
         assert_eq!(exit(ExitStatus::from_raw(9)), "killed by signal 9");
+    }
+
+    #[test]
+    fn a_size_reads_in_its_largest_whole_unit() {
+        assert_eq!(
+            [bytes(512), bytes(73_728), bytes(68_157_440), bytes(1 << 30)],
+            ["512 B", "72 KiB", "65.0 MiB", "1.0 GiB"]
+        );
     }
 
     #[test]

@@ -549,6 +549,44 @@ fn a_snapshot_holding_a_file_cloud_hypervisor_never_writes_is_refused_and_the_vm
     );
 }
 
+/// A host whose VMMs cannot be given a userfaultfd device.
+fn without_userfaultfd() -> Host {
+    let mut h = Host::new(&[]);
+    h.cfg.confinement.userfaultfd = None;
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.engine = Some(h.make_engine());
+    h
+}
+
+#[test]
+fn a_host_without_a_userfaultfd_device_says_a_resume_reads_the_whole_snapshot() {
+    let h = without_userfaultfd();
+
+    let notes = h.backend.recover(&[]);
+
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("whole snapshot") && n.contains("--userfaultfd-device is empty")),
+        "{notes:?}"
+    );
+}
+
+#[test]
+fn a_host_without_a_userfaultfd_device_resumes_by_reading_the_snapshot_first() {
+    let h = without_userfaultfd();
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    let pid = h.pid("vm-1").expect("pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(cmdline.contains("memory_restore_mode=copy"), "{cmdline}");
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+}
+
 #[test]
 fn a_restore_that_fails_boots_the_vm_from_its_disks_and_never_restores_again() {
     let h = Host::new(&[("STANDIN_RESTORE_FAIL", "1")]);

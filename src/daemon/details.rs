@@ -82,6 +82,9 @@ impl Details {
                 d.image_url.clone_from(&rec.spec.image_url);
                 d.network.clone_from(&rec.spec.network);
                 d.volume_ids = rec.spec.volume_ids.iter().map(|v| v.to_string()).collect();
+                let saved = rec.lifecycle.suspension().saved().unwrap_or_default();
+                d.suspended_at_ms = saved.taken_at_ms;
+                d.snapshot_bytes = saved.bytes;
             }
             d.max_attempts = max_attempts;
             if tick && let Some(id) = &id {

@@ -102,6 +102,12 @@ pub struct VmDetail {
     pub image_url: String,
     pub network: String,
     pub volume_ids: Vec<String>,
+    /// A suspended VM's snapshot: when it was taken (Unix ms; 0: the VM
+    /// is not suspended) and what it holds of the host's disk.
+    #[serde(default)]
+    pub suspended_at_ms: u64,
+    #[serde(default)]
+    pub snapshot_bytes: u64,
 }
 
 impl ReportFile {

@@ -203,6 +203,16 @@ impl ReportFile {
                 format!("{} of {}", detail.attempts, detail.max_attempts),
             );
             line("boot id", dash(&detail.booted_as));
+            if detail.suspended_at_ms > 0 {
+                line(
+                    "snapshot",
+                    format!(
+                        "{} on disk, taken {} ago",
+                        crate::human::bytes(detail.snapshot_bytes),
+                        ago(detail.suspended_at_ms)
+                    ),
+                );
+            }
             line(
                 "hypervisor",
                 match detail.pid {
@@ -521,6 +531,53 @@ mod tests {
                  \x20 console    (last 2 lines)\n\
                  \x20   [  OK  ] Reached target multi-user.\n\
                  \x20   web-1 login:\n"
+            )
+        );
+    }
+
+    #[test]
+    fn status_of_a_suspended_vm_says_how_old_and_big_its_snapshot_is() {
+        let mut file = golden_host();
+        file.report.vms.push(pb::VmStatus {
+            vm_id: "nap-1".into(),
+            power_state: "suspended".into(),
+            phase: "ready".into(),
+            ..Default::default()
+        });
+        file.details.insert(
+            "nap-1".into(),
+            VmDetail {
+                power_since_ms: NOW - 300_000,
+                phase_since_ms: NOW - 3_600_000,
+                attempts: 1,
+                max_attempts: 3,
+                booted_as: "b00t".into(),
+                vcpus: 1,
+                mem_mb: 64,
+                disk_gb: 1,
+                image_url: "file:///srv/images/tiny.raw".into(),
+                suspended_at_ms: NOW - 300_000,
+                snapshot_bytes: 73_728,
+                ..Default::default()
+            },
+        );
+
+        let text = file.render_vm("nap-1", &[], at_now());
+
+        assert_eq!(
+            text.as_deref(),
+            Some(
+                "VM nap-1\n\
+                 \x20 spec       1 vcpus, 64 MB, 1 GB disk, image file:///srv/images/tiny.raw\n\
+                 \x20 power      suspended for 5 min\n\
+                 \x20 phase      ready for 60 min\n\
+                 \x20 error      -\n\
+                 \x20 attempts   1 of 3\n\
+                 \x20 boot id    b00t\n\
+                 \x20 snapshot   72 KiB on disk, taken 5 min ago\n\
+                 \x20 hypervisor not running\n\
+                 \x20 address    -\n\
+                 \x20 console    (last 0 lines)\n"
             )
         );
     }

@@ -216,6 +216,11 @@ impl CloudHypervisor {
             ));
         }
         notes.extend(self.confined.notes());
+        if let Some(why) = self.memory_restore_why() {
+            notes.push(format!(
+                "a resumed guest runs only once its whole snapshot is read (seconds for GiBs, not milliseconds): {why}"
+            ));
+        }
         for slot in self.store.load_all().values() {
             let crate::state::RecordSlot::Readable(rec) = slot else {
                 continue;

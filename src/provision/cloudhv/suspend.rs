@@ -305,26 +305,36 @@ impl CloudHypervisor {
     /// host's userfaultfd device can be given to the VMMs' group (or the
     /// VMMs are not jailed, and run as root), else by reading it whole.
     pub(super) fn memory_restore(&self) -> MemoryRestore {
+        self.memory_restore_why().map_or(MemoryRestore::OnDemand, |why| {
+            log::warn!("resumes read the whole snapshot first: {why}");
+            MemoryRestore::Copy
+        })
+    }
+
+    /// Why a resume here reads the whole snapshot before its guest runs;
+    /// `None` when it faults its memory in on demand. For `status` too.
+    pub(super) fn memory_restore_why(&self) -> Option<String> {
         let Some(device) = &self.cfg.confinement.userfaultfd else {
-            return MemoryRestore::Copy;
+            return Some("--userfaultfd-device is empty".into());
         };
         if !device.exists() {
-            return MemoryRestore::Copy;
+            return Some(format!(
+                "{} is missing (Linux 6.1 or later has it)",
+                device.display()
+            ));
         }
         let Ok(Some(ids)) = self.confined.jail() else {
-            return MemoryRestore::OnDemand;
+            return None;
         };
-        match super::acl::give_group_read_write(device, ids.kvm_group) {
-            Ok(()) => MemoryRestore::OnDemand,
-            Err(e) => {
-                log::warn!(
-                    "cannot give the hypervisors' group {} {} ({e}); resumes read the whole snapshot first",
+        super::acl::give_group_read_write(device, ids.kvm_group)
+            .err()
+            .map(|e| {
+                format!(
+                    "cannot give the hypervisors' group {} {}: {e}",
                     ids.kvm_group,
                     device.display()
-                );
-                MemoryRestore::Copy
-            }
-        }
+                )
+            })
     }
 }
 
