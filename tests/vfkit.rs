@@ -391,3 +391,64 @@ fn a_second_nic_is_refused_naming_the_entitlement() {
     assert!(err.is_permanent());
     assert!(err.to_string().contains("com.apple.vm.networking"), "{err}");
 }
+
+// ── suspend and resume: the guest paused in place ────────────────────────
+
+/// What the VM's vfkit says its state is.
+fn vfkit_state(h: &Host, vm: &str) -> String {
+    eitri_agent::provision::vfkit::api::state(
+        &h.backend.socket_path(&id(vm)),
+        std::time::Duration::from_secs(2),
+    )
+    .expect("vfkit's state")
+}
+
+#[test]
+fn a_suspended_vm_is_its_guest_paused_in_a_vfkit_that_keeps_running() {
+    let h = Host::new();
+    h.tick(&h.vm("vm-1", PowerState::Running));
+    let pid = h.pid("vm-1").expect("pid");
+
+    h.tick(&h.vm("vm-1", PowerState::Suspended));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Suspended));
+    assert!(alive(pid), "vfkit holds the paused guest");
+    assert_eq!(vfkit_state(&h, "vm-1"), "VirtualMachineStatePaused");
+    let saved = h
+        .store
+        .get(&id("vm-1"))
+        .expect("readable")
+        .expect("a record")
+        .lifecycle
+        .suspension()
+        .saved()
+        .expect("suspended");
+    assert!(saved.in_memory, "held in memory, not on disk");
+}
+
+#[test]
+fn a_vm_paused_in_place_resumes_on_the_same_vfkit() {
+    let h = Host::new();
+    h.tick(&h.vm("vm-1", PowerState::Running));
+    let pid = h.pid("vm-1").expect("pid");
+    h.tick(&h.vm("vm-1", PowerState::Suspended));
+
+    h.tick(&h.vm("vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.pid("vm-1"), Some(pid));
+    assert_eq!(vfkit_state(&h, "vm-1"), "VirtualMachineStateRunning");
+}
+
+#[test]
+fn stopping_a_vm_paused_in_place_ends_its_vfkit_without_waiting_on_the_power_button() {
+    let h = Host::new();
+    h.tick(&h.vm("vm-1", PowerState::Running));
+    let pid = h.pid("vm-1").expect("pid");
+    h.tick(&h.vm("vm-1", PowerState::Suspended));
+
+    h.tick(&h.vm("vm-1", PowerState::Stopped));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
+    wait_until("the paused vfkit to end", || !alive(pid));
+}

@@ -10,7 +10,9 @@
 //! - `GET /vm/state` → 200 `{"state":"VirtualMachineStateRunning",…}`.
 //! - `POST /vm/state {"state":"Stop"}` → 202 with an empty body, then the
 //!   guest powers off and vfkit exits 0. `{"state":"HardStop"}`: exits at
-//!   once, before answering (the client sees EOF).
+//!   once, before answering (the client sees EOF). `{"state":"Pause"}`
+//!   and `{"state":"Resume"}` → 200, the state `VirtualMachineStatePaused`
+//!   and back; a paused guest ignores the power button.
 //! - The socket file is left behind on exit, as vfkit leaves it.
 //!
 //! Knobs, from the environment:
@@ -145,6 +147,7 @@ fn main() {
     }
     eprintln!("time=\"now\" level=info msg=\"virtual machine is running\"");
     let ignore_stop = std::env::var_os("STANDIN_VFKIT_IGNORE_STOP").is_some();
+    let mut paused = false;
     for conn in listener.incoming() {
         let Ok(mut conn) = conn else { continue };
         let mut reader = BufReader::new(match conn.try_clone() {
@@ -185,12 +188,25 @@ fn main() {
             ["GET", "/vm/state"] => answer(
                 &mut conn,
                 "200 OK",
-                "{\"state\":\"VirtualMachineStateRunning\",\"canStart\":false,\"canPause\":true,\"canResume\":false,\"canStop\":true,\"canHardStop\":true}",
+                &format!(
+                    "{{\"state\":\"VirtualMachineState{}\",\"canStart\":false,\"canPause\":{},\"canResume\":{},\"canStop\":true,\"canHardStop\":true}}",
+                    if paused { "Paused" } else { "Running" },
+                    !paused,
+                    paused
+                ),
             ),
             ["POST", "/vm/state"] if body.contains("\"HardStop\"") => std::process::exit(0),
+            ["POST", "/vm/state"] if body.contains("\"Pause\"") => {
+                paused = true;
+                answer(&mut conn, "200 OK", "");
+            }
+            ["POST", "/vm/state"] if body.contains("\"Resume\"") => {
+                paused = false;
+                answer(&mut conn, "200 OK", "");
+            }
             ["POST", "/vm/state"] if body.contains("\"Stop\"") => {
                 answer(&mut conn, "202 Accepted", "");
-                if !ignore_stop {
+                if !ignore_stop && !paused {
                     drop(conn);
                     // The guest's orderly power-off.
                     std::thread::sleep(Duration::from_millis(50));

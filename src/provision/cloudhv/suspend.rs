@@ -305,10 +305,11 @@ impl CloudHypervisor {
     /// host's userfaultfd device can be given to the VMMs' group (or the
     /// VMMs are not jailed, and run as root), else by reading it whole.
     pub(super) fn memory_restore(&self) -> MemoryRestore {
-        self.memory_restore_why().map_or(MemoryRestore::OnDemand, |why| {
-            log::warn!("resumes read the whole snapshot first: {why}");
-            MemoryRestore::Copy
-        })
+        self.memory_restore_why()
+            .map_or(MemoryRestore::OnDemand, |why| {
+                log::warn!("resumes read the whole snapshot first: {why}");
+                MemoryRestore::Copy
+            })
     }
 
     /// Why a resume here reads the whole snapshot before its guest runs;

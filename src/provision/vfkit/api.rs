@@ -1,6 +1,6 @@
 //! vfkit's REST API on its unix socket (`--restful-uri unix://…`):
 //! `GET /vm/state` → `{"state":"VirtualMachineStateRunning",…}`, and
-//! `POST /vm/state {"state":"Stop"|"HardStop"}`.
+//! `POST /vm/state {"state":"Stop"|"HardStop"|"Pause"|"Resume"}`.
 //!
 //! - 200 or 202 (the power button answers 202 with an empty body) is done.
 //! - A connection closed before any answer, for HardStop, is done too:
@@ -19,6 +19,8 @@ use crate::provision::unix_http;
 pub const RUNNING: &str = "VirtualMachineStateRunning";
 /// The state vfkit reports once the guest powered off.
 pub const STOPPED: &str = "VirtualMachineStateStopped";
+/// The state vfkit reports for a guest paused in place.
+pub const PAUSED: &str = "VirtualMachineStatePaused";
 
 #[derive(Debug)]
 pub enum RestError {
@@ -76,7 +78,8 @@ pub fn state(socket: &Path, timeout: Duration) -> Result<String, RestError> {
         .ok_or_else(|| RestError::BadAnswer("no \"state\"".into()))
 }
 
-/// Asks for a state change: `"Stop"` (the power button) or `"HardStop"`.
+/// Asks for a state change: `"Stop"` (the power button), `"HardStop"`,
+/// `"Pause"` or `"Resume"`.
 pub fn change(socket: &Path, to: &str, timeout: Duration) -> Result<(), RestError> {
     let body = serde_json::json!({ "state": to }).to_string();
     match unix_http::request(socket, "POST", "/vm/state", Some(body.as_bytes()), timeout) {

@@ -31,6 +31,15 @@ pub enum VfkitError {
         program: PathBuf,
         source: std::io::Error,
     },
+    /// No vfkit of the VM runs (to pause or resume).
+    NotRunning { vm_id: Id },
+    /// A pause or resume of the guest in place failed: what it was
+    /// `doing`, and vfkit's answer.
+    State {
+        vm_id: Id,
+        doing: &'static str,
+        source: super::api::RestError,
+    },
     /// What every backend's supervision can fail at.
     Supervise(SuperviseError),
 }
@@ -62,6 +71,8 @@ impl fmt::Display for VfkitError {
             VfkitError::Start { vm_id, program, .. } => {
                 write!(f, "VM {vm_id}: cannot start {}", program.display())
             }
+            VfkitError::NotRunning { vm_id } => write!(f, "VM {vm_id}: its vfkit is not running"),
+            VfkitError::State { vm_id, doing, .. } => write!(f, "VM {vm_id}: cannot {doing}"),
             VfkitError::Supervise(e) => e.fmt(f),
         }
     }
@@ -72,9 +83,12 @@ impl std::error::Error for VfkitError {
         match self {
             VfkitError::Argv { source, .. } => Some(source),
             VfkitError::Files { source, .. } | VfkitError::Start { source, .. } => Some(source),
+            VfkitError::State { source, .. } => Some(source),
             // Transparent: the wrapped error's own message is this one's.
             VfkitError::Supervise(e) => e.source(),
-            VfkitError::NotInstalled { .. } | VfkitError::HostNetwork { .. } => None,
+            VfkitError::NotInstalled { .. }
+            | VfkitError::HostNetwork { .. }
+            | VfkitError::NotRunning { .. } => None,
         }
     }
 }
@@ -88,7 +102,9 @@ impl Failure for VfkitError {
             VfkitError::Argv { .. } | VfkitError::HostNetwork { .. } => true,
             VfkitError::NotInstalled { .. }
             | VfkitError::Files { .. }
-            | VfkitError::Start { .. } => false,
+            | VfkitError::Start { .. }
+            | VfkitError::NotRunning { .. }
+            | VfkitError::State { .. } => false,
             VfkitError::Supervise(e) => e.is_permanent(),
         }
     }
@@ -100,7 +116,9 @@ impl Failure for VfkitError {
             VfkitError::Argv { .. }
             | VfkitError::HostNetwork { .. }
             | VfkitError::Files { .. }
-            | VfkitError::Start { .. } => false,
+            | VfkitError::Start { .. }
+            | VfkitError::NotRunning { .. }
+            | VfkitError::State { .. } => false,
             VfkitError::Supervise(e) => e.is_host_condition(),
         }
     }

@@ -45,10 +45,10 @@ use std::time::Duration;
 use self::argv::Files;
 pub use self::error::VfkitError;
 use super::supervise::{self, Children, StopTimeouts};
-use super::{ExitListener, Provisioner, Say};
+use super::{ExitListener, Provisioner, SavedGuest, Say};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
-use crate::model::{Id, Mac, VmSpec};
+use crate::model::{Id, Mac, Saved, VmSpec};
 use crate::state::Store;
 
 #[derive(Debug, Clone)]
@@ -121,6 +121,45 @@ impl Vfkit {
             .filter_map(|e| Id::parse(&e.file_name().to_string_lossy()).ok())
             .filter(|id| self.pidfile_path(id).exists())
             .collect()
+    }
+}
+
+/// How long one state query or change may take.
+const STATE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a guest is given to reach the state asked of it.
+const STATE_WAIT: Duration = Duration::from_secs(10);
+
+impl Vfkit {
+    /// Waits until the VM's vfkit says `want`, within `deadline` and
+    /// [`STATE_WAIT`].
+    fn await_state(&self, vm_id: &Id, want: &str, deadline: Deadline) -> Result<(), BoxFailure> {
+        let socket = self.socket_path(vm_id);
+        let until = deadline.capped(STATE_WAIT);
+        loop {
+            match api::state(&socket, STATE_TIMEOUT) {
+                Ok(state) if state == want => return Ok(()),
+                Ok(_) if !until.expired() => std::thread::sleep(Duration::from_millis(20)),
+                Ok(state) => {
+                    return Err(VfkitError::State {
+                        vm_id: vm_id.clone(),
+                        doing: "reach the state asked of it",
+                        source: api::RestError::BadAnswer(format!(
+                            "still {state} after {} s, asked for {want}",
+                            STATE_WAIT.as_secs()
+                        )),
+                    }
+                    .into());
+                }
+                Err(source) => {
+                    return Err(VfkitError::State {
+                        vm_id: vm_id.clone(),
+                        doing: "say its state",
+                        source,
+                    }
+                    .into());
+                }
+            }
+        }
     }
 }
 
@@ -231,6 +270,71 @@ impl Provisioner for Vfkit {
     /// vfkits left by a previous agent are found by their pidfiles: those
     /// `known` explains are adopted (nothing to do: the pidfile tracks
     /// them), the rest are stopped through the ladder, and said.
+    /// vfkit cannot save a guest to disk: its guest is paused in place
+    /// (`Pause`), and the paused vfkit holds it, memory and all.
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
+        if self.alive(vm_id).is_none() {
+            return Err(VfkitError::NotRunning {
+                vm_id: vm_id.clone(),
+            }
+            .into());
+        }
+        say("suspending: pausing the guest in place (vfkit keeps it in memory)");
+        let socket = self.socket_path(vm_id);
+        api::change(&socket, "Pause", STATE_TIMEOUT).map_err(|source| VfkitError::State {
+            vm_id: vm_id.clone(),
+            doing: "pause its guest",
+            source,
+        })?;
+        self.await_state(vm_id, api::PAUSED, deadline)?;
+        Ok(Saved {
+            taken_at_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            bytes: 0,
+            in_memory: true,
+        })
+    }
+
+    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        let Some(pid) = self.alive(vm_id) else {
+            return Err(VfkitError::NotRunning {
+                vm_id: vm_id.clone(),
+            }
+            .into());
+        };
+        let socket = self.socket_path(vm_id);
+        if api::state(&socket, STATE_TIMEOUT).ok().as_deref() == Some(api::PAUSED) {
+            api::change(&socket, "Resume", STATE_TIMEOUT).map_err(|source| VfkitError::State {
+                vm_id: vm_id.clone(),
+                doing: "resume its paused guest",
+                source,
+            })?;
+        }
+        self.await_running(vm_id, pid, deadline)
+    }
+
+    /// A guest paused in place, while its vfkit lives.
+    fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.alive(vm_id)?;
+        let state = api::state(&self.socket_path(vm_id), STATE_TIMEOUT).ok()?;
+        (state == api::PAUSED).then_some(SavedGuest::Usable(Saved {
+            taken_at_ms: 0,
+            bytes: 0,
+            in_memory: true,
+        }))
+    }
+
+    /// A paused guest's vfkit is stopped (a paused guest hears no power
+    /// button); a running one is not suspended, and is left alone.
+    fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+        if self.suspension(vm_id).is_none() {
+            return Ok(());
+        }
+        self.stop_paused(vm_id, deadline)
+    }
+
     fn recover(&self, known: &[Id]) -> Vec<String> {
         let mut notes = Vec::new();
         for vm_id in self.with_pidfiles() {

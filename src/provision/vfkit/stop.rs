@@ -23,4 +23,15 @@ impl Vfkit {
         supervise::stop(vm_id, &self.vmm(vm_id, pid), self.cfg.stop, deadline, say)
             .map_err(Into::into)
     }
+
+    /// Stops the VM's vfkit whose guest is paused: from `HardStop`, since
+    /// a paused guest hears no power button.
+    pub(super) fn stop_paused(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+        let Some(pid) = self.alive(vm_id) else {
+            return Ok(());
+        };
+        let say = |what: &str| log::info!("VM {vm_id}: {what}");
+        supervise::ladder::stop_paused(vm_id, &self.vmm(vm_id, pid), self.cfg.stop, deadline, &say)
+            .map_err(Into::into)
+    }
 }
