@@ -618,7 +618,7 @@ fn a_worker_whose_loop_ended_between_rechecks_is_started_again() {
     // look again (the snapshot and the records unchanged).
     let h = Harness::new();
     let (release, wait) = crossbeam_channel::bounded::<()>(0);
-    h.engine.watch_creates(move |_, _| {
+    h.engine.watch_stages(move |_, _| {
         let _ = wait.recv();
         panic!("test: the create watch failed");
     });

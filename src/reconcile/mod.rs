@@ -292,10 +292,11 @@ impl Engine {
         self.core.prov.pid(vm_id)
     }
 
-    /// Tells `watch` the stages of every create attempt from now on, as
-    /// they end (on the VM's worker thread: keep it short). Each attempt is
-    /// logged with its stages too; this is for what measures them.
-    pub fn watch_creates(&self, watch: impl Fn(&Id, &Stages) + Send + Sync + 'static) {
+    /// Tells `watch` the stages of every create attempt, suspend and
+    /// resume from now on, as they end (on the VM's worker thread: keep it
+    /// short). Each is logged with its stages too; this is for what
+    /// measures them.
+    pub fn watch_stages(&self, watch: impl Fn(&Id, &Stages) + Send + Sync + 'static) {
         *self.core.create_watch.write() = Some(Arc::new(watch));
     }
 

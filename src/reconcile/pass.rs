@@ -191,18 +191,22 @@ pub(crate) struct Core {
     /// way every pass is one line, not one a tick.
     pub logs: LogOnce,
     pub counts: super::counts::Counts,
-    /// Told the stages of every create attempt (see [`Engine::watch_creates`](super::Engine::watch_creates)).
+    /// Told the stages of every create attempt (see [`Engine::watch_stages`](super::Engine::watch_stages)).
     pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
 }
 
-/// What [`Engine::watch_creates`] is given: the VM and its create's stages.
+/// What [`Engine::watch_stages`] is given: the VM and its create's stages.
 ///
-/// [`Engine::watch_creates`]: super::Engine::watch_creates
+/// [`Engine::watch_stages`]: super::Engine::watch_stages
 pub type CreateWatch = Arc<dyn Fn(&Id, &Stages) + Send + Sync>;
 
 /// The span of a counted create attempt, from its saved count to its end: a
 /// pass with one is logged with all its stages (those before it too).
 pub(crate) const CREATE_STAGE: &str = "create";
+/// The spans of a suspend and of a resume: a pass with one is logged with
+/// its stages too.
+pub(crate) const SUSPEND_STAGE: &str = "suspend";
+pub(crate) const RESUME_STAGE: &str = "resume";
 
 /// Where a pass publishes its VM's row mid-pass: the worker's, under the
 /// pass's generation (see `workers`), so a publish from a pass that is
@@ -219,10 +223,17 @@ impl Core {
     /// After each pass: a pass that made a create attempt logs where its
     /// time went, one line, and tells the watcher.
     pub(crate) fn timed_pass(&self, vm_id: &Id, stages: Stages) {
-        if stages.marks.iter().all(|m| m.stage != CREATE_STAGE) {
+        let Some(what) = [
+            (CREATE_STAGE, "create attempt"),
+            (SUSPEND_STAGE, "suspend"),
+            (RESUME_STAGE, "resume"),
+        ]
+        .into_iter()
+        .find(|(stage, _)| stages.marks.iter().any(|m| m.stage == *stage))
+        .map(|(_, what)| what) else {
             return;
-        }
-        log::info!("VM {vm_id}: create attempt took {stages}");
+        };
+        log::info!("VM {vm_id}: {what} took {stages}");
         if let Some(watch) = self.create_watch.read().as_ref() {
             watch(vm_id, &stages);
         }

@@ -40,11 +40,12 @@
 use std::time::Instant;
 
 use super::lifecycle::{self, State};
-use super::pass::{Core, Narrator, Publisher, VmResult};
+use super::pass::{Core, Narrator, Publisher, RESUME_STAGE, SUSPEND_STAGE, VmResult};
 use crate::deadline::Deadline;
 use crate::error::chain;
 use crate::model::{DesiredVm, Phase, PowerState, Saved};
 use crate::provision::SavedGuest;
+use crate::stages::timed;
 use crate::state::Record;
 
 /// Why a suspended VM is booted from its disks instead of resumed; the
@@ -220,7 +221,8 @@ impl Core {
         );
         let say = |what: &str| narrator.say(what);
         let started = Instant::now();
-        match self.prov.suspend(&vm_id, deadline, &say) {
+        let suspended = timed(SUSPEND_STAGE, || self.prov.suspend(&vm_id, deadline, &say));
+        match suspended {
             Ok(saved) => {
                 self.counts.suspends.observe(started.elapsed());
                 log::info!(
@@ -295,7 +297,7 @@ impl Core {
         )
         .say("resuming");
         let started = Instant::now();
-        match self.prov.resume(&rec.spec, deadline) {
+        match timed(RESUME_STAGE, || self.prov.resume(&rec.spec, deadline)) {
             Ok(()) => {
                 self.counts.resumes.observe(started.elapsed());
                 log::info!(
@@ -361,13 +363,23 @@ impl Core {
     ) {
         rec.resumed(self.host.boot_id());
         self.note_address(&mut rec);
-        self.save_best_effort(&rec);
         self.ledger.note(&rec.spec);
         self.forget_logs(&rec.spec.vm_id);
         match d.power {
-            PowerState::Running => self.report_recorded(res, &rec, PowerState::Running),
+            PowerState::Running => {
+                // Said once the guest runs, before the record follows: a
+                // crash before the save finds its VMM alive and finishes.
+                self.report_recorded(res, &rec, PowerState::Running);
+                if let Some(publisher) = publisher
+                    && !deadline.expired()
+                {
+                    publisher.publish(res.clone());
+                }
+                self.save_best_effort(&rec);
+            }
             PowerState::Suspended | PowerState::Stopped => {
-                self.converge(deadline, d, rec, res, publisher)
+                self.save_best_effort(&rec);
+                self.converge(deadline, d, rec, res, publisher);
             }
         }
     }

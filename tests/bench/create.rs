@@ -42,6 +42,10 @@ use eitri_agent::stages::Stages;
 use eitri_agent::state::Store;
 use eitri_agent::testkit::{Fakes, desired, present, snapshot, tombstoned};
 
+#[path = "figures.rs"]
+mod figures;
+use figures::{ms, percentile, print_stages};
+
 const VMS: usize = 20;
 /// Creates and bare starts against a real hypervisor.
 const REAL_VMS: usize = 25;
@@ -427,47 +431,6 @@ impl Bench {
     }
 }
 
-/// The median of every stage the creates of `traces` went through, in the
-/// order of the first, and of their totals.
-fn print_stages(traces: &[Stages]) {
-    let mut order: Vec<&'static str> = Vec::new();
-    for trace in traces {
-        for mark in &trace.marks {
-            if !order.contains(&mark.stage) {
-                order.push(mark.stage);
-            }
-        }
-    }
-    println!(
-        "stage medians over {} single creates (ms; nested stages are inside their parents):",
-        traces.len()
-    );
-    for stage in order {
-        let values: Vec<f64> = traces.iter().map(|t| ms(t.of(stage))).collect();
-        let count = traces
-            .first()
-            .map_or(0, |t| t.marks.iter().filter(|m| m.stage == stage).count());
-        println!("  {stage:<16} {:>8.3}  (×{count})", percentile(values, 0.5));
-    }
-    println!(
-        "  {:<16} {:>8.3}",
-        "total",
-        percentile(traces.iter().map(|t| ms(t.total)).collect(), 0.5)
-    );
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
-
-fn percentile(mut values: Vec<f64>, p: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values
-        .get(((values.len() as f64 - 1.0) * p).round() as usize)
-        .copied()
-        .unwrap_or(f64::NAN)
-}
-
 fn main() -> Result<(), Error> {
     eitri_agent::testkit::net::private_network();
     let mut bench = Bench::new()?;
@@ -476,7 +439,7 @@ fn main() -> Result<(), Error> {
         let traces = Arc::clone(&traces);
         bench
             .engine
-            .watch_creates(move |_, stages| traces.lock().push(stages.clone()));
+            .watch_stages(move |_, stages| traces.lock().push(stages.clone()));
     }
     // The image into the cache, and every lazy first (the KVM grant, the
     // cgroup parents) out of the way.
@@ -513,7 +476,7 @@ fn main() -> Result<(), Error> {
     bench.engine.wait_idle(Deadline::after(PATIENCE));
     bench.destroy_all();
 
-    print_stages(&singles);
+    print_stages("single creates", &singles);
     println!(
         "  {:<16} {:>8.3}  (the step that named them, before dispatch)",
         "step",
@@ -558,7 +521,7 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
         let traces = Arc::clone(&traces);
         bench
             .engine
-            .watch_creates(move |_, stages| traces.lock().push(stages.clone()));
+            .watch_stages(move |_, stages| traces.lock().push(stages.clone()));
     }
     let warm = vec!["real-warm".to_owned()];
     bench.keyed(&warm);
@@ -595,7 +558,7 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
         )?));
     }
     println!("real hypervisor:");
-    print_stages(&traces.lock());
+    print_stages("single creates", &traces.lock());
     let waits: Vec<f64> = traces
         .lock()
         .iter()

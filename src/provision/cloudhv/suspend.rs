@@ -82,6 +82,9 @@ const MANIFEST: &str = "manifest.json";
 const SMALL_FILE_MAX: u64 = 64 << 20;
 /// A manifest is a few hundred bytes.
 const MANIFEST_MAX: u64 = 1 << 20;
+/// What cloud-hypervisor answers a snapshot of a guest whose memory it is
+/// still faulting in from its last restore.
+const RESTORE_IN_PROGRESS: &str = "on-demand memory restore is still in progress";
 /// How long a pause or a resume may take; a snapshot gets what is left of
 /// the pass.
 const API_TIMEOUT: Duration = Duration::from_secs(10);
@@ -167,12 +170,14 @@ impl CloudHypervisor {
         let work = layout.snapshot_work(vm_id);
         say("suspending: pausing the guest");
         let saved = (|| -> Result<Saved, BoxFailure> {
-            put(
-                &socket,
-                "/api/v1/vm.pause",
-                None,
-                deadline.capped(API_TIMEOUT),
-            )
+            timed("pause", || {
+                put(
+                    &socket,
+                    "/api/v1/vm.pause",
+                    None,
+                    deadline.capped(API_TIMEOUT),
+                )
+            })
             .map_err(|e| failed(vm_id, "pause its guest", e))?;
             if !work.is_dir() {
                 return Err(failed(
@@ -194,7 +199,18 @@ impl CloudHypervisor {
             // bounds it (an hour without one).
             let bound = deadline.capped(Duration::from_secs(3600));
             timed("snapshot", || {
-                put(&socket, "/api/v1/vm.snapshot", Some(body.as_bytes()), bound)
+                loop {
+                    match put(&socket, "/api/v1/vm.snapshot", Some(body.as_bytes()), bound) {
+                        // A guest resumed moments ago whose VMM still reads
+                        // the rest of its last snapshot in: it cannot be
+                        // saved until that is done (seconds for GiBs).
+                        Err(e) if e.to_string().contains(RESTORE_IN_PROGRESS) && !bound.expired() => {
+                            say("suspending: waiting for its last resume to finish reading its memory in");
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        done => return done,
+                    }
+                }
             })
             .map_err(|e| failed(vm_id, "save its guest", e))?;
             crate::crash::point("suspend.snapshot-written");
@@ -230,14 +246,16 @@ impl CloudHypervisor {
         };
         crate::crash::point("suspend.committed");
         say("suspending: stopping its hypervisor");
-        supervise::ladder::stop_paused(
-            vm_id,
-            &self.vmm(vm_id, tracked),
-            self.cfg.stop,
-            deadline,
-            say,
-        )?;
-        self.end_leftovers(vm_id, say)?;
+        timed("stop", || {
+            supervise::ladder::stop_paused(
+                vm_id,
+                &self.vmm(vm_id, tracked),
+                self.cfg.stop,
+                deadline,
+                say,
+            )
+        })?;
+        timed("leftovers", || self.end_leftovers(vm_id, say))?;
         crate::crash::point("suspend.vmm-stopped");
         Ok(saved)
     }
@@ -261,7 +279,9 @@ impl CloudHypervisor {
         }
         let layout = self.store.layout();
         let snapshot = layout.snapshot(vm_id);
-        if let Err(why) = check(&layout.snapshot_manifest(vm_id), &snapshot) {
+        if let Err(why) = timed("check", || {
+            check(&layout.snapshot_manifest(vm_id), &snapshot)
+        }) {
             return Err(failed(vm_id, "restore its snapshot", why));
         }
         timed("console", || keep_console(self, vm_id))
