@@ -361,13 +361,19 @@ fn wanting(h: &Host, vm: &str, power: PowerState) -> Snapshot {
     snapshot(1, vec![present(d)])
 }
 
-/// The VM's console as `logs` reads it: what its resumes moved aside,
-/// then what its VMM writes now.
+/// The VM's console as `eitri-agent logs` prints it: what its resumes
+/// moved aside, then what its VMM writes now.
 fn console(h: &Host, vm: &str) -> Vec<String> {
-    let layout = h.store.layout();
-    let earlier = eitri_agent::console::earlier_segments(layout, &id(vm));
-    eitri_agent::console::last_lines_across(&earlier, &layout.serial_log(&id(vm)), 100_000)
-        .expect("the console")
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+        .args(["logs", vm, "--lines", "100000", "--state-dir"])
+        .arg(h.store.root())
+        .output()
+        .expect("eitri-agent logs");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
 }
 
 /// What the VM's VMM's API says its state is.
@@ -585,6 +591,22 @@ fn a_host_without_a_userfaultfd_device_resumes_by_reading_the_snapshot_first() {
     let cmdline = String::from_utf8_lossy(&cmdline);
     assert!(cmdline.contains("memory_restore_mode=copy"), "{cmdline}");
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+}
+
+#[test]
+fn a_snapshot_whose_memory_is_larger_than_its_guests_is_refused_and_the_vm_runs_on() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_BIG", "1")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(
+        row.last_error.contains("more than its guest's could be"),
+        "{row:?}"
+    );
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
 }
 
 #[test]

@@ -53,6 +53,8 @@
 //! - `STANDIN_SNAPSHOT_EXTRA=name`: `vm.snapshot` also writes a file
 //!   called `name`, as a VMM its guest took over could.
 //! - `STANDIN_RESTORE_FAIL=1`: a restore logs an error and exits 1.
+//! - `STANDIN_SNAPSHOT_BIG=1`: `vm.snapshot` writes a memory file twice
+//!   the guest's memory.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -259,9 +261,12 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
     // Sparse, as the real one writes a shared memory: the size of the
     // guest's memory, and only the pages it touched (a few) allocated.
     let memory = File::create(dir.join("memory-ranges")).map_err(|e| e.to_string())?;
-    memory
-        .set_len(config.memory_bytes())
-        .map_err(|e| e.to_string())?;
+    // A VMM its guest took over could write any size.
+    let size = match knob("STANDIN_SNAPSHOT_BIG") {
+        Some(_) => config.memory_bytes() * 2,
+        None => config.memory_bytes(),
+    };
+    memory.set_len(size).map_err(|e| e.to_string())?;
     {
         use std::os::unix::fs::FileExt;
         for page in 0..4u64 {

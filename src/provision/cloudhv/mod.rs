@@ -450,15 +450,21 @@ impl CloudHypervisor {
         }
     }
 
-    /// The disks a snapshot of the VM is taken with: its root disk and its
-    /// volumes, as its record's spec names them.
-    fn disks_of(&self, vm_id: &Id) -> Vec<PathBuf> {
+    /// What a snapshot of the VM is taken with and held to: its disks (its
+    /// root disk and volumes, as its record's spec names them) and its
+    /// guest's memory in bytes (0 when its record cannot be read).
+    fn snapshot_of(&self, vm_id: &Id) -> suspend::Taken {
         let layout = self.store.layout();
         let mut disks = vec![layout.root_disk(vm_id)];
+        let mut memory_bytes = 0;
         if let Ok(Some(rec)) = self.store.get(vm_id) {
             disks.extend(layout.volumes_of(&rec.spec));
+            memory_bytes = rec.spec.mem_mb.saturating_mul(1 << 20);
         }
-        disks
+        suspend::Taken {
+            disks,
+            memory_bytes,
+        }
     }
 }
 
@@ -614,7 +620,7 @@ impl Provisioner for CloudHypervisor {
     }
 
     fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
-        self.suspend_vm(&self.disks_of(vm_id), vm_id, deadline, say)
+        self.suspend_vm(&self.snapshot_of(vm_id), vm_id, deadline, say)
     }
 
     fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {

@@ -12,7 +12,8 @@
 //! 2. `snapshot.tmp/` is emptied (never replaced: the VMM's view holds that
 //!    directory) and `vm.snapshot` writes its files there.
 //! 3. Sealed, each file: a regular file of one link and an expected name,
-//!    opened without following a link, made root's, its size bounded,
+//!    opened without following a link, made root's, its size bounded (the
+//!    memory file by the guest's memory, the rest by 64 MiB),
 //!    synced, and moved to `.snapshot-new/` (root's, out of the VMM's
 //!    sight), checked to be the file that was sealed. The manifest (its
 //!    files' sizes, the disks' identities) is written beside them and the
@@ -150,11 +151,18 @@ impl DiskIdentity {
     }
 }
 
+/// What a snapshot is taken with (its disks) and held to (its guest's
+/// memory: the memory file is no larger).
+pub(super) struct Taken {
+    pub disks: Vec<PathBuf>,
+    pub memory_bytes: u64,
+}
+
 impl CloudHypervisor {
     /// Suspends the VM (see the module's steps).
     pub(super) fn suspend_vm(
         &self,
-        spec_disks: &[PathBuf],
+        taken: &Taken,
         vm_id: &Id,
         deadline: Deadline,
         say: Say<'_>,
@@ -225,7 +233,7 @@ impl CloudHypervisor {
                     &work,
                     &paths,
                     &layout.vm_dir(vm_id),
-                    spec_disks,
+                    taken,
                     taken_at_ms,
                 )
             })
@@ -395,7 +403,7 @@ fn seal_and_commit(
     work: &Path,
     paths: &SnapshotPaths,
     vm_dir: &Path,
-    disks: &[PathBuf],
+    taken: &Taken,
     taken_at_ms: u64,
 ) -> io::Result<Saved> {
     let SnapshotPaths {
@@ -429,9 +437,14 @@ fn seal_and_commit(
                 "its {name} is not a regular file of one link"
             )));
         }
-        if name != "memory-ranges" && meta.len() > SMALL_FILE_MAX {
+        let bound = if name == "memory-ranges" {
+            taken.memory_bytes
+        } else {
+            SMALL_FILE_MAX
+        };
+        if meta.len() > bound {
             return Err(io::Error::other(format!(
-                "its {name} is {} bytes, more than any snapshot's",
+                "its {name} is {} bytes, more than its guest's could be ({bound})",
                 meta.len()
             )));
         }
@@ -464,7 +477,8 @@ fn seal_and_commit(
         format: FORMAT,
         taken_at_ms,
         files,
-        disks: disks
+        disks: taken
+            .disks
             .iter()
             .map(|d| DiskIdentity::of(d))
             .collect::<io::Result<_>>()?,
