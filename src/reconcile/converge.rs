@@ -149,16 +149,8 @@ impl Core {
         publisher: Option<&Publisher>,
     ) {
         rec.stop_intended();
-        if let Err(e) = self.store.save(&rec) {
-            let why = chain(&e);
-            let vm_id = &rec.spec.vm_id;
-            self.logs.error(
-                &format!("{vm_id}/stop"),
-                &format!("VM {vm_id}: not stopping it: {why}"),
-            );
-            // The intent is not on disk, and neither can this error be: the
-            // row says what happened, the record is unchanged.
-            return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+        if !self.save_intent(&rec, "stopping", PowerState::Running, res) {
+            return;
         }
         crate::crash::point("stop.intent-saved");
         let narrator = Narrator::new(

@@ -435,6 +435,31 @@ impl Core {
 
     /// Saves a record whose save failing changes nothing this pass decides.
     /// The failure is logged, and the next pass writes the record again.
+    /// Saves the intent `rec` now holds, before its side effect. If it
+    /// cannot be saved nothing is done: the failure is logged (once per
+    /// change) as not `doing` it, the row says it with `power` (the record
+    /// is unchanged, and this error cannot be saved either), and false is
+    /// returned.
+    pub(crate) fn save_intent(
+        &self,
+        rec: &Record,
+        doing: &str,
+        power: PowerState,
+        res: &mut VmResult,
+    ) -> bool {
+        let Err(e) = self.store.save(rec) else {
+            return true;
+        };
+        let why = crate::error::chain(&e);
+        let vm_id = &rec.spec.vm_id;
+        self.logs.error(
+            &format!("{vm_id}/{doing}"),
+            &format!("VM {vm_id}: not {doing} it: {why}"),
+        );
+        res.report(rec, Some(power), Phase::Failed, why);
+        false
+    }
+
     pub(crate) fn save_best_effort(&self, rec: &Record) {
         let vm_id = &rec.spec.vm_id;
         if let Err(e) = self.store.save(rec) {

@@ -202,13 +202,8 @@ impl Core {
             return self.report_recorded(res, &rec, PowerState::Running);
         }
         rec.suspend_intended();
-        if let Err(e) = self.store.save(&rec) {
-            let why = chain(&e);
-            self.logs.error(
-                &format!("{vm_id}/suspend"),
-                &format!("VM {vm_id}: not suspending it: {why}"),
-            );
-            return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+        if !self.save_intent(&rec, "suspending", PowerState::Running, res) {
+            return;
         }
         crate::crash::point("suspend.intent-saved");
         let narrator = Narrator::new(
@@ -278,13 +273,8 @@ impl Core {
             None => return self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Gone),
         }
         rec.resume_intended();
-        if let Err(e) = self.store.save(&rec) {
-            let why = chain(&e);
-            self.logs.error(
-                &format!("{vm_id}/resume"),
-                &format!("VM {vm_id}: not resuming it: {why}"),
-            );
-            return res.report(&rec, Some(PowerState::Suspended), Phase::Failed, why);
+        if !self.save_intent(&rec, "resuming", PowerState::Suspended, res) {
+            return;
         }
         crate::crash::point("resume.intent-saved");
         Narrator::new(
@@ -328,9 +318,8 @@ impl Core {
         let vm_id = rec.spec.vm_id.clone();
         if rec.lifecycle.suspension() != lifecycle::Suspension::Resuming {
             rec.resume_intended();
-            if let Err(e) = self.store.save(&rec) {
-                let why = chain(&e);
-                return res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+            if !self.save_intent(&rec, "resuming", PowerState::Running, res) {
+                return;
             }
         }
         match self.prov.resume(&rec.spec, deadline) {

@@ -30,21 +30,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
-use eitri_agent::hostkey::LocalHostKeys;
-use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
+use eitri_agent::image::sha256_file;
 use eitri_agent::model::{Id, Phase, PowerState, Snapshot, WantedVm};
-use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::cloudhv::CloudHvConfig;
 use eitri_agent::provision::supervise::StopTimeouts;
-use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
-use eitri_agent::seed::NoCloudSeed;
+use eitri_agent::reconcile::{Engine, EngineConfig};
 use eitri_agent::stages::Stages;
 use eitri_agent::state::Store;
-use eitri_agent::testkit::{Fakes, desired, present, snapshot, tombstoned};
+use eitri_agent::testkit::{desired, present, snapshot, tombstoned};
 
 #[path = "figures.rs"]
 mod figures;
-use figures::{ms, percentile, print_stages};
+use figures::{end_with_the_bench, ms, percentile, print_stages};
 
 const VMS: usize = 20;
 /// Creates and bare starts against a real hypervisor.
@@ -82,31 +79,6 @@ impl Drop for Bench {
     fn drop(&mut self) {
         eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
     }
-}
-
-/// ^C or a TERM ends the bench's stand-ins before the bench: they run in
-/// sessions of their own, so the signal that ends the bench never reaches
-/// them.
-fn end_with_the_bench(cgroup_root: String) -> Result<(), Error> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    static ROOTS: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
-    static WATCHING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    ROOTS.lock().push(cgroup_root);
-    if WATCHING.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return Ok(());
-    }
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
-    std::thread::Builder::new()
-        .name("bench-signals".into())
-        .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                for root in ROOTS.lock().iter() {
-                    eitri_agent::testkit::end_cgroup_root(root);
-                }
-                std::process::exit(128 + signal);
-            }
-        })?;
-    Ok(())
 }
 
 /// One bare start of the real hypervisor `ch` booting `kernel`, confined
@@ -297,20 +269,7 @@ impl Bench {
         };
         let cgroup_root = cfg.confinement.cgroup_root.clone();
         end_with_the_bench(cgroup_root.clone())?;
-        let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg));
-        let seams = Seams {
-            provisioner: backend as Arc<dyn Provisioner>,
-            images: Arc::new(ImageCache::with(
-                store.layout().images(),
-                &ImageOptions {
-                    file_root: Some(dir.path().to_path_buf()),
-                    ..ImageOptions::default()
-                },
-            )),
-            seed: Arc::new(NoCloudSeed),
-            host_keys: Arc::new(LocalHostKeys),
-            host: Fakes::new().seams().host,
-        };
+        let seams = figures::seams(&store, cfg, dir.path());
         let defaults = EngineConfig::default();
         let config = EngineConfig {
             agent_version: "1.0.0".into(),

@@ -1,9 +1,63 @@
-//! What the benchmarks share: milliseconds, percentiles, and a pass's
-//! stages as medians.
+//! What the benchmarks share: the engine's seams over a real backend,
+//! ending their hypervisors however they end, milliseconds, percentiles,
+//! and a pass's stages as medians.
 
+use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
+use eitri_agent::hostkey::LocalHostKeys;
+use eitri_agent::image::{ImageCache, ImageOptions};
+use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::reconcile::Seams;
+use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::stages::Stages;
+use eitri_agent::state::Store;
+
+/// The seams of an engine over the cloud-hypervisor backend `cfg` drives,
+/// base images served from under `images` (`file://`).
+pub fn seams(store: &Arc<Store>, cfg: CloudHvConfig, images: &Path) -> Seams {
+    let backend = Arc::new(CloudHypervisor::new(Arc::clone(store), cfg));
+    Seams {
+        provisioner: backend as Arc<dyn Provisioner>,
+        images: Arc::new(ImageCache::with(
+            store.layout().images(),
+            &ImageOptions {
+                file_root: Some(images.to_path_buf()),
+                ..ImageOptions::default()
+            },
+        )),
+        seed: Arc::new(NoCloudSeed),
+        host_keys: Arc::new(LocalHostKeys),
+        host: eitri_agent::testkit::Fakes::new().seams().host,
+    }
+}
+
+/// ^C or a TERM ends the bench's hypervisors (every process in the
+/// cgroups under `cgroup_root`) before the bench: they run in sessions of
+/// their own, so the signal that ends the bench never reaches them.
+pub fn end_with_the_bench(cgroup_root: String) -> Result<(), Box<dyn std::error::Error>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    static ROOTS: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
+    static WATCHING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    ROOTS.lock().push(cgroup_root);
+    if WATCHING.swap(true, std::sync::atomic::Ordering::SeqCst) {
+        return Ok(());
+    }
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    std::thread::Builder::new()
+        .name("bench-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                for root in ROOTS.lock().iter() {
+                    eitri_agent::testkit::end_cgroup_root(root);
+                }
+                std::process::exit(128 + signal);
+            }
+        })?;
+    Ok(())
+}
 
 /// The median of every stage the passes of `traces` went through, in the
 /// order of the first, and of their totals; `what` names the passes.

@@ -26,20 +26,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
-use eitri_agent::hostkey::LocalHostKeys;
-use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
+use eitri_agent::image::sha256_file;
 use eitri_agent::model::{Id, Phase, PowerState, Snapshot};
-use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::cloudhv::CloudHvConfig;
 use eitri_agent::provision::supervise::StopTimeouts;
-use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
-use eitri_agent::seed::NoCloudSeed;
+use eitri_agent::reconcile::{Engine, EngineConfig};
 use eitri_agent::state::Store;
-use eitri_agent::testkit::{Fakes, desired, present, snapshot};
+use eitri_agent::testkit::{desired, present, snapshot};
 
 #[path = "figures.rs"]
 mod figures;
-use figures::{ms, percentile, print_stages};
+use figures::{end_with_the_bench, ms, percentile, print_stages};
 
 const ROUNDS: usize = 10;
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
@@ -122,20 +119,8 @@ impl Bench {
             },
             confinement,
         };
-        let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg));
-        let seams = Seams {
-            provisioner: backend as Arc<dyn Provisioner>,
-            images: Arc::new(ImageCache::with(
-                store.layout().images(),
-                &ImageOptions {
-                    file_root: Some(dir.path().to_path_buf()),
-                    ..ImageOptions::default()
-                },
-            )),
-            seed: Arc::new(NoCloudSeed),
-            host_keys: Arc::new(LocalHostKeys),
-            host: Fakes::new().seams().host,
-        };
+        end_with_the_bench(cgroup_root.clone())?;
+        let seams = figures::seams(&store, cfg, dir.path());
         let engine = Engine::new(
             Arc::clone(&store),
             seams,

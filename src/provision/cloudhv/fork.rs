@@ -916,6 +916,19 @@ mod tests {
         vec!["-c".into(), command.into()]
     }
 
+    /// `/bin/sh` with `args`, logging to `log`, nothing else given.
+    fn shell_start<'a>(args: &'a [std::ffi::OsString], log: &'a OwnedFd) -> Start<'a> {
+        Start {
+            program: Path::new("/bin/sh"),
+            args,
+            log,
+            own: &[],
+            cgroups: &[],
+            netns: None,
+            jail: None,
+        }
+    }
+
     #[test]
     fn a_held_child_runs_nothing_until_it_is_recorded() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -924,22 +937,11 @@ mod tests {
         let args = shell(format!("touch {}", marker.display()));
         let ran_before_the_record = AtomicBool::new(true);
 
-        let pid = start(
-            &Start {
-                program: Path::new("/bin/sh"),
-                args: &args,
-                log: &log,
-                own: &[],
-                cgroups: &[],
-                netns: None,
-                jail: None,
-            },
-            |_| {
-                std::thread::sleep(std::time::Duration::from_millis(100));
-                ran_before_the_record.store(marker.exists(), Ordering::SeqCst);
-                Ok(())
-            },
-        )
+        let pid = start(&shell_start(&args, &log), |_| {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            ran_before_the_record.store(marker.exists(), Ordering::SeqCst);
+            Ok(())
+        })
         .expect("started");
         let status = wait_raw(pid);
 
@@ -955,21 +957,10 @@ mod tests {
         let told = AtomicI32::new(0);
         let args = shell("true".into());
 
-        let pid = start(
-            &Start {
-                program: Path::new("/bin/sh"),
-                args: &args,
-                log: &log,
-                own: &[],
-                cgroups: &[],
-                netns: None,
-                jail: None,
-            },
-            |pid| {
-                told.store(pid, Ordering::SeqCst);
-                Ok(())
-            },
-        )
+        let pid = start(&shell_start(&args, &log), |pid| {
+            told.store(pid, Ordering::SeqCst);
+            Ok(())
+        })
         .expect("started");
         wait_raw(pid);
 
@@ -986,21 +977,10 @@ mod tests {
 
         // What the agent dying does to the hold pipe too: its write end
         // closes without a byte.
-        let result = start(
-            &Start {
-                program: Path::new("/bin/sh"),
-                args: &args,
-                log: &log,
-                own: &[],
-                cgroups: &[],
-                netns: None,
-                jail: None,
-            },
-            |pid| {
-                told.store(pid, Ordering::SeqCst);
-                Err(io::Error::other("the pidfile's disk is gone"))
-            },
-        );
+        let result = start(&shell_start(&args, &log), |pid| {
+            told.store(pid, Ordering::SeqCst);
+            Err(io::Error::other("the pidfile's disk is gone"))
+        });
 
         assert!(matches!(result, Err(StartError::Record(_))), "{result:?}");
         assert!(!marker.exists(), "the child exec'd without a release");

@@ -229,13 +229,7 @@ impl CloudHypervisor {
             };
             let taken_at_ms = unix_ms(SystemTime::now());
             timed("commit", || {
-                seal_and_commit(
-                    &work,
-                    &paths,
-                    &layout.vm_dir(vm_id),
-                    taken,
-                    taken_at_ms,
-                )
+                seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
             })
             .map_err(|e| failed(vm_id, "commit its snapshot", e))
         })();
