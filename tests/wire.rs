@@ -348,3 +348,30 @@ fn volume_size_must_be_positive() {
         Some(Id::parse("vol-1").unwrap())
     );
 }
+
+#[test]
+fn a_vm_naming_more_volumes_than_it_may_attach_is_refused_naming_the_cap() {
+    let mut raw = full_vm("vm-1");
+    raw.volume_ids = (0..100_000).map(|n| format!("v{n}")).collect();
+
+    let why = rejection(raw);
+
+    assert!(why.contains("volume_ids"), "{why}");
+    assert!(
+        why.contains(&format!(
+            "100000 volumes, at most {}",
+            eitri_agent::model::Limits::MAX_VOLUMES_PER_VM
+        )),
+        "{why}"
+    );
+}
+
+#[test]
+fn a_volume_attached_twice_is_refused() {
+    let mut raw = full_vm("vm-1");
+    raw.volume_ids = vec!["data-1".into(), "data-2".into(), "data-1".into()];
+
+    let why = rejection(raw);
+
+    assert!(why.contains("volume data-1 is attached twice"), "{why}");
+}

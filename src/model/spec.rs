@@ -36,6 +36,9 @@ impl Limits {
     /// far less, so this only stops a runaway control plane filling the disk.
     pub const MAX_USER_DATA: usize = 4 * 1024 * 1024;
     pub const MAX_USER_CA_KEYS: usize = 64;
+    /// Volumes one VM may attach: each is a virtio-blk device of its own,
+    /// and a guest's PCI bus has slots for about 30.
+    pub const MAX_VOLUMES_PER_VM: usize = 32;
 }
 
 /// The part of a VM's desired state that defines *what the VM is*. It is

@@ -5,13 +5,21 @@
 //! entries and gigabytes of memory before any check could run. The scan
 //! walks the top-level fields with no allocation, so a snapshot with more
 //! entries than the agent will take is refused at the cost of reading it.
+//! So with the lists inside a VM entry (its volume ids, its user CA keys):
+//! each VM entry is walked too, and one with more of either than a VM may
+//! have refuses the snapshot before a string of it is made.
 
 use prost::bytes::Buf;
 use prost::encoding::{WireType, decode_key, decode_varint};
 
+use crate::model::Limits;
+
 /// `Snapshot.vms` and `Snapshot.volumes` in `proto/eitri/agent/v1/agent.proto`.
 const VMS_FIELD: u32 = 2;
 const VOLUMES_FIELD: u32 = 4;
+/// `VMSpec.volume_ids` and `VMSpec.ssh_user_ca_authorized_keys`.
+const VOLUME_IDS_FIELD: u32 = 8;
+const CA_KEYS_FIELD: u32 = 16;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EntryCounts {
@@ -20,27 +28,72 @@ pub struct EntryCounts {
 }
 
 /// How many VM and volume entries an encoded `Snapshot` holds; an error
-/// says why the bytes are not a message.
-pub fn count_snapshot_entries(mut buf: &[u8]) -> Result<EntryCounts, String> {
+/// says why the bytes are not a message, or which VM entry holds more of a
+/// list than a VM may have.
+pub fn count_snapshot_entries(buf: &[u8]) -> Result<EntryCounts, String> {
     let mut counts = EntryCounts::default();
+    walk(buf, |field, body| {
+        match field {
+            VMS_FIELD => {
+                check_vm_entry(body, counts.vms)?;
+                counts.vms += 1;
+            }
+            VOLUMES_FIELD => counts.volumes += 1,
+            _ => {}
+        }
+        Ok(())
+    })?;
+    Ok(counts)
+}
+
+/// Refuses the `n`-th VM entry if it holds more volume ids or user CA keys
+/// than a VM may have.
+fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), String> {
+    let (mut volumes, mut keys) = (0usize, 0usize);
+    walk(entry, |field, _| {
+        match field {
+            VOLUME_IDS_FIELD => volumes += 1,
+            CA_KEYS_FIELD => keys += 1,
+            _ => {}
+        }
+        Ok(())
+    })?;
+    let over = |what: &str, count: usize, cap: usize| {
+        format!("VM entry {n} has {count} {what}, at most {cap}")
+    };
+    if volumes > Limits::MAX_VOLUMES_PER_VM {
+        return Err(over("volume_ids", volumes, Limits::MAX_VOLUMES_PER_VM));
+    }
+    if keys > Limits::MAX_USER_CA_KEYS {
+        return Err(over(
+            "ssh_user_ca_authorized_keys",
+            keys,
+            Limits::MAX_USER_CA_KEYS,
+        ));
+    }
+    Ok(())
+}
+
+/// Calls `each` with every length-delimited field of the message in `buf`
+/// (its number and bytes), skipping the rest; an error says why the bytes
+/// are not a message, or is `each`'s.
+fn walk(
+    mut buf: &[u8],
+    mut each: impl FnMut(u32, &[u8]) -> Result<(), String>,
+) -> Result<(), String> {
     while buf.has_remaining() {
         let (field, wire_type) = decode_key(&mut buf).map_err(|e| e.to_string())?;
-        let skip = match wire_type {
+        let (skip, delimited) = match wire_type {
             WireType::Varint => {
                 decode_varint(&mut buf).map_err(|e| e.to_string())?;
-                0
+                (0, false)
             }
-            WireType::SixtyFourBit => 8,
-            WireType::ThirtyTwoBit => 4,
+            WireType::SixtyFourBit => (8, false),
+            WireType::ThirtyTwoBit => (4, false),
             WireType::LengthDelimited => {
                 let len = decode_varint(&mut buf).map_err(|e| e.to_string())?;
                 let len = usize::try_from(len).map_err(|_| "a field length overflows")?;
-                match field {
-                    VMS_FIELD => counts.vms += 1,
-                    VOLUMES_FIELD => counts.volumes += 1,
-                    _ => {}
-                }
-                len
+                (len, true)
             }
             WireType::StartGroup | WireType::EndGroup => {
                 return Err("a snapshot has no groups".into());
@@ -49,9 +102,12 @@ pub fn count_snapshot_entries(mut buf: &[u8]) -> Result<EntryCounts, String> {
         if skip > buf.remaining() {
             return Err("a field runs past the end of the message".into());
         }
+        if delimited {
+            each(field, &buf[..skip])?;
+        }
         buf.advance(skip);
     }
-    Ok(counts)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -72,6 +128,51 @@ mod tests {
         let counts = count_snapshot_entries(&snap.encode_to_vec()).expect("scan");
 
         assert_eq!(counts, EntryCounts { vms: 3, volumes: 2 });
+    }
+
+    #[test]
+    fn a_vm_entry_with_more_volume_ids_than_a_vm_may_have_is_refused_before_decoding() {
+        let snap = pb::Snapshot {
+            vms: vec![
+                pb::VmSpec::default(),
+                pb::VmSpec {
+                    volume_ids: vec![String::new(); Limits::MAX_VOLUMES_PER_VM + 1],
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+
+        let scanned = count_snapshot_entries(&snap.encode_to_vec());
+
+        assert_eq!(
+            scanned,
+            Err(format!(
+                "VM entry 1 has {} volume_ids, at most {}",
+                Limits::MAX_VOLUMES_PER_VM + 1,
+                Limits::MAX_VOLUMES_PER_VM
+            ))
+        );
+    }
+
+    #[test]
+    fn a_vm_entry_with_more_user_ca_keys_than_a_vm_may_have_is_refused_before_decoding() {
+        let snap = pb::Snapshot {
+            vms: vec![pb::VmSpec {
+                ssh_user_ca_authorized_keys: vec![String::new(); Limits::MAX_USER_CA_KEYS + 1],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+
+        let scanned = count_snapshot_entries(&snap.encode_to_vec());
+
+        assert!(
+            scanned
+                .as_ref()
+                .is_err_and(|e| e.contains("ssh_user_ca_authorized_keys")),
+            "{scanned:?}"
+        );
     }
 
     #[test]
