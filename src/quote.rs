@@ -43,9 +43,35 @@ pub fn inline(s: &str) -> String {
     out
 }
 
+/// A URL with any credentials in it (`http://user:secret@host/`) replaced
+/// by `***`: for every place a URL from the wire or the command line is
+/// printed, logged or reported.
+pub fn url(raw: &str) -> std::borrow::Cow<'_, str> {
+    let Some(start) = raw.find("://").map(|i| i + 3) else {
+        return raw.into();
+    };
+    let authority_end = raw[start..]
+        .find(['/', '?', '#'])
+        .map_or(raw.len(), |i| start + i);
+    match raw[start..authority_end].rfind('@') {
+        Some(at) => format!("{}***{}", &raw[..start], &raw[start + at..]).into(),
+        None => raw.into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_in_a_url_are_hidden() {
+        assert_eq!(
+            url("http://ann:s3cret@mirror:8080/a.raw?x=@y"),
+            "http://***@mirror:8080/a.raw?x=@y"
+        );
+        assert_eq!(url("http://mirror/a@b.raw"), "http://mirror/a@b.raw");
+        assert_eq!(url("file:///srv/a.raw"), "file:///srv/a.raw");
+    }
 
     #[test]
     fn a_newline_and_an_escape_are_shown_not_obeyed() {

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::Progress;
-use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
+use eitri_agent::image::{ImageCache, ImageOptions, Reach, sha256_file};
+use eitri_agent::net::cidr::Cidr;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 use parking_lot::Mutex;
 
@@ -37,10 +38,12 @@ impl Fixture {
         Fixture { dir, image, sha }
     }
 
-    /// A cache serving `file://` from the library.
+    /// A cache serving `file://` from the library, and HTTP from the test
+    /// servers on loopback (refused unless allowed).
     fn cache(&self) -> ImageCache {
         self.cache_with(ImageOptions {
             file_root: Some(self.library()),
+            reach: loopback_allowed(),
             ..ImageOptions::default()
         })
     }
@@ -70,6 +73,13 @@ impl Fixture {
 
     fn images(&self) -> PathBuf {
         self.dir.path().join("images")
+    }
+}
+
+fn loopback_allowed() -> Reach {
+    Reach {
+        allow: vec![Cidr::parse("127.0.0.0/8").expect("range")],
+        ..Reach::default()
     }
 }
 
@@ -111,10 +121,7 @@ fn a_digest_mismatch_is_permanent_and_leaves_no_file() {
         .expect_err("mismatch");
 
     assert!(err.is_permanent());
-    assert!(
-        err.to_string().contains(&wrong) && err.to_string().contains(&f.sha),
-        "{err}"
-    );
+    assert!(err.to_string().contains(&wrong), "{err}");
     assert!(
         entries(&f.images()).is_empty(),
         "{:?}",
@@ -122,7 +129,102 @@ fn a_digest_mismatch_is_permanent_and_leaves_no_file() {
     );
 }
 
-/// A QCOW2 file: its header, then zeros.
+#[test]
+fn a_mismatch_never_tells_what_the_bytes_hash_to() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+
+    let err = f
+        .cache()
+        .resolve(
+            &server.url("a.raw"),
+            &"0".repeat(64),
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("mismatch");
+
+    assert!(!err.to_string().contains(&f.sha), "{err}");
+}
+
+#[test]
+fn a_loopback_url_is_refused_before_any_request() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+    let cache = f.cache_with(ImageOptions::default());
+
+    let err = cache
+        .resolve(
+            &server.url("secret"),
+            &"0".repeat(64),
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("refused");
+
+    assert!(err.is_permanent(), "{err}");
+    assert!(
+        err.to_string().contains("loopback") && err.to_string().contains("--image-allow"),
+        "{err}"
+    );
+    assert_eq!(server.requests(), 0);
+}
+
+#[test]
+fn a_redirect_is_not_followed_and_its_target_is_neither_fetched_nor_told() {
+    let f = Fixture::new();
+    let secret = ImageServer::start(Serve::File(f.image.clone())).expect("secret");
+    let mirror = ImageServer::start_on(
+        std::net::Ipv4Addr::new(127, 0, 0, 2),
+        Serve::Redirect(secret.url("secret")),
+    )
+    .expect("mirror");
+    // The mirror's address is allowed; the secret's is not.
+    let cache = f.cache_with(ImageOptions {
+        reach: Reach {
+            allow: vec![Cidr::parse("127.0.0.2").expect("range")],
+            ..Reach::default()
+        },
+        ..ImageOptions::default()
+    });
+
+    let err = cache
+        .resolve(
+            &mirror.url("a.raw"),
+            &"0".repeat(64),
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("refused");
+
+    assert!(err.is_permanent(), "{err}");
+    assert!(err.to_string().contains("redirect"), "{err}");
+    assert!(!err.to_string().contains(&f.sha), "{err}");
+    assert!(!err.to_string().contains(&secret.url("secret")), "{err}");
+    assert_eq!(mirror.requests(), 1);
+    assert_eq!(secret.requests(), 0);
+}
+
+#[test]
+fn credentials_in_an_image_url_are_never_shown() {
+    let f = Fixture::new();
+    let url = "http://ann:s3cret@127.0.0.1:9/a.raw";
+
+    let err = f
+        .cache_with(ImageOptions::default())
+        .resolve(url, &f.sha, DISK, Deadline::NONE, quiet())
+        .expect_err("refused");
+
+    assert!(!err.to_string().contains("s3cret"), "{err}");
+    assert!(
+        err.to_string().contains("http://***@127.0.0.1:9/a.raw"),
+        "{err}"
+    );
+}
+
 fn qcow2(dir: &Path) -> (PathBuf, String) {
     let path = dir.join("base.qcow2");
     let mut bytes = b"QFI\xfb\0\0\0\x03".to_vec();
@@ -402,6 +504,7 @@ fn a_stalled_server_fails_the_download_and_the_next_request_starts_afresh() {
     let server = ImageServer::start(Serve::Stall(f.image.clone(), 64 << 10)).expect("server");
     let cache = f.cache_with(ImageOptions {
         stall: Duration::from_millis(300),
+        reach: loopback_allowed(),
         ..ImageOptions::default()
     });
 
@@ -577,9 +680,15 @@ fn a_full_disk_fails_and_leaves_no_partial_file() {
     let small = tmpfs.path().to_path_buf();
     let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
 
-    let err = ImageCache::new(small.clone())
-        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
-        .expect_err("no space");
+    let err = ImageCache::with(
+        small.clone(),
+        &ImageOptions {
+            reach: loopback_allowed(),
+            ..ImageOptions::default()
+        },
+    )
+    .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
+    .expect_err("no space");
 
     assert!(err.to_string().contains("No space left"), "{err}");
     assert!(entries(&small).is_empty(), "{:?}", entries(&small));

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use super::settings::Key;
 use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
-use crate::image::ImageOptions;
+use crate::image::{ImageOptions, Reach};
 use crate::net::addresses::Subnet;
 use crate::net::cidr::Cidr;
 use crate::net::underlay::{Egress, UnderlayConfig};
@@ -196,10 +196,17 @@ fn images(raw: &Raw<'_>) -> Result<ImageOptions, ConfigError> {
             "--image-stall-timeout: 0 would fail every download; give a duration such as 60s",
         ));
     }
+    let ranges = |key: Key| {
+        Cidr::parse_list(&raw.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
+    };
     Ok(ImageOptions {
         proxy: proxy(raw)?,
         file_root,
         stall,
+        reach: Reach {
+            deny: ranges(Key::GuestDeny)?,
+            allow: ranges(Key::ImageAllow)?,
+        },
     })
 }
 

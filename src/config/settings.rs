@@ -81,6 +81,8 @@ settings! {
         "directory file:// images must be under (default: none, so file:// images are refused)";
     ImageStallTimeout => "image-stall-timeout", "EITRI_IMAGE_STALL_TIMEOUT", "60s",
         "an image download that receives nothing this long fails (and is retried afresh)";
+    ImageAllow => "image-allow", "EITRI_IMAGE_ALLOW", "",
+        "ranges image URLs may reach although refused (loopback, link-local, this host's addresses, --guest-deny), CIDR,CIDR: an image mirror on the management LAN";
     BackoffMax => "backoff-max", "EITRI_BACKOFF_MAX", "60s",
         "control plane: longest wait between failed contacts";
     MaxVcpus => "max-vcpus", "EITRI_MAX_VCPUS", "0",
@@ -118,7 +120,7 @@ settings! {
     GuestDns => "guest-dns", "EITRI_GUEST_DNS", "",
         "DNS servers told to guests, comma-separated (default: the host's non-loopback resolvers)";
     GuestDeny => "guest-deny", "EITRI_GUEST_DENY", "",
-        "ranges guests may not reach, CIDR,CIDR (besides this host, 169.254.0.0/16, other guests and the control plane, always refused): list the management LAN here";
+        "ranges guests and image downloads may not reach, CIDR,CIDR (besides this host, 169.254.0.0/16, other guests and the control plane, always refused): list the management LAN here";
     GuestAllow => "guest-allow", "EITRI_GUEST_ALLOW", "",
         "ranges guests may reach even where refused (this host's addresses, link-local, --guest-deny), CIDR,CIDR";
     VmmIds => "vmm-ids", "EITRI_VMM_IDS", "1900000000:65536",

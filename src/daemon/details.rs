@@ -79,7 +79,10 @@ impl Details {
                 d.vcpus = rec.spec.vcpus;
                 d.mem_mb = rec.spec.mem_mb;
                 d.disk_gb = rec.spec.disk_gb;
-                d.image_url.clone_from(&rec.spec.image_url);
+                let shown = crate::quote::url(&rec.spec.image_url);
+                if d.image_url != shown {
+                    d.image_url = shown.into_owned();
+                }
                 d.network.clone_from(&rec.spec.network);
                 d.volume_ids = rec.spec.volume_ids.iter().map(|v| v.to_string()).collect();
                 let saved = rec.lifecycle.suspension().saved().unwrap_or_default();

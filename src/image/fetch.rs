@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::ImageError;
+use super::reach::Unreachable;
 use crate::state::atomic::sync_dir;
 
 /// Bytes read and hashed per step.
@@ -141,12 +142,29 @@ fn open_http(agent: &ureq::Agent, url: &str) -> Result<Opened, ImageError> {
             },
         });
     }
-    let response = agent.get(url).call().map_err(|e| ImageError::Source {
-        url: url.into(),
-        permanent: false,
-        why: e.to_string(),
+    let response = agent.get(url).call().map_err(|e| match e {
+        ureq::Error::Other(inner) if inner.is::<Unreachable>() => ImageError::BadUrl {
+            url: url.into(),
+            why: inner.to_string(),
+        },
+        e => ImageError::Source {
+            url: url.into(),
+            permanent: false,
+            why: e.to_string(),
+        },
     })?;
     let status = response.status().as_u16();
+    if (300..400).contains(&status) {
+        // Where it points is not told: it may be an address the check
+        // would refuse, and naming it would tell what lives there.
+        return Err(ImageError::Source {
+            url: url.into(),
+            permanent: true,
+            why: format!(
+                "the server answered {status}, a redirect, and redirects are not followed (each hop could reach an address no one checked): put the final URL in the spec"
+            ),
+        });
+    }
     if status != 200 {
         // A 4xx will not change by asking again, except timeouts and
         // rate limits; a 5xx might.
@@ -278,7 +296,6 @@ fn stream(
         return Err(ImageError::Mismatch {
             url: url.into(),
             want: sha256.into(),
-            got: (!url.starts_with("file://")).then_some(got),
         });
     }
     out.sync_data().map_err(store_err)

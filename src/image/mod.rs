@@ -9,11 +9,13 @@
 //!   thread (`image-<sha8>`). A waiter whose pass deadline passes stops
 //!   waiting but does not cancel the download: it lands for the next pass.
 //! - The digest is computed while streaming. A mismatch deletes the partial
-//!   file and is permanent, naming both digests (for a `file://` image only
-//!   the expected one: the digest of a host file is not told); so is a 4xx
-//!   other than 408/429, or a missing file. Everything else is transient.
+//!   file and is permanent, naming only the expected digest (the computed
+//!   one would tell whoever named the URL a digest of what answers there);
+//!   so is a 4xx other than 408/429, a redirect, or a missing file.
+//!   Everything else is transient.
 //! - Sources are untrusted (see the threat model in the crate's docs): `file://` is
-//!   served only from under the operator's `--image-root`; a download may
+//!   served only from under the operator's `--image-root`; HTTP connects
+//!   only to addresses `reach` allows, and follows no redirect; a download may
 //!   not be larger than the VM's disk; a server that sends nothing for the
 //!   stall timeout fails the download (transiently), which frees its
 //!   in-flight entry for a fresh one.
@@ -21,6 +23,7 @@
 mod fetch;
 mod format;
 mod prune;
+mod reach;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -33,6 +36,7 @@ use parking_lot::{Condvar, Mutex};
 
 pub use fetch::sha256_file;
 pub use prune::{PruneError, Pruned, prune};
+pub use reach::{Reach, Refused, this_hosts_addresses};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
@@ -57,12 +61,12 @@ pub enum ImageError {
         permanent: bool,
         why: String,
     },
+    /// The bytes do not hash to the spec's digest. What they do hash to
+    /// is never told: whoever named the URL could learn a digest of what
+    /// answers there (a host file, a service the agent can reach).
     Mismatch {
         url: String,
         want: String,
-        /// What the bytes hash to; `None` for a host file, whose digest
-        /// must not be told to whoever named it.
-        got: Option<String>,
     },
     TooLarge {
         url: String,
@@ -91,32 +95,27 @@ impl ImageError {
 
 impl fmt::Display for ImageError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use crate::quote::url as shown;
         match self {
             ImageError::BadDigest { sha256 } => {
                 write!(f, "{sha256:?} is not a sha256 (64 hex characters)")
             }
-            ImageError::BadUrl { url, why } => write!(f, "cannot fetch {url}: {why}"),
-            ImageError::Source { url, why, .. } => write!(f, "cannot fetch {url}: {why}"),
-            ImageError::Mismatch {
-                url,
-                want,
-                got: Some(got),
-            } => write!(
+            ImageError::BadUrl { url, why } => write!(f, "cannot fetch {}: {why}", shown(url)),
+            ImageError::Source { url, why, .. } => write!(f, "cannot fetch {}: {why}", shown(url)),
+            ImageError::Mismatch { url, want } => write!(
                 f,
-                "the image at {url} has sha256 {got}, but the spec says {want}; the download was deleted"
+                "the image at {} does not have sha256 {want}; the download was deleted: check the digest the spec names",
+                shown(url)
             ),
-            ImageError::Mismatch {
-                url,
-                want,
-                got: None,
-            } => write!(f, "the file at {url} does not have sha256 {want}"),
             ImageError::TooLarge { url, size, max } => write!(
                 f,
-                "the image at {url} is {size} bytes or more, larger than the VM's disk ({max} bytes); give the VM a larger disk_gb or a smaller image"
+                "the image at {} is {size} bytes or more, larger than the VM's disk ({max} bytes); give the VM a larger disk_gb or a smaller image",
+                shown(url)
             ),
             ImageError::NotRaw { url, format } => write!(
                 f,
-                "the image at {url} is a {format} image; guests boot raw images only (a format header can name a host file as a backing file): convert it with `qemu-img convert -O raw IMAGE IMAGE.raw` and publish the raw file's sha256"
+                "the image at {} is a {format} image; guests boot raw images only (a format header can name a host file as a backing file): convert it with `qemu-img convert -O raw IMAGE IMAGE.raw` and publish the raw file's sha256",
+                shown(url)
             ),
             ImageError::Store { path, source } => {
                 write!(f, "cannot write {}: {source}", path.display())
@@ -166,6 +165,8 @@ pub struct ImageOptions {
     pub file_root: Option<PathBuf>,
     /// How long a download may receive nothing before it fails.
     pub stall: Duration,
+    /// Which addresses downloads may connect to (see `reach`).
+    pub reach: Reach,
 }
 
 impl Default for ImageOptions {
@@ -174,6 +175,7 @@ impl Default for ImageOptions {
             proxy: None,
             file_root: None,
             stall: Duration::from_secs(60),
+            reach: Reach::default(),
         }
     }
 }
@@ -210,19 +212,27 @@ impl ImageCache {
     /// that cannot be resolved refuses every `file://` image (each refusal
     /// says why).
     pub fn with(dir: PathBuf, options: &ImageOptions) -> ImageCache {
-        let agent = ureq::Agent::config_builder()
+        let config = ureq::Agent::config_builder()
             .timeout_connect(Some(Duration::from_secs(15)))
             .timeout_recv_response(Some(Duration::from_secs(60)))
             .timeout_per_read(Some(options.stall))
             .http_status_as_error(false)
+            // A redirect is answered as it is (fetch refuses it): a hop
+            // would reach an address nobody checked.
+            .max_redirects(0)
+            .max_redirects_will_error(false)
             .proxy(
                 options
                     .proxy
                     .as_deref()
                     .and_then(|p| ureq::Proxy::new(p).ok()),
             )
-            .build()
-            .into();
+            .build();
+        let agent = ureq::Agent::with_parts(
+            config,
+            ureq::unversioned::transport::DefaultConnector::default(),
+            reach::CheckedResolver::new(options.reach.clone()),
+        );
         let file_root = options.file_root.as_ref().map(|root| {
             fs::canonicalize(root).unwrap_or_else(|e| {
                 log::error!(
@@ -340,7 +350,10 @@ impl ImageCache {
                     stats
                         .download_bytes
                         .add(fs::metadata(path).map_or(0, |m| m.len()));
-                    log::info!("image {sha}: downloaded and verified from {url}");
+                    log::info!(
+                        "image {sha}: downloaded and verified from {}",
+                        crate::quote::url(&url)
+                    );
                 }
                 Err(e) => log::warn!("image {sha}: {e}"),
             }

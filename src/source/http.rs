@@ -107,11 +107,13 @@ impl HttpSource {
     }
 
     fn post(&self, path: &str, body: Vec<u8>) -> Result<Vec<u8>, SourceError> {
-        let url = format!("{}{path}", self.cp.base_url);
+        let target = format!("{}{path}", self.cp.base_url);
+        // What errors name: the address without any credentials in it.
+        let url = crate::quote::url(&target).into_owned();
         let token = self.token()?;
         let mut request = self
             .agent
-            .post(&url)
+            .post(&target)
             .header("Content-Type", PROTOBUF)
             .header("Accept", PROTOBUF);
         if let Some(token) = token {
@@ -130,8 +132,8 @@ impl HttpSource {
                     .headers()
                     .get("location")
                     .and_then(|v| v.to_str().ok())
-                    .unwrap_or("nowhere")
-                    .to_owned();
+                    .map_or("nowhere".into(), crate::quote::url)
+                    .into_owned();
                 return Err(SourceError::Redirected {
                     url,
                     status,
@@ -163,7 +165,8 @@ impl Source for HttpSource {
         }
         .encode_to_vec();
         let answer = self.post("/v1/agent/snapshot", body)?;
-        let url = format!("{}/v1/agent/snapshot", self.cp.base_url);
+        let url =
+            crate::quote::url(&format!("{}/v1/agent/snapshot", self.cp.base_url)).into_owned();
         let garbage = |problem: String| SourceError::Garbage {
             url: url.clone(),
             problem,
@@ -191,7 +194,7 @@ impl Source for HttpSource {
     }
 
     fn describe(&self) -> String {
-        format!("control plane {}", self.cp.base_url)
+        format!("control plane {}", crate::quote::url(&self.cp.base_url))
     }
 }
 

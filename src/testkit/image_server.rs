@@ -25,6 +25,8 @@ pub enum Serve {
     /// nothing: a server stalled mid-body. The connection stays open until
     /// the server is dropped.
     Stall(PathBuf, usize),
+    /// 302 to this URL.
+    Redirect(String),
 }
 
 pub struct ImageServer {
@@ -37,7 +39,13 @@ pub struct ImageServer {
 
 impl ImageServer {
     pub fn start(serve: Serve) -> std::io::Result<ImageServer> {
-        let listener = TcpListener::bind(("127.0.0.1", 0))?;
+        ImageServer::start_on(std::net::Ipv4Addr::LOCALHOST, serve)
+    }
+
+    /// A server on another loopback address (127.0.0.0/8 is all this
+    /// host's): for tests that tell two servers apart by address.
+    pub fn start_on(ip: std::net::Ipv4Addr, serve: Serve) -> std::io::Result<ImageServer> {
+        let listener = TcpListener::bind((ip, 0))?;
         let addr = listener.local_addr()?;
         let serve = Arc::new(Mutex::new(serve));
         let requests = Arc::new(AtomicUsize::new(0));
@@ -108,6 +116,12 @@ fn answer(conn: TcpStream, how: &Serve) -> std::io::Result<()> {
             return write!(
                 conn,
                 "HTTP/1.1 {code} \r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+        Serve::Redirect(to) => {
+            return write!(
+                conn,
+                "HTTP/1.1 302 Found\r\nLocation: {to}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
             );
         }
         Serve::File(p) => (p, None),

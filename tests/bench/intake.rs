@@ -78,7 +78,11 @@ fn proto(bytes: &[u8]) -> Result<Duration, Error> {
 }
 
 /// The standalone path: the file read entry by entry, then converted.
-fn json(dir: &std::path::Path, wire: &pb::Snapshot, limits: SnapshotLimits) -> Result<Duration, Error> {
+fn json(
+    dir: &std::path::Path,
+    wire: &pb::Snapshot,
+    limits: SnapshotLimits,
+) -> Result<Duration, Error> {
     let path = dir.join("desired.json");
     std::fs::write(&path, desired_json(wire))?;
     let started = Instant::now();
@@ -151,7 +155,9 @@ fn main() -> Result<(), Error> {
     let bytes = wire.encode_to_vec();
     let as_file = worst(limits, |s| desired_json(s).len());
     let dir = tempfile::tempdir()?;
-    let proto_ms = (0..3).map(|_| proto(&bytes).map(ms)).collect::<Result<Vec<_>, _>>()?;
+    let proto_ms = (0..3)
+        .map(|_| proto(&bytes).map(ms))
+        .collect::<Result<Vec<_>, _>>()?;
     let json_ms = (0..3)
         .map(|_| json(dir.path(), &as_file, limits).map(ms))
         .collect::<Result<Vec<_>, _>>()?;

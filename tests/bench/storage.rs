@@ -21,7 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
-use eitri_agent::image::{ImageCache, sha256_file};
+use eitri_agent::image::{ImageCache, ImageOptions, Reach, sha256_file};
+use eitri_agent::net::cidr::Cidr;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -105,7 +106,18 @@ fn main() -> Res<()> {
         let cache_dir = d.join("cache");
         let _ = std::fs::remove_dir_all(&cache_dir);
         std::fs::create_dir_all(&cache_dir)?;
-        let cache = ImageCache::new(cache_dir);
+        // The bench's server is on loopback, which images may not reach
+        // unless allowed.
+        let cache = ImageCache::with(
+            cache_dir,
+            &ImageOptions {
+                reach: Reach {
+                    allow: vec![Cidr::parse("127.0.0.1").map_err(std::io::Error::other)?],
+                    ..Reach::default()
+                },
+                ..ImageOptions::default()
+            },
+        );
         timed(|| {
             cache
                 .resolve(
