@@ -335,6 +335,148 @@ fn a_waiter_gives_up_at_its_deadline_while_the_download_completes() {
     assert_eq!(server.requests(), 1);
 }
 
+/// Waits until `server` has been asked `n` times: a download is in flight.
+fn until_asked(server: &ImageServer, n: usize) {
+    let until = std::time::Instant::now() + PATIENCE;
+    while server.requests() < n && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(server.requests(), n, "the server was not asked in time");
+}
+
+#[test]
+fn a_failing_url_fails_only_its_own_vm_not_another_url_for_the_same_digest() {
+    let f = Fixture::new();
+    // The attacker names the image's digest with a URL that answers 404,
+    // but only after the innocent VM asked.
+    let attacker = ImageServer::start(Serve::Delayed(
+        Duration::from_millis(500),
+        Box::new(Serve::Status(404)),
+    ))
+    .expect("server");
+    let cache = f.cache();
+    let innocent_url = format!("file://{}", f.image.display());
+
+    let (attacked, innocent) = std::thread::scope(|s| {
+        let attacked =
+            s.spawn(|| cache.resolve(&attacker.url("x"), &f.sha, DISK, Deadline::NONE, quiet()));
+        until_asked(&attacker, 1);
+        let innocent = cache.resolve(&innocent_url, &f.sha, DISK, Deadline::NONE, quiet());
+        (attacked.join().expect("thread"), innocent)
+    });
+
+    assert_eq!(
+        innocent.expect("the innocent VM's image"),
+        f.images().join(&f.sha)
+    );
+    assert!(attacked.expect_err("404").is_permanent());
+}
+
+#[test]
+fn a_requester_joining_a_download_is_held_to_its_own_smaller_disk() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(10)))
+        .expect("server");
+    let cache = f.cache();
+    let url = server.url("a.raw");
+    let small_disk = 1 << 20;
+
+    let (large, small) = std::thread::scope(|s| {
+        let large = s.spawn(|| cache.resolve(&url, &f.sha, DISK, Deadline::NONE, quiet()));
+        until_asked(&server, 1);
+        let small = cache.resolve(&url, &f.sha, small_disk, Deadline::NONE, quiet());
+        (large.join().expect("thread"), small)
+    });
+
+    assert!(large.is_ok(), "{large:?}");
+    let err = small.expect_err("too large for its disk");
+    assert!(
+        err.is_permanent() && err.to_string().contains("larger than the VM's disk"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_requester_with_a_larger_disk_is_not_failed_by_a_smaller_ones_bound() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(10)))
+        .expect("server");
+    let cache = f.cache();
+    let url = server.url("a.raw");
+
+    let (small, large) = std::thread::scope(|s| {
+        let small = s.spawn(|| cache.resolve(&url, &f.sha, 1 << 20, Deadline::NONE, quiet()));
+        until_asked(&server, 1);
+        let large = cache.resolve(&url, &f.sha, DISK, Deadline::NONE, quiet());
+        (small.join().expect("thread"), large)
+    });
+
+    assert!(small.is_err());
+    assert_eq!(large.expect("its own download"), f.images().join(&f.sha));
+}
+
+#[test]
+fn a_trickling_server_fails_on_the_minimum_rate() {
+    let f = Fixture::new();
+    // One byte every 20 ms: never silent for the stall timeout.
+    let server = ImageServer::start(Serve::Trickle(f.image.clone(), Duration::from_millis(20)))
+        .expect("server");
+    let cache = f.cache_with(ImageOptions {
+        stall: Duration::from_millis(300),
+        min_rate: 1024,
+        reach: loopback_allowed(),
+        ..ImageOptions::default()
+    });
+
+    let err = cache
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            DISK,
+            Deadline::after(PATIENCE),
+            quiet(),
+        )
+        .expect_err("too slow");
+
+    assert!(!err.is_permanent(), "{err}");
+    assert!(err.to_string().contains("--image-min-rate-kib"), "{err}");
+}
+
+#[test]
+fn a_download_still_running_at_the_download_timeout_fails() {
+    let f = Fixture::new();
+    // Steady, above any minimum rate, and slower than the timeout allows.
+    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(50)))
+        .expect("server");
+    let cache = f.cache_with(ImageOptions {
+        deadline: Duration::from_millis(400),
+        min_rate: 0,
+        reach: loopback_allowed(),
+        ..ImageOptions::default()
+    });
+
+    let err = cache
+        .resolve(
+            &server.url("a.raw"),
+            &f.sha,
+            DISK,
+            Deadline::after(PATIENCE),
+            quiet(),
+        )
+        .expect_err("too long");
+
+    assert!(!err.is_permanent(), "{err}");
+    assert!(
+        err.to_string().contains("--image-download-timeout"),
+        "{err}"
+    );
+    assert!(
+        entries(&f.images()).is_empty(),
+        "{:?}",
+        entries(&f.images())
+    );
+}
+
 #[test]
 fn a_restarted_cache_finds_the_verified_image_without_network() {
     let f = Fixture::new();

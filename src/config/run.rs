@@ -196,6 +196,13 @@ fn images(raw: &Raw<'_>) -> Result<ImageOptions, ConfigError> {
             "--image-stall-timeout: 0 would fail every download; give a duration such as 60s",
         ));
     }
+    let deadline = raw.duration(Key::ImageDownloadTimeout)?;
+    if deadline < stall {
+        return Err(err(
+            "--image-download-timeout is shorter than --image-stall-timeout: every slow download would fail; give it hours (1h)",
+        ));
+    }
+    let min_rate = raw.number(Key::ImageMinRate)?.saturating_mul(1024);
     let ranges = |key: Key| {
         Cidr::parse_list(&raw.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
     };
@@ -203,6 +210,8 @@ fn images(raw: &Raw<'_>) -> Result<ImageOptions, ConfigError> {
         proxy: proxy(raw)?,
         file_root,
         stall,
+        deadline,
+        min_rate,
         reach: Reach {
             deny: ranges(Key::GuestDeny)?,
             allow: ranges(Key::ImageAllow)?,

@@ -81,6 +81,10 @@ settings! {
         "directory file:// images must be under (default: none, so file:// images are refused)";
     ImageStallTimeout => "image-stall-timeout", "EITRI_IMAGE_STALL_TIMEOUT", "60s",
         "an image download that receives nothing this long fails (and is retried afresh)";
+    ImageDownloadTimeout => "image-download-timeout", "EITRI_IMAGE_DOWNLOAD_TIMEOUT", "1h",
+        "an image download still running after this long fails (and is retried afresh)";
+    ImageMinRate => "image-min-rate-kib", "EITRI_IMAGE_MIN_RATE_KIB", "64",
+        "an image download averaging fewer KiB/s than this over one --image-stall-timeout fails (0: no minimum)";
     ImageAllow => "image-allow", "EITRI_IMAGE_ALLOW", "",
         "ranges image URLs may reach although refused (loopback, link-local, this host's addresses, --guest-deny), CIDR,CIDR: an image mirror on the management LAN";
     BackoffMax => "backoff-max", "EITRI_BACKOFF_MAX", "60s",

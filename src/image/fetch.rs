@@ -29,9 +29,26 @@ pub(super) struct Source<'a> {
     pub sha256: &'a str,
     /// The most bytes the image may have.
     pub max_bytes: u64,
-    /// The agent's per-read timeout, for the error that says it passed.
-    pub stall: Duration,
+    pub pace: Pace,
 }
+
+/// How slow a download may be before it fails (transiently: the next pass
+/// starts afresh, perhaps from a server that has recovered).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Pace {
+    /// The longest a read may wait (the HTTP client's per-read timeout);
+    /// also the window the rate is measured over.
+    pub stall: Duration,
+    /// The longest the whole download may take (the HTTP client's global
+    /// timeout, checked here too for `file://`).
+    pub deadline: Duration,
+    /// The fewest bytes a second over one window; 0: no minimum.
+    pub min_rate: u64,
+}
+
+/// Distinguishes the partial files of two downloads of one digest (from
+/// two URLs) in one agent.
+static PARTIALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Fetches the source into `dir/<sha256>`, verifying it. `progress` gets
 /// (done, total when known) at a bounded rate.
@@ -54,7 +71,11 @@ pub(super) fn fetch(
             max: source.max_bytes,
         });
     }
-    let partial = dir.join(format!(".partial-{sha256}-{}", std::process::id()));
+    let partial = dir.join(format!(
+        ".partial-{sha256}-{}-{}",
+        std::process::id(),
+        PARTIALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     let result = stream(reader, total, &partial, source, progress).and_then(|()| {
         match super::format::foreign_format(&partial) {
             Ok(None) => {}
@@ -226,6 +247,7 @@ fn stream(
         .map_err(store_err)?;
     let mut done = 0u64;
     let mut reported = Instant::now();
+    let mut pace = Pacer::new(source.pace);
     progress(0, total);
     let copied = (|| {
         loop {
@@ -243,10 +265,12 @@ fn stream(
                     continue;
                 }
                 Err(e) => {
-                    let why = if is_timeout(&e) {
+                    let why = if is_global_timeout(&e) {
+                        pace.too_long(done)
+                    } else if is_timeout(&e) {
                         format!(
                             "the server sent nothing for {} s after {done} bytes (--image-stall-timeout); the next attempt starts afresh",
-                            source.stall.as_secs_f64()
+                            source.pace.stall.as_secs_f64()
                         )
                     } else {
                         format!("the download broke off after {done} bytes: {e}")
@@ -259,6 +283,13 @@ fn stream(
                 }
             };
             done += n as u64;
+            if let Err(why) = pace.check(done) {
+                return Err(ImageError::Source {
+                    url: url.into(),
+                    permanent: false,
+                    why,
+                });
+            }
             if done > source.max_bytes {
                 return Err(ImageError::TooLarge {
                     url: url.into(),
@@ -312,6 +343,66 @@ pub fn sha256_file(path: &Path) -> io::Result<String> {
             n => hasher.update(&buf[..n]),
         }
     }
+}
+
+/// A download's clock: its overall deadline and its rate, window by
+/// window.
+struct Pacer {
+    pace: Pace,
+    started: Instant,
+    window_started: Instant,
+    window_bytes_before: u64,
+}
+
+impl Pacer {
+    fn new(pace: Pace) -> Pacer {
+        let now = Instant::now();
+        Pacer {
+            pace,
+            started: now,
+            window_started: now,
+            window_bytes_before: 0,
+        }
+    }
+
+    /// After a read that brought the total to `done`: whether the download
+    /// may go on, or why not.
+    fn check(&mut self, done: u64) -> Result<(), String> {
+        if self.started.elapsed() > self.pace.deadline {
+            return Err(self.too_long(done));
+        }
+        let window = self.window_started.elapsed();
+        if window < self.pace.stall {
+            return Ok(());
+        }
+        let got = done - self.window_bytes_before;
+        let rate = got as f64 / window.as_secs_f64();
+        if self.pace.min_rate > 0 && rate < self.pace.min_rate as f64 {
+            return Err(format!(
+                "the server sent {got} bytes in {:.1} s ({:.0} bytes/s), slower than --image-min-rate-kib ({} KiB/s); the next attempt starts afresh",
+                window.as_secs_f64(),
+                rate,
+                self.pace.min_rate / 1024
+            ));
+        }
+        self.window_started = Instant::now();
+        self.window_bytes_before = done;
+        Ok(())
+    }
+
+    fn too_long(&self, done: u64) -> String {
+        format!(
+            "the download was still running after {} s, with {done} bytes (--image-download-timeout); the next attempt starts afresh",
+            self.pace.deadline.as_secs_f64()
+        )
+    }
+}
+
+/// Whether a read failed on the HTTP client's overall timeout.
+fn is_global_timeout(e: &io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<ureq::Error>())
+        .is_some_and(|u| matches!(u, ureq::Error::Timeout(ureq::Timeout::Global)))
 }
 
 /// Whether a read failed on the per-read timeout (ureq wraps its own

@@ -5,9 +5,12 @@
 //!   stat: no re-download and no re-hash, across agent restarts too.
 //!   Downloads in progress live under hidden `.partial-*` names, which are
 //!   never mistaken for images and are swept at start.
-//! - Concurrent requests for one digest share **one** download, on its own
-//!   thread (`image-<sha8>`). A waiter whose pass deadline passes stops
-//!   waiting but does not cancel the download: it lands for the next pass.
+//! - Concurrent requests for one digest from one URL share **one**
+//!   download, on its own thread (`image-<sha8>`); another URL for the same
+//!   digest is another download, so a VM naming a URL that fails cannot
+//!   fail a VM naming a good one. Each requester is held to its own disk
+//!   size. A waiter whose pass deadline passes stops waiting but does not
+//!   cancel the download: it lands for the next pass.
 //! - The digest is computed while streaming. A mismatch deletes the partial
 //!   file and is permanent, naming only the expected digest (the computed
 //!   one would tell whoever named the URL a digest of what answers there);
@@ -17,8 +20,9 @@
 //!   served only from under the operator's `--image-root`; HTTP connects
 //!   only to addresses `reach` allows, and follows no redirect; a download may
 //!   not be larger than the VM's disk; a server that sends nothing for the
-//!   stall timeout fails the download (transiently), which frees its
-//!   in-flight entry for a fresh one.
+//!   stall timeout, averages less than the minimum rate over one, or is
+//!   still sending at the download timeout fails the download
+//!   (transiently), which frees its in-flight entry for a fresh one.
 
 mod fetch;
 mod format;
@@ -144,6 +148,10 @@ impl Failure for ImageError {
 struct Download {
     state: Mutex<DownloadState>,
     changed: Condvar,
+    /// The bound the download was started with: its first requester's
+    /// disk. A later requester with a larger disk that this bound failed
+    /// starts one of its own; one with a smaller disk checks the result.
+    max_bytes: u64,
 }
 
 struct DownloadState {
@@ -163,8 +171,15 @@ pub struct ImageOptions {
     /// The directory `file://` images must be under (`--image-root`);
     /// `None` refuses every `file://` image.
     pub file_root: Option<PathBuf>,
-    /// How long a download may receive nothing before it fails.
+    /// How long a download may receive nothing before it fails; also the
+    /// window its rate is measured over.
     pub stall: Duration,
+    /// How long one download may take in all.
+    pub deadline: Duration,
+    /// The fewest bytes a second a download may average over one stall
+    /// window (0: no minimum): a server that trickles a byte just inside
+    /// each stall timeout fails on this.
+    pub min_rate: u64,
     /// Which addresses downloads may connect to (see `reach`).
     pub reach: Reach,
 }
@@ -175,6 +190,8 @@ impl Default for ImageOptions {
             proxy: None,
             file_root: None,
             stall: Duration::from_secs(60),
+            deadline: Duration::from_secs(3600),
+            min_rate: 64 << 10,
             reach: Reach::default(),
         }
     }
@@ -185,8 +202,11 @@ pub struct ImageCache {
     agent: ureq::Agent,
     /// `--image-root`, canonical.
     file_root: Option<PathBuf>,
-    stall: Duration,
-    inflight: Arc<Mutex<HashMap<String, Arc<Download>>>>,
+    pace: fetch::Pace,
+    /// Downloads running, by (digest, URL): two URLs for one digest are two
+    /// downloads, so a URL that fails (a 404, a trickle, a lie) fails only
+    /// the VMs that named it.
+    inflight: Arc<Mutex<HashMap<Key, Arc<Download>>>>,
     stats: Arc<CacheStats>,
 }
 
@@ -216,6 +236,7 @@ impl ImageCache {
             .timeout_connect(Some(Duration::from_secs(15)))
             .timeout_recv_response(Some(Duration::from_secs(60)))
             .timeout_per_read(Some(options.stall))
+            .timeout_global(Some(options.deadline))
             .http_status_as_error(false)
             // A redirect is answered as it is (fetch refuses it): a hop
             // would reach an address nobody checked.
@@ -246,7 +267,11 @@ impl ImageCache {
             dir,
             agent,
             file_root,
-            stall: options.stall,
+            pace: fetch::Pace {
+                stall: options.stall,
+                deadline: options.deadline,
+                min_rate: options.min_rate,
+            },
             inflight: Arc::new(Mutex::new(HashMap::new())),
             stats: Arc::new(CacheStats::default()),
         }
@@ -286,9 +311,10 @@ impl ImageCache {
         self.dir.join(sha256)
     }
 
-    /// The download of `sha256`: the running one, or a new one on its own
-    /// thread. Checked under the in-flight lock, so one digest is never
-    /// fetched twice at once, nor again once it landed.
+    /// The download of `sha256` from `url`: the running one, or a new one
+    /// on its own thread. Checked under the in-flight lock, so one URL is
+    /// never fetched twice at once for one digest, nor again once its
+    /// digest landed.
     fn download(
         &self,
         url: &str,
@@ -296,14 +322,15 @@ impl ImageCache {
         max_bytes: u64,
         progress: Progress,
     ) -> Result<Arc<Download>, ImageError> {
+        let key: Key = (sha256.to_owned(), url.to_owned());
         let mut inflight = self.inflight.lock();
-        if let Some(d) = inflight.get(sha256) {
+        if let Some(d) = inflight.get(&key) {
             d.state.lock().listeners.push(progress);
             return Ok(Arc::clone(d));
         }
         let path = self.path_of(sha256);
         if path.is_file() {
-            return Ok(Arc::new(Download::finished(Ok(path))));
+            return Ok(Arc::new(Download::finished(Ok(path), max_bytes)));
         }
         let download = Arc::new(Download {
             state: Mutex::new(DownloadState {
@@ -311,24 +338,25 @@ impl ImageCache {
                 listeners: vec![progress],
             }),
             changed: Condvar::new(),
+            max_bytes,
         });
-        let (agent, dir, url, sha, root, stall) = (
+        let (agent, dir, root, pace) = (
             self.agent.clone(),
             self.dir.clone(),
-            url.to_owned(),
-            sha256.to_owned(),
             self.file_root.clone(),
-            self.stall,
+            self.pace,
         );
         let (registry, d, stats) = (
             Arc::clone(&self.inflight),
             Arc::clone(&download),
             Arc::clone(&self.stats),
         );
-        let name = format!("image-{}", &sha[..8]);
+        let name = format!("image-{}", &sha256[..8]);
+        let thread_key = key.clone();
         // Rust's default stack: an HTTP client (and, with the tls feature,
         // a TLS handshake) below it.
         detached(name, DOWNLOAD_STACK, Outlives::ThePass, move || {
+            let (sha, url) = &thread_key;
             let mut report = |done: u64, total: Option<u64>| {
                 let listeners = d.state.lock().listeners.clone();
                 for listener in listeners {
@@ -338,47 +366,49 @@ impl ImageCache {
             let source = fetch::Source {
                 agent: &agent,
                 file_root: root.as_deref(),
-                url: &url,
-                sha256: &sha,
+                url,
+                sha256: sha,
                 max_bytes,
-                stall,
+                pace,
             };
             let result = fetch::fetch(&source, &dir, &mut report);
+            let shown = crate::quote::url(url);
             match &result {
                 Ok(path) => {
                     stats.downloads.inc();
                     stats
                         .download_bytes
                         .add(fs::metadata(path).map_or(0, |m| m.len()));
-                    log::info!(
-                        "image {sha}: downloaded and verified from {}",
-                        crate::quote::url(&url)
-                    );
+                    log::info!("image {sha}: downloaded and verified from {shown}");
                 }
                 Err(e) => log::warn!("image {sha}: {e}"),
             }
             // Deregister first: a pass arriving after this finds the
             // file (or, on failure, starts afresh).
-            registry.lock().remove(&sha);
+            registry.lock().remove(&thread_key);
             let mut state = d.state.lock();
             state.result = Some(result);
             state.listeners.clear();
             d.changed.notify_all();
         })
         .map_err(|e| ImageError::store(self.dir.clone(), e))?;
-        inflight.insert(sha256.to_owned(), Arc::clone(&download));
+        inflight.insert(key, Arc::clone(&download));
         Ok(download)
     }
 }
 
+/// What identifies a download: the digest wanted and the URL asked.
+type Key = (String, String);
+
 impl Download {
-    fn finished(result: Result<PathBuf, ImageError>) -> Download {
+    fn finished(result: Result<PathBuf, ImageError>, max_bytes: u64) -> Download {
         Download {
             state: Mutex::new(DownloadState {
                 result: Some(result),
                 listeners: Vec::new(),
             }),
             changed: Condvar::new(),
+            max_bytes,
         }
     }
 }
@@ -415,7 +445,7 @@ impl ImageCache {
             return match format::foreign_format(&path) {
                 Ok(None) => {
                     self.stats.hits.inc();
-                    Ok(path)
+                    own_bound(path, url, max_bytes)
                 }
                 Ok(Some(format)) => Err(ImageError::NotRaw {
                     url: url.into(),
@@ -425,26 +455,63 @@ impl ImageCache {
                 Err(e) => Err(ImageError::store(path, e).into()),
             };
         }
-        let download = self.download(url, sha256, max_bytes, progress)?;
-        let mut state = download.state.lock();
+        loop {
+            let download = self.download(url, sha256, max_bytes, Arc::clone(&progress))?;
+            let result = download.wait(deadline)?;
+            match result {
+                // Too large for the bound it was started with, not for
+                // this requester's: its own download, with its own bound.
+                Err(ImageError::TooLarge { size, .. })
+                    if download.max_bytes < max_bytes && size <= max_bytes =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+                Ok(path) => return own_bound(path, url, max_bytes),
+            }
+        }
+    }
+}
+
+impl Download {
+    /// The download's result, once it has one; a deadline passing first
+    /// leaves the download running, to land for a later pass.
+    fn wait(&self, deadline: Deadline) -> Result<Result<PathBuf, ImageError>, BoxFailure> {
+        let mut state = self.state.lock();
         loop {
             if let Some(result) = &state.result {
-                return result.clone().map_err(Into::into);
+                return Ok(result.clone());
             }
             match deadline.instant() {
                 Some(at) => {
-                    if download.changed.wait_until(&mut state, at).timed_out()
-                        && state.result.is_none()
+                    if self.changed.wait_until(&mut state, at).timed_out() && state.result.is_none()
                     {
-                        // The download goes on and lands for a later pass.
                         return Err(DeadlineExpired {
                             waiting_for: "waiting for the image download",
                         }
                         .into());
                     }
                 }
-                None => download.changed.wait(&mut state),
+                None => self.changed.wait(&mut state),
             }
         }
     }
+}
+
+/// A verified image, for a requester whose disk must hold it: one that
+/// joined a download another VM with a larger disk started is held to its
+/// own disk.
+fn own_bound(path: PathBuf, url: &str, max_bytes: u64) -> Result<PathBuf, BoxFailure> {
+    let size = fs::metadata(&path)
+        .map_err(|e| ImageError::store(path.clone(), e))?
+        .len();
+    if size > max_bytes {
+        return Err(ImageError::TooLarge {
+            url: url.into(),
+            size,
+            max: max_bytes,
+        }
+        .into());
+    }
+    Ok(path)
 }

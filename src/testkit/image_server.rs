@@ -27,6 +27,11 @@ pub enum Serve {
     Stall(PathBuf, usize),
     /// 302 to this URL.
     Redirect(String),
+    /// 200 with the file's length, then its bytes one at a time with this
+    /// pause between: a server that never stalls long enough to time out.
+    Trickle(PathBuf, Duration),
+    /// Waits this long, then answers as the inner mode says.
+    Delayed(Duration, Box<Serve>),
 }
 
 pub struct ImageServer {
@@ -110,6 +115,11 @@ fn answer(conn: TcpStream, how: &Serve) -> std::io::Result<()> {
     while reader.read_line(&mut line)? > 2 {
         line.clear();
     }
+    answer_with(conn, how)
+}
+
+/// The answer, once the request was read.
+fn answer_with(conn: TcpStream, how: &Serve) -> std::io::Result<()> {
     let mut conn = conn;
     let (path, pause) = match how {
         Serve::Status(code) => {
@@ -117,6 +127,24 @@ fn answer(conn: TcpStream, how: &Serve) -> std::io::Result<()> {
                 conn,
                 "HTTP/1.1 {code} \r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
             );
+        }
+        Serve::Delayed(wait, then) => {
+            std::thread::sleep(*wait);
+            return answer_with(conn, then);
+        }
+        Serve::Trickle(p, pause) => {
+            let bytes = std::fs::read(p)?;
+            write!(
+                conn,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                bytes.len()
+            )?;
+            for b in bytes {
+                conn.write_all(&[b])?;
+                conn.flush()?;
+                std::thread::sleep(*pause);
+            }
+            return Ok(());
         }
         Serve::Redirect(to) => {
             return write!(
