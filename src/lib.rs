@@ -19,7 +19,7 @@
 //! | 0 | [`error`], [`deadline`] | what every fallible, blocking call shares: permanence, error chains, pass deadlines |
 //! | 0 | [`threads`] | the one thread-ownership idiom (owned and joined within a bound, or detached by reason) |
 //! | 0 | [`crash`], [`stages`], [`metrics`] | named crash points (`make chaos`), a create's timed stages, counters |
-//! | 0 | [`human`], [`quote`], [`hex`], [`base64`], [`logonce`], [`version`], [`programs`] | words for people, untrusted text made printable, encoders, log-once, release order, host programs found once |
+//! | 0 | [`human`], [`quote`], [`hex`], [`base64`], [`logonce`], [`version`], [`programs`], [`trust`] | words for people, untrusted text made printable, encoders, log-once, release order, host programs found once, the keys that sign desired state |
 //! | 1 | [`state`] | the crash-safe state directory: its [`Layout`](state::Layout), the record store, leases, and the VM [`lifecycle`](state::lifecycle) whose fields only its transitions write |
 //! | 1 | [`pb`] | wire types generated from `proto/`, and their validating conversion to [`model`] |
 //! | 2 | [`provision`] | the hypervisor seam: the shared [`supervise`](provision::supervise) layer, and the `cloudhv` and [`vfkit`](provision::vfkit) backends |
@@ -103,4 +103,5 @@ pub mod status;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 pub mod threads;
+pub mod trust;
 pub mod version;

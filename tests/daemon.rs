@@ -98,7 +98,7 @@ fn agent_in(
         ..Default::default()
     };
     let token = dir.path().join("token");
-    let source = HttpSource::new(cp_config(url, Some(token)), limits, None);
+    let source = HttpSource::new(cp_config(url, Some(token)), limits, None, None);
     let exchange = Exchange::new(
         Box::new(source),
         host.clone(),
@@ -735,6 +735,7 @@ fn a_hung_control_plane_delays_no_repair() {
             },
             limits(),
             None,
+            None,
         )),
         pb::HostInfo::default(),
         CONTACT_TICK,
@@ -845,6 +846,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
         Box::new(HttpSource::new(
             cp_config(&cp.url(), Some(dir.path().join("token"))),
             limits(),
+            None,
             None,
         )),
         pb::HostInfo::default(),

@@ -54,6 +54,8 @@ fn full_snapshot() -> pb::Snapshot {
                 tombstoned: true,
             },
         ],
+        // Checked by the source (signed snapshots), not carried further.
+        ..pb::Snapshot::default()
     }
 }
 

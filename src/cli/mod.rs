@@ -4,6 +4,7 @@
 //! `main`'s, before anything here runs).
 
 mod images;
+mod keys;
 mod logs;
 mod status;
 
@@ -40,6 +41,8 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             hypervisor,
         } => logs::run(&state_dir, &vm_id, lines, follow, hypervisor),
         Command::ImagesPrune { state_dir } => images::prune(&state_dir),
+        Command::Keygen { id, out } => keys::keygen(&id, &out),
+        Command::Sign { key, file } => keys::sign(&key, &file),
         Command::Run(config) => {
             init_logging();
             let Some(signals) = signals else {

@@ -44,6 +44,16 @@ pub enum Command {
     ImagesPrune {
         state_dir: PathBuf,
     },
+    /// Make a signing key for desired state.
+    Keygen {
+        id: String,
+        out: PathBuf,
+    },
+    /// Sign a desired file (`FILE.sig` beside it).
+    Sign {
+        key: PathBuf,
+        file: PathBuf,
+    },
     Version,
     /// Print this help text (the whole binary's, or one verb's).
     Help(String),
@@ -71,6 +81,9 @@ pub struct Config {
     pub notify_fd: Option<i32>,
     /// Bounds on one snapshot, from either source.
     pub limits: crate::source::SnapshotLimits,
+    /// `--trusted-keys`, read: the keys desired state must be signed by;
+    /// `None`: desired state is taken unsigned.
+    pub trust: Option<crate::trust::TrustedKeys>,
     /// An HTTP proxy for the control plane and image downloads; never taken
     /// from the environment.
     pub proxy: Option<String>,
@@ -104,6 +117,8 @@ usage: eitri-agent run [FLAGS]        converge this host and report (the daemon)
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
        eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
+       eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
+       eitri-agent sign --key KEY-FILE FILE           sign a desired file: FILE.sig beside it
        eitri-agent --version | --help
        eitri-agent COMMAND --help         one command's flags
 ";
@@ -205,6 +220,31 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "status" => parse_status(rest, env),
         "logs" if help => Ok(Command::Help(logs_usage())),
         "logs" => parse_logs(rest, env),
+        "keygen" | "sign" if help => Ok(Command::Help(SYNOPSIS.into())),
+        "keygen" => {
+            let flags = flag_values(rest, &["id", "out"], &[])?;
+            match (flags.get("id"), flags.get("out")) {
+                (Some(id), Some(out)) => Ok(Command::Keygen {
+                    id: (*id).to_owned(),
+                    out: PathBuf::from(out),
+                }),
+                _ => Err(err("usage: eitri-agent keygen --id KEY-ID --out KEY-FILE")),
+            }
+        }
+        "sign" => {
+            let usage = "usage: eitri-agent sign --key KEY-FILE FILE";
+            let Some((file, flags)) = rest.split_last() else {
+                return Err(err(usage));
+            };
+            let flags = flag_values(flags, &["key"], &[])?;
+            match flags.get("key") {
+                Some(key) if !file.starts_with("--") => Ok(Command::Sign {
+                    key: PathBuf::from(key),
+                    file: PathBuf::from(file),
+                }),
+                _ => Err(err(usage)),
+            }
+        }
         "images" if help => Ok(Command::Help(images_usage())),
         "images" => match rest.split_first() {
             Some((sub, flags)) if sub == "prune" => {
@@ -216,7 +256,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, status, logs and images prune (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, status, logs, images prune, keygen and sign (see eitri-agent --help)"
         ))),
     }
 }

@@ -27,9 +27,12 @@ pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Co
         flags: flag_values(args, &known, &[])?,
         env,
     };
+    let source = source(&raw)?;
+    let trust = trust(&raw, &source)?;
     Ok(Config {
         state_dir: state_dir(&raw)?,
-        source: source(&raw)?,
+        source,
+        trust,
         host_id: raw.optional(Key::HostId).map(|h| h.trim().to_owned()),
         tick: tick(&raw)?,
         backoff_max: raw.duration(Key::BackoffMax)?,
@@ -145,6 +148,40 @@ fn source(raw: &Raw<'_>) -> Result<DesiredSource, ConfigError> {
             "no desired state: give --desired FILE (standalone) or --control-plane URL",
         )),
     }
+}
+
+/// `--trusted-keys`, read and checked at start; with them, a token is not
+/// sent in clear unless `--token-in-clear yes` says so: signing proves the
+/// control plane to the agent, and a token an eavesdropper copies would
+/// let it speak for the agent.
+fn trust(
+    raw: &Raw<'_>,
+    source: &DesiredSource,
+) -> Result<Option<crate::trust::TrustedKeys>, ConfigError> {
+    let in_clear = match raw.get(Key::TokenInClear).trim() {
+        "yes" | "true" => true,
+        "no" | "false" => false,
+        other => {
+            return Err(err(format!(
+                "--token-in-clear: {other:?} is neither yes nor no"
+            )));
+        }
+    };
+    let Some(path) = raw.optional(Key::TrustedKeys) else {
+        return Ok(None);
+    };
+    let keys = crate::trust::TrustedKeys::load(std::path::Path::new(&path))
+        .map_err(|e| err(format!("--trusted-keys: {e}")))?;
+    if let DesiredSource::ControlPlane(cp) = source
+        && cp.token_file.is_some()
+        && cp.base_url.starts_with("http://")
+        && !in_clear
+    {
+        return Err(err(
+            "--trusted-keys with an http:// control plane and --token-file: the token would travel in clear, where anyone on the path can copy it and speak as this agent. Use https:// (a build with --features tls), drop --token-file, or accept it with --token-in-clear yes",
+        ));
+    }
+    Ok(Some(keys))
 }
 
 fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> {

@@ -61,6 +61,10 @@ settings! {
         "base URL of the control plane, e.g. http://cp.internal:8080";
     TokenFile => "token-file", "EITRI_TOKEN_FILE", "",
         "file holding the bearer token for the control plane";
+    TrustedKeys => "trusted-keys", "EITRI_TRUSTED_KEYS", "",
+        "file of the ed25519 keys desired state must be signed by, `ed25519 KEY-ID PUBLIC-KEY` a line (default: none; desired state is then unauthenticated)";
+    TokenInClear => "token-in-clear", "EITRI_TOKEN_IN_CLEAR", "no",
+        "yes: with --trusted-keys and an http:// control plane, send the token anyway, readable by anyone on the path";
     HostId => "host-id", "EITRI_HOST_ID", "",
         "this host's id (default: /etc/machine-id, else the hostname)";
     Tick => "tick", "EITRI_TICK", "5s",

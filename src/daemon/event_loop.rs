@@ -81,6 +81,11 @@ pub struct Parts {
     pub metrics: Option<metrics::MetricsFile>,
 }
 
+/// How far one unsigned snapshot may raise the epoch: four billion, room
+/// for a control plane that counts seconds since 1970 from a first epoch
+/// of 0; one that counts milliseconds signs its snapshots.
+pub const MAX_UNSIGNED_STEP: u64 = 1 << 32;
+
 pub struct Daemon {
     pub(super) store: Arc<Store>,
     pub(super) engine: Arc<Engine>,
@@ -96,6 +101,9 @@ pub struct Daemon {
     /// The epoch of the stale snapshot the control plane sent last, while
     /// it sends stale ones.
     pub(super) fenced: Option<u64>,
+    /// Why the last snapshot's epoch was refused outright (see
+    /// `epoch_rule`), while snapshots keep being refused so.
+    pub(super) refused_epoch: Option<String>,
     pub(super) logs: LogOnce,
     /// When `report.json` was last written, and whether a change waits.
     pub(super) written: Option<Instant>,
@@ -127,6 +135,7 @@ impl Daemon {
             tick,
             last,
             fenced: None,
+            refused_epoch: None,
             logs: LogOnce::new(),
             written: None,
             dirty: false,
@@ -220,11 +229,36 @@ impl Daemon {
     fn accept(&mut self, desired: Desired) {
         let Desired {
             mut wire,
+            signed_by,
             refused_vms,
             refused_volumes,
         } = desired;
+        if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref()) {
+            self.logs.warn("epoch", &why);
+            self.refused_epoch = Some(why);
+            return;
+        }
+        if self.refused_epoch.take().is_some() {
+            self.logs.clear("epoch");
+        }
         let current = self.store.epoch();
-        if self.remote && wire.epoch < current {
+        if let Some(key_id) = &signed_by
+            && wire.epoch_reset
+            && wire.epoch != current
+        {
+            log::warn!(
+                "the fence moves from epoch {current} to {}: a snapshot signed by key {} asks for it (epoch_reset)",
+                wire.epoch,
+                crate::quote::text(key_id)
+            );
+            if let Err(e) = self.store.reset_epoch(wire.epoch) {
+                self.logs.error("epoch-reset", &crate::error::chain(&e));
+                return;
+            }
+        }
+        let current = self.store.epoch();
+        let fences = self.remote || signed_by.is_some();
+        if fences && wire.epoch < current {
             self.logs.warn(
                 "fence",
                 &format!(
@@ -235,9 +269,9 @@ impl Daemon {
             self.fenced = Some(wire.epoch);
             return;
         }
-        if !self.remote {
-            // Standalone mode never fences: a hand-written file may leave
-            // the epoch out, or reset it.
+        if !fences {
+            // An unsigned desired file never fences: a hand-written file
+            // may leave the epoch out, or reset it.
             wire.epoch = wire.epoch.max(current);
         }
         if self.fenced.take().is_some() {
@@ -246,6 +280,7 @@ impl Daemon {
         }
         let desired = Desired {
             wire,
+            signed_by,
             refused_vms,
             refused_volumes,
         };
@@ -269,6 +304,31 @@ impl Daemon {
         }
         self.persist_last(&desired.wire);
         self.last = Some((desired, snap));
+    }
+
+    /// What the fence may not be moved by: an unsigned snapshot from a
+    /// control plane may raise the epoch by at most [`MAX_UNSIGNED_STEP`]
+    /// at once, so one forged answer with epoch 2^64-1 cannot fence the
+    /// real control plane out for good; and `epoch_reset` is obeyed only
+    /// when signed. Signed desired state moves the fence as it says.
+    fn epoch_rule(&self, wire: &pb::Snapshot, signed_by: Option<&str>) -> Result<(), String> {
+        if signed_by.is_some() || !self.remote {
+            return Ok(());
+        }
+        let current = self.store.epoch();
+        if wire.epoch > current.saturating_add(MAX_UNSIGNED_STEP) {
+            return Err(format!(
+                "refusing a snapshot whose epoch {} is more than {MAX_UNSIGNED_STEP} above the accepted epoch {current}: unsigned desired state may not move the fence that far (a forged answer could fence the real control plane out for good). Keeping the last accepted desired state; pin the control plane's keys with --trusted-keys to let signed snapshots move it",
+                wire.epoch
+            ));
+        }
+        if wire.epoch_reset && wire.epoch < current {
+            return Err(format!(
+                "refusing an unsigned snapshot that asks to reset the epoch from {current} to {}: only desired state signed by a key in --trusted-keys may lower the fence",
+                wire.epoch
+            ));
+        }
+        Ok(())
     }
 
     /// Steps the engine (the module's steps 1 and 2) and reports.

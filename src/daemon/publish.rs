@@ -50,6 +50,9 @@ impl Daemon {
             .details
             .update(&report, &self.store, &self.engine, tick);
         let mut notes = self.notes.clone();
+        if let Some(why) = &self.refused_epoch {
+            notes.push(why.clone());
+        }
         if let Some(lacks) = self.engine.host_condition() {
             notes.push(format!(
                 "this host cannot run guests until it is fixed: {lacks}"

@@ -66,8 +66,17 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         store,
         images,
         provisioner,
-        notes,
+        mut notes,
     } = recover::recover(&config, guest_dns)?;
+    match &config.trust {
+        None => notes.push(
+            "desired state is unauthenticated: whoever can answer for the control plane (or write the desired file) decides what this host runs; pin the signer's keys with --trusted-keys".into(),
+        ),
+        Some(keys) => log::info!(
+            "desired state is taken only signed by a pinned key: {}",
+            keys.ids().collect::<Vec<_>>().join(", ")
+        ),
+    }
     let seams = Seams {
         provisioner,
         images: Arc::clone(&images) as Arc<dyn crate::reconcile::seams::Images>,
@@ -81,11 +90,16 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         config.engine.clone(),
     ));
     let source: Box<dyn Source> = match &config.source {
-        DesiredSource::File(path) => Box::new(FileSource::new(PathBuf::from(path), config.limits)),
+        DesiredSource::File(path) => Box::new(FileSource::new(
+            PathBuf::from(path),
+            config.limits,
+            config.trust.clone(),
+        )),
         DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(
             cp.clone(),
             config.limits,
             config.proxy.as_deref(),
+            config.trust.clone(),
         )),
     };
     let (remote, described) = (source.is_remote(), source.describe());

@@ -49,6 +49,7 @@ pub fn snapshot_to_wire(snap: &Snapshot) -> pb::Snapshot {
         min_agent_version: snap.min_agent_version.clone(),
         vms: snap.vms.iter().map(vm_to_wire).collect(),
         volumes: snap.volumes.iter().map(volume_to_wire).collect(),
+        ..pb::Snapshot::default()
     }
 }
 

@@ -23,6 +23,36 @@ pub struct Snapshot {
     /// Every volume this host should hold.
     #[prost(message, repeated, tag = "4")]
     pub volumes: ::prost::alloc::vec::Vec<VolumeSpec>,
+    /// The host this snapshot is for (HostInfo.host_id). Required in a signed
+    /// snapshot, which a host refuses unless it names that host: a snapshot
+    /// signed for one host cannot be replayed to another.
+    #[prost(string, tag = "5")]
+    pub host_id: ::prost::alloc::string::String,
+    /// Take this snapshot's epoch as the new fence even when it is lower than
+    /// the one the agent stored: for a control plane restored from a backup.
+    /// Honoured only in a snapshot signed by a pinned key; otherwise the
+    /// snapshot is refused, since a forger could use it to replay old state.
+    #[prost(bool, tag = "6")]
+    pub epoch_reset: bool,
+}
+/// A Snapshot and the signature over it. The bytes are kept exactly as they
+/// were signed (a re-encoding need not be byte-identical), and the signature
+/// covers a fixed prefix then them, so a key used for snapshots signs nothing
+/// that could be taken for another message:
+///    ed25519(secret, "eitri.agent.v1.Snapshot\n" || snapshot)
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct SignedSnapshot {
+    /// An encoded Snapshot.
+    #[prost(bytes = "vec", tag = "1")]
+    pub snapshot: ::prost::alloc::vec::Vec<u8>,
+    /// Which pinned key signed it (the id in the host's --trusted-keys file).
+    #[prost(string, tag = "2")]
+    pub key_id: ::prost::alloc::string::String,
+    /// The 64-byte ed25519 signature.
+    #[prost(bytes = "vec", tag = "3")]
+    pub signature: ::prost::alloc::vec::Vec<u8>,
 }
 /// One VM's desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]

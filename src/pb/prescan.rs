@@ -123,6 +123,7 @@ mod tests {
             min_agent_version: "1.0.0".into(),
             vms: vec![pb::VmSpec::default(); 3],
             volumes: vec![pb::VolumeSpec::default(); 2],
+            ..pb::Snapshot::default()
         };
 
         let counts = count_snapshot_entries(&snap.encode_to_vec()).expect("scan");

@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::fs;
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use serde::de::{self, DeserializeOwned, DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -30,13 +30,20 @@ use serde_json::{Map, Value};
 use super::{Desired, SnapshotLimits, Source, SourceError};
 use crate::model::{Id, Rejected, SpecError};
 use crate::pb;
+use crate::trust::{self, Refusal, TrustedKeys, Verified};
 
 pub struct FileSource {
     path: PathBuf,
     limits: SnapshotLimits,
-    seen: Option<Stamp>,
+    /// `--trusted-keys`: with them, the file is taken only with a detached
+    /// signature (`FILE.sig`) by a pinned key, over its exact bytes.
+    trust: Option<TrustedKeys>,
+    /// The file's stamp and its signature's when last read.
+    seen: Option<(Stamp, Option<Stamp>)>,
     /// Why the file as it stands cannot be read, repeated at every contact.
     broken: Option<Broken>,
+    /// Why the file as it stands is not trusted, likewise.
+    refused: Option<Refusal>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -44,6 +51,18 @@ struct Stamp {
     len: u64,
     modified: Option<SystemTime>,
     inode: u64,
+}
+
+impl Stamp {
+    fn of(path: &Path) -> std::io::Result<Stamp> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = fs::metadata(path)?;
+        Ok(Stamp {
+            len: meta.len(),
+            modified: meta.modified().ok(),
+            inode: meta.ino(),
+        })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,13 +73,52 @@ struct Broken {
 }
 
 impl FileSource {
-    pub fn new(path: PathBuf, limits: SnapshotLimits) -> FileSource {
+    pub fn new(path: PathBuf, limits: SnapshotLimits, trust: Option<TrustedKeys>) -> FileSource {
         FileSource {
             path,
             limits,
+            trust,
             seen: None,
             broken: None,
+            refused: None,
         }
+    }
+
+    /// Where the detached signature of `path` lives: beside it, `.sig`
+    /// appended.
+    pub fn signature_path(path: &Path) -> PathBuf {
+        let mut name = path.as_os_str().to_owned();
+        name.push(".sig");
+        PathBuf::from(name)
+    }
+
+    fn refusal(&self, why: Refusal) -> SourceError {
+        SourceError::Refused {
+            from: format!("{}", self.path.display()),
+            why,
+        }
+    }
+
+    /// The verified signer of `bytes` by the signature beside the file.
+    fn verify(&self, keys: &TrustedKeys, bytes: &[u8]) -> Result<Verified, Refusal> {
+        let sig_path = FileSource::signature_path(&self.path);
+        let mut line = String::new();
+        let read =
+            fs::File::open(&sig_path).and_then(|f| f.take(4 << 10).read_to_string(&mut line));
+        if let Err(e) = read {
+            return Err(Refusal::Unsigned {
+                why: format!(
+                    "no signature {}: {e}; sign the file with `eitri-agent sign --key KEY {}`",
+                    sig_path.display(),
+                    self.path.display()
+                ),
+            });
+        }
+        let (key_id, signature) =
+            trust::parse_signature_line(&line).map_err(|e| Refusal::Unsigned {
+                why: format!("{} is not a signature: {e}", sig_path.display()),
+            })?;
+        keys.verify(&key_id, &signature, bytes)
     }
 
     fn malformed(&self, broken: &Broken) -> SourceError {
@@ -74,22 +132,21 @@ impl FileSource {
 }
 
 impl Source for FileSource {
-    fn fetch(&mut self, _host: &pb::HostInfo) -> Result<Option<Desired>, SourceError> {
-        use std::os::unix::fs::MetadataExt;
+    fn fetch(&mut self, host: &pb::HostInfo) -> Result<Option<Desired>, SourceError> {
         let read_err = |source| SourceError::ReadFile {
             path: self.path.clone(),
             source,
         };
-        let meta = fs::metadata(&self.path).map_err(read_err)?;
-        let stamp = Stamp {
-            len: meta.len(),
-            modified: meta.modified().ok(),
-            inode: meta.ino(),
+        let stamp = Stamp::of(&self.path).map_err(read_err)?;
+        let sig_stamp = match &self.trust {
+            Some(_) => Stamp::of(&FileSource::signature_path(&self.path)).ok(),
+            None => None,
         };
-        if self.seen == Some(stamp) {
-            return match &self.broken {
-                Some(broken) => Err(self.malformed(broken)),
-                None => Ok(None),
+        if self.seen == Some((stamp, sig_stamp)) {
+            return match (&self.broken, &self.refused) {
+                (Some(broken), _) => Err(self.malformed(broken)),
+                (None, Some(why)) => Err(self.refusal(why.clone())),
+                (None, None) => Ok(None),
             };
         }
         let mut text = String::new();
@@ -99,7 +156,20 @@ impl Source for FileSource {
                     .read_to_string(&mut text)
             })
             .map_err(read_err)?;
-        self.seen = Some(stamp);
+        self.seen = Some((stamp, sig_stamp));
+        self.broken = None;
+        self.refused = None;
+        // The signature first: nothing of an untrusted file is parsed.
+        let signed_by = match &self.trust {
+            None => None,
+            Some(keys) => match self.verify(keys, text.as_bytes()) {
+                Ok(verified) => Some(verified.key_id),
+                Err(why) => {
+                    self.refused = Some(why.clone());
+                    return Err(self.refusal(why));
+                }
+            },
+        };
         let parsed = if text.len() as u64 > self.limits.max_bytes {
             Err(Broken {
                 line: 1,
@@ -113,8 +183,15 @@ impl Source for FileSource {
             parse(&text, self.limits)
         };
         match parsed {
-            Ok(desired) => {
-                self.broken = None;
+            Ok(mut desired) => {
+                if let Some(key_id) = &signed_by
+                    && let Err(why) =
+                        super::http::for_this_host(key_id, &desired.wire.host_id, &host.host_id)
+                {
+                    self.refused = Some(why.clone());
+                    return Err(self.refusal(why));
+                }
+                desired.signed_by = signed_by;
                 Ok(Some(desired))
             }
             Err(broken) => {
@@ -169,6 +246,8 @@ fn parse(text: &str, limits: SnapshotLimits) -> Result<Desired, Broken> {
         wire: pb::Snapshot {
             epoch: top.epoch,
             min_agent_version: top.min_agent_version,
+            host_id: top.host_id,
+            epoch_reset: top.epoch_reset,
             ..pb::Snapshot::default()
         },
         ..Desired::default()
@@ -279,6 +358,8 @@ fn line_at(text: &str, offset: usize) -> usize {
 #[derive(Default)]
 struct TopLevelValue<'a> {
     epoch: u64,
+    host_id: String,
+    epoch_reset: bool,
     min_agent_version: String,
     vms: Vec<&'a RawValue>,
     volumes: Vec<&'a RawValue>,
@@ -312,6 +393,8 @@ impl<'de> Visitor<'de> for TopLevel {
             }
             match key.as_str() {
                 "epoch" => out.epoch = map.next_value()?,
+                "host_id" => out.host_id = map.next_value()?,
+                "epoch_reset" => out.epoch_reset = map.next_value()?,
                 "min_agent_version" => out.min_agent_version = map.next_value()?,
                 "vms" => {
                     out.vms = map.next_value_seed(Entries {
@@ -329,7 +412,7 @@ impl<'de> Visitor<'de> for TopLevel {
                 }
                 other => {
                     return Err(de::Error::custom(format!(
-                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms and volumes"
+                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms, volumes, host_id and epoch_reset"
                     )));
                 }
             }
@@ -448,7 +531,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("desired.json");
         std::fs::write(&path, "{not json").expect("write");
-        let mut source = FileSource::new(path.clone(), SnapshotLimits::default());
+        let mut source = FileSource::new(path.clone(), SnapshotLimits::default(), None);
         let host = pb::HostInfo::default();
 
         let first = source.fetch(&host);

@@ -25,6 +25,7 @@ use prost::Message;
 
 use super::{Desired, SnapshotLimits, Source, SourceError};
 use crate::pb;
+use crate::trust::{Refusal, TrustedKeys, Verified};
 
 /// Where the control plane is and how to talk to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,14 +70,24 @@ pub struct HttpSource {
     agent: ureq::Agent,
     cp: ControlPlane,
     limits: SnapshotLimits,
+    /// `--trusted-keys`: with them, only a verified `SignedSnapshot` is
+    /// desired state.
+    trust: Option<TrustedKeys>,
 }
 
 const PROTOBUF: &str = "application/x-protobuf";
+/// What an agent with pinned keys asks for (see the proto's header).
+const SIGNED: &str = "application/x-protobuf; signed=ed25519";
 
 impl HttpSource {
     /// `proxy`: the operator's `--proxy`, already checked; `None` goes
     /// direct whatever the environment says.
-    pub fn new(cp: ControlPlane, limits: SnapshotLimits, proxy: Option<&str>) -> HttpSource {
+    pub fn new(
+        cp: ControlPlane,
+        limits: SnapshotLimits,
+        proxy: Option<&str>,
+        trust: Option<TrustedKeys>,
+    ) -> HttpSource {
         let proxy = proxy.and_then(|p| ureq::Proxy::new(p).ok());
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_connect(Some(cp.connect_timeout))
@@ -87,7 +98,12 @@ impl HttpSource {
             .user_agent(format!("eitri-agent/{}", crate::version::AGENT_VERSION))
             .build()
             .into();
-        HttpSource { agent, cp, limits }
+        HttpSource {
+            agent,
+            cp,
+            limits,
+            trust,
+        }
     }
 
     fn limits(&self) -> SnapshotLimits {
@@ -106,7 +122,7 @@ impl HttpSource {
         Ok(Some(token.trim().to_owned()))
     }
 
-    fn post(&self, path: &str, body: Vec<u8>) -> Result<Vec<u8>, SourceError> {
+    fn post(&self, path: &str, body: Vec<u8>, accept: &str) -> Result<Vec<u8>, SourceError> {
         let target = format!("{}{path}", self.cp.base_url);
         // What errors name: the address without any credentials in it.
         let url = crate::quote::url(&target).into_owned();
@@ -115,7 +131,7 @@ impl HttpSource {
             .agent
             .post(&target)
             .header("Content-Type", PROTOBUF)
-            .header("Accept", PROTOBUF);
+            .header("Accept", accept);
         if let Some(token) = token {
             request = request.header("Authorization", format!("Bearer {token}"));
         }
@@ -164,18 +180,40 @@ impl Source for HttpSource {
             host: Some(host.clone()),
         }
         .encode_to_vec();
-        let answer = self.post("/v1/agent/snapshot", body)?;
+        let accept = if self.trust.is_some() {
+            SIGNED
+        } else {
+            PROTOBUF
+        };
+        let answer = self.post("/v1/agent/snapshot", body, accept)?;
         let url =
             crate::quote::url(&format!("{}/v1/agent/snapshot", self.cp.base_url)).into_owned();
+        let refused = |why| SourceError::Refused {
+            from: url.clone(),
+            why,
+        };
+        // With pinned keys, the signature is checked before any other byte
+        // of the answer is read, the entry count included.
+        let (bytes, signed_by) = match &self.trust {
+            None => (answer, None),
+            Some(keys) => {
+                let (bytes, verified) = open_envelope(keys, &answer).map_err(refused)?;
+                (bytes, Some(verified.key_id))
+            }
+        };
         let garbage = |problem: String| SourceError::Garbage {
             url: url.clone(),
             problem,
         };
-        let counts = pb::count_snapshot_entries(&answer).map_err(garbage)?;
+        let counts = pb::count_snapshot_entries(&bytes).map_err(garbage)?;
         self.limits().check(&url, counts.vms, counts.volumes)?;
-        let wire = pb::Snapshot::decode(answer.as_slice()).map_err(|e| garbage(e.to_string()))?;
+        let wire = pb::Snapshot::decode(bytes.as_slice()).map_err(|e| garbage(e.to_string()))?;
+        if let Some(key_id) = &signed_by {
+            for_this_host(key_id, &wire.host_id, &host.host_id).map_err(refused)?;
+        }
         Ok(Some(Desired {
             wire,
+            signed_by,
             ..Desired::default()
         }))
     }
@@ -186,7 +224,7 @@ impl Source for HttpSource {
             report: Some(report.clone()),
         }
         .encode_to_vec();
-        self.post("/v1/agent/report", body).map(drop)
+        self.post("/v1/agent/report", body, PROTOBUF).map(drop)
     }
 
     fn is_remote(&self) -> bool {
@@ -196,6 +234,36 @@ impl Source for HttpSource {
     fn describe(&self) -> String {
         format!("control plane {}", crate::quote::url(&self.cp.base_url))
     }
+}
+
+/// The snapshot bytes a `SignedSnapshot` carries, once its signature
+/// verified with a pinned key.
+fn open_envelope(keys: &TrustedKeys, answer: &[u8]) -> Result<(Vec<u8>, Verified), Refusal> {
+    let unsigned = |why: &str| Refusal::Unsigned { why: why.into() };
+    let envelope = pb::SignedSnapshot::decode(answer)
+        .map_err(|_| unsigned("the answer is not a SignedSnapshot"))?;
+    if envelope.key_id.is_empty() || envelope.signature.is_empty() {
+        return Err(unsigned("the SignedSnapshot has no key id or no signature"));
+    }
+    let verified = keys.verify(&envelope.key_id, &envelope.signature, &envelope.snapshot)?;
+    Ok((envelope.snapshot, verified))
+}
+
+/// Refuses signed desired state that names another host (or none): a
+/// snapshot signed for one host must not be replayed to another.
+pub(super) fn for_this_host(key_id: &str, named: &str, this_host: &str) -> Result<(), Refusal> {
+    if named == this_host {
+        return Ok(());
+    }
+    Err(Refusal::OtherHost {
+        key_id: key_id.to_owned(),
+        named: if named.is_empty() {
+            "(none: host_id is empty)".into()
+        } else {
+            named.to_owned()
+        },
+        this_host: this_host.to_owned(),
+    })
 }
 
 /// Refuses a token file that group or others can read: the token is the

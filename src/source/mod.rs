@@ -69,6 +69,9 @@ impl SnapshotLimits {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Desired {
     pub wire: pb::Snapshot,
+    /// The pinned key that signed it; `None`: unauthenticated (no
+    /// `--trusted-keys`).
+    pub signed_by: Option<String>,
     pub refused_vms: Vec<Rejected>,
     pub refused_volumes: Vec<Rejected>,
 }
@@ -134,6 +137,12 @@ pub enum SourceError {
         url: String,
         limit: u64,
     },
+    /// Desired state that is not signed as this host requires: nothing in
+    /// it is read further.
+    Refused {
+        from: String,
+        why: crate::trust::Refusal,
+    },
     /// More entries than the agent takes, counted before decoding.
     TooManyEntries {
         from: String,
@@ -176,6 +185,7 @@ impl SourceError {
             SourceError::Garbage { .. } => "garbage",
             SourceError::TooLarge { .. } => "too_large",
             SourceError::TooManyEntries { .. } => "too_many_entries",
+            SourceError::Refused { .. } => "refused",
             SourceError::Token { .. } => "token_unreadable",
             SourceError::TokenMode { .. } => "token_mode",
             SourceError::ReadFile { .. } => "read_file",
@@ -215,6 +225,10 @@ impl fmt::Display for SourceError {
             SourceError::TooLarge { url, limit } => write!(
                 f,
                 "the control plane's answer to {url} is larger than {limit} bytes; raise --max-response-bytes if that is expected"
+            ),
+            SourceError::Refused { from, why } => write!(
+                f,
+                "refused the desired state from {from}: {why}; nothing in it was acted on, and the last accepted desired state stands"
             ),
             SourceError::TooManyEntries {
                 from,

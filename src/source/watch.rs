@@ -39,6 +39,10 @@ impl Watcher {
             .file_name()
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no file name"))?
             .to_owned();
+        // Its detached signature too: signing after writing is a change.
+        let mut signature = name.clone();
+        signature.push(".sig");
+        let names = [name, signature];
         let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?;
         inotify.add_watch(
             &dir,
@@ -56,14 +60,20 @@ impl Watcher {
                 "desired-watch".into(),
                 64 * 1024,
                 Some(wakeup),
-                move |stop| run(&inotify, &name, &wake, &stop, &changed),
+                move |stop| run(&inotify, &names, &wake, &stop, &changed),
             )?
         };
         Ok(Watcher { _thread: thread })
     }
 }
 
-fn run(inotify: &Inotify, name: &OsString, wakeup: &Wakeup, stop: &StopFlag, changed: &Sender<()>) {
+fn run(
+    inotify: &Inotify,
+    names: &[OsString],
+    wakeup: &Wakeup,
+    stop: &StopFlag,
+    changed: &Sender<()>,
+) {
     while !stop.stopped() {
         let mut set = [
             PollFd::new(wakeup.fd(), PollFlags::POLLIN),
@@ -90,7 +100,7 @@ fn run(inotify: &Inotify, name: &OsString, wakeup: &Wakeup, stop: &StopFlag, cha
         // IN_Q_OVERFLOW carries no name: something may have been missed.
         if events
             .iter()
-            .any(|e| e.name.as_ref().is_none_or(|n| n == name))
+            .any(|e| e.name.as_ref().is_none_or(|n| names.contains(n)))
         {
             let _ = changed.try_send(());
         }
@@ -112,6 +122,17 @@ mod tests {
         let temp = dir.path().join(".desired.tmp");
         std::fs::write(&temp, b"{}").expect("write");
         std::fs::rename(&temp, &path).expect("rename");
+
+        assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok());
+    }
+
+    #[test]
+    fn a_new_signature_beside_the_file_is_noticed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let _watcher = Watcher::start(&dir.path().join("desired.json"), tx).expect("watch");
+
+        std::fs::write(dir.path().join("desired.json.sig"), b"ed25519 k x").expect("write");
 
         assert!(rx.recv_timeout(Duration::from_secs(5)).is_ok());
     }

@@ -125,6 +125,18 @@ impl Store {
         *self.epoch.lock()
     }
 
+    /// Sets the fence to `epoch`, lower or not: only for desired state
+    /// signed by a pinned key that asks for it (`epoch_reset`), as a
+    /// control plane restored from a backup does.
+    pub fn reset_epoch(&self, epoch: u64) -> Result<(), StoreError> {
+        let mut current = self.epoch.lock();
+        let path = self.layout.epoch();
+        write_atomic(&path, format!("{epoch}\n").as_bytes())
+            .map_err(|source| StoreError::WriteEpoch { path, source })?;
+        *current = epoch;
+        Ok(())
+    }
+
     /// Records `epoch` as accepted. Only ever raises it; an equal epoch (the
     /// same snapshot repeated every tick) costs no write.
     pub fn save_epoch(&self, epoch: u64) -> Result<(), StoreError> {

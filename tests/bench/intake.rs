@@ -86,7 +86,7 @@ fn json(
     let path = dir.join("desired.json");
     std::fs::write(&path, desired_json(wire))?;
     let started = Instant::now();
-    let mut source = FileSource::new(path, limits);
+    let mut source = FileSource::new(path, limits, None);
     let desired = source
         .fetch(&pb::HostInfo::default())?
         .ok_or("the file read as nothing")?;
@@ -133,7 +133,7 @@ fn attack(dir: &std::path::Path, limits: SnapshotLimits) -> Result<Duration, Err
     let path = dir.join("attack.json");
     std::fs::write(&path, text)?;
     let started = Instant::now();
-    let mut source = FileSource::new(path, limits);
+    let mut source = FileSource::new(path, limits, None);
     let desired = source
         .fetch(&pb::HostInfo::default())?
         .ok_or("the file read as nothing")?;

@@ -1,0 +1,73 @@
+//! `eitri-agent keygen` and `eitri-agent sign`: the signer's side of signed
+//! desired state (see [`crate::trust`]), so an operator or a pipeline needs
+//! no other tool to make a key or sign a desired file.
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::process::ExitCode;
+
+use crate::source::FileSource;
+use crate::trust::SecretKey;
+
+/// Makes a key named `id`, writes its secret to `out` (0600, never over an
+/// existing file) and prints the line a host pins in `--trusted-keys`.
+pub(super) fn keygen(id: &str, out: &Path) -> ExitCode {
+    let key = match SecretKey::generate(id) {
+        Ok(key) => key,
+        Err(e) => return refuse(&e),
+    };
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .and_then(|mut f| {
+            f.write_all(key.secret_line().as_bytes())?;
+            f.sync_all()
+        });
+    if let Err(e) = written {
+        return refuse(&format!(
+            "cannot write the new key to {}: {e} (an existing key is never overwritten)",
+            out.display()
+        ));
+    }
+    eprintln!(
+        "eitri-agent: wrote the signing key {} to {}; pin the line below in each host's --trusted-keys file",
+        key.id(),
+        out.display()
+    );
+    print!("{}", key.public_line());
+    ExitCode::SUCCESS
+}
+
+/// Signs `file`'s exact bytes with the key in `key_file`, writing the
+/// signature beside it (`FILE.sig`), replaced atomically.
+pub(super) fn sign(key_file: &Path, file: &Path) -> ExitCode {
+    let key = match SecretKey::load(key_file) {
+        Ok(key) => key,
+        Err(e) => return refuse(&e),
+    };
+    let bytes = match std::fs::read(file) {
+        Ok(bytes) => bytes,
+        Err(e) => return refuse(&format!("cannot read {}: {e}", file.display())),
+    };
+    let sig_path = FileSource::signature_path(file);
+    if let Err(e) =
+        crate::state::atomic::write_atomic(&sig_path, key.signature_line(&bytes).as_bytes())
+    {
+        return refuse(&format!("cannot write {}: {e}", sig_path.display()));
+    }
+    eprintln!(
+        "eitri-agent: signed {} with key {}: {}",
+        file.display(),
+        key.id(),
+        sig_path.display()
+    );
+    ExitCode::SUCCESS
+}
+
+fn refuse(why: &str) -> ExitCode {
+    eprintln!("eitri-agent: error: {why}");
+    ExitCode::FAILURE
+}

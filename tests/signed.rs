@@ -1,0 +1,518 @@
+//! Signed desired state through the real binary: an agent with pinned keys
+//! against a fake control plane (and, standalone, a signed desired file)
+//! acts on what a pinned key signed for this host, and on nothing else.
+//! "Nothing touched" is seen on disk: the volume a refused snapshot names is
+//! never created.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use eitri_agent::pb;
+use eitri_agent::testkit::control_plane::{Answer, FakeControlPlane};
+use eitri_agent::trust::SecretKey;
+use prost::Message;
+
+const BIN: &str = env!("CARGO_BIN_EXE_eitri-agent");
+/// A bound to fail on, not a measurement.
+const PATIENCE: Duration = Duration::from_secs(15);
+const HOST: &str = "signed-test-host";
+
+fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + PATIENCE;
+    while !done() {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An agent process with a state dir under `dir`; killed on drop.
+struct Agent {
+    child: Child,
+    state: PathBuf,
+}
+
+impl Agent {
+    /// `source`: `--control-plane URL` or `--desired FILE`, and any more
+    /// flags.
+    fn start(dir: &Path, source: &[&str]) -> Agent {
+        let state = dir.join("state");
+        let child = Command::new(BIN)
+            .arg("run")
+            .arg("--state-dir")
+            .arg(&state)
+            .arg("--run-dir")
+            .arg(dir.join("run"))
+            .args([
+                "--host-id",
+                HOST,
+                "--tick",
+                "100ms",
+                "--backoff-max",
+                "200ms",
+            ])
+            .args(["--tap-prefix", "etsig", "--underlay-bridge="])
+            .args(["--hypervisor", "/nonexistent/cloud-hypervisor"])
+            .args(source)
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("agent.log")).expect("log"))
+            .spawn()
+            .expect("spawn agent");
+        Agent { child, state }
+    }
+
+    fn report(&self) -> serde_json::Value {
+        std::fs::read(self.state.join("report.json"))
+            .ok()
+            .and_then(|t| serde_json::from_slice(&t).ok())
+            .unwrap_or(serde_json::Value::Null)
+    }
+
+    fn wait_report(&self, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+        wait_for(what, || pred(&self.report()));
+    }
+
+    /// Waits until the last contact failed with a text holding `needle`.
+    fn wait_refusal(&self, needle: &str) -> String {
+        let mut contact = String::new();
+        wait_for(&format!("a refusal naming {needle:?}"), || {
+            contact = self.report()["contact"].as_str().unwrap_or("").to_owned();
+            contact.contains(needle)
+        });
+        contact
+    }
+
+    fn volume_exists(&self, id: &str) -> bool {
+        self.state
+            .join("volumes")
+            .join(format!("{id}.img"))
+            .exists()
+            || self.state.join("volumes").join(id).exists()
+    }
+
+    fn status(&self) -> String {
+        let out = Command::new(BIN)
+            .arg("status")
+            .arg("--state-dir")
+            .arg(&self.state)
+            .env_clear()
+            .output()
+            .expect("status");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn has_volume(report: &serde_json::Value, id: &str) -> bool {
+    report["report"]["volumes"]
+        .as_array()
+        .is_some_and(|v| v.iter().any(|v| v["volume_id"] == id))
+}
+
+fn snapshot(epoch: u64, host: &str, volume: &str) -> pb::Snapshot {
+    pb::Snapshot {
+        epoch,
+        host_id: host.into(),
+        volumes: vec![pb::VolumeSpec {
+            volume_id: volume.into(),
+            size_gb: 1,
+            tombstoned: false,
+        }],
+        ..pb::Snapshot::default()
+    }
+}
+
+fn signed(key: &SecretKey, snap: &pb::Snapshot) -> Vec<u8> {
+    let bytes = snap.encode_to_vec();
+    pb::SignedSnapshot {
+        signature: key.sign(&bytes),
+        key_id: key.id().into(),
+        snapshot: bytes,
+    }
+    .encode_to_vec()
+}
+
+fn key(id: &str, n: u8) -> SecretKey {
+    SecretKey::from_seed(id, [n; 32])
+}
+
+/// A trusted-keys file pinning `keys`, 0644 as an operator would leave it.
+fn pin(dir: &Path, keys: &[&SecretKey]) -> PathBuf {
+    let path = dir.join("trusted-keys");
+    let text: String = keys.iter().map(|k| k.public_line()).collect();
+    std::fs::write(&path, text).expect("trusted keys");
+    path
+}
+
+/// An agent against `cp` pinning `keys`.
+fn agent(dir: &Path, cp: &FakeControlPlane, keys: &Path) -> Agent {
+    Agent::start(
+        dir,
+        &[
+            "--control-plane",
+            &cp.url(),
+            "--trusted-keys",
+            keys.to_str().expect("utf-8 path"),
+        ],
+    )
+}
+
+#[test]
+fn a_snapshot_signed_by_a_pinned_key_is_acted_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp-2026", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(1, HOST, "data-1"))));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+    assert!(a.volume_exists("data-1"));
+    let asked = cp.requests();
+    assert!(
+        asked.iter().any(|r| r
+            .header("accept")
+            .is_some_and(|v| v.contains("signed=ed25519"))),
+        "the agent asks for a signed snapshot"
+    );
+}
+
+#[test]
+fn an_unsigned_snapshot_is_refused_and_nothing_is_touched() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot(1, HOST, "data-1")));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&key("cp", 1)]));
+
+    let contact = a.wait_refusal("not signed");
+    assert!(contact.contains("nothing in it was acted on"), "{contact}");
+    assert!(!a.volume_exists("data-1"));
+    assert!(a.status().contains("not signed"), "{}", a.status());
+}
+
+#[test]
+fn a_forged_answer_after_a_good_one_leaves_the_good_one_in_force() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    a.wait_report("the good snapshot", |r| has_volume(r, "data-1"));
+
+    cp.answer_snapshots(Answer::Snapshot(snapshot(2, HOST, "data-2")));
+
+    a.wait_refusal("not signed");
+    let report = a.report();
+    assert!(
+        has_volume(&report, "data-1") && !has_volume(&report, "data-2"),
+        "{report}"
+    );
+    assert!(!a.volume_exists("data-2"));
+}
+
+#[test]
+fn a_snapshot_signed_by_an_unpinned_key_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let forger = key("forger-1", 9);
+    cp.answer_snapshots(Answer::Raw(signed(&forger, &snapshot(1, HOST, "data-1"))));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&key("cp", 1)]));
+
+    a.wait_refusal("\"forger-1\", which this host does not trust");
+    assert!(!a.volume_exists("data-1"));
+}
+
+#[test]
+fn a_snapshot_changed_by_one_byte_after_signing_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    let bytes = snapshot(1, HOST, "data-1").encode_to_vec();
+    let signature = k.sign(&bytes);
+    // data-1 becomes data-2: still a valid snapshot, no longer the signed one.
+    let mut tampered = bytes.clone();
+    let at = tampered
+        .windows(6)
+        .position(|w| w == b"data-1")
+        .expect("the id")
+        + 5;
+    tampered[at] = b'2';
+    cp.answer_snapshots(Answer::Raw(
+        pb::SignedSnapshot {
+            snapshot: tampered,
+            key_id: "cp".into(),
+            signature,
+        }
+        .encode_to_vec(),
+    ));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+
+    a.wait_refusal("signature does not verify with key \"cp\"");
+    assert!(!a.volume_exists("data-2") && !a.volume_exists("data-1"));
+}
+
+#[test]
+fn a_snapshot_signed_for_another_host_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(
+        &k,
+        &snapshot(1, "another-host", "data-1"),
+    )));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+
+    a.wait_refusal("for host \"another-host\", not this host");
+    assert!(!a.volume_exists("data-1"));
+}
+
+#[test]
+fn a_replayed_older_signed_snapshot_is_fenced_and_not_acted_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(5, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    a.wait_report("epoch 5", |r| has_volume(r, "data-1"));
+
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(3, HOST, "data-2"))));
+
+    a.wait_report("the fence", |r| r["report"]["fence_violation"] == true);
+    assert!(!a.volume_exists("data-2"));
+    assert!(a.status().contains("FENCED"), "{}", a.status());
+}
+
+#[test]
+fn a_signed_epoch_reset_lowers_the_fence() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(50, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    a.wait_report("epoch 50", |r| has_volume(r, "data-1"));
+
+    let restored = pb::Snapshot {
+        epoch_reset: true,
+        ..snapshot(2, HOST, "data-2")
+    };
+    cp.answer_snapshots(Answer::Raw(signed(&k, &restored)));
+
+    a.wait_report("the reset", |r| has_volume(r, "data-2"));
+    let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
+    assert_eq!(epoch.trim(), "2");
+}
+
+#[test]
+fn a_key_is_rotated_by_pinning_both_then_dropping_the_old() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let (old, new) = (key("cp-2025", 1), key("cp-2026", 2));
+    let keys = pin(dir.path(), &[&old, &new]);
+    cp.answer_snapshots(Answer::Raw(signed(&old, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &keys);
+    a.wait_report("the old key's snapshot", |r| has_volume(r, "data-1"));
+    cp.answer_snapshots(Answer::Raw(signed(&new, &snapshot(2, HOST, "data-2"))));
+    a.wait_report("the new key's snapshot", |r| has_volume(r, "data-2"));
+    drop(a);
+
+    let keys = pin(dir.path(), &[&new]);
+    cp.answer_snapshots(Answer::Raw(signed(&old, &snapshot(3, HOST, "data-3"))));
+    let a = agent(dir.path(), &cp, &keys);
+
+    a.wait_refusal("\"cp-2025\", which this host does not trust");
+    assert!(!a.volume_exists("data-3"));
+    cp.answer_snapshots(Answer::Raw(signed(&new, &snapshot(3, HOST, "data-3"))));
+    a.wait_report("the new key's next snapshot", |r| has_volume(r, "data-3"));
+}
+
+#[test]
+fn without_keys_an_unsigned_epoch_of_2_pow_64_minus_1_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot(u64::MAX, HOST, "data-1")));
+    let a = Agent::start(dir.path(), &["--control-plane", &cp.url()]);
+
+    a.wait_report("the refusal note", |r| {
+        r["notes"].as_array().is_some_and(|n| {
+            n.iter().any(|n| {
+                n.as_str()
+                    .is_some_and(|n| n.contains("may not move the fence"))
+            })
+        })
+    });
+    assert!(!a.volume_exists("data-1"));
+    assert!(a.status().contains("unauthenticated"), "{}", a.status());
+
+    // The real control plane, at its real epoch, is not fenced out.
+    cp.answer_snapshots(Answer::Snapshot(snapshot(1, HOST, "data-2")));
+    a.wait_report("the real snapshot", |r| has_volume(r, "data-2"));
+}
+
+fn eitri(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_clear()
+        .output()
+        .expect("run eitri-agent")
+}
+
+/// `keygen` into `dir/NAME.key`, pinning what it prints in `dir/trusted`.
+fn keygen(dir: &Path, id: &str) -> (PathBuf, PathBuf) {
+    let key = dir.join(format!("{id}.key"));
+    let out = eitri(&["keygen", "--id", id, "--out", key.to_str().expect("path")]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pinned = dir.join("trusted");
+    std::fs::write(&pinned, &out.stdout).expect("pin");
+    (key, pinned)
+}
+
+fn write_desired(path: &Path, json: &str) {
+    let temp = path.with_extension("tmp");
+    std::fs::write(&temp, json).expect("desired");
+    std::fs::rename(temp, path).expect("rename");
+}
+
+fn standalone(dir: &Path, desired: &Path, pinned: &Path) -> Agent {
+    Agent::start(
+        dir,
+        &[
+            "--desired",
+            desired.to_str().expect("path"),
+            "--trusted-keys",
+            pinned.to_str().expect("path"),
+        ],
+    )
+}
+
+#[test]
+fn standalone_a_file_signed_with_sign_is_acted_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(
+        &desired,
+        &format!(
+            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
+        ),
+    );
+
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        desired.to_str().expect("path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+}
+
+#[test]
+fn standalone_an_unsigned_file_is_refused_naming_sign() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(
+        &desired,
+        &format!(
+            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
+        ),
+    );
+
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_refusal("eitri-agent sign --key KEY");
+    assert!(!a.volume_exists("data-1"));
+}
+
+#[test]
+fn standalone_a_file_changed_after_signing_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    let text = format!(
+        r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
+    );
+    write_desired(&desired, &text);
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        desired.to_str().expect("path"),
+    ]);
+    assert!(out.status.success());
+    write_desired(&desired, &text.replace("data-1", "data-2"));
+
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_refusal("signature does not verify");
+    assert!(!a.volume_exists("data-2"));
+}
+
+#[test]
+fn keygen_never_overwrites_a_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, _) = keygen(dir.path(), "pipeline");
+    let before = std::fs::read(&key).expect("key");
+
+    let out = eitri(&[
+        "keygen",
+        "--id",
+        "other",
+        "--out",
+        key.to_str().expect("path"),
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(std::fs::read(&key).expect("key"), before);
+}
+
+#[test]
+fn keys_with_a_token_over_plain_http_stop_the_start_naming_the_choices() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").expect("token");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let pinned = pin(dir.path(), &[&key("cp", 1)]);
+
+    let out = eitri(&[
+        "run",
+        "--control-plane",
+        "http://127.0.0.1:9",
+        "--state-dir",
+        dir.path().join("state").to_str().expect("path"),
+        "--token-file",
+        token.to_str().expect("path"),
+        "--trusted-keys",
+        pinned.to_str().expect("path"),
+    ]);
+
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--token-in-clear yes") && stderr.contains("https://"),
+        "{stderr}"
+    );
+}
