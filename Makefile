@@ -16,7 +16,7 @@ BENCHES  := store engine storage boot create suspend intake net repair
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -34,7 +34,7 @@ static:
 
 MACOS    := aarch64-apple-darwin x86_64-apple-darwin
 
-test: fmt-check clippy docs msrv-check release-check programs-check proto-check macos-check unit-tests
+test: fmt-check clippy docs msrv-check release-check programs-check proto-check macos-check tls-check unit-tests
 
 fmt-check:
 	$(CARGO) fmt --check
@@ -78,6 +78,11 @@ programs-check:
 
 # nextest's summary is the run's last line; CI reads it. The s6 test runs
 # the static binary, so it is built first.
+# The tls feature builds, passes clippy and its tests (tests/tls.rs).
+tls-check:
+	$(CARGO) clippy --locked --lib --tests --features tls,testkit -- -D warnings
+	$(CARGO) nextest run --locked --no-fail-fast --features tls,testkit --test tls
+
 unit-tests: static
 	$(CARGO) nextest run --locked --no-fail-fast --features standin,crashpoints
 
