@@ -70,6 +70,14 @@ impl Agent {
             // No bridge or firewall table on the test machine's host.
             "--underlay-bridge=".into(),
         ];
+        // The host-wide registry of agents' claims, kept in the test
+        // unless it names one.
+        if !extra.contains(&"--agents-dir") {
+            args.extend([
+                "--agents-dir".into(),
+                dir.join("agents").display().to_string(),
+            ]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = Command::new(BIN)
             .args(&args)
@@ -554,6 +562,8 @@ fn a_sigterm_pending_at_start_is_an_orderly_stop() {
         .arg(dir.path().join("state"))
         .args(["--underlay-bridge=", "--tap-prefix", "etbin", "--run-dir"])
         .arg(dir.path().join("run"))
+        .arg("--agents-dir")
+        .arg(dir.path().join("agents"))
         .env_clear()
         .stdout(Stdio::null())
         .stderr(Stdio::null());
@@ -833,4 +843,71 @@ fn status_watch_redraws_every_tick() {
 
     let redraws = text.matches("\u{1b}[H\u{1b}[2J").count();
     assert!(redraws >= 3, "{redraws} redraws");
+}
+
+/// A claim file's id range and cgroup root.
+fn claim_of(state: &Path) -> (u64, u64, String) {
+    let text = std::fs::read(state.join("jail/claim.json")).expect("claim");
+    let claim: serde_json::Value = serde_json::from_slice(&text).expect("json");
+    (
+        claim["first_id"].as_u64().expect("first"),
+        claim["id_count"].as_u64().expect("count"),
+        claim["cgroup_root"].as_str().expect("root").to_owned(),
+    )
+}
+
+#[test]
+fn two_agents_on_one_host_claim_disjoint_vmm_ids_and_cgroup_roots() {
+    let host = tempfile::tempdir().expect("tempdir");
+    let (one, two) = (host.path().join("one"), host.path().join("two"));
+    for dir in [&one, &two] {
+        std::fs::create_dir_all(dir).expect("dir");
+        desired(dir, ONE_VOLUME);
+    }
+    let registry = host.path().join("agents").display().to_string();
+
+    let a = Agent::start(&one, &["--agents-dir", &registry]);
+    let b = Agent::start(&two, &["--agents-dir", &registry]);
+    a.wait_report("the first agent", |r| volumes(r).len() == 1);
+    b.wait_report("the second agent", |r| volumes(r).len() == 1);
+
+    let (a_first, a_count, a_root) = claim_of(&a.state);
+    let (b_first, b_count, b_root) = claim_of(&b.state);
+    assert!(
+        a_first + a_count <= b_first || b_first + b_count <= a_first,
+        "{a_first}:{a_count} and {b_first}:{b_count}"
+    );
+    assert_ne!(a_root, b_root);
+}
+
+#[test]
+fn a_second_agent_given_the_first_agents_ids_stops_naming_the_first() {
+    let host = tempfile::tempdir().expect("tempdir");
+    let (one, two) = (host.path().join("one"), host.path().join("two"));
+    for dir in [&one, &two] {
+        std::fs::create_dir_all(dir).expect("dir");
+        desired(dir, ONE_VOLUME);
+    }
+    let registry = host.path().join("agents").display().to_string();
+    let a = Agent::start(&one, &["--agents-dir", &registry]);
+    a.wait_report("the first agent", |r| volumes(r).len() == 1);
+    let (first, count, _) = claim_of(&a.state);
+
+    let mut b = Agent::start(
+        &two,
+        &[
+            "--agents-dir",
+            &registry,
+            "--vmm-ids",
+            &format!("{first}:{count}"),
+        ],
+    );
+
+    let status = b.child.take().expect("child").wait().expect("exit");
+    assert_eq!(status.code(), Some(1));
+    let log = b.log_text();
+    assert!(
+        log.contains("overlap") && log.contains(&a.state.display().to_string()),
+        "{log}"
+    );
 }

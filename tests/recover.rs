@@ -58,6 +58,8 @@ fn config(dir: &Path) -> Config {
         &confinement.kvm.display().to_string(),
         "--cgroup-root",
         &confinement.cgroup_root,
+        "--agents-dir",
+        &dir.join("agents").display().to_string(),
     ]
     .iter()
     .map(|s| s.to_string())

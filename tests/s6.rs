@@ -96,6 +96,11 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
     std::fs::write(env.join("EITRI_TICK"), "200ms").expect("env");
     std::fs::write(env.join("EITRI_SHUTDOWN_GRACE"), "5s").expect("env");
     std::fs::write(env.join("EITRI_TAP_PREFIX"), "ets6").expect("env");
+    std::fs::write(
+        env.join("EITRI_AGENTS_DIR"),
+        dir.path().join("agents").display().to_string(),
+    )
+    .expect("env");
     // An empty env file sets the variable empty: no guest networking, so no
     // bridge or firewall table on the test machine's host.
     std::fs::write(env.join("EITRI_UNDERLAY_BRIDGE"), "").expect("env");

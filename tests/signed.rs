@@ -53,6 +53,8 @@ impl Agent {
             ])
             .args(["--tap-prefix", "etsig", "--underlay-bridge="])
             .args(["--hypervisor", "/nonexistent/cloud-hypervisor"])
+            .arg("--agents-dir")
+            .arg(dir.join("agents"))
             .args(source)
             .env_clear()
             .stdin(Stdio::null())

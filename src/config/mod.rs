@@ -94,6 +94,11 @@ pub struct Config {
     pub engine: EngineConfig,
     /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
     pub metrics_file: Option<PathBuf>,
+    /// `--agents-dir`: the host-wide registry of the agents' claims.
+    pub agents_dir: PathBuf,
+    /// What this agent asks of the host's shared ids and cgroups; settled
+    /// at start into `guest.confinement` (see `state::claim`).
+    pub wish: crate::state::claim::Wish,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -44,6 +44,23 @@ pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Co
         guest: guest_boot(&raw)?,
         engine: engine(&raw)?,
         metrics_file: raw.optional(Key::MetricsFile).map(PathBuf::from),
+        agents_dir: PathBuf::from(raw.get(Key::AgentsDir)),
+        wish: wish(&raw)?,
+    })
+}
+
+/// The ids and cgroup root the operator gave, if any (the defaults are the
+/// claim's to choose, see `state::claim`).
+fn wish(raw: &Raw<'_>) -> Result<crate::state::claim::Wish, ConfigError> {
+    let confinement = confinement(raw)?;
+    Ok(crate::state::claim::Wish {
+        ids: raw
+            .given(Key::VmmIds)
+            .then_some((confinement.first_id, confinement.id_count)),
+        cgroup_root: raw
+            .given(Key::CgroupRoot)
+            .then_some(confinement.cgroup_root),
+        default_state_dir: raw.get(Key::StateDir) == Key::StateDir.setting().default,
     })
 }
 
@@ -64,6 +81,12 @@ impl Raw<'_> {
                 .cloned()
                 .unwrap_or_else(|| setting.default.to_owned()),
         }
+    }
+
+    /// Whether the operator set `key`, by flag or environment.
+    fn given(&self, key: Key) -> bool {
+        let setting = key.setting();
+        self.flags.contains_key(setting.flag) || self.env.contains_key(setting.env)
     }
 
     /// The value, `None` when it is empty or blank.

@@ -132,13 +132,15 @@ settings! {
     GuestAllow => "guest-allow", "EITRI_GUEST_ALLOW", "",
         "ranges guests may reach even where refused (this host's addresses, link-local, --guest-deny), CIDR,CIDR";
     VmmIds => "vmm-ids", "EITRI_VMM_IDS", "1900000000:65536",
-        "FIRST:COUNT user and group ids for jailed hypervisors: FIRST is the group that may open /dev/kvm, each VM gets one of the rest";
+        "FIRST:COUNT user and group ids for jailed hypervisors: FIRST is the group that may open /dev/kvm, each VM gets one of the rest (default: this range for the default state dir, else a range of its own)";
     KvmDevice => "kvm-device", "EITRI_KVM_DEVICE", "/dev/kvm",
         "the KVM device the hypervisors' group is given read-write access to (an ACL entry when it lacks it)";
     UserfaultfdDevice => "userfaultfd-device", "EITRI_USERFAULTFD_DEVICE", "/dev/userfaultfd",
         "the device a resuming hypervisor faults its guest's memory in through, given to the hypervisors' group like the KVM device and seen only by a hypervisor that resumes (empty: resumes read the whole snapshot first)";
     CgroupRoot => "cgroup-root", "EITRI_CGROUP_ROOT", "eitri",
-        "cgroup (in each hierarchy) under which each VM's hypervisor gets its own";
+        "cgroup (in each hierarchy) under which each VM's hypervisor gets its own (default: eitri for the default state dir, else one of its own, eitri-N)";
+    AgentsDir => "agents-dir", "EITRI_AGENTS_DIR", "/var/lib/eitri-agents",
+        "host-wide record of each agent's VMM ids and cgroup root, so agents with different state dirs never share either";
     SerialLogMaxMb => "serial-log-max-mb", "EITRI_SERIAL_LOG_MAX_MB", "16",
         "disk a guest's serial output may hold, in MiB: older output is freed once a second (the newest half is kept)";
     AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",

@@ -14,6 +14,9 @@ pub enum DaemonError {
     Signals(std::io::Error),
     /// The token file cannot be used (unreadable, or readable by others).
     Token(SourceError),
+    /// This agent's VMM ids or cgroup root cannot be had (see
+    /// `state::claim`).
+    Claim(String),
     /// A thread the daemon needs could not be started.
     Thread {
         name: &'static str,
@@ -33,6 +36,7 @@ impl std::fmt::Display for DaemonError {
             }
             DaemonError::Signals(_) => f.write_str("cannot install the signal handlers"),
             DaemonError::Token(_) => f.write_str("cannot use the token file"),
+            DaemonError::Claim(why) => write!(f, "cannot claim VMM ids and a cgroup root: {why}"),
             DaemonError::Thread { name, .. } => write!(f, "cannot start the {name} thread"),
         }
     }
@@ -46,6 +50,7 @@ impl std::error::Error for DaemonError {
             DaemonError::Notify { source, .. } => Some(source),
             DaemonError::Token(e) => Some(e),
             DaemonError::Thread { source, .. } => Some(source),
+            DaemonError::Claim(_) => None,
         }
     }
 }

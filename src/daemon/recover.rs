@@ -5,6 +5,9 @@
 //! 1. **Lock the state dir** (`Store::open`). First of all: two agents
 //!    recovering one state dir would each undo the other's work. The
 //!    records are read here; stray temp files are never read as records.
+//!    Then **claim** this state dir's VMM ids and cgroup root against the
+//!    host's other agents (`state::claim`), before anything uses either:
+//!    step 4 removes the cgroups of no VM under the root it is given.
 //! 2. **Sweep** every directory the agent writes (the root, each VM's,
 //!    `net/`, `volumes/`, `images/`): temp files of interrupted atomic
 //!    writes, VM directories caught mid-delete, partial image downloads.
@@ -120,6 +123,33 @@ fn host_network(
     }
 }
 
+/// How guests boot, with the VMM ids and cgroup root this state dir holds
+/// (step 1).
+fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot, DaemonError> {
+    use crate::state::claim;
+    let layout = store.layout();
+    let claim = claim::settle(
+        &config.state_dir,
+        &layout.claim(),
+        &layout.vmm_ids(),
+        &config.agents_dir,
+        &config.wish,
+    )
+    .map_err(|e| DaemonError::Claim(e.to_string()))?;
+    claim::check_host_accounts(claim.first_id, claim.id_count).map_err(DaemonError::Claim)?;
+    log::info!(
+        "VMM ids {}:{} and cgroup root {:?} are this agent's",
+        claim.first_id,
+        claim.id_count,
+        claim.cgroup_root
+    );
+    let mut guest = config.guest.clone();
+    guest.confinement.first_id = claim.first_id;
+    guest.confinement.id_count = claim.id_count;
+    guest.confinement.cgroup_root = claim.cgroup_root;
+    Ok(guest)
+}
+
 /// Runs the steps of the module, in order. `guest_dns` is what guests are
 /// told (the flag's list, or the host's own resolvers).
 pub fn recover(
@@ -128,6 +158,7 @@ pub fn recover(
 ) -> Result<Recovered, DaemonError> {
     // 1.
     let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
+    let guest = claimed(config, &store)?;
     // 2.
     let images = Arc::new(ImageCache::with(store.layout().images(), &config.images));
     let swept = store.sweep();
@@ -153,9 +184,9 @@ pub fn recover(
     }
     // 4. and 5.
     #[cfg(target_os = "linux")]
-    let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest, network);
+    let provisioner = crate::provision::for_host(Arc::clone(&store), &guest, network);
     #[cfg(not(target_os = "linux"))]
-    let provisioner = crate::provision::for_host(Arc::clone(&store), &config.guest);
+    let provisioner = crate::provision::for_host(Arc::clone(&store), &guest);
     let mut known: Vec<crate::model::Id> = store.load_all().keys().cloned().collect();
     if let Ok(Some(last)) = super::last::load(&store.layout().last_snapshot()) {
         known.extend(

@@ -33,6 +33,7 @@
 //!   net/addresses.json                         underlay address leases
 //!   net/learned.json                           second-NIC addresses learned from the site
 //!   jail/ids.json                              VMM user ids, by VM
+//!   jail/claim.json                            this state dir's VMM id range and cgroup root (see state::claim)
 //! RUN_DIR/                                     0700: sockets, short paths
 //!   <digest>.sock                              a VM's VMM API socket
 //!   <digest>.sock.lock                         cloud-hypervisor's lock beside it
@@ -229,6 +230,10 @@ impl Layout {
         self.state.join("jail").join("ids.json")
     }
 
+    pub fn claim(&self) -> PathBuf {
+        self.state.join("jail").join("claim.json")
+    }
+
     /// The VM's API socket in `run_dir`: not under the VM's directory,
     /// since a unix socket's path is limited to 108 bytes (103 on macOS)
     /// whatever the state dir's length; named by a digest of the state dir
@@ -308,6 +313,7 @@ mod tests {
             layout.addresses(),
             layout.learned(),
             layout.vmm_ids(),
+            layout.claim(),
             layout.api_socket(run, &vm),
             layout.api_socket_lock(run, &vm),
         ];

@@ -9,6 +9,7 @@
 //! touching the disk.
 
 pub mod atomic;
+pub mod claim;
 mod error;
 mod layout;
 pub mod leases;

@@ -152,6 +152,8 @@ fn start(b: &Bench) -> Res<Agent> {
         .arg("--kvm-device")
         .arg(eitri_agent::testkit::confinement(b.dir.path()).kvm)
         .args(["--underlay-bridge=", "--tap-prefix", "etrep"])
+        .arg("--agents-dir")
+        .arg(b.dir.path().join("agents"))
         .env_clear()
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -166,6 +166,8 @@ impl Host {
             .arg(&confinement.kvm)
             .arg("--cgroup-root")
             .arg(&confinement.cgroup_root)
+            .arg("--agents-dir")
+            .arg(self.dir.path().join("agents"))
             .args([
                 "--underlay-bridge=",
                 "--tap-prefix",

@@ -1,0 +1,480 @@
+//! What an agent takes of the host's shared namespaces: its range of VMM
+//! user and group ids and its cgroup root. Two agents on one host (two
+//! state dirs) that shared either would hand one uid to VMMs of different
+//! tenants, or remove each other's cgroups at start; so each state dir
+//! claims its own, recorded host-wide.
+//!
+//! 1. The state dir's own claim (`jail/claim.json`) is its choice for good:
+//!    its VMMs' ids are leased from that range and its cgroups live under
+//!    that root, however the host's other agents come and go.
+//! 2. Without one: a state dir an older agent already used (it has VMM id
+//!    leases) or the default state dir takes the historic defaults
+//!    (`1900000000:65536`, `eitri`); any other takes a slot derived from its
+//!    path, probing to the next slot while another agent holds it.
+//! 3. `--vmm-ids` and `--cgroup-root`, when given, win over both.
+//! 4. Under a lock on the host-wide registry (`--agents-dir`, one record per
+//!    state dir), the result is checked against every other agent's record
+//!    (records of state dirs that no longer exist are dropped): an overlap
+//!    of id ranges, or one cgroup root inside another, stops the start
+//!    naming the other state dir and the flag to change.
+//! 5. The claim is written to the state dir, then to the registry.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::atomic::write_atomic;
+
+/// The historic defaults, slot 0: the default state dir's, and any state
+/// dir an agent used before claims existed.
+pub const LEGACY_FIRST_ID: u32 = 1_900_000_000;
+pub const LEGACY_ID_COUNT: u32 = 65_536;
+pub const LEGACY_CGROUP_ROOT: &str = "eitri";
+
+/// Slots after the legacy one: each a range of [`LEGACY_ID_COUNT`] ids
+/// after [`LEGACY_FIRST_ID`], all below 2^32.
+const SLOTS: u32 = 32_767;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    /// The state dir, canonical.
+    pub state_dir: PathBuf,
+    pub first_id: u32,
+    pub id_count: u32,
+    pub cgroup_root: String,
+}
+
+/// What the operator asked for, and what the state dir is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Wish {
+    /// `--vmm-ids`, when given.
+    pub ids: Option<(u32, u32)>,
+    /// `--cgroup-root`, when given.
+    pub cgroup_root: Option<String>,
+    /// The state dir is the default one.
+    pub default_state_dir: bool,
+}
+
+impl Claim {
+    fn slot(state_dir: &Path, n: u32) -> Claim {
+        Claim {
+            state_dir: state_dir.to_path_buf(),
+            first_id: LEGACY_FIRST_ID + n * LEGACY_ID_COUNT,
+            id_count: LEGACY_ID_COUNT,
+            cgroup_root: if n == 0 {
+                LEGACY_CGROUP_ROOT.into()
+            } else {
+                format!("{LEGACY_CGROUP_ROOT}-{n}")
+            },
+        }
+    }
+
+    fn ids_overlap(&self, other: &Claim) -> bool {
+        let end = |c: &Claim| u64::from(c.first_id) + u64::from(c.id_count);
+        u64::from(self.first_id) < end(other) && u64::from(other.first_id) < end(self)
+    }
+
+    /// One root is the other, or holds it.
+    fn cgroups_nest(&self, other: &Claim) -> bool {
+        let within = |a: &str, b: &str| a == b || a.starts_with(&format!("{b}/"));
+        within(&self.cgroup_root, &other.cgroup_root)
+            || within(&other.cgroup_root, &self.cgroup_root)
+    }
+
+    /// Why this claim may not stand beside `other`'s.
+    fn conflict(&self, other: &Claim) -> Option<String> {
+        let theirs = other.state_dir.display();
+        if self.ids_overlap(other) {
+            return Some(format!(
+                "VMM ids {}:{} overlap {}:{}, claimed by the agent of {theirs}: two agents would give one uid to VMMs of different tenants; give --vmm-ids a range clear of it",
+                self.first_id, self.id_count, other.first_id, other.id_count
+            ));
+        }
+        if self.cgroups_nest(other) {
+            return Some(format!(
+                "cgroup root {:?} meets {:?}, claimed by the agent of {theirs}: each agent removes cgroups of no VM of its own at start; give --cgroup-root another name",
+                self.cgroup_root, other.cgroup_root
+            ));
+        }
+        None
+    }
+}
+
+/// Why a claim could not be settled.
+#[derive(Debug)]
+pub enum ClaimError {
+    Conflict(String),
+    Registry { path: PathBuf, source: io::Error },
+    Own { path: PathBuf, problem: String },
+}
+
+impl std::fmt::Display for ClaimError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ClaimError::Conflict(why) => f.write_str(why),
+            ClaimError::Registry { path, source } => write!(
+                f,
+                "cannot use the agents' registry {}: {source} (--agents-dir)",
+                path.display()
+            ),
+            ClaimError::Own { path, problem } => write!(
+                f,
+                "{} is not a claim ({problem}); move it away to have the claim made again",
+                path.display()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ClaimError {}
+
+/// Settles this state dir's claim (see the module steps). `own` is its
+/// claim file, `leases` its VMM id leases, `registry` the host-wide dir.
+pub fn settle(
+    state_dir: &Path,
+    own: &Path,
+    leases: &Path,
+    registry: &Path,
+    wish: &Wish,
+) -> Result<Claim, ClaimError> {
+    let reg_err = |source| ClaimError::Registry {
+        path: registry.to_path_buf(),
+        source,
+    };
+    let state_dir = fs::canonicalize(state_dir).map_err(reg_err)?;
+    let recorded = read_own(own)?;
+    fs::create_dir_all(registry).map_err(reg_err)?;
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(registry.join(".lock"))
+        .map_err(reg_err)?;
+    lock.lock().map_err(reg_err)?;
+    let others: Vec<Claim> = records(registry)
+        .map_err(reg_err)?
+        .into_iter()
+        .filter(|c| c.state_dir != state_dir)
+        .collect();
+    let shaped = |mut claim: Claim| {
+        claim.state_dir.clone_from(&state_dir);
+        if let Some((first, count)) = wish.ids {
+            claim.first_id = first;
+            claim.id_count = count;
+        }
+        if let Some(root) = &wish.cgroup_root {
+            claim.cgroup_root.clone_from(root);
+        }
+        claim
+    };
+    let first_conflict = |claim: &Claim| others.iter().find_map(|o| claim.conflict(o));
+    let claim = match recorded {
+        Some(claim) => shaped(claim),
+        None if wish.default_state_dir || leases.exists() => shaped(Claim::slot(&state_dir, 0)),
+        None => {
+            // A new state dir: its path's slot, or the next one free.
+            let start = slot_of(&state_dir);
+            (0..SLOTS)
+                .map(|i| shaped(Claim::slot(&state_dir, 1 + (start + i) % SLOTS)))
+                .find(|c| first_conflict(c).is_none())
+                .unwrap_or_else(|| shaped(Claim::slot(&state_dir, 1 + start)))
+        }
+    };
+    if let Some(why) = first_conflict(&claim) {
+        return Err(ClaimError::Conflict(why));
+    }
+    let text = serde_json::to_vec_pretty(&claim).map_err(|e| reg_err(io::Error::other(e)))?;
+    if let Some(dir) = own.parent() {
+        super::perms::make_dir(dir).map_err(reg_err)?;
+    }
+    write_atomic(own, &text).map_err(reg_err)?;
+    write_atomic(&registry.join(record_name(&state_dir)), &text).map_err(reg_err)?;
+    Ok(claim)
+}
+
+/// The host's account files a VMM id range must stay clear of, and how
+/// each is read.
+const ACCOUNTS: [(&str, Accounts); 4] = [
+    ("/etc/passwd", Accounts::Ids),
+    ("/etc/group", Accounts::Ids),
+    ("/etc/subuid", Accounts::Ranges),
+    ("/etc/subgid", Accounts::Ranges),
+];
+
+#[derive(Clone, Copy, Debug)]
+pub enum Accounts {
+    /// `name:x:ID:...`: one id a line (passwd, group).
+    Ids,
+    /// `name:START:COUNT`: a range a line (subuid, subgid).
+    Ranges,
+}
+
+/// Why `first:count` may not be VMM ids on this host: an existing user or
+/// group, or a subordinate id range, inside it. Unreadable files are
+/// skipped (a host without subuid has none).
+pub fn check_host_accounts(first: u32, count: u32) -> Result<(), String> {
+    for (path, kind) in ACCOUNTS {
+        let Ok(text) = fs::read_to_string(path) else {
+            continue;
+        };
+        if let Some(why) = accounts_overlap(&text, kind, first, count) {
+            return Err(format!(
+                "--vmm-ids {first}:{count} holds {why} of {path}: a VMM would run as that account; give --vmm-ids a range clear of the host's users and subordinate ids"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The first line of `text` whose id or range meets `first:count`.
+pub fn accounts_overlap(text: &str, kind: Accounts, first: u32, count: u32) -> Option<String> {
+    let (lo, hi) = (u64::from(first), u64::from(first) + u64::from(count));
+    text.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split(':').collect();
+        let (start, len) = match kind {
+            Accounts::Ids => (fields.get(2)?.parse::<u64>().ok()?, 1),
+            Accounts::Ranges => (
+                fields.get(1)?.parse::<u64>().ok()?,
+                fields.get(2)?.parse::<u64>().ok()?,
+            ),
+        };
+        let meets = start < hi && lo < start + len;
+        meets.then(|| match kind {
+            Accounts::Ids => format!("{} (id {start})", fields[0]),
+            Accounts::Ranges => format!("{}'s range {start}:{len}", fields[0]),
+        })
+    })
+}
+
+fn read_own(path: &Path) -> Result<Option<Claim>, ClaimError> {
+    match fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| ClaimError::Own {
+                path: path.to_path_buf(),
+                problem: e.to_string(),
+            }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ClaimError::Own {
+            path: path.to_path_buf(),
+            problem: e.to_string(),
+        }),
+    }
+}
+
+/// Every agent's record in the registry, dropping those whose state dir is
+/// gone (a test's temp dir, a decommissioned agent) and those unreadable.
+fn records(registry: &Path) -> io::Result<Vec<Claim>> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(registry)? {
+        let path = entry?.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let Some(claim) = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Claim>(&b).ok())
+        else {
+            continue;
+        };
+        if claim.state_dir.is_dir() {
+            out.push(claim);
+        } else {
+            let _ = fs::remove_file(&path);
+        }
+    }
+    Ok(out)
+}
+
+fn digest(state_dir: &Path) -> [u8; 32] {
+    Sha256::digest(state_dir.as_os_str().as_encoded_bytes()).into()
+}
+
+fn slot_of(state_dir: &Path) -> u32 {
+    let d = digest(state_dir);
+    u32::from_be_bytes([d[0], d[1], d[2], d[3]]) % SLOTS
+}
+
+fn record_name(state_dir: &Path) -> String {
+    format!("{}.json", crate::hex::encode(&digest(state_dir)[..8]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Host {
+        dir: tempfile::TempDir,
+    }
+
+    impl Host {
+        fn new() -> Host {
+            Host {
+                dir: tempfile::tempdir().expect("tempdir"),
+            }
+        }
+
+        fn registry(&self) -> PathBuf {
+            self.dir.path().join("agents")
+        }
+
+        fn settle(&self, name: &str, wish: &Wish) -> Result<Claim, ClaimError> {
+            let state = self.dir.path().join(name);
+            fs::create_dir_all(&state).expect("state dir");
+            settle(
+                &state,
+                &state.join("jail/claim.json"),
+                &state.join("jail/ids.json"),
+                &self.registry(),
+                wish,
+            )
+        }
+    }
+
+    fn derived() -> Wish {
+        Wish {
+            ids: None,
+            cgroup_root: None,
+            default_state_dir: false,
+        }
+    }
+
+    #[test]
+    fn two_new_state_dirs_get_disjoint_ids_and_cgroup_roots() {
+        let host = Host::new();
+
+        let a = host.settle("a", &derived()).expect("a");
+        let b = host.settle("b", &derived()).expect("b");
+
+        assert!(!a.ids_overlap(&b), "{a:?} {b:?}");
+        assert!(!a.cgroups_nest(&b), "{a:?} {b:?}");
+    }
+
+    #[test]
+    fn a_state_dir_keeps_its_claim_across_starts() {
+        let host = Host::new();
+        let first = host.settle("a", &derived()).expect("first");
+
+        let again = host.settle("a", &derived()).expect("again");
+
+        assert_eq!(first, again);
+    }
+
+    #[test]
+    fn the_default_state_dir_keeps_the_historic_defaults() {
+        let host = Host::new();
+
+        let claim = host
+            .settle(
+                "var-lib-eitri",
+                &Wish {
+                    default_state_dir: true,
+                    ..derived()
+                },
+            )
+            .expect("claim");
+
+        assert_eq!(
+            (claim.first_id, claim.id_count, claim.cgroup_root.as_str()),
+            (LEGACY_FIRST_ID, LEGACY_ID_COUNT, LEGACY_CGROUP_ROOT)
+        );
+    }
+
+    #[test]
+    fn a_state_dir_with_leases_from_an_older_agent_keeps_the_historic_range() {
+        let host = Host::new();
+        let state = host.dir.path().join("old");
+        fs::create_dir_all(state.join("jail")).expect("jail");
+        fs::write(state.join("jail/ids.json"), "{}").expect("leases");
+
+        let claim = host.settle("old", &derived()).expect("claim");
+
+        assert_eq!(claim.first_id, LEGACY_FIRST_ID);
+    }
+
+    #[test]
+    fn an_explicit_range_overlapping_another_agents_is_refused_naming_it() {
+        let host = Host::new();
+        let a = host.settle("a", &derived()).expect("a");
+
+        let err = host
+            .settle(
+                "b",
+                &Wish {
+                    ids: Some((a.first_id + 10, 100)),
+                    ..derived()
+                },
+            )
+            .expect_err("overlap");
+
+        let text = err.to_string();
+        assert!(text.contains("--vmm-ids") && text.contains("/a"), "{text}");
+    }
+
+    #[test]
+    fn an_explicit_cgroup_root_inside_another_agents_is_refused() {
+        let host = Host::new();
+        let a = host.settle("a", &derived()).expect("a");
+
+        let err = host
+            .settle(
+                "b",
+                &Wish {
+                    cgroup_root: Some(format!("{}/inner", a.cgroup_root)),
+                    ..derived()
+                },
+            )
+            .expect_err("nested");
+
+        assert!(err.to_string().contains("--cgroup-root"), "{err}");
+    }
+
+    #[test]
+    fn a_user_inside_the_range_is_found() {
+        let passwd = "root:x:0:0::/root:/bin/sh\nsvc:x:1900000005:1900000005::/:/bin/false\n";
+
+        let found = accounts_overlap(passwd, Accounts::Ids, LEGACY_FIRST_ID, 65_536);
+
+        assert_eq!(found.as_deref(), Some("svc (id 1900000005)"));
+    }
+
+    #[test]
+    fn a_subordinate_range_meeting_the_range_is_found_and_one_clear_of_it_is_not() {
+        let subuid = "alice:100000:65536\nbob:1899990000:20000\n";
+
+        let found = accounts_overlap(subuid, Accounts::Ranges, LEGACY_FIRST_ID, 65_536);
+        let clear = accounts_overlap(
+            "alice:100000:65536\n",
+            Accounts::Ranges,
+            LEGACY_FIRST_ID,
+            65_536,
+        );
+
+        assert_eq!(found.as_deref(), Some("bob's range 1899990000:20000"));
+        assert_eq!(clear, None);
+    }
+
+    #[test]
+    fn a_record_whose_state_dir_is_gone_is_dropped() {
+        let host = Host::new();
+        let a = host.settle("a", &derived()).expect("a");
+        fs::remove_dir_all(host.dir.path().join("a")).expect("remove a");
+
+        let b = host
+            .settle(
+                "b",
+                &Wish {
+                    ids: Some((a.first_id, a.id_count)),
+                    ..derived()
+                },
+            )
+            .expect("a's range is free again");
+
+        assert_eq!(b.first_id, a.first_id);
+    }
+}
