@@ -911,3 +911,31 @@ fn a_second_agent_given_the_first_agents_ids_stops_naming_the_first() {
         "{log}"
     );
 }
+
+#[test]
+fn over_image_cache_max_the_agent_removes_the_oldest_unused_image() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let images = dir.path().join("state/images");
+    std::fs::create_dir_all(&images).expect("images");
+    let (old, new) = ("a".repeat(64), "b".repeat(64));
+    for (name, age) in [(&old, 7200), (&new, 60)] {
+        let path = images.join(name);
+        std::fs::write(&path, vec![0u8; 1024]).expect("image");
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(std::time::SystemTime::now() - Duration::from_secs(age)))
+            .expect("mtime");
+    }
+
+    let agent = Agent::start(dir.path(), &["--image-cache-max", "1K"]);
+
+    wait_for("the old image to go", || !images.join(&old).exists());
+    assert!(images.join(&new).exists());
+    assert!(
+        agent.log_text().contains("--image-cache-max"),
+        "{}",
+        agent.log_text()
+    );
+}

@@ -121,6 +121,7 @@ fn agent_in(
             readiness: None,
             notes: vec![],
             metrics: None,
+            image_cache_max: None,
         },
     );
     let generation = link.generation();
@@ -840,6 +841,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
             readiness: None,
             notes: vec![],
             metrics: None,
+            image_cache_max: None,
         },
     );
     let mut exchange = Exchange::new(

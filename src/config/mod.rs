@@ -94,6 +94,8 @@ pub struct Config {
     pub engine: EngineConfig,
     /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
     pub metrics_file: Option<PathBuf>,
+    /// `--image-cache-max`: bytes the image cache may hold; `None`: no cap.
+    pub image_cache_max: Option<u64>,
     /// `--agents-dir`: the host-wide registry of the agents' claims.
     pub agents_dir: PathBuf,
     /// What this agent asks of the host's shared ids and cgroups; settled
@@ -362,6 +364,23 @@ fn state_dir_of(flags: &HashMap<String, &str>, env: &HashMap<String, String>) ->
     )
 }
 
+/// `200G`, `500M`, `64K` or bytes; `None` for anything else.
+pub fn parse_size(raw: &str) -> Option<u64> {
+    let raw = raw.trim();
+    let split = raw.find(|c: char| !c.is_ascii_digit()).unwrap_or(raw.len());
+    let (number, unit) = raw.split_at(split);
+    let n: u64 = number.parse().ok()?;
+    let shift = match unit {
+        "" => 0,
+        "K" | "KiB" => 10,
+        "M" | "MiB" => 20,
+        "G" | "GiB" => 30,
+        "T" | "TiB" => 40,
+        _ => return None,
+    };
+    n.checked_mul(1 << shift)
+}
+
 /// `500ms`, `30s`, `15m`, `24h`, or `0`.
 pub fn parse_duration(raw: &str) -> Option<Duration> {
     let raw = raw.trim();
@@ -480,6 +499,14 @@ mod tests {
         let e = run(&["run", "--desired", "/d", "--notify-fd", "1"], &[]).expect_err("stdout");
 
         assert!(e.to_string().starts_with("--notify-fd:"), "{e}");
+    }
+
+    #[test]
+    fn sizes_take_units() {
+        assert_eq!(parse_size("200G"), Some(200 << 30));
+        assert_eq!(parse_size("500M"), Some(500 << 20));
+        assert_eq!(parse_size("0"), Some(0));
+        assert_eq!(parse_size("5 apples"), None);
     }
 
     #[test]

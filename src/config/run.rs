@@ -44,9 +44,21 @@ pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Co
         guest: guest_boot(&raw)?,
         engine: engine(&raw)?,
         metrics_file: raw.optional(Key::MetricsFile).map(PathBuf::from),
+        image_cache_max: image_cache_max(&raw)?,
         agents_dir: PathBuf::from(raw.get(Key::AgentsDir)),
         wish: wish(&raw)?,
     })
+}
+
+fn image_cache_max(raw: &Raw<'_>) -> Result<Option<u64>, ConfigError> {
+    let text = raw.get(Key::ImageCacheMax);
+    match super::parse_size(&text) {
+        Some(0) => Ok(None),
+        Some(n) => Ok(Some(n)),
+        None => Err(err(format!(
+            "--image-cache-max: {text:?} is not a size; write 200G, 500M or 0 for no cap"
+        ))),
+    }
 }
 
 /// The ids and cgroup root the operator gave, if any (the defaults are the

@@ -89,6 +89,8 @@ settings! {
         "an image download still running after this long fails (and is retried afresh)";
     ImageMinRate => "image-min-rate-kib", "EITRI_IMAGE_MIN_RATE_KIB", "64",
         "an image download averaging fewer KiB/s than this over one --image-stall-timeout fails (0: no minimum)";
+    ImageCacheMax => "image-cache-max", "EITRI_IMAGE_CACHE_MAX", "0",
+        "most disk the image cache may hold, e.g. 200G or 500M: past it, images no VM uses and desired state does not name are deleted, oldest first (0: no cap)";
     ImageAllow => "image-allow", "EITRI_IMAGE_ALLOW", "",
         "ranges image URLs may reach although refused (loopback, link-local, this host's addresses, --guest-deny), CIDR,CIDR: an image mirror on the management LAN";
     BackoffMax => "backoff-max", "EITRI_BACKOFF_MAX", "60s",

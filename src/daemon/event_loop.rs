@@ -79,6 +79,8 @@ pub struct Parts {
     pub notes: Vec<String>,
     /// `--metrics-file`, when asked for.
     pub metrics: Option<metrics::MetricsFile>,
+    /// `--image-cache-max`: the most bytes cached images may hold.
+    pub image_cache_max: Option<u64>,
 }
 
 /// How far one unsigned snapshot may raise the epoch: four billion, room
@@ -110,6 +112,7 @@ pub struct Daemon {
     pub(super) dirty: bool,
     pub(super) metrics: Option<metrics::MetricsFile>,
     pub(super) details: details::Details,
+    pub(super) image_cache_max: Option<u64>,
 }
 
 impl Daemon {
@@ -140,6 +143,7 @@ impl Daemon {
             written: None,
             dirty: false,
             metrics: parts.metrics,
+            image_cache_max: parts.image_cache_max,
             details: details::Details::default(),
         }
     }
@@ -340,6 +344,45 @@ impl Daemon {
         };
         self.publish(&report, reflects, true);
         self.write_metrics(&report, started);
+        self.evict_images();
+    }
+
+    /// Holds the image cache to `--image-cache-max`: images no record names
+    /// and desired state does not name go, oldest first.
+    fn evict_images(&self) {
+        let Some(max) = self.image_cache_max else {
+            return;
+        };
+        let wanted: std::collections::HashSet<String> = self
+            .last
+            .iter()
+            .flat_map(|(_, snap)| &snap.vms)
+            .filter_map(|vm| match vm {
+                crate::model::WantedVm::Present(d) => Some(d.spec.image_sha256.clone()),
+                crate::model::WantedVm::Tombstoned(_) => None,
+            })
+            .collect();
+        match crate::image::prune_to(&self.store, &wanted, max) {
+            Ok(pruned) if !pruned.removed.is_empty() => {
+                let _ = self.logs.clear("image-cache");
+                log::info!(
+                    "the image cache was over --image-cache-max ({max} bytes): removed {} unused image(s), {} bytes: {}",
+                    pruned.removed.len(),
+                    pruned.bytes,
+                    pruned.removed.join(", ")
+                );
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let _ = self.logs.warn(
+                    "image-cache",
+                    &format!(
+                        "cannot hold the image cache to --image-cache-max: {}",
+                        crate::error::chain(&e)
+                    ),
+                );
+            }
+        }
     }
 
     /// Reports the rows that changed since the last report, dispatching

@@ -137,6 +137,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             remote,
             readiness,
             notes,
+            image_cache_max: config.image_cache_max,
             metrics: config
                 .metrics_file
                 .clone()

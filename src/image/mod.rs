@@ -39,7 +39,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 
 pub use fetch::sha256_file;
-pub use prune::{PruneError, Pruned, prune};
+pub use prune::{PruneError, Pruned, prune, prune_to};
 pub use reach::{Reach, Refused, this_hosts_addresses};
 
 use crate::deadline::Deadline;

@@ -53,8 +53,73 @@ pub struct Pruned {
 /// anything while a record is unreadable: it might name an image, and an
 /// image deleted in error is a VM that cannot be rebuilt offline.
 pub fn prune(store: &Store) -> Result<Pruned, PruneError> {
+    let keep = in_use(store, &HashSet::new())?;
+    let mut candidates = unused(store, &keep)?;
+    candidates.sort_by(|a, b| a.name.cmp(&b.name));
+    remove(candidates, u64::MAX)
+}
+
+/// Removes images no record names and `wanted` does not hold (the digests
+/// desired state names), oldest first, until the cache holds at most
+/// `max_bytes` (`--image-cache-max`), or nothing more may go.
+pub fn prune_to(
+    store: &Store,
+    wanted: &HashSet<String>,
+    max_bytes: u64,
+) -> Result<Pruned, PruneError> {
+    // A directory listing a tick, and the records only when over.
+    let held = cached_bytes(store);
+    if held <= max_bytes {
+        return Ok(Pruned::default());
+    }
+    let keep = in_use(store, wanted)?;
+    let mut candidates = unused(store, &keep)?;
+    candidates.sort_by_key(|c| c.modified);
+    remove(candidates, held - max_bytes)
+}
+
+/// Bytes every cached image holds.
+fn cached_bytes(store: &Store) -> u64 {
+    fs::read_dir(store.layout().images())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
+/// A cached image that may go.
+struct Candidate {
+    name: String,
+    path: std::path::PathBuf,
+    len: u64,
+    modified: std::time::SystemTime,
+}
+
+/// Removes `candidates` in order until `enough` bytes are freed.
+fn remove(candidates: Vec<Candidate>, enough: u64) -> Result<Pruned, PruneError> {
+    let mut pruned = Pruned::default();
+    for c in candidates {
+        if pruned.bytes >= enough {
+            break;
+        }
+        fs::remove_file(&c.path).map_err(|source| PruneError::Remove {
+            path: c.path.clone(),
+            source,
+        })?;
+        pruned.bytes += c.len;
+        pruned.removed.push(c.name);
+    }
+    Ok(pruned)
+}
+
+/// The digests records name, with `also`; an error while a record is
+/// unreadable.
+fn in_use(store: &Store, also: &HashSet<String>) -> Result<HashSet<String>, PruneError> {
     let records = store.load_all();
-    let mut keep = HashSet::new();
+    let mut keep = also.clone();
     for (vm_id, slot) in records.iter() {
         match slot {
             RecordSlot::Readable(rec) => {
@@ -67,25 +132,111 @@ pub fn prune(store: &Store) -> Result<Pruned, PruneError> {
             }
         }
     }
+    Ok(keep)
+}
+
+/// The verified images outside `keep`.
+fn unused(store: &Store, keep: &HashSet<String>) -> Result<Vec<Candidate>, PruneError> {
     let dir = store.layout().images();
     let entries = fs::read_dir(&dir).map_err(|source| PruneError::List {
         dir: dir.clone(),
         source,
     })?;
-    let mut pruned = Pruned::default();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') || keep.contains(&name) {
-            continue;
+    Ok(entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || keep.contains(&name) {
+                return None;
+            }
+            let meta = entry.metadata().ok()?;
+            Some(Candidate {
+                name,
+                path: entry.path(),
+                len: meta.len(),
+                modified: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+            })
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Id, VmSpec};
+    use crate::state::Record;
+    use std::time::{Duration, SystemTime};
+
+    /// A store whose one record uses image `used`, and these images, each
+    /// 1 KiB, modified in the order given (oldest first).
+    fn store_with(dir: &std::path::Path, used: &str, images: &[&str]) -> Store {
+        let store = Store::open(dir).expect("store");
+        store
+            .save(&Record::new(VmSpec {
+                vm_id: Id::parse("vm-1").expect("id"),
+                name: String::new(),
+                image_url: "file:///x".into(),
+                image_sha256: used.into(),
+                cloud_init: String::new(),
+                ssh_authorized_key: String::new(),
+                network: String::new(),
+                volume_ids: vec![],
+                vcpus: 1,
+                mem_mb: 128,
+                disk_gb: 1,
+            }))
+            .expect("record");
+        let start = SystemTime::now() - Duration::from_secs(3600);
+        for (i, name) in images.iter().enumerate() {
+            let path = store.layout().images().join(name);
+            fs::write(&path, vec![0u8; 1024]).expect("image");
+            let file = fs::File::options().write(true).open(&path).expect("open");
+            file.set_modified(start + Duration::from_secs(i as u64))
+                .expect("mtime");
         }
-        let len = entry.metadata().map_or(0, |m| m.len());
-        fs::remove_file(entry.path()).map_err(|source| PruneError::Remove {
-            path: entry.path(),
-            source,
-        })?;
-        pruned.bytes += len;
-        pruned.removed.push(name);
+        store
     }
-    pruned.removed.sort();
-    Ok(pruned)
+
+    fn left(store: &Store) -> Vec<String> {
+        let mut names: Vec<String> = fs::read_dir(store.layout().images())
+            .expect("list")
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn over_the_cap_the_oldest_unused_images_go_first_until_it_fits() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = store_with(dir.path(), "used", &["old", "used", "mid", "new"]);
+
+        let pruned = prune_to(&store, &HashSet::new(), 2048).expect("prune");
+
+        assert_eq!(pruned.removed, vec!["old", "mid"]);
+        assert_eq!(left(&store), vec!["new", "used"]);
+    }
+
+    #[test]
+    fn an_image_desired_state_names_is_kept_though_no_record_does() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = store_with(dir.path(), "used", &["used", "wanted", "other"]);
+        let wanted: HashSet<String> = ["wanted".to_owned()].into();
+
+        prune_to(&store, &wanted, 0).expect("prune");
+
+        assert_eq!(left(&store), vec!["used", "wanted"]);
+    }
+
+    #[test]
+    fn under_the_cap_nothing_goes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = store_with(dir.path(), "used", &["a", "b", "used"]);
+
+        let pruned = prune_to(&store, &HashSet::new(), 1 << 20).expect("prune");
+
+        assert!(pruned.removed.is_empty());
+        assert_eq!(left(&store), vec!["a", "b", "used"]);
+    }
 }
