@@ -939,3 +939,18 @@ fn over_image_cache_max_the_agent_removes_the_oldest_unused_image() {
         agent.log_text()
     );
 }
+
+#[test]
+fn without_caps_status_says_every_vm_is_admitted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+
+    let agent = Agent::start(dir.path(), &["--max-vcpus", "64"]);
+
+    let report = agent.wait_report("the first report", |r| volumes(r).len() == 1);
+    let notes = report["notes"].to_string();
+    assert!(
+        notes.contains("no cap on --max-mem-mb, --max-disk-gb") && !notes.contains("--max-vcpus"),
+        "{notes}"
+    );
+}

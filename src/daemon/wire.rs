@@ -68,6 +68,24 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         provisioner,
         mut notes,
     } = recover::recover(&config, guest_dns)?;
+    let caps = config.engine.caps;
+    let unlimited: Vec<&str> = [
+        (caps.max_vcpus, "--max-vcpus"),
+        (caps.max_mem_mb, "--max-mem-mb"),
+        (caps.max_disk_gb, "--max-disk-gb"),
+    ]
+    .into_iter()
+    .filter(|(cap, _)| *cap == 0)
+    .map(|(_, flag)| flag)
+    .collect();
+    if !unlimited.is_empty() {
+        let note = format!(
+            "no cap on {}: every VM desired state names is admitted however much the host has",
+            unlimited.join(", ")
+        );
+        log::warn!("{note}");
+        notes.push(note);
+    }
     match &config.trust {
         None => notes.push(
             "desired state is unauthenticated: whoever can answer for the control plane (or write the desired file) decides what this host runs; pin the signer's keys with --trusted-keys".into(),

@@ -433,7 +433,7 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \tchain input {{\n\
          \t\ttype filter hook input priority filter; policy accept;\n\
          \t\tiifname \"{b}\" ct state established,related accept\n\
-         \t\tiifname \"{b}\" udp dport 67 accept comment \"DHCP\"\n\
+         \t\tiifname \"{b}\" ip daddr {{ 255.255.255.255, {gateway} }} udp dport 67 accept comment \"DHCP, broadcast or to the bridge\"\n\
          {dns_rule}\
          \t\tiifname \"{b}\" ip daddr {gateway} icmp type echo-request limit rate 10/second accept comment \"ping the gateway\"\n\
          \t\tiifname \"{b}\" ip daddr @allow accept\n\
