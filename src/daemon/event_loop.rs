@@ -11,7 +11,7 @@ use super::{ExchangeThread, Link, Readiness, details, metrics};
 use crate::deadline::Deadline;
 use crate::logonce::LogOnce;
 use crate::model::Snapshot;
-use crate::pb::{self, convert};
+use crate::pb;
 use crate::reconcile::Engine;
 use crate::source::Desired;
 use crate::state::Store;
@@ -178,8 +178,8 @@ impl Daemon {
                         }
                     }
                     Ok(Event::Desired) => {
-                        if let Some((seq, desired)) = self.link.take_desired() {
-                            self.accept(desired);
+                        if let Some((seq, desired, snap)) = self.link.take_desired() {
+                            self.accept(desired, snap);
                             self.step(Some(seq));
                         }
                     }
@@ -230,7 +230,7 @@ impl Daemon {
     }
 
     /// Takes new desired state (see the module's step 1).
-    fn accept(&mut self, desired: Desired) {
+    fn accept(&mut self, desired: Desired, mut snap: Snapshot) {
         let Desired {
             mut wire,
             signed_by,
@@ -293,8 +293,8 @@ impl Daemon {
         if self.last.as_ref().is_some_and(|(old, _)| *old == desired) {
             return;
         }
-        let mut snap = convert::snapshot_from_wire(&desired.wire);
-        snap.refuse_more(desired.refused_vms.clone(), desired.refused_volumes.clone());
+        // Checked on the exchange thread; only the epoch may have moved.
+        snap.epoch = desired.wire.epoch;
         self.logs.clear_prefix("rejected/");
         for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
             self.logs.warn(

@@ -30,7 +30,8 @@ use super::{Backoff, Clock, Event};
 use crate::deadline::Deadline;
 use crate::error::chain;
 use crate::logonce::LogOnce;
-use crate::pb;
+use crate::model::Snapshot;
+use crate::pb::{self, convert};
 use crate::source::{Desired, Source, SourceError};
 use crate::threads::join_within;
 
@@ -49,8 +50,8 @@ pub enum Contact {
 /// lock for a copy in or out.
 pub struct Link {
     /// Desired state fetched and not yet taken by the main loop, with its
-    /// sequence number.
-    desired: Mutex<Option<(u64, Desired)>>,
+    /// sequence number and its checked form.
+    desired: Mutex<Option<(u64, Desired, Snapshot)>>,
     report: Mutex<Published>,
     published: Condvar,
     /// How the last contact went, as `report.json` says it.
@@ -81,14 +82,19 @@ impl Link {
         })
     }
 
+    /// Hands `desired` over with its checked form, made here: checking the
+    /// largest snapshot the limits allow takes ~130 ms (`make bench-intake`),
+    /// which this thread spends and the main loop never waits for.
     fn hand(&self, seq: u64, desired: Desired) {
-        *self.desired.lock() = Some((seq, desired));
+        let mut snap = convert::snapshot_from_wire(&desired.wire);
+        snap.refuse_more(desired.refused_vms.clone(), desired.refused_volumes.clone());
+        *self.desired.lock() = Some((seq, desired, snap));
         let _ = self.events.send(Event::Desired);
     }
 
-    /// The newest desired state handed over, if the main loop has not taken
-    /// it yet.
-    pub fn take_desired(&self) -> Option<(u64, Desired)> {
+    /// The newest desired state handed over, with its checked form, if the
+    /// main loop has not taken it yet.
+    pub fn take_desired(&self) -> Option<(u64, Desired, Snapshot)> {
         self.desired.lock().take()
     }
 

@@ -3,13 +3,15 @@
 //! Three kinds of thread meet here, and only the first may ever wait on
 //! the network:
 //! - `source` (see [`exchange`]): contacts the control plane or reads the
-//!   desired file, hands new desired state over, sends the newest report.
+//!   desired file, hands new desired state over already converted and
+//!   validated (the worst snapshot the limits allow takes ~130 ms, spent
+//!   here, never by the main loop), sends the newest report.
 //! - `main` (this module): acts on events the moment they arrive, and
 //!   steps the engine at every tick as the level-triggered safety net:
 //!   1. New desired state: check its epoch (a stale snapshot from a
 //!      control plane is fenced: logged once, never kept, and every report
-//!      says so until a current one arrives), convert and validate it, keep
-//!      it (persisted, so an agent restarted during an outage still has
+//!      says so until a current one arrives; see `epoch_rule` for what
+//!      unsigned state may not do to it), keep it (persisted, so an agent restarted during an outage still has
 //!      it), and step the engine with it at once.
 //!   2. A tick: step the engine with the last desired state (reachable or
 //!      not, so a crashed VM is restarted while the control plane is down),
