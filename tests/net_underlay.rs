@@ -540,6 +540,37 @@ fn a_guest_cannot_reach_a_listener_on_the_hosts_address() {
 }
 
 #[test]
+fn a_guests_dhcp_packet_to_another_host_address_is_dropped() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+
+    // Port 67 of the host's LAN address: a DHCP server there is not the
+    // agent's, and a guest has no business with it.
+    within(&topology.guest, || {
+        let socket = std::net::UdpSocket::bind((GUEST_IP, 0)).expect("bind");
+        socket
+            .send_to(b"not really dhcp", (Ipv4Addr::new(198, 51, 100, 1), 67))
+            .expect("send");
+    });
+
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    let dropped = || {
+        nft_counter(
+            "ip",
+            "eitri_test",
+            "input",
+            "a guest reaching into this host",
+        )
+    };
+    while dropped() < 1 && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(dropped() >= 1, "the packet was not dropped");
+}
+
+#[test]
 fn a_guest_cannot_reach_link_local_metadata_but_reaches_the_remote() {
     private_network();
     let underlay = Underlay::setup(underlay_config()).expect("setup");
