@@ -372,21 +372,29 @@ fn a_failing_url_fails_only_its_own_vm_not_another_url_for_the_same_digest() {
     assert!(attacked.expect_err("404").is_permanent());
 }
 
-#[test]
-fn a_requester_joining_a_download_is_held_to_its_own_smaller_disk() {
-    let f = Fixture::new();
+type Resolved = Result<PathBuf, eitri_agent::error::BoxFailure>;
+
+/// Two VMs asking for the image from one slow URL, the second once the
+/// first's download is under way, with disks of `first` and `second`
+/// bytes: what each got.
+fn two_requesters(f: &Fixture, first: u64, second: u64) -> (Resolved, Resolved) {
     let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(10)))
         .expect("server");
     let cache = f.cache();
     let url = server.url("a.raw");
-    let small_disk = 1 << 20;
-
-    let (large, small) = std::thread::scope(|s| {
-        let large = s.spawn(|| cache.resolve(&url, &f.sha, DISK, Deadline::NONE, quiet()));
+    std::thread::scope(|s| {
+        let one = s.spawn(|| cache.resolve(&url, &f.sha, first, Deadline::NONE, quiet()));
         until_asked(&server, 1);
-        let small = cache.resolve(&url, &f.sha, small_disk, Deadline::NONE, quiet());
-        (large.join().expect("thread"), small)
-    });
+        let two = cache.resolve(&url, &f.sha, second, Deadline::NONE, quiet());
+        (one.join().expect("thread"), two)
+    })
+}
+
+#[test]
+fn a_requester_joining_a_download_is_held_to_its_own_smaller_disk() {
+    let f = Fixture::new();
+
+    let (large, small) = two_requesters(&f, DISK, 1 << 20);
 
     assert!(large.is_ok(), "{large:?}");
     let err = small.expect_err("too large for its disk");
@@ -399,44 +407,45 @@ fn a_requester_joining_a_download_is_held_to_its_own_smaller_disk() {
 #[test]
 fn a_requester_with_a_larger_disk_is_not_failed_by_a_smaller_ones_bound() {
     let f = Fixture::new();
-    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(10)))
-        .expect("server");
-    let cache = f.cache();
-    let url = server.url("a.raw");
 
-    let (small, large) = std::thread::scope(|s| {
-        let small = s.spawn(|| cache.resolve(&url, &f.sha, 1 << 20, Deadline::NONE, quiet()));
-        until_asked(&server, 1);
-        let large = cache.resolve(&url, &f.sha, DISK, Deadline::NONE, quiet());
-        (small.join().expect("thread"), large)
-    });
+    let (small, large) = two_requesters(&f, 1 << 20, DISK);
 
     assert!(small.is_err());
     assert_eq!(large.expect("its own download"), f.images().join(&f.sha));
 }
 
+/// The image from a server answering as `serve`, through a cache with
+/// `options` (loopback allowed), within the test's patience.
+fn fetch_slow(f: &Fixture, serve: Serve, options: ImageOptions) -> Resolved {
+    let server = ImageServer::start(serve).expect("server");
+    let cache = f.cache_with(ImageOptions {
+        reach: loopback_allowed(),
+        ..options
+    });
+    cache.resolve(
+        &server.url("a.raw"),
+        &f.sha,
+        DISK,
+        Deadline::after(PATIENCE),
+        quiet(),
+    )
+}
+
 #[test]
 fn a_trickling_server_fails_on_the_minimum_rate() {
     let f = Fixture::new();
-    // One byte every 20 ms: never silent for the stall timeout.
-    let server = ImageServer::start(Serve::Trickle(f.image.clone(), Duration::from_millis(20)))
-        .expect("server");
-    let cache = f.cache_with(ImageOptions {
-        stall: Duration::from_millis(300),
-        min_rate: 1024,
-        reach: loopback_allowed(),
-        ..ImageOptions::default()
-    });
 
-    let err = cache
-        .resolve(
-            &server.url("a.raw"),
-            &f.sha,
-            DISK,
-            Deadline::after(PATIENCE),
-            quiet(),
-        )
-        .expect_err("too slow");
+    // One byte every 20 ms: never silent for the stall timeout.
+    let err = fetch_slow(
+        &f,
+        Serve::Trickle(f.image.clone(), Duration::from_millis(20)),
+        ImageOptions {
+            stall: Duration::from_millis(300),
+            min_rate: 1024,
+            ..ImageOptions::default()
+        },
+    )
+    .expect_err("too slow");
 
     assert!(!err.is_permanent(), "{err}");
     assert!(err.to_string().contains("--image-min-rate-kib"), "{err}");
@@ -445,25 +454,18 @@ fn a_trickling_server_fails_on_the_minimum_rate() {
 #[test]
 fn a_download_still_running_at_the_download_timeout_fails() {
     let f = Fixture::new();
-    // Steady, above any minimum rate, and slower than the timeout allows.
-    let server = ImageServer::start(Serve::Throttled(f.image.clone(), Duration::from_millis(50)))
-        .expect("server");
-    let cache = f.cache_with(ImageOptions {
-        deadline: Duration::from_millis(400),
-        min_rate: 0,
-        reach: loopback_allowed(),
-        ..ImageOptions::default()
-    });
 
-    let err = cache
-        .resolve(
-            &server.url("a.raw"),
-            &f.sha,
-            DISK,
-            Deadline::after(PATIENCE),
-            quiet(),
-        )
-        .expect_err("too long");
+    // Steady, above any minimum rate, and slower than the timeout allows.
+    let err = fetch_slow(
+        &f,
+        Serve::Throttled(f.image.clone(), Duration::from_millis(50)),
+        ImageOptions {
+            deadline: Duration::from_millis(400),
+            min_rate: 0,
+            ..ImageOptions::default()
+        },
+    )
+    .expect_err("too long");
 
     assert!(!err.is_permanent(), "{err}");
     assert!(
