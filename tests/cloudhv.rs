@@ -1240,6 +1240,70 @@ fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
     );
 }
 
+/// Set in the environment of the process the interrupt test starts.
+const INTERRUPTED_CHILD: &str = "EITRI_TEST_INTERRUPTED_CHILD";
+
+#[test]
+#[ignore = "run by a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_and_no_cgroups"]
+fn a_test_process_that_waits_for_its_interrupt() {
+    if std::env::var_os(INTERRUPTED_CHILD).is_none() {
+        return;
+    }
+    let h = Host::new(&[]);
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+    println!("vmm {}", h.pid("vm-1").expect("pid"));
+    // Nothing past here: this process ends by the signal.
+    std::thread::sleep(PATIENCE * 3);
+}
+
+#[test]
+fn a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_and_no_cgroups() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            "a_test_process_that_waits_for_its_interrupt",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(INTERRUPTED_CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("child test");
+    let out = child.stdout.take().expect("stdout");
+    let vmm: i32 = std::io::BufReader::new(out)
+        .lines()
+        .map_while(Result::ok)
+        // libtest prints the test's name on the same line first.
+        .find_map(|l| {
+            l.rsplit_once("vmm ")
+                .and_then(|(_, p)| p.trim().parse().ok())
+        })
+        .expect("the child booted a VMM");
+    let root = format!("eitri-test-{}", child.id());
+    let roots = Cgroups::probe(&root).expect("cgroups").roots();
+    assert!(alive(vmm) && roots.iter().all(|r| r.exists()));
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .expect("SIGINT");
+    let ended = child.wait().expect("wait");
+
+    assert_eq!(ended.code(), Some(130));
+    let until = Instant::now() + PATIENCE;
+    while (alive(vmm) || roots.iter().any(|r| r.exists())) && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(vmm), "the VMM {vmm} outlived its test");
+    assert!(roots.iter().all(|r| !r.exists()), "{roots:?}");
+}
+
 /// The host over `h`'s state dir again, its hypervisor and kernel in
 /// `elsewhere` (searchable by anyone), so only the state dir's parent can
 /// stand in the VMM's way.

@@ -728,7 +728,10 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
     #[cfg(target_os = "linux")]
     {
         static SWEPT: std::sync::Once = std::sync::Once::new();
-        SWEPT.call_once(sweep_stale_test_roots);
+        SWEPT.call_once(|| {
+            sweep_stale_test_roots();
+            end_when_signalled(format!("{TEST_ROOT_PREFIX}{}", std::process::id()));
+        });
     }
     // A root-only file of the test's own, like its KVM device: no test
     // changes the host's device's ACL (the stand-in faults nothing in).
@@ -787,6 +790,79 @@ fn clear_cgroup_root(root: &str, kill: bool) {
         }
         let _ = std::fs::remove_dir(&dir);
     }
+}
+
+/// On ^C or a TERM, this process exits and a reaper it leaves behind ends
+/// every process in the cgroups under `root` once this one is gone.
+///
+/// The hypervisors run in sessions of their own, so the signal that ends
+/// a test or a benchmark never reaches them; and killing them from here
+/// would race the engine's own threads, which go on creating, restarting
+/// and spawning until the process is gone (an interrupted real-hypervisor
+/// bench left two VMMs that way). After this process's death nothing of
+/// it spawns any more, so the reaper's passes end: one VMM whose spawn was
+/// in flight lands in its cgroup before it execs, and the next pass has
+/// it. A `sh` script, not code of this process: it must outlive it.
+#[cfg(target_os = "linux")]
+pub fn end_when_signalled(root: String) {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
+        return;
+    };
+    let _ = std::thread::Builder::new()
+        .name("end-when-signalled".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                leave_a_reaper(&root);
+                std::process::exit(128 + signal);
+            }
+        });
+}
+
+/// Waits for this process to be gone, then kills what runs in `root`'s
+/// VM cgroups until a pass finds none (at most 5 s), and removes them.
+#[cfg(target_os = "linux")]
+const REAPER: &str = r#"
+pid=$1; shift
+while [ -d "/proc/$pid" ]; do sleep 0.01; done
+pass=0
+while [ "$pass" -lt 500 ]; do
+    found=
+    for procs in $(for root in "$@"; do echo "$root"/*/cgroup.procs; done); do
+        [ -f "$procs" ] || continue
+        for victim in $(cat "$procs"); do
+            kill -9 "$victim" 2>/dev/null
+            found=1
+        done
+    done
+    [ -z "$found" ] && break
+    sleep 0.01
+    pass=$((pass + 1))
+done
+for root in "$@"; do
+    for vm in "$root"/*/; do [ -d "$vm" ] && rmdir "$vm" 2>/dev/null; done
+    rmdir "$root" 2>/dev/null
+done
+exit 0
+"#;
+
+#[cfg(target_os = "linux")]
+fn leave_a_reaper(root: &str) {
+    use std::os::unix::process::CommandExt;
+    let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) else {
+        return;
+    };
+    let _ = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(REAPER)
+        .arg("eitri-reaper")
+        .arg(std::process::id().to_string())
+        .args(cgroups.roots())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn();
 }
 
 /// Ends the cgroup roots of earlier test and benchmark processes that are

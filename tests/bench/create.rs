@@ -41,7 +41,7 @@ use eitri_agent::testkit::{desired, present, snapshot, tombstoned};
 
 #[path = "figures.rs"]
 mod figures;
-use figures::{end_with_the_bench, ms, percentile, print_stages};
+use figures::{ms, percentile, print_stages};
 
 const VMS: usize = 20;
 /// Creates and bare starts against a real hypervisor.
@@ -268,7 +268,6 @@ impl Bench {
             confinement,
         };
         let cgroup_root = cfg.confinement.cgroup_root.clone();
-        end_with_the_bench(cgroup_root.clone())?;
         let seams = figures::seams(&store, cfg, dir.path());
         let defaults = EngineConfig::default();
         let config = EngineConfig {

@@ -1,6 +1,5 @@
 //! What the benchmarks share: the engine's seams over a real backend,
-//! ending their hypervisors however they end, milliseconds, percentiles,
-//! and a pass's stages as medians.
+//! milliseconds, percentiles, and a pass's stages as medians.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,31 +31,6 @@ pub fn seams(store: &Arc<Store>, cfg: CloudHvConfig, images: &Path) -> Seams {
         host_keys: Arc::new(LocalHostKeys),
         host: eitri_agent::testkit::Fakes::new().seams().host,
     }
-}
-
-/// ^C or a TERM ends the bench's hypervisors (every process in the
-/// cgroups under `cgroup_root`) before the bench: they run in sessions of
-/// their own, so the signal that ends the bench never reaches them.
-pub fn end_with_the_bench(cgroup_root: String) -> Result<(), Box<dyn std::error::Error>> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    static ROOTS: parking_lot::Mutex<Vec<String>> = parking_lot::Mutex::new(Vec::new());
-    static WATCHING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    ROOTS.lock().push(cgroup_root);
-    if WATCHING.swap(true, std::sync::atomic::Ordering::SeqCst) {
-        return Ok(());
-    }
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
-    std::thread::Builder::new()
-        .name("bench-signals".into())
-        .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                for root in ROOTS.lock().iter() {
-                    eitri_agent::testkit::end_cgroup_root(root);
-                }
-                std::process::exit(128 + signal);
-            }
-        })?;
-    Ok(())
 }
 
 /// The median of every stage the passes of `traces` went through, in the

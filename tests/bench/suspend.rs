@@ -36,7 +36,7 @@ use eitri_agent::testkit::{desired, present, snapshot};
 
 #[path = "figures.rs"]
 mod figures;
-use figures::{end_with_the_bench, ms, percentile, print_stages};
+use figures::{ms, percentile, print_stages};
 
 const ROUNDS: usize = 10;
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
@@ -119,7 +119,6 @@ impl Bench {
             },
             confinement,
         };
-        end_with_the_bench(cgroup_root.clone())?;
         let seams = figures::seams(&store, cfg, dir.path());
         let engine = Engine::new(
             Arc::clone(&store),
