@@ -7,7 +7,7 @@ use std::time::Duration;
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::Progress;
 use eitri_agent::image::{ImageCache, ImageOptions, Reach, sha256_file};
-use eitri_agent::net::cidr::Cidr;
+use eitri_agent::model::Cidr;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 use parking_lot::Mutex;
 

@@ -11,8 +11,8 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::Command;
 use std::time::Duration;
 
+use eitri_agent::model::Cidr;
 use eitri_agent::model::Mac;
-use eitri_agent::net::cidr::Cidr;
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::build_frame;
 use eitri_agent::net::packet::{PacketSocket, arp_frame};

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::{ImageCache, ImageOptions, Reach};
-use eitri_agent::net::cidr::Cidr;
+use eitri_agent::model::Cidr;
 use eitri_agent::pb;
 use eitri_agent::source::{ControlPlane, HttpSource, SnapshotLimits, Source};
 

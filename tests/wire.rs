@@ -2,8 +2,8 @@
 //! everything from the wire is validated before it can name a path.
 
 use eitri_agent::model::{
-    Id, Phase, PowerState, QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus, WantedVm,
-    WantedVolume,
+    Id, Limits, Phase, PowerState, QuarantinedVm, Report, VmStatus, VolumeState, VolumeStatus,
+    WantedVm, WantedVolume,
 };
 use eitri_agent::pb::{self, convert};
 use std::sync::Arc;
@@ -27,6 +27,8 @@ fn full_vm(id: &str) -> pb::VmSpec {
         host_cert_required: true,
         ssh_host_cert: "ssh-ed25519-cert-v01@openssh.com AAAAcert".into(),
         ssh_user_ca_authorized_keys: vec!["ssh-ed25519 AAAAca1".into(), "ssh-rsa AAAAca2".into()],
+        egress_allow: vec!["10.1.0.0/16".into(), "192.0.2.7/32".into()],
+        egress_deny: vec!["0.0.0.0/0".into()],
     }
 }
 
@@ -295,6 +297,81 @@ fn multi_line_key_is_refused() {
     });
 
     assert!(err.contains("ssh_authorized_key"), "{err}");
+}
+
+#[test]
+fn an_egress_range_that_is_not_one_is_refused_naming_the_field_and_the_form() {
+    let err = rejection(pb::VmSpec {
+        egress_deny: vec!["10.0.0.0/8".into(), "example.com".into()],
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("egress_deny") && err.contains("example.com") && err.contains("a.b.c.d/n"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_egress_range_with_host_bits_is_refused_saying_what_was_meant() {
+    let err = rejection(pb::VmSpec {
+        egress_allow: vec!["10.1.2.3/16".into()],
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("egress_allow") && err.contains("did you mean 10.1.0.0/16"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_egress_range_listed_twice_is_refused() {
+    let err = rejection(pb::VmSpec {
+        egress_allow: vec!["192.0.2.7".into(), "192.0.2.7/32".into()],
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("egress_allow") && err.contains("192.0.2.7/32 is listed twice"),
+        "{err}"
+    );
+}
+
+#[test]
+fn more_egress_ranges_than_a_vm_may_have_are_refused_naming_the_cap() {
+    let many = (0..=Limits::MAX_EGRESS_RULES)
+        .map(|i| format!("10.0.{i}.0/24"))
+        .collect();
+    let err = rejection(pb::VmSpec {
+        egress_deny: many,
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("egress_deny")
+            && err.contains(&format!("at most {}", Limits::MAX_EGRESS_RULES)),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_egress_range_refuses_its_vm_alone() {
+    let snap = convert::snapshot_from_wire(&pb::Snapshot {
+        vms: vec![
+            pb::VmSpec {
+                egress_deny: vec!["not a range".into()],
+                ..full_vm("bad")
+            },
+            full_vm("good"),
+        ],
+        ..pb::Snapshot::default()
+    });
+
+    assert_eq!(snap.vms.len(), 1);
+    assert_eq!(snap.vms[0].id().as_str(), "good");
+    assert_eq!(snap.rejected_vms.len(), 1);
+    assert_eq!(snap.rejected_vms[0].raw_id, "bad");
 }
 
 #[test]

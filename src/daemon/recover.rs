@@ -60,7 +60,7 @@ fn keep_from_guests(
     mut underlay: crate::net::underlay::UnderlayConfig,
     config: &Config,
 ) -> crate::net::underlay::UnderlayConfig {
-    use crate::net::cidr::Cidr;
+    use crate::model::Cidr;
     let mut urls: Vec<&str> = Vec::new();
     if let crate::config::DesiredSource::ControlPlane(cp) = &config.source {
         urls.push(&cp.base_url);

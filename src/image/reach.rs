@@ -26,7 +26,7 @@ use ureq::http::Uri;
 use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
 use ureq::unversioned::transport::NextTimeout;
 
-use crate::net::cidr::Cidr;
+use crate::model::Cidr;
 
 /// The operator's ranges: what to refuse besides the host, and what to
 /// allow although refused.

@@ -5,6 +5,7 @@
 //! everything below it can trust an [`Id`] to be safe as a path component and
 //! a [`PowerState`] to be one of three values.
 
+mod cidr;
 mod id;
 mod mac;
 mod quota;
@@ -12,12 +13,13 @@ mod report;
 mod saved;
 mod spec;
 
+pub use cidr::{Cidr, CidrError};
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
 pub use quota::{Committed, Quota};
 pub use report::{QuarantinedVm, Report, Rows, VmStatus, VolumeState, VolumeStatus};
 pub use saved::Saved;
 pub use spec::{
-    DesiredVm, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec, VolumeSpec,
-    WantedVm, WantedVolume, is_hostname,
+    DesiredVm, Egress, Limits, Phase, PowerState, Rejected, Snapshot, SpecError, VmSpec,
+    VolumeSpec, WantedVm, WantedVolume, is_hostname,
 };

@@ -39,6 +39,9 @@ impl Limits {
     /// Volumes one VM may attach: each is a virtio-blk device of its own,
     /// and a guest's PCI bus has slots for about 30.
     pub const MAX_VOLUMES_PER_VM: usize = 32;
+    /// Ranges in each of a VM's egress lists: elements of one nft set per
+    /// list, each a lookup on the guest's packets.
+    pub const MAX_EGRESS_RULES: usize = 64;
 }
 
 /// The part of a VM's desired state that defines *what the VM is*. It is
@@ -144,6 +147,43 @@ pub struct DesiredVm {
     /// OpenSSH host certificate; empty until the control plane issues one.
     pub ssh_host_cert: String,
     pub ssh_user_ca_keys: Vec<String>,
+    /// What the VM may reach through its NAT NIC. Not in [`VmSpec`]: like
+    /// the power state it changes what the VM does, not what it is, and it
+    /// applies to a running VM.
+    pub egress: Egress,
+}
+
+/// A VM's own egress rules: a destination in `deny` is dropped unless it
+/// is also in `allow`. Both empty: the host's policy alone.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Egress {
+    pub allow: Vec<super::Cidr>,
+    pub deny: Vec<super::Cidr>,
+}
+
+impl Egress {
+    /// No rules of the VM's own.
+    pub fn is_open(&self) -> bool {
+        self.allow.is_empty() && self.deny.is_empty()
+    }
+}
+
+impl fmt::Display for Egress {
+    /// "deny 0.0.0.0/0 except 10.1.0.0/16, 192.0.2.7/32", as `status` says it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = |l: &[super::Cidr]| {
+            l.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        match (self.deny.is_empty(), self.allow.is_empty()) {
+            (true, true) => f.write_str("the host's policy alone"),
+            (true, false) => write!(f, "allow {} (nothing denied)", list(&self.allow)),
+            (false, true) => write!(f, "deny {}", list(&self.deny)),
+            (false, false) => write!(f, "deny {} except {}", list(&self.deny), list(&self.allow)),
+        }
+    }
 }
 
 /// A VM entry of a snapshot: wanted, or deleted. A tombstone needs nothing

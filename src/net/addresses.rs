@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use parking_lot::Mutex;
 
-use super::cidr::{Cidr, CidrError};
+use crate::model::{Cidr, CidrError};
 use crate::model::{Id, Mac};
 use crate::state::leases::{LeaseError, Leases};
 

@@ -8,7 +8,6 @@
 //! on that guest's tap; no address is baked into the seed.
 
 pub mod addresses;
-pub mod cidr;
 pub mod dhcp;
 #[cfg(target_os = "linux")]
 pub mod host;

@@ -56,8 +56,8 @@ use std::process::Command;
 use std::net::Ipv4Addr;
 
 use super::addresses::Subnet;
-use super::cidr::Cidr;
 pub use super::port::Port;
+use crate::model::Cidr;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnderlayConfig {

@@ -10,8 +10,9 @@ use std::collections::HashMap;
 
 use crate::model::is_hostname;
 use crate::model::{
-    DesiredVm, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report, Snapshot, SpecError,
-    VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm, WantedVolume,
+    Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report,
+    Snapshot, SpecError, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm,
+    WantedVolume,
 };
 use crate::pb;
 use crate::quote;
@@ -141,6 +142,10 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
             ),
         ));
     }
+    let egress = Egress {
+        allow: egress_list("egress_allow", &raw.egress_allow)?,
+        deny: egress_list("egress_deny", &raw.egress_deny)?,
+    };
     let spec = VmSpec {
         vm_id,
         name: hostname(&raw.name)?,
@@ -160,7 +165,37 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         host_cert_required: raw.host_cert_required,
         ssh_host_cert: single_line("ssh_host_cert", &raw.ssh_host_cert)?,
         ssh_user_ca_keys: ca_keys,
+        egress,
     })
+}
+
+/// One of a VM's egress lists: IPv4 ranges, at most
+/// [`Limits::MAX_EGRESS_RULES`], each once.
+fn egress_list(field: &'static str, raw: &[String]) -> Result<Vec<Cidr>, SpecError> {
+    if raw.len() > Limits::MAX_EGRESS_RULES {
+        return Err(SpecError::new(
+            field,
+            format!("{} ranges, at most {}", raw.len(), Limits::MAX_EGRESS_RULES),
+        ));
+    }
+    let mut list = Vec::with_capacity(raw.len());
+    let mut seen = std::collections::HashSet::with_capacity(raw.len());
+    for text in raw {
+        let cidr = Cidr::parse(text).map_err(|e| {
+            SpecError::new(
+                field,
+                format!(
+                    "{}: {e}; write an IPv4 range as a.b.c.d/n",
+                    quote::text(text)
+                ),
+            )
+        })?;
+        if !seen.insert(cidr) {
+            return Err(SpecError::new(field, format!("{cidr} is listed twice")));
+        }
+        list.push(cidr);
+    }
+    Ok(list)
 }
 
 pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
@@ -189,6 +224,8 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                 host_cert_required: d.host_cert_required,
                 ssh_host_cert: d.ssh_host_cert.clone(),
                 ssh_user_ca_authorized_keys: d.ssh_user_ca_keys.clone(),
+                egress_allow: d.egress.allow.iter().map(Cidr::to_string).collect(),
+                egress_deny: d.egress.deny.iter().map(Cidr::to_string).collect(),
             }
         }
     }

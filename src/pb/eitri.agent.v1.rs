@@ -117,6 +117,21 @@ pub struct VmSpec {
     /// one OpenSSH public key line each.
     #[prost(string, repeated, tag = "16")]
     pub ssh_user_ca_authorized_keys: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// The VM's own egress rules, for what it reaches through its NAT NIC
+    /// (the underlay): IPv4 ranges, "a.b.c.d/n" or a bare address, at most
+    /// 64 in each list. A destination in egress_deny is dropped unless it is
+    /// also in egress_allow: deny "0.0.0.0/0" with a few allowed ranges is an
+    /// allow-list, a few denied ranges alone a deny-list. Both empty: the
+    /// host's policy alone. The host's policy (--guest-deny) applies whatever
+    /// these say (an allowed range cannot open what the host denies); DHCP,
+    /// and DNS to the servers the guest is told, stay open. Changed on a
+    /// running VM, they apply within a tick, its hypervisor untouched, and cut
+    /// connections already open to what is now denied. A second NIC on a
+    /// host network is the site's to police: these do not apply to it.
+    #[prost(string, repeated, tag = "17")]
+    pub egress_allow: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    #[prost(string, repeated, tag = "18")]
+    pub egress_deny: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
 }
 /// One volume's desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]

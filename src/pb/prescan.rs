@@ -5,7 +5,8 @@
 //! entries and gigabytes of memory before any check could run. The scan
 //! walks the top-level fields with no allocation, so a snapshot with more
 //! entries than the agent will take is refused at the cost of reading it.
-//! So with the lists inside a VM entry (its volume ids, its user CA keys):
+//! So with the lists inside a VM entry (its volume ids, its user CA keys,
+//! its egress ranges):
 //! each VM entry is walked too, and one with more of either than a VM may
 //! have refuses the snapshot before a string of it is made.
 
@@ -17,9 +18,12 @@ use crate::model::Limits;
 /// `Snapshot.vms` and `Snapshot.volumes` in `proto/eitri/agent/v1/agent.proto`.
 const VMS_FIELD: u32 = 2;
 const VOLUMES_FIELD: u32 = 4;
-/// `VMSpec.volume_ids` and `VMSpec.ssh_user_ca_authorized_keys`.
+/// `VMSpec.volume_ids`, `VMSpec.ssh_user_ca_authorized_keys`,
+/// `VMSpec.egress_allow` and `VMSpec.egress_deny`.
 const VOLUME_IDS_FIELD: u32 = 8;
 const CA_KEYS_FIELD: u32 = 16;
+const EGRESS_ALLOW_FIELD: u32 = 17;
+const EGRESS_DENY_FIELD: u32 = 18;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EntryCounts {
@@ -46,14 +50,16 @@ pub fn count_snapshot_entries(buf: &[u8]) -> Result<EntryCounts, String> {
     Ok(counts)
 }
 
-/// Refuses the `n`-th VM entry if it holds more volume ids or user CA keys
-/// than a VM may have.
+/// Refuses the `n`-th VM entry if it holds more volume ids, user CA keys
+/// or egress ranges than a VM may have.
 fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), String> {
-    let (mut volumes, mut keys) = (0usize, 0usize);
+    let (mut volumes, mut keys, mut allowed, mut denied) = (0usize, 0usize, 0usize, 0usize);
     walk(entry, |field, _| {
         match field {
             VOLUME_IDS_FIELD => volumes += 1,
             CA_KEYS_FIELD => keys += 1,
+            EGRESS_ALLOW_FIELD => allowed += 1,
+            EGRESS_DENY_FIELD => denied += 1,
             _ => {}
         }
         Ok(())
@@ -70,6 +76,11 @@ fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), String> {
             keys,
             Limits::MAX_USER_CA_KEYS,
         ));
+    }
+    for (what, count) in [("egress_allow", allowed), ("egress_deny", denied)] {
+        if count > Limits::MAX_EGRESS_RULES {
+            return Err(over(what, count, Limits::MAX_EGRESS_RULES));
+        }
     }
     Ok(())
 }
@@ -172,6 +183,24 @@ mod tests {
             scanned
                 .as_ref()
                 .is_err_and(|e| e.contains("ssh_user_ca_authorized_keys")),
+            "{scanned:?}"
+        );
+    }
+
+    #[test]
+    fn a_vm_entry_with_more_egress_ranges_than_a_vm_may_have_is_refused_before_decoding() {
+        let snap = pb::Snapshot {
+            vms: vec![pb::VmSpec {
+                egress_allow: vec![String::new(); Limits::MAX_EGRESS_RULES + 1],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+
+        let scanned = count_snapshot_entries(&snap.encode_to_vec());
+
+        assert!(
+            scanned.as_ref().is_err_and(|e| e.contains("egress_allow")),
             "{scanned:?}"
         );
     }

@@ -694,6 +694,7 @@ pub fn desired(vm: &str) -> DesiredVm {
         host_cert_required: false,
         ssh_host_cert: String::new(),
         ssh_user_ca_keys: Vec::new(),
+        egress: crate::model::Egress::default(),
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::{ImageCache, ImageOptions, Reach, sha256_file};
-use eitri_agent::net::cidr::Cidr;
+use eitri_agent::model::Cidr;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;

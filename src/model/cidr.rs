@@ -1,8 +1,10 @@
 //! An IPv4 range as an operator writes it: `a.b.c.d/n`, or a bare address
-//! for one host. The one prefix type of the agent: the guests' egress
-//! policy (`--guest-deny`, `--guest-allow`) is a list of them, and the
-//! underlay's [`Subnet`](super::addresses::Subnet) is one that can hold a
-//! gateway and guests.
+//! for one host. The one prefix type of the agent: the host's egress
+//! policy (`--guest-deny`, `--guest-allow`) and each VM's own
+//! (`egress_allow`, `egress_deny`) are lists of them, and the underlay's
+//! [`Subnet`](crate::net::addresses::Subnet) is one that can hold a
+//! gateway and guests. Here, beside the other checked types, because
+//! desired state is checked into them.
 
 use std::fmt;
 use std::net::Ipv4Addr;
@@ -39,7 +41,7 @@ impl fmt::Display for CidrError {
 
 impl std::error::Error for CidrError {}
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Cidr {
     pub network: Ipv4Addr,
     pub prefix: u8,
