@@ -545,6 +545,46 @@ fn a_bad_entry_refuses_that_entry_only_naming_its_key_and_line() {
     assert_eq!(report["contact"], "ok");
 }
 
+#[test]
+fn a_bad_egress_range_refuses_its_vm_alone_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let vm = |id: &str, deny: &str| {
+        format!(
+            r#"{{"vm_id":"{id}","name":"{id}","image_url":"http://mirror.test/a.raw","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running","egress_deny":["{deny}"]}}"#,
+            "0".repeat(62) + "aa"
+        )
+    };
+    desired(
+        dir.path(),
+        &format!(
+            r#"{{"vms":[{},{}]}}"#,
+            vm("bad-1", "10.0.0.0/33"),
+            vm("good-1", "10.0.0.0/8")
+        ),
+    );
+
+    let agent = Agent::start(dir.path(), &[]);
+    let report = agent.wait_report("both rows", |r| {
+        r["report"]["vms"].as_array().is_some_and(|v| v.len() == 2)
+    });
+
+    let row = |id: &str| {
+        report["report"]["vms"]
+            .as_array()
+            .and_then(|v| v.iter().find(|r| r["vm_id"] == id))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let bad = row("bad-1");
+    let error = bad["last_error"].as_str().unwrap_or_default();
+    assert_eq!(bad["phase"], "failed");
+    assert!(
+        error.contains("egress_deny") && error.contains("/33 is not a prefix length"),
+        "{error}"
+    );
+    assert_eq!(row("good-1")["phase"], "creating");
+}
+
 /// A SIGTERM that arrives before the agent's handlers exist, made
 /// deterministic: the child blocks it and raises it before exec, so the
 /// agent starts with it pending, as if a supervisor had sent it in the

@@ -2170,6 +2170,98 @@ fn an_adopted_vm_is_guarded_again_before_its_first_tick() {
     assert!(after.contains(&element), "{after}");
 }
 
+/// `vm`'s desired state with its own egress rules.
+fn with_egress(h: &Host, vm: &str, epoch: u64, deny: &str, allow: &str) -> Snapshot {
+    let mut d = desired(vm);
+    d.spec.image_url = h.base_url.clone();
+    d.spec.image_sha256 = h.base_sha.clone();
+    d.egress = eitri_agent::model::Egress {
+        deny: eitri_agent::model::Cidr::parse_list(deny).expect("deny"),
+        allow: eitri_agent::model::Cidr::parse_list(allow).expect("allow"),
+    };
+    snapshot(epoch, vec![present(d)])
+}
+
+/// The elements of the agent's ip table's set `set`.
+fn set_elements(set: &str) -> String {
+    let rules = nft_ruleset();
+    let start = rules
+        .find(&format!("set {set} {{"))
+        .unwrap_or_else(|| panic!("no set {set}: {rules}"));
+    let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
+    rules[start..end].to_owned()
+}
+
+#[test]
+fn a_running_vms_egress_change_is_held_within_a_tick_with_its_vmm_untouched() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.tick(&with_egress(&h, "vm-1", 1, "203.0.113.10", ""));
+    let (pid, ip) = (h.pid("vm-1"), h.backend.address(&id("vm-1")).expect("ip"));
+    let before = set_elements("vm_deny");
+
+    h.tick(&with_egress(&h, "vm-1", 2, "203.0.113.20", ""));
+
+    let after = set_elements("vm_deny");
+    assert!(before.contains(&format!("{ip} . 203.0.113.10")), "{before}");
+    assert!(
+        after.contains(&format!("{ip} . 203.0.113.20")) && !after.contains("203.0.113.10"),
+        "{after}"
+    );
+    assert_eq!(h.pid("vm-1"), pid);
+    assert!(pid.is_some_and(alive));
+    assert_eq!(h.row("vm-1").egress, "deny 203.0.113.20/32");
+}
+
+#[test]
+fn an_adopted_vm_is_held_to_its_recorded_egress_rules_before_its_first_tick() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.tick(&with_egress(&h, "vm-1", 1, "0.0.0.0/0", "192.0.2.0/24"));
+    let ip = h.backend.address(&id("vm-1")).expect("ip");
+
+    // The agent restarts: its tables are made afresh, then recovery.
+    let mut cfg = h.cfg.clone();
+    cfg.network = Some(Arc::new(
+        eitri_agent::net::host::HostNetwork::setup(
+            underlay(),
+            h.store.layout(),
+            vec![],
+            std::collections::HashMap::new(),
+        )
+        .expect("network"),
+    ));
+    let between = set_elements("vm_deny");
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), cfg);
+    restarted.recover(&known(&h.store));
+
+    assert!(!between.contains(&ip.to_string()), "{between}");
+    assert!(
+        set_elements("vm_deny").contains(&format!("{ip} . 0.0.0.0/0")),
+        "{}",
+        nft_ruleset()
+    );
+    assert!(set_elements("vm_allow").contains(&format!("{ip} . 192.0.2.0/24")));
+}
+
+#[test]
+fn a_destroyed_vm_leaves_no_egress_rule_of_its_own() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.tick(&with_egress(&h, "vm-1", 1, "0.0.0.0/0", "192.0.2.0/24"));
+    let ip = h.backend.address(&id("vm-1")).expect("ip").to_string();
+
+    h.backend
+        .destroy(&id("vm-1"), Deadline::NONE)
+        .expect("destroy");
+
+    assert!(!set_elements("vm_deny").contains(&ip));
+    assert!(!set_elements("vm_allow").contains(&ip));
+}
+
 #[test]
 fn a_killed_vmm_raises_its_lost_counter_by_one() {
     let h = Host::new(&[]);

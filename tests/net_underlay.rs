@@ -11,8 +11,8 @@ use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::process::Command;
 use std::time::Duration;
 
-use eitri_agent::model::Cidr;
 use eitri_agent::model::Mac;
+use eitri_agent::model::{Cidr, Egress};
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::build_frame;
 use eitri_agent::net::packet::{PacketSocket, arp_frame};
@@ -618,6 +618,123 @@ fn a_denied_range_is_refused_and_an_allowed_host_in_it_is_not() {
 
     assert!(!reached_denied);
     assert!(reached_allowed);
+}
+
+/// Two remote hosts, 203.0.113.10 and .20, behind the remote namespace;
+/// a listener on each.
+fn two_remote_hosts(topology: &Topology) -> (TcpListener, TcpListener) {
+    for host in ["203.0.113.10/32", "203.0.113.20/32"] {
+        ip(&["-n", &topology.remote, "addr", "add", host, "dev", "eth0"]);
+    }
+    ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
+    (
+        listen_in(&topology.remote, Ipv4Addr::new(203, 0, 113, 10)),
+        listen_in(&topology.remote, Ipv4Addr::new(203, 0, 113, 20)),
+    )
+}
+
+fn egress(deny: &str, allow: &str) -> Egress {
+    Egress {
+        deny: Cidr::parse_list(deny).expect("deny"),
+        allow: Cidr::parse_list(allow).expect("allow"),
+    }
+}
+
+fn reaches(ns: &str, listener: &TcpListener) -> bool {
+    connects(ns, listener.local_addr().expect("addr"))
+}
+
+#[test]
+fn a_vms_own_deny_list_applies_to_its_running_guest_and_is_reversed_in_one_change() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    let (a, b) = two_remote_hosts(&topology);
+    let (deny_a, deny_b) = (egress("203.0.113.10", ""), egress("203.0.113.20", ""));
+    underlay
+        .set_egress(GUEST_IP, &Egress::default(), &deny_a)
+        .expect("deny a");
+    let before = (reaches(&topology.guest, &a), reaches(&topology.guest, &b));
+
+    underlay
+        .set_egress(GUEST_IP, &deny_a, &deny_b)
+        .expect("deny b instead");
+
+    let after = (reaches(&topology.guest, &a), reaches(&topology.guest, &b));
+    assert_eq!(before, (false, true));
+    assert_eq!(after, (true, false));
+}
+
+#[test]
+fn a_deny_everything_with_exceptions_is_an_allow_list() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    let (a, b) = two_remote_hosts(&topology);
+    let plain = listen_in(&topology.remote, Ipv4Addr::new(198, 51, 100, 2));
+
+    underlay
+        .set_egress(
+            GUEST_IP,
+            &Egress::default(),
+            &egress("0.0.0.0/0, 10.0.0.0/8", "203.0.113.20"),
+        )
+        .expect("allow-list");
+
+    assert!(!reaches(&topology.guest, &a));
+    assert!(reaches(&topology.guest, &b));
+    assert!(!reaches(&topology.guest, &plain));
+}
+
+#[test]
+fn a_vms_own_allow_cannot_open_what_the_host_denies() {
+    private_network();
+    let mut cfg = underlay_config();
+    cfg.egress.deny = vec![Cidr::parse("203.0.113.0/24").expect("cidr")];
+    let underlay = Underlay::setup(cfg).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    let (a, _) = two_remote_hosts(&topology);
+
+    underlay
+        .set_egress(
+            GUEST_IP,
+            &Egress::default(),
+            &egress("0.0.0.0/0", "203.0.113.10"),
+        )
+        .expect("rules");
+
+    assert!(!reaches(&topology.guest, &a));
+}
+
+#[test]
+fn a_range_denied_while_a_connection_to_it_is_open_cuts_it() {
+    use std::io::{Read, Write};
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    let (a, _) = two_remote_hosts(&topology);
+    let to = a.local_addr().expect("addr");
+    let mut conn = within(&topology.guest, || {
+        TcpStream::connect_timeout(&to, Duration::from_secs(1)).expect("open")
+    });
+    let (mut far, _) = a.accept().expect("accept");
+    far.set_read_timeout(Some(Duration::from_secs(1)))
+        .expect("timeout");
+    conn.write_all(b"before").expect("write");
+    let mut got = [0u8; 6];
+    far.read_exact(&mut got).expect("read before");
+
+    underlay
+        .set_egress(GUEST_IP, &Egress::default(), &egress("203.0.113.0/24", ""))
+        .expect("deny");
+    conn.write_all(b"after!").expect("write is buffered");
+
+    assert_eq!(&got, b"before");
+    assert!(far.read(&mut got).is_err(), "bytes crossed a denied range");
 }
 
 #[test]

@@ -186,6 +186,28 @@ fn a_created_vm_boots_and_runs() {
 }
 
 #[test]
+fn a_vm_with_egress_rules_of_its_own_is_not_started_saying_vfkit_cannot_hold_them() {
+    let h = Host::new();
+    let Snapshot { mut vms, .. } = h.vm("vm-1", PowerState::Running);
+    let Some(eitri_agent::model::WantedVm::Present(d)) = vms.pop() else {
+        panic!("a present VM");
+    };
+    let mut d = (*d).clone();
+    d.egress.deny = vec![eitri_agent::model::Cidr::parse("0.0.0.0/0").expect("any")];
+
+    h.tick(&snapshot(1, vec![present(d)]));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Stopped));
+    assert!(h.pid("vm-1").is_none());
+    assert!(
+        row.last_error
+            .contains("cannot hold a VM's own egress rules"),
+        "{row:?}"
+    );
+}
+
+#[test]
 fn a_killed_vfkit_is_booted_again_without_a_tick() {
     let h = Host::new();
     h.tick(&h.vm("vm-1", PowerState::Running));

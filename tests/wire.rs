@@ -124,6 +124,7 @@ fn report_round_trips_every_field() {
                 last_error: "old error".into(),
                 status_detail: "booting".into(),
                 ssh_host_pubkey: "ssh-ed25519 AAAAhost".into(),
+                egress: "deny 0.0.0.0/0 except 10.1.0.0/16".into(),
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),

@@ -104,6 +104,23 @@ impl Cidr {
     pub fn contains(&self, ip: Ipv4Addr) -> bool {
         u32::from(ip) & self.mask() == u32::from(self.network)
     }
+
+    /// Whether every address of `other` is in this range.
+    pub fn covers(&self, other: &Cidr) -> bool {
+        self.prefix <= other.prefix && self.contains(other.network)
+    }
+
+    /// `list` without the ranges another of it covers: the same addresses,
+    /// no two ranges overlapping (two prefixes either nest or are apart).
+    pub fn outermost(list: &[Cidr]) -> Vec<Cidr> {
+        let mut out: Vec<Cidr> = Vec::with_capacity(list.len());
+        for c in list {
+            if !list.iter().any(|d| d != c && d.covers(c)) && !out.contains(c) {
+                out.push(*c);
+            }
+        }
+        out
+    }
 }
 
 impl fmt::Display for Cidr {
@@ -112,9 +129,35 @@ impl fmt::Display for Cidr {
     }
 }
 
+/// As its text, in records.
+impl serde::Serialize for Cidr {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Cidr {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Cidr, D::Error> {
+        let text = String::deserialize(d)?;
+        Cidr::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outermost_drops_what_another_range_covers_and_keeps_the_rest() {
+        let list = Cidr::parse_list("10.1.0.0/16, 0.0.0.0/0, 192.0.2.7, 10.0.0.0/8").expect("list");
+
+        assert_eq!(
+            Cidr::outermost(&list),
+            vec![Cidr::parse("0.0.0.0/0").expect("any")]
+        );
+        let apart = Cidr::parse_list("10.1.0.0/16, 10.2.0.0/16, 10.1.2.0/24").expect("list");
+        assert_eq!(Cidr::outermost(&apart), apart[..2].to_vec());
+    }
 
     #[test]
     fn a_bare_address_is_one_host() {

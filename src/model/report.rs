@@ -85,6 +85,8 @@ pub struct VmStatus {
     pub last_error: String,
     pub status_detail: String,
     pub ssh_host_pubkey: String,
+    /// The VM's own egress rules held now, as words; empty when none.
+    pub egress: String,
 }
 
 /// A VM waiting out its grace before destruction.

@@ -155,7 +155,8 @@ pub struct DesiredVm {
 
 /// A VM's own egress rules: a destination in `deny` is dropped unless it
 /// is also in `allow`. Both empty: the host's policy alone.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Egress {
     pub allow: Vec<super::Cidr>,
     pub deny: Vec<super::Cidr>,

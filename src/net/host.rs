@@ -24,7 +24,7 @@ use super::dhcp::{Lease, Responder};
 use super::snoop::{Learned, Snooper, Writer};
 use super::underlay::{Port, Underlay, UnderlayConfig};
 use crate::error::{BoxFailure, Failure};
-use crate::model::{Id, Mac};
+use crate::model::{Egress, Id, Mac};
 
 /// What can go wrong plugging a VM into the host's networks, beyond the
 /// address map (`AddressError`) and the underlay's commands (`NetError`).
@@ -97,6 +97,14 @@ pub struct Taps {
     pub site: String,
 }
 
+/// A VM's own egress rules, wanted and held.
+#[derive(Default)]
+struct EgressHeld {
+    wanted: Egress,
+    /// The guest address they are keyed by, and the rules.
+    applied: Option<(Ipv4Addr, Egress)>,
+}
+
 pub struct HostNetwork {
     /// Shared with each snooper, which rebinds its site tap's address.
     underlay: Arc<Underlay>,
@@ -108,6 +116,10 @@ pub struct HostNetwork {
     named: HashMap<String, String>,
     learned: Arc<Learned>,
     snoopers: Mutex<HashMap<Id, Snooper>>,
+    /// Each VM's own egress rules: what is wanted, and what the ruleset
+    /// holds for its address (none before its first plug). One lock, so
+    /// two changes of one VM never interleave their transactions.
+    egress: Mutex<HashMap<Id, EgressHeld>>,
     /// Declared after the snoopers: dropped after them, it writes what
     /// they learned last.
     _writer: Writer,
@@ -145,6 +157,7 @@ impl HostNetwork {
             named,
             learned,
             snoopers: Mutex::new(HashMap::new()),
+            egress: Mutex::new(HashMap::new()),
             _writer: writer,
         })
     }
@@ -180,6 +193,8 @@ impl HostNetwork {
     pub fn plug(&self, vm_id: &Id, mac: Mac) -> Result<Ipv4Addr, BoxFailure> {
         let ip = crate::stages::timed("address", || self.addresses.allocate(vm_id))?;
         let tap = &self.taps_of(ip).underlay;
+        // Before the tap is guarded, so before the guest sends a frame.
+        self.hold_egress(vm_id, Some(ip))?;
         self.underlay.attach(&Port {
             tap,
             mac,
@@ -201,6 +216,45 @@ impl HostNetwork {
             })?;
         self.responders.lock().insert(vm_id.clone(), responder);
         Ok(ip)
+    }
+
+    /// Makes `egress` the VM's own egress rules: held at once while it has
+    /// an address, else from its plug, before its guest sends anything.
+    /// Its hypervisor is not involved.
+    pub fn set_egress(&self, vm_id: &Id, egress: &Egress) -> Result<(), BoxFailure> {
+        {
+            let mut all = self.egress.lock();
+            let held = all.entry(vm_id.clone()).or_default();
+            if held.wanted == *egress && held.applied.as_ref().is_some_and(|(_, a)| a == egress) {
+                return Ok(());
+            }
+            held.wanted = egress.clone();
+        }
+        self.hold_egress(vm_id, self.addresses.get(vm_id))
+    }
+
+    /// The VM's own egress rules in the ruleset now, when it has any there.
+    pub fn egress_in_force(&self, vm_id: &Id) -> Option<Egress> {
+        let all = self.egress.lock();
+        all.get(vm_id)?.applied.as_ref().map(|(_, e)| e.clone())
+    }
+
+    /// Moves the ruleset's elements for the VM from what it holds to what
+    /// is wanted, for the guest at `ip` (none: nothing can be held yet).
+    fn hold_egress(&self, vm_id: &Id, ip: Option<Ipv4Addr>) -> Result<(), BoxFailure> {
+        let Some(ip) = ip else {
+            return Ok(());
+        };
+        let mut all = self.egress.lock();
+        let held = all.entry(vm_id.clone()).or_default();
+        let none = Egress::default();
+        let was = match &held.applied {
+            Some((at, e)) if *at == ip => e,
+            _ => &none,
+        };
+        self.underlay.set_egress(ip, was, &held.wanted)?;
+        held.applied = Some((ip, held.wanted.clone()));
+        Ok(())
     }
 
     /// Whether a DHCP responder is serving this VM.
@@ -282,6 +336,13 @@ impl HostNetwork {
         // Stopped first, so nothing binds the address again after this.
         let snooper = self.snoopers.lock().remove(vm_id);
         let bound = snooper.and_then(Snooper::end);
+        {
+            let mut all = self.egress.lock();
+            if let Some((at, applied)) = all.get(vm_id).and_then(|h| h.applied.clone()) {
+                self.underlay.set_egress(at, &applied, &Egress::default())?;
+            }
+            all.remove(vm_id);
+        }
         if let Some(ip) = self.addresses.get(vm_id) {
             let taps = self.taps_of(ip);
             self.underlay.rebind(&taps.site, bound, None)?;

@@ -58,6 +58,7 @@ use std::net::Ipv4Addr;
 use super::addresses::Subnet;
 pub use super::port::Port;
 use crate::model::Cidr;
+use crate::model::Egress as VmEgress;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnderlayConfig {
@@ -126,6 +127,8 @@ pub enum NetError {
         path: &'static str,
         source: std::io::Error,
     },
+    /// Asked to hold guests to rules only nft can hold, without nft.
+    Unenforceable { what: &'static str },
 }
 
 impl fmt::Display for NetError {
@@ -150,6 +153,10 @@ impl fmt::Display for NetError {
             NetError::Forwarding { path, .. } => {
                 write!(f, "cannot enable IPv4 forwarding ({path})")
             }
+            NetError::Unenforceable { what } => write!(
+                f,
+                "{what} cannot be held: nft is not installed on this host (install nftables)"
+            ),
         }
     }
 }
@@ -160,12 +167,19 @@ impl std::error::Error for NetError {
             NetError::Run { source, .. }
             | NetError::Netlink { source, .. }
             | NetError::Forwarding { source, .. } => Some(source),
-            NetError::Missing { .. } | NetError::Failed { .. } => None,
+            NetError::Missing { .. } | NetError::Failed { .. } | NetError::Unenforceable { .. } => {
+                None
+            }
         }
     }
 }
 
-impl crate::error::Failure for NetError {}
+impl crate::error::Failure for NetError {
+    /// What the host lacks is the host's to change, not the spec's.
+    fn is_host_condition(&self) -> bool {
+        matches!(self, NetError::Unenforceable { .. })
+    }
+}
 
 #[cfg(target_os = "linux")]
 fn run(program: &'static str, args: &[&str], stdin: Option<&str>) -> Result<String, NetError> {
@@ -349,6 +363,31 @@ impl Underlay {
         )
     }
 
+    /// Moves the guest at `guest`'s own egress rules from `old` to `new`
+    /// (see [`egress_ruleset`]). Without nft nothing can hold them: an
+    /// error when there are any.
+    pub fn set_egress(
+        &self,
+        guest: Ipv4Addr,
+        old: &VmEgress,
+        new: &VmEgress,
+    ) -> Result<(), NetError> {
+        if !self.nat.guards() {
+            return if new.is_open() {
+                Ok(())
+            } else {
+                Err(NetError::Unenforceable {
+                    what: "a VM's own egress rules",
+                })
+            };
+        }
+        let text = egress_ruleset(&self.cfg.table, guest, old, new);
+        if text.is_empty() {
+            return Ok(());
+        }
+        run("nft", &["-f", "-"], Some(&text)).map(drop)
+    }
+
     /// A guard change by netlink (see [`nftables`](super::nftables)); if
     /// the kernel refuses it, the same change as `nft` text, whose error is
     /// the one an operator can read.
@@ -439,11 +478,18 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \t\tiifname \"{b}\" ip daddr @allow accept\n\
          \t\tiifname \"{b}\" counter drop comment \"a guest reaching into this host\"\n\
          \t}}\n\
+         \tset vm_deny {{\n\
+         \t\ttype ipv4_addr . ipv4_addr; flags interval;\n\
+         \t}}\n\
+         \tset vm_allow {{\n\
+         \t\ttype ipv4_addr . ipv4_addr; flags interval;\n\
+         \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority filter; policy accept;\n\
+         {dns_rule}\
+         \t\tiifname \"{b}\" ip saddr . ip daddr @vm_deny ip saddr . ip daddr != @vm_allow counter drop comment \"denied by the VM's own egress rules\"\n\
          \t\tct state established,related accept\n\
          \t\tiifname \"{b}\" oifname \"{b}\" counter drop comment \"guest to guest\"\n\
-         {dns_rule}\
          \t\tiifname \"{b}\" ip daddr @allow accept\n\
          \t\tiifname \"{b}\" ip daddr @deny counter drop comment \"a denied destination\"\n\
          \t\tiifname \"{b}\" accept\n\
@@ -516,6 +562,35 @@ fn port_elements(table: &str, port: &Port<'_>) -> Vec<String> {
         elements.push(address_element(table, tap, ip));
     }
     elements
+}
+
+/// Moves a VM's own egress rules from `old` to `new`, in one transaction:
+/// elements of `vm_deny` and `vm_allow` keyed by the guest's underlay
+/// address (which the bridge's guard pins to its tap), so a lookup is one
+/// per forwarded packet whatever the number of VMs. Checked before the
+/// forward chain accepts an established connection, so a range denied now
+/// cuts what was open to it; the host's policy follows and still applies.
+/// Each list is reduced to its outermost ranges first: the sets take no
+/// overlapping elements.
+pub fn egress_ruleset(table: &str, guest: Ipv4Addr, old: &VmEgress, new: &VmEgress) -> String {
+    let mut text = String::new();
+    for (set, was, now) in [
+        ("vm_deny", &old.deny, &new.deny),
+        ("vm_allow", &old.allow, &new.allow),
+    ] {
+        let (was, now) = (Cidr::outermost(was), Cidr::outermost(now));
+        // Removed before added: an added range may cover a removed one.
+        for gone in was.iter().filter(|c| !now.contains(c)) {
+            let e = format!("ip {table} {set} {{ {guest} . {gone} }}");
+            text.push_str(&format!("add element {e}\ndelete element {e}\n"));
+        }
+        for came in now.iter().filter(|c| !was.contains(c)) {
+            text.push_str(&format!(
+                "add element ip {table} {set} {{ {guest} . {came} }}\n"
+            ));
+        }
+    }
+    text
 }
 
 fn address_element(table: &str, tap: &str, ip: Ipv4Addr) -> String {

@@ -315,6 +315,7 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         last_error: row.last_error.clone(),
         status_detail: row.status_detail.clone(),
         ssh_host_pubkey: row.ssh_host_pubkey.clone(),
+        egress: row.egress.clone(),
     }
 }
 
@@ -337,6 +338,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             last_error: row.last_error.clone(),
             status_detail: row.status_detail.clone(),
             ssh_host_pubkey: row.ssh_host_pubkey.clone(),
+            egress: row.egress.clone(),
         }));
     }
     for q in &wire.quarantined {

@@ -231,6 +231,11 @@ pub struct VmStatus {
     /// The guest's SSH host public key line when host_cert_required.
     #[prost(string, tag = "8")]
     pub ssh_host_pubkey: ::prost::alloc::string::String,
+    /// The VM's own egress rules held on the host now, for people, e.g.
+    /// "deny 0.0.0.0/0 except 10.1.0.0/16"; empty when it has none (the
+    /// host's policy alone). A change not yet held shows in last_error.
+    #[prost(string, tag = "9")]
+    pub egress: ::prost::alloc::string::String,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

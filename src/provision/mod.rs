@@ -168,6 +168,27 @@ pub trait Provisioner: Send + Sync {
     fn discard_suspension(&self, _vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
         Ok(())
     }
+
+    /// Makes `egress` the VM's own egress rules (see
+    /// [`Egress`](crate::model::Egress)): held within the call while the VM
+    /// has its network, and from its next plug otherwise, before its guest
+    /// sends anything; its hypervisor untouched. Cheap when unchanged:
+    /// called on every pass. A backend that cannot hold them says so.
+    fn set_egress(&self, _vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+        if egress.is_open() {
+            return Ok(());
+        }
+        Err(crate::error::Simple::host(
+            "this host's hypervisor backend cannot hold a VM's own egress rules",
+        )
+        .into())
+    }
+
+    /// The VM's own egress rules held on the host now; `None` when none
+    /// are (the host's policy alone).
+    fn egress_in_force(&self, _vm_id: &Id) -> Option<crate::model::Egress> {
+        None
+    }
 }
 
 /// A suspended guest's saved state as the backend finds it.

@@ -53,6 +53,7 @@ impl Core {
         if prior.is_some() && rec.spec != d.spec {
             rec.spec_changed(d.spec.clone());
         }
+        rec.egress.clone_from(&d.egress);
         // A hypervisor of this VM already running, provably its own (left
         // by a crash between its start and the record saying so, or a
         // record deleted under it): the create happened; it is recorded as

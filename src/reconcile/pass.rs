@@ -92,6 +92,7 @@ impl VmResult {
             last_error: last_error.into(),
             status_detail: String::new(),
             ssh_host_pubkey: String::new(),
+            egress: String::new(),
         });
     }
 
@@ -285,6 +286,75 @@ impl Core {
     /// boot is none), a created VM to converge, or a quarantined VM back in
     /// desired state, which leaves quarantine and is driven as what it was.
     fn drive(
+        &self,
+        deadline: Deadline,
+        desired: &DesiredVm,
+        rec: Option<Record>,
+        res: &mut VmResult,
+        publisher: Option<&Publisher>,
+    ) {
+        let vm_id = &desired.spec.vm_id;
+        let rec = rec.map(|rec| self.note_egress(desired, rec));
+        let held = self.prov.set_egress(vm_id, &desired.egress);
+        match &held {
+            // Rules this host cannot hold keep a VM that is not running
+            // from starting: a guest meant to be fenced in is never let
+            // out unfenced. One already running keeps the rules it has.
+            Err(e) if e.is_host_condition() && !self.prov.running(vm_id) => {
+                let why = format!(
+                    "its own egress rules cannot be held on this host, so it is not started: {}",
+                    crate::error::chain(&**e)
+                );
+                self.logs
+                    .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
+                match &rec {
+                    Some(rec) => self.report_recorded(res, rec, PowerState::Stopped),
+                    None => *res = VmResult::queued(vm_id),
+                }
+                if let Some(row) = res.row.as_mut() {
+                    row.status_detail = "waiting for the host".into();
+                    row.last_error = why;
+                }
+                return;
+            }
+            _ => {}
+        }
+        self.drive_lifecycle(deadline, desired, rec, res, publisher);
+        if let (Some(row), Some(egress)) = (
+            res.row.as_mut(),
+            self.prov.egress_in_force(&desired.spec.vm_id),
+        ) {
+            row.egress = egress.to_string();
+        }
+        if let Err(e) = held {
+            let why = format!(
+                "its own egress rules are not held: {}",
+                crate::error::chain(&*e)
+            );
+            self.logs
+                .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
+            if let Some(row) = res.row.as_mut() {
+                row.last_error = if row.last_error.is_empty() {
+                    why
+                } else {
+                    format!("{}; {why}", row.last_error)
+                };
+            }
+        }
+    }
+
+    /// Records the VM's own egress rules when they change, before they are
+    /// held: an agent's start holds the recorded ones again for a running
+    /// VM before any pass (a save that fails is retried next pass).
+    fn note_egress(&self, desired: &DesiredVm, mut rec: Record) -> Record {
+        if rec.egress != desired.egress {
+            rec.egress = desired.egress.clone();
+            self.save_best_effort(&rec);
+        }
+        rec
+    }
+
+    fn drive_lifecycle(
         &self,
         deadline: Deadline,
         desired: &DesiredVm,

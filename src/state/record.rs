@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::Lifecycle;
-use crate::model::VmSpec;
+use crate::model::{Egress, VmSpec};
 
 /// The on-disk format this agent writes. A record of a higher format was
 /// written by a newer agent and is reported unreadable rather than half
@@ -23,6 +23,10 @@ pub struct Record {
     pub network_ip: String,
     /// OpenSSH public line of the guest's host key, when one was made.
     pub host_pubkey: String,
+    /// The VM's own egress rules as last wanted: held again when an
+    /// agent's start adopts its running hypervisor, before any pass.
+    #[serde(default, skip_serializing_if = "Egress::is_open")]
+    pub egress: Egress,
 }
 
 impl Record {
@@ -34,6 +38,7 @@ impl Record {
             ip: String::new(),
             network_ip: String::new(),
             host_pubkey: String::new(),
+            egress: Egress::default(),
         }
     }
 }

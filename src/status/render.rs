@@ -185,6 +185,9 @@ impl ReportFile {
             if !row.status_detail.is_empty() {
                 line("doing", inline(&row.status_detail));
             }
+            if !row.egress.is_empty() {
+                line("egress", inline(&row.egress));
+            }
             line(
                 "error",
                 if row.last_error.is_empty() {
@@ -504,6 +507,23 @@ mod tests {
 
     fn at_now() -> SystemTime {
         UNIX_EPOCH + Duration::from_millis(NOW)
+    }
+
+    #[test]
+    fn status_of_a_vm_with_egress_rules_of_its_own_names_them() {
+        let mut file = golden_host();
+        for row in &mut file.report.vms {
+            if row.vm_id == "web-1" {
+                row.egress = "deny 0.0.0.0/0 except 192.0.2.0/24".into();
+            }
+        }
+
+        let text = file.render_vm("web-1", &[], at_now()).unwrap_or_default();
+
+        assert!(
+            text.contains("\n  egress     deny 0.0.0.0/0 except 192.0.2.0/24\n"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -190,6 +190,10 @@ pub struct Fakes {
     keys_made: AtomicU64,
     recording: std::sync::atomic::AtomicBool,
     exits: Mutex<Option<ExitListener>>,
+    /// Each VM's own egress rules as last set (not a [`Call`]: set on
+    /// every pass, they would crowd every test's list of calls).
+    egress: Mutex<HashMap<Id, crate::model::Egress>>,
+    egress_refused: std::sync::atomic::AtomicBool,
 }
 
 impl Fakes {
@@ -211,6 +215,8 @@ impl Fakes {
             keys_made: AtomicU64::new(0),
             recording: std::sync::atomic::AtomicBool::new(true),
             exits: Mutex::new(None),
+            egress: Mutex::new(HashMap::new()),
+            egress_refused: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -363,6 +369,17 @@ impl Fakes {
         self.calls.lock().clone()
     }
 
+    /// From now on, like a host without nft: egress rules are refused as
+    /// a host condition.
+    pub fn refuse_egress(&self) {
+        self.egress_refused.store(true, Ordering::SeqCst);
+    }
+
+    /// The VM's own egress rules as the engine last set them.
+    pub fn egress_of(&self, vm: &str) -> Option<crate::model::Egress> {
+        self.egress.lock().get(&id(vm)).cloned()
+    }
+
     /// Calls that act on the host (not queries such as `running`).
     pub fn actions(&self) -> Vec<Call> {
         self.calls().into_iter().filter(|c| !c.is_query()).collect()
@@ -505,6 +522,22 @@ impl Provisioner for Fakes {
     fn network_address(&self, vm_id: &Id) -> Option<Ipv4Addr> {
         self.record(Call::NetworkAddress(vm_id.clone()));
         self.addresses.lock().get(vm_id).and_then(|a| a.network)
+    }
+
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+        if self.egress_refused.load(Ordering::SeqCst) && !egress.is_open() {
+            return Err(crate::error::Simple::host("the fake host holds no egress rules").into());
+        }
+        self.egress.lock().insert(vm_id.clone(), egress.clone());
+        Ok(())
+    }
+
+    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
+        self.egress
+            .lock()
+            .get(vm_id)
+            .filter(|e| !e.is_open())
+            .cloned()
     }
 
     fn watch_exits(&self, listener: ExitListener) {

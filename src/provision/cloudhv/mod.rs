@@ -232,7 +232,12 @@ impl CloudHypervisor {
             let Some(network) = &self.cfg.network else {
                 continue;
             };
-            let mut plugged = network.plug(vm_id, Mac::underlay(vm_id)).map(drop);
+            // The rules it last had, held again before its tap is: the
+            // ruleset was made afresh at start, and a sandboxed guest is
+            // not let out until the first pass names them.
+            let mut plugged = network
+                .set_egress(vm_id, &rec.egress)
+                .and_then(|()| network.plug(vm_id, Mac::underlay(vm_id)).map(drop));
             if plugged.is_ok()
                 && !rec.spec.network.is_empty()
                 && let Some(taps) = network.taps(vm_id)
@@ -589,6 +594,20 @@ impl Provisioner for CloudHypervisor {
 
     fn address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {
         self.cfg.network.as_ref().and_then(|n| n.address(vm_id))
+    }
+
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+        match &self.cfg.network {
+            Some(network) => network.set_egress(vm_id, egress),
+            // With the host network off a VM has no NIC: it reaches
+            // nothing, whatever its rules would allow.
+            None => Ok(()),
+        }
+    }
+
+    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
+        let held = self.cfg.network.as_ref()?.egress_in_force(vm_id)?;
+        (!held.is_open()).then_some(held)
     }
 
     fn network_address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {

@@ -1,0 +1,114 @@
+//! What a tenant's VM is promised beyond its hardware, through the engine
+//! against the fake backend: its own egress rules, held from before its
+//! first boot and changed on a running VM without touching it.
+
+mod common;
+
+use common::Harness;
+use eitri_agent::model::{Cidr, Egress, Phase, PowerState, Snapshot};
+use eitri_agent::testkit::{Call, desired, present, snapshot};
+
+const VM: &str = "vm-1";
+
+fn egress(deny: &str, allow: &str) -> Egress {
+    Egress {
+        deny: Cidr::parse_list(deny).expect("deny"),
+        allow: Cidr::parse_list(allow).expect("allow"),
+    }
+}
+
+fn wanted(epoch: u64, rules: &Egress) -> Snapshot {
+    let mut d = desired(VM);
+    d.egress = rules.clone();
+    snapshot(epoch, vec![present(d)])
+}
+
+#[test]
+fn a_new_vms_egress_rules_reach_the_backend_in_the_pass_that_boots_it() {
+    let h = Harness::new();
+    let rules = egress("0.0.0.0/0", "10.1.0.0/16");
+
+    h.tick(&wanted(1, &rules));
+
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+    assert_eq!(h.fakes.egress_of(VM), Some(rules.clone()));
+    assert_eq!(h.record(VM).egress, rules);
+}
+
+#[test]
+fn changed_egress_rules_are_held_within_a_tick_and_the_vm_is_not_rebooted() {
+    let h = Harness::new();
+    h.tick(&wanted(1, &egress("203.0.113.10", "")));
+    let boots = h.fakes.count(|c| matches!(c, Call::Boot(_)));
+
+    h.tick(&wanted(2, &egress("203.0.113.20", "")));
+
+    assert_eq!(h.fakes.egress_of(VM), Some(egress("203.0.113.20", "")));
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), boots);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Shutdown(_))), 0);
+    assert_eq!(h.row(VM).power, Some(PowerState::Running));
+}
+
+#[test]
+fn changed_egress_rules_are_recorded_for_the_next_agent_start() {
+    let h = Harness::new();
+    h.tick(&wanted(1, &Egress::default()));
+
+    h.tick(&wanted(2, &egress("0.0.0.0/0", "")));
+
+    assert_eq!(h.record(VM).egress, egress("0.0.0.0/0", ""));
+}
+
+#[test]
+fn the_row_says_which_egress_rules_are_held() {
+    let h = Harness::new();
+
+    h.tick(&wanted(1, &egress("0.0.0.0/0", "10.1.0.0/16, 192.0.2.7")));
+
+    assert_eq!(
+        h.row(VM).egress,
+        "deny 0.0.0.0/0 except 10.1.0.0/16, 192.0.2.7/32"
+    );
+}
+
+#[test]
+fn a_vm_with_no_egress_rules_of_its_own_says_nothing_of_them() {
+    let h = Harness::new();
+
+    h.tick(&wanted(1, &Egress::default()));
+
+    assert_eq!(h.row(VM).egress, "");
+    assert_eq!(h.record(VM).egress, Egress::default());
+    assert_eq!(h.fakes.egress_of(VM), Some(Egress::default()));
+}
+
+#[test]
+fn a_vm_whose_egress_rules_the_host_cannot_hold_is_not_started() {
+    let h = Harness::new();
+    h.fakes.refuse_egress();
+
+    h.tick(&wanted(1, &egress("0.0.0.0/0", "")));
+
+    let row = h.row(VM);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 0);
+    assert_eq!(row.power, Some(PowerState::Stopped));
+    assert_eq!(row.phase, Some(Phase::Creating));
+    assert!(
+        row.last_error
+            .contains("cannot be held on this host, so it is not started")
+            && row.last_error.contains("holds no egress rules"),
+        "{row:?}"
+    );
+}
+
+#[test]
+fn a_vm_whose_egress_rules_the_host_cannot_hold_starts_once_it_has_none() {
+    let h = Harness::new();
+    h.fakes.refuse_egress();
+    h.tick(&wanted(1, &egress("0.0.0.0/0", "")));
+
+    h.tick(&wanted(2, &Egress::default()));
+
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 1);
+    assert_eq!(h.row(VM).power, Some(PowerState::Running));
+}
