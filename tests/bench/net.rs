@@ -8,12 +8,14 @@
 //! this measures latency, not throughput.
 //!
 //! Then the guards' cost: a guest namespace behind a guarded port sends TCP
-//! to a "remote" namespace through the NAT, with the agent's whole ruleset
-//! (port chain, egress policy) and with nothing but the masquerade, both
-//! in each of 15 rounds (which goes first alternates); `filter_ratio` is
-//! the median of the rounds' guarded-over-bare ratios (1.0 = the guards
-//! cost nothing). On two busy cores one round's ratio still swings by
-//! ±10 %: pairing cancels the drift between rounds, not within one.
+//! to a "remote" namespace through the NAT, with the masquerade alone, with
+//! the agent's whole ruleset (port guard, host egress policy), and with
+//! that and a deny-list of the guest's own its traffic passes, all three
+//! in each of 15 rounds (the order rotates). `filter_ratio` is the median
+//! of the rounds' guarded-over-bare ratios, `own_rules_ratio` the same
+//! with the guest's own rules (1.0 = they cost nothing). On two busy cores
+//! one round's ratio still swings by ±10 %: pairing cancels the drift
+//! between rounds, not within one.
 
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -21,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use eitri_agent::model::Mac;
+use eitri_agent::model::{Cidr, Egress, Mac};
 use eitri_agent::net::dhcp::Responder;
 use eitri_agent::net::dhcp::codec::{Frame, Kind, Message};
 use eitri_agent::net::packet::PacketSocket;
@@ -155,16 +157,18 @@ fn main() -> Res<()> {
     let Throughput {
         guarded_mbps: filtered,
         bare_mbps: bare,
+        own_rules_mbps: own,
         ratio,
+        own_rules_ratio,
     } = throughput_with_and_without_guards()?;
     println!(
-        "guest to remote TCP through the NAT: {filtered:.0} Mbit/s guarded, {bare:.0} Mbit/s with the masquerade alone"
+        "guest to remote TCP through the NAT: {filtered:.0} Mbit/s guarded, {own:.0} Mbit/s guarded with a deny-list of its own, {bare:.0} Mbit/s with the masquerade alone"
     );
     println!(
         "DHCP on a veth: OFFER p50 {offer:.0} us (after idle; a bare echo after idle {idle:.0} us), ACK p50 {ack:.0} us (right after; a bare echo {hot:.0} us)"
     );
     println!(
-        "bench=net offer_us_p50={offer:.0} ack_us_p50={ack:.0} echo_idle_us_p50={idle:.0} echo_hot_us_p50={hot:.0} offer_ratio={:.2} ack_ratio={:.2} guarded_mbps={filtered:.0} bare_mbps={bare:.0} filter_ratio={:.3}",
+        "bench=net offer_us_p50={offer:.0} ack_us_p50={ack:.0} echo_idle_us_p50={idle:.0} echo_hot_us_p50={hot:.0} offer_ratio={:.2} ack_ratio={:.2} guarded_mbps={filtered:.0} bare_mbps={bare:.0} filter_ratio={:.3} own_rules_mbps={own:.0} own_rules_ratio={own_rules_ratio:.3}",
         offer / idle,
         ack / hot,
         ratio
@@ -198,21 +202,42 @@ fn guest_mac() -> Res<Mac> {
     Mac::parse("02:e1:00:00:00:07").ok_or_else(|| "a MAC".into())
 }
 
-/// The agent's ruleset, or the masquerade alone.
-fn rules(guarded: bool) -> Res<()> {
-    let text = if guarded {
-        eitri_agent::net::underlay::nft_ruleset(&underlay_config())
-            + &eitri_agent::net::underlay::port_ruleset(
-                "eitri_test",
-                &Port {
-                    tap: "etgbench",
-                    mac: guest_mac()?,
-                    ip: Some(GUEST),
-                },
-            )
-    } else {
-        "flush ruleset\ntable ip bare {\n\tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n\t\tip saddr 100.77.0.0/16 oifname != \"etbr0\" masquerade\n\t}\n}\n".to_owned()
+/// What guards the guest in a round.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Setup {
+    /// The masquerade alone.
+    Bare,
+    /// The agent's whole ruleset, the guest with no rules of its own.
+    Guarded,
+    /// The same, the guest with a deny-list of its own its traffic passes
+    /// (every packet looked up in it).
+    OwnRules,
+}
+
+fn rules(setup: Setup) -> Res<()> {
+    let port = Port {
+        tap: "etgbench",
+        mac: guest_mac()?,
+        ip: Some(GUEST),
     };
+    let mut text = match setup {
+        Setup::Bare => "flush ruleset\ntable ip bare {\n\tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n\t\tip saddr 100.77.0.0/16 oifname != \"etbr0\" masquerade\n\t}\n}\n".to_owned(),
+        Setup::Guarded | Setup::OwnRules => {
+            eitri_agent::net::underlay::nft_ruleset(&underlay_config())
+                + &eitri_agent::net::underlay::port_ruleset("eitri_test", &port)
+        }
+    };
+    if setup == Setup::OwnRules {
+        text += &eitri_agent::net::underlay::egress_ruleset(
+            "eitri_test",
+            GUEST,
+            &Egress::default(),
+            &Egress {
+                deny: Cidr::parse_list("10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16")?,
+                allow: Cidr::parse_list("10.1.0.0/16")?,
+            },
+        );
+    }
     let mut child = Command::new("nft")
         .args(["-f", "-"])
         .stdin(std::process::Stdio::piped())
@@ -290,37 +315,45 @@ fn throughput_with_and_without_guards() -> Res<Throughput> {
             while matches!(conn.read(&mut buf), Ok(n) if n > 0) {}
         }
     });
-    // Each round measures both, in an order that alternates between rounds,
-    // so the machine's drift and whichever side runs second weigh on both
-    // alike; the ratio is the median of the rounds' own ratios.
-    let (mut guarded, mut bare, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    // Each round measures all three, in an order that rotates between
+    // rounds, so the machine's drift and whichever runs last weigh on each
+    // alike; a ratio is the median of the rounds' own ratios.
+    let order = [Setup::Bare, Setup::Guarded, Setup::OwnRules];
+    let (mut rates, mut guard_ratios, mut own_ratios) = ([vec![], vec![], vec![]], vec![], vec![]);
     for round in 0..TCP_ROUNDS {
-        let mut pair = [0.0f64; 2];
-        for with_guards in [round % 2 == 0, round % 2 != 0] {
-            rules(with_guards)?;
-            pair[usize::from(with_guards)] = send_round(&guest, to)?;
+        let mut rate = [0.0f64; 3];
+        for k in 0..3 {
+            let which = (round + k) % 3;
+            rules(order[which])?;
+            rate[which] = send_round(&guest, to)?;
         }
-        let [without, with] = pair;
-        guarded.push(with);
-        bare.push(without);
-        ratios.push(with / without);
+        for (all, r) in rates.iter_mut().zip(rate) {
+            all.push(r);
+        }
+        guard_ratios.push(rate[1] / rate[0]);
+        own_ratios.push(rate[2] / rate[0]);
     }
     drop(sink);
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    let [bare, guarded, own] = rates;
     Ok(Throughput {
-        guarded_mbps: median(guarded),
         bare_mbps: median(bare),
-        ratio: median(ratios),
+        guarded_mbps: median(guarded),
+        own_rules_mbps: median(own),
+        ratio: median(guard_ratios),
+        own_rules_ratio: median(own_ratios),
     })
 }
 
-/// What the TCP rounds measured: each side's median and the median of the
-/// rounds' guarded-over-bare ratios.
+/// What the TCP rounds measured: each setup's median and the medians of
+/// the rounds' ratios over bare.
 struct Throughput {
     guarded_mbps: f64,
     bare_mbps: f64,
+    own_rules_mbps: f64,
     ratio: f64,
+    own_rules_ratio: f64,
 }
