@@ -441,6 +441,7 @@ fn images_prune_keeps_every_image_a_vm_names() {
                 vcpus: 1,
                 mem_mb: 128,
                 disk_gb: 1,
+                limits: Default::default(),
             }))
             .expect("record");
         std::fs::write(store.layout().images().join(&used), b"used").expect("image");

@@ -1538,6 +1538,55 @@ both!(
     destroying_a_suspended_vm_leaves_nothing_of_it_on,
 );
 
+/// What the VM's VMM's API says its configuration is.
+fn vm_config(h: &Host, vm: &str) -> serde_json::Value {
+    let (_, body) = eitri_agent::provision::unix_http::request(
+        &h.backend.socket_path(&id(vm)),
+        "GET",
+        "/api/v1/vm.info",
+        None,
+        Duration::from_secs(2),
+    )
+    .expect("vm.info");
+    let info: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    info["config"].clone()
+}
+
+/// A real cloud-hypervisor takes the limits' command line and holds them:
+/// its own account of its configuration has the disks' group and bucket
+/// and the NIC's. (That it paces a guest's I/O to them needs a guest that
+/// does I/O, which the tiny guest does not.)
+#[test]
+fn a_real_vmm_holds_the_disk_and_nic_limits_it_was_given() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = match real_host() {
+        Ok(h) => h,
+        Err(why) => return println!("SKIPPED: {why}"),
+    };
+    h.connect();
+    let mut spec = h.spec("vm-1");
+    spec.limits.disk_mbps = 50;
+    spec.limits.disk_iops = 800;
+    spec.limits.net_mbps = 80;
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let config = vm_config(&h, "vm-1");
+    assert_eq!(vm_state(&h, "vm-1").as_deref(), Some("Running"));
+    let group = &config["rate_limit_groups"][0];
+    assert_eq!(group["id"], "disks", "{config}");
+    assert_eq!(
+        group["rate_limiter_config"]["bandwidth"]["size"], 50_000_000,
+        "{config}"
+    );
+    assert_eq!(group["rate_limiter_config"]["ops"]["size"], 800, "{config}");
+    assert_eq!(config["disks"][0]["rate_limit_group"], "disks", "{config}");
+    assert_eq!(
+        config["net"][0]["rate_limiter_config"]["bandwidth"]["size"], 10_000_000,
+        "{config}"
+    );
+}
+
 /// Deletes a test link on the way out, whatever happened.
 struct Link(String);
 
@@ -2260,6 +2309,89 @@ fn a_destroyed_vm_leaves_no_egress_rule_of_its_own() {
 
     assert!(!set_elements("vm_deny").contains(&ip));
     assert!(!set_elements("vm_allow").contains(&ip));
+}
+
+/// The VMM's arguments, as its /proc cmdline has them.
+fn vmm_args(h: &Host, vm: &str) -> Vec<String> {
+    let pid = h.pid(vm).expect("pid");
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .expect("cmdline")
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect()
+}
+
+/// The VM's cgroup file `name`, from whichever hierarchy has it.
+fn cgroup_file(h: &Host, vm: &str, name: &str) -> Option<String> {
+    let cgroups = Cgroups::probe(&h.cfg.confinement.cgroup_root).expect("cgroups");
+    cgroups
+        .dirs(&id(vm))
+        .iter()
+        .find_map(|d| std::fs::read_to_string(d.join(name)).ok())
+        .map(|v| v.trim().to_owned())
+}
+
+#[test]
+fn a_vms_cpu_cap_is_its_cgroups_quota_and_its_burst_too() {
+    let h = Host::new(&[]);
+    let mut spec = h.spec("vm-1");
+    spec.limits.cpu_max_millis = 250;
+    spec.limits.cpu_burst_ms = 10;
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let quota =
+        cgroup_file(&h, "vm-1", "cpu.cfs_quota_us").or_else(|| cgroup_file(&h, "vm-1", "cpu.max"));
+    assert!(
+        quota.as_deref() == Some("25000") || quota.as_deref() == Some("25000 100000"),
+        "{quota:?}"
+    );
+    let burst = cgroup_file(&h, "vm-1", "cpu.cfs_burst_us")
+        .or_else(|| cgroup_file(&h, "vm-1", "cpu.max.burst"));
+    assert_eq!(burst.as_deref(), Some("10000"));
+}
+
+#[test]
+fn a_vm_with_no_cap_of_its_own_takes_the_hosts_per_vcpu() {
+    let mut h = Host::new(&[]);
+    h.cfg.confinement.limits.cpu_max_millis_per_vcpu = 500;
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    let mut spec = h.spec("vm-1");
+    spec.vcpus = 2;
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let quota =
+        cgroup_file(&h, "vm-1", "cpu.cfs_quota_us").or_else(|| cgroup_file(&h, "vm-1", "cpu.max"));
+    assert!(
+        quota.as_deref() == Some("100000") || quota.as_deref() == Some("100000 100000"),
+        "{quota:?}"
+    );
+}
+
+#[test]
+fn a_vms_disk_and_nic_limits_are_on_its_vmms_command_line() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    let mut spec = h.spec("vm-1");
+    spec.limits.disk_mbps = 50;
+    spec.limits.disk_iops = 800;
+    spec.limits.net_mbps = 80;
+
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+
+    let args = vmm_args(&h, "vm-1");
+    assert!(
+        args.iter().any(|a| a
+            == "id=disks,bw_size=50000000,bw_refill_time=1000,ops_size=800,ops_refill_time=1000"),
+        "{args:?}"
+    );
+    assert!(
+        args.iter()
+            .any(|a| a.starts_with("fd=") && a.ends_with(",bw_size=10000000,bw_refill_time=1000")),
+        "{args:?}"
+    );
 }
 
 #[test]

@@ -1,11 +1,12 @@
 //! What a tenant's VM is promised beyond its hardware, through the engine
 //! against the fake backend: its own egress rules, held from before its
-//! first boot and changed on a running VM without touching it.
+//! first boot and changed on a running VM without touching it; and its
+//! limits, which a running VM takes at its next boot.
 
 mod common;
 
 use common::Harness;
-use eitri_agent::model::{Cidr, Egress, Phase, PowerState, Snapshot};
+use eitri_agent::model::{Cidr, Egress, Phase, PowerState, Snapshot, VmLimits};
 use eitri_agent::testkit::{Call, desired, present, snapshot};
 
 const VM: &str = "vm-1";
@@ -111,4 +112,75 @@ fn a_vm_whose_egress_rules_the_host_cannot_hold_starts_once_it_has_none() {
 
     assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 1);
     assert_eq!(h.row(VM).power, Some(PowerState::Running));
+}
+
+fn limited(epoch: u64, power: PowerState, limits: VmLimits) -> Snapshot {
+    let mut d = desired(VM);
+    d.spec.limits = limits;
+    d.power = power;
+    snapshot(epoch, vec![present(d)])
+}
+
+fn cpu(millis: u32) -> VmLimits {
+    VmLimits {
+        cpu_max_millis: millis,
+        ..VmLimits::default()
+    }
+}
+
+#[test]
+fn a_new_vm_boots_with_its_limits() {
+    let h = Harness::new();
+
+    h.tick(&limited(1, PowerState::Running, cpu(500)));
+
+    assert_eq!(h.record(VM).spec.limits, cpu(500));
+    assert_eq!(h.row(VM).limits, "cpu 0.5");
+}
+
+#[test]
+fn a_running_vms_changed_limit_waits_for_its_next_boot_and_says_so() {
+    let h = Harness::new();
+    h.tick(&limited(1, PowerState::Running, cpu(500)));
+    let boots = h.fakes.count(|c| matches!(c, Call::Boot(_)));
+
+    h.tick(&limited(2, PowerState::Running, cpu(250)));
+
+    let row = h.row(VM);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), boots);
+    assert_eq!(h.record(VM).spec.limits, cpu(500));
+    assert_eq!(row.limits, "cpu 0.5");
+    assert!(
+        row.status_detail.contains("limits change at the next boot"),
+        "{row:?}"
+    );
+}
+
+#[test]
+fn a_changed_limit_is_taken_at_the_next_boot_from_cold() {
+    let h = Harness::new();
+    h.tick(&limited(1, PowerState::Running, cpu(500)));
+    h.tick(&limited(2, PowerState::Running, cpu(250)));
+    h.tick(&limited(3, PowerState::Stopped, cpu(250)));
+
+    h.tick(&limited(4, PowerState::Running, cpu(250)));
+
+    let row = h.row(VM);
+    assert_eq!(h.record(VM).spec.limits, cpu(250));
+    assert_eq!(row.power, Some(PowerState::Running));
+    assert_eq!(row.limits, "cpu 0.25");
+    assert!(!row.status_detail.contains("next boot"), "{row:?}");
+}
+
+#[test]
+fn a_changed_limit_does_not_reboot_or_reset_a_created_vm() {
+    let h = Harness::new();
+    h.tick(&limited(1, PowerState::Running, cpu(500)));
+
+    h.tick(&limited(2, PowerState::Running, cpu(250)));
+
+    let rec = h.record(VM);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Shutdown(_))), 0);
+    assert_eq!(rec.lifecycle.create_attempts(), 1);
+    assert!(!rec.lifecycle.boot_id().is_empty());
 }

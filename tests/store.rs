@@ -23,6 +23,7 @@ fn record(vm: &str, attempts: u32) -> Record {
         vcpus: 2,
         mem_mb: 512,
         disk_gb: 4,
+        limits: Default::default(),
     });
     rec.lifecycle = Lifecycle::from_parts(LifecycleParts {
         create_attempts: attempts,

@@ -29,6 +29,11 @@ fn full_vm(id: &str) -> pb::VmSpec {
         ssh_user_ca_authorized_keys: vec!["ssh-ed25519 AAAAca1".into(), "ssh-rsa AAAAca2".into()],
         egress_allow: vec!["10.1.0.0/16".into(), "192.0.2.7/32".into()],
         egress_deny: vec!["0.0.0.0/0".into()],
+        cpu_max_millis: 2500,
+        cpu_burst_ms: 50,
+        disk_mbps: 200,
+        disk_iops: 5000,
+        net_mbps: 1000,
     }
 }
 
@@ -125,6 +130,7 @@ fn report_round_trips_every_field() {
                 status_detail: "booting".into(),
                 ssh_host_pubkey: "ssh-ed25519 AAAAhost".into(),
                 egress: "deny 0.0.0.0/0 except 10.1.0.0/16".into(),
+                limits: "cpu 1.5, net 100 Mbit/s each way".into(),
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),
@@ -373,6 +379,90 @@ fn a_bad_egress_range_refuses_its_vm_alone() {
     assert_eq!(snap.vms[0].id().as_str(), "good");
     assert_eq!(snap.rejected_vms.len(), 1);
     assert_eq!(snap.rejected_vms[0].raw_id, "bad");
+}
+
+#[test]
+fn a_cpu_cap_above_the_vms_vcpus_is_refused_saying_what_a_cap_is() {
+    let err = rejection(pb::VmSpec {
+        vcpus: 2,
+        cpu_max_millis: 2001,
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("cpu_max_millis")
+            && err.contains("10..=2000")
+            && err.contains("thousandths of a CPU"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_cpu_burst_past_the_caps_quota_is_refused() {
+    let err = rejection(pb::VmSpec {
+        cpu_max_millis: 500,
+        cpu_burst_ms: 51,
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("cpu_burst_ms") && err.contains("1..=50"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_negative_limit_is_refused_naming_its_field() {
+    for (field, raw) in [
+        (
+            "disk_mbps",
+            pb::VmSpec {
+                disk_mbps: -1,
+                ..full_vm("v")
+            },
+        ),
+        (
+            "disk_iops",
+            pb::VmSpec {
+                disk_iops: -5,
+                ..full_vm("v")
+            },
+        ),
+        (
+            "net_mbps",
+            pb::VmSpec {
+                net_mbps: i64::MIN,
+                ..full_vm("v")
+            },
+        ),
+    ] {
+        let err = rejection(raw);
+
+        assert!(
+            err.contains(field) && err.contains("neither 0 (the host's default)"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn zero_limits_are_the_hosts_defaults() {
+    let snap = convert::snapshot_from_wire(&pb::Snapshot {
+        vms: vec![pb::VmSpec {
+            cpu_max_millis: 0,
+            cpu_burst_ms: 0,
+            disk_mbps: 0,
+            disk_iops: 0,
+            net_mbps: 0,
+            ..full_vm("v")
+        }],
+        ..pb::Snapshot::default()
+    });
+
+    let Some(WantedVm::Present(d)) = snap.vms.first() else {
+        panic!("accepted: {:?}", snap.rejected_vms);
+    };
+    assert!(d.spec.limits.is_hosts());
 }
 
 #[test]

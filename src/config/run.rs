@@ -400,6 +400,29 @@ fn confinement(raw: &Raw<'_>) -> Result<Confinement, ConfigError> {
         cgroup_root,
         allow_without,
         serial_log_bytes: serial_mb.saturating_mul(1 << 20),
+        limits: limit_defaults(raw)?,
+    })
+}
+
+/// The `--vm-…` limits, each bounded as a spec's own is.
+fn limit_defaults(raw: &Raw<'_>) -> Result<crate::model::LimitDefaults, ConfigError> {
+    use crate::model::Limits;
+    let within = |key: Key, max: u64| -> Result<u32, ConfigError> {
+        let n = raw.number(key)?;
+        if n > max {
+            return Err(err(format!(
+                "--{}: {n} is past {max}; 0 means none",
+                key.setting().flag
+            )));
+        }
+        Ok(n as u32)
+    };
+    Ok(crate::model::LimitDefaults {
+        cpu_max_millis_per_vcpu: within(Key::VmCpuMaxPerVcpu, 1000)?,
+        cpu_burst_ms: within(Key::VmCpuBurst, 100 * u64::from(Limits::MAX_VCPUS))?,
+        disk_mbps: within(Key::VmDiskMbps, Limits::MAX_DISK_MBPS)?,
+        disk_iops: within(Key::VmDiskIops, Limits::MAX_DISK_IOPS)?,
+        net_mbps: within(Key::VmNetMbps, Limits::MAX_NET_MBPS)?,
     })
 }
 

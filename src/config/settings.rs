@@ -145,6 +145,16 @@ settings! {
         "host-wide record of each agent's VMM ids and cgroup root, so agents with different state dirs never share either";
     SerialLogMaxMb => "serial-log-max-mb", "EITRI_SERIAL_LOG_MAX_MB", "16",
         "disk a guest's serial output may hold, in MiB: older output is freed once a second (the newest half is kept)";
+    VmCpuMaxPerVcpu => "vm-cpu-max-millis-per-vcpu", "EITRI_VM_CPU_MAX_MILLIS_PER_VCPU", "0",
+        "hard CPU cap of a VM whose spec sets none, in thousandths of a CPU per vCPU: 1000 holds each vCPU to one CPU's time (0: no cap, only a weight)";
+    VmCpuBurst => "vm-cpu-burst-ms", "EITRI_VM_CPU_BURST_MS", "0",
+        "CPU time per 100 ms a capped VM whose spec sets none may spend above its cap out of what it left unused (0: none)";
+    VmDiskMbps => "vm-disk-mbps", "EITRI_VM_DISK_MBPS", "0",
+        "disk bandwidth of a VM whose spec sets none, MB/s across its root disk and volumes (0: unlimited)";
+    VmDiskIops => "vm-disk-iops", "EITRI_VM_DISK_IOPS", "0",
+        "disk operations a second of a VM whose spec sets none, across its root disk and volumes (0: unlimited)";
+    VmNetMbps => "vm-net-mbps", "EITRI_VM_NET_MBPS", "0",
+        "NIC bandwidth of a VM whose spec sets none, Mbit/s each way on each NIC (0: unlimited)";
     AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",
         "pieces of confinement hypervisors may run without where this host lacks them: jail, cgroups, landlock (comma-separated; default none)";
     MetricsFile => "metrics-file", "EITRI_METRICS_FILE", "",

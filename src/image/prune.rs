@@ -184,6 +184,7 @@ mod tests {
                 vcpus: 1,
                 mem_mb: 128,
                 disk_gb: 1,
+                limits: crate::model::VmLimits::default(),
             }))
             .expect("record");
         let start = SystemTime::now() - Duration::from_secs(3600);

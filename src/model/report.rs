@@ -87,6 +87,8 @@ pub struct VmStatus {
     pub ssh_host_pubkey: String,
     /// The VM's own egress rules held now, as words; empty when none.
     pub egress: String,
+    /// The limits it runs with, as words; empty when the backend holds none.
+    pub limits: String,
 }
 
 /// A VM waiting out its grace before destruction.

@@ -42,6 +42,14 @@ impl Limits {
     /// Ranges in each of a VM's egress lists: elements of one nft set per
     /// list, each a lookup on the guest's packets.
     pub const MAX_EGRESS_RULES: usize = 64;
+    /// A CPU cap under this is under the kernel's smallest quota (1 ms of
+    /// each 100 ms period).
+    pub const MIN_CPU_MAX_MILLIS: u64 = 10;
+    /// 1 TB/s, 100 M operations/s, 1 Tbit/s: past any device; a larger
+    /// number is a typo.
+    pub const MAX_DISK_MBPS: u64 = 1_000_000;
+    pub const MAX_DISK_IOPS: u64 = 100_000_000;
+    pub const MAX_NET_MBPS: u64 = 1_000_000;
 }
 
 /// The part of a VM's desired state that defines *what the VM is*. It is
@@ -64,6 +72,98 @@ pub struct VmSpec {
     pub vcpus: u32,
     pub mem_mb: u64,
     pub disk_gb: u64,
+    /// What holds it back from its neighbours. A created VM's change is
+    /// taken at its next cold boot (the record's spec says what it runs
+    /// with); absent from records older than it: all zero, the host's.
+    #[serde(default, skip_serializing_if = "VmLimits::is_hosts")]
+    pub limits: VmLimits,
+}
+
+/// A VM's limits as its spec asks: each zero means the host's default
+/// (its `--vm-…` flag), which may be none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VmLimits {
+    /// Hard CPU cap, thousandths of a CPU (1500 = one and a half CPUs).
+    pub cpu_max_millis: u32,
+    /// CPU time, in ms per 100 ms, the VM may spend above its cap from
+    /// what it left unused before.
+    pub cpu_burst_ms: u32,
+    /// Bytes a second (in MB, 10^6) across its root disk and volumes.
+    pub disk_mbps: u32,
+    /// I/O operations a second across its root disk and volumes.
+    pub disk_iops: u32,
+    /// Megabits a second, each way, on each NIC.
+    pub net_mbps: u32,
+}
+
+impl VmLimits {
+    /// Nothing asked for: the host's defaults throughout.
+    pub fn is_hosts(&self) -> bool {
+        *self == VmLimits::default()
+    }
+
+    /// The limits in force for a VM of `vcpus`: each the spec's, else the
+    /// host's; 0 is none. A burst is held to its cap's quota of one
+    /// period (the kernel refuses more) and is none without a cap.
+    pub fn in_force(&self, vcpus: u32, host: &LimitDefaults) -> VmLimits {
+        let pick = |own: u32, hosts: u32| if own != 0 { own } else { hosts };
+        let cpu_max_millis = pick(
+            self.cpu_max_millis,
+            host.cpu_max_millis_per_vcpu.saturating_mul(vcpus),
+        );
+        VmLimits {
+            cpu_max_millis,
+            cpu_burst_ms: pick(self.cpu_burst_ms, host.cpu_burst_ms).min(cpu_max_millis / 10),
+            disk_mbps: pick(self.disk_mbps, host.disk_mbps),
+            disk_iops: pick(self.disk_iops, host.disk_iops),
+            net_mbps: pick(self.net_mbps, host.net_mbps),
+        }
+    }
+}
+
+/// Limits in force, for people: "cpu 1.5 (burst 20 ms/100 ms), disk 200
+/// MB/s, 5000 IOPS, net 1000 Mbit/s each way", or "none".
+impl fmt::Display for VmLimits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        if self.cpu_max_millis != 0 {
+            let cpus = f64::from(self.cpu_max_millis) / 1000.0;
+            parts.push(if self.cpu_burst_ms != 0 {
+                format!("cpu {cpus} (burst {} ms/100 ms)", self.cpu_burst_ms)
+            } else {
+                format!("cpu {cpus}")
+            });
+        }
+        let disk: Vec<String> = [(self.disk_mbps, "MB/s"), (self.disk_iops, "IOPS")]
+            .iter()
+            .filter(|(v, _)| *v != 0)
+            .map(|(v, unit)| format!("{v} {unit}"))
+            .collect();
+        if !disk.is_empty() {
+            parts.push(format!("disk {}", disk.join(", ")));
+        }
+        if self.net_mbps != 0 {
+            parts.push(format!("net {} Mbit/s each way", self.net_mbps));
+        }
+        if parts.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&parts.join(", "))
+        }
+    }
+}
+
+/// The host's limits for a VM whose spec sets none (its `--vm-…` flags);
+/// 0 is none.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitDefaults {
+    /// Thousandths of a CPU per vCPU: 1000 holds each vCPU to one CPU.
+    pub cpu_max_millis_per_vcpu: u32,
+    pub cpu_burst_ms: u32,
+    pub disk_mbps: u32,
+    pub disk_iops: u32,
+    pub net_mbps: u32,
 }
 
 /// Whether a VM should be (or is) running.
@@ -310,6 +410,12 @@ impl SpecError {
             field,
             problem: problem.into(),
         }
+    }
+
+    /// The same, with what the value means added to the problem.
+    pub fn hint(mut self, meaning: &str) -> SpecError {
+        self.problem = format!("{} ({meaning})", self.problem);
+        self
     }
 }
 

@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use crate::model::is_hostname;
 use crate::model::{
     Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report,
-    Snapshot, SpecError, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm,
-    WantedVolume,
+    Snapshot, SpecError, VmLimits, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus,
+    WantedVm, WantedVolume,
 };
 use crate::pb;
 use crate::quote;
@@ -146,6 +146,8 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         allow: egress_list("egress_allow", &raw.egress_allow)?,
         deny: egress_list("egress_deny", &raw.egress_deny)?,
     };
+    let vcpus = bounded("vcpus", raw.vcpus, u64::from(Limits::MAX_VCPUS))? as u32;
+    let limits = vm_limits(raw, vcpus)?;
     let spec = VmSpec {
         vm_id,
         name: hostname(&raw.name)?,
@@ -155,9 +157,10 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         ssh_authorized_key: single_line("ssh_authorized_key", &raw.ssh_authorized_key)?,
         network: network_name(&raw.network)?,
         volume_ids,
-        vcpus: bounded("vcpus", raw.vcpus, u64::from(Limits::MAX_VCPUS))? as u32,
+        vcpus,
         mem_mb: bounded("mem_mb", raw.mem_mb, Limits::MAX_MEM_MB)?,
         disk_gb: bounded("disk_gb", raw.disk_gb, Limits::MAX_DISK_GB)?,
+        limits,
     };
     Ok(DesiredVm {
         spec,
@@ -219,6 +222,11 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                 vcpus: i64::from(s.vcpus),
                 mem_mb: s.mem_mb as i64,
                 disk_gb: s.disk_gb as i64,
+                cpu_max_millis: i64::from(s.limits.cpu_max_millis),
+                cpu_burst_ms: i64::from(s.limits.cpu_burst_ms),
+                disk_mbps: i64::from(s.limits.disk_mbps),
+                disk_iops: i64::from(s.limits.disk_iops),
+                net_mbps: i64::from(s.limits.net_mbps),
                 power_state: d.power.as_wire().to_owned(),
                 tombstoned: false,
                 host_cert_required: d.host_cert_required,
@@ -316,6 +324,7 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         status_detail: row.status_detail.clone(),
         ssh_host_pubkey: row.ssh_host_pubkey.clone(),
         egress: row.egress.clone(),
+        limits: row.limits.clone(),
     }
 }
 
@@ -339,6 +348,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             status_detail: row.status_detail.clone(),
             ssh_host_pubkey: row.ssh_host_pubkey.clone(),
             egress: row.egress.clone(),
+            limits: row.limits.clone(),
         }));
     }
     for q in &wire.quarantined {
@@ -381,6 +391,51 @@ fn optional_enum<T>(
     parse(raw)
         .map(Some)
         .ok_or_else(|| SpecError::new(field, format!("unknown value {}", quote::text(raw))))
+}
+
+/// A VM's limits: each 0 (the host's) or within its bounds.
+fn vm_limits(raw: &pb::VmSpec, vcpus: u32) -> Result<VmLimits, SpecError> {
+    let cpu_cap = u64::from(vcpus) * 1000;
+    let cpu_max_millis = zero_or_within(
+        "cpu_max_millis",
+        raw.cpu_max_millis,
+        Limits::MIN_CPU_MAX_MILLIS,
+        cpu_cap,
+    )
+    .map_err(|e| {
+        e.hint(&format!(
+            "a cap is thousandths of a CPU, at most 1000 per vCPU ({vcpus} here)"
+        ))
+    })?;
+    // The kernel refuses a burst larger than the quota of one period.
+    let burst_cap = if cpu_max_millis == 0 {
+        cpu_cap / 10
+    } else {
+        cpu_max_millis / 10
+    };
+    let cpu_burst_ms =
+        zero_or_within("cpu_burst_ms", raw.cpu_burst_ms, 1, burst_cap).map_err(|e| {
+            e.hint("a burst is at most the cap's quota of one 100 ms period (cpu_max_millis / 10)")
+        })?;
+    Ok(VmLimits {
+        cpu_max_millis: cpu_max_millis as u32,
+        cpu_burst_ms: cpu_burst_ms as u32,
+        disk_mbps: zero_or_within("disk_mbps", raw.disk_mbps, 1, Limits::MAX_DISK_MBPS)? as u32,
+        disk_iops: zero_or_within("disk_iops", raw.disk_iops, 1, Limits::MAX_DISK_IOPS)? as u32,
+        net_mbps: zero_or_within("net_mbps", raw.net_mbps, 1, Limits::MAX_NET_MBPS)? as u32,
+    })
+}
+
+/// 0 (the host's default), or a value in `min..=max`.
+fn zero_or_within(field: &'static str, value: i64, min: u64, max: u64) -> Result<u64, SpecError> {
+    match u64::try_from(value) {
+        Ok(0) => Ok(0),
+        Ok(v) if (min..=max).contains(&v) => Ok(v),
+        _ => Err(SpecError::new(
+            field,
+            format!("{value} is neither 0 (the host's default) nor in {min}..={max}"),
+        )),
+    }
 }
 
 fn bounded(field: &'static str, value: i64, max: u64) -> Result<u64, SpecError> {

@@ -132,6 +132,28 @@ pub struct VmSpec {
     pub egress_allow: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
     #[prost(string, repeated, tag = "18")]
     pub egress_deny: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Limits that hold a noisy neighbour. Each 0 = the host's default (its
+    /// --vm-… flag, which may be none). A created VM takes a changed limit at
+    /// its next boot from cold (stop and start, or after a crash; a resume
+    /// keeps what it was suspended with), and its row says so meanwhile.
+    /// Hard CPU cap in thousandths of a CPU (1500 = 1.5 CPUs): the cgroup's
+    /// CFS quota over a 100 ms period. 10..=vcpus*1000.
+    #[prost(int64, tag = "19")]
+    pub cpu_max_millis: i64,
+    /// CPU time in ms per 100 ms period the VM may spend above its cap out of
+    /// what it left unused (the cgroup's burst); at most its cap's quota.
+    #[prost(int64, tag = "20")]
+    pub cpu_burst_ms: i64,
+    /// Disk bandwidth in MB/s (10^6 bytes) and operations a second, across
+    /// its root disk and volumes together (one rate-limit group of its VMM).
+    #[prost(int64, tag = "21")]
+    pub disk_mbps: i64,
+    #[prost(int64, tag = "22")]
+    pub disk_iops: i64,
+    /// NIC bandwidth in Mbit/s, each way, on each of its NICs (its VMM's
+    /// rate limiter on the virtio queues: paced, not dropped).
+    #[prost(int64, tag = "23")]
+    pub net_mbps: i64,
 }
 /// One volume's desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -236,6 +258,12 @@ pub struct VmStatus {
     /// host's policy alone). A change not yet held shows in last_error.
     #[prost(string, tag = "9")]
     pub egress: ::prost::alloc::string::String,
+    /// The limits it runs with (or will boot with), for people, e.g. "cpu 1.5
+    /// (burst 20 ms/100 ms), disk 200 MB/s, net 1000 Mbit/s each way", or
+    /// "none"; empty when the backend holds none. A change waiting for the
+    /// next boot shows in status_detail.
+    #[prost(string, tag = "10")]
+    pub limits: ::prost::alloc::string::String,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -189,6 +189,12 @@ pub trait Provisioner: Send + Sync {
     fn egress_in_force(&self, _vm_id: &Id) -> Option<crate::model::Egress> {
         None
     }
+
+    /// The limits a VM of `spec` runs with on this host (its own, else the
+    /// host's defaults); `None` when this backend holds none.
+    fn limits_in_force(&self, _spec: &VmSpec) -> Option<crate::model::VmLimits> {
+        None
+    }
 }
 
 /// A suspended guest's saved state as the backend finds it.
@@ -291,6 +297,8 @@ pub struct Confinement {
     pub allow_without: Vec<Piece>,
     /// Disk a guest's serial output may hold (see `cloudhv::serial`).
     pub serial_log_bytes: u64,
+    /// Limits of a VM whose spec sets none.
+    pub limits: crate::model::LimitDefaults,
 }
 
 impl Default for Confinement {
@@ -303,6 +311,7 @@ impl Default for Confinement {
             cgroup_root: "eitri".into(),
             allow_without: Vec::new(),
             serial_log_bytes: 16 << 20,
+            limits: crate::model::LimitDefaults::default(),
         }
     }
 }

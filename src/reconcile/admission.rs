@@ -202,6 +202,7 @@ mod tests {
             vcpus,
             mem_mb: 100,
             disk_gb: 1,
+            limits: crate::model::VmLimits::default(),
         }
     }
 

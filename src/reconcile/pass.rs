@@ -93,6 +93,7 @@ impl VmResult {
             status_detail: String::new(),
             ssh_host_pubkey: String::new(),
             egress: String::new(),
+            limits: String::new(),
         });
     }
 
@@ -325,6 +326,20 @@ impl Core {
             self.prov.egress_in_force(&desired.spec.vm_id),
         ) {
             row.egress = egress.to_string();
+        }
+        if let Some(row) = res.row.as_mut()
+            && let Ok(Some(now)) = self.store.get(vm_id)
+        {
+            if let Some(held) = self.prov.limits_in_force(&now.spec) {
+                row.limits = held.to_string();
+            }
+            if now.spec.limits != desired.spec.limits
+                && self.prov.running(vm_id)
+                && row.status_detail.is_empty()
+            {
+                row.status_detail =
+                    "limits change at the next boot (stop and start it to apply them now)".into();
+            }
         }
         if let Err(e) = held {
             let why = format!(

@@ -610,6 +610,7 @@ mod tests {
             vcpus: 1,
             mem_mb: 64,
             disk_gb: 1,
+            limits: crate::model::VmLimits::default(),
         })
     }
 

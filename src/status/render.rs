@@ -185,6 +185,9 @@ impl ReportFile {
             if !row.status_detail.is_empty() {
                 line("doing", inline(&row.status_detail));
             }
+            if !row.limits.is_empty() {
+                line("limits", inline(&row.limits));
+            }
             if !row.egress.is_empty() {
                 line("egress", inline(&row.egress));
             }

@@ -540,6 +540,11 @@ impl Provisioner for Fakes {
             .cloned()
     }
 
+    /// The spec's own: the fake host has no defaults.
+    fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
+        Some(spec.limits)
+    }
+
     fn watch_exits(&self, listener: ExitListener) {
         *self.exits.lock() = Some(listener);
     }
@@ -722,6 +727,7 @@ pub fn desired(vm: &str) -> DesiredVm {
             vcpus: 1,
             mem_mb: 256,
             disk_gb: 1,
+            limits: crate::model::VmLimits::default(),
         },
         power: PowerState::Running,
         host_cert_required: false,

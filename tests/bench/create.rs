@@ -127,7 +127,7 @@ fn bare_confined_start(
         .map_err(|e| e.to_string())?;
     let mut spec = desired(vm_id.as_str()).spec;
     spec.mem_mb = 256;
-    cgroups.prepare(&vm_id, jail::cgroup_limits(&spec))?;
+    cgroups.prepare(&vm_id, jail::cgroup_limits(&spec, &spec.limits))?;
     let entries = cgroups.entry_files(&vm_id)?;
     let image = GuestImage::Kernel {
         kernel,
@@ -143,6 +143,7 @@ fn bare_confined_start(
         vcpus: spec.vcpus,
         mem_mb: spec.mem_mb,
         landlock: true,
+        limits: spec.limits,
     };
     // The agent's jail for it: its user, the KVM group, the same limits,
     // its own network namespace (made by the child: the agent's are made

@@ -36,6 +36,8 @@
 //! - `STANDIN_SERIAL_FLOOD=n`: a guest printing n bytes a second to its
 //!   serial port forever, numbered lines, as the real VMM writes them (one
 //!   file opened once, its offset only growing).
+//! - `STANDIN_BURN_CPUS=n`: n threads spinning for ever, as a guest whose
+//!   vCPUs never idle.
 //! - `STANDIN_LOG_FLOOD=n`: n bytes a second into its own log file, for
 //!   ever, as a VMM its guest took over could write.
 //! - `STANDIN_CONNECT=ip:port`: try a TCP connection there at start and
@@ -116,6 +118,7 @@ const FLAGS: &[&str] = &[
     "landlock-rules",
     "seccomp",
     "restore",
+    "rate-limit-group",
 ];
 
 const DISK_KEYS: &[&str] = &[
@@ -133,6 +136,13 @@ const DISK_KEYS: &[&str] = &[
     "sparse",
     "image_type",
     "backing_files",
+    "bw_size",
+    "bw_one_time_burst",
+    "bw_refill_time",
+    "ops_size",
+    "ops_one_time_burst",
+    "ops_refill_time",
+    "rate_limit_group",
 ];
 
 /// The command line as v53 checks it; a deprecation is logged, not fatal.
@@ -166,6 +176,32 @@ fn check(args: &Args, log: &Log) -> Result<(), String> {
             log.line(
                 "DEPRECATION: auto-detection of disk image type is deprecated; set image_type. Autodetected raw image type. Disabling sector 0 writes.",
             );
+        }
+    }
+    // As v53 validates rate limits: a disk in a group names one given by
+    // --rate-limit-group, and has no bucket of its own besides.
+    let groups: Vec<&str> = args
+        .flags
+        .get("rate-limit-group")
+        .into_iter()
+        .flatten()
+        .filter_map(|g| g.split(',').find_map(|kv| kv.strip_prefix("id=")))
+        .collect();
+    for disk in args.flags.get("disk").into_iter().flatten() {
+        let group = disk
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("rate_limit_group="));
+        if let Some(group) = group {
+            if !groups.contains(&group) {
+                return Err(format!(
+                    "invalid disk parameters: rate limit group {group:?} is not defined"
+                ));
+            }
+            if disk.contains("bw_size=") || disk.contains("ops_size=") {
+                return Err(format!(
+                    "invalid disk parameters: {disk:?} has a rate limit group and its own rate limiter"
+                ));
+            }
         }
     }
     if args.has("landlock-rules") && !args.has("landlock") {
@@ -427,6 +463,18 @@ fn main() {
         knob("STANDIN_LOG_FLOOD").and_then(|v| v.parse::<u64>().ok()),
     ) {
         std::thread::spawn(move || flood(&path, rate, true));
+    }
+    // A guest that never idles: n vCPU threads spinning, for a CPU cap to
+    // hold back.
+    if let Some(n) = knob("STANDIN_BURN_CPUS").and_then(|v| v.parse::<u32>().ok()) {
+        for _ in 0..n {
+            std::thread::spawn(|| {
+                let mut x = 0u64;
+                loop {
+                    x = std::hint::black_box(x.wrapping_add(1));
+                }
+            });
+        }
     }
     // The NIC's fd is held for the process's life, like a real VMM holds its
     // tap: the tap exists exactly as long as this process does.

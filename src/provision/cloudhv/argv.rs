@@ -28,7 +28,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-use crate::model::Mac;
+use crate::model::{Mac, VmLimits};
 
 /// How guests boot on this host.
 #[derive(Clone, Copy, Debug)]
@@ -72,6 +72,38 @@ pub struct VmShape<'a> {
     pub vcpus: u32,
     pub mem_mb: u64,
     pub landlock: bool,
+    /// The limits in force (0: none); the VMM holds the disk and NIC ones.
+    pub limits: VmLimits,
+}
+
+/// The refill time of the VMM's token buckets: its limiter, once a bucket
+/// is empty, waits on a timer of at least 100 ms, so a refill of 1 s keeps
+/// that wait a tenth of the refill or less and the rate over any second
+/// within the set one (after a first bucket's burst, which a refill this
+/// long makes one second's worth).
+const REFILL_MS: u64 = 1000;
+
+/// The rate-limit group every disk but the seed is in: one budget for the
+/// VM's disks together.
+const DISK_GROUP: &str = "disks";
+
+/// `bw_size=…,bw_refill_time=…` and `ops_size=…,ops_refill_time=…` for
+/// `bytes` and `ops` a second (0: none), each with a leading comma.
+fn buckets(bytes: u64, ops: u64) -> String {
+    let mut text = String::new();
+    if bytes != 0 {
+        text.push_str(&format!(
+            ",bw_size={},bw_refill_time={REFILL_MS}",
+            bytes * REFILL_MS / 1000
+        ));
+    }
+    if ops != 0 {
+        text.push_str(&format!(
+            ",ops_size={},ops_refill_time={REFILL_MS}",
+            ops * REFILL_MS / 1000
+        ));
+    }
+    text
 }
 
 /// The arguments after the program name.
@@ -93,16 +125,33 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
         }
         None => {}
     }
+    let l = shape.limits;
+    let disk_buckets = buckets(u64::from(l.disk_mbps) * 1_000_000, u64::from(l.disk_iops));
+    let grouped = if disk_buckets.is_empty() {
+        RAW.to_owned()
+    } else {
+        arg("--rate-limit-group".into());
+        arg(format!("id={DISK_GROUP}{disk_buckets}").into());
+        format!("{RAW},rate_limit_group={DISK_GROUP}")
+    };
     arg("--disk".into());
-    arg(option("path=", &files.root_disk, RAW));
+    arg(option("path=", &files.root_disk, &grouped));
     arg(option("path=", &files.seed, &format!(",readonly=on{RAW}")));
     for volume in &files.volumes {
-        arg(option("path=", volume, RAW));
+        arg(option("path=", volume, &grouped));
     }
     if !shape.nics.is_empty() {
+        // Mbit/s to bytes a second.
+        let nic_buckets = buckets(u64::from(l.net_mbps) * 125_000, 0);
         arg("--net".into());
         for (i, nic) in shape.nics.iter().enumerate() {
-            arg(format!("fd={},mac={},id={}", nic.fd, nic.mac, nic_id(i)).into());
+            arg(format!(
+                "fd={},mac={},id={}{nic_buckets}",
+                nic.fd,
+                nic.mac,
+                nic_id(i)
+            )
+            .into());
         }
     }
     arg("--serial".into());
@@ -229,6 +278,7 @@ mod tests {
             vcpus,
             mem_mb,
             landlock: true,
+            limits: VmLimits::default(),
         }
     }
 
@@ -271,6 +321,54 @@ mod tests {
                 "path=/var/lib/eitri/vms/web-1/snapshot.tmp,access=rw",
             ]
         );
+    }
+
+    #[test]
+    fn disk_limits_hold_the_root_disk_and_volumes_together_but_not_the_seed() {
+        let volumes = ["/var/lib/eitri/volumes/data-1"];
+        let nics = [nic(4, 1)];
+        let mut limited = shape(&nics, 1, 128);
+        limited.limits = VmLimits {
+            disk_mbps: 200,
+            disk_iops: 5000,
+            ..VmLimits::default()
+        };
+
+        let args = text(argv(kernel(), &files(&volumes), &limited));
+
+        let group = args.iter().position(|a| a == "--rate-limit-group");
+        assert_eq!(
+            group.map(|g| args[g + 1].as_str()),
+            Some(
+                "id=disks,bw_size=200000000,bw_refill_time=1000,ops_size=5000,ops_refill_time=1000"
+            )
+        );
+        let disks: Vec<&String> = args.iter().filter(|a| a.starts_with("path=")).collect();
+        assert!(disks[0].ends_with(",rate_limit_group=disks"), "{disks:?}");
+        assert!(!disks[1].contains("rate_limit_group"), "{disks:?}");
+        assert!(disks[2].ends_with(",rate_limit_group=disks"), "{disks:?}");
+    }
+
+    #[test]
+    fn a_nic_limit_is_each_nics_own_bucket_in_bytes() {
+        let nics = [nic(4, 1), nic(5, 2)];
+        let mut limited = shape(&nics, 1, 128);
+        limited.limits = VmLimits {
+            net_mbps: 100,
+            ..VmLimits::default()
+        };
+
+        let args = text(argv(kernel(), &files(&[]), &limited));
+
+        let net = args.iter().position(|a| a == "--net").expect("--net");
+        assert_eq!(
+            args[net + 1..net + 3],
+            [
+                "fd=4,mac=02:00:00:00:00:01,id=net0,bw_size=12500000,bw_refill_time=1000",
+                "fd=5,mac=02:00:00:00:00:02,id=net1,bw_size=12500000,bw_refill_time=1000",
+            ]
+        );
+        assert!(!args.iter().any(|a| a == "--rate-limit-group"));
     }
 
     #[test]

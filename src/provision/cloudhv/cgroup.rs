@@ -50,7 +50,15 @@ pub struct Limits {
     pub pids: u64,
     /// Relative cpu weight: 1 per vCPU.
     pub vcpus: u32,
+    /// Hard cap: CPU time in µs per [`CPU_PERIOD_US`]; `None`, no cap.
+    pub cpu_quota_us: Option<u64>,
+    /// CPU time in µs per period it may spend above the cap from what it
+    /// left unused (0: none).
+    pub cpu_burst_us: u64,
 }
+
+/// The period a CPU cap's quota is counted over: the kernel's default.
+pub const CPU_PERIOD_US: u64 = 100_000;
 
 /// The hierarchies this host has the controllers on, and the root under
 /// which each VM gets its cgroup.
@@ -167,7 +175,11 @@ impl Cgroups {
             fs::create_dir_all(&dir)?;
             for c in &h.controllers {
                 for (file, value) in settings(*c, h.unified, limits) {
-                    fs::write(dir.join(file), value)?;
+                    let path = dir.join(file);
+                    if [BURST_V1, BURST_V2].contains(&file) && value == "0" && !path.exists() {
+                        continue;
+                    }
+                    fs::write(path, value)?;
                 }
             }
         }
@@ -364,10 +376,33 @@ fn settings(controller: Controller, unified: bool, l: Limits) -> Vec<(&'static s
         (Controller::Memory, true) => vec![("memory.max", l.memory_bytes.to_string())],
         (Controller::Memory, false) => vec![("memory.limit_in_bytes", l.memory_bytes.to_string())],
         (Controller::Pids, _) => vec![("pids.max", l.pids.to_string())],
-        (Controller::Cpu, true) => vec![("cpu.weight", (100 * vcpus).min(10_000).to_string())],
-        (Controller::Cpu, false) => vec![("cpu.shares", (1024 * vcpus).to_string())],
+        (Controller::Cpu, true) => vec![
+            ("cpu.weight", (100 * vcpus).min(10_000).to_string()),
+            (
+                "cpu.max",
+                format!(
+                    "{} {CPU_PERIOD_US}",
+                    l.cpu_quota_us.map_or("max".into(), |q| q.to_string())
+                ),
+            ),
+            (BURST_V2, l.cpu_burst_us.to_string()),
+        ],
+        (Controller::Cpu, false) => vec![
+            ("cpu.shares", (1024 * vcpus).to_string()),
+            ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
+            (
+                "cpu.cfs_quota_us",
+                l.cpu_quota_us.map_or("-1".into(), |q| q.to_string()),
+            ),
+            (BURST_V1, l.cpu_burst_us.to_string()),
+        ],
     }
 }
+
+/// The burst files, absent before Linux 5.14: with none asked for, a host
+/// without them is no error.
+const BURST_V1: &str = "cpu.cfs_burst_us";
+const BURST_V2: &str = "cpu.max.burst";
 
 #[cfg(test)]
 mod tests {
@@ -431,20 +466,48 @@ mod tests {
     }
 
     #[test]
+    fn no_cpu_cap_is_written_as_none_in_each_versions_terms() {
+        let l = Limits {
+            memory_bytes: 512 << 20,
+            pids: 68,
+            vcpus: 1,
+            cpu_quota_us: None,
+            cpu_burst_us: 0,
+        };
+
+        let v2 = settings(Controller::Cpu, true, l);
+        let v1 = settings(Controller::Cpu, false, l);
+
+        assert!(v2.contains(&("cpu.max", "max 100000".into())), "{v2:?}");
+        assert!(v1.contains(&("cpu.cfs_quota_us", "-1".into())), "{v1:?}");
+    }
+
+    #[test]
     fn limits_are_written_in_each_versions_own_terms() {
         let l = Limits {
             memory_bytes: 512 << 20,
             pids: 68,
             vcpus: 2,
+            cpu_quota_us: Some(150_000),
+            cpu_burst_us: 20_000,
         };
 
         assert_eq!(
             settings(Controller::Cpu, true, l),
-            [("cpu.weight", "200".into())]
+            [
+                ("cpu.weight", "200".into()),
+                ("cpu.max", "150000 100000".into()),
+                ("cpu.max.burst", "20000".into())
+            ]
         );
         assert_eq!(
             settings(Controller::Cpu, false, l),
-            [("cpu.shares", "2048".into())]
+            [
+                ("cpu.shares", "2048".into()),
+                ("cpu.cfs_period_us", "100000".into()),
+                ("cpu.cfs_quota_us", "150000".into()),
+                ("cpu.cfs_burst_us", "20000".into())
+            ]
         );
         assert_eq!(
             settings(Controller::Memory, false, l),

@@ -25,7 +25,7 @@ use super::cgroup::{Cgroups, Limits};
 use super::error::CloudHvError;
 use super::fork::{Jail, Limit};
 pub use super::lack::Lack;
-use crate::model::{Id, VmSpec};
+use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::{Confinement, Piece};
 use crate::state::Layout;
 use crate::state::leases::{LeaseError, Leases};
@@ -98,12 +98,16 @@ const MIN_FILE_SIZE: u64 = 1 << 30;
 /// /proc status), page tables, device buffers.
 pub const VMM_OVERHEAD_BYTES: u64 = 256 << 20;
 
-/// The cgroup limits of the VM's VMM.
-pub fn cgroup_limits(spec: &VmSpec) -> Limits {
+/// The cgroup limits of the VM's VMM, its CPU cap from `limits` (those in
+/// force, see [`VmLimits::in_force`]).
+pub fn cgroup_limits(spec: &VmSpec, limits: &VmLimits) -> Limits {
+    let per_period = |millis: u32| u64::from(millis) * super::cgroup::CPU_PERIOD_US / 1000;
     Limits {
         memory_bytes: (spec.mem_mb << 20).saturating_add(VMM_OVERHEAD_BYTES),
         pids: max_threads(spec.vcpus),
         vcpus: spec.vcpus,
+        cpu_quota_us: (limits.cpu_max_millis != 0).then(|| per_period(limits.cpu_max_millis)),
+        cpu_burst_us: u64::from(limits.cpu_burst_ms) * 1000,
     }
 }
 

@@ -60,12 +60,16 @@ impl CloudHypervisor {
             .collect();
         let jail = timed("jail", || self.jail(spec, &files, launch))?;
         let landlock = timed("landlock", || self.confined.uses(Piece::Landlock))?;
+        let limits = spec
+            .limits
+            .in_force(spec.vcpus, &self.cfg.confinement.limits);
         let shape = VmShape {
             api_fd: FIRST_OWN_FD,
             nics: &nics,
             vcpus: spec.vcpus,
             mem_mb: spec.mem_mb,
             landlock,
+            limits,
         };
         let args = match launch {
             Launch::Boot => argv(self.guest_image(), &files, &shape),
@@ -82,7 +86,7 @@ impl CloudHypervisor {
         };
         let entry_files = match cgroups {
             Some(cgroups) => timed("cgroup", || {
-                cgroups.prepare(vm_id, jail::cgroup_limits(spec))?;
+                cgroups.prepare(vm_id, jail::cgroup_limits(spec, &limits))?;
                 cgroups.entry_files(vm_id)
             })
             .map_err(cgroup_err)?,
