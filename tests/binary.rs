@@ -586,6 +586,64 @@ fn a_bad_egress_range_refuses_its_vm_alone_naming_the_field() {
     assert_eq!(row("good-1")["phase"], "creating");
 }
 
+#[test]
+fn a_bad_limit_or_probe_refuses_its_vm_alone_naming_the_field() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let vm = |id: &str, extra: &str| {
+        format!(
+            r#"{{"vm_id":"{id}","name":"{id}","image_url":"http://mirror.test/a.raw","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"{extra}}}"#,
+            "0".repeat(62) + "aa"
+        )
+    };
+    desired(
+        dir.path(),
+        &format!(
+            r#"{{"vms":[{},{},{}]}}"#,
+            vm("cpu-1", r#","cpu_max_millis":1001"#),
+            vm(
+                "probe-1",
+                r#","readiness":{"tcp_port":22,"serial_contains":"login:"}"#
+            ),
+            vm(
+                "good-1",
+                r#","cpu_max_millis":500,"readiness":{"tcp_port":22}"#
+            )
+        ),
+    );
+
+    let agent = Agent::start(dir.path(), &[]);
+    let report = agent.wait_report("three rows", |r| {
+        r["report"]["vms"].as_array().is_some_and(|v| v.len() == 3)
+    });
+
+    let row = |id: &str| {
+        report["report"]["vms"]
+            .as_array()
+            .and_then(|v| v.iter().find(|r| r["vm_id"] == id))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let error = |id: &str| {
+        row(id)["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(row("cpu-1")["phase"], "failed");
+    assert!(
+        error("cpu-1").contains("invalid cpu_max_millis"),
+        "{}",
+        error("cpu-1")
+    );
+    assert_eq!(row("probe-1")["phase"], "failed");
+    assert!(
+        error("probe-1").contains("invalid readiness"),
+        "{}",
+        error("probe-1")
+    );
+    assert_eq!(row("good-1")["phase"], "creating");
+}
+
 /// A SIGTERM that arrives before the agent's handlers exist, made
 /// deterministic: the child blocks it and raises it before exec, so the
 /// agent starts with it pending, as if a supervisor had sent it in the

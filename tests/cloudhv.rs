@@ -232,6 +232,26 @@ impl Host {
         snapshot(1, vec![present(d)])
     }
 
+    /// Ticks, a second of the engine's clock apart and 50 ms of the
+    /// host's, until `done` holds for the VM's row (at most 200 ticks).
+    fn tick_until_row(
+        &self,
+        snap: &Snapshot,
+        vm: &str,
+        done: impl Fn(&eitri_agent::model::VmStatus) -> bool,
+    ) -> eitri_agent::model::VmStatus {
+        for _ in 0..200 {
+            self.tick(snap);
+            let row = self.row(vm);
+            if done(&row) {
+                return row;
+            }
+            self.fakes.advance_clock(Duration::from_secs(1));
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{vm} never got there: {:?}", self.row(vm));
+    }
+
     fn tick(&self, snap: &Snapshot) -> eitri_agent::model::Report {
         let report = self.engine().step(snap);
         assert!(
@@ -348,6 +368,54 @@ fn a_created_vm_boots_and_runs_on(h: Host) {
     assert!(h.pid("vm-1").is_some_and(alive));
     let serial = std::fs::read_to_string(h.store.layout().serial_log(&id("vm-1"))).expect("serial");
     assert!(serial.contains(&h.serial_marker), "{serial}");
+}
+
+/// `vm` wanted with a readiness probe on `check` (period 1 s, grace 60 s).
+fn probed(h: &Host, vm: &str, check: eitri_agent::model::Check) -> Snapshot {
+    let mut d = desired(vm);
+    d.spec.image_url = h.base_url.clone();
+    d.spec.image_sha256 = h.base_sha.clone();
+    d.readiness = Some(eitri_agent::model::Readiness {
+        check,
+        period: Duration::from_secs(1),
+        timeout: Duration::from_millis(500),
+        grace: Duration::from_secs(60),
+        restart_after: None,
+    });
+    snapshot(1, vec![present(d)])
+}
+
+fn a_serial_probe_makes_the_vm_ready_once_its_guest_prints_the_line_on(h: Host) {
+    let snap = probed(
+        &h,
+        "vm-1",
+        eitri_agent::model::Check::Serial(h.serial_marker.clone()),
+    );
+
+    let row = h.tick_until_row(&snap, "vm-1", |r| r.phase == Some(Phase::Ready));
+
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(row.last_error.is_empty(), "{row:?}");
+}
+
+fn a_serial_probe_for_a_line_the_guest_never_prints_holds_ready_back_on(h: Host) {
+    let snap = probed(
+        &h,
+        "vm-1",
+        eitri_agent::model::Check::Serial("NEVER-SAID-BY-ANY-GUEST".into()),
+    );
+
+    h.tick(&snap);
+    h.tick(&snap);
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
+    assert!(
+        row.status_detail
+            .starts_with("waiting for the guest: console line \"NEVER-SAID-BY-ANY-GUEST\""),
+        "{row:?}"
+    );
 }
 
 // ── suspend and resume ───────────────────────────────────────────────────
@@ -1536,6 +1604,8 @@ both!(
     a_disk_changed_while_suspended_boots_the_vm_from_its_disks_on,
     stopping_a_suspended_vm_discards_its_snapshot_on,
     destroying_a_suspended_vm_leaves_nothing_of_it_on,
+    a_serial_probe_makes_the_vm_ready_once_its_guest_prints_the_line_on,
+    a_serial_probe_for_a_line_the_guest_never_prints_holds_ready_back_on,
 );
 
 /// What the VM's VMM's API says its configuration is.

@@ -1,13 +1,17 @@
 //! What a tenant's VM is promised beyond its hardware, through the engine
 //! against the fake backend: its own egress rules, held from before its
 //! first boot and changed on a running VM without touching it; and its
-//! limits, which a running VM takes at its next boot.
+//! limits, which a running VM takes at its next boot; and its readiness
+//! probe, which holds `ready` back and says when the guest stops answering.
 
 mod common;
 
 use common::Harness;
-use eitri_agent::model::{Cidr, Egress, Phase, PowerState, Snapshot, VmLimits};
-use eitri_agent::testkit::{Call, desired, present, snapshot};
+use std::net::TcpListener;
+use std::time::Duration;
+
+use eitri_agent::model::{Check, Cidr, Egress, Phase, PowerState, Readiness, Snapshot, VmLimits};
+use eitri_agent::testkit::{Call, desired, id, present, snapshot};
 
 const VM: &str = "vm-1";
 
@@ -183,4 +187,148 @@ fn a_changed_limit_does_not_reboot_or_reset_a_created_vm() {
     assert_eq!(h.fakes.count(|c| matches!(c, Call::Shutdown(_))), 0);
     assert_eq!(rec.lifecycle.create_attempts(), 1);
     assert!(!rec.lifecycle.boot_id().is_empty());
+}
+
+fn probed(epoch: u64, check: Check, restart_after: Option<Duration>) -> Snapshot {
+    let mut d = desired(VM);
+    d.readiness = Some(Readiness {
+        check,
+        period: Duration::from_secs(2),
+        timeout: Duration::from_millis(300),
+        grace: Duration::from_secs(60),
+        restart_after,
+    });
+    snapshot(epoch, vec![present(d)])
+}
+
+/// A loopback port nothing listens on (one just given up).
+fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
+    listener.local_addr().expect("addr").port()
+}
+
+/// The fake VM's guest at 127.0.0.1, so its TCP probe reaches loopback.
+fn on_loopback(h: &Harness) {
+    h.fakes.set_addresses(&id(VM), "127.0.0.1", "");
+}
+
+#[test]
+fn a_serial_probe_holds_ready_back_until_the_console_has_its_line() {
+    let h = Harness::new();
+    let snap = probed(1, Check::Serial("login:".into()), None);
+    h.tick(&snap);
+    let waiting = h.row(VM);
+    let console = h.store.layout().serial_log(&id(VM));
+    std::fs::create_dir_all(console.parent().expect("vm dir")).expect("vm dir");
+    std::fs::write(&console, "booting\nweb-1 login: \n").expect("console");
+
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    assert_eq!(waiting.power, Some(PowerState::Running));
+    assert_eq!(waiting.phase, Some(Phase::Creating));
+    assert!(
+        waiting
+            .status_detail
+            .starts_with("waiting for the guest: console line \"login:\", 0 s of 60 s"),
+        "{waiting:?}"
+    );
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+}
+
+#[test]
+fn a_tcp_probe_holds_ready_back_until_the_guest_listens() {
+    let h = Harness::new();
+    let port = closed_port();
+    let snap = probed(1, Check::Tcp(port), None);
+    h.tick(&snap);
+    on_loopback(&h);
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+    let waiting = h.row(VM);
+    let _guest = TcpListener::bind(("127.0.0.1", port)).expect("the guest listens");
+
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    assert_eq!(waiting.phase, Some(Phase::Creating));
+    assert!(
+        waiting
+            .status_detail
+            .contains(&format!("tcp {port}, 2 s of 60 s")),
+        "{waiting:?}"
+    );
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+    assert_eq!(h.row(VM).readiness, format!("tcp {port} answered"));
+}
+
+#[test]
+fn a_probe_failing_after_ready_is_in_the_row_and_counted() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let guest = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = guest.local_addr().expect("addr").port();
+    let snap = probed(1, Check::Tcp(port), None);
+    h.tick(&snap);
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+
+    drop(guest);
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    let row = h.row(VM);
+    assert_eq!(row.phase, Some(Phase::Ready));
+    assert!(
+        row.last_error
+            .starts_with("unhealthy: failing for 0 s: tcp"),
+        "{row:?}"
+    );
+    assert!(row.readiness.starts_with("failing for 0 s: tcp"), "{row:?}");
+    assert_eq!(h.engine.counts().unhealthy.get(VM), 1);
+}
+
+#[test]
+fn a_guest_failing_its_probe_past_restart_after_is_booted_again() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let guest = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = guest.local_addr().expect("addr").port();
+    let snap = probed(1, Check::Tcp(port), Some(Duration::from_secs(10)));
+    h.tick(&snap);
+    drop(guest);
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+    let boots = h.fakes.count(|c| matches!(c, Call::Boot(_)));
+
+    h.fakes.advance_clock(Duration::from_secs(10));
+    h.tick(&snap);
+
+    let row = h.row(VM);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), boots + 1);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Shutdown(_))), 1);
+    assert!(
+        row.status_detail.starts_with("unhealthy for 10 s")
+            && row.status_detail.ends_with("booting it again"),
+        "{row:?}"
+    );
+    assert_eq!(h.engine.counts().probe_restarts.get(VM), 1);
+}
+
+#[test]
+fn a_failing_probe_without_restart_after_never_reboots() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let snap = probed(1, Check::Tcp(closed_port()), None);
+    h.tick(&snap);
+
+    h.fakes.advance_clock(Duration::from_secs(3600));
+    h.tick(&snap);
+
+    let row = h.row(VM);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 1);
+    assert!(
+        row.last_error
+            .starts_with("unhealthy: the guest has not answered tcp"),
+        "{row:?}"
+    );
 }

@@ -34,6 +34,14 @@ fn full_vm(id: &str) -> pb::VmSpec {
         disk_mbps: 200,
         disk_iops: 5000,
         net_mbps: 1000,
+        readiness: Some(pb::Readiness {
+            tcp_port: 22,
+            period_s: 5,
+            timeout_ms: 800,
+            grace_s: 90,
+            restart_after_s: 120,
+            ..pb::Readiness::default()
+        }),
     }
 }
 
@@ -131,6 +139,7 @@ fn report_round_trips_every_field() {
                 ssh_host_pubkey: "ssh-ed25519 AAAAhost".into(),
                 egress: "deny 0.0.0.0/0 except 10.1.0.0/16".into(),
                 limits: "cpu 1.5, net 100 Mbit/s each way".into(),
+                readiness: "tcp 22 answered".into(),
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),
@@ -463,6 +472,92 @@ fn zero_limits_are_the_hosts_defaults() {
         panic!("accepted: {:?}", snap.rejected_vms);
     };
     assert!(d.spec.limits.is_hosts());
+}
+
+#[test]
+fn a_readiness_probe_with_two_checks_is_refused_naming_the_field() {
+    let err = rejection(pb::VmSpec {
+        readiness: Some(pb::Readiness {
+            serial_contains: "login:".into(),
+            tcp_port: 22,
+            ..pb::Readiness::default()
+        }),
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("readiness") && err.contains("names two checks"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_readiness_probe_with_no_check_or_a_bad_one_is_refused() {
+    for (probe, says) in [
+        (pb::Readiness::default(), "names no check"),
+        (
+            pb::Readiness {
+                tcp_port: 70_000,
+                ..pb::Readiness::default()
+            },
+            "is not a port",
+        ),
+        (
+            pb::Readiness {
+                serial_contains: "up\n".into(),
+                ..pb::Readiness::default()
+            },
+            "not 1-256 printable bytes",
+        ),
+        (
+            pb::Readiness {
+                tcp_port: 22,
+                period_s: 2,
+                timeout_ms: 2001,
+                ..pb::Readiness::default()
+            },
+            "timeout_ms 2001 is past 2000",
+        ),
+    ] {
+        let err = rejection(pb::VmSpec {
+            readiness: Some(probe),
+            ..full_vm("v")
+        });
+
+        assert!(err.contains("readiness") && err.contains(says), "{err}");
+    }
+}
+
+#[test]
+fn a_readiness_probes_zeros_are_its_defaults() {
+    let snap = convert::snapshot_from_wire(&pb::Snapshot {
+        vms: vec![pb::VmSpec {
+            readiness: Some(pb::Readiness {
+                serial_contains: "login:".into(),
+                ..pb::Readiness::default()
+            }),
+            ..full_vm("v")
+        }],
+        ..pb::Snapshot::default()
+    });
+
+    let Some(WantedVm::Present(d)) = snap.vms.first() else {
+        panic!("accepted: {:?}", snap.rejected_vms);
+    };
+    let probe = d.readiness.as_ref().expect("a probe");
+    assert_eq!(
+        probe.check,
+        eitri_agent::model::Check::Serial("login:".into())
+    );
+    assert_eq!(
+        (
+            probe.period.as_secs(),
+            probe.timeout.as_millis(),
+            probe.grace.as_secs()
+        ),
+        (2, 1000, 60)
+    );
+    assert_eq!(probe.restart_after, None);
 }
 
 #[test]

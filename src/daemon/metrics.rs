@@ -16,6 +16,8 @@
 //! | `eitri_create_failures_total{permanence}` | counter | failed creates: `permanent`, `transient`, or `host` (the host must change; no attempt spent) |
 //! | `eitri_create_refunds_total` | counter | attempts given back (out of time, not the VM's fault) |
 //! | `eitri_vm_lost_total{vm_id}` | counter | booted again after its hypervisor died unasked (series gone at destroy) |
+//! | `eitri_vm_unhealthy_probes_total{vm_id}` | counter | readiness probes failed past the grace or after ready |
+//! | `eitri_vm_probe_restarts_total{vm_id}` | counter | boots again by a probe's `restart_after` |
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |
 //! | `eitri_suspend_duration_seconds` | histogram | suspend asked → snapshot committed and VMM gone (its `_count`: suspends) |
 //! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
@@ -158,6 +160,18 @@ impl MetricsFile {
             "Times a VM was booted again after its hypervisor died unasked.",
             "vm_id",
             &counts.lost,
+        );
+        e.counter_vec(
+            "eitri_vm_unhealthy_probes_total",
+            "Readiness probes a VM failed past its grace or after it was ready.",
+            "vm_id",
+            &counts.unhealthy,
+        );
+        e.counter_vec(
+            "eitri_vm_probe_restarts_total",
+            "Times a VM was booted again because its readiness probe failed for its restart_after.",
+            "vm_id",
+            &counts.probe_restarts,
         );
         e.histogram(
             "eitri_boot_duration_seconds",

@@ -20,6 +20,6 @@ pub use quota::{Committed, Quota};
 pub use report::{QuarantinedVm, Report, Rows, VmStatus, VolumeState, VolumeStatus};
 pub use saved::Saved;
 pub use spec::{
-    DesiredVm, Egress, LimitDefaults, Limits, Phase, PowerState, Rejected, Snapshot, SpecError,
-    VmLimits, VmSpec, VolumeSpec, WantedVm, WantedVolume, is_hostname,
+    Check, DesiredVm, Egress, LimitDefaults, Limits, Phase, PowerState, Readiness, Rejected,
+    Snapshot, SpecError, VmLimits, VmSpec, VolumeSpec, WantedVm, WantedVolume, is_hostname,
 };

@@ -89,6 +89,9 @@ pub struct VmStatus {
     pub egress: String,
     /// The limits it runs with, as words; empty when the backend holds none.
     pub limits: String,
+    /// Its readiness probe's state and last result, as words; empty when
+    /// it has no probe or does not run.
+    pub readiness: String,
 }
 
 /// A VM waiting out its grace before destruction.

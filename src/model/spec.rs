@@ -251,6 +251,40 @@ pub struct DesiredVm {
     /// the power state it changes what the VM does, not what it is, and it
     /// applies to a running VM.
     pub egress: Egress,
+    /// How the agent knows its guest is up; `None`: once its hypervisor
+    /// runs. Not in [`VmSpec`] either: it applies to a running VM.
+    pub readiness: Option<Readiness>,
+}
+
+/// A readiness probe and its timing.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Readiness {
+    pub check: Check,
+    pub period: std::time::Duration,
+    pub timeout: std::time::Duration,
+    /// From a boot, how long the guest has to answer.
+    pub grace: std::time::Duration,
+    /// How long a probe may fail on end before the VM is booted again.
+    pub restart_after: Option<std::time::Duration>,
+}
+
+/// What a probe asks.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Check {
+    /// A console line containing the text.
+    Serial(String),
+    /// A TCP connection to the port of the guest's underlay address.
+    Tcp(u16),
+}
+
+impl fmt::Display for Check {
+    /// "tcp 22", "console line \"login:\"", as the row says it.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Check::Serial(text) => write!(f, "console line {text:?}"),
+            Check::Tcp(port) => write!(f, "tcp {port}"),
+        }
+    }
 }
 
 /// A VM's own egress rules: a destination in `deny` is dropped unless it

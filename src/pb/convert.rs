@@ -10,9 +10,9 @@ use std::collections::HashMap;
 
 use crate::model::is_hostname;
 use crate::model::{
-    Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report,
-    Snapshot, SpecError, VmLimits, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus,
-    WantedVm, WantedVolume,
+    Check, Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Readiness,
+    Rejected, Report, Snapshot, SpecError, VmLimits, VmSpec, VmStatus, VolumeSpec, VolumeState,
+    VolumeStatus, WantedVm, WantedVolume,
 };
 use crate::pb;
 use crate::quote;
@@ -169,7 +169,88 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         ssh_host_cert: single_line("ssh_host_cert", &raw.ssh_host_cert)?,
         ssh_user_ca_keys: ca_keys,
         egress,
+        readiness: raw.readiness.as_ref().map(readiness).transpose()?,
     })
+}
+
+/// A readiness probe: one check, its timing within bounds, zeros the
+/// defaults.
+fn readiness(raw: &pb::Readiness) -> Result<Readiness, SpecError> {
+    use std::time::Duration;
+    let field = "readiness";
+    let check = match (raw.serial_contains.is_empty(), raw.tcp_port) {
+        (false, 0) => {
+            let text = &raw.serial_contains;
+            if text.len() > 256 || text.chars().any(char::is_control) {
+                return Err(SpecError::new(
+                    field,
+                    format!(
+                        "serial_contains {} is not 1-256 printable bytes",
+                        quote::text(text)
+                    ),
+                ));
+            }
+            Check::Serial(text.clone())
+        }
+        (true, port) if (1..=65535).contains(&port) => Check::Tcp(port as u16),
+        (true, 0) => {
+            return Err(SpecError::new(
+                field,
+                "names no check: give serial_contains or tcp_port",
+            ));
+        }
+        (true, port) => {
+            return Err(SpecError::new(
+                field,
+                format!("tcp_port {port} is not a port (1..=65535)"),
+            ));
+        }
+        (false, _) => {
+            return Err(SpecError::new(
+                field,
+                "names two checks: give serial_contains or tcp_port, not both",
+            ));
+        }
+    };
+    let within = |what: &str, value: u32, default: u32, max: u32| match value {
+        0 => Ok(default),
+        v if v <= max => Ok(v),
+        v => Err(SpecError::new(
+            field,
+            format!("{what} {v} is past {max} (0 = {default})"),
+        )),
+    };
+    let period = within("period_s", raw.period_s, 2, 3600)?;
+    let timeout = within(
+        "timeout_ms",
+        raw.timeout_ms,
+        1000.min(period * 1000),
+        period * 1000,
+    )?;
+    let grace = within("grace_s", raw.grace_s, 60, 86_400)?;
+    let restart = within("restart_after_s", raw.restart_after_s, 0, 86_400)?;
+    Ok(Readiness {
+        check,
+        period: Duration::from_secs(u64::from(period)),
+        timeout: Duration::from_millis(u64::from(timeout)),
+        grace: Duration::from_secs(u64::from(grace)),
+        restart_after: (restart > 0).then(|| Duration::from_secs(u64::from(restart))),
+    })
+}
+
+fn readiness_to_wire(r: &Readiness) -> pb::Readiness {
+    let (serial_contains, tcp_port) = match &r.check {
+        Check::Serial(text) => (text.clone(), 0),
+        Check::Tcp(port) => (String::new(), u32::from(*port)),
+    };
+    pb::Readiness {
+        serial_contains,
+        tcp_port,
+        period_s: r.period.as_secs() as u32,
+        timeout_ms: r.timeout.as_millis() as u32,
+        grace_s: r.grace.as_secs() as u32,
+        restart_after_s: r.restart_after.map_or(0, |d| d.as_secs() as u32),
+    }
 }
 
 /// One of a VM's egress lists: IPv4 ranges, at most
@@ -227,6 +308,7 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                 disk_mbps: i64::from(s.limits.disk_mbps),
                 disk_iops: i64::from(s.limits.disk_iops),
                 net_mbps: i64::from(s.limits.net_mbps),
+                readiness: d.readiness.as_ref().map(readiness_to_wire),
                 power_state: d.power.as_wire().to_owned(),
                 tombstoned: false,
                 host_cert_required: d.host_cert_required,
@@ -325,6 +407,7 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         ssh_host_pubkey: row.ssh_host_pubkey.clone(),
         egress: row.egress.clone(),
         limits: row.limits.clone(),
+        readiness: row.readiness.clone(),
     }
 }
 
@@ -349,6 +432,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             ssh_host_pubkey: row.ssh_host_pubkey.clone(),
             egress: row.egress.clone(),
             limits: row.limits.clone(),
+            readiness: row.readiness.clone(),
         }));
     }
     for q in &wire.quarantined {

@@ -154,6 +154,38 @@ pub struct VmSpec {
     /// rate limiter on the virtio queues: paced, not dropped).
     #[prost(int64, tag = "23")]
     pub net_mbps: i64,
+    /// How the agent knows the guest is up. Absent: ready once its hypervisor
+    /// runs, as before. Applies to a running VM from the next tick.
+    #[prost(message, optional, tag = "24")]
+    pub readiness: ::core::option::Option<Readiness>,
+}
+/// A readiness probe: exactly one of serial_contains and tcp_port.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Readiness {
+    /// A line of the guest's console containing this text (1-256 printable
+    /// bytes): works with any image, the agent already keeps the console.
+    #[prost(string, tag = "1")]
+    pub serial_contains: ::prost::alloc::string::String,
+    /// A TCP connection to this port of the guest's underlay address opens.
+    #[prost(uint32, tag = "2")]
+    pub tcp_port: u32,
+    /// Seconds between probes, 1..=3600; 0 = 2.
+    #[prost(uint32, tag = "3")]
+    pub period_s: u32,
+    /// Milliseconds one probe may take, 1..=period; 0 = 1000 (or the period).
+    #[prost(uint32, tag = "4")]
+    pub timeout_ms: u32,
+    /// Seconds from a boot the guest has to answer before its row says it is
+    /// unhealthy, 1..=86400; 0 = 60. Until it answers the row stays
+    /// "creating" and says what it waits for.
+    #[prost(uint32, tag = "5")]
+    pub grace_s: u32,
+    /// When > 0: a VM whose probe has failed this many seconds on end (after
+    /// it was ready, or past its grace) is booted again, its row saying why.
+    #[prost(uint32, tag = "6")]
+    pub restart_after_s: u32,
 }
 /// One volume's desired state. Set by the control plane.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -264,6 +296,11 @@ pub struct VmStatus {
     /// next boot shows in status_detail.
     #[prost(string, tag = "10")]
     pub limits: ::prost::alloc::string::String,
+    /// Its readiness probe's state and last result, for people, e.g. "tcp 22
+    /// answered" or "tcp 22 failing for 12 s: connection refused"; empty when
+    /// its spec names no probe or its guest does not run.
+    #[prost(string, tag = "11")]
+    pub readiness: ::prost::alloc::string::String,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -1,7 +1,8 @@
 //! What the engine counts, for the metrics file: steps, create attempts
 //! and how they ended, boots, VMs lost (their hypervisor gone without a
 //! stop asked), suspends and resumes (and the resumes that had to boot
-//! from the disks instead) and VMs destroyed. A VM's own series are dropped when it is
+//! from the disks instead), VMs destroyed, and probes failed and the
+//! restarts they caused. A VM's own series are dropped when it is
 //! destroyed.
 
 use crate::metrics::{BOOT_BUCKETS, Counter, CounterVec, FAST_BUCKETS, Histogram};
@@ -30,6 +31,10 @@ pub struct Counts {
     /// mid-resume left nothing to continue).
     pub cold_boots: CounterVec,
     pub destroyed: Counter,
+    /// Probes failed by a VM past its grace or after it was ready, per VM.
+    pub unhealthy: CounterVec,
+    /// VMs booted again by their probe's `restart_after`, per VM.
+    pub probe_restarts: CounterVec,
 }
 
 impl Default for Counts {
@@ -53,6 +58,8 @@ impl Default for Counts {
             resumes: Histogram::new(BOOT_BUCKETS),
             cold_boots,
             destroyed: Counter::default(),
+            unhealthy: CounterVec::default(),
+            probe_restarts: CounterVec::default(),
         }
     }
 }

@@ -32,6 +32,8 @@ mod create;
 /// The lifecycle lives beside the record it writes (see its header).
 pub use crate::state::lifecycle;
 mod pass;
+mod probe;
+mod probing;
 mod reap;
 pub mod seams;
 mod suspend;
@@ -209,6 +211,7 @@ impl Engine {
             logs: LogOnce::new(),
             counts: counts::Counts::default(),
             create_watch: parking_lot::RwLock::new(None),
+            probes: parking_lot::Mutex::default(),
         };
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);

@@ -94,6 +94,7 @@ impl VmResult {
             ssh_host_pubkey: String::new(),
             egress: String::new(),
             limits: String::new(),
+            readiness: String::new(),
         });
     }
 
@@ -195,6 +196,8 @@ pub(crate) struct Core {
     pub counts: super::counts::Counts,
     /// Told the stages of every create attempt (see [`Engine::watch_stages`](super::Engine::watch_stages)).
     pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
+    /// What each VM's readiness probe knows (see `probe.rs`).
+    pub probes: super::probing::Probes,
 }
 
 /// What [`Engine::watch_stages`] is given: the VM and its create's stages.
@@ -321,6 +324,7 @@ impl Core {
             _ => {}
         }
         self.drive_lifecycle(deadline, desired, rec, res, publisher);
+        self.probe(deadline, desired, res);
         if let (Some(row), Some(egress)) = (
             res.row.as_mut(),
             self.prov.egress_in_force(&desired.spec.vm_id),

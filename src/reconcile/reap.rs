@@ -89,6 +89,9 @@ impl Core {
                         log::info!("VM {vm_id}: destroyed");
                         self.counts.destroyed.inc();
                         self.counts.lost.remove(vm_id.as_str());
+                        self.counts.unhealthy.remove(vm_id.as_str());
+                        self.counts.probe_restarts.remove(vm_id.as_str());
+                        self.probes.lock().remove(&vm_id);
                         self.forget_logs(&vm_id);
                         return;
                     }

@@ -191,6 +191,9 @@ impl ReportFile {
             if !row.egress.is_empty() {
                 line("egress", inline(&row.egress));
             }
+            if !row.readiness.is_empty() {
+                line("readiness", inline(&row.readiness));
+            }
             line(
                 "error",
                 if row.last_error.is_empty() {

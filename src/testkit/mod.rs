@@ -734,6 +734,7 @@ pub fn desired(vm: &str) -> DesiredVm {
         ssh_host_cert: String::new(),
         ssh_user_ca_keys: Vec::new(),
         egress: crate::model::Egress::default(),
+        readiness: None,
     }
 }
 

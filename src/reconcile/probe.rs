@@ -1,0 +1,228 @@
+//! Readiness: a VM whose spec names a probe is `ready` only once its guest
+//! answers it, and `unhealthy` in its row when it stops answering.
+//!
+//! A probe runs in the VM's own pass, at most once a period (so at least
+//! once a tick), bounded by its timeout: a console line containing a text
+//! (the agent keeps the console; a boot starts it afresh), or a TCP
+//! connection to a port of the guest's underlay address. What a probe
+//! knows lives in memory and starts over with each hypervisor (a new pid):
+//! a restarted agent asks again, and a guest that answers at once loses
+//! nothing.
+//!
+//! Until the first answer since its boot the row says `creating` and what
+//! it waits for ("waiting for the guest: tcp 22, 4 s of 60 s"); past the
+//! grace, and whenever a probe fails after an answer, its error says
+//! `unhealthy: …` and each such probe is counted. With `restart_after`, a
+//! guest failing that long on end is booted again (its hypervisor stopped
+//! by the usual ladder and started afresh), said in its row and counted.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, SystemTime};
+
+use super::pass::{Core, VmResult};
+use super::probing::{ProbeState, fresh};
+use crate::deadline::Deadline;
+use crate::model::{Check, DesiredVm, Id, Phase, PowerState, Readiness};
+
+/// How much of the console's end is searched for the line.
+const CONSOLE_TAIL: u64 = 8 << 20;
+
+impl Core {
+    /// Probes a running VM whose spec names a probe, when one is due, and
+    /// says in its row what the probe says. A VM with no probe, or not
+    /// running and ready by its lifecycle, is left as its pass reported it.
+    pub(crate) fn probe(&self, deadline: Deadline, desired: &DesiredVm, res: &mut VmResult) {
+        let vm_id = &desired.spec.vm_id;
+        let Some(probe) = &desired.readiness else {
+            self.probes.lock().remove(vm_id);
+            return;
+        };
+        let up = res
+            .row
+            .as_ref()
+            .is_some_and(|r| r.power == Some(PowerState::Running) && r.phase == Some(Phase::Ready));
+        if !up {
+            self.probes.lock().remove(vm_id);
+            return;
+        }
+        let now = self.host.now();
+        let pid = self.prov.pid(vm_id);
+        let mut state = {
+            let mut all = self.probes.lock();
+            let state = all.entry(vm_id.clone()).or_insert_with(|| fresh(pid, now));
+            if state.pid != pid {
+                *state = fresh(pid, now);
+            }
+            state.clone()
+        };
+        if now >= state.next_at {
+            state.next_at = now + probe.period;
+            let timeout = deadline
+                .remaining()
+                .map_or(probe.timeout, |left| probe.timeout.min(left));
+            match self.ask(vm_id, &probe.check, timeout.max(Duration::from_millis(1))) {
+                Ok(()) => {
+                    state.answered = Some(now);
+                    state.failing_since = None;
+                    state.last = format!("{} answered", probe.check);
+                }
+                Err(why) => {
+                    state.failing_since.get_or_insert(now);
+                    state.last = why;
+                    if state.answered.is_some() || past(now, state.since, probe.grace) {
+                        self.counts.unhealthy.inc(vm_id.as_str());
+                    }
+                }
+            }
+        }
+        self.probes.lock().insert(vm_id.clone(), state.clone());
+        if self.restart_if_due(deadline, desired, probe, &state, now, res) {
+            return;
+        }
+        say(res, probe, &state, now);
+    }
+
+    /// Whether the guest answers `check` now; why not, if it does not.
+    fn ask(&self, vm_id: &Id, check: &Check, timeout: Duration) -> Result<(), String> {
+        match check {
+            Check::Tcp(port) => {
+                let Some(ip) = self.prov.address(vm_id) else {
+                    return Err(format!("tcp {port}: the guest has no address yet"));
+                };
+                TcpStream::connect_timeout(&SocketAddr::from((ip, *port)), timeout)
+                    .map(drop)
+                    .map_err(|e| format!("tcp {port} on {ip}: {e}"))
+            }
+            Check::Serial(text) => {
+                let path = self.store.layout().serial_log(vm_id);
+                match console_holds(&path, text.as_bytes()) {
+                    Ok(true) => Ok(()),
+                    Ok(false) => Err(format!("no console line holds {text:?} yet")),
+                    Err(e) => Err(format!("cannot read the console: {e}")),
+                }
+            }
+        }
+    }
+
+    /// Boots a VM again whose probe has failed `restart_after` on end: its
+    /// hypervisor stopped by the usual ladder, a new one started. Whether
+    /// it did (the row then says so).
+    fn restart_if_due(
+        &self,
+        deadline: Deadline,
+        desired: &DesiredVm,
+        probe: &Readiness,
+        state: &ProbeState,
+        now: SystemTime,
+        res: &mut VmResult,
+    ) -> bool {
+        let (Some(bound), Some(failing)) = (probe.restart_after, state.failing_since) else {
+            return false;
+        };
+        // A guest never ready is given its grace first.
+        let from = if state.answered.is_some() {
+            failing
+        } else {
+            state.since + probe.grace
+        };
+        if !past(now, from, bound) {
+            return false;
+        }
+        let vm_id = &desired.spec.vm_id;
+        let why = format!(
+            "unhealthy for {} s ({}): booting it again",
+            now.duration_since(from).unwrap_or_default().as_secs(),
+            state.last
+        );
+        log::warn!("VM {vm_id}: {why}");
+        self.counts.probe_restarts.inc(vm_id.as_str());
+        self.probes.lock().remove(vm_id);
+        let spec = match self.store.get(vm_id) {
+            Ok(Some(rec)) => rec.spec.clone(),
+            _ => desired.spec.clone(),
+        };
+        let say = |what: &str| log::info!("VM {vm_id}: {what}");
+        let restarted = self
+            .prov
+            .shutdown(vm_id, deadline, &say)
+            .and_then(|()| self.prov.boot(&spec, deadline));
+        if let Some(row) = res.row.as_mut() {
+            row.phase = Some(Phase::Creating);
+            match restarted {
+                Ok(()) => row.status_detail = why,
+                Err(e) => {
+                    row.power = Some(PowerState::observed(self.prov.running(vm_id)));
+                    row.last_error = format!("{why}, which failed: {}", crate::error::chain(&*e));
+                }
+            }
+        }
+        true
+    }
+}
+
+/// Whether `bound` has passed from `from` at `now`.
+fn past(now: SystemTime, from: SystemTime, bound: Duration) -> bool {
+    now.duration_since(from).is_ok_and(|d| d >= bound)
+}
+
+/// The row as the probe has it: `creating` and waiting before the first
+/// answer, `unhealthy: …` past the grace or when failing after one.
+fn say(res: &mut VmResult, probe: &Readiness, state: &ProbeState, now: SystemTime) {
+    let Some(row) = res.row.as_mut() else {
+        return;
+    };
+    let waited = now
+        .duration_since(state.since)
+        .unwrap_or_default()
+        .as_secs();
+    row.readiness = match state.failing_since {
+        None if state.answered.is_some() => state.last.clone(),
+        None => format!("{}: not asked yet", probe.check),
+        Some(failing) => format!(
+            "failing for {} s: {}",
+            now.duration_since(failing).unwrap_or_default().as_secs(),
+            state.last
+        ),
+    };
+    match (state.answered, state.failing_since) {
+        (None, _) => {
+            row.phase = Some(Phase::Creating);
+            row.status_detail = format!(
+                "waiting for the guest: {}, {waited} s of {} s",
+                probe.check,
+                probe.grace.as_secs()
+            );
+            if past(now, state.since, probe.grace) {
+                row.last_error = format!(
+                    "unhealthy: the guest has not answered {} in {} s: {}",
+                    probe.check,
+                    probe.grace.as_secs(),
+                    state.last
+                );
+            }
+        }
+        (Some(_), Some(failing)) => {
+            let for_s = now.duration_since(failing).unwrap_or_default().as_secs();
+            row.last_error = format!("unhealthy: failing for {for_s} s: {}", state.last);
+        }
+        (Some(_), None) => {}
+    }
+}
+
+/// Whether a line of the console at `path` (its last [`CONSOLE_TAIL`]
+/// bytes) holds `text`.
+fn console_holds(path: &std::path::Path, text: &[u8]) -> std::io::Result<bool> {
+    use std::io::{Seek, SeekFrom};
+    let mut file = std::fs::File::open(path)?;
+    let len = file.metadata()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(CONSOLE_TAIL)))?;
+    let mut bytes = Vec::new();
+    file.take(CONSOLE_TAIL).read_to_end(&mut bytes)?;
+    if text.is_empty() {
+        return Ok(true);
+    }
+    Ok(bytes
+        .split(|b| *b == b'\n')
+        .any(|line| line.windows(text.len()).any(|w| w == text)))
+}

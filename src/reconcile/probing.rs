@@ -1,0 +1,36 @@
+//! What each VM's readiness probe knows, kept by the engine's core (the
+//! probing itself is `probe.rs`'s).
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use crate::model::Id;
+
+/// What the engine knows of one VM's probe, for its current hypervisor.
+#[derive(Clone, Debug)]
+pub(crate) struct ProbeState {
+    /// The hypervisor it is about, and when it was first seen running.
+    pub pid: Option<u32>,
+    pub since: SystemTime,
+    /// When the probe last answered, and since when it has failed on end.
+    pub answered: Option<SystemTime>,
+    pub failing_since: Option<SystemTime>,
+    pub next_at: SystemTime,
+    /// The last probe's result, for the row.
+    pub last: String,
+}
+
+/// Every VM's probe state, keyed by VM.
+pub(crate) type Probes = parking_lot::Mutex<HashMap<Id, ProbeState>>;
+
+/// What a probe knows of a hypervisor first seen running at `now`.
+pub(crate) fn fresh(pid: Option<u32>, now: SystemTime) -> ProbeState {
+    ProbeState {
+        pid,
+        since: now,
+        answered: None,
+        failing_since: None,
+        next_at: now,
+        last: String::new(),
+    }
+}
