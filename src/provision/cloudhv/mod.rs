@@ -535,29 +535,20 @@ impl Provisioner for CloudHypervisor {
         for tap in taps.into_iter().flatten() {
             // The kernel unregisters a tap asynchronously once its last fd
             // closes, so a VMM that just exited can leave its link for a
-            // moment: give it that moment before removing a leftover. A
-            // removal refused as busy is that teardown still under way (on
-            // a loaded host it took over 2 s): it is waited for, longer.
+            // moment: give it that moment before removing a leftover.
             let settle = Deadline::after(Duration::from_secs(2));
-            let patience = Deadline::after(Duration::from_secs(10));
             while tap::exists(&tap) && !settle.expired() {
                 std::thread::sleep(Duration::from_millis(5));
             }
-            while tap::exists(&tap) {
-                match tap::remove(&tap) {
-                    Ok(()) => break,
-                    Err(e) if e.raw_os_error() == Some(nix::libc::EBUSY) && !patience.expired() => {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(source) => {
-                        return Err(CloudHvError::RemoveTap {
-                            vm_id: vm_id.clone(),
-                            tap,
-                            source,
-                        }
-                        .into());
-                    }
+            if tap::exists(&tap)
+                && let Err(source) = tap::remove(&tap)
+            {
+                return Err(CloudHvError::RemoveTap {
+                    vm_id: vm_id.clone(),
+                    tap,
+                    source,
                 }
+                .into());
             }
         }
         let layout = self.store.layout();
