@@ -332,3 +332,51 @@ fn a_failing_probe_without_restart_after_never_reboots() {
         "{row:?}"
     );
 }
+
+/// A one-thread HTTP server on loopback answering every GET with `status`
+/// (changed through the returned cell), and its port.
+fn http_guest(status: u16) -> (std::sync::Arc<std::sync::atomic::AtomicU16>, u16) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicU16, Ordering};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = listener.local_addr().expect("addr").port();
+    let answer = std::sync::Arc::new(AtomicU16::new(status));
+    let said = std::sync::Arc::clone(&answer);
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut request = [0u8; 1024];
+            let _ = conn.read(&mut request);
+            let code = said.load(Ordering::SeqCst);
+            let _ = write!(conn, "HTTP/1.1 {code} X\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    (answer, port)
+}
+
+#[test]
+fn an_http_probe_holds_ready_back_until_the_guest_answers_2xx() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let (answer, port) = http_guest(503);
+    let check = Check::Http {
+        port,
+        path: "/health".into(),
+    };
+    let snap = probed(1, check, None);
+    h.tick(&snap);
+    let waiting = h.row(VM);
+    answer.store(204, std::sync::atomic::Ordering::SeqCst);
+
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    assert_eq!(waiting.phase, Some(Phase::Creating));
+    assert!(
+        waiting
+            .readiness
+            .contains(&format!("http {port} /health on 127.0.0.1 answered 503")),
+        "{waiting:?}"
+    );
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+}

@@ -518,6 +518,21 @@ fn a_readiness_probe_with_no_check_or_a_bad_one_is_refused() {
             },
             "timeout_ms 2001 is past 2000",
         ),
+        (
+            pb::Readiness {
+                http_path: "/health".into(),
+                ..pb::Readiness::default()
+            },
+            "http_path needs tcp_port",
+        ),
+        (
+            pb::Readiness {
+                tcp_port: 8080,
+                http_path: "/a b".into(),
+                ..pb::Readiness::default()
+            },
+            "is not a path",
+        ),
     ] {
         let err = rejection(pb::VmSpec {
             readiness: Some(probe),

@@ -275,6 +275,8 @@ pub enum Check {
     Serial(String),
     /// A TCP connection to the port of the guest's underlay address.
     Tcp(u16),
+    /// An HTTP GET of the path on that port answering 2xx.
+    Http { port: u16, path: String },
 }
 
 impl fmt::Display for Check {
@@ -283,6 +285,7 @@ impl fmt::Display for Check {
         match self {
             Check::Serial(text) => write!(f, "console line {text:?}"),
             Check::Tcp(port) => write!(f, "tcp {port}"),
+            Check::Http { port, path } => write!(f, "http {port} {path}"),
         }
     }
 }

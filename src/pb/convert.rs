@@ -178,6 +178,12 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
 fn readiness(raw: &pb::Readiness) -> Result<Readiness, SpecError> {
     use std::time::Duration;
     let field = "readiness";
+    if !raw.http_path.is_empty() && raw.tcp_port == 0 {
+        return Err(SpecError::new(
+            field,
+            "http_path needs tcp_port, the port to GET it on",
+        ));
+    }
     let check = match (raw.serial_contains.is_empty(), raw.tcp_port) {
         (false, 0) => {
             let text = &raw.serial_contains;
@@ -192,7 +198,28 @@ fn readiness(raw: &pb::Readiness) -> Result<Readiness, SpecError> {
             }
             Check::Serial(text.clone())
         }
-        (true, port) if (1..=65535).contains(&port) => Check::Tcp(port as u16),
+        (true, port) if (1..=65535).contains(&port) && raw.http_path.is_empty() => {
+            Check::Tcp(port as u16)
+        }
+        (true, port) if (1..=65535).contains(&port) => {
+            let path = &raw.http_path;
+            if !path.starts_with('/')
+                || path.len() > 1024
+                || !path.bytes().all(|b| b.is_ascii_graphic())
+            {
+                return Err(SpecError::new(
+                    field,
+                    format!(
+                        "http_path {} is not a path (\"/\" then up to 1 KiB of printable ASCII, no spaces)",
+                        quote::text(path)
+                    ),
+                ));
+            }
+            Check::Http {
+                port: port as u16,
+                path: path.clone(),
+            }
+        }
         (true, 0) => {
             return Err(SpecError::new(
                 field,
@@ -239,13 +266,15 @@ fn readiness(raw: &pb::Readiness) -> Result<Readiness, SpecError> {
 }
 
 fn readiness_to_wire(r: &Readiness) -> pb::Readiness {
-    let (serial_contains, tcp_port) = match &r.check {
-        Check::Serial(text) => (text.clone(), 0),
-        Check::Tcp(port) => (String::new(), u32::from(*port)),
+    let (serial_contains, tcp_port, http_path) = match &r.check {
+        Check::Serial(text) => (text.clone(), 0, String::new()),
+        Check::Tcp(port) => (String::new(), u32::from(*port), String::new()),
+        Check::Http { port, path } => (String::new(), u32::from(*port), path.clone()),
     };
     pb::Readiness {
         serial_contains,
         tcp_port,
+        http_path,
         period_s: r.period.as_secs() as u32,
         timeout_ms: r.timeout.as_millis() as u32,
         grace_s: r.grace.as_secs() as u32,

@@ -159,7 +159,8 @@ pub struct VmSpec {
     #[prost(message, optional, tag = "24")]
     pub readiness: ::core::option::Option<Readiness>,
 }
-/// A readiness probe: exactly one of serial_contains and tcp_port.
+/// A readiness probe: exactly one of serial_contains and tcp_port (which
+/// http_path makes an HTTP check).
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
@@ -171,6 +172,10 @@ pub struct Readiness {
     /// A TCP connection to this port of the guest's underlay address opens.
     #[prost(uint32, tag = "2")]
     pub tcp_port: u32,
+    /// With tcp_port: an HTTP GET of this path (starting "/") on that port
+    /// answers 2xx.
+    #[prost(string, tag = "7")]
+    pub http_path: ::prost::alloc::string::String,
     /// Seconds between probes, 1..=3600; 0 = 2.
     #[prost(uint32, tag = "3")]
     pub period_s: u32,

@@ -94,6 +94,18 @@ impl Core {
                     .map(drop)
                     .map_err(|e| format!("tcp {port} on {ip}: {e}"))
             }
+            Check::Http { port, path } => {
+                let Some(ip) = self.prov.address(vm_id) else {
+                    return Err(format!("http {port}: the guest has no address yet"));
+                };
+                http_status(SocketAddr::from((ip, *port)), path, timeout).and_then(|status| {
+                    if (200..300).contains(&status) {
+                        Ok(())
+                    } else {
+                        Err(format!("http {port} {path} on {ip} answered {status}"))
+                    }
+                })
+            }
             Check::Serial(text) => {
                 let path = self.store.layout().serial_log(vm_id);
                 match console_holds(&path, text.as_bytes()) {
@@ -210,6 +222,53 @@ fn say(res: &mut VmResult, probe: &Readiness, state: &ProbeState, now: SystemTim
     }
 }
 
+/// The status code a GET of `path` at `to` answers, all of it (connect,
+/// request, status line) within `timeout`; the guest is untrusted, so at
+/// most its first 512 bytes are read.
+fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, String> {
+    use std::io::Write;
+    let start = std::time::Instant::now();
+    let left = || {
+        timeout
+            .saturating_sub(start.elapsed())
+            .max(Duration::from_millis(1))
+    };
+    let what = |e: std::io::Error| format!("http {} {path} on {}: {e}", to.port(), to.ip());
+    let mut conn = TcpStream::connect_timeout(&to, timeout).map_err(what)?;
+    conn.set_write_timeout(Some(left())).map_err(what)?;
+    conn.write_all(
+        format!(
+            "GET {path} HTTP/1.0\r\nHost: {}\r\nConnection: close\r\n\r\n",
+            to.ip()
+        )
+        .as_bytes(),
+    )
+    .map_err(what)?;
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 512];
+    while head.len() < 512 && !head.contains(&b'\n') {
+        conn.set_read_timeout(Some(left())).map_err(what)?;
+        let n = conn.read(&mut buf[..512 - head.len()]).map_err(what)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    // "HTTP/1.1 200 OK"
+    let line = String::from_utf8_lossy(&head);
+    line.split_whitespace()
+        .nth(1)
+        .filter(|_| line.starts_with("HTTP/"))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| {
+            format!(
+                "http {} {path} on {}: no HTTP status line in its answer",
+                to.port(),
+                to.ip()
+            )
+        })
+}
+
 /// Whether a line of the console at `path` (its last [`CONSOLE_TAIL`]
 /// bytes) holds `text`.
 fn console_holds(path: &std::path::Path, text: &[u8]) -> std::io::Result<bool> {
@@ -225,4 +284,59 @@ fn console_holds(path: &std::path::Path, text: &[u8]) -> std::io::Result<bool> {
     Ok(bytes
         .split(|b| *b == b'\n')
         .any(|line| line.windows(text.len()).any(|w| w == text)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::net::TcpListener;
+
+    /// A loopback peer that answers whatever it is sent with `answer`.
+    fn peer(answer: &'static [u8]) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("listen");
+        let at = listener.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            if let Ok((mut conn, _)) = listener.accept() {
+                let _ = conn.write_all(answer);
+                std::thread::sleep(Duration::from_secs(2));
+            }
+        });
+        at
+    }
+
+    #[test]
+    fn a_status_line_is_read_and_its_code_taken() {
+        let at = peer(b"HTTP/1.1 204 No Content\r\n\r\n");
+
+        assert_eq!(http_status(at, "/", Duration::from_secs(1)), Ok(204));
+    }
+
+    #[test]
+    fn a_guest_answering_no_status_line_is_read_no_further_than_512_bytes() {
+        let at = peer(&[b'A'; 64 * 1024]);
+
+        let read = http_status(at, "/", Duration::from_secs(1));
+
+        assert!(
+            read.as_ref()
+                .is_err_and(|e| e.contains("no HTTP status line")),
+            "{read:?}"
+        );
+    }
+
+    #[test]
+    fn a_guest_that_never_answers_fails_within_the_timeout() {
+        let at = peer(b"");
+        let start = std::time::Instant::now();
+
+        let read = http_status(at, "/", Duration::from_millis(300));
+
+        assert!(read.is_err(), "{read:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+    }
 }
