@@ -234,3 +234,42 @@ fn a_vm_lost_is_counted_once() {
         Some(&1.0)
     );
 }
+
+#[test]
+fn a_vms_limits_egress_ranges_and_probe_are_series_of_their_own() {
+    let h = Host::new();
+    h.fakes.set_addresses(&id("vm-1"), "127.0.0.1", "");
+    let guest = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+    let mut d = desired("vm-1");
+    d.spec.limits.cpu_max_millis = 500;
+    d.spec.limits.net_mbps = 100;
+    d.egress.deny = eitri_agent::model::Cidr::parse_list("0.0.0.0/0").expect("deny");
+    d.egress.allow = eitri_agent::model::Cidr::parse_list("10.0.0.0/8, 192.0.2.7").expect("allow");
+    d.readiness = Some(eitri_agent::model::Readiness {
+        check: eitri_agent::model::Check::Tcp(guest.local_addr().expect("addr").port()),
+        period: Duration::from_secs(2),
+        timeout: Duration::from_millis(500),
+        grace: Duration::from_secs(60),
+        restart_after: None,
+    });
+
+    let samples = parse(&h.tick(&snapshot(1, vec![present(d)])));
+
+    let at = |key: &str| samples.get(key).copied();
+    assert_eq!(
+        at("eitri_vm_limit{limit=cpu_max_millis,vm_id=vm-1}"),
+        Some(500.0),
+        "{samples:#?}"
+    );
+    assert_eq!(at("eitri_vm_limit{limit=net_mbps,vm_id=vm-1}"), Some(100.0));
+    assert_eq!(at("eitri_vm_limit{limit=disk_mbps,vm_id=vm-1}"), Some(0.0));
+    assert_eq!(
+        at("eitri_vm_egress_ranges{list=deny,vm_id=vm-1}"),
+        Some(1.0)
+    );
+    assert_eq!(
+        at("eitri_vm_egress_ranges{list=allow,vm_id=vm-1}"),
+        Some(2.0)
+    );
+    assert_eq!(at("eitri_vm_probe_answering{vm_id=vm-1}"), Some(1.0));
+}

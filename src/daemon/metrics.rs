@@ -18,6 +18,9 @@
 //! | `eitri_vm_lost_total{vm_id}` | counter | booted again after its hypervisor died unasked (series gone at destroy) |
 //! | `eitri_vm_unhealthy_probes_total{vm_id}` | counter | readiness probes failed past the grace or after ready |
 //! | `eitri_vm_probe_restarts_total{vm_id}` | counter | boots again by a probe's `restart_after` |
+//! | `eitri_vm_limit{vm_id,limit}` | gauge | the limits a VM runs with: `cpu_max_millis`, `cpu_burst_ms`, `disk_mbps`, `disk_iops`, `net_mbps` (0: none) |
+//! | `eitri_vm_egress_ranges{vm_id,list}` | gauge | ranges in its own `deny` and `allow` lists held on the host |
+//! | `eitri_vm_probe_answering{vm_id}` | gauge | 1 while its readiness probe answers, 0 while it fails |
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |
 //! | `eitri_suspend_duration_seconds` | histogram | suspend asked → snapshot committed and VMM gone (its `_count`: suspends) |
 //! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
@@ -173,6 +176,52 @@ impl MetricsFile {
             "vm_id",
             &counts.probe_restarts,
         );
+        let held = counts.held.lock().clone();
+        let limit_series: Vec<(Vec<(&str, &str)>, f64)> = held
+            .iter()
+            .filter_map(|(vm, h)| Some((vm, h.limits?)))
+            .flat_map(|(vm, l)| {
+                [
+                    ("cpu_max_millis", l.cpu_max_millis),
+                    ("cpu_burst_ms", l.cpu_burst_ms),
+                    ("disk_mbps", l.disk_mbps),
+                    ("disk_iops", l.disk_iops),
+                    ("net_mbps", l.net_mbps),
+                ]
+                .map(|(name, v)| (vec![("vm_id", vm.as_str()), ("limit", name)], f64::from(v)))
+            })
+            .collect();
+        e.gauge(
+            "eitri_vm_limit",
+            "The limits a VM runs with (0: none), where the backend holds them.",
+            &as_series(&limit_series),
+        );
+        let egress_series: Vec<(Vec<(&str, &str)>, f64)> = held
+            .iter()
+            .flat_map(|(vm, h)| {
+                [("deny", h.deny), ("allow", h.allow)]
+                    .map(|(list, n)| (vec![("vm_id", vm.as_str()), ("list", list)], n as f64))
+            })
+            .collect();
+        e.gauge(
+            "eitri_vm_egress_ranges",
+            "Ranges in a VM's own egress lists held on the host.",
+            &as_series(&egress_series),
+        );
+        let probe_series: Vec<(Vec<(&str, &str)>, f64)> = held
+            .iter()
+            .filter_map(|(vm, h)| {
+                Some((
+                    vec![("vm_id", vm.as_str())],
+                    f64::from(u8::from(h.answering?)),
+                ))
+            })
+            .collect();
+        e.gauge(
+            "eitri_vm_probe_answering",
+            "1 while a VM's readiness probe answers, 0 while it fails; absent without a probe.",
+            &as_series(&probe_series),
+        );
         e.histogram(
             "eitri_boot_duration_seconds",
             "Boots: asking the hypervisor to boot until it says running.",
@@ -261,4 +310,11 @@ impl MetricsFile {
     pub fn write(&self, text: &str) -> std::io::Result<()> {
         crate::state::atomic::replace_unsynced_public(&self.path, text.as_bytes())
     }
+}
+
+/// Labelled samples as [`crate::metrics`]'s gauge takes them.
+fn as_series<'a>(
+    owned: &'a [(Vec<(&'a str, &'a str)>, f64)],
+) -> Vec<(&'a [(&'a str, &'a str)], f64)> {
+    owned.iter().map(|(l, v)| (l.as_slice(), *v)).collect()
 }

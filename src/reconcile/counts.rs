@@ -35,6 +35,21 @@ pub struct Counts {
     pub unhealthy: CounterVec,
     /// VMs booted again by their probe's `restart_after`, per VM.
     pub probe_restarts: CounterVec,
+    /// What each VM is held to now, by its id: its pass's last word.
+    pub held: parking_lot::Mutex<std::collections::BTreeMap<String, Held>>,
+}
+
+/// What one VM is held to, for the metrics file.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// The limits it runs with; `None` where the backend holds none.
+    pub limits: Option<crate::model::VmLimits>,
+    /// Ranges in its own egress lists held on the host.
+    pub deny: usize,
+    pub allow: usize,
+    /// Whether its readiness probe answers now; `None` without a probe or
+    /// a running guest.
+    pub answering: Option<bool>,
 }
 
 impl Default for Counts {
@@ -60,6 +75,7 @@ impl Default for Counts {
             destroyed: Counter::default(),
             unhealthy: CounterVec::default(),
             probe_restarts: CounterVec::default(),
+            held: parking_lot::Mutex::default(),
         }
     }
 }

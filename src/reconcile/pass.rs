@@ -325,17 +325,25 @@ impl Core {
         }
         self.drive_lifecycle(deadline, desired, rec, res, publisher);
         self.probe(deadline, desired, res);
-        if let (Some(row), Some(egress)) = (
-            res.row.as_mut(),
-            self.prov.egress_in_force(&desired.spec.vm_id),
-        ) {
-            row.egress = egress.to_string();
+        let mut holds = super::counts::Held::default();
+        if let Some(egress) = self.prov.egress_in_force(vm_id) {
+            (holds.deny, holds.allow) = (egress.deny.len(), egress.allow.len());
+            if let Some(row) = res.row.as_mut() {
+                row.egress = egress.to_string();
+            }
         }
+        holds.answering = self
+            .probes
+            .lock()
+            .get(vm_id)
+            .filter(|p| p.answered.is_some() || p.failing_since.is_some())
+            .map(|p| p.failing_since.is_none());
         if let Some(row) = res.row.as_mut()
             && let Ok(Some(now)) = self.store.get(vm_id)
         {
-            if let Some(held) = self.prov.limits_in_force(&now.spec) {
-                row.limits = held.to_string();
+            if let Some(limits) = self.prov.limits_in_force(&now.spec) {
+                row.limits = limits.to_string();
+                holds.limits = Some(limits);
             }
             if now.spec.limits != desired.spec.limits
                 && self.prov.running(vm_id)
@@ -345,6 +353,7 @@ impl Core {
                     "limits change at the next boot (stop and start it to apply them now)".into();
             }
         }
+        self.counts.held.lock().insert(vm_id.to_string(), holds);
         if let Err(e) = held {
             let why = format!(
                 "its own egress rules are not held: {}",
