@@ -2425,6 +2425,31 @@ fn a_vms_cpu_cap_is_its_cgroups_quota_and_its_burst_too() {
 }
 
 #[test]
+fn a_stopped_vm_boots_again_with_a_cap_below_its_old_burst() {
+    let h = Host::new(&[]);
+    let mut spec = h.spec("vm-1");
+    spec.limits.cpu_max_millis = 500;
+    spec.limits.cpu_burst_ms = 40;
+    h.backend.boot(&spec, Deadline::NONE).expect("boot");
+    h.backend
+        .shutdown(&id("vm-1"), Deadline::NONE, &|_| {})
+        .expect("stop");
+    spec.limits.cpu_max_millis = 200;
+    spec.limits.cpu_burst_ms = 0;
+
+    h.backend
+        .boot(&spec, Deadline::NONE)
+        .expect("boot with the lower cap");
+
+    let quota =
+        cgroup_file(&h, "vm-1", "cpu.cfs_quota_us").or_else(|| cgroup_file(&h, "vm-1", "cpu.max"));
+    assert!(
+        quota.as_deref() == Some("20000") || quota.as_deref() == Some("20000 100000"),
+        "{quota:?}"
+    );
+}
+
+#[test]
 fn a_vm_with_no_cap_of_its_own_takes_the_hosts_per_vcpu() {
     let mut h = Host::new(&[]);
     h.cfg.confinement.limits.cpu_max_millis_per_vcpu = 500;

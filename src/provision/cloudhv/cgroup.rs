@@ -376,27 +376,46 @@ fn settings(controller: Controller, unified: bool, l: Limits) -> Vec<(&'static s
         (Controller::Memory, true) => vec![("memory.max", l.memory_bytes.to_string())],
         (Controller::Memory, false) => vec![("memory.limit_in_bytes", l.memory_bytes.to_string())],
         (Controller::Pids, _) => vec![("pids.max", l.pids.to_string())],
-        (Controller::Cpu, true) => vec![
-            ("cpu.weight", (100 * vcpus).min(10_000).to_string()),
-            (
-                "cpu.max",
-                format!(
-                    "{} {CPU_PERIOD_US}",
-                    l.cpu_quota_us.map_or("max".into(), |q| q.to_string())
-                ),
-            ),
-            (BURST_V2, l.cpu_burst_us.to_string()),
-        ],
-        (Controller::Cpu, false) => vec![
-            ("cpu.shares", (1024 * vcpus).to_string()),
-            ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
-            (
-                "cpu.cfs_quota_us",
-                l.cpu_quota_us.map_or("-1".into(), |q| q.to_string()),
-            ),
-            (BURST_V1, l.cpu_burst_us.to_string()),
-        ],
+        (Controller::Cpu, true) => {
+            let quota = format!(
+                "{} {CPU_PERIOD_US}",
+                l.cpu_quota_us.map_or("max".into(), |q| q.to_string())
+            );
+            let mut files = vec![("cpu.weight", (100 * vcpus).min(10_000).to_string())];
+            files.extend(capped(BURST_V2, ("cpu.max", quota), l.cpu_burst_us));
+            files
+        }
+        (Controller::Cpu, false) => {
+            let quota = l.cpu_quota_us.map_or("-1".into(), |q| q.to_string());
+            let mut files = vec![
+                ("cpu.shares", (1024 * vcpus).to_string()),
+                ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
+            ];
+            files.extend(capped(
+                BURST_V1,
+                ("cpu.cfs_quota_us", quota),
+                l.cpu_burst_us,
+            ));
+            files
+        }
     }
+}
+
+/// A cap and its burst, in an order every change takes: the kernel refuses
+/// a quota below the burst already set and a burst above the quota already
+/// set, and a stopped VM's cgroup keeps both for its next boot. So the
+/// burst goes to 0 first, then the quota, then the burst (when there is
+/// one).
+fn capped(
+    burst_file: &'static str,
+    quota: (&'static str, String),
+    burst_us: u64,
+) -> Vec<(&'static str, String)> {
+    let mut files = vec![(burst_file, "0".to_owned()), quota];
+    if burst_us != 0 {
+        files.push((burst_file, burst_us.to_string()));
+    }
+    files
 }
 
 /// The burst files, absent before Linux 5.14: with none asked for, a host
@@ -496,6 +515,7 @@ mod tests {
             settings(Controller::Cpu, true, l),
             [
                 ("cpu.weight", "200".into()),
+                ("cpu.max.burst", "0".into()),
                 ("cpu.max", "150000 100000".into()),
                 ("cpu.max.burst", "20000".into())
             ]
@@ -505,6 +525,7 @@ mod tests {
             [
                 ("cpu.shares", "2048".into()),
                 ("cpu.cfs_period_us", "100000".into()),
+                ("cpu.cfs_burst_us", "0".into()),
                 ("cpu.cfs_quota_us", "150000".into()),
                 ("cpu.cfs_burst_us", "20000".into())
             ]
