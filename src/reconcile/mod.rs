@@ -29,6 +29,7 @@ mod admission;
 mod converge;
 pub mod counts;
 mod create;
+mod holds;
 /// The lifecycle lives beside the record it writes (see its header).
 pub use crate::state::lifecycle;
 mod pass;

@@ -300,86 +300,18 @@ impl Core {
         let vm_id = &desired.spec.vm_id;
         let rec = rec.map(|rec| self.note_egress(desired, rec));
         let held = self.prov.set_egress(vm_id, &desired.egress);
-        match &held {
-            // Rules this host cannot hold keep a VM that is not running
-            // from starting: a guest meant to be fenced in is never let
-            // out unfenced. One already running keeps the rules it has.
-            Err(e) if e.is_host_condition() && !self.prov.running(vm_id) => {
-                let why = format!(
-                    "its own egress rules cannot be held on this host, so it is not started: {}",
-                    crate::error::chain(&**e)
-                );
-                self.logs
-                    .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
-                match &rec {
-                    Some(rec) => self.report_recorded(res, rec, PowerState::Stopped),
-                    None => *res = VmResult::queued(vm_id),
-                }
-                if let Some(row) = res.row.as_mut() {
-                    row.status_detail = "waiting for the host".into();
-                    row.last_error = why;
-                }
-                return;
-            }
-            _ => {}
+        // Rules this host cannot hold keep a VM that is not running from
+        // starting: a guest meant to be fenced in is never let out
+        // unfenced. One already running keeps the rules it has.
+        if let Err(e) = &held
+            && e.is_host_condition()
+            && !self.prov.running(vm_id)
+        {
+            return self.refuse_unfenced(vm_id, &**e, rec.as_ref(), res);
         }
         self.drive_lifecycle(deadline, desired, rec, res, publisher);
         self.probe(deadline, desired, res);
-        let mut holds = super::counts::Held::default();
-        if let Some(egress) = self.prov.egress_in_force(vm_id) {
-            (holds.deny, holds.allow) = (egress.deny.len(), egress.allow.len());
-            if let Some(row) = res.row.as_mut() {
-                row.egress = egress.to_string();
-            }
-        }
-        holds.answering = self
-            .probes
-            .lock()
-            .get(vm_id)
-            .filter(|p| p.answered.is_some() || p.failing_since.is_some())
-            .map(|p| p.failing_since.is_none());
-        if let Some(row) = res.row.as_mut()
-            && let Ok(Some(now)) = self.store.get(vm_id)
-        {
-            if let Some(limits) = self.prov.limits_in_force(&now.spec) {
-                row.limits = limits.to_string();
-                holds.limits = Some(limits);
-            }
-            if now.spec.limits != desired.spec.limits
-                && self.prov.running(vm_id)
-                && row.status_detail.is_empty()
-            {
-                row.status_detail =
-                    "limits change at the next boot (stop and start it to apply them now)".into();
-            }
-        }
-        self.counts.held.lock().insert(vm_id.to_string(), holds);
-        if let Err(e) = held {
-            let why = format!(
-                "its own egress rules are not held: {}",
-                crate::error::chain(&*e)
-            );
-            self.logs
-                .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
-            if let Some(row) = res.row.as_mut() {
-                row.last_error = if row.last_error.is_empty() {
-                    why
-                } else {
-                    format!("{}; {why}", row.last_error)
-                };
-            }
-        }
-    }
-
-    /// Records the VM's own egress rules when they change, before they are
-    /// held: an agent's start holds the recorded ones again for a running
-    /// VM before any pass (a save that fails is retried next pass).
-    fn note_egress(&self, desired: &DesiredVm, mut rec: Record) -> Record {
-        if rec.egress != desired.egress {
-            rec.egress = desired.egress.clone();
-            self.save_best_effort(&rec);
-        }
-        rec
+        self.say_what_it_is_held_to(desired, held, res);
     }
 
     fn drive_lifecycle(
