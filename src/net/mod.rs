@@ -8,6 +8,7 @@
 //! on that guest's tap; no address is baked into the seed.
 
 pub mod addresses;
+mod command;
 pub mod dhcp;
 #[cfg(target_os = "linux")]
 pub mod host;

@@ -1,6 +1,7 @@
 //! Wire ⇄ domain conversion. Validation happens here, once: everything the
 //! control plane (or a desired file) sends is checked before any of it can
-//! name a path, size a file or reach a hypervisor's command line.
+//! name a path, size a file or reach a hypervisor's command line (what
+//! a VM is promised beyond its hardware: `tenant.rs`).
 //!
 //! A bad entry fails that entry alone. It is kept as a [`Rejected`] with its
 //! reason so the report can say which VM or volume was refused and why,
@@ -8,11 +9,12 @@
 
 use std::collections::HashMap;
 
+use super::tenant::{egress_list, readiness, readiness_to_wire, vm_limits};
 use crate::model::is_hostname;
 use crate::model::{
-    Check, Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Readiness,
-    Rejected, Report, Snapshot, SpecError, VmLimits, VmSpec, VmStatus, VolumeSpec, VolumeState,
-    VolumeStatus, WantedVm, WantedVolume,
+    Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report,
+    Snapshot, SpecError, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm,
+    WantedVolume,
 };
 use crate::pb;
 use crate::quote;
@@ -171,144 +173,6 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         egress,
         readiness: raw.readiness.as_ref().map(readiness).transpose()?,
     })
-}
-
-/// A readiness probe: one check, its timing within bounds, zeros the
-/// defaults.
-fn readiness(raw: &pb::Readiness) -> Result<Readiness, SpecError> {
-    use std::time::Duration;
-    let field = "readiness";
-    if !raw.http_path.is_empty() && raw.tcp_port == 0 {
-        return Err(SpecError::new(
-            field,
-            "http_path needs tcp_port, the port to GET it on",
-        ));
-    }
-    let check = match (raw.serial_contains.is_empty(), raw.tcp_port) {
-        (false, 0) => {
-            let text = &raw.serial_contains;
-            if text.len() > 256 || text.chars().any(char::is_control) {
-                return Err(SpecError::new(
-                    field,
-                    format!(
-                        "serial_contains {} is not 1-256 printable bytes",
-                        quote::text(text)
-                    ),
-                ));
-            }
-            Check::Serial(text.clone())
-        }
-        (true, port) if (1..=65535).contains(&port) && raw.http_path.is_empty() => {
-            Check::Tcp(port as u16)
-        }
-        (true, port) if (1..=65535).contains(&port) => {
-            let path = &raw.http_path;
-            if !path.starts_with('/')
-                || path.len() > 1024
-                || !path.bytes().all(|b| b.is_ascii_graphic())
-            {
-                return Err(SpecError::new(
-                    field,
-                    format!(
-                        "http_path {} is not a path (\"/\" then up to 1 KiB of printable ASCII, no spaces)",
-                        quote::text(path)
-                    ),
-                ));
-            }
-            Check::Http {
-                port: port as u16,
-                path: path.clone(),
-            }
-        }
-        (true, 0) => {
-            return Err(SpecError::new(
-                field,
-                "names no check: give serial_contains or tcp_port",
-            ));
-        }
-        (true, port) => {
-            return Err(SpecError::new(
-                field,
-                format!("tcp_port {port} is not a port (1..=65535)"),
-            ));
-        }
-        (false, _) => {
-            return Err(SpecError::new(
-                field,
-                "names two checks: give serial_contains or tcp_port, not both",
-            ));
-        }
-    };
-    let within = |what: &str, value: u32, default: u32, max: u32| match value {
-        0 => Ok(default),
-        v if v <= max => Ok(v),
-        v => Err(SpecError::new(
-            field,
-            format!("{what} {v} is past {max} (0 = {default})"),
-        )),
-    };
-    let period = within("period_s", raw.period_s, 2, 3600)?;
-    let timeout = within(
-        "timeout_ms",
-        raw.timeout_ms,
-        1000.min(period * 1000),
-        period * 1000,
-    )?;
-    let grace = within("grace_s", raw.grace_s, 60, 86_400)?;
-    let restart = within("restart_after_s", raw.restart_after_s, 0, 86_400)?;
-    Ok(Readiness {
-        check,
-        period: Duration::from_secs(u64::from(period)),
-        timeout: Duration::from_millis(u64::from(timeout)),
-        grace: Duration::from_secs(u64::from(grace)),
-        restart_after: (restart > 0).then(|| Duration::from_secs(u64::from(restart))),
-    })
-}
-
-fn readiness_to_wire(r: &Readiness) -> pb::Readiness {
-    let (serial_contains, tcp_port, http_path) = match &r.check {
-        Check::Serial(text) => (text.clone(), 0, String::new()),
-        Check::Tcp(port) => (String::new(), u32::from(*port), String::new()),
-        Check::Http { port, path } => (String::new(), u32::from(*port), path.clone()),
-    };
-    pb::Readiness {
-        serial_contains,
-        tcp_port,
-        http_path,
-        period_s: r.period.as_secs() as u32,
-        timeout_ms: r.timeout.as_millis() as u32,
-        grace_s: r.grace.as_secs() as u32,
-        restart_after_s: r.restart_after.map_or(0, |d| d.as_secs() as u32),
-    }
-}
-
-/// One of a VM's egress lists: IPv4 ranges, at most
-/// [`Limits::MAX_EGRESS_RULES`], each once.
-fn egress_list(field: &'static str, raw: &[String]) -> Result<Vec<Cidr>, SpecError> {
-    if raw.len() > Limits::MAX_EGRESS_RULES {
-        return Err(SpecError::new(
-            field,
-            format!("{} ranges, at most {}", raw.len(), Limits::MAX_EGRESS_RULES),
-        ));
-    }
-    let mut list = Vec::with_capacity(raw.len());
-    let mut seen = std::collections::HashSet::with_capacity(raw.len());
-    for text in raw {
-        let cidr = Cidr::parse(text).map_err(|e| {
-            SpecError::new(
-                field,
-                format!(
-                    "{}: {e}; write an IPv4 range as a.b.c.d/n",
-                    quote::text(text)
-                ),
-            )
-        })?;
-        if !seen.insert(cidr) {
-            return Err(SpecError::new(field, format!("{cidr} is listed twice")));
-        }
-        list.push(cidr);
-    }
-    Ok(list)
 }
 
 pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
@@ -504,51 +368,6 @@ fn optional_enum<T>(
     parse(raw)
         .map(Some)
         .ok_or_else(|| SpecError::new(field, format!("unknown value {}", quote::text(raw))))
-}
-
-/// A VM's limits: each 0 (the host's) or within its bounds.
-fn vm_limits(raw: &pb::VmSpec, vcpus: u32) -> Result<VmLimits, SpecError> {
-    let cpu_cap = u64::from(vcpus) * 1000;
-    let cpu_max_millis = zero_or_within(
-        "cpu_max_millis",
-        raw.cpu_max_millis,
-        Limits::MIN_CPU_MAX_MILLIS,
-        cpu_cap,
-    )
-    .map_err(|e| {
-        e.hint(&format!(
-            "a cap is thousandths of a CPU, at most 1000 per vCPU ({vcpus} here)"
-        ))
-    })?;
-    // The kernel refuses a burst larger than the quota of one period.
-    let burst_cap = if cpu_max_millis == 0 {
-        cpu_cap / 10
-    } else {
-        cpu_max_millis / 10
-    };
-    let cpu_burst_ms =
-        zero_or_within("cpu_burst_ms", raw.cpu_burst_ms, 1, burst_cap).map_err(|e| {
-            e.hint("a burst is at most the cap's quota of one 100 ms period (cpu_max_millis / 10)")
-        })?;
-    Ok(VmLimits {
-        cpu_max_millis: cpu_max_millis as u32,
-        cpu_burst_ms: cpu_burst_ms as u32,
-        disk_mbps: zero_or_within("disk_mbps", raw.disk_mbps, 1, Limits::MAX_DISK_MBPS)? as u32,
-        disk_iops: zero_or_within("disk_iops", raw.disk_iops, 1, Limits::MAX_DISK_IOPS)? as u32,
-        net_mbps: zero_or_within("net_mbps", raw.net_mbps, 1, Limits::MAX_NET_MBPS)? as u32,
-    })
-}
-
-/// 0 (the host's default), or a value in `min..=max`.
-fn zero_or_within(field: &'static str, value: i64, min: u64, max: u64) -> Result<u64, SpecError> {
-    match u64::try_from(value) {
-        Ok(0) => Ok(0),
-        Ok(v) if (min..=max).contains(&v) => Ok(v),
-        _ => Err(SpecError::new(
-            field,
-            format!("{value} is neither 0 (the host's default) nor in {min}..={max}"),
-        )),
-    }
 }
 
 fn bounded(field: &'static str, value: i64, max: u64) -> Result<u64, SpecError> {

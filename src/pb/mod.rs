@@ -9,6 +9,7 @@ mod generated {
 
 pub mod convert;
 mod prescan;
+mod tenant;
 
 pub use generated::*;
 pub use prescan::{EntryCounts, count_snapshot_entries};

@@ -29,6 +29,7 @@ mod acl;
 mod api;
 pub mod argv;
 pub mod cgroup;
+mod child;
 mod error;
 pub mod fork;
 pub mod jail;
