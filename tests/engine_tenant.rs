@@ -380,3 +380,22 @@ fn an_http_probe_holds_ready_back_until_the_guest_answers_2xx() {
     );
     assert_eq!(h.row(VM).phase, Some(Phase::Ready));
 }
+
+#[test]
+fn a_console_line_once_printed_answers_for_the_life_of_its_hypervisor() {
+    let h = Harness::new();
+    let snap = probed(1, Check::Serial("login:".into()), None);
+    let console = h.store.layout().serial_log(&id(VM));
+    std::fs::create_dir_all(console.parent().expect("vm dir")).expect("vm dir");
+    std::fs::write(&console, "web-1 login: \n").expect("console");
+    h.tick(&snap);
+    std::fs::remove_file(&console).expect("console gone");
+
+    h.fakes.advance_clock(Duration::from_secs(10));
+    h.tick(&snap);
+
+    let row = h.row(VM);
+    assert_eq!(row.phase, Some(Phase::Ready));
+    assert!(row.last_error.is_empty(), "{row:?}");
+    assert_eq!(h.engine.counts().unhealthy.get(VM), 0);
+}

@@ -3,8 +3,10 @@
 //!
 //! A probe runs in the VM's own pass, at most once a period (so at least
 //! once a tick), bounded by its timeout: a console line containing a text
-//! (the agent keeps the console; a boot starts it afresh), or a TCP
-//! connection to a port of the guest's underlay address. What a probe
+//! (the agent keeps the console; a boot starts it afresh; once printed it
+//! answers for the life of that hypervisor, so the console is not read
+//! again), a TCP connection to a port of the guest's underlay address, or
+//! an HTTP GET there answering 2xx. What a probe
 //! knows lives in memory and starts over with each hypervisor (a new pid):
 //! a restarted agent asks again, and a guest that answers at once loses
 //! nothing.
@@ -56,7 +58,8 @@ impl Core {
             }
             state.clone()
         };
-        if now >= state.next_at {
+        let printed = matches!(probe.check, Check::Serial(_)) && state.answered.is_some();
+        if now >= state.next_at && !printed {
             state.next_at = now + probe.period;
             let timeout = deadline
                 .remaining()
