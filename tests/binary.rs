@@ -546,21 +546,33 @@ fn a_bad_entry_refuses_that_entry_only_naming_its_key_and_line() {
     assert_eq!(report["contact"], "ok");
 }
 
+/// A running VM's entry of a desired file, `extra` (",\"key\":value…")
+/// added to it.
+fn vm_json(id: &str, extra: &str) -> String {
+    format!(
+        r#"{{"vm_id":"{id}","name":"{id}","image_url":"http://mirror.test/a.raw","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"{extra}}}"#,
+        "0".repeat(62) + "aa"
+    )
+}
+
+/// The report's row of `id`; null when there is none.
+fn row_of(report: &serde_json::Value, id: &str) -> serde_json::Value {
+    report["report"]["vms"]
+        .as_array()
+        .and_then(|v| v.iter().find(|r| r["vm_id"] == id))
+        .cloned()
+        .unwrap_or_default()
+}
+
 #[test]
 fn a_bad_egress_range_refuses_its_vm_alone_naming_the_field() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let vm = |id: &str, deny: &str| {
-        format!(
-            r#"{{"vm_id":"{id}","name":"{id}","image_url":"http://mirror.test/a.raw","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running","egress_deny":["{deny}"]}}"#,
-            "0".repeat(62) + "aa"
-        )
-    };
     desired(
         dir.path(),
         &format!(
             r#"{{"vms":[{},{}]}}"#,
-            vm("bad-1", "10.0.0.0/33"),
-            vm("good-1", "10.0.0.0/8")
+            vm_json("bad-1", r#","egress_deny":["10.0.0.0/33"]"#),
+            vm_json("good-1", r#","egress_deny":["10.0.0.0/8"]"#)
         ),
     );
 
@@ -569,13 +581,7 @@ fn a_bad_egress_range_refuses_its_vm_alone_naming_the_field() {
         r["report"]["vms"].as_array().is_some_and(|v| v.len() == 2)
     });
 
-    let row = |id: &str| {
-        report["report"]["vms"]
-            .as_array()
-            .and_then(|v| v.iter().find(|r| r["vm_id"] == id))
-            .cloned()
-            .unwrap_or_default()
-    };
+    let row = |id: &str| row_of(&report, id);
     let bad = row("bad-1");
     let error = bad["last_error"].as_str().unwrap_or_default();
     assert_eq!(bad["phase"], "failed");
@@ -589,22 +595,16 @@ fn a_bad_egress_range_refuses_its_vm_alone_naming_the_field() {
 #[test]
 fn a_bad_limit_or_probe_refuses_its_vm_alone_naming_the_field() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let vm = |id: &str, extra: &str| {
-        format!(
-            r#"{{"vm_id":"{id}","name":"{id}","image_url":"http://mirror.test/a.raw","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"{extra}}}"#,
-            "0".repeat(62) + "aa"
-        )
-    };
     desired(
         dir.path(),
         &format!(
             r#"{{"vms":[{},{},{}]}}"#,
-            vm("cpu-1", r#","cpu_max_millis":1001"#),
-            vm(
+            vm_json("cpu-1", r#","cpu_max_millis":1001"#),
+            vm_json(
                 "probe-1",
                 r#","readiness":{"tcp_port":22,"serial_contains":"login:"}"#
             ),
-            vm(
+            vm_json(
                 "good-1",
                 r#","cpu_max_millis":500,"readiness":{"tcp_port":22}"#
             )
@@ -616,13 +616,7 @@ fn a_bad_limit_or_probe_refuses_its_vm_alone_naming_the_field() {
         r["report"]["vms"].as_array().is_some_and(|v| v.len() == 3)
     });
 
-    let row = |id: &str| {
-        report["report"]["vms"]
-            .as_array()
-            .and_then(|v| v.iter().find(|r| r["vm_id"] == id))
-            .cloned()
-            .unwrap_or_default()
-    };
+    let row = |id: &str| row_of(&report, id);
     let error = |id: &str| {
         row(id)["last_error"]
             .as_str()

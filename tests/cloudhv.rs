@@ -225,11 +225,16 @@ impl Host {
         self.engine.as_ref().expect("engine")
     }
 
-    fn vm(&self, vm: &str) -> Snapshot {
+    /// `vm` as desired state, its image this host's base.
+    fn desired(&self, vm: &str) -> eitri_agent::model::DesiredVm {
         let mut d = desired(vm);
         d.spec.image_url = self.base_url.clone();
         d.spec.image_sha256 = self.base_sha.clone();
-        snapshot(1, vec![present(d)])
+        d
+    }
+
+    fn vm(&self, vm: &str) -> Snapshot {
+        snapshot(1, vec![present(self.desired(vm))])
     }
 
     /// Ticks, a second of the engine's clock apart and 50 ms of the
@@ -372,9 +377,7 @@ fn a_created_vm_boots_and_runs_on(h: Host) {
 
 /// `vm` wanted with a readiness probe on `check` (period 1 s, grace 60 s).
 fn probed(h: &Host, vm: &str, check: eitri_agent::model::Check) -> Snapshot {
-    let mut d = desired(vm);
-    d.spec.image_url = h.base_url.clone();
-    d.spec.image_sha256 = h.base_sha.clone();
+    let mut d = h.desired(vm);
     d.readiness = Some(eitri_agent::model::Readiness {
         check,
         period: Duration::from_secs(1),
@@ -422,9 +425,7 @@ fn a_serial_probe_for_a_line_the_guest_never_prints_holds_ready_back_on(h: Host)
 
 /// `vm` wanted at `power`.
 fn wanting(h: &Host, vm: &str, power: PowerState) -> Snapshot {
-    let mut d = desired(vm);
-    d.spec.image_url = h.base_url.clone();
-    d.spec.image_sha256 = h.base_sha.clone();
+    let mut d = h.desired(vm);
     d.power = power;
     snapshot(1, vec![present(d)])
 }
@@ -2291,9 +2292,7 @@ fn an_adopted_vm_is_guarded_again_before_its_first_tick() {
 
 /// `vm`'s desired state with its own egress rules.
 fn with_egress(h: &Host, vm: &str, epoch: u64, deny: &str, allow: &str) -> Snapshot {
-    let mut d = desired(vm);
-    d.spec.image_url = h.base_url.clone();
-    d.spec.image_sha256 = h.base_sha.clone();
+    let mut d = h.desired(vm);
     d.egress = eitri_agent::model::Egress {
         deny: eitri_agent::model::Cidr::parse_list(deny).expect("deny"),
         allow: eitri_agent::model::Cidr::parse_list(allow).expect("allow"),
