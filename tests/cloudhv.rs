@@ -1625,8 +1625,8 @@ fn vm_config(h: &Host, vm: &str) -> serde_json::Value {
 
 /// A real cloud-hypervisor takes the limits' command line and holds them:
 /// its own account of its configuration has the disks' group and bucket
-/// and the NIC's. (That it paces a guest's I/O to them needs a guest that
-/// does I/O, which the tiny guest does not.)
+/// and the NIC's. (That it paces a guest's I/O to them is measured by
+/// `make bench-limits`, on a guest that does I/O.)
 #[test]
 fn a_real_vmm_holds_the_disk_and_nic_limits_it_was_given() {
     eitri_agent::testkit::net::private_network();

@@ -30,15 +30,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
-use eitri_agent::image::sha256_file;
 use eitri_agent::model::{Id, Phase, PowerState, Snapshot, WantedVm};
-use eitri_agent::provision::cloudhv::CloudHvConfig;
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig};
 use eitri_agent::stages::Stages;
 use eitri_agent::state::Store;
 use eitri_agent::testkit::{desired, present, snapshot, tombstoned};
 
+#[path = "agent.rs"]
+mod agent;
 #[path = "figures.rs"]
 mod figures;
 use figures::{ms, percentile, print_stages};
@@ -230,46 +231,31 @@ impl Bench {
                 (PathBuf::from(STANDIN), kernel)
             }
         };
-        let base = dir.path().join("base.raw");
-        std::fs::write(&base, vec![0x5a; 1 << 20])?;
-        let base_sha = sha256_file(&base)?;
+        let (base_url, base_sha) = agent::base_image(dir.path())?;
         let store = Arc::new(Store::open(&dir.path().join("state"))?);
-        let network = eitri_agent::net::host::HostNetwork::setup(
-            eitri_agent::net::underlay::UnderlayConfig {
-                tap_prefix: format!("ec{:04x}", std::process::id() & 0xffff),
-                ..eitri_agent::testkit::net::underlay_config()
-            },
-            store.layout(),
-            vec![],
-            std::collections::HashMap::new(),
-        )
-        .map_err(|e| eitri_agent::error::chain(&*e))?;
-        let mut confinement = eitri_agent::testkit::confinement(dir.path());
-        if real.is_some() {
-            // The real VMM opens the real device (its group is given
-            // access by an ACL entry, as on a host).
-            confinement.kvm = PathBuf::from("/dev/kvm");
-            confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
-        }
+        let prefix = format!("ec{:04x}", std::process::id() & 0xffff);
         let cfg = CloudHvConfig {
-            hypervisor,
-            kernel: Some(kernel),
-            firmware: None,
-            cmdline: "console=ttyS0".into(),
-            run_dir: dir.path().join("run"),
-            tap_prefix: format!("ec{:04x}", std::process::id() & 0xffff),
             boot_wait: Duration::from_secs(10),
-            network: Some(Arc::new(network)),
             stop: StopTimeouts {
                 power_button: Duration::from_millis(200),
                 vmm_shutdown: Duration::from_millis(200),
                 terminate: Duration::from_millis(200),
                 ..StopTimeouts::default()
             },
-            confinement,
+            ..agent::host_config(
+                dir.path(),
+                &store,
+                (hypervisor, kernel),
+                &prefix,
+                real.is_some(),
+            )?
         };
         let cgroup_root = cfg.confinement.cgroup_root.clone();
-        let seams = figures::seams(&store, cfg, dir.path());
+        let seams = agent::seams(
+            &store,
+            Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg)),
+            dir.path(),
+        );
         let defaults = EngineConfig::default();
         let config = EngineConfig {
             agent_version: "1.0.0".into(),
@@ -279,7 +265,7 @@ impl Bench {
         };
         let engine = Engine::new(Arc::clone(&store), seams, config);
         Ok(Bench {
-            base_url: format!("file://{}", base.display()),
+            base_url,
             _dir: dir,
             store,
             engine,

@@ -1,37 +1,9 @@
-//! What the benchmarks share: the engine's seams over a real backend,
-//! milliseconds, percentiles, and a pass's stages as medians.
+//! What the benchmarks share in their figures: milliseconds, percentiles,
+//! and a pass's stages as medians.
 
-use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
-use eitri_agent::hostkey::LocalHostKeys;
-use eitri_agent::image::{ImageCache, ImageOptions};
-use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
-use eitri_agent::reconcile::Seams;
-use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::stages::Stages;
-use eitri_agent::state::Store;
-
-/// The seams of an engine over the cloud-hypervisor backend `cfg` drives,
-/// base images served from under `images` (`file://`).
-pub fn seams(store: &Arc<Store>, cfg: CloudHvConfig, images: &Path) -> Seams {
-    let backend = Arc::new(CloudHypervisor::new(Arc::clone(store), cfg));
-    Seams {
-        provisioner: backend as Arc<dyn Provisioner>,
-        images: Arc::new(ImageCache::with(
-            store.layout().images(),
-            &ImageOptions {
-                file_root: Some(images.to_path_buf()),
-                ..ImageOptions::default()
-            },
-        )),
-        seed: Arc::new(NoCloudSeed),
-        host_keys: Arc::new(LocalHostKeys),
-        host: eitri_agent::testkit::Fakes::new().seams().host,
-    }
-}
 
 /// The median of every stage the passes of `traces` went through, in the
 /// order of the first, and of their totals; `what` names the passes.

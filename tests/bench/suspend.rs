@@ -26,14 +26,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
-use eitri_agent::image::sha256_file;
 use eitri_agent::model::{Id, Phase, PowerState, Snapshot};
-use eitri_agent::provision::cloudhv::CloudHvConfig;
-use eitri_agent::provision::supervise::StopTimeouts;
+use eitri_agent::provision::cloudhv::CloudHypervisor;
 use eitri_agent::reconcile::{Engine, EngineConfig};
 use eitri_agent::state::Store;
 use eitri_agent::testkit::{desired, present, snapshot};
 
+#[path = "agent.rs"]
+mod agent;
 #[path = "figures.rs"]
 mod figures;
 use figures::{ms, percentile, print_stages};
@@ -81,45 +81,22 @@ impl Bench {
                 (PathBuf::from(STANDIN), kernel, "booting")
             }
         };
-        let base = dir.path().join("base.raw");
-        std::fs::write(&base, vec![0x5a; 1 << 20])?;
-        let base_sha = sha256_file(&base)?;
+        let (base_url, base_sha) = agent::base_image(dir.path())?;
         let store = Arc::new(Store::open(&dir.path().join("state"))?);
         let prefix = format!("es{:04x}", std::process::id() & 0xffff);
-        let network = eitri_agent::net::host::HostNetwork::setup(
-            eitri_agent::net::underlay::UnderlayConfig {
-                tap_prefix: prefix.clone(),
-                ..eitri_agent::testkit::net::underlay_config()
-            },
-            store.layout(),
-            vec![],
-            std::collections::HashMap::new(),
-        )
-        .map_err(|e| eitri_agent::error::chain(&*e))?;
-        let mut confinement = eitri_agent::testkit::confinement(dir.path());
-        if real.is_some() {
-            confinement.kvm = PathBuf::from("/dev/kvm");
-            confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
-        }
-        let cgroup_root = confinement.cgroup_root.clone();
-        let cfg = CloudHvConfig {
-            hypervisor,
-            kernel: Some(kernel),
-            firmware: None,
-            cmdline: "console=ttyS0".into(),
-            run_dir: dir.path().join("run"),
-            tap_prefix: prefix,
-            boot_wait: Duration::from_secs(30),
-            network: Some(Arc::new(network)),
-            stop: StopTimeouts {
-                power_button: Duration::from_millis(200),
-                vmm_shutdown: Duration::from_secs(2),
-                terminate: Duration::from_millis(500),
-                ..StopTimeouts::default()
-            },
-            confinement,
-        };
-        let seams = figures::seams(&store, cfg, dir.path());
+        let cfg = agent::host_config(
+            dir.path(),
+            &store,
+            (hypervisor, kernel),
+            &prefix,
+            real.is_some(),
+        )?;
+        let cgroup_root = cfg.confinement.cgroup_root.clone();
+        let seams = agent::seams(
+            &store,
+            Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg)),
+            dir.path(),
+        );
         let engine = Engine::new(
             Arc::clone(&store),
             seams,
@@ -145,7 +122,7 @@ impl Bench {
         Ok(Bench {
             suspends,
             resumes,
-            base_url: format!("file://{}", base.display()),
+            base_url,
             dir,
             store,
             engine,

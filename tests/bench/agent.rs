@@ -1,0 +1,90 @@
+//! What the benchmarks that run VMs through the whole agent share: a
+//! host's backend configuration, the engine's seams over it, a base image.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use eitri_agent::hostkey::LocalHostKeys;
+use eitri_agent::image::{ImageCache, ImageOptions};
+use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::supervise::StopTimeouts;
+use eitri_agent::reconcile::Seams;
+use eitri_agent::seed::NoCloudSeed;
+use eitri_agent::state::Store;
+
+/// The seams of an engine over `backend`, base images served from under
+/// `images` (`file://`).
+pub fn seams(store: &Arc<Store>, backend: Arc<CloudHypervisor>, images: &Path) -> Seams {
+    Seams {
+        provisioner: backend as Arc<dyn Provisioner>,
+        images: Arc::new(ImageCache::with(
+            store.layout().images(),
+            &ImageOptions {
+                file_root: Some(images.to_path_buf()),
+                ..ImageOptions::default()
+            },
+        )),
+        seed: Arc::new(NoCloudSeed),
+        host_keys: Arc::new(LocalHostKeys),
+        host: eitri_agent::testkit::Fakes::new().seams().host,
+    }
+}
+
+type Error = Box<dyn std::error::Error>;
+
+/// A cloud-hypervisor backend's configuration as a host runs it, over
+/// `dir` and `store`: each VMM jailed, the host network on (call it in a
+/// private network namespace) with taps named `prefix…`, and for a real
+/// hypervisor the real KVM and userfaultfd devices (its group given access
+/// by an ACL entry, as on a host).
+pub fn host_config(
+    dir: &Path,
+    store: &Store,
+    (hypervisor, kernel): (PathBuf, PathBuf),
+    prefix: &str,
+    real: bool,
+) -> Result<CloudHvConfig, Error> {
+    let network = eitri_agent::net::host::HostNetwork::setup(
+        eitri_agent::net::underlay::UnderlayConfig {
+            tap_prefix: prefix.to_owned(),
+            ..eitri_agent::testkit::net::underlay_config()
+        },
+        store.layout(),
+        vec![],
+        std::collections::HashMap::new(),
+    )
+    .map_err(|e| eitri_agent::error::chain(&*e))?;
+    let mut confinement = eitri_agent::testkit::confinement(dir);
+    if real {
+        confinement.kvm = PathBuf::from("/dev/kvm");
+        confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
+    }
+    Ok(CloudHvConfig {
+        hypervisor,
+        kernel: Some(kernel),
+        firmware: None,
+        cmdline: "console=ttyS0".into(),
+        run_dir: dir.join("run"),
+        tap_prefix: prefix.to_owned(),
+        boot_wait: Duration::from_secs(30),
+        network: Some(Arc::new(network)),
+        stop: StopTimeouts {
+            power_button: Duration::from_millis(200),
+            vmm_shutdown: Duration::from_secs(2),
+            terminate: Duration::from_millis(500),
+            ..StopTimeouts::default()
+        },
+        confinement,
+    })
+}
+
+/// A base image under `dir` (1 MiB of one byte), as a `file://` URL and
+/// its digest.
+pub fn base_image(dir: &Path) -> Result<(String, String), Error> {
+    let base = dir.join("base.raw");
+    std::fs::write(&base, vec![0x5a; 1 << 20])?;
+    let sha = eitri_agent::image::sha256_file(&base)?;
+    Ok((format!("file://{}", base.display()), sha))
+}
