@@ -66,9 +66,13 @@ impl Agent {
             "etbin".into(),
             "--run-dir".into(),
             dir.join("run").display().to_string(),
-            // No bridge or firewall table on the test machine's host.
-            "--underlay-bridge=".into(),
         ];
+        // No bridge or firewall table on the test machine's host, unless the
+        // test made a network namespace of its own for them.
+        let networkless = !extra.iter().any(|a| a.starts_with("--underlay-bridge"));
+        if networkless {
+            args.push("--underlay-bridge=".into());
+        }
         // VMs report why they cannot start, unless the test boots them.
         if !extra.contains(&"--hypervisor") {
             args.extend([
@@ -85,9 +89,14 @@ impl Agent {
             ]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let child = Command::new(BIN)
-            .args(&args)
-            .env_clear()
+        let mut command = Command::new(BIN);
+        command.args(&args).env_clear();
+        // A test that gives the agent a bridge (in its own network
+        // namespace) lets it find ip and nft.
+        if let Some(path) = std::env::var_os("PATH").filter(|_| !networkless) {
+            command.env("PATH", path);
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"))
@@ -109,17 +118,26 @@ impl Agent {
         serde_json::from_slice(&text).ok()
     }
 
+    /// Waits until the report passes `pred`; on timing out, fails with
+    /// the last report and the agent's log.
     fn wait_report(
         &self,
         what: &str,
         pred: impl Fn(&serde_json::Value) -> bool,
     ) -> serde_json::Value {
-        let mut last = None;
-        wait_for(what, || {
-            last = self.report().filter(|r| pred(r));
-            last.is_some()
-        });
-        last.expect("report")
+        let until = Instant::now() + PATIENCE;
+        loop {
+            let report = self.report();
+            match report {
+                Some(r) if pred(&r) => return r,
+                _ if Instant::now() > until => panic!(
+                    "timed out waiting for {what}; the last report: {}\nthe agent's log:\n{}",
+                    report.unwrap_or_default(),
+                    self.log_text()
+                ),
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
     }
 
     fn log_text(&self) -> String {
@@ -808,6 +826,66 @@ fn the_hosts_per_vcpu_cpu_cap_flag_is_a_booted_vms_cgroup_quota() {
             .is_some_and(|q| q == "50000" || q.starts_with("50000 ")),
         "{quota:?}"
     );
+}
+
+/// The pid of the VMM in `vm`'s cgroup under `boot`'s root.
+fn vmm_pid(boot: &Booting, vm: &str) -> Option<u32> {
+    let cgroups =
+        eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root).ok()?;
+    cgroups
+        .dirs(&eitri_agent::testkit::id(vm))
+        .iter()
+        .find_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())?
+        .lines()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The elements of the nft set `set` the agent holds, as `nft` lists them.
+fn set_elements(set: &str) -> String {
+    let listed = Command::new("nft")
+        .args(["list", "ruleset"])
+        .output()
+        .expect("nft");
+    let rules = String::from_utf8_lossy(&listed.stdout);
+    let start = rules
+        .find(&format!("set {set} {{"))
+        .unwrap_or_else(|| panic!("no set {set}: {rules}"));
+    let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
+    rules[start..end].to_owned()
+}
+
+#[test]
+fn a_running_vms_egress_change_is_held_by_the_binary_with_its_vmm_untouched() {
+    eitri_agent::testkit::net::private_network();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let boot = Booting::new(dir.path());
+    let wanted = |deny: &str| {
+        let extra = format!(r#","egress_deny":["{deny}"]"#);
+        format!(r#"{{"vms":[{}]}}"#, boot.vm_json("web-1", &extra))
+    };
+    desired(dir.path(), &wanted("203.0.113.10/32"));
+    let agent = boot.start(dir.path(), &["--underlay-bridge", "etbinbr0"]);
+    agent.wait_report("web-1 ready", |r| {
+        let row = row_of(r, "web-1");
+        row["phase"] == "ready" && row["egress"] == "deny 203.0.113.10/32"
+    });
+    let (pid, before) = (vmm_pid(&boot, "web-1"), set_elements("vm_deny"));
+
+    desired(dir.path(), &wanted("203.0.113.20/32"));
+    agent.wait_report("the new list held", |r| {
+        row_of(r, "web-1")["egress"] == "deny 203.0.113.20/32"
+    });
+
+    let after = set_elements("vm_deny");
+    assert!(before.contains("203.0.113.10"), "{before}");
+    assert!(
+        after.contains("203.0.113.20") && !after.contains("203.0.113.10"),
+        "{after}"
+    );
+    assert!(pid.is_some());
+    assert_eq!(vmm_pid(&boot, "web-1"), pid);
 }
 
 /// A SIGTERM that arrives before the agent's handlers exist, made
