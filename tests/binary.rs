@@ -662,230 +662,237 @@ fn a_bad_limit_or_probe_refuses_its_vm_alone_naming_the_field() {
     assert_eq!(row("good-1")["phase"], "creating");
 }
 
-/// What an agent that boots VMs needs beside its temp dir: the stand-in
-/// hypervisor and a kernel file, a KVM device of its own, a base image,
-/// and a cgroup root whose VMMs are ended with the test (they outlive
-/// their agent, by design).
-struct Booting {
-    flags: Vec<String>,
-    image: String,
-    image_sha256: String,
-    cgroup_root: String,
-}
+/// Agents that boot VMs: the stand-in hypervisor jailed as on a Linux host
+/// (cgroups, a network namespace of the test's own).
+#[cfg(target_os = "linux")]
+mod booted {
+    use super::*;
 
-impl Booting {
-    fn new(dir: &Path) -> Booting {
-        use std::os::unix::fs::PermissionsExt;
-        // The jailed VMM must reach its binary and kernel.
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).expect("chmod");
-        let hypervisor = dir.join("hypervisor");
-        eitri_agent::testkit::standin_hypervisor(
-            Path::new(env!("CARGO_BIN_EXE_eitri-standin-hypervisor")),
-            &hypervisor,
-            &[],
-        );
-        let kernel = dir.join("vmlinux");
-        std::fs::write(&kernel, b"not really a kernel").expect("kernel");
-        let kvm = dir.join("kvm");
-        std::fs::write(&kvm, b"").expect("kvm");
-        let base = dir.join("base.raw");
-        std::fs::write(&base, vec![0x5a; 1 << 20]).expect("base image");
-        let cgroup_root = format!("eitri-test-{}-binary", std::process::id());
-        let path = |p: &Path| p.display().to_string();
-        Booting {
-            flags: vec![
-                "--hypervisor".into(),
-                path(&hypervisor),
-                "--kernel".into(),
-                path(&kernel),
-                "--kvm-device".into(),
-                path(&kvm),
-                "--userfaultfd-device=".into(),
-                "--cgroup-root".into(),
-                cgroup_root.clone(),
-                "--image-root".into(),
-                path(dir),
-            ],
-            image: format!("file://{}", path(&base)),
-            image_sha256: eitri_agent::image::sha256_file(&base).expect("hash"),
-            cgroup_root,
+    /// What an agent that boots VMs needs beside its temp dir: the stand-in
+    /// hypervisor and a kernel file, a KVM device of its own, a base image,
+    /// and a cgroup root whose VMMs are ended with the test (they outlive
+    /// their agent, by design).
+    struct Booting {
+        flags: Vec<String>,
+        image: String,
+        image_sha256: String,
+        cgroup_root: String,
+    }
+
+    impl Booting {
+        fn new(dir: &Path) -> Booting {
+            use std::os::unix::fs::PermissionsExt;
+            // The jailed VMM must reach its binary and kernel.
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).expect("chmod");
+            let hypervisor = dir.join("hypervisor");
+            eitri_agent::testkit::standin_hypervisor(
+                Path::new(env!("CARGO_BIN_EXE_eitri-standin-hypervisor")),
+                &hypervisor,
+                &[],
+            );
+            let kernel = dir.join("vmlinux");
+            std::fs::write(&kernel, b"not really a kernel").expect("kernel");
+            let kvm = dir.join("kvm");
+            std::fs::write(&kvm, b"").expect("kvm");
+            let base = dir.join("base.raw");
+            std::fs::write(&base, vec![0x5a; 1 << 20]).expect("base image");
+            let cgroup_root = format!("eitri-test-{}-binary", std::process::id());
+            let path = |p: &Path| p.display().to_string();
+            Booting {
+                flags: vec![
+                    "--hypervisor".into(),
+                    path(&hypervisor),
+                    "--kernel".into(),
+                    path(&kernel),
+                    "--kvm-device".into(),
+                    path(&kvm),
+                    "--userfaultfd-device=".into(),
+                    "--cgroup-root".into(),
+                    cgroup_root.clone(),
+                    "--image-root".into(),
+                    path(dir),
+                ],
+                image: format!("file://{}", path(&base)),
+                image_sha256: eitri_agent::image::sha256_file(&base).expect("hash"),
+                cgroup_root,
+            }
+        }
+
+        /// A desired VM of one vCPU booting the base image, with `extra` keys.
+        fn vm_json(&self, id: &str, extra: &str) -> String {
+            format!(
+                r#"{{"vm_id":"{id}","name":"{id}","image_url":"{}","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"{extra}}}"#,
+                self.image, self.image_sha256
+            )
+        }
+
+        fn start(&self, dir: &Path, extra: &[&str]) -> Agent {
+            let mut flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
+            flags.extend_from_slice(extra);
+            Agent::start(dir, &flags)
         }
     }
 
-    /// A desired VM of one vCPU booting the base image, with `extra` keys.
-    fn vm_json(&self, id: &str, extra: &str) -> String {
-        format!(
-            r#"{{"vm_id":"{id}","name":"{id}","image_url":"{}","image_sha256":"{}","vcpus":1,"mem_mb":128,"disk_gb":1,"power_state":"running"{extra}}}"#,
-            self.image, self.image_sha256
-        )
+    impl Drop for Booting {
+        fn drop(&mut self) {
+            eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
+        }
     }
 
-    fn start(&self, dir: &Path, extra: &[&str]) -> Agent {
-        let mut flags: Vec<&str> = self.flags.iter().map(String::as_str).collect();
-        flags.extend_from_slice(extra);
-        Agent::start(dir, &flags)
+    #[test]
+    fn a_vm_is_ready_once_its_guest_prints_the_probes_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        // The stand-in prints "eitri standin: booting" as it starts.
+        desired(
+            dir.path(),
+            &format!(
+                r#"{{"vms":[{}]}}"#,
+                boot.vm_json(
+                    "up-1",
+                    r#","readiness":{"serial_contains":"standin: booting","period_s":1}"#
+                )
+            ),
+        );
+
+        let agent = boot.start(dir.path(), &[]);
+        let report = agent.wait_report("up-1 ready", |r| row_of(r, "up-1")["phase"] == "ready");
+
+        let row = row_of(&report, "up-1");
+        assert_eq!(row["power_state"], "running", "{row}");
+        let readiness = row["readiness"].as_str().unwrap_or_default();
+        assert!(readiness.contains("answered"), "{row}");
     }
-}
 
-impl Drop for Booting {
-    fn drop(&mut self) {
-        eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
+    #[test]
+    fn a_vm_whose_guest_never_prints_the_probes_line_stays_creating_and_says_why() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(
+                r#"{{"vms":[{}]}}"#,
+                boot.vm_json(
+                    "mute-1",
+                    r#","readiness":{"serial_contains":"never printed","period_s":1,"grace_s":60}"#
+                )
+            ),
+        );
+
+        let agent = boot.start(dir.path(), &[]);
+        let report = agent.wait_report("mute-1 waiting for its guest", |r| {
+            row_of(r, "mute-1")["status_detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("waiting for the guest"))
+        });
+
+        let row = row_of(&report, "mute-1");
+        assert_eq!(row["phase"], "creating", "{row}");
+        let detail = row["status_detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.contains("never printed") && detail.contains("of 60 s"),
+            "{row}"
+        );
     }
-}
 
-#[test]
-fn a_vm_is_ready_once_its_guest_prints_the_probes_line() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let boot = Booting::new(dir.path());
-    // The stand-in prints "eitri standin: booting" as it starts.
-    desired(
-        dir.path(),
-        &format!(
-            r#"{{"vms":[{}]}}"#,
-            boot.vm_json(
-                "up-1",
-                r#","readiness":{"serial_contains":"standin: booting","period_s":1}"#
-            )
-        ),
-    );
+    #[test]
+    fn the_hosts_per_vcpu_cpu_cap_flag_is_a_booted_vms_cgroup_quota() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("cap-1", r#","vcpus":2"#)),
+        );
 
-    let agent = boot.start(dir.path(), &[]);
-    let report = agent.wait_report("up-1 ready", |r| row_of(r, "up-1")["phase"] == "ready");
+        let agent = boot.start(dir.path(), &["--vm-cpu-max-millis-per-vcpu", "250"]);
+        let report = agent.wait_report("cap-1 ready", |r| row_of(r, "cap-1")["phase"] == "ready");
 
-    let row = row_of(&report, "up-1");
-    assert_eq!(row["power_state"], "running", "{row}");
-    let readiness = row["readiness"].as_str().unwrap_or_default();
-    assert!(readiness.contains("answered"), "{row}");
-}
+        let row = row_of(&report, "cap-1");
+        assert!(
+            row["limits"]
+                .as_str()
+                .is_some_and(|l| l.contains("cpu 0.5")),
+            "{row}"
+        );
+        let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root)
+            .expect("cgroups");
+        let quota = cgroups
+            .dirs(&eitri_agent::testkit::id("cap-1"))
+            .iter()
+            .find_map(|d| {
+                std::fs::read_to_string(d.join("cpu.cfs_quota_us"))
+                    .or_else(|_| std::fs::read_to_string(d.join("cpu.max")))
+                    .ok()
+            })
+            .map(|q| q.trim().to_owned());
+        // Half a CPU: 50 ms of every 100 ms period.
+        assert!(
+            quota
+                .as_deref()
+                .is_some_and(|q| q == "50000" || q.starts_with("50000 ")),
+            "{quota:?}"
+        );
+    }
 
-#[test]
-fn a_vm_whose_guest_never_prints_the_probes_line_stays_creating_and_says_why() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let boot = Booting::new(dir.path());
-    desired(
-        dir.path(),
-        &format!(
-            r#"{{"vms":[{}]}}"#,
-            boot.vm_json(
-                "mute-1",
-                r#","readiness":{"serial_contains":"never printed","period_s":1,"grace_s":60}"#
-            )
-        ),
-    );
+    /// The pid of the VMM in `vm`'s cgroup under `boot`'s root.
+    fn vmm_pid(boot: &Booting, vm: &str) -> Option<u32> {
+        let cgroups =
+            eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root).ok()?;
+        cgroups
+            .dirs(&eitri_agent::testkit::id(vm))
+            .iter()
+            .find_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())?
+            .lines()
+            .next()?
+            .parse()
+            .ok()
+    }
 
-    let agent = boot.start(dir.path(), &[]);
-    let report = agent.wait_report("mute-1 waiting for its guest", |r| {
-        row_of(r, "mute-1")["status_detail"]
-            .as_str()
-            .is_some_and(|d| d.contains("waiting for the guest"))
-    });
+    /// The elements of the nft set `set` the agent holds, as `nft` lists them.
+    fn set_elements(set: &str) -> String {
+        let listed = Command::new("nft")
+            .args(["list", "ruleset"])
+            .output()
+            .expect("nft");
+        let rules = String::from_utf8_lossy(&listed.stdout);
+        let start = rules
+            .find(&format!("set {set} {{"))
+            .unwrap_or_else(|| panic!("no set {set}: {rules}"));
+        let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
+        rules[start..end].to_owned()
+    }
 
-    let row = row_of(&report, "mute-1");
-    assert_eq!(row["phase"], "creating", "{row}");
-    let detail = row["status_detail"].as_str().unwrap_or_default();
-    assert!(
-        detail.contains("never printed") && detail.contains("of 60 s"),
-        "{row}"
-    );
-}
+    #[test]
+    fn a_running_vms_egress_change_is_held_by_the_binary_with_its_vmm_untouched() {
+        eitri_agent::testkit::net::private_network();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        let wanted = |deny: &str| {
+            let extra = format!(r#","egress_deny":["{deny}"]"#);
+            format!(r#"{{"vms":[{}]}}"#, boot.vm_json("web-1", &extra))
+        };
+        desired(dir.path(), &wanted("203.0.113.10/32"));
+        let agent = boot.start(dir.path(), &["--underlay-bridge", "etbinbr0"]);
+        agent.wait_report("web-1 ready", |r| {
+            let row = row_of(r, "web-1");
+            row["phase"] == "ready" && row["egress"] == "deny 203.0.113.10/32"
+        });
+        let (pid, before) = (vmm_pid(&boot, "web-1"), set_elements("vm_deny"));
 
-#[test]
-fn the_hosts_per_vcpu_cpu_cap_flag_is_a_booted_vms_cgroup_quota() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let boot = Booting::new(dir.path());
-    desired(
-        dir.path(),
-        &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("cap-1", r#","vcpus":2"#)),
-    );
+        desired(dir.path(), &wanted("203.0.113.20/32"));
+        agent.wait_report("the new list held", |r| {
+            row_of(r, "web-1")["egress"] == "deny 203.0.113.20/32"
+        });
 
-    let agent = boot.start(dir.path(), &["--vm-cpu-max-millis-per-vcpu", "250"]);
-    let report = agent.wait_report("cap-1 ready", |r| row_of(r, "cap-1")["phase"] == "ready");
-
-    let row = row_of(&report, "cap-1");
-    assert!(
-        row["limits"]
-            .as_str()
-            .is_some_and(|l| l.contains("cpu 0.5")),
-        "{row}"
-    );
-    let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root)
-        .expect("cgroups");
-    let quota = cgroups
-        .dirs(&eitri_agent::testkit::id("cap-1"))
-        .iter()
-        .find_map(|d| {
-            std::fs::read_to_string(d.join("cpu.cfs_quota_us"))
-                .or_else(|_| std::fs::read_to_string(d.join("cpu.max")))
-                .ok()
-        })
-        .map(|q| q.trim().to_owned());
-    // Half a CPU: 50 ms of every 100 ms period.
-    assert!(
-        quota
-            .as_deref()
-            .is_some_and(|q| q == "50000" || q.starts_with("50000 ")),
-        "{quota:?}"
-    );
-}
-
-/// The pid of the VMM in `vm`'s cgroup under `boot`'s root.
-fn vmm_pid(boot: &Booting, vm: &str) -> Option<u32> {
-    let cgroups =
-        eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root).ok()?;
-    cgroups
-        .dirs(&eitri_agent::testkit::id(vm))
-        .iter()
-        .find_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())?
-        .lines()
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// The elements of the nft set `set` the agent holds, as `nft` lists them.
-fn set_elements(set: &str) -> String {
-    let listed = Command::new("nft")
-        .args(["list", "ruleset"])
-        .output()
-        .expect("nft");
-    let rules = String::from_utf8_lossy(&listed.stdout);
-    let start = rules
-        .find(&format!("set {set} {{"))
-        .unwrap_or_else(|| panic!("no set {set}: {rules}"));
-    let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
-    rules[start..end].to_owned()
-}
-
-#[test]
-fn a_running_vms_egress_change_is_held_by_the_binary_with_its_vmm_untouched() {
-    eitri_agent::testkit::net::private_network();
-    let dir = tempfile::tempdir().expect("tempdir");
-    let boot = Booting::new(dir.path());
-    let wanted = |deny: &str| {
-        let extra = format!(r#","egress_deny":["{deny}"]"#);
-        format!(r#"{{"vms":[{}]}}"#, boot.vm_json("web-1", &extra))
-    };
-    desired(dir.path(), &wanted("203.0.113.10/32"));
-    let agent = boot.start(dir.path(), &["--underlay-bridge", "etbinbr0"]);
-    agent.wait_report("web-1 ready", |r| {
-        let row = row_of(r, "web-1");
-        row["phase"] == "ready" && row["egress"] == "deny 203.0.113.10/32"
-    });
-    let (pid, before) = (vmm_pid(&boot, "web-1"), set_elements("vm_deny"));
-
-    desired(dir.path(), &wanted("203.0.113.20/32"));
-    agent.wait_report("the new list held", |r| {
-        row_of(r, "web-1")["egress"] == "deny 203.0.113.20/32"
-    });
-
-    let after = set_elements("vm_deny");
-    assert!(before.contains("203.0.113.10"), "{before}");
-    assert!(
-        after.contains("203.0.113.20") && !after.contains("203.0.113.10"),
-        "{after}"
-    );
-    assert!(pid.is_some());
-    assert_eq!(vmm_pid(&boot, "web-1"), pid);
+        let after = set_elements("vm_deny");
+        assert!(before.contains("203.0.113.10"), "{before}");
+        assert!(
+            after.contains("203.0.113.20") && !after.contains("203.0.113.10"),
+            "{after}"
+        );
+        assert!(pid.is_some());
+        assert_eq!(vmm_pid(&boot, "web-1"), pid);
+    }
 }
 
 /// A SIGTERM that arrives before the agent's handlers exist, made
