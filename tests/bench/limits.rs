@@ -45,6 +45,9 @@ const CAP_MILLIS: u32 = 500;
 /// 1,000 reads a second of 4 KiB, 80 Mbit/s (10 MB/s) sent.
 const DISK_MBPS: u32 = 20;
 const DISK_IOPS: u32 = 1000;
+/// And 4,000 reads a second: cloud-hypervisor's ops bucket falls further
+/// under its rate the higher the rate (README, Limits).
+const DISK_IOPS_HIGH: u32 = 4000;
 const NET_MBPS: u32 = 80;
 /// What a rate is measured over, after `SETTLE` from its start.
 const WINDOW: Duration = Duration::from_secs(5);
@@ -160,7 +163,16 @@ fn vmm_rates(ch: &Path) -> Result<Vec<String>, Error> {
     let mut figures = Vec::new();
     let runs = [
         ("disk", "eitri.io=disk eitri.bs=65536", Counter::DiskBytes),
-        ("iops", "eitri.io=disk eitri.bs=4096", Counter::DiskOps),
+        (
+            "iops",
+            "eitri.io=disk eitri.bs=4096",
+            Counter::DiskOps(DISK_IOPS),
+        ),
+        (
+            "iops_high",
+            "eitri.io=disk eitri.bs=4096",
+            Counter::DiskOps(DISK_IOPS_HIGH),
+        ),
         ("net_tx", "eitri.io=net-tx", Counter::Sent),
         ("net_rx", "eitri.io=net-rx", Counter::Received),
     ];
@@ -193,7 +205,7 @@ enum Counter {
     /// Bytes the VMM says its disks read.
     DiskBytes,
     /// Reads the VMM says its disks did.
-    DiskOps,
+    DiskOps(u32),
     /// Bytes the host kernel says the VM's tap took from its VMM (what the
     /// guest sent); the VMM's own count of them beside it.
     Sent,
@@ -215,12 +227,12 @@ impl Counter {
                 },
                 f64::from(DISK_MBPS) * 1e6,
             ),
-            Counter::DiskOps => (
+            Counter::DiskOps(iops) => (
                 VmLimits {
-                    disk_iops: DISK_IOPS,
+                    disk_iops: iops,
                     ..none
                 },
-                f64::from(DISK_IOPS),
+                f64::from(iops),
             ),
             Counter::Sent | Counter::Received => (
                 VmLimits {
@@ -235,14 +247,14 @@ impl Counter {
     fn unit(self) -> &'static str {
         match self {
             Counter::DiskBytes | Counter::Sent | Counter::Received => "MB/s",
-            Counter::DiskOps => "reads/s",
+            Counter::DiskOps(_) => "reads/s",
         }
     }
 
     fn show(self, rate: f64) -> String {
         match self {
             Counter::DiskBytes | Counter::Sent | Counter::Received => format!("{:.2}", rate / 1e6),
-            Counter::DiskOps => format!("{rate:.0}"),
+            Counter::DiskOps(_) => format!("{rate:.0}"),
         }
     }
 
@@ -263,7 +275,7 @@ impl Counter {
         let sum = |key: &str| devices.values().filter_map(|d| d.get(key)).sum::<u64>() as f64;
         Ok(match self {
             Counter::DiskBytes => (sum("read_bytes"), sum("read_bytes")),
-            Counter::DiskOps => (sum("read_ops"), sum("read_ops")),
+            Counter::DiskOps(_) => (sum("read_ops"), sum("read_ops")),
             Counter::Sent => (tap_counts(&host.tap(vm)?)?.0 as f64, sum("tx_bytes")),
             Counter::Received => (tap_counts(&host.tap(vm)?)?.1 as f64, sum("rx_bytes")),
         })
