@@ -814,34 +814,85 @@ mod booted {
                 .is_some_and(|l| l.contains("cpu 0.5")),
             "{row}"
         );
-        let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root)
-            .expect("cgroups");
-        let quota = cgroups
-            .dirs(&eitri_agent::testkit::id("cap-1"))
-            .iter()
-            .find_map(|d| {
-                std::fs::read_to_string(d.join("cpu.cfs_quota_us"))
-                    .or_else(|_| std::fs::read_to_string(d.join("cpu.max")))
-                    .ok()
-            })
-            .map(|q| q.trim().to_owned());
         // Half a CPU: 50 ms of every 100 ms period.
+        assert_eq!(quota(&boot, "cap-1"), Some(50_000));
+    }
+
+    #[test]
+    fn a_limit_changed_on_a_running_vm_waits_saying_so_and_is_taken_at_its_next_boot() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        let wanted = |millis: u32, power: &str| {
+            let vm = boot
+                .vm_json("cap-1", &format!(r#","cpu_max_millis":{millis}"#))
+                .replace(
+                    r#""power_state":"running""#,
+                    &format!(r#""power_state":"{power}""#),
+                );
+            format!(r#"{{"vms":[{vm}]}}"#)
+        };
+        desired(dir.path(), &wanted(500, "running"));
+        let agent = boot.start(dir.path(), &[]);
+        agent.wait_report("cap-1 ready", |r| row_of(r, "cap-1")["phase"] == "ready");
+        let pid = vmm_pid(&boot, "cap-1");
+
+        desired(dir.path(), &wanted(250, "running"));
+        let waiting = agent.wait_report("the change said to wait", |r| {
+            row_of(r, "cap-1")["status_detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("limits change at the next boot"))
+        });
+        let (quota_while_waiting, pid_while_waiting) =
+            (quota(&boot, "cap-1"), vmm_pid(&boot, "cap-1"));
+        desired(dir.path(), &wanted(250, "stopped"));
+        agent.wait_report("cap-1 stopped", |r| {
+            row_of(r, "cap-1")["power_state"] == "stopped"
+        });
+        desired(dir.path(), &wanted(250, "running"));
+        let booted = agent.wait_report("cap-1 booted again", |r| {
+            let row = row_of(r, "cap-1");
+            row["power_state"] == "running" && row["phase"] == "ready"
+        });
+
+        assert_eq!(row_of(&waiting, "cap-1")["limits"], "cpu 0.5", "{waiting}");
+        assert_eq!(quota_while_waiting, Some(50_000));
+        assert_eq!(pid_while_waiting, pid);
+        assert_eq!(quota(&boot, "cap-1"), Some(25_000));
+        assert_eq!(row_of(&booted, "cap-1")["limits"], "cpu 0.25", "{booted}");
         assert!(
-            quota
-                .as_deref()
-                .is_some_and(|q| q == "50000" || q.starts_with("50000 ")),
-            "{quota:?}"
+            row_of(&booted, "cap-1")["status_detail"]
+                .as_str()
+                .is_some_and(|d| !d.contains("limits change"))
         );
     }
 
-    /// The pid of the VMM in `vm`'s cgroup under `boot`'s root.
-    fn vmm_pid(boot: &Booting, vm: &str) -> Option<u32> {
+    /// A file of `vm`'s cgroup under `boot`'s root, from the first
+    /// hierarchy that has it.
+    fn cgroup_file(boot: &Booting, vm: &str, names: &[&str]) -> Option<String> {
         let cgroups =
             eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root).ok()?;
         cgroups
             .dirs(&eitri_agent::testkit::id(vm))
             .iter()
-            .find_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())?
+            .find_map(|d| {
+                names
+                    .iter()
+                    .find_map(|n| std::fs::read_to_string(d.join(n)).ok())
+            })
+    }
+
+    /// `vm`'s CPU quota, in µs per period (cgroup v1 or v2).
+    fn quota(boot: &Booting, vm: &str) -> Option<u64> {
+        cgroup_file(boot, vm, &["cpu.cfs_quota_us", "cpu.max"])?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    /// The pid of the VMM in `vm`'s cgroup under `boot`'s root.
+    fn vmm_pid(boot: &Booting, vm: &str) -> Option<u32> {
+        cgroup_file(boot, vm, &["cgroup.procs"])?
             .lines()
             .next()?
             .parse()
