@@ -62,6 +62,17 @@ impl Ledger {
     /// Returns the refusal, naming the cap, when it does not fit.
     pub fn admit(&self, spec: &VmSpec) -> Result<(), String> {
         let mut committed = self.committed.lock();
+        Ledger::fit(&self.caps, &committed, spec)?;
+        committed.insert(spec.vm_id.clone(), Compute::of(spec));
+        Ok(())
+    }
+
+    /// Whether `spec` would be admitted now, committing nothing.
+    pub fn fits(&self, spec: &VmSpec) -> Result<(), String> {
+        Ledger::fit(&self.caps, &self.committed.lock(), spec)
+    }
+
+    fn fit(caps: &HostCaps, committed: &HashMap<Id, Compute>, spec: &VmSpec) -> Result<(), String> {
         let mut need = Compute::of(spec);
         for (id, c) in committed.iter() {
             if *id != spec.vm_id {
@@ -71,30 +82,23 @@ impl Ledger {
             }
         }
         let over = |need: u64, cap: u64| cap > 0 && need > cap;
-        let refusal = if over(need.vcpus, self.caps.max_vcpus) {
-            Some(format!(
+        if over(need.vcpus, caps.max_vcpus) {
+            Err(format!(
                 "host capacity limit reached: needs {} vcpus, host cap {}",
-                need.vcpus, self.caps.max_vcpus
+                need.vcpus, caps.max_vcpus
             ))
-        } else if over(need.mem_mb, self.caps.max_mem_mb) {
-            Some(format!(
+        } else if over(need.mem_mb, caps.max_mem_mb) {
+            Err(format!(
                 "host capacity limit reached: needs {} MB memory, host cap {}",
-                need.mem_mb, self.caps.max_mem_mb
+                need.mem_mb, caps.max_mem_mb
             ))
-        } else if over(need.disk_gb, self.caps.max_disk_gb) {
-            Some(format!(
+        } else if over(need.disk_gb, caps.max_disk_gb) {
+            Err(format!(
                 "host capacity limit reached: needs {} GB disk, host cap {}",
-                need.disk_gb, self.caps.max_disk_gb
+                need.disk_gb, caps.max_disk_gb
             ))
         } else {
-            None
-        };
-        match refusal {
-            Some(why) => Err(why),
-            None => {
-                committed.insert(spec.vm_id.clone(), Compute::of(spec));
-                Ok(())
-            }
+            Ok(())
         }
     }
 

@@ -37,13 +37,10 @@ impl Core {
         self.ledger.note(&rec.spec);
         self.counts.lost.touch(rec.spec.vm_id.as_str());
         let running = self.prov.running(&rec.spec.vm_id);
-        // Limits are the VMM's command line and cgroups: a running VM keeps
-        // the ones it booted with (its row says a change waits), and the
-        // next boot from cold takes the new ones, recorded first so the
-        // record says what it runs with.
-        if !running && rec.spec.limits != d.spec.limits {
-            rec.spec.limits = d.spec.limits;
-            self.save_best_effort(&rec);
+        // A running VM keeps what it booted with (its row says what waits);
+        // the next boot from cold takes it.
+        if !running {
+            self.take_next_boot_changes(d, &mut rec);
         }
         let boot_id = self.host.boot_id();
         if self.note_address(&mut rec) {

@@ -1,13 +1,13 @@
 //! What a VM is held to beyond its lifecycle, as a pass records and says
 //! it: its own egress rules (recorded before they are held, and a VM never
-//! started where they cannot be), its limits (a change waits for its next
-//! boot, and its row says so) and its probe's answer, in its row and for
-//! the metrics file.
+//! started where they cannot be), its limits and size (a change waits for
+//! its next boot, and its row says so, as it says what a created VM keeps
+//! for good) and its probe's answer, in its row and for the metrics file.
 
 use super::counts::Held;
 use super::pass::{Core, VmResult};
 use crate::error::{BoxFailure, Failure};
-use crate::model::{DesiredVm, Id, PowerState};
+use crate::model::{DesiredVm, Id, PowerState, VmSpec};
 use crate::state::Record;
 
 impl Core {
@@ -67,12 +67,16 @@ impl Core {
                 row.limits = limits.to_string();
                 holds.limits = Some(limits);
             }
-            if now.spec.limits != desired.spec.limits
-                && self.prov.running(vm_id)
-                && row.status_detail.is_empty()
-            {
-                row.status_detail =
-                    "limits change at the next boot (stop and start it to apply them now)".into();
+            let said = [
+                self.what_waits_for_boot(&now.spec, &desired.spec),
+                kept_from_create(&now.spec, &desired.spec),
+            ];
+            for what in said.into_iter().flatten() {
+                row.status_detail = if row.status_detail.is_empty() {
+                    what
+                } else {
+                    format!("{}; {what}", row.status_detail)
+                };
             }
         }
         self.counts.held.lock().insert(vm_id.to_string(), holds);
@@ -102,5 +106,118 @@ impl Core {
             self.save_best_effort(&rec);
         }
         rec
+    }
+
+    /// Takes what a created VM takes from a changed spec at its next boot
+    /// from cold (call it while no VMM runs for it): its limits, vCPUs and
+    /// memory, the VMM's command line and cgroups. They are recorded before
+    /// the boot, so the record says what it runs with. A size the host's
+    /// caps have no room for is not taken: the VM boots as it was, and its
+    /// row says why.
+    pub(super) fn take_next_boot_changes(&self, desired: &DesiredVm, rec: &mut Record) {
+        let mut next = at_next_boot(&rec.spec, &desired.spec);
+        if resized(&rec.spec, &next)
+            && let Err(why) = self.ledger.admit(&next)
+        {
+            let vm_id = &rec.spec.vm_id;
+            self.logs.warn(
+                &format!("{vm_id}/resize"),
+                &format!("VM {vm_id}: keeps {} at its boot: {why}", size(&rec.spec)),
+            );
+            (next.vcpus, next.mem_mb) = (rec.spec.vcpus, rec.spec.mem_mb);
+        }
+        if next != rec.spec {
+            rec.spec = next;
+            self.save_best_effort(rec);
+        }
+    }
+
+    /// What of `desired` the VM recorded as `now` does not run with yet,
+    /// and when it will: at its next boot, or once the host has room.
+    fn what_waits_for_boot(&self, now: &VmSpec, desired: &VmSpec) -> Option<String> {
+        let next = at_next_boot(now, desired);
+        let no_room = resized(now, &next)
+            .then(|| self.ledger.fits(&next).err())
+            .flatten();
+        let mut waiting = Vec::new();
+        if next.limits != now.limits {
+            waiting.push("limits");
+        }
+        if no_room.is_none() && next.vcpus != now.vcpus {
+            waiting.push("vCPUs");
+        }
+        if no_room.is_none() && next.mem_mb != now.mem_mb {
+            waiting.push("memory");
+        }
+        let mut said = Vec::new();
+        if !waiting.is_empty() && self.prov.running(&now.vm_id) {
+            said.push(format!(
+                "{} change at the next boot (stop and start it to apply them now)",
+                listed(&waiting)
+            ));
+        }
+        if let Some(why) = no_room {
+            said.push(format!("{} wait for room: {why}", size(&next)));
+        }
+        (!said.is_empty()).then(|| said.join("; "))
+    }
+}
+
+/// `now` with what a boot from cold takes of `desired`.
+fn at_next_boot(now: &VmSpec, desired: &VmSpec) -> VmSpec {
+    VmSpec {
+        limits: desired.limits,
+        vcpus: desired.vcpus,
+        mem_mb: desired.mem_mb,
+        ..now.clone()
+    }
+}
+
+fn resized(now: &VmSpec, next: &VmSpec) -> bool {
+    (now.vcpus, now.mem_mb) != (next.vcpus, next.mem_mb)
+}
+
+fn size(spec: &VmSpec) -> String {
+    format!("{} vCPUs and {} MB", spec.vcpus, spec.mem_mb)
+}
+
+/// What a created VM keeps from its create however desired state changes
+/// it, when desired state asks for other: its root disk, seed and NICs are
+/// made once, and its volumes are attached as they were.
+fn kept_from_create(now: &VmSpec, desired: &VmSpec) -> Option<String> {
+    let fields = [
+        ("name", now.name != desired.name),
+        (
+            "image",
+            (&now.image_url, &now.image_sha256) != (&desired.image_url, &desired.image_sha256),
+        ),
+        ("disk_gb", now.disk_gb != desired.disk_gb),
+        ("cloud_init", now.cloud_init != desired.cloud_init),
+        (
+            "ssh_authorized_key",
+            now.ssh_authorized_key != desired.ssh_authorized_key,
+        ),
+        ("network", now.network != desired.network),
+        ("volume_ids", now.volume_ids != desired.volume_ids),
+    ];
+    let changed: Vec<&str> = fields
+        .iter()
+        .filter(|(_, changed)| *changed)
+        .map(|(name, _)| *name)
+        .collect();
+    (!changed.is_empty()).then(|| {
+        format!(
+            "keeps its {} from its create (destroy and create it to change them)",
+            listed(&changed)
+        )
+    })
+}
+
+/// "a", "a and b", "a, b and c".
+fn listed(items: &[&str]) -> String {
+    match items {
+        [] => String::new(),
+        [one] => (*one).to_owned(),
+        [rest @ .., last] => format!("{} and {last}", rest.join(", ")),
     }
 }
