@@ -399,3 +399,52 @@ fn a_console_line_once_printed_answers_for_the_life_of_its_hypervisor() {
     assert!(row.last_error.is_empty(), "{row:?}");
     assert_eq!(h.engine.counts().unhealthy.get(VM), 0);
 }
+
+#[test]
+fn a_probed_vm_is_not_said_ready_while_its_first_probe_waits_for_the_guest() {
+    let h = Harness::new();
+    on_loopback(&h);
+    // A guest that takes the connection and says nothing: the pass's first
+    // probe waits out its timeout, while the row is read.
+    let silent = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = silent.local_addr().expect("addr").port();
+    silent.set_nonblocking(true).expect("nonblocking");
+    let mut d = desired(VM);
+    d.readiness = Some(Readiness {
+        check: Check::Http {
+            port,
+            path: "/".into(),
+        },
+        period: Duration::from_secs(2),
+        timeout: Duration::from_secs(5),
+        grace: Duration::from_secs(60),
+        restart_after: None,
+    });
+    let snap = snapshot(1, vec![present(d)]);
+
+    h.engine.step(&snap);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let _asked = loop {
+        match silent.accept() {
+            Ok(conn) => break conn,
+            Err(_) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("the probe never asked: {e}"),
+        }
+    };
+    let row = h
+        .engine
+        .published()
+        .vms
+        .iter()
+        .find(|r| r.vm_id == VM)
+        .cloned();
+
+    let row = row.expect("a row");
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
+    assert!(
+        row.status_detail.starts_with("waiting for the guest: http"),
+        "{row:?}"
+    );
+}

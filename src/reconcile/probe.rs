@@ -86,6 +86,24 @@ impl Core {
         say(res, probe, &state, now);
     }
 
+    /// Holds back the row of a VM whose hypervisor was just started, for a
+    /// publish before its pass probes it: with a probe in its spec it is
+    /// not `ready` until its guest answers, and nothing of this hypervisor
+    /// has answered yet.
+    pub(crate) fn hold_for_probe(&self, desired: &DesiredVm, res: &mut VmResult) {
+        let Some(probe) = &desired.readiness else {
+            return;
+        };
+        let up = res
+            .row
+            .as_ref()
+            .is_some_and(|r| r.power == Some(PowerState::Running) && r.phase == Some(Phase::Ready));
+        if up {
+            let state = fresh(self.prov.pid(&desired.spec.vm_id), self.host.now());
+            say(res, probe, &state, state.since);
+        }
+    }
+
     /// Whether the guest answers `check` now; why not, if it does not.
     fn ask(&self, vm_id: &Id, check: &Check, timeout: Duration) -> Result<(), String> {
         match check {
