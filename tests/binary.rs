@@ -60,33 +60,31 @@ impl Agent {
             tick.into(),
             "--shutdown-grace".into(),
             "5s".into(),
-            // Test-only names: the agent's start-up tap sweep must never
-            // touch a real host's links.
-            "--tap-prefix".into(),
-            "etbin".into(),
             "--run-dir".into(),
             dir.join("run").display().to_string(),
         ];
-        // No bridge or firewall table on the test machine's host, unless the
-        // test made a network namespace of its own for them.
-        let networkless = !extra.iter().any(|a| a.starts_with("--underlay-bridge"));
-        if networkless {
-            args.push("--underlay-bridge=".into());
-        }
-        // VMs report why they cannot start, unless the test boots them.
-        if !extra.contains(&"--hypervisor") {
-            args.extend([
-                "--hypervisor".into(),
-                "/nonexistent/cloud-hypervisor".into(),
-            ]);
-        }
-        // The host-wide registry of agents' claims, kept in the test
-        // unless it names one.
-        if !extra.contains(&"--agents-dir") {
-            args.extend([
-                "--agents-dir".into(),
-                dir.join("agents").display().to_string(),
-            ]);
+        let given = |flag: &str| extra.iter().any(|a| a.starts_with(flag));
+        let networkless = !given("--underlay-bridge");
+        let agents = dir.join("agents").display().to_string();
+        // What a test does not name: test-only tap names (the start-up tap
+        // sweep must never touch a real host's links); no bridge or firewall
+        // table on the test machine's host (a test that gives a bridge made
+        // a network namespace of its own for it); a hypervisor that does not
+        // exist (VMs report why they cannot start); the host-wide registry
+        // of agents' claims kept in the test.
+        let defaults = [
+            ("--tap-prefix", "etbin"),
+            ("--underlay-bridge=", ""),
+            ("--hypervisor", "/nonexistent/cloud-hypervisor"),
+            ("--agents-dir", agents.as_str()),
+        ];
+        for (flag, value) in defaults {
+            if !given(flag.trim_end_matches('=')) {
+                args.push(flag.into());
+                if !value.is_empty() {
+                    args.push(value.into());
+                }
+            }
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut command = Command::new(BIN);
@@ -864,6 +862,110 @@ mod booted {
                 .as_str()
                 .is_some_and(|d| !d.contains("limits change"))
         );
+    }
+
+    /// An agent over `dir` with guest networking on `bridge`, `subnet` and
+    /// taps `prefix…`, its claim recorded in `registry`.
+    fn networked(
+        dir: &Path,
+        registry: &str,
+        (bridge, subnet, prefix): (&str, &str, &str),
+    ) -> Agent {
+        std::fs::create_dir_all(dir).expect("dir");
+        desired(dir, ONE_VOLUME);
+        Agent::start(
+            dir,
+            &[
+                "--agents-dir",
+                registry,
+                "--underlay-bridge",
+                bridge,
+                "--underlay-subnet",
+                subnet,
+                "--tap-prefix",
+                prefix,
+            ],
+        )
+    }
+
+    /// The name of the agent's firewall tables, as its claim records it.
+    fn tables_of(agent: &Agent) -> String {
+        let text = std::fs::read(agent.state.join("jail/claim.json")).expect("claim");
+        let claim: serde_json::Value = serde_json::from_slice(&text).expect("json");
+        claim["network"]["table"]
+            .as_str()
+            .expect("table")
+            .to_owned()
+    }
+
+    /// What `nft` lists of one of the agent's ip tables.
+    fn ip_table(name: &str) -> String {
+        let listed = Command::new("nft")
+            .args(["list", "table", "ip", name])
+            .output()
+            .expect("nft");
+        String::from_utf8_lossy(&listed.stdout).into_owned()
+    }
+
+    #[test]
+    fn a_second_agents_start_leaves_the_first_agents_firewall_tables_alone() {
+        eitri_agent::testkit::net::private_network();
+        let host = tempfile::tempdir().expect("tempdir");
+        let registry = host.path().join("agents").display().to_string();
+        let a = networked(
+            &host.path().join("one"),
+            &registry,
+            ("etbina", "100.77.0.0/16", "etba"),
+        );
+        a.wait_report("the first agent", |r| volumes(r).len() == 1);
+
+        let b = networked(
+            &host.path().join("two"),
+            &registry,
+            ("etbinb", "100.78.0.0/16", "etbb"),
+        );
+        b.wait_report("the second agent", |r| volumes(r).len() == 1);
+
+        let (table_a, table_b) = (tables_of(&a), tables_of(&b));
+        assert_ne!(table_a, table_b);
+        let (rules_a, rules_b) = (ip_table(&table_a), ip_table(&table_b));
+        assert!(
+            rules_a.contains("\"etbina\"") && !rules_a.contains("etbinb"),
+            "{rules_a}"
+        );
+        assert!(rules_b.contains("\"etbinb\""), "{rules_b}");
+    }
+
+    #[test]
+    fn a_second_agent_on_the_first_agents_bridge_stops_naming_the_first() {
+        eitri_agent::testkit::net::private_network();
+        let host = tempfile::tempdir().expect("tempdir");
+        let registry = host.path().join("agents").display().to_string();
+        let a = networked(
+            &host.path().join("one"),
+            &registry,
+            ("etbina", "100.77.0.0/16", "etba"),
+        );
+        a.wait_report("the first agent", |r| volumes(r).len() == 1);
+        let rules_before = ip_table(&tables_of(&a));
+
+        let mut b = networked(
+            &host.path().join("two"),
+            &registry,
+            ("etbina", "100.78.0.0/16", "etbb"),
+        );
+
+        let status = b.child.take().expect("child").wait().expect("exit");
+        assert_eq!(status.code(), Some(1));
+        let log = b.log_text();
+        assert!(
+            log.contains("bridge etbina")
+                && log.contains("--underlay-bridge")
+                && log.contains(&a.state.display().to_string()),
+            "{log}"
+        );
+        assert!(rules_before.contains("\"etbina\""), "{rules_before}");
+        assert_eq!(ip_table(&tables_of(&a)), rules_before);
     }
 
     /// A file of `vm`'s cgroup under `boot`'s root, from the first

@@ -62,7 +62,7 @@ fn image_cache_max(raw: &Raw<'_>) -> Result<Option<u64>, ConfigError> {
 }
 
 /// The ids and cgroup root the operator gave, if any (the defaults are the
-/// claim's to choose, see `state::claim`).
+/// claim's to choose, see `state::claim`), and the guest network.
 fn wish(raw: &Raw<'_>) -> Result<crate::state::claim::Wish, ConfigError> {
     let confinement = confinement(raw)?;
     Ok(crate::state::claim::Wish {
@@ -73,6 +73,11 @@ fn wish(raw: &Raw<'_>) -> Result<crate::state::claim::Wish, ConfigError> {
             .given(Key::CgroupRoot)
             .then_some(confinement.cgroup_root),
         default_state_dir: raw.get(Key::StateDir) == Key::StateDir.setting().default,
+        network: underlay(raw)?.map(|u| crate::state::claim::WishedNetwork {
+            subnet: (u.subnet.network(), u.subnet.prefix()),
+            bridge: u.bridge,
+            tap_prefix: u.tap_prefix,
+        }),
     })
 }
 

@@ -36,7 +36,10 @@ impl std::fmt::Display for DaemonError {
             }
             DaemonError::Signals(_) => f.write_str("cannot install the signal handlers"),
             DaemonError::Token(_) => f.write_str("cannot use the token file"),
-            DaemonError::Claim(why) => write!(f, "cannot claim VMM ids and a cgroup root: {why}"),
+            DaemonError::Claim(why) => write!(
+                f,
+                "cannot claim this agent's share of the host (VMM ids, cgroup root, guest network): {why}"
+            ),
             DaemonError::Thread { name, .. } => write!(f, "cannot start the {name} thread"),
         }
     }

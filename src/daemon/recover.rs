@@ -84,11 +84,12 @@ fn keep_from_guests(
 #[cfg(target_os = "linux")]
 fn host_network(
     config: &Config,
+    guest: &crate::provision::GuestBoot,
     store: &Store,
     guest_dns: Vec<std::net::Ipv4Addr>,
     notes: &mut Vec<String>,
 ) -> Option<Arc<HostNetwork>> {
-    match config.guest.underlay.clone() {
+    match guest.underlay.clone() {
         None => {
             notes.push("guest networking is off (--underlay-bridge is empty)".to_owned());
             None
@@ -97,7 +98,7 @@ fn host_network(
             keep_from_guests(underlay, config),
             store.layout(),
             guest_dns,
-            config.guest.host_networks.clone(),
+            guest.host_networks.clone(),
         ) {
             Ok(n) => {
                 if n.nat() == crate::net::underlay::Nat::HostOnly {
@@ -147,6 +148,15 @@ fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot
     guest.confinement.first_id = claim.first_id;
     guest.confinement.id_count = claim.id_count;
     guest.confinement.cgroup_root = claim.cgroup_root;
+    if let (Some(underlay), Some(network)) = (guest.underlay.as_mut(), claim.network) {
+        log::info!(
+            "bridge {}, firewall tables {:?} and taps {}… are this agent's",
+            network.bridge,
+            network.table,
+            network.tap_prefix
+        );
+        underlay.table = network.table;
+    }
     Ok(guest)
 }
 
@@ -173,7 +183,7 @@ pub fn recover(
     // 3.
     let mut notes = Vec::new();
     #[cfg(target_os = "linux")]
-    let network = host_network(config, &store, guest_dns, &mut notes);
+    let network = host_network(config, &guest, &store, guest_dns, &mut notes);
     #[cfg(not(target_os = "linux"))]
     {
         let _ = guest_dns;

@@ -1,8 +1,10 @@
 //! What an agent takes of the host's shared namespaces: its range of VMM
-//! user and group ids and its cgroup root. Two agents on one host (two
-//! state dirs) that shared either would hand one uid to VMMs of different
-//! tenants, or remove each other's cgroups at start; so each state dir
-//! claims its own, recorded host-wide.
+//! user and group ids, its cgroup root and, with guest networking on, its
+//! bridge, underlay subnet, tap prefix and firewall tables. Two agents on
+//! one host (two state dirs) that shared any of them would hand one uid to
+//! VMMs of different tenants, remove each other's cgroups at start, or
+//! replace each other's firewall tables (and with them every guard on the
+//! other's guests); so each state dir claims its own, recorded host-wide.
 //!
 //! 1. The state dir's own claim (`jail/claim.json`) is its choice for good:
 //!    its VMMs' ids are leased from that range and its cgroups live under
@@ -11,16 +13,22 @@
 //!    leases) or the default state dir takes the historic defaults
 //!    (`1900000000:65536`, `eitri`); any other takes a slot derived from its
 //!    path, probing to the next slot while another agent holds it.
-//! 3. `--vmm-ids` and `--cgroup-root`, when given, win over both.
+//! 3. `--vmm-ids` and `--cgroup-root`, when given, win over both. The
+//!    network is the flags' (`--underlay-bridge`, `--underlay-subnet`,
+//!    `--tap-prefix`) at every start; its firewall tables are named after
+//!    the cgroup root (`eitri` for the historic one), so they are as much
+//!    this agent's alone as its cgroups.
 //! 4. Under a lock on the host-wide registry (`--agents-dir`, one record per
 //!    state dir), the result is checked against every other agent's record
 //!    (records of state dirs that no longer exist are dropped): an overlap
-//!    of id ranges, or one cgroup root inside another, stops the start
-//!    naming the other state dir and the flag to change.
+//!    of id ranges, one cgroup root inside another, one bridge, overlapping
+//!    subnets or one tap prefix starting another stops the start naming the
+//!    other state dir and the flag to change.
 //! 5. The claim is written to the state dir, then to the registry.
 
 use std::fs;
 use std::io;
+use std::net::Ipv4Addr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -46,6 +54,30 @@ pub struct Claim {
     pub first_id: u32,
     pub id_count: u32,
     pub cgroup_root: String,
+    /// Its guest network; `None` with networking off (and in records of
+    /// agents older than it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<Network>,
+}
+
+/// An agent's guest network, as far as other agents must keep clear of it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Network {
+    pub bridge: String,
+    /// The underlay subnet: its first address and prefix length.
+    pub subnet: (Ipv4Addr, u8),
+    pub tap_prefix: String,
+    /// Its nft tables' name (ip and bridge), and its iptables chains'.
+    pub table: String,
+}
+
+/// The guest network the operator's flags name, before its tables are
+/// named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WishedNetwork {
+    pub bridge: String,
+    pub subnet: (Ipv4Addr, u8),
+    pub tap_prefix: String,
 }
 
 /// What the operator asked for, and what the state dir is.
@@ -57,6 +89,29 @@ pub struct Wish {
     pub cgroup_root: Option<String>,
     /// The state dir is the default one.
     pub default_state_dir: bool,
+    /// The guest network, when it is on.
+    pub network: Option<WishedNetwork>,
+}
+
+/// The firewall tables' name of the agent whose cgroup root is `root`: the
+/// historic `eitri` for the historic root, `eitri_N` for slot N's, and a
+/// digest of any other (nft names take letters, digits and `_`, and an
+/// iptables chain named after it must stay under 29 bytes).
+pub fn table_of(root: &str) -> String {
+    if root == LEGACY_CGROUP_ROOT {
+        return LEGACY_CGROUP_ROOT.to_owned();
+    }
+    match root
+        .strip_prefix(LEGACY_CGROUP_ROOT)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .filter(|n| n.parse::<u32>().is_ok_and(|n| n > 0 && n <= SLOTS))
+    {
+        Some(n) => format!("{LEGACY_CGROUP_ROOT}_{n}"),
+        None => {
+            let d = Sha256::digest(root.as_bytes());
+            format!("{LEGACY_CGROUP_ROOT}_{}", crate::hex::encode(&d[..4]))
+        }
+    }
 }
 
 impl Claim {
@@ -70,6 +125,7 @@ impl Claim {
             } else {
                 format!("{LEGACY_CGROUP_ROOT}-{n}")
             },
+            network: None,
         }
     }
 
@@ -100,8 +156,44 @@ impl Claim {
                 self.cgroup_root, other.cgroup_root
             ));
         }
+        let (Some(mine), Some(theirs_net)) = (&self.network, &other.network) else {
+            return None;
+        };
+        if mine.bridge == theirs_net.bridge {
+            return Some(format!(
+                "bridge {} is the guest network of the agent of {theirs}: two agents on one bridge would serve each other's guests; give --underlay-bridge another name (and --underlay-subnet another range), or --underlay-bridge= for none",
+                mine.bridge
+            ));
+        }
+        if subnets_overlap(mine.subnet, theirs_net.subnet) {
+            return Some(format!(
+                "underlay subnet {}/{} overlaps {}/{}, the agent of {theirs}'s: two bridges cannot route one range; give --underlay-subnet a range clear of it",
+                mine.subnet.0, mine.subnet.1, theirs_net.subnet.0, theirs_net.subnet.1
+            ));
+        }
+        if mine.tap_prefix.starts_with(&theirs_net.tap_prefix)
+            || theirs_net.tap_prefix.starts_with(&mine.tap_prefix)
+        {
+            return Some(format!(
+                "tap prefix {:?} meets {:?}, the agent of {theirs}'s: their taps' names would collide; give --tap-prefix another",
+                mine.tap_prefix, theirs_net.tap_prefix
+            ));
+        }
+        if mine.table == theirs_net.table {
+            return Some(format!(
+                "firewall tables {:?} are the agent of {theirs}'s: one agent's start would replace the other's; give --cgroup-root another name (the tables are named after it)",
+                mine.table
+            ));
+        }
         None
     }
+}
+
+/// Whether two ranges share an address: one holds the other.
+fn subnets_overlap(a: (Ipv4Addr, u8), b: (Ipv4Addr, u8)) -> bool {
+    use crate::model::Cidr;
+    let [a, b] = [a, b].map(|(network, prefix)| Cidr { network, prefix });
+    a.covers(&b) || b.covers(&a)
 }
 
 /// Why a claim could not be settled.
@@ -170,6 +262,12 @@ pub fn settle(
         if let Some(root) = &wish.cgroup_root {
             claim.cgroup_root.clone_from(root);
         }
+        claim.network = wish.network.as_ref().map(|n| Network {
+            bridge: n.bridge.clone(),
+            subnet: n.subnet,
+            tap_prefix: n.tap_prefix.clone(),
+            table: table_of(&claim.cgroup_root),
+        });
         claim
     };
     let first_conflict = |claim: &Claim| others.iter().find_map(|o| claim.conflict(o));
@@ -341,7 +439,102 @@ mod tests {
             ids: None,
             cgroup_root: None,
             default_state_dir: false,
+            network: None,
         }
+    }
+
+    /// A wish with a guest network on `bridge`, `subnet` and taps `prefix…`.
+    fn networked(bridge: &str, subnet: [u8; 4], prefix: &str) -> Wish {
+        Wish {
+            network: Some(WishedNetwork {
+                bridge: bridge.into(),
+                subnet: (Ipv4Addr::from(subnet), 16),
+                tap_prefix: prefix.into(),
+            }),
+            ..derived()
+        }
+    }
+
+    #[test]
+    fn two_agents_networks_get_tables_of_their_own() {
+        let host = Host::new();
+
+        let a = host
+            .settle("a", &networked("eitri0", [100, 77, 0, 0], "eitri"))
+            .expect("a");
+        let b = host
+            .settle("b", &networked("eitri1", [100, 78, 0, 0], "tenb"))
+            .expect("b");
+
+        let table = |c: &Claim| c.network.as_ref().map(|n| n.table.clone());
+        assert_ne!(table(&a), table(&b));
+        assert_eq!(table(&a), Some(table_of(&a.cgroup_root)));
+    }
+
+    #[test]
+    fn the_historic_cgroup_root_keeps_the_historic_tables() {
+        assert_eq!(table_of("eitri"), "eitri");
+        assert_eq!(table_of("eitri-7"), "eitri_7");
+        let other = table_of("tenants/blue");
+        assert!(other.starts_with("eitri_") && other.len() == 14, "{other}");
+    }
+
+    #[test]
+    fn a_second_agent_on_the_same_bridge_is_refused_naming_the_flag() {
+        let host = Host::new();
+        host.settle("a", &networked("eitri0", [100, 77, 0, 0], "eitri"))
+            .expect("a");
+
+        let err = host
+            .settle("b", &networked("eitri0", [100, 78, 0, 0], "tenb"))
+            .expect_err("one bridge");
+
+        let text = err.to_string();
+        assert!(
+            text.contains("bridge eitri0")
+                && text.contains("--underlay-bridge")
+                && text.contains("/a"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_second_agent_on_an_overlapping_subnet_is_refused_naming_the_flag() {
+        let host = Host::new();
+        host.settle("a", &networked("eitri0", [100, 77, 0, 0], "eitri"))
+            .expect("a");
+        let mut wish = networked("eitri1", [100, 77, 128, 0], "tenb");
+        if let Some(n) = wish.network.as_mut() {
+            n.subnet.1 = 17;
+        }
+
+        let err = host.settle("b", &wish).expect_err("overlap");
+
+        assert!(err.to_string().contains("--underlay-subnet"), "{err}");
+    }
+
+    #[test]
+    fn a_tap_prefix_starting_another_agents_is_refused_naming_the_flag() {
+        let host = Host::new();
+        host.settle("a", &networked("eitri0", [100, 77, 0, 0], "eitri"))
+            .expect("a");
+
+        let err = host
+            .settle("b", &networked("eitri1", [100, 78, 0, 0], "eitri2"))
+            .expect_err("prefix");
+
+        assert!(err.to_string().contains("--tap-prefix"), "{err}");
+    }
+
+    #[test]
+    fn an_agent_with_networking_off_shares_nothing_of_the_network() {
+        let host = Host::new();
+        host.settle("a", &networked("eitri0", [100, 77, 0, 0], "eitri"))
+            .expect("a");
+
+        let b = host.settle("b", &derived()).expect("b");
+
+        assert_eq!(b.network, None);
     }
 
     #[test]
