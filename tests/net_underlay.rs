@@ -45,6 +45,46 @@ fn nat_applied_twice_is_what_applying_it_once_left() {
     assert_eq!(nft_table(), once);
 }
 
+fn has_table(family: &str, name: &str) -> bool {
+    tool("nft")
+        .args(["list", "table", family, name])
+        .output()
+        .expect("nft")
+        .status
+        .success()
+}
+
+#[test]
+fn an_agents_tables_of_the_old_shared_name_go_when_it_builds_its_own() {
+    private_network();
+    let legacy = eitri_agent::net::underlay::UnderlayConfig {
+        table: "eitri".into(),
+        ..underlay_config()
+    };
+    Underlay::setup(legacy).expect("as an older agent built it");
+
+    Underlay::setup(underlay_config()).expect("with its own name");
+
+    assert!(!has_table("ip", "eitri") && !has_table("bridge", "eitri"));
+    assert!(has_table("ip", "eitri_test"));
+}
+
+#[test]
+fn another_agents_tables_of_the_old_shared_name_stay() {
+    private_network();
+    let other = eitri_agent::net::underlay::UnderlayConfig {
+        table: "eitri".into(),
+        bridge: "etbr9".into(),
+        subnet: eitri_agent::net::addresses::Subnet::parse("100.78.0.0/16").expect("subnet"),
+        ..underlay_config()
+    };
+    Underlay::setup(other).expect("the other agent's");
+
+    Underlay::setup(underlay_config()).expect("this agent's");
+
+    assert!(has_table("ip", "eitri") && has_table("bridge", "eitri"));
+}
+
 #[test]
 fn the_bridge_holds_the_gateway_and_forwarding_is_on() {
     private_network();

@@ -131,6 +131,7 @@ impl Underlay {
         enable_forwarding()?;
         let nat = if have("nft") {
             run("nft", &["-f", "-"], Some(&nft_ruleset(&cfg)))?;
+            remove_legacy_tables(&cfg);
             Nat::Nft
         } else if have("iptables") {
             iptables_nat(&cfg)?;
@@ -472,9 +473,39 @@ fn address_element(table: &str, tap: &str, ip: Ipv4Addr) -> String {
     format!("bridge {table} addrs {{ \"{tap}\" . {ip} }}")
 }
 
+/// What every agent's tables were named before each agent's were its own.
 #[cfg(target_os = "linux")]
+const LEGACY_TABLE: &str = "eitri";
+
+/// Removes the tables this agent built under [`LEGACY_TABLE`] before its
+/// own were named after its claim (an agent of a state dir other than the
+/// default one): left, their guard sets would stay as they were and drop
+/// the traffic of every guest started since. Tables of that name that do
+/// not name this agent's bridge are another agent's, and stay.
+#[cfg(target_os = "linux")]
+fn remove_legacy_tables(cfg: &UnderlayConfig) {
+    if cfg.table == LEGACY_TABLE {
+        return;
+    }
+    let ours = run("nft", &["list", "table", "ip", LEGACY_TABLE], None)
+        .is_ok_and(|rules| rules.contains(&format!("iifname \"{}\"", cfg.bridge)));
+    if !ours {
+        return;
+    }
+    for family in ["ip", "bridge"] {
+        if let Err(e) = run("nft", &["delete", "table", family, LEGACY_TABLE], None) {
+            log::warn!("cannot remove this agent's old firewall table: {e}");
+        }
+    }
+    log::info!(
+        "removed this agent's firewall tables {LEGACY_TABLE:?} (its own are now {:?})",
+        cfg.table
+    );
+}
+
 /// NAT with iptables: the agent's own chain, flushed and refilled, jumped
 /// to once from POSTROUTING.
+#[cfg(target_os = "linux")]
 fn iptables_nat(cfg: &UnderlayConfig) -> Result<(), NetError> {
     let chain = format!("{}-POSTROUTING", cfg.table.to_uppercase());
     let subnet = cfg.subnet.to_string();
