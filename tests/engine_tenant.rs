@@ -10,7 +10,9 @@ use common::Harness;
 use std::net::TcpListener;
 use std::time::Duration;
 
-use eitri_agent::model::{Check, Cidr, Egress, Phase, PowerState, Readiness, Snapshot, VmLimits};
+use eitri_agent::model::{
+    Check, Cidr, Egress, Phase, PowerState, Readiness, Snapshot, VmLimits, VmStatus,
+};
 use eitri_agent::testkit::{Call, desired, id, present, snapshot};
 
 const VM: &str = "vm-1";
@@ -400,16 +402,19 @@ fn a_console_line_once_printed_answers_for_the_life_of_its_hypervisor() {
     assert_eq!(h.engine.counts().unhealthy.get(VM), 0);
 }
 
-#[test]
-fn a_probed_vm_is_not_said_ready_while_its_first_probe_waits_for_the_guest() {
-    let h = Harness::new();
-    on_loopback(&h);
-    // A guest that takes the connection and says nothing: the pass's first
-    // probe waits out its timeout, while the row is read.
-    let silent = TcpListener::bind("127.0.0.1:0").expect("listen");
-    let port = silent.local_addr().expect("addr").port();
-    silent.set_nonblocking(true).expect("nonblocking");
+/// A guest at 127.0.0.1 that takes a connection and says nothing, so a
+/// probe of it waits out its timeout; and its port.
+fn silent_guest() -> (TcpListener, u16) {
+    let guest = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = guest.local_addr().expect("addr").port();
+    guest.set_nonblocking(true).expect("nonblocking");
+    (guest, port)
+}
+
+/// `VM` powered `power`, probed by an HTTP GET of `port` given 5 s.
+fn slowly_probed(epoch: u64, port: u16, power: PowerState) -> Snapshot {
     let mut d = desired(VM);
+    d.power = power;
     d.readiness = Some(Readiness {
         check: Check::Http {
             port,
@@ -420,12 +425,16 @@ fn a_probed_vm_is_not_said_ready_while_its_first_probe_waits_for_the_guest() {
         grace: Duration::from_secs(60),
         restart_after: None,
     });
-    let snap = snapshot(1, vec![present(d)]);
+    snapshot(epoch, vec![present(d)])
+}
 
-    h.engine.step(&snap);
+/// Steps to `snap`, and reads `VM`'s published row once the pass's probe
+/// has reached `guest` (and waits on it).
+fn row_while_probing(h: &Harness, snap: &Snapshot, guest: &TcpListener) -> VmStatus {
+    h.engine.step(snap);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let _asked = loop {
-        match silent.accept() {
+        match guest.accept() {
             Ok(conn) => break conn,
             Err(_) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(5));
@@ -433,18 +442,37 @@ fn a_probed_vm_is_not_said_ready_while_its_first_probe_waits_for_the_guest() {
             Err(e) => panic!("the probe never asked: {e}"),
         }
     };
-    let row = h
-        .engine
-        .published()
-        .vms
-        .iter()
-        .find(|r| r.vm_id == VM)
-        .cloned();
+    let published = h.engine.published();
+    let row = published.vms.iter().find(|r| r.vm_id == VM);
+    (**row.expect("a row")).clone()
+}
 
-    let row = row.expect("a row");
+#[test]
+fn a_probed_vm_is_not_said_ready_while_its_first_probe_waits_for_the_guest() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let (guest, port) = silent_guest();
+
+    let row = row_while_probing(&h, &slowly_probed(1, port, PowerState::Running), &guest);
+
     assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
     assert!(
         row.status_detail.starts_with("waiting for the guest: http"),
         "{row:?}"
     );
+}
+
+#[test]
+fn a_resumed_probed_vm_is_not_said_ready_before_its_guest_answers_again() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let (guest, port) = silent_guest();
+    h.tick(&probed(1, Check::Tcp(closed_port()), None));
+    h.tick(&slowly_probed(2, port, PowerState::Suspended));
+    h.idle();
+
+    let row = row_while_probing(&h, &slowly_probed(3, port, PowerState::Running), &guest);
+
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
 }

@@ -246,16 +246,7 @@ impl Core {
         // What the host has is said before the record follows it: the VMM
         // runs whether or not the save below lands, and a crash before it
         // is adopted as this create's (step 0), never started twice.
-        // Said as the end of the pass will say it: a guest with a probe is
-        // not ready before it answers, and what it is held to is in the row.
-        if let Some(publisher) = publisher
-            && !deadline.expired()
-        {
-            let mut said = res.clone();
-            self.hold_for_probe(d, &mut said);
-            self.say_what_it_is_held_to(d, Ok(()), &mut said);
-            publisher.publish(said);
-        }
+        self.say_started(d, res, publisher, deadline);
         self.save_best_effort(&rec);
         crate::crash::point("create.booted-saved");
         self.forget_logs(vm_id);

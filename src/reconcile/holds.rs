@@ -5,7 +5,8 @@
 //! for good) and its probe's answer, in its row and for the metrics file.
 
 use super::counts::Held;
-use super::pass::{Core, VmResult};
+use super::pass::{Core, Publisher, VmResult};
+use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Failure};
 use crate::model::{DesiredVm, Id, PowerState, VmSpec};
 use crate::state::Record;
@@ -106,6 +107,25 @@ impl Core {
             self.save_best_effort(&rec);
         }
         rec
+    }
+
+    /// Publishes the row of a VM whose hypervisor just started, mid-pass,
+    /// as the end of the pass will say it: with a probe in its spec it is
+    /// not ready before its guest answers, and what it is held to is in it.
+    pub(super) fn say_started(
+        &self,
+        desired: &DesiredVm,
+        res: &VmResult,
+        publisher: Option<&Publisher>,
+        deadline: Deadline,
+    ) {
+        let Some(publisher) = publisher.filter(|_| !deadline.expired()) else {
+            return;
+        };
+        let mut said = res.clone();
+        self.hold_for_probe(desired, &mut said);
+        self.say_what_it_is_held_to(desired, Ok(()), &mut said);
+        publisher.publish(said);
     }
 
     /// Takes what a created VM takes from a changed spec at its next boot

@@ -359,11 +359,7 @@ impl Core {
                 // Said once the guest runs, before the record follows: a
                 // crash before the save finds its VMM alive and finishes.
                 self.report_recorded(res, &rec, PowerState::Running);
-                if let Some(publisher) = publisher
-                    && !deadline.expired()
-                {
-                    publisher.publish(res.clone());
-                }
+                self.say_started(d, res, publisher, deadline);
                 self.save_best_effort(&rec);
             }
             PowerState::Suspended | PowerState::Stopped => {
