@@ -50,10 +50,12 @@ fn check_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// The public keys this host trusts, by id.
+/// The public keys this host trusts, by id, and the file they were read
+/// from (read again on SIGHUP, see [`TrustedKeys::reload`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TrustedKeys {
     keys: Vec<(String, VerifyingKey)>,
+    origin: Option<std::path::PathBuf>,
 }
 
 /// Why signed desired state was refused. Nothing in it was acted on.
@@ -134,7 +136,34 @@ impl TrustedKeys {
         file.take(64 << 10)
             .read_to_string(&mut text)
             .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        TrustedKeys::parse(&text).map_err(|e| format!("{shown}: {e}"))
+        let mut keys = TrustedKeys::parse(&text).map_err(|e| format!("{shown}: {e}"))?;
+        keys.origin = Some(path.to_path_buf());
+        Ok(keys)
+    }
+
+    /// Reads the keys' file again (SIGHUP): a rotation needs no restart. A
+    /// file that no longer loads (unreadable, writable by others, no key
+    /// left, a bad line) changes nothing: the keys in force stay, and the
+    /// log says why. Keys from no file (tests) stay as they are.
+    pub fn reload(&mut self) {
+        let Some(origin) = &self.origin else {
+            return;
+        };
+        match TrustedKeys::load(origin) {
+            Ok(keys) if keys == *self => {}
+            Ok(keys) => {
+                log::info!(
+                    "pinned keys are now {} (were {})",
+                    keys.ids().collect::<Vec<_>>().join(", "),
+                    self.ids().collect::<Vec<_>>().join(", ")
+                );
+                *self = keys;
+            }
+            Err(why) => log::error!(
+                "kept the pinned keys {}: {why}",
+                self.ids().collect::<Vec<_>>().join(", ")
+            ),
+        }
     }
 
     /// Parses `ed25519 KEY-ID PUBLIC-KEY` lines; blank lines and `#`
@@ -170,7 +199,7 @@ impl TrustedKeys {
         if keys.len() > MAX_KEYS {
             return Err(format!("{} keys, at most {MAX_KEYS}", keys.len()));
         }
-        Ok(TrustedKeys { keys })
+        Ok(TrustedKeys { keys, origin: None })
     }
 
     /// The ids pinned, in file order.

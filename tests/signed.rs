@@ -339,6 +339,108 @@ fn a_key_is_rotated_by_pinning_both_then_dropping_the_old() {
     a.wait_report("the new key's next snapshot", |r| has_volume(r, "data-3"));
 }
 
+impl Agent {
+    /// SIGHUP: the agent reads its pinned keys (and its desired state) again.
+    fn hangup(&self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("SIGHUP");
+    }
+
+    fn log(&self, dir: &Path) -> String {
+        std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default()
+    }
+}
+
+#[test]
+fn a_key_pinned_while_the_agent_runs_is_trusted_after_a_sighup() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let (old, new) = (key("cp-2025", 1), key("cp-2026", 2));
+    let keys = pin(dir.path(), &[&old]);
+    cp.answer_snapshots(Answer::Raw(signed(&new, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &keys);
+    a.wait_refusal("\"cp-2026\", which this host does not trust");
+
+    pin(dir.path(), &[&old, &new]);
+    a.hangup();
+
+    a.wait_report("the new key's snapshot", |r| has_volume(r, "data-1"));
+}
+
+#[test]
+fn a_key_dropped_while_the_agent_runs_is_refused_after_a_sighup() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let (old, new) = (key("cp-2025", 1), key("cp-2026", 2));
+    let keys = pin(dir.path(), &[&old, &new]);
+    cp.answer_snapshots(Answer::Raw(signed(&old, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &keys);
+    a.wait_report("the old key's snapshot", |r| has_volume(r, "data-1"));
+
+    pin(dir.path(), &[&new]);
+    a.hangup();
+    wait_for("the keys read again", || {
+        a.log(dir.path()).contains("pinned keys are now cp-2026")
+    });
+    cp.answer_snapshots(Answer::Raw(signed(&old, &snapshot(2, HOST, "data-2"))));
+
+    a.wait_refusal("\"cp-2025\", which this host does not trust");
+    assert!(!a.volume_exists("data-2"));
+}
+
+#[test]
+fn a_keys_file_that_no_longer_loads_keeps_the_keys_in_force_and_says_why() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let signer = key("cp-2026", 2);
+    let keys = pin(dir.path(), &[&signer]);
+    cp.answer_snapshots(Answer::Raw(signed(&signer, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &keys);
+    a.wait_report("the first snapshot", |r| has_volume(r, "data-1"));
+
+    std::fs::write(&keys, "ed25519 cp-2026 not-a-key\n").expect("a broken file");
+    a.hangup();
+    wait_for("the log to say why the keys stay", || {
+        a.log(dir.path()).contains("kept the pinned keys cp-2026")
+    });
+    cp.answer_snapshots(Answer::Raw(signed(&signer, &snapshot(2, HOST, "data-2"))));
+
+    a.wait_report("the next snapshot", |r| has_volume(r, "data-2"));
+}
+
+#[test]
+fn standalone_a_file_refused_is_taken_once_its_key_is_pinned_and_sighup_sent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (signing, pinned) = keygen(dir.path(), "pipeline");
+    let pipeline = std::fs::read_to_string(&pinned).expect("its pin line");
+    let other = key("other", 3).public_line();
+    std::fs::write(&pinned, &other).expect("pin another key only");
+    let desired = dir.path().join("desired.json");
+    write_desired(
+        &desired,
+        &format!(
+            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
+        ),
+    );
+    let out = eitri(&[
+        "sign",
+        "--key",
+        signing.to_str().expect("path"),
+        desired.to_str().expect("path"),
+    ]);
+    assert!(out.status.success());
+    let a = standalone(dir.path(), &desired, &pinned);
+    a.wait_refusal("\"pipeline\", which this host does not trust");
+
+    std::fs::write(&pinned, format!("{other}{pipeline}")).expect("pin both");
+    a.hangup();
+
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+}
+
 #[test]
 fn without_keys_an_unsigned_epoch_of_2_pow_64_minus_1_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");

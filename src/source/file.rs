@@ -215,6 +215,9 @@ impl Source for FileSource {
     }
 
     fn reload(&mut self) {
+        if let Some(keys) = &mut self.trust {
+            keys.reload();
+        }
         self.seen = None;
     }
 
