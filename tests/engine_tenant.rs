@@ -476,3 +476,35 @@ fn a_resumed_probed_vm_is_not_said_ready_before_its_guest_answers_again() {
     assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
     assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
 }
+
+#[test]
+fn a_probe_restart_is_a_boot_that_takes_a_waiting_limit() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let guest = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = guest.local_addr().expect("addr").port();
+    let with_cap = |epoch, millis| {
+        let mut d = desired(VM);
+        d.spec.limits = cpu(millis);
+        d.readiness = Some(Readiness {
+            check: Check::Tcp(port),
+            period: Duration::from_secs(2),
+            timeout: Duration::from_millis(300),
+            grace: Duration::from_secs(60),
+            restart_after: Some(Duration::from_secs(10)),
+        });
+        snapshot(epoch, vec![present(d)])
+    };
+    h.tick(&with_cap(1, 500));
+    drop(guest);
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&with_cap(2, 250));
+    let waiting = h.record(VM).spec.limits;
+
+    h.fakes.advance_clock(Duration::from_secs(10));
+    h.tick(&with_cap(2, 250));
+
+    assert_eq!(waiting, cpu(500));
+    assert_eq!(h.engine.counts().probe_restarts.get(VM), 1);
+    assert_eq!(h.record(VM).spec.limits, cpu(250));
+}

@@ -163,6 +163,12 @@ impl Core {
             return false;
         }
         let vm_id = &desired.spec.vm_id;
+        // It boots as its record says (what it was created with, and what
+        // waits for its next boot): never as a spec nothing recorded.
+        let Ok(Some(rec)) = self.store.get(vm_id) else {
+            return false;
+        };
+        let mut rec = (*rec).clone();
         let why = format!(
             "unhealthy for {} s ({}): booting it again",
             now.duration_since(from).unwrap_or_default().as_secs(),
@@ -171,15 +177,11 @@ impl Core {
         log::warn!("VM {vm_id}: {why}");
         self.counts.probe_restarts.inc(vm_id.as_str());
         self.probes.lock().remove(vm_id);
-        let spec = match self.store.get(vm_id) {
-            Ok(Some(rec)) => rec.spec.clone(),
-            _ => desired.spec.clone(),
-        };
         let say = |what: &str| log::info!("VM {vm_id}: {what}");
-        let restarted = self
-            .prov
-            .shutdown(vm_id, deadline, &say)
-            .and_then(|()| self.prov.boot(&spec, deadline));
+        let restarted = self.prov.shutdown(vm_id, deadline, &say).and_then(|()| {
+            self.take_next_boot_changes(desired, &mut rec);
+            self.prov.boot(&rec.spec, deadline)
+        });
         if let Some(row) = res.row.as_mut() {
             row.phase = Some(Phase::Creating);
             match restarted {
