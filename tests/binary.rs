@@ -898,13 +898,9 @@ mod booted {
             .to_owned()
     }
 
-    /// What `nft` lists of one of the agent's ip tables.
+    /// What `nft` lists of one of the agent's ip tables ("" when none).
     fn ip_table(name: &str) -> String {
-        let listed = Command::new("nft")
-            .args(["list", "table", "ip", name])
-            .output()
-            .expect("nft");
-        String::from_utf8_lossy(&listed.stdout).into_owned()
+        eitri_agent::testkit::net::nft_table("ip", name).unwrap_or_default()
     }
 
     #[test]
@@ -968,24 +964,15 @@ mod booted {
         assert_eq!(ip_table(&tables_of(&a)), rules_before);
     }
 
-    /// A file of `vm`'s cgroup under `boot`'s root, from the first
-    /// hierarchy that has it.
-    fn cgroup_file(boot: &Booting, vm: &str, names: &[&str]) -> Option<String> {
-        let cgroups =
-            eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&boot.cgroup_root).ok()?;
-        cgroups
-            .dirs(&eitri_agent::testkit::id(vm))
-            .iter()
-            .find_map(|d| {
-                names
-                    .iter()
-                    .find_map(|n| std::fs::read_to_string(d.join(n)).ok())
-            })
+    /// `vm`'s cgroup file `name` under `boot`'s root.
+    fn cgroup_file(boot: &Booting, vm: &str, name: &str) -> Option<String> {
+        eitri_agent::testkit::cgroup_file(&boot.cgroup_root, &eitri_agent::testkit::id(vm), name)
     }
 
     /// `vm`'s CPU quota, in µs per period (cgroup v1 or v2).
     fn quota(boot: &Booting, vm: &str) -> Option<u64> {
-        cgroup_file(boot, vm, &["cpu.cfs_quota_us", "cpu.max"])?
+        cgroup_file(boot, vm, "cpu.cfs_quota_us")
+            .or_else(|| cgroup_file(boot, vm, "cpu.max"))?
             .split_whitespace()
             .next()?
             .parse()
@@ -994,25 +981,11 @@ mod booted {
 
     /// The pid of the VMM in `vm`'s cgroup under `boot`'s root.
     fn vmm_pid(boot: &Booting, vm: &str) -> Option<u32> {
-        cgroup_file(boot, vm, &["cgroup.procs"])?
+        cgroup_file(boot, vm, "cgroup.procs")?
             .lines()
             .next()?
             .parse()
             .ok()
-    }
-
-    /// The elements of the nft set `set` the agent holds, as `nft` lists them.
-    fn set_elements(set: &str) -> String {
-        let listed = Command::new("nft")
-            .args(["list", "ruleset"])
-            .output()
-            .expect("nft");
-        let rules = String::from_utf8_lossy(&listed.stdout);
-        let start = rules
-            .find(&format!("set {set} {{"))
-            .unwrap_or_else(|| panic!("no set {set}: {rules}"));
-        let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
-        rules[start..end].to_owned()
     }
 
     #[test]
@@ -1030,14 +1003,17 @@ mod booted {
             let row = row_of(r, "web-1");
             row["phase"] == "ready" && row["egress"] == "deny 203.0.113.10/32"
         });
-        let (pid, before) = (vmm_pid(&boot, "web-1"), set_elements("vm_deny"));
+        let (pid, before) = (
+            vmm_pid(&boot, "web-1"),
+            eitri_agent::testkit::net::nft_set_elements("vm_deny"),
+        );
 
         desired(dir.path(), &wanted("203.0.113.20/32"));
         agent.wait_report("the new list held", |r| {
             row_of(r, "web-1")["egress"] == "deny 203.0.113.20/32"
         });
 
-        let after = set_elements("vm_deny");
+        let after = eitri_agent::testkit::net::nft_set_elements("vm_deny");
         assert!(before.contains("203.0.113.10"), "{before}");
         assert!(
             after.contains("203.0.113.20") && !after.contains("203.0.113.10"),

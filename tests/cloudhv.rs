@@ -24,7 +24,7 @@ use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::state::Store;
-use eitri_agent::testkit::net::{link_exists, nft_ruleset};
+use eitri_agent::testkit::net::{link_exists, nft_ruleset, nft_set_elements};
 use eitri_agent::testkit::{Fakes, desired, id, present, snapshot, tombstoned};
 
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
@@ -2300,16 +2300,6 @@ fn with_egress(h: &Host, vm: &str, epoch: u64, deny: &str, allow: &str) -> Snaps
     snapshot(epoch, vec![present(d)])
 }
 
-/// The elements of the agent's ip table's set `set`.
-fn set_elements(set: &str) -> String {
-    let rules = nft_ruleset();
-    let start = rules
-        .find(&format!("set {set} {{"))
-        .unwrap_or_else(|| panic!("no set {set}: {rules}"));
-    let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
-    rules[start..end].to_owned()
-}
-
 #[test]
 fn a_running_vms_egress_change_is_held_within_a_tick_with_its_vmm_untouched() {
     eitri_agent::testkit::net::private_network();
@@ -2317,11 +2307,11 @@ fn a_running_vms_egress_change_is_held_within_a_tick_with_its_vmm_untouched() {
     h.connect();
     h.tick(&with_egress(&h, "vm-1", 1, "203.0.113.10", ""));
     let (pid, ip) = (h.pid("vm-1"), h.backend.address(&id("vm-1")).expect("ip"));
-    let before = set_elements("vm_deny");
+    let before = nft_set_elements("vm_deny");
 
     h.tick(&with_egress(&h, "vm-1", 2, "203.0.113.20", ""));
 
-    let after = set_elements("vm_deny");
+    let after = nft_set_elements("vm_deny");
     assert!(before.contains(&format!("{ip} . 203.0.113.10")), "{before}");
     assert!(
         after.contains(&format!("{ip} . 203.0.113.20")) && !after.contains("203.0.113.10"),
@@ -2351,17 +2341,17 @@ fn an_adopted_vm_is_held_to_its_recorded_egress_rules_before_its_first_tick() {
         )
         .expect("network"),
     ));
-    let between = set_elements("vm_deny");
+    let between = nft_set_elements("vm_deny");
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), cfg);
     restarted.recover(&known(&h.store));
 
     assert!(!between.contains(&ip.to_string()), "{between}");
     assert!(
-        set_elements("vm_deny").contains(&format!("{ip} . 0.0.0.0/0")),
+        nft_set_elements("vm_deny").contains(&format!("{ip} . 0.0.0.0/0")),
         "{}",
         nft_ruleset()
     );
-    assert!(set_elements("vm_allow").contains(&format!("{ip} . 192.0.2.0/24")));
+    assert!(nft_set_elements("vm_allow").contains(&format!("{ip} . 192.0.2.0/24")));
 }
 
 #[test]
@@ -2371,7 +2361,7 @@ fn a_destroyed_vm_leaves_no_egress_rule_of_its_own() {
     h.connect();
     h.tick(&with_egress(&h, "vm-1", 1, "0.0.0.0/0", "192.0.2.0/24"));
     let ip = h.backend.address(&id("vm-1")).expect("ip").to_string();
-    let held = set_elements("vm_deny");
+    let held = nft_set_elements("vm_deny");
 
     // Through the engine, as a deleted VM goes: a destroy behind its back
     // would race its worker booting the VM it still wants.
@@ -2379,8 +2369,8 @@ fn a_destroyed_vm_leaves_no_egress_rule_of_its_own() {
 
     assert!(held.contains(&ip), "{held}");
     assert!(!h.store.layout().vm_dir(&id("vm-1")).exists());
-    assert!(!set_elements("vm_deny").contains(&ip));
-    assert!(!set_elements("vm_allow").contains(&ip));
+    assert!(!nft_set_elements("vm_deny").contains(&ip));
+    assert!(!nft_set_elements("vm_allow").contains(&ip));
 }
 
 /// The VMM's arguments, as its /proc cmdline has them.
@@ -2395,12 +2385,7 @@ fn vmm_args(h: &Host, vm: &str) -> Vec<String> {
 
 /// The VM's cgroup file `name`, from whichever hierarchy has it.
 fn cgroup_file(h: &Host, vm: &str, name: &str) -> Option<String> {
-    let cgroups = Cgroups::probe(&h.cfg.confinement.cgroup_root).expect("cgroups");
-    cgroups
-        .dirs(&id(vm))
-        .iter()
-        .find_map(|d| std::fs::read_to_string(d.join(name)).ok())
-        .map(|v| v.trim().to_owned())
+    eitri_agent::testkit::cgroup_file(&h.cfg.confinement.cgroup_root, &id(vm), name)
 }
 
 #[test]

@@ -25,11 +25,7 @@ use eitri_agent::testkit::tools::{require, tool, without};
 const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x07];
 
 fn nft_table() -> String {
-    let out = tool("nft")
-        .args(["list", "table", "ip", "eitri_test"])
-        .output()
-        .expect("nft");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    eitri_agent::testkit::net::nft_table("ip", "eitri_test").unwrap_or_default()
 }
 
 #[test]
@@ -46,12 +42,7 @@ fn nat_applied_twice_is_what_applying_it_once_left() {
 }
 
 fn has_table(family: &str, name: &str) -> bool {
-    tool("nft")
-        .args(["list", "table", family, name])
-        .output()
-        .expect("nft")
-        .status
-        .success()
+    eitri_agent::testkit::net::nft_table(family, name).is_some()
 }
 
 #[test]

@@ -73,10 +73,11 @@ fn wish(raw: &Raw<'_>) -> Result<crate::state::claim::Wish, ConfigError> {
             .given(Key::CgroupRoot)
             .then_some(confinement.cgroup_root),
         default_state_dir: raw.get(Key::StateDir) == Key::StateDir.setting().default,
-        network: underlay(raw)?.map(|u| crate::state::claim::WishedNetwork {
+        network: underlay(raw)?.map(|u| crate::state::claim::Network {
             subnet: (u.subnet.network(), u.subnet.prefix()),
             bridge: u.bridge,
             tap_prefix: u.tap_prefix,
+            table: u.table,
         }),
     })
 }

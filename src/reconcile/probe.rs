@@ -40,11 +40,7 @@ impl Core {
             self.probes.lock().remove(vm_id);
             return;
         };
-        let up = res
-            .row
-            .as_ref()
-            .is_some_and(|r| r.power == Some(PowerState::Running) && r.phase == Some(Phase::Ready));
-        if !up {
+        if !up(res) {
             self.probes.lock().remove(vm_id);
             return;
         }
@@ -94,11 +90,7 @@ impl Core {
         let Some(probe) = &desired.readiness else {
             return;
         };
-        let up = res
-            .row
-            .as_ref()
-            .is_some_and(|r| r.power == Some(PowerState::Running) && r.phase == Some(Phase::Ready));
-        if up {
+        if up(res) {
             let state = fresh(self.prov.pid(&desired.spec.vm_id), self.host.now());
             say(res, probe, &state, state.since);
         }
@@ -194,6 +186,14 @@ impl Core {
         }
         true
     }
+}
+
+/// Whether the pass reports the VM running and ready by its lifecycle:
+/// what a probe may hold back.
+fn up(res: &VmResult) -> bool {
+    res.row
+        .as_ref()
+        .is_some_and(|r| r.power == Some(PowerState::Running) && r.phase == Some(Phase::Ready))
 }
 
 /// Whether `bound` has passed from `from` at `now`.

@@ -67,17 +67,9 @@ pub struct Network {
     /// The underlay subnet: its first address and prefix length.
     pub subnet: (Ipv4Addr, u8),
     pub tap_prefix: String,
-    /// Its nft tables' name (ip and bridge), and its iptables chains'.
+    /// Its nft tables' name (ip and bridge), and its iptables chains': the
+    /// claim's to name ([`table_of`]), whatever a [`Wish`] says.
     pub table: String,
-}
-
-/// The guest network the operator's flags name, before its tables are
-/// named.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WishedNetwork {
-    pub bridge: String,
-    pub subnet: (Ipv4Addr, u8),
-    pub tap_prefix: String,
 }
 
 /// What the operator asked for, and what the state dir is.
@@ -89,8 +81,8 @@ pub struct Wish {
     pub cgroup_root: Option<String>,
     /// The state dir is the default one.
     pub default_state_dir: bool,
-    /// The guest network, when it is on.
-    pub network: Option<WishedNetwork>,
+    /// The guest network the flags name, when it is on.
+    pub network: Option<Network>,
 }
 
 /// The firewall tables' name of the agent whose cgroup root is `root`: the
@@ -262,11 +254,9 @@ pub fn settle(
         if let Some(root) = &wish.cgroup_root {
             claim.cgroup_root.clone_from(root);
         }
-        claim.network = wish.network.as_ref().map(|n| Network {
-            bridge: n.bridge.clone(),
-            subnet: n.subnet,
-            tap_prefix: n.tap_prefix.clone(),
+        claim.network = wish.network.clone().map(|n| Network {
             table: table_of(&claim.cgroup_root),
+            ..n
         });
         claim
     };
@@ -446,10 +436,11 @@ mod tests {
     /// A wish with a guest network on `bridge`, `subnet` and taps `prefix…`.
     fn networked(bridge: &str, subnet: [u8; 4], prefix: &str) -> Wish {
         Wish {
-            network: Some(WishedNetwork {
+            network: Some(Network {
                 bridge: bridge.into(),
                 subnet: (Ipv4Addr::from(subnet), 16),
                 tap_prefix: prefix.into(),
+                table: String::new(),
             }),
             ..derived()
         }

@@ -801,6 +801,18 @@ pub fn remove_cgroup_root(root: &str) {
     clear_cgroup_root(root, false);
 }
 
+/// `vm`'s cgroup file `name` under `root`, trimmed, from whichever
+/// hierarchy has it.
+#[cfg(target_os = "linux")]
+pub fn cgroup_file(root: &str, vm: &Id, name: &str) -> Option<String> {
+    let cgroups = crate::provision::cloudhv::cgroup::Cgroups::probe(root).ok()?;
+    cgroups
+        .dirs(vm)
+        .iter()
+        .find_map(|d| std::fs::read_to_string(d.join(name)).ok())
+        .map(|v| v.trim().to_owned())
+}
+
 /// Ends a cgroup root whose whole process is over (a benchmark's end, its
 /// ^C, a gone run's root): every process still in it killed, then every
 /// cgroup of it removed.

@@ -150,6 +150,29 @@ pub fn nft_ruleset() -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The elements of the nft set `set`, as `nft list ruleset` prints it (the
+/// set's first listing).
+pub fn nft_set_elements(set: &str) -> String {
+    let rules = nft_ruleset();
+    let start = rules
+        .find(&format!("set {set} {{"))
+        .unwrap_or_else(|| panic!("no set {set}: {rules}"));
+    let end = rules[start..].find('}').map_or(rules.len(), |e| start + e);
+    rules[start..end].to_owned()
+}
+
+/// The nft table `name` of `family` as `nft list table` prints it; `None`
+/// when there is none.
+pub fn nft_table(family: &str, name: &str) -> Option<String> {
+    let out = super::tools::tool("nft")
+        .args(["list", "table", family, name])
+        .output()
+        .unwrap_or_else(|e| panic!("nft: {e}"));
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// Whether a link of this name exists in this process's network namespace
 /// (asked of the kernel: /sys shows the namespace that mounted it).
 pub fn link_exists(name: &str) -> bool {
