@@ -5,6 +5,7 @@
 #   make proto        regenerate src/pb/ from proto/ (no protoc needed)
 #   make bench        every benchmark; make bench-NAME runs one
 #   make chaos        the crash-consistency proof at length (1,000 random kills)
+#   make e2e-real     a real Linux guest under the agent (builds what is missing; root)
 #
 # Each benchmark's last line is `bench=NAME key=value ...`.
 
@@ -16,7 +17,7 @@ BENCHES  := store engine storage boot create suspend intake net repair limits
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: e2e-real tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -26,6 +27,13 @@ chaos:
 
 build:
 	$(CARGO) build --release --locked
+
+# Layer 5: a real Linux guest (cloud-init, sshd, DHCP, NAT, suspend and
+# resume) under the agent binary. Builds the kernel, root filesystem and
+# hypervisor it lacks into a cache outside the repository (the script's
+# header says which, and from what), then runs tests/real_guest.rs.
+e2e-real:
+	CARGO=$(CARGO) contrib/e2e-real
 
 # A fully static, stripped binary for hosts (needs: rustup target add $(MUSL)).
 static:

@@ -82,16 +82,32 @@ fn stop_from(
     power_button: bool,
 ) -> Result<(), SuperviseError> {
     let noun = vmm.noun();
+    // Whether the guest shut itself down: what an operator needs to know
+    // of a stop, since every later rung ends a guest that did not (its
+    // unwritten data lost, as when a plug is pulled).
+    let mut powered_off = false;
     if power_button && !deadline.expired() {
         say("stopping: pressing the power button");
+        let pressed = Instant::now();
         vmm.ask(Request::PowerButton);
-        wait_narrated(
+        powered_off = wait_narrated(
             "waiting for the guest to power off",
             timeouts.power_button,
             deadline,
             say,
             &|| vmm.gone() || vmm.powered_off(),
         );
+        if powered_off {
+            log::info!(
+                "VM {vm_id}: the guest powered off {:.1} s after the power button",
+                pressed.elapsed().as_secs_f64()
+            );
+        } else {
+            log::warn!(
+                "VM {vm_id}: the guest did not power off within {} s of the power button; stopping {noun} under it",
+                timeouts.power_button.as_secs()
+            );
+        }
         if vmm.gone() {
             return Ok(());
         }
@@ -106,6 +122,9 @@ fn stop_from(
             say,
             &|| vmm.gone(),
         ) {
+            if !powered_off {
+                log::info!("VM {vm_id}: {noun} shut down when asked");
+            }
             return Ok(());
         }
     }

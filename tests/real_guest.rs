@@ -1,0 +1,645 @@
+//! Layer 5: a real Linux guest under the real agent. Each test starts the
+//! agent binary in standalone mode in a network namespace of its own,
+//! gives it a desired VM booting a real kernel and a Debian root
+//! filesystem with cloud-init and sshd on a real cloud-hypervisor, and
+//! checks one thing from where its tenant or its operator stands: over
+//! SSH into the guest, in the agent's report, on the host. Skipped, saying
+//! why, unless the environment names the real parts (`make e2e-real`
+//! builds them and runs these); each prints the figures it measured as
+//! `timing: …` lines.
+
+#![cfg(target_os = "linux")]
+
+#[path = "real_guest/lab.rs"]
+mod lab;
+
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::time::{Duration, Instant};
+
+use lab::{
+    BOOT, Ca, Lab, PROBE_PERIOD_S, SOON, STOP_GRACE_S, Site, USER, address, outside, ready, timing,
+};
+use serde_json::{Value, json};
+
+/// Opens the lab for the test it is called in, or returns from it.
+macro_rules! lab {
+    ($test:literal) => {
+        match Lab::open($test) {
+            Some(lab) => lab,
+            None => return,
+        }
+    };
+}
+
+/// User-data that lets root in with the tenant's key too, for the checks
+/// only root can make inside the guest (raw sockets, block devices).
+const ROOT_LOGIN: &str = "#cloud-config\ndisable_root: false\n";
+
+fn with(mut vm: Value, key: &str, value: Value) -> Value {
+    vm[key] = value;
+    vm
+}
+
+/// Whether a row's `field` is a non-empty string.
+fn has(field: &'static str) -> impl Fn(&Value) -> bool {
+    move |row| row[field].as_str().is_some_and(|v| !v.is_empty())
+}
+
+fn port_22_answers(ip: &str) -> bool {
+    let at = SocketAddrV4::new(ip.parse().expect("an address"), 22);
+    TcpStream::connect_timeout(&at.into(), Duration::from_secs(1)).is_ok()
+}
+
+#[test]
+fn a_vm_waits_for_its_host_certificate_and_is_ready_only_once_sshd_answers() {
+    let mut lab = lab!("a_vm_waits_for_its_host_certificate_and_is_ready_only_once_sshd_answers");
+    let ca = Ca::new(&lab, "host-ca");
+    lab.start(&[]);
+    let vm = with(lab.vm("cert-1"), "host_cert_required", json!(true));
+
+    lab.desire(std::slice::from_ref(&vm));
+    let (waiting, took) = lab.wait_row("cert-1", "its host key", SOON, |r| {
+        r["last_error"] == "awaiting host certificate" && r["ssh_host_pubkey"] != ""
+    });
+    timing("desired -> awaiting host certificate", took);
+    assert_eq!(waiting["power_state"], "stopped", "{waiting}");
+    let public = waiting["ssh_host_pubkey"].as_str().unwrap_or_default();
+    let cert = ca.sign(public, "cert-1", true);
+    lab.desire(&[with(vm, "ssh_host_cert", json!(cert))]);
+    let (running, _) = lab.wait_row("cert-1", "its hypervisor", BOOT, |r| {
+        r["power_state"] == "running"
+    });
+    let sshd_then = port_22_answers(&address(&running));
+    let (row, took) = lab.wait_row("cert-1", "ready", BOOT, ready);
+
+    timing("certificate in desired -> ready", took);
+    let details = lab.details("cert-1");
+    let vmm_to_ready = details["phase_since_ms"].as_u64().unwrap_or_default()
+        - details["pid_since_ms"].as_u64().unwrap_or_default();
+    timing(
+        "VMM start -> sshd answers (the probe)",
+        Duration::from_millis(vmm_to_ready),
+    );
+    assert!(
+        !ready(&running) && !sshd_then,
+        "ready before sshd answered: {running}"
+    );
+    assert_eq!(row["readiness"], "tcp 22 answered", "{row}");
+    assert!(port_22_answers(&address(&row)));
+}
+
+#[test]
+fn the_lease_on_the_guests_nic_is_the_rows_address() {
+    let mut lab = lab!("the_lease_on_the_guests_nic_is_the_rows_address");
+    lab.start(&[]);
+    let (row, _) = lab.boot(&[lab.vm("lease-1")], "lease-1");
+
+    let ip = address(&row);
+    let shown = lab.guest(USER, &ip, "ip -4 -o addr show dev eth0");
+
+    // "2: eth0    inet 100.77.4.89/16 metric 1024 brd … scope global dynamic eth0"
+    let leased = shown
+        .split_whitespace()
+        .skip_while(|w| *w != "inet")
+        .nth(1)
+        .and_then(|cidr| cidr.split('/').next())
+        .unwrap_or_default();
+    assert_eq!(leased, ip, "{shown}");
+    assert!(shown.contains("dynamic"), "not a DHCP lease: {shown}");
+}
+
+#[test]
+fn the_desired_key_logs_in_as_the_images_user() {
+    let mut lab = lab!("the_desired_key_logs_in_as_the_images_user");
+    lab.start(&[]);
+    let (row, _) = lab.boot(&[lab.vm("key-1")], "key-1");
+
+    let who = lab.guest(USER, &address(&row), "id -un");
+
+    assert_eq!(who, USER);
+}
+
+#[test]
+fn the_host_key_the_guest_presents_is_the_reported_one_and_its_certificate_verifies() {
+    let mut lab =
+        lab!("the_host_key_the_guest_presents_is_the_reported_one_and_its_certificate_verifies");
+    let (ca, stranger) = (Ca::new(&lab, "host-ca"), Ca::new(&lab, "other-ca"));
+    lab.start(&[]);
+    let vm = with(lab.vm("hk-1"), "host_cert_required", json!(true));
+    lab.desire(std::slice::from_ref(&vm));
+    let (waiting, _) = lab.wait_row("hk-1", "its host key", SOON, has("ssh_host_pubkey"));
+    let reported = waiting["ssh_host_pubkey"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let cert = ca.sign(&reported, "hk-1", true);
+    let (row, _) = lab.boot(&[with(vm, "ssh_host_cert", json!(cert))], "hk-1");
+    let ip = address(&row);
+
+    let scanned =
+        lab::run(eitri_agent::testkit::tools::tool("ssh-keyscan").args(["-t", "ed25519", &ip]));
+    let trusting = |ca: &Ca, name: &str| {
+        let known = lab.dir.path().join(name);
+        std::fs::write(&known, format!("@cert-authority * {}\n", ca.public())).expect("write");
+        lab.ssh_with(
+            USER,
+            &ip,
+            "true",
+            &[
+                format!("UserKnownHostsFile={}", known.display()),
+                "StrictHostKeyChecking=yes".into(),
+                // The certificate names the VM, not its address.
+                "HostKeyAlias=hk-1".into(),
+            ],
+            None,
+        )
+    };
+    let with_our_ca = trusting(&ca, "known-ours");
+    let with_another_ca = trusting(&stranger, "known-other");
+
+    // "100.77.4.89 ssh-ed25519 AAAA…": the key is the last two words; the
+    // reported line has a comment after them.
+    let presented: Vec<&str> = scanned.split_whitespace().skip(1).collect();
+    let expected: Vec<&str> = reported.split_whitespace().take(2).collect();
+    assert_eq!(presented, expected, "scanned {scanned:?}");
+    assert!(
+        with_our_ca.status.success(),
+        "{}",
+        String::from_utf8_lossy(&with_our_ca.stderr)
+    );
+    assert!(!with_another_ca.status.success());
+}
+
+#[test]
+fn the_host_key_files_in_the_guest_are_the_reported_key() {
+    let mut lab = lab!("the_host_key_files_in_the_guest_are_the_reported_key");
+    let ca = Ca::new(&lab, "host-ca");
+    lab.start(&[]);
+    let vm = with(
+        with(lab.vm("hkf-1"), "host_cert_required", json!(true)),
+        "cloud_init",
+        json!(ROOT_LOGIN),
+    );
+    lab.desire(std::slice::from_ref(&vm));
+    let (waiting, _) = lab.wait_row("hkf-1", "its host key", SOON, has("ssh_host_pubkey"));
+    let reported = waiting["ssh_host_pubkey"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    let cert = ca.sign(&reported, "hkf-1", true);
+    let (row, _) = lab.boot(&[with(vm, "ssh_host_cert", json!(cert))], "hkf-1");
+    let ip = address(&row);
+
+    let public_file = lab.guest("root", &ip, "cat /etc/ssh/ssh_host_ed25519_key.pub");
+    let from_private = lab.guest(
+        "root",
+        &ip,
+        "ssh-keygen -y -f /etc/ssh/ssh_host_ed25519_key",
+    );
+    let cert_file = lab.guest("root", &ip, "cat /etc/ssh/ssh_host_ed25519_key-cert.pub");
+
+    let key = |line: &str| {
+        line.split_whitespace()
+            .take(2)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(key(&public_file), key(&reported));
+    assert_eq!(key(&from_private), key(&reported));
+    assert_eq!(cert_file, cert);
+}
+
+#[test]
+fn a_user_certificate_from_the_tenants_ca_logs_in() {
+    let mut lab = lab!("a_user_certificate_from_the_tenants_ca_logs_in");
+    let ca = Ca::new(&lab, "user-ca");
+    lab.start(&[]);
+    let mut vm = with(
+        lab.vm("uc-1"),
+        "ssh_user_ca_authorized_keys",
+        json!([ca.public()]),
+    );
+    vm.as_object_mut()
+        .expect("an object")
+        .remove("ssh_authorized_key");
+    let (row, _) = lab.boot(&[vm], "uc-1");
+    let ip = address(&row);
+    let cert = lab.key.with_extension("cert");
+    std::fs::write(&cert, ca.sign(&lab.public_key(), USER, false)).expect("write the cert");
+
+    let with_cert = lab.ssh_with(
+        USER,
+        &ip,
+        "id -un",
+        &[format!("CertificateFile={}", cert.display())],
+        None,
+    );
+    let key_alone = lab.ssh(USER, &ip, "id -un");
+
+    assert!(
+        with_cert.status.success(),
+        "{}",
+        String::from_utf8_lossy(&with_cert.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&with_cert.stdout).trim(), USER);
+    assert!(!key_alone.status.success(), "the key alone was let in");
+}
+
+#[test]
+fn the_guest_has_its_hostname() {
+    let mut lab = lab!("the_guest_has_its_hostname");
+    lab.start(&[]);
+    let vm = with(lab.vm("host-1"), "name", json!("web-7"));
+    let (row, _) = lab.boot(&[vm], "host-1");
+
+    let hostname = lab.guest(USER, &address(&row), "hostname");
+
+    assert_eq!(hostname, "web-7");
+}
+
+#[test]
+fn the_guest_reaches_an_outside_namespace_through_nat_as_the_host() {
+    let mut lab = lab!("the_guest_reaches_an_outside_namespace_through_nat_as_the_host");
+    let outside = outside();
+    let listener = outside.listen_tcp(SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 2), 7777));
+    lab.start(&[]);
+    let (row, _) = lab.boot(&[lab.vm("nat-1")], "nat-1");
+
+    lab.guest(
+        USER,
+        &address(&row),
+        "timeout 10 bash -c 'echo hello > /dev/tcp/192.0.2.2/7777'",
+    );
+
+    // The host's own address on the way out, never the guest's.
+    let peers: Vec<Ipv4Addr> = listener.all().into_iter().map(|(ip, _)| ip).collect();
+    assert_eq!(peers, [Ipv4Addr::new(192, 0, 2, 1)]);
+}
+
+#[test]
+fn egress_rules_applied_live_drop_what_they_name_and_nothing_else() {
+    let mut lab = lab!("egress_rules_applied_live_drop_what_they_name_and_nothing_else");
+    let outside = outside();
+    let denied = outside.listen_tcp(SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 2), 7777));
+    let allowed = outside.listen_tcp(SocketAddrV4::new(Ipv4Addr::new(192, 0, 2, 3), 7777));
+    lab.start(&[]);
+    let vm = lab.vm("egress-1");
+    let (row, _) = lab.boot(std::slice::from_ref(&vm), "egress-1");
+    let ip = address(&row);
+    let reach = |to: &str| {
+        lab.ssh(
+            USER,
+            &ip,
+            &format!("timeout 5 bash -c 'echo hello > /dev/tcp/{to}/7777'"),
+        )
+        .status
+        .success()
+    };
+    let before = reach("192.0.2.2");
+    let pid = lab.hypervisor_pid("egress-1");
+
+    lab.desire(&[with(vm, "egress_deny", json!(["192.0.2.2/32"]))]);
+    let (row, took) = lab.wait_row("egress-1", "its egress rules", SOON, |r| {
+        r["egress"]
+            .as_str()
+            .is_some_and(|e| e.contains("192.0.2.2/32"))
+    });
+    timing("egress change -> held", took);
+
+    assert!(before, "the guest could not reach 192.0.2.2 to begin with");
+    assert!(!reach("192.0.2.2"), "192.0.2.2 still reached: {row}");
+    assert!(reach("192.0.2.3"), "192.0.2.3 is not denied");
+    assert_eq!(denied.all().len(), 1, "{:?}", denied.all());
+    assert_eq!(allowed.all().len(), 1, "{:?}", allowed.all());
+    assert_eq!(lab.hypervisor_pid("egress-1"), pid, "its VMM was touched");
+}
+
+#[test]
+fn the_guest_has_the_cpus_and_memory_of_its_spec() {
+    let mut lab = lab!("the_guest_has_the_cpus_and_memory_of_its_spec");
+    lab.start(&[]);
+    let (row, _) = lab.boot(&[lab.vm("size-1")], "size-1");
+    let ip = address(&row);
+
+    let cpus = lab.guest(USER, &ip, "nproc");
+    let mem_kib: u64 = lab
+        .guest(USER, &ip, "awk '/^MemTotal/ {print $2}' /proc/meminfo")
+        .parse()
+        .expect("MemTotal in KiB");
+
+    assert_eq!(cpus, "2");
+    // 512 MiB less what the kernel keeps for itself (its image, reserved
+    // pages): it sees no more, and not much less.
+    assert!(
+        (400 * 1024..=512 * 1024).contains(&mem_kib),
+        "{mem_kib} KiB"
+    );
+}
+
+#[test]
+fn a_disk_rate_limit_holds_the_guests_reads_to_it() {
+    let mut lab = lab!("a_disk_rate_limit_holds_the_guests_reads_to_it");
+    lab.start(&[]);
+    const MBPS: f64 = 20.0;
+    let vm = with(
+        with(lab.vm("disk-1"), "disk_mbps", json!(MBPS as u64)),
+        "cloud_init",
+        json!(ROOT_LOGIN),
+    );
+    let (row, _) = lab.boot(&[vm], "disk-1");
+    let ip = address(&row);
+
+    // The bucket starts full (a second of its rate): the first read
+    // empties it, and the measured one follows at once, before it fills.
+    let dd = lab
+        .ssh(
+            "root",
+            &ip,
+            "dd if=/dev/vda of=/dev/null bs=1M count=30 iflag=direct 2>/dev/null && \
+             dd if=/dev/vda of=/dev/null bs=1M skip=30 count=100 iflag=direct",
+        )
+        .stderr;
+
+    // "104857600 bytes (105 MB, 100 MiB) copied, 5.2 s, 20.1 MB/s"
+    let text = String::from_utf8_lossy(&dd);
+    let seconds: f64 = text
+        .split(", ")
+        .find_map(|part| part.strip_suffix(" s")?.parse().ok())
+        .unwrap_or_else(|| panic!("no time in dd's answer: {text}"));
+    let measured = 100.0 * 1048576.0 / seconds / 1e6;
+    println!("timing: disk reads at {measured:.2} MB/s, limit {MBPS} MB/s");
+    let ratio = measured / MBPS;
+    assert!(
+        (0.9..=1.1).contains(&ratio),
+        "{measured:.2} MB/s read: {text}"
+    );
+}
+
+#[test]
+fn the_power_button_powers_the_guest_off_inside_the_stop_grace() {
+    let mut lab = lab!("the_power_button_powers_the_guest_off_inside_the_stop_grace");
+    lab.start(&[]);
+    let vm = lab.vm("pwr-1");
+    lab.boot(std::slice::from_ref(&vm), "pwr-1");
+
+    lab.desire(&[with(vm, "power_state", json!("stopped"))]);
+    let (_, took) = lab.wait_row("pwr-1", "stopped", SOON * 2, |r| {
+        r["power_state"] == "stopped" && r["status_detail"] == ""
+    });
+
+    timing("power button -> off", took);
+    assert!(took < Duration::from_secs(STOP_GRACE_S));
+    let console = lab.console("pwr-1", 20);
+    assert!(console.contains("reboot: Power down"), "{console}");
+    let log = lab.agent_log();
+    assert!(
+        log.contains("VM pwr-1: the guest powered off"),
+        "the agent does not say the guest powered off: {log}"
+    );
+    assert!(
+        !log.contains("SIGTERM") && !log.contains("killing"),
+        "{log}"
+    );
+}
+
+#[test]
+fn suspend_and_resume_twice_keep_the_guests_boot_and_uptime() {
+    let mut lab = lab!("suspend_and_resume_twice_keep_the_guests_boot_and_uptime");
+    lab.start(&[]);
+    let vm = lab.vm("nap-1");
+    let (row, _) = lab.boot(std::slice::from_ref(&vm), "nap-1");
+    let ip = address(&row);
+    let boot_id = lab.guest(USER, &ip, "cat /proc/sys/kernel/random/boot_id");
+    let uptime = |lab: &Lab| -> f64 {
+        let up = lab.guest(USER, &ip, "cut -d' ' -f1 /proc/uptime");
+        up.parse().expect("seconds")
+    };
+    let mut last_uptime = uptime(&lab);
+
+    for round in 1..=2 {
+        lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);
+        let (_, suspend) = lab.wait_row("nap-1", "suspended", SOON, |r| {
+            r["power_state"] == "suspended"
+        });
+        lab.desire(std::slice::from_ref(&vm));
+        let (_, resume) = lab.wait_row("nap-1", "running and ready", SOON, ready);
+        let details = lab.details("nap-1");
+        let resumed_to_ready = details["phase_since_ms"].as_u64().unwrap_or_default()
+            - details["pid_since_ms"].as_u64().unwrap_or_default();
+        timing(&format!("suspend {round}"), suspend);
+        timing(&format!("resume {round} -> ready"), resume);
+        timing(
+            &format!("resume {round}: hypervisor running -> ready"),
+            Duration::from_millis(resumed_to_ready),
+        );
+
+        assert_eq!(
+            lab.guest(USER, &ip, "cat /proc/sys/kernel/random/boot_id"),
+            boot_id,
+            "round {round}: the guest booted again"
+        );
+        let now = uptime(&lab);
+        assert!(
+            now > last_uptime,
+            "round {round}: uptime {now} after {last_uptime}"
+        );
+        assert!(
+            resumed_to_ready <= PROBE_PERIOD_S * 1000,
+            "round {round}: ready {resumed_to_ready} ms after its hypervisor ran again"
+        );
+        last_uptime = now;
+    }
+}
+
+#[test]
+fn a_killed_hypervisor_boots_the_guest_again_with_its_disk_intact() {
+    let mut lab = lab!("a_killed_hypervisor_boots_the_guest_again_with_its_disk_intact");
+    lab.start(&[]);
+    let vm = with(lab.vm("crash-1"), "cloud_init", json!(ROOT_LOGIN));
+    let (row, _) = lab.boot(&[vm], "crash-1");
+    let ip = address(&row);
+    let boot_id = lab.guest(USER, &ip, "cat /proc/sys/kernel/random/boot_id");
+    lab.guest(
+        "root",
+        &ip,
+        "echo written-before-the-crash > /root/marker && sync",
+    );
+    let pid = lab.hypervisor_pid("crash-1");
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::SIGKILL)
+        .expect("SIGKILL the hypervisor");
+    let killed = Instant::now();
+    lab.wait_row("crash-1", "its new hypervisor", SOON, |r| {
+        r["power_state"] == "running" && lab.details("crash-1")["pid"] != json!(pid)
+    });
+    let (_, _) = lab.wait_row("crash-1", "ready again", BOOT, ready);
+
+    timing("VMM killed -> ready again", killed.elapsed());
+    assert_ne!(
+        lab.guest(USER, &ip, "cat /proc/sys/kernel/random/boot_id"),
+        boot_id
+    );
+    assert_eq!(
+        lab.guest("root", &ip, "cat /root/marker"),
+        "written-before-the-crash"
+    );
+}
+
+#[test]
+fn a_killed_agent_is_followed_by_one_that_adopts_the_guest() {
+    let mut lab = lab!("a_killed_agent_is_followed_by_one_that_adopts_the_guest");
+    lab.start(&[]);
+    let (row, _) = lab.boot(&[lab.vm("adopt-1")], "adopt-1");
+    let ip = address(&row);
+    let boot_id = lab.guest(USER, &ip, "cat /proc/sys/kernel/random/boot_id");
+    let pid = lab.hypervisor_pid("adopt-1");
+
+    lab.kill_agent();
+    std::fs::remove_file(lab.state().join("report.json")).expect("remove the old report");
+    lab.start(&[]);
+    let (row, took) = lab.wait_row("adopt-1", "ready", SOON, ready);
+
+    timing("agent restart -> ready", took);
+    assert_eq!(lab.details("adopt-1")["pid"], json!(pid), "{row}");
+    assert_eq!(
+        lab.guest(USER, &ip, "cat /proc/sys/kernel/random/boot_id"),
+        boot_id
+    );
+}
+
+#[test]
+fn destroying_the_vm_leaves_nothing_of_it_on_the_host() {
+    let mut lab = lab!("destroying_the_vm_leaves_nothing_of_it_on_the_host");
+    lab.start(&[]);
+    let vm = lab.vm("gone-1");
+    lab.boot(std::slice::from_ref(&vm), "gone-1");
+    let pid = lab.hypervisor_pid("gone-1");
+    let taps = || {
+        let links = lab::run(eitri_agent::testkit::tools::tool("ip").args(["-o", "link"]));
+        links
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .filter(|name| name.starts_with("etr") && *name != "etrbr0")
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let tap = taps();
+    assert_eq!(tap.len(), 1, "{tap:?}");
+
+    lab.desire(&[with(vm, "tombstoned", json!(true))]);
+    let started = Instant::now();
+    loop {
+        let report = lab.report().unwrap_or_default();
+        let acked = report["report"]["destroyed"]
+            .as_array()
+            .is_some_and(|d| d.contains(&json!("gone-1")));
+        if acked {
+            break;
+        }
+        assert!(started.elapsed() < SOON * 2, "never destroyed: {report}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    timing("tombstoned -> destroyed", started.elapsed());
+
+    assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
+    assert_eq!(taps(), Vec::<String>::new());
+    assert!(!lab.state().join("vms").join("gone-1").exists());
+    let addresses = lab::read(&lab.state().join("net").join("addresses.json"));
+    assert!(!addresses.contains("gone-1"), "{addresses}");
+    let guard = lab::run(eitri_agent::testkit::tools::tool("nft").args(["list", "ruleset"]));
+    assert!(!guard.contains(&tap[0]), "{guard}");
+    let cgroup = eitri_agent::testkit::cgroup_file(
+        &lab.cgroup_root,
+        &eitri_agent::testkit::id("gone-1"),
+        "cgroup.procs",
+    );
+    assert_eq!(cgroup, None, "its cgroup is still there");
+}
+
+#[test]
+fn a_second_nic_on_a_site_network_has_its_address_discovered() {
+    let mut lab = lab!("a_second_nic_on_a_site_network_has_its_address_discovered");
+    let _site = Site::new(&lab);
+    lab.start(&[Site::FLAG]);
+    let vm = with(lab.vm("site-1"), "network", json!("site"));
+    lab.boot(&[vm], "site-1");
+
+    let (row, took) = lab.wait_row("site-1", "its site address", SOON, has("network_ip"));
+    timing("ready -> site address learned", took);
+    let shown = lab.guest(USER, &address(&row), "ip -4 -o addr show dev eth1");
+
+    let network_ip = row["network_ip"].as_str().unwrap_or_default();
+    assert!(
+        shown.contains(&format!("inet {network_ip}/")),
+        "{shown} / {row}"
+    );
+}
+
+/// Sends, from the guest's `eth1` through a raw socket, ARP and UDP to the
+/// site's server three times each: claiming `192.0.2.99` (not its lease),
+/// and as itself (argv[1], its lease) for contrast.
+const SPOOF: &str = r#"
+import socket, struct, sys, time
+own, forged, server = sys.argv[1], "192.0.2.99", "192.0.2.1"
+mac = bytes.fromhex(open("/sys/class/net/eth1/address").read().strip().replace(":", ""))
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+s.bind(("eth1", 0))
+def arp(sender):
+    return (b"\xff" * 6 + mac + b"\x08\x06" + struct.pack("!HHBBH", 1, 0x0800, 6, 4, 1)
+            + mac + socket.inet_aton(sender) + b"\x00" * 6 + socket.inet_aton(server))
+def checksum(b):
+    total = sum(struct.unpack("!%dH" % (len(b) // 2), b))
+    total = (total >> 16) + (total & 0xffff)
+    return ~(total + (total >> 16)) & 0xffff
+def udp(source, said):
+    body = struct.pack("!HHHH", 40000, 9999, 8 + len(said), 0) + said
+    head = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(body), 1, 0, 64, 17, 0,
+                       socket.inet_aton(source), socket.inet_aton(server))
+    head = head[:10] + struct.pack("!H", checksum(head)) + head[12:]
+    return b"\xff" * 6 + mac + b"\x08\x00" + head + body
+for _ in range(3):
+    s.send(arp(forged)); s.send(udp(forged, b"SPOOF"))
+    s.send(arp(own)); s.send(udp(own, b"LEGIT"))
+    time.sleep(0.2)
+"#;
+
+#[test]
+fn a_guest_cannot_claim_another_address_on_its_site_nic() {
+    let mut lab = lab!("a_guest_cannot_claim_another_address_on_its_site_nic");
+    let site = Site::new(&lab);
+    let arp = site.ns.capture_arp();
+    let udp = site.ns.listen_udp(SocketAddrV4::new(Site::SERVER, 9999));
+    lab.start(&[Site::FLAG]);
+    let vm = with(
+        with(lab.vm("spoof-1"), "network", json!("site")),
+        "cloud_init",
+        json!(ROOT_LOGIN),
+    );
+    lab.boot(&[vm], "spoof-1");
+    let (row, _) = lab.wait_row("spoof-1", "its site address", SOON, has("network_ip"));
+    let lease: Ipv4Addr = row["network_ip"]
+        .as_str()
+        .unwrap_or_default()
+        .parse()
+        .expect("an address");
+
+    let sent = lab.ssh_with(
+        "root",
+        &address(&row),
+        &format!("python3 - {lease}"),
+        &[],
+        Some(SPOOF),
+    );
+    std::thread::sleep(Duration::from_secs(1));
+
+    assert!(
+        sent.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sent.stderr)
+    );
+    let forged = Ipv4Addr::new(192, 0, 2, 99);
+    assert_eq!(arp.from(forged), Vec::<String>::new(), "forged ARP arrived");
+    assert_eq!(udp.from(forged), Vec::<String>::new(), "forged UDP arrived");
+    assert!(!arp.from(lease).is_empty(), "its own ARP never arrived");
+    assert_eq!(udp.from(lease), ["LEGIT"; 3], "{:?}", udp.all());
+}
