@@ -415,6 +415,15 @@ fn suspend_and_resume_twice_keep_the_guests_boot_and_uptime() {
         up.parse().expect("seconds")
     };
     let mut last_uptime = uptime(&lab);
+    // A guest busy switching between user and kernel mode is the one this
+    // host's KVM is likeliest to be caught mid-switch in (what a snapshot
+    // must then save right: README, Running real guests).
+    lab.guest(
+        USER,
+        &ip,
+        "nohup setsid sh -c 'while :; do cat /proc/uptime > /dev/null; done' \
+         </dev/null >/dev/null 2>&1 &",
+    );
 
     for round in 1..=2 {
         lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);

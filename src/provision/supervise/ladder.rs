@@ -104,8 +104,8 @@ fn stop_from(
             );
         } else {
             log::warn!(
-                "VM {vm_id}: the guest did not power off within {} s of the power button; stopping {noun} under it",
-                timeouts.power_button.as_secs()
+                "VM {vm_id}: the guest did not power off within {} of the power button; stopping {noun} under it",
+                crate::human::duration(timeouts.power_button)
             );
         }
         if vmm.gone() {
