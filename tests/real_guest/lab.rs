@@ -247,11 +247,6 @@ impl Lab {
         serde_json::from_slice(&text).ok()
     }
 
-    /// The VM's row in the last report (`Null` when it has none).
-    pub fn row(&self, id: &str) -> Value {
-        self.report().map_or(Value::Null, |r| row_of(&r, id))
-    }
-
     /// Waits until the VM's row passes `done`, at most `patience`; the
     /// row, and how long it took. On timing out, fails with the last row,
     /// the agent's log and the guest's console.
@@ -262,11 +257,24 @@ impl Lab {
         patience: Duration,
         done: impl Fn(&Value) -> bool,
     ) -> (Value, Duration) {
+        let (report, took) = self.wait_report(id, what, patience, done);
+        (row_of(&report, id), took)
+    }
+
+    /// As [`Lab::wait_row`], returning the whole report whose row passed.
+    pub fn wait_report(
+        &self,
+        id: &str,
+        what: &str,
+        patience: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> (Value, Duration) {
         let started = Instant::now();
         loop {
-            let row = self.row(id);
+            let report = self.report().unwrap_or_default();
+            let row = row_of(&report, id);
             if done(&row) {
-                return (row, started.elapsed());
+                return (report, started.elapsed());
             }
             if started.elapsed() > patience {
                 panic!(
@@ -419,6 +427,16 @@ pub fn address(row: &Value) -> String {
     let ip = row["ip"].as_str().unwrap_or_default();
     assert!(ip.parse::<Ipv4Addr>().is_ok(), "no address in {row}");
     ip.to_owned()
+}
+
+/// From the VM's hypervisor's start to when `report` was written, both by
+/// the agent's clock: for the first report that says something of it.
+pub fn since_hypervisor_start(report: &Value, id: &str) -> Duration {
+    let written = report["written_at_unix_ms"].as_u64().unwrap_or_default();
+    let started = report["details"][id]["pid_since_ms"]
+        .as_u64()
+        .unwrap_or_default();
+    Duration::from_millis(written.saturating_sub(started))
 }
 
 /// Prints a figure the way `make e2e-real` collects them.

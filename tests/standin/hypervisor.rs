@@ -770,10 +770,11 @@ fn serve(
                 }
                 ("PUT", "/api/v1/vm.power-button") => {
                     if !ignore {
-                        // The guest hears the button and powers off.
+                        // The guest hears the button and powers off, and
+                        // a real VMM exits 0 when its guest does.
                         *s = "Shutdown".into();
                     }
-                    (204, String::new(), false)
+                    (204, String::new(), !ignore)
                 }
                 ("PUT", "/api/v1/vm.pause") => {
                     *s = "Paused".into();
