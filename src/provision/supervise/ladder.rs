@@ -322,6 +322,35 @@ mod tests {
         );
     }
 
+    #[cfg(feature = "testkit")]
+    #[test]
+    fn a_guest_that_powers_off_at_the_power_button_is_said_to_have() {
+        let log = crate::testkit::logs::capture();
+        let vmm = Scripted::new("PowerButton");
+
+        stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect("stopped");
+
+        assert_eq!(
+            log.count(log::Level::Info, "VM vm-1: the guest powered off"),
+            1
+        );
+        assert_eq!(log.count(log::Level::Warn, "VM vm-1"), 0);
+    }
+
+    #[cfg(feature = "testkit")]
+    #[test]
+    fn a_guest_deaf_to_the_power_button_is_warned_of_its_vmm_stopped_under_it() {
+        let log = crate::testkit::logs::capture();
+        let vmm = Scripted::new("Shutdown");
+
+        stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect("stopped");
+
+        let warning = "VM vm-1: the guest did not power off within 0 s of the power button; \
+                       stopping the test VMM under it";
+        assert_eq!(log.count(log::Level::Warn, warning), 1);
+        assert_eq!(log.count(log::Level::Info, "the guest powered off"), 0);
+    }
+
     #[test]
     fn the_row_is_told_each_rung_and_the_wait() {
         let vmm = Scripted::new("Shutdown");
