@@ -314,7 +314,7 @@ fn egress_rules_applied_live_drop_what_they_name_and_nothing_else() {
 fn the_guest_has_the_cpus_and_memory_of_its_spec() {
     let mut lab = lab!("the_guest_has_the_cpus_and_memory_of_its_spec");
     lab.start(&[]);
-    let (row, _) = lab.boot(&[lab.vm("size-1")], "size-1");
+    let (row, _) = lab.boot(&[with(lab.vm("size-1"), "vcpus", json!(2))], "size-1");
     let ip = address(&row);
 
     let cpus = lab.guest(USER, &ip, "nproc");

@@ -9,6 +9,10 @@
 //!    past the deadline: a stop never returns with the VMM still there
 //!    unless the kernel would not end it.
 //!
+//! The log says which it was: the guest powered off (and how soon after
+//! the button), or it did not and its VMM was stopped under it, a warning,
+//! since what the guest had not written is lost as on a power cut.
+//!
 //! Once the pass's deadline has passed, the polite rungs are skipped: a
 //! pass out of time goes straight to SIGKILL. "Gone" means reaped too, so
 //! a stop never leaves a zombie of the VM behind.
