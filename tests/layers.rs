@@ -51,10 +51,17 @@ const LAYERS: &[(&str, u8)] = &[
 ];
 
 /// Every `crate::x` (or `eitri_agent::x`, from the binary) a source file
-/// names, outside comments.
+/// names, outside comments and outside its unit tests: a `#[cfg(test)] mod
+/// tests` is test code, of the top layer wherever it sits, and may use the
+/// testkit.
 fn imports(text: &str) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
+    let mut previous = "";
     for line in text.lines() {
+        if previous.trim() == "#[cfg(test)]" && line.trim() == "mod tests {" {
+            break;
+        }
+        previous = line;
         let code = line.split("//").next().unwrap_or("");
         for prefix in ["crate::", "eitri_agent::"] {
             for (at, _) in code.match_indices(prefix) {
@@ -295,4 +302,12 @@ fn imports_are_read_from_code_not_comments() {
         imports(text),
         ["hex".to_owned(), "model".to_owned()].into_iter().collect()
     );
+}
+
+#[test]
+fn a_files_unit_tests_are_not_its_imports() {
+    let text =
+        "use crate::model::Id;\n#[cfg(test)]\nmod tests {\n    use crate::testkit::logs;\n}\n";
+
+    assert_eq!(imports(text), ["model".to_owned()].into_iter().collect());
 }

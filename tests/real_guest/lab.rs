@@ -168,6 +168,10 @@ impl Lab {
             &path(image_root),
             "--cgroup-root",
             &self.cgroup_root,
+            // One group for every test's VMMs: each group is an ACL entry
+            // on the host's /dev/kvm and /dev/userfaultfd, which hold 64.
+            "--vmm-ids",
+            "1900000000:65536",
             "--underlay-bridge",
             "etrbr0",
             // The links a test makes itself are named apart from this: the
