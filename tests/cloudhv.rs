@@ -18,8 +18,8 @@ use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
 use eitri_agent::provision::Provisioner;
-use eitri_agent::provision::cloudhv::cgroup::Cgroups;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
+use eitri_agent::provision::jail::cgroup::Cgroups;
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
@@ -1284,7 +1284,7 @@ fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
     eitri_agent::testkit::confinement(scratch.path());
     // No process has a pid past the kernel's largest pid_max (2^22).
     let root = format!("eitri-test-{}", (1u32 << 22) + 7);
-    let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(&root).expect("cgroups");
+    let cgroups = eitri_agent::provision::jail::cgroup::Cgroups::probe(&root).expect("cgroups");
     let dirs: Vec<PathBuf> = cgroups.roots().iter().map(|r| r.join("vm-1")).collect();
     for dir in &dirs {
         std::fs::create_dir_all(dir).expect("cgroup");
@@ -1843,11 +1843,11 @@ fn the_hypervisor_is_in_the_vms_own_cgroups_with_its_limits_until_destroyed() {
             "{controller}: {listed}"
         );
     }
-    let want = (spec.mem_mb << 20) + eitri_agent::provision::cloudhv::jail::VMM_OVERHEAD_BYTES;
+    let want = (spec.mem_mb << 20) + eitri_agent::provision::jail::VMM_OVERHEAD_BYTES;
     assert_eq!(memory, Some(want.to_string()));
     assert_eq!(
         pids,
-        Some(eitri_agent::provision::cloudhv::jail::max_threads(spec.vcpus).to_string())
+        Some(eitri_agent::provision::jail::max_threads(spec.vcpus).to_string())
     );
     assert!(
         dirs.iter().all(|d| !d.exists()),

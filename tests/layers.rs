@@ -12,6 +12,10 @@
 //! 5. daemon
 //! 6. testkit (fakes of everything, for tests), the subcommands (cli) and
 //!    the binary
+//!
+//! And folders that must never name another: the VMM jail
+//! (`provision/jail`) knows no hypervisor backend, so a second Linux
+//! hypervisor takes it whole.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -49,6 +53,33 @@ const LAYERS: &[(&str, u8)] = &[
     ("cli", 6),
     ("main", 6),
 ];
+
+/// Folders whose code must never name the modules listed.
+const NEVERS: &[(&str, &[&str])] = &[("provision/jail", &["cloudhv", "vfkit"])];
+
+/// Each file under a `NEVERS` folder that names, in code, a module it must
+/// not: "provision/jail/fork.rs names cloudhv".
+fn nevers_broken(sources: &[(std::path::PathBuf, String)]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (relative, text) in sources {
+        for (folder, never) in NEVERS {
+            if !relative.starts_with(folder) {
+                continue;
+            }
+            for name in *never {
+                let named = text.lines().any(|line| {
+                    let code = line.split("//").next().unwrap_or("");
+                    code.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                        .any(|word| word == *name)
+                });
+                if named {
+                    out.push(format!("{} names {name}", relative.display()));
+                }
+            }
+        }
+    }
+    out
+}
 
 /// Every `crate::x` (or `eitri_agent::x`, from the binary) a source file
 /// names, outside comments and outside its unit tests: a `#[cfg(test)] mod
@@ -310,4 +341,46 @@ fn a_files_unit_tests_are_not_its_imports() {
         "use crate::model::Id;\n#[cfg(test)]\nmod tests {\n    use crate::testkit::logs;\n}\n";
 
     assert_eq!(imports(text), ["model".to_owned()].into_iter().collect());
+}
+
+#[test]
+fn the_jail_names_no_hypervisor_backend() {
+    let sources: Vec<_> = eitri_agent::testkit::sources::rust_sources()
+        .into_iter()
+        .map(|s| (s.relative, s.text))
+        .collect();
+    assert!(
+        sources.iter().any(|(p, _)| p.starts_with("provision/jail")),
+        "no source under provision/jail was read"
+    );
+
+    let found = nevers_broken(&sources);
+
+    assert!(
+        found.is_empty(),
+        "the jail knows a backend:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_never_check_catches_a_backend_named_in_code_not_in_comments() {
+    let sources = vec![
+        (
+            "provision/jail/fork.rs".into(),
+            "use crate::provision::cloudhv::error::CloudHvError;\n".to_owned(),
+        ),
+        (
+            "provision/jail/view.rs".into(),
+            "// unlike vfkit, this is Linux only\n".to_owned(),
+        ),
+        (
+            "provision/cloudhv/spawn.rs".into(),
+            "use crate::provision::vfkit;\n".to_owned(),
+        ),
+    ];
+
+    let found = nevers_broken(&sources);
+
+    assert_eq!(found, ["provision/jail/fork.rs names cloudhv"]);
 }

@@ -14,6 +14,8 @@
 
 #[cfg(target_os = "linux")]
 pub mod cloudhv;
+#[cfg(target_os = "linux")]
+pub mod jail;
 pub mod supervise;
 pub mod unix_http;
 pub mod vfkit;

@@ -805,7 +805,7 @@ pub fn remove_cgroup_root(root: &str) {
 /// hierarchy has it.
 #[cfg(target_os = "linux")]
 pub fn cgroup_file(root: &str, vm: &Id, name: &str) -> Option<String> {
-    let cgroups = crate::provision::cloudhv::cgroup::Cgroups::probe(root).ok()?;
+    let cgroups = crate::provision::jail::cgroup::Cgroups::probe(root).ok()?;
     cgroups
         .dirs(vm)
         .iter()
@@ -823,7 +823,7 @@ pub fn end_cgroup_root(root: &str) {
 
 #[cfg(target_os = "linux")]
 fn clear_cgroup_root(root: &str, kill: bool) {
-    let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) else {
+    let Ok(cgroups) = crate::provision::jail::cgroup::Cgroups::probe(root) else {
         return;
     };
     for dir in cgroups.roots() {
@@ -837,7 +837,7 @@ fn clear_cgroup_root(root: &str, kill: bool) {
         for vm in &vms {
             if kill {
                 let deadline = crate::deadline::Deadline::after(Duration::from_secs(2));
-                let _ = crate::provision::cloudhv::cgroup::kill_until_empty(vm, deadline);
+                let _ = crate::provision::jail::cgroup::kill_until_empty(vm, deadline);
             }
             let _ = std::fs::remove_dir(vm);
         }
@@ -902,7 +902,7 @@ exit 0
 #[cfg(target_os = "linux")]
 fn leave_a_reaper(root: &str) {
     use std::os::unix::process::CommandExt;
-    let Ok(cgroups) = crate::provision::cloudhv::cgroup::Cgroups::probe(root) else {
+    let Ok(cgroups) = crate::provision::jail::cgroup::Cgroups::probe(root) else {
         return;
     };
     let _ = std::process::Command::new("sh")

@@ -93,8 +93,10 @@ fn bare_confined_start(
     ids: (u32, u32),
     cgroup_root: &str,
 ) -> Result<Duration, Error> {
-    use eitri_agent::provision::cloudhv::argv::{GuestImage, Nic, VmFiles, VmShape, argv};
-    use eitri_agent::provision::cloudhv::{fork, jail, view};
+    use eitri_agent::provision::cloudhv::argv::{
+        GuestImage, Nic, VmFiles, VmShape, argv, what_a_vmm_sees,
+    };
+    use eitri_agent::provision::jail::{self, fork, view};
     use std::os::fd::OwnedFd;
     let (uid, kvm_group) = ids;
     let vm_id = Id::parse(&format!("bare-{n}"))?;
@@ -124,7 +126,7 @@ fn bare_confined_start(
     let api = OwnedFd::from(std::os::unix::net::UnixListener::bind(&socket)?);
     let tap_name = format!("eb{:04x}{n:02}", std::process::id() & 0xffff);
     let tap = eitri_agent::provision::cloudhv::tap::open(&tap_name)?;
-    let cgroups = eitri_agent::provision::cloudhv::cgroup::Cgroups::probe(cgroup_root)
+    let cgroups = eitri_agent::provision::jail::cgroup::Cgroups::probe(cgroup_root)
         .map_err(|e| e.to_string())?;
     let mut spec = desired(vm_id.as_str()).spec;
     spec.mem_mb = 256;
@@ -152,7 +154,7 @@ fn bare_confined_start(
     let mut confined = jail::jail_for(&spec, uid, kvm_group, 1 << 20);
     let mountpoint = dir.join("vmm-root");
     std::fs::create_dir_all(&mountpoint)?;
-    let seen = view::what_a_vmm_sees(
+    let seen = what_a_vmm_sees(
         view::runtime_of(ch)?,
         ch,
         &[kernel],

@@ -285,7 +285,7 @@ fn plain_write(dir: &Path, bytes: u64) -> Result<Duration, Error> {
 /// of its own, resumed; the time from its start to its API saying
 /// Running. It is killed after.
 fn bare_restore(bench: &Bench, ch: &Path, round: usize) -> Result<Duration, Error> {
-    use eitri_agent::provision::cloudhv::fork;
+    use eitri_agent::provision::jail::fork;
     use std::os::fd::OwnedFd;
     let layout = bench.store.layout();
     let work = bench.dir.path().join(format!("bare-{round}"));

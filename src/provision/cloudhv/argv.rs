@@ -29,6 +29,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use crate::model::{Mac, VmLimits};
+use crate::provision::jail::view::{Access, Visible};
 
 /// How guests boot on this host.
 #[derive(Clone, Copy, Debug)]
@@ -49,6 +50,49 @@ pub struct VmFiles {
     pub log: PathBuf,
     /// Where the VMM writes a snapshot when the VM is suspended.
     pub snapshot_work: PathBuf,
+}
+
+/// Everything a VMM is given to see: what its binary needs to run
+/// (`runtime`, see [`runtime_of`](crate::provision::jail::view::runtime_of)), the binary, its kernel or firmware
+/// (`boot`) and its seed read-only (it reads them, and must not grow or
+/// change them), its disks, volumes, serial and log files, and the devices
+/// it opens (`kvm`, `/dev/null`, `/dev/urandom`).
+pub fn what_a_vmm_sees(
+    mut runtime: Vec<Visible>,
+    hypervisor: &Path,
+    boot: &[&Path],
+    files: &VmFiles,
+    kvm: &Path,
+) -> Vec<Visible> {
+    runtime.push(Visible::new(hypervisor, Access::Execute));
+    for boot in boot {
+        runtime.push(Visible::new(boot, Access::Read));
+    }
+    runtime.push(Visible::new(&files.seed, Access::Read));
+    for rw in [&files.root_disk, &files.serial_log, &files.log]
+        .into_iter()
+        .chain(&files.volumes)
+    {
+        runtime.push(Visible::new(rw, Access::Write));
+    }
+    runtime.push(Visible::new(&files.snapshot_work, Access::Write));
+    runtime.push(Visible::new(kvm, Access::Write));
+    runtime.push(Visible::new("/dev/null", Access::Write));
+    runtime.push(Visible::new("/dev/urandom", Access::Read));
+    runtime
+}
+
+/// What a VMM that restores a snapshot sees besides: the snapshot, read
+/// only (it is spent once the guest runs; nothing may change it before),
+/// and, to fault its memory in on demand, the host's `userfaultfd` device.
+/// No other VMM sees that device: its access (an ACL for the VMMs' group)
+/// is gated by the view.
+pub fn what_a_restore_sees(snapshot: &Path, userfaultfd: Option<&Path>) -> Vec<Visible> {
+    let mut out = vec![Visible::new(snapshot, Access::Read)];
+    if let Some(device) = userfaultfd {
+        out.push(Visible::new(device, Access::Write));
+    }
+    out
 }
 
 /// A NIC as the VMM is given it: a tap fd it inherits, and the guest MAC.

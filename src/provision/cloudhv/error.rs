@@ -33,12 +33,8 @@ pub enum CloudHvError {
         source: io::Error,
     },
     NoTun,
-    /// A piece of confinement this host lacks, which the operator has not
-    /// allowed VMMs to run without.
-    Unconfinable {
-        piece: &'static str,
-        why: String,
-    },
+    /// The jail refuses (a piece of confinement the host lacks).
+    Jail(crate::provision::jail::JailError),
     /// The jailed VMMs' group cannot be given the KVM device.
     KvmGroup {
         path: PathBuf,
@@ -53,7 +49,7 @@ pub enum CloudHvError {
     /// `blocked` is the first directory (or the file) that stops them.
     Unreachable {
         path: PathBuf,
-        blocked: super::reach::Blocked,
+        blocked: crate::provision::jail::reach::Blocked,
         /// What to change instead of the mode: the flag naming the path.
         flag: &'static str,
     },
@@ -80,7 +76,7 @@ pub enum CloudHvError {
     /// cgroup, and the VM's uid, stay held until they are gone.
     Leftovers {
         vm_id: Id,
-        source: super::cgroup::Held,
+        source: crate::provision::jail::cgroup::Held,
     },
     /// The files its VMM is to see could not be planned (one is missing,
     /// or a path of them is not plain).
@@ -152,6 +148,12 @@ impl From<SuperviseError> for CloudHvError {
     }
 }
 
+impl From<crate::provision::jail::JailError> for CloudHvError {
+    fn from(e: crate::provision::jail::JailError) -> CloudHvError {
+        CloudHvError::Jail(e)
+    }
+}
+
 impl fmt::Display for CloudHvError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         use CloudHvError as E;
@@ -174,10 +176,7 @@ impl fmt::Display for CloudHvError {
                 "cannot open /dev/kvm read-write; load kvm_intel or kvm_amd and give the agent access to it",
             ),
             E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
-            E::Unconfinable { piece, why } => write!(
-                f,
-                "hypervisors would run without {piece}: {why}; fix the host, or let them run without it with --allow-without {piece}"
-            ),
+            E::Jail(e) => e.fmt(f),
             E::KvmGroup { path, group, .. } => write!(
                 f,
                 "cannot give the jailed hypervisors' group {group} read-write access to {} (an ACL entry); make it so with `chgrp {group} {0} && chmod 0660 {0}` (or a udev rule: KERNEL==\"kvm\", GROUP=\"{group}\", MODE=\"0660\")",
@@ -263,11 +262,11 @@ impl std::error::Error for CloudHvError {
             E::Leftovers { source, .. } => Some(source),
             // Transparent: the wrapped error's own message is this one's.
             E::Supervise(e) => e.source(),
+            E::Jail(e) => e.source(),
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Version { .. }
             | E::NoTun
-            | E::Unconfinable { .. }
             | E::VmmId { .. }
             | E::BootFileMissing { .. }
             | E::Unreachable { .. }
@@ -297,7 +296,7 @@ impl CloudHvError {
             | E::TooOld { .. }
             | E::Kvm { .. }
             | E::KvmGroup { .. }
-            | E::Unconfinable { .. }
+            | E::Jail(_)
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile

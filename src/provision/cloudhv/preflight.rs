@@ -10,9 +10,10 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::reach::{self, Need};
-use super::{CloudHvError, CloudHypervisor, MIN_VERSION, acl};
+use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
 use crate::error::BoxFailure;
+use crate::provision::jail::acl;
+use crate::provision::jail::reach::{self, Need};
 
 impl CloudHypervisor {
     pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
@@ -67,7 +68,7 @@ impl CloudHypervisor {
     }
 
     /// Every path a jailed VMM is given by name is reachable by its user
-    /// (see [`super::reach`]): its binary, its boot file, and the
+    /// (see [`reach`]): its binary, its boot file, and the
     /// directories its VM's files and volumes are in. Any VMM's user
     /// stands for all: none owns a directory above its own VM's.
     fn check_reach(&self) -> Result<(), BoxFailure> {
@@ -99,7 +100,7 @@ impl CloudHypervisor {
     }
 
     /// Makes sure the jailed VMMs' `group` may open the KVM device: it does
-    /// already, or an ACL entry is added (see [`super::acl`]).
+    /// already, or an ACL entry is added (see [`acl`]).
     pub(super) fn open_kvm_to(&self, group: u32) -> Result<(), BoxFailure> {
         let kvm = &self.cfg.confinement.kvm;
         acl::give_group_read_write(kvm, group).map_err(|source| {

@@ -5,7 +5,7 @@
 //!    exactly as long as a process holds it), and joined to the host's
 //!    networks on a thread of their own while the steps below run (see
 //!    [`CloudHypervisor::boot`](super::CloudHypervisor)).
-//! 3. Its jail (see [`super::jail`]): its own user id, its files made
+//! 3. Its jail (see [`jail`]): its own user id, its files made
 //!    its own, the KVM device open to its group, its limits.
 //! 4. Its command line, from [`argv`] (pure).
 //! 5. The start, held before exec (see [`fork`]): the pidfile
@@ -23,16 +23,17 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
 
 use super::argv::{GuestImage, Launch, MemoryRestore, Nic, VmFiles, VmShape, argv, restore_argv};
+use super::argv::{what_a_restore_sees, what_a_vmm_sees};
 use super::error::CloudHvError;
-use super::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
-use super::jail;
 use super::process::Tracked;
-use super::view::{self, View, Visible};
-use super::{CloudHypervisor, lack, tap};
+use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
 use crate::provision::Piece;
+use crate::provision::jail::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
+use crate::provision::jail::view::{self, View, Visible};
+use crate::provision::jail::{self, lack};
 use crate::provision::supervise;
 use crate::stages::timed;
 
@@ -203,7 +204,7 @@ impl CloudHypervisor {
         id
     }
 
-    /// The files the VM's VMM sees (see [`super::view`]): its binary
+    /// The files the VM's VMM sees (see [`view`]): its binary
     /// and what that needs to run, its kernel or firmware, its seed (read
     /// only: it reads it, and must not grow it), its disks, volumes,
     /// serial and log files, and the devices it opens.
@@ -213,7 +214,7 @@ impl CloudHypervisor {
             .flatten()
             .map(|p| p.as_path())
             .collect();
-        let mut visible = view::what_a_vmm_sees(
+        let mut visible = what_a_vmm_sees(
             self.runtime()?,
             &self.cfg.hypervisor,
             &boot,
@@ -225,7 +226,7 @@ impl CloudHypervisor {
                 MemoryRestore::OnDemand => self.cfg.confinement.userfaultfd.as_deref(),
                 MemoryRestore::Copy => None,
             };
-            visible.extend(view::what_a_restore_sees(snapshot, userfaultfd));
+            visible.extend(what_a_restore_sees(snapshot, userfaultfd));
         }
         let mountpoint = self.cfg.run_dir.join("vmm-root");
         crate::state::perms::make_dir(&mountpoint)?;

@@ -4,12 +4,13 @@
 
 use std::time::Duration;
 
+use super::CloudHypervisor;
 use super::error::CloudHvError;
-use super::{CloudHypervisor, cgroup};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::Id;
 use crate::provision::Say;
+use crate::provision::jail::cgroup;
 use crate::provision::supervise::{self, ladder};
 
 /// How long a VMM found dead is given for its reaper to finish.

@@ -349,7 +349,7 @@ impl CloudHypervisor {
         let Ok(Some(ids)) = self.confined.jail() else {
             return None;
         };
-        super::acl::give_group_read_write(device, ids.kvm_group)
+        crate::provision::jail::acl::give_group_read_write(device, ids.kvm_group)
             .err()
             .map(|e| {
                 format!(

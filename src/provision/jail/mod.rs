@@ -1,34 +1,82 @@
-//! Each VMM in a jail (the threat model in the crate's docs): a guest that breaks out
-//! into its VMM must find itself an unprivileged user that can touch its
-//! own VM's files and nothing else of the host's.
+//! The VMM's jail, apart from any hypervisor: a guest that breaks out into
+//! its VMM must find itself an unprivileged user that can touch its own
+//! VM's files and nothing else of the host's (the threat model in the
+//! crate's docs). Nothing here knows cloud-hypervisor: a backend hands in
+//! a plan — the program and its arguments, the fds it inherits, its
+//! [`Jail`] (ids, limits, cgroups, the [`view::Visible`] paths it may see)
+//! — and [`fork::start`] hands back a started, confined process. A second
+//! Linux hypervisor takes the jail whole (`tests/layers.rs` holds it to
+//! importing no backend).
 //!
 //! - **Its own user and group**, one per VM, from the operator's range
 //!   (`--vmm-ids FIRST:COUNT`): FIRST is the group every VMM is in so it may
-//!   open /dev/kvm (see [`acl`](super::acl)); each VM's id is one of the
+//!   open /dev/kvm (see [`acl`]); each VM's id is one of the
 //!   others, chosen from its VM id, persisted in `STATE_DIR/jail/ids.json`
 //!   and so the same after a restart, released at destroy.
 //! - **No capabilities, no_new_privs, limits** (open files, its own
 //!   processes, the largest file it may write, no core dumps), entered in
-//!   the held child just before it execs (see [`fork`](super::fork)).
-//! - **Its files and nothing more**: the root disk, the seed, the volumes it
-//!   is given, its serial and log files are made its own before it starts;
-//!   the directories above them stay root's (searchable, not writable), so
-//!   it can neither list nor replace anything. Its API socket and taps are
-//!   fds the agent opened and passed in.
+//!   the held child just before it execs (see [`fork`]).
+//! - **Its files and nothing more** (see [`view`]): a mount namespace
+//!   holding only the paths it is given; the files it writes are made its
+//!   own before it starts; the directories above them stay root's
+//!   (searchable, not writable), so it can neither list nor replace
+//!   anything. Its API socket and taps are fds the agent opened and
+//!   passed in.
+//! - **Its cgroups** (see [`cgroup`]), its own network namespace (see
+//!   [`netns`]), and the paths it must reach checked before any VM starts
+//!   (see [`reach`]); what the host lacks of all this is a [`Lack`].
+
+pub mod acl;
+pub mod cgroup;
+mod child;
+pub mod fork;
+pub mod lack;
+pub mod netns;
+pub mod reach;
+pub mod view;
 
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::libc;
 
-use super::cgroup::{Cgroups, Limits};
-use super::error::CloudHvError;
-use super::fork::{Jail, Limit};
-pub use super::lack::Lack;
+use self::cgroup::{Cgroups, Limits};
+use self::fork::{Jail, Limit};
+pub use self::lack::Lack;
 use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::{Confinement, Piece};
 use crate::state::Layout;
 use crate::state::leases::{LeaseError, Leases};
+
+/// What the jail refuses, apart from a VM's own failures.
+#[derive(Debug)]
+pub enum JailError {
+    /// A piece of confinement this host lacks, which the operator has not
+    /// allowed VMMs to run without.
+    Unconfinable { piece: &'static str, why: String },
+}
+
+impl std::fmt::Display for JailError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JailError::Unconfinable { piece, why } => write!(
+                f,
+                "hypervisors would run without {piece}: {why}; fix the host, \
+                 or let them run without it with --allow-without {piece}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for JailError {}
+
+/// The jail's refusals are the host's: no retry helps until the host is
+/// fixed or the operator allows the lack, and the VM's retries are kept.
+impl crate::error::Failure for JailError {
+    fn is_host_condition(&self) -> bool {
+        true
+    }
+}
 
 /// Open files a VMM may hold: its disks, queues, event fds and sockets.
 const FILES: u64 = 4096;
@@ -70,8 +118,8 @@ impl VmmIds {
 /// bytes) among them: no file it writes can grow past that, so a VMM its
 /// guest took over cannot grow a disk, a volume or a log to fill the
 /// state dir's filesystem. (A limit per file is not to be had; this bounds
-/// each.) Its serial file's offset only grows (its blocks are bounded by
-/// punching holes, see [`serial`](super::serial)): a guest that prints
+/// each.) Its serial file's offset only grows (the backend bounds its
+/// blocks by punching holes): a guest that prints
 /// more than that in one boot loses the rest of its output, which the
 /// VMM drops (it ignores the EFBIG), not the VMM itself.
 pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_disk: u64) -> Jail {
@@ -101,7 +149,7 @@ pub const VMM_OVERHEAD_BYTES: u64 = 256 << 20;
 /// The cgroup limits of the VM's VMM, its CPU cap from `limits` (those in
 /// force, see [`VmLimits::in_force`]).
 pub fn cgroup_limits(spec: &VmSpec, limits: &VmLimits) -> Limits {
-    let per_period = |millis: u32| u64::from(millis) * super::cgroup::CPU_PERIOD_US / 1000;
+    let per_period = |millis: u32| u64::from(millis) * cgroup::CPU_PERIOD_US / 1000;
     Limits {
         memory_bytes: (spec.mem_mb << 20).saturating_add(VMM_OVERHEAD_BYTES),
         pids: max_threads(spec.vcpus),
@@ -175,14 +223,14 @@ impl Confined {
     /// Whether `piece` is used: `Ok(true)` when the host has it,
     /// `Ok(false)` when it lacks it and the operator allowed that, else
     /// the refusal.
-    pub fn uses(&self, piece: Piece) -> Result<bool, CloudHvError> {
+    pub fn uses(&self, piece: Piece) -> Result<bool, JailError> {
         let Some(why) = self.why(piece) else {
             return Ok(true);
         };
         if self.allowed.contains(&piece) {
             Ok(false)
         } else {
-            Err(CloudHvError::Unconfinable {
+            Err(JailError::Unconfinable {
                 piece: piece.name(),
                 why: why.to_string(),
             })
@@ -216,7 +264,7 @@ impl Confined {
     }
 
     /// The VMM ids, `None` when VMMs run unjailed.
-    pub fn jail(&self) -> Result<Option<&VmmIds>, CloudHvError> {
+    pub fn jail(&self) -> Result<Option<&VmmIds>, JailError> {
         Ok(if self.uses(Piece::Jail)? {
             self.ids.as_ref().ok()
         } else {
@@ -225,7 +273,7 @@ impl Confined {
     }
 
     /// The cgroups VMMs are put in, `None` when they run without.
-    pub fn cgroups(&self) -> Result<Option<&Cgroups>, CloudHvError> {
+    pub fn cgroups(&self) -> Result<Option<&Cgroups>, JailError> {
         Ok(if self.uses(Piece::Cgroups)? {
             self.cgroups.as_ref().ok()
         } else {

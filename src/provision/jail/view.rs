@@ -34,51 +34,6 @@ use std::path::{Component, Path, PathBuf};
 
 use nix::libc;
 
-use super::argv::VmFiles;
-
-/// Everything a VMM is given to see: what its binary needs to run
-/// (`runtime`, see [`runtime_of`]), the binary, its kernel or firmware
-/// (`boot`) and its seed read-only (it reads them, and must not grow or
-/// change them), its disks, volumes, serial and log files, and the devices
-/// it opens (`kvm`, `/dev/null`, `/dev/urandom`).
-pub fn what_a_vmm_sees(
-    mut runtime: Vec<Visible>,
-    hypervisor: &Path,
-    boot: &[&Path],
-    files: &VmFiles,
-    kvm: &Path,
-) -> Vec<Visible> {
-    runtime.push(Visible::new(hypervisor, Access::Execute));
-    for boot in boot {
-        runtime.push(Visible::new(boot, Access::Read));
-    }
-    runtime.push(Visible::new(&files.seed, Access::Read));
-    for rw in [&files.root_disk, &files.serial_log, &files.log]
-        .into_iter()
-        .chain(&files.volumes)
-    {
-        runtime.push(Visible::new(rw, Access::Write));
-    }
-    runtime.push(Visible::new(&files.snapshot_work, Access::Write));
-    runtime.push(Visible::new(kvm, Access::Write));
-    runtime.push(Visible::new("/dev/null", Access::Write));
-    runtime.push(Visible::new("/dev/urandom", Access::Read));
-    runtime
-}
-
-/// What a VMM that restores a snapshot sees besides: the snapshot, read
-/// only (it is spent once the guest runs; nothing may change it before),
-/// and, to fault its memory in on demand, the host's `userfaultfd` device.
-/// No other VMM sees that device: its access (an ACL for the VMMs' group)
-/// is gated by the view.
-pub fn what_a_restore_sees(snapshot: &Path, userfaultfd: Option<&Path>) -> Vec<Visible> {
-    let mut out = vec![Visible::new(snapshot, Access::Read)];
-    if let Some(device) = userfaultfd {
-        out.push(Visible::new(device, Access::Write));
-    }
-    out
-}
-
 /// A path the VMM is to see, and how.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Visible {
