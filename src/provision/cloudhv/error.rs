@@ -35,12 +35,6 @@ pub enum CloudHvError {
     NoTun,
     /// The jail refuses (a piece of confinement the host lacks).
     Jail(crate::provision::jail::JailError),
-    /// The jailed VMMs' group cannot be given the KVM device.
-    KvmGroup {
-        path: PathBuf,
-        group: u32,
-        source: io::Error,
-    },
     /// `--kernel` or `--firmware` names no file.
     BootFileMissing {
         path: PathBuf,
@@ -56,22 +50,6 @@ pub enum CloudHvError {
     NoBootFile,
 
     // ── one VM ────────────────────────────────────────────────────────────
-    /// Its VMM's own user id could not be had (the id map is unreadable
-    /// or full, or cannot be saved).
-    VmmId {
-        vm_id: Id,
-        why: String,
-    },
-    /// Its files could not be made its VMM's own.
-    GiveFiles {
-        vm_id: Id,
-        source: io::Error,
-    },
-    /// Its cgroups could not be made, limited or entered.
-    Cgroup {
-        vm_id: Id,
-        source: io::Error,
-    },
     /// Processes its VMM left (it forked them) outlived every kill: the
     /// cgroup, and the VM's uid, stay held until they are gone.
     Leftovers {
@@ -177,16 +155,6 @@ impl fmt::Display for CloudHvError {
             ),
             E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
             E::Jail(e) => e.fmt(f),
-            E::KvmGroup { path, group, .. } => write!(
-                f,
-                "cannot give the jailed hypervisors' group {group} read-write access to {} (an ACL entry); make it so with `chgrp {group} {0} && chmod 0660 {0}` (or a udev rule: KERNEL==\"kvm\", GROUP=\"{group}\", MODE=\"0660\")",
-                path.display()
-            ),
-            E::VmmId { vm_id, why } => write!(f, "VM {vm_id}: no user id for its hypervisor: {why}"),
-            E::GiveFiles { vm_id, .. } => {
-                write!(f, "VM {vm_id}: cannot make its files its hypervisor's own")
-            }
-            E::Cgroup { vm_id, .. } => write!(f, "VM {vm_id}: cannot set up its cgroups"),
             E::View { vm_id, .. } => write!(
                 f,
                 "VM {vm_id}: cannot give its hypervisor its files to see"
@@ -249,10 +217,7 @@ impl std::error::Error for CloudHvError {
         use CloudHvError as E;
         match self {
             E::Kvm { source }
-            | E::KvmGroup { source, .. }
-            | E::GiveFiles { source, .. }
             | E::ApiSocket { source, .. }
-            | E::Cgroup { source, .. }
             | E::View { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
@@ -267,7 +232,6 @@ impl std::error::Error for CloudHvError {
             | E::TooOld { .. }
             | E::Version { .. }
             | E::NoTun
-            | E::VmmId { .. }
             | E::BootFileMissing { .. }
             | E::Unreachable { .. }
             | E::NoBootFile
@@ -295,17 +259,13 @@ impl CloudHvError {
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Kvm { .. }
-            | E::KvmGroup { .. }
             | E::Jail(_)
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile
             | E::Unreachable { .. } => Kind::Host,
             E::Version { .. }
-            | E::VmmId { .. }
-            | E::GiveFiles { .. }
             | E::ApiSocket { .. }
-            | E::Cgroup { .. }
             | E::View { .. }
             | E::Leftovers { .. }
             | E::OpenTap { .. }

@@ -49,7 +49,7 @@ use parking_lot::Mutex;
 
 pub use self::error::CloudHvError;
 use self::watch::ExitWatch;
-use super::jail::{self, lack, netns, view};
+use super::jail::{self, netns, view};
 use super::supervise::{self, Children, StopTimeouts};
 use super::{ExitListener, Provisioner, SavedGuest, Say};
 use crate::deadline::Deadline;
@@ -326,20 +326,7 @@ impl Provisioner for CloudHypervisor {
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::second_nic(vm_id))?;
         }
-        if let Ok(cgroups) = &self.confined.cgroups {
-            cgroups
-                .remove(vm_id)
-                .map_err(|source| CloudHvError::Cgroup {
-                    vm_id: vm_id.clone(),
-                    source,
-                })?;
-        }
-        if let Ok(ids) = &self.confined.ids {
-            ids.release(vm_id).map_err(|e| CloudHvError::VmmId {
-                vm_id: vm_id.clone(),
-                why: lack::describe(&e),
-            })?;
-        }
+        self.confined.release(vm_id).map_err(CloudHvError::from)?;
         Ok(())
     }
 

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
 use crate::error::BoxFailure;
-use crate::provision::jail::acl;
 use crate::provision::jail::reach::{self, Need};
 
 impl CloudHypervisor {
@@ -97,20 +96,6 @@ impl CloudHypervisor {
             }
         }
         Ok(())
-    }
-
-    /// Makes sure the jailed VMMs' `group` may open the KVM device: it does
-    /// already, or an ACL entry is added (see [`acl`]).
-    pub(super) fn open_kvm_to(&self, group: u32) -> Result<(), BoxFailure> {
-        let kvm = &self.cfg.confinement.kvm;
-        acl::give_group_read_write(kvm, group).map_err(|source| {
-            CloudHvError::KvmGroup {
-                path: kvm.clone(),
-                group,
-                source,
-            }
-            .into()
-        })
     }
 
     /// The first line `--version` prints, within a bound.

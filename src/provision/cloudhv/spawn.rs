@@ -5,7 +5,7 @@
 //!    exactly as long as a process holds it), and joined to the host's
 //!    networks on a thread of their own while the steps below run (see
 //!    [`CloudHypervisor::boot`](super::CloudHypervisor)).
-//! 3. Its jail (see [`jail`]): its own user id, its files made
+//! 3. Its jail, from a [`Plan`] (see [`jail`](crate::provision::jail)): its own user id, its files made
 //!    its own, the KVM device open to its group, its limits.
 //! 4. Its command line, from [`argv`] (pure).
 //! 5. The start, held before exec (see [`fork`]): the pidfile
@@ -30,10 +30,9 @@ use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
-use crate::provision::Piece;
+use crate::provision::jail::Plan;
 use crate::provision::jail::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
-use crate::provision::jail::view::{self, View, Visible};
-use crate::provision::jail::{self, lack};
+use crate::provision::jail::view::{self, Visible};
 use crate::provision::supervise;
 use crate::stages::timed;
 
@@ -59,11 +58,41 @@ impl CloudHypervisor {
                 mac: *mac,
             })
             .collect();
-        let jail = timed("jail", || self.jail(spec, &files, launch))?;
-        let landlock = timed("landlock", || self.confined.uses(Piece::Landlock))?;
         let limits = spec
             .limits
             .in_force(spec.vcpus, &self.cfg.confinement.limits);
+        let lend = |id| {
+            super::suspend::fresh_work_dir(&files.snapshot_work, id)?;
+            match (launch, id) {
+                (Launch::Restore { snapshot, .. }, Some(id)) => super::suspend::lend(snapshot, id),
+                _ => Ok(()),
+            }
+        };
+        let sees = self
+            .sees(&files, launch)
+            .map_err(|source| CloudHvError::View {
+                vm_id: vm_id.clone(),
+                source,
+            })?;
+        let plan = Plan {
+            spec,
+            limits: &limits,
+            owns: [&files.root_disk, &files.seed, &files.serial_log, &files.log]
+                .into_iter()
+                .chain(&files.volumes)
+                .cloned()
+                .collect(),
+            disks: std::iter::once(&files.root_disk)
+                .chain(&files.volumes)
+                .cloned()
+                .collect(),
+            sees,
+            mountpoint: self.cfg.run_dir.join("vmm-root"),
+            lend: &lend,
+        };
+        let prepared =
+            timed("jail", || self.confined.prepare(&plan)).map_err(CloudHvError::from)?;
+        let landlock = timed("landlock", || self.confined.landlock())?;
         let shape = VmShape {
             api_fd: FIRST_OWN_FD,
             nics: &nics,
@@ -80,23 +109,17 @@ impl CloudHypervisor {
         };
         let mut own = vec![&api];
         own.extend(taps.iter().map(|(fd, _)| fd));
-        let cgroups = timed("cgroups", || self.confined.cgroups())?;
-        let cgroup_err = |source| CloudHvError::Cgroup {
-            vm_id: vm_id.clone(),
-            source,
-        };
-        let entry_files = match cgroups {
-            Some(cgroups) => timed("cgroup", || {
-                cgroups.prepare(vm_id, jail::cgroup_limits(spec, &limits))?;
-                cgroups.entry_files(vm_id)
-            })
-            .map_err(cgroup_err)?,
-            None => Vec::new(),
-        };
         // It moves itself into its cgroups before it execs: it never runs
         // outside them.
         let tracked = timed("start", || {
-            self.start(vm_id, &args, &own, &entry_files, &files.log, jail.as_ref())
+            self.start(
+                vm_id,
+                &args,
+                &own,
+                &prepared.cgroups,
+                &files.log,
+                prepared.jail.as_ref(),
+            )
         })?;
         // The VMM holds its socket and taps now; the agent's copies must
         // not keep them alive after it exits.
@@ -123,64 +146,6 @@ impl CloudHypervisor {
             })
     }
 
-    /// The VM's jail, `None` where the host cannot jail and the operator
-    /// allowed that: its id, its files made its own (they must exist
-    /// before: the VMM can create nothing), the KVM device open to its
-    /// group, limits sized for the VM.
-    fn jail(
-        &self,
-        spec: &VmSpec,
-        files: &VmFiles,
-        launch: Launch<'_>,
-    ) -> Result<Option<Jail>, BoxFailure> {
-        let vm_id = &spec.vm_id;
-        let Some(ids) = self.confined.jail()? else {
-            super::suspend::fresh_work_dir(&files.snapshot_work, None).map_err(|source| {
-                CloudHvError::GiveFiles {
-                    vm_id: vm_id.clone(),
-                    source,
-                }
-            })?;
-            return Ok(None);
-        };
-        timed("kvm access", || self.open_kvm_to(ids.kvm_group))?;
-        let id = vmm_id(ids, vm_id)?;
-        let mut own = vec![
-            files.root_disk.clone(),
-            files.seed.clone(),
-            files.serial_log.clone(),
-            files.log.clone(),
-        ];
-        own.extend(files.volumes.iter().cloned());
-        timed("give files", || {
-            jail::give(&own, id)?;
-            super::suspend::fresh_work_dir(&files.snapshot_work, Some(id))?;
-            match launch {
-                Launch::Boot => Ok(()),
-                Launch::Restore { snapshot, .. } => super::suspend::lend(snapshot, id),
-            }
-        })
-        .map_err(|source| CloudHvError::GiveFiles {
-            vm_id: vm_id.clone(),
-            source,
-        })?;
-        let largest_disk = [&files.root_disk]
-            .into_iter()
-            .chain(&files.volumes)
-            .filter_map(|disk| fs::metadata(disk).ok())
-            .map(|m| m.len())
-            .max()
-            .unwrap_or(0)
-            .max(spec.disk_gb.saturating_mul(1 << 30));
-        let mut jail = jail::jail_for(spec, id, ids.kvm_group, largest_disk);
-        let view = timed("view", || self.view(files, launch));
-        jail.view = Some(view.map_err(|source| CloudHvError::View {
-            vm_id: vm_id.clone(),
-            source,
-        })?);
-        Ok(Some(jail))
-    }
-
     /// Takes the VM's address and its VMM's user id, each saved before it
     /// is handed out (see [`Provisioner::reserve`](crate::provision::Provisioner::reserve)).
     /// Both at once, for the reason the engine asks for them beside the
@@ -191,9 +156,10 @@ impl CloudHypervisor {
             Some(network) => timed("address lease", || network.reserve(vm_id)).map(drop),
             None => Ok(()),
         };
-        let id = || match self.confined.jail()? {
-            Some(ids) => timed("vmm id", || vmm_id(ids, vm_id)).map(drop),
-            None => Ok(()),
+        let id = || {
+            timed("vmm id", || self.confined.vmm_id(vm_id))
+                .map(drop)
+                .map_err(BoxFailure::from)
         };
         let (address, id) = crate::threads::alongside(&format!("lease-{vm_id}"), address, id);
         address.map_err(|why| CloudHvError::Panicked {
@@ -208,7 +174,7 @@ impl CloudHypervisor {
     /// and what that needs to run, its kernel or firmware, its seed (read
     /// only: it reads it, and must not grow it), its disks, volumes,
     /// serial and log files, and the devices it opens.
-    fn view(&self, files: &VmFiles, launch: Launch<'_>) -> std::io::Result<View> {
+    fn sees(&self, files: &VmFiles, launch: Launch<'_>) -> std::io::Result<Vec<Visible>> {
         let boot: Vec<&std::path::Path> = [&self.cfg.kernel, &self.cfg.firmware]
             .into_iter()
             .flatten()
@@ -228,9 +194,7 @@ impl CloudHypervisor {
             };
             visible.extend(what_a_restore_sees(snapshot, userfaultfd));
         }
-        let mountpoint = self.cfg.run_dir.join("vmm-root");
-        crate::state::perms::make_dir(&mountpoint)?;
-        View::plan(&mountpoint, &visible)
+        Ok(visible)
     }
 
     /// What the hypervisor binary needs to run, read once per binary.
@@ -419,15 +383,4 @@ impl CloudHypervisor {
             deadline,
         )
     }
-}
-
-/// The VM's own user and group id: the one it has, or a new one, saved.
-fn vmm_id(ids: &jail::VmmIds, vm_id: &Id) -> Result<u32, BoxFailure> {
-    ids.of(vm_id).map_err(|e| {
-        CloudHvError::VmmId {
-            vm_id: vm_id.clone(),
-            why: lack::describe(&e),
-        }
-        .into()
-    })
 }

@@ -29,9 +29,11 @@
 pub mod acl;
 pub mod cgroup;
 mod child;
+mod error;
 pub mod fork;
 pub mod lack;
 pub mod netns;
+mod plan;
 pub mod reach;
 pub mod view;
 
@@ -41,42 +43,14 @@ use std::path::{Path, PathBuf};
 use nix::libc;
 
 use self::cgroup::{Cgroups, Limits};
+pub use self::error::JailError;
 use self::fork::{Jail, Limit};
 pub use self::lack::Lack;
+pub use self::plan::{Plan, Prepared};
 use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::{Confinement, Piece};
 use crate::state::Layout;
 use crate::state::leases::{LeaseError, Leases};
-
-/// What the jail refuses, apart from a VM's own failures.
-#[derive(Debug)]
-pub enum JailError {
-    /// A piece of confinement this host lacks, which the operator has not
-    /// allowed VMMs to run without.
-    Unconfinable { piece: &'static str, why: String },
-}
-
-impl std::fmt::Display for JailError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            JailError::Unconfinable { piece, why } => write!(
-                f,
-                "hypervisors would run without {piece}: {why}; fix the host, \
-                 or let them run without it with --allow-without {piece}"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for JailError {}
-
-/// The jail's refusals are the host's: no retry helps until the host is
-/// fixed or the operator allows the lack, and the VM's retries are kept.
-impl crate::error::Failure for JailError {
-    fn is_host_condition(&self) -> bool {
-        true
-    }
-}
 
 /// Open files a VMM may hold: its disks, queues, event fds and sockets.
 const FILES: u64 = 4096;
@@ -198,6 +172,8 @@ pub struct Confined {
     /// The cgroup hierarchies, or why there are none.
     pub cgroups: Result<Cgroups, Lack>,
     allowed: Vec<Piece>,
+    /// The KVM device the jailed VMMs' group is given.
+    kvm: PathBuf,
 }
 
 impl Confined {
@@ -217,6 +193,7 @@ impl Confined {
             landlock: landlock_abi().map(drop),
             cgroups: Cgroups::probe(&cfg.cgroup_root),
             allowed: cfg.allow_without.clone(),
+            kvm: cfg.kvm.clone(),
         }
     }
 
@@ -307,12 +284,13 @@ mod tests {
     use super::*;
 
     /// A host that cannot jail and has no cgroups, but has Landlock.
-    fn lacking(allowed: Vec<Piece>) -> Confined {
+    pub(super) fn lacking(allowed: Vec<Piece>) -> Confined {
         Confined {
             ids: Err(Lack::NotRoot),
             landlock: Ok(()),
             cgroups: Err(Lack::NoController("pids")),
             allowed,
+            kvm: PathBuf::from("/dev/kvm"),
         }
     }
 
