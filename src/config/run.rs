@@ -74,7 +74,7 @@ fn wish(raw: &Raw<'_>) -> Result<crate::state::claim::Wish, ConfigError> {
             .then_some(confinement.cgroup_root),
         default_state_dir: raw.get(Key::StateDir) == Key::StateDir.setting().default,
         network: underlay(raw)?.map(|u| crate::state::claim::Network {
-            subnet: (u.subnet.network(), u.subnet.prefix()),
+            subnet: u.subnet.cidr(),
             bridge: u.bridge,
             tap_prefix: u.tap_prefix,
             table: u.table,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sha2::{Digest, Sha256};
 
 use super::ImageError;
-use super::reach::Unreachable;
+use super::destinations::Unreachable;
 use crate::state::atomic::sync_dir;
 
 /// Bytes read and hashed per step.

@@ -18,16 +18,16 @@
 //!   Everything else is transient.
 //! - Sources are untrusted (see the threat model in the crate's docs): `file://` is
 //!   served only from under the operator's `--image-root`; HTTP connects
-//!   only to addresses `reach` allows, and follows no redirect; a download may
+//!   only to addresses `destinations` allows, and follows no redirect; a download may
 //!   not be larger than the VM's disk; a server that sends nothing for the
 //!   stall timeout, averages less than the minimum rate over one, or is
 //!   still sending at the download timeout fails the download
 //!   (transiently), which frees its in-flight entry for a fresh one.
 
+mod destinations;
 mod fetch;
 mod format;
 mod prune;
-mod reach;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -38,9 +38,9 @@ use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
+pub use destinations::{Reach, Refused, this_hosts_addresses};
 pub use fetch::sha256_file;
 pub use prune::{PruneError, Pruned, prune, prune_to};
-pub use reach::{Reach, Refused, this_hosts_addresses};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
@@ -180,7 +180,7 @@ pub struct ImageOptions {
     /// window (0: no minimum): a server that trickles a byte just inside
     /// each stall timeout fails on this.
     pub min_rate: u64,
-    /// Which addresses downloads may connect to (see `reach`).
+    /// Which addresses downloads may connect to (see `destinations`).
     pub reach: Reach,
 }
 
@@ -252,7 +252,7 @@ impl ImageCache {
         let agent = ureq::Agent::with_parts(
             config,
             ureq::unversioned::transport::DefaultConnector::default(),
-            reach::CheckedResolver::new(options.reach.clone()),
+            destinations::CheckedResolver::new(options.reach.clone()),
         );
         let file_root = options.file_root.as_ref().map(|root| {
             fs::canonicalize(root).unwrap_or_else(|e| {

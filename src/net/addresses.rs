@@ -68,6 +68,11 @@ impl Subnet {
         self.0.network
     }
 
+    /// The range, as every other prefix of the agent is held.
+    pub fn cidr(&self) -> Cidr {
+        self.0
+    }
+
     pub fn prefix(&self) -> u8 {
         self.0.prefix
     }

@@ -28,7 +28,6 @@
 
 use std::fs;
 use std::io;
-use std::net::Ipv4Addr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -36,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use super::atomic::write_atomic;
+use crate::model::Cidr;
 
 /// The historic defaults, slot 0: the default state dir's, and any state
 /// dir an agent used before claims existed.
@@ -64,8 +64,10 @@ pub struct Claim {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Network {
     pub bridge: String,
-    /// The underlay subnet: its first address and prefix length.
-    pub subnet: (Ipv4Addr, u8),
+    /// The underlay subnet, kept on disk as `[first address, prefix
+    /// length]`, as every agent's record has it.
+    #[serde(with = "as_pair")]
+    pub subnet: Cidr,
     pub tap_prefix: String,
     /// Its nft tables' name (ip and bridge), and its iptables chains': the
     /// claim's to name ([`table_of`]), whatever a [`Wish`] says.
@@ -157,10 +159,10 @@ impl Claim {
                 mine.bridge
             ));
         }
-        if subnets_overlap(mine.subnet, theirs_net.subnet) {
+        if mine.subnet.covers(&theirs_net.subnet) || theirs_net.subnet.covers(&mine.subnet) {
             return Some(format!(
-                "underlay subnet {}/{} overlaps {}/{}, the agent of {theirs}'s: two bridges cannot route one range; give --underlay-subnet a range clear of it",
-                mine.subnet.0, mine.subnet.1, theirs_net.subnet.0, theirs_net.subnet.1
+                "underlay subnet {} overlaps {}, the agent of {theirs}'s: two bridges cannot route one range; give --underlay-subnet a range clear of it",
+                mine.subnet, theirs_net.subnet
             ));
         }
         if mine.tap_prefix.starts_with(&theirs_net.tap_prefix)
@@ -181,11 +183,27 @@ impl Claim {
     }
 }
 
-/// Whether two ranges share an address: one holds the other.
-fn subnets_overlap(a: (Ipv4Addr, u8), b: (Ipv4Addr, u8)) -> bool {
+/// A subnet as a record holds it: `["10.0.0.0", 16]`.
+mod as_pair {
+    use std::net::Ipv4Addr;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
     use crate::model::Cidr;
-    let [a, b] = [a, b].map(|(network, prefix)| Cidr { network, prefix });
-    a.covers(&b) || b.covers(&a)
+
+    pub fn serialize<S: Serializer>(cidr: &Cidr, s: S) -> Result<S::Ok, S::Error> {
+        (cidr.network, cidr.prefix).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Cidr, D::Error> {
+        let (network, prefix) = <(Ipv4Addr, u8)>::deserialize(d)?;
+        if prefix > 32 {
+            return Err(serde::de::Error::custom(format!(
+                "prefix /{prefix} is longer than 32"
+            )));
+        }
+        Ok(Cidr { network, prefix })
+    }
 }
 
 /// Why a claim could not be settled.
@@ -394,6 +412,8 @@ fn record_name(state_dir: &Path) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::net::Ipv4Addr;
+
     use super::*;
 
     struct Host {
@@ -438,7 +458,10 @@ mod tests {
         Wish {
             network: Some(Network {
                 bridge: bridge.into(),
-                subnet: (Ipv4Addr::from(subnet), 16),
+                subnet: Cidr {
+                    network: Ipv4Addr::from(subnet),
+                    prefix: 16,
+                },
                 tap_prefix: prefix.into(),
                 table: String::new(),
             }),
@@ -496,7 +519,7 @@ mod tests {
             .expect("a");
         let mut wish = networked("eitri1", [100, 77, 128, 0], "tenb");
         if let Some(n) = wish.network.as_mut() {
-            n.subnet.1 = 17;
+            n.subnet.prefix = 17;
         }
 
         let err = host.settle("b", &wish).expect_err("overlap");
@@ -660,5 +683,30 @@ mod tests {
             .expect("a's range is free again");
 
         assert_eq!(b.first_id, a.first_id);
+    }
+
+    #[test]
+    fn a_network_keeps_its_subnet_on_disk_as_the_pair_older_agents_wrote() {
+        let older =
+            r#"{"bridge":"eitri0","subnet":["10.64.0.0",16],"tap_prefix":"etr","table":"eitri"}"#;
+
+        let network: Network = serde_json::from_str(older).expect("an older record reads");
+
+        assert_eq!(network.subnet.to_string(), "10.64.0.0/16");
+        assert_eq!(
+            serde_json::to_string(&network).expect("written"),
+            older,
+            "written back as it was read"
+        );
+    }
+
+    #[test]
+    fn a_record_with_a_prefix_past_32_is_refused() {
+        let garbled =
+            r#"{"bridge":"eitri0","subnet":["10.64.0.0",33],"tap_prefix":"etr","table":"eitri"}"#;
+
+        let refused = serde_json::from_str::<Network>(garbled).expect_err("refused");
+
+        assert!(refused.to_string().contains("/33"), "{refused}");
     }
 }

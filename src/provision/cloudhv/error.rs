@@ -43,7 +43,7 @@ pub enum CloudHvError {
     /// `blocked` is the first directory (or the file) that stops them.
     Unreachable {
         path: PathBuf,
-        blocked: crate::provision::jail::reach::Blocked,
+        blocked: crate::provision::jail::paths::Blocked,
         /// What to change instead of the mode: the flag naming the path.
         flag: &'static str,
     },

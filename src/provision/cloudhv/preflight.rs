@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
 use crate::error::BoxFailure;
-use crate::provision::jail::reach::{self, Need};
+use crate::provision::jail::paths::{self, Need};
 
 impl CloudHypervisor {
     pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
@@ -67,7 +67,7 @@ impl CloudHypervisor {
     }
 
     /// Every path a jailed VMM is given by name is reachable by its user
-    /// (see [`reach`]): its binary, its boot file, and the
+    /// (see [`paths`]): its binary, its boot file, and the
     /// directories its VM's files and volumes are in. Any VMM's user
     /// stands for all: none owns a directory above its own VM's.
     fn check_reach(&self) -> Result<(), BoxFailure> {
@@ -86,7 +86,7 @@ impl CloudHypervisor {
                 (layout.volumes(), Need::Search, "--state-dir"),
             ]);
         for (path, need, flag) in needed {
-            if let Some(blocked) = reach::blocked(&path, uid, &groups, need) {
+            if let Some(blocked) = paths::blocked(&path, uid, &groups, need) {
                 return Err(CloudHvError::Unreachable {
                     path,
                     blocked,

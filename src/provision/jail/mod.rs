@@ -24,7 +24,7 @@
 //!   passed in.
 //! - **Its cgroups** (see [`cgroup`]), its own network namespace (see
 //!   [`netns`]), and the paths it must reach checked before any VM starts
-//!   (see [`reach`]); what the host lacks of all this is a [`Lack`].
+//!   (see [`paths`]); what the host lacks of all this is a [`Lack`].
 
 pub mod acl;
 pub mod cgroup;
@@ -33,8 +33,8 @@ mod error;
 pub mod fork;
 pub mod lack;
 pub mod netns;
+pub mod paths;
 mod plan;
-pub mod reach;
 pub mod view;
 
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
