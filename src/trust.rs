@@ -20,8 +20,8 @@
 //! | a detached signature (`FILE.sig`) | `ed25519 KEY-ID SIGNATURE-BASE64` |
 
 use std::fmt;
-use std::io::Read;
-use std::path::Path;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 
@@ -33,8 +33,136 @@ const SECRET_TAG: &str = "eitri-signing-key";
 /// Keys a host may pin: enough for any rotation, few enough to try each.
 const MAX_KEYS: usize = 64;
 
+/// Why a key file, a key line or a signature line is refused.
+#[derive(Debug)]
+pub enum KeyError {
+    /// The file cannot be read.
+    Read {
+        path: PathBuf,
+        source: io::Error,
+    },
+    /// A trusted-keys file others may write, or a signing key others may
+    /// read: `mode` is its permission bits.
+    Exposed {
+        path: PathBuf,
+        mode: u32,
+        secret: bool,
+    },
+    /// What is wrong inside the file at `path`.
+    In {
+        path: PathBuf,
+        source: Box<KeyError>,
+    },
+    /// What is wrong on line `line` (from 1).
+    Line {
+        line: usize,
+        source: Box<KeyError>,
+    },
+    /// Not the three words `TAG KEY-ID BASE64`.
+    Shape {
+        tag: &'static str,
+    },
+    /// Another algorithm than ed25519.
+    Algorithm {
+        found: String,
+        tag: &'static str,
+    },
+    Id {
+        id: String,
+    },
+    Base64,
+    PublicKeyLength,
+    NotPublicKey,
+    PinnedTwice {
+        id: String,
+    },
+    NoKeys,
+    TooMany {
+        count: usize,
+    },
+    NotSigningKey,
+    SeedLength,
+    Randomness {
+        source: io::Error,
+    },
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use KeyError as E;
+        match self {
+            E::Read { path, source } => {
+                write!(f, "cannot read {}: {source}", crate::quote::path(path))
+            }
+            E::Exposed {
+                path,
+                mode,
+                secret: false,
+            } => {
+                let shown = crate::quote::path(path);
+                write!(
+                    f,
+                    "{shown} may be written by group or others (mode {mode:04o}): anyone who can \
+                     add a line to it can sign this host's desired state; chmod go-w {shown}"
+                )
+            }
+            E::Exposed {
+                path,
+                mode,
+                secret: true,
+            } => {
+                let shown = crate::quote::path(path);
+                write!(
+                    f,
+                    "{shown} may be read by group or others (mode {mode:04o}): a signing key is \
+                     a secret; chmod 600 {shown}"
+                )
+            }
+            E::In { path, source } => write!(f, "{}: {source}", crate::quote::path(path)),
+            E::Line { line, source } => write!(f, "line {line}: {source}"),
+            E::Shape { tag } => write!(f, "expected `{tag} KEY-ID BASE64`"),
+            E::Algorithm { found, tag } => write!(
+                f,
+                "{} is not {tag}: only ed25519 keys are taken",
+                crate::quote::text(found)
+            ),
+            E::Id { id } => write!(
+                f,
+                "{} is not a key id (1-64 letters, digits, '.', '_' or '-')",
+                crate::quote::text(id)
+            ),
+            E::Base64 => f.write_str("the key is not base64"),
+            E::PublicKeyLength => f.write_str("a public key is 32 bytes"),
+            E::NotPublicKey => f.write_str("not an ed25519 public key"),
+            E::PinnedTwice { id } => {
+                write!(f, "key id {} is pinned twice", crate::quote::text(id))
+            }
+            E::NoKeys => f.write_str(
+                "no keys: pin at least one `ed25519 KEY-ID PUBLIC-KEY` line \
+                 (eitri-agent keygen prints one)",
+            ),
+            E::TooMany { count } => write!(f, "{count} keys, at most {MAX_KEYS}"),
+            E::NotSigningKey => {
+                write!(f, "not a signing key (it starts with `{SECRET_TAG}`)")
+            }
+            E::SeedLength => f.write_str("a signing key's seed is 32 bytes"),
+            E::Randomness { source } => write!(f, "cannot gather randomness: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for KeyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            KeyError::Read { source, .. } | KeyError::Randomness { source } => Some(source),
+            KeyError::In { source, .. } | KeyError::Line { source, .. } => Some(source.as_ref()),
+            _ => None,
+        }
+    }
+}
+
 /// Why a key id is not one.
-fn check_id(id: &str) -> Result<(), String> {
+fn check_id(id: &str) -> Result<(), KeyError> {
     let ok = !id.is_empty()
         && id.len() <= 64
         && id
@@ -43,10 +171,37 @@ fn check_id(id: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!(
-            "{} is not a key id (1-64 letters, digits, '.', '_' or '-')",
-            crate::quote::text(id)
-        ))
+        Err(KeyError::Id { id: id.to_owned() })
+    }
+}
+
+/// Opens a key file of at most `limit` bytes, refusing one whose mode has
+/// any bit of `forbidden` (others may write it, or read a secret).
+fn read_key_file(path: &Path, forbidden: u32, limit: u64) -> Result<String, KeyError> {
+    use std::os::unix::fs::MetadataExt;
+    let read = |source| KeyError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(read)?;
+    let meta = file.metadata().map_err(read)?;
+    if meta.mode() & forbidden != 0 {
+        return Err(KeyError::Exposed {
+            path: path.to_path_buf(),
+            mode: meta.mode() & 0o7777,
+            secret: forbidden == 0o077,
+        });
+    }
+    let mut text = String::new();
+    file.take(limit).read_to_string(&mut text).map_err(read)?;
+    Ok(text)
+}
+
+/// `e`, said of the file at `path`.
+fn in_file(path: &Path) -> impl Fn(KeyError) -> KeyError + '_ {
+    move |e| KeyError::In {
+        path: path.to_path_buf(),
+        source: Box::new(e),
     }
 }
 
@@ -119,24 +274,9 @@ pub struct Verified {
 impl TrustedKeys {
     /// Reads and parses a trusted-keys file. The file decides what this
     /// host obeys, so one that others may write is refused.
-    pub fn load(path: &Path) -> Result<TrustedKeys, String> {
-        use std::os::unix::fs::MetadataExt;
-        let shown = crate::quote::path(path);
-        let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        if meta.mode() & 0o022 != 0 {
-            return Err(format!(
-                "{shown} may be written by group or others (mode {:04o}): anyone who can add a line to it can sign this host's desired state; chmod go-w {shown}",
-                meta.mode() & 0o7777
-            ));
-        }
-        let mut text = String::new();
-        file.take(64 << 10)
-            .read_to_string(&mut text)
-            .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        let mut keys = TrustedKeys::parse(&text).map_err(|e| format!("{shown}: {e}"))?;
+    pub fn load(path: &Path) -> Result<TrustedKeys, KeyError> {
+        let text = read_key_file(path, 0o022, 64 << 10)?;
+        let mut keys = TrustedKeys::parse(&text).map_err(in_file(path))?;
         keys.origin = Some(path.to_path_buf());
         Ok(keys)
     }
@@ -168,36 +308,32 @@ impl TrustedKeys {
 
     /// Parses `ed25519 KEY-ID PUBLIC-KEY` lines; blank lines and `#`
     /// comments are skipped.
-    pub fn parse(text: &str) -> Result<TrustedKeys, String> {
+    pub fn parse(text: &str) -> Result<TrustedKeys, KeyError> {
         let mut keys: Vec<(String, VerifyingKey)> = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let at = |e: String| format!("line {}: {e}", n + 1);
+            let at = |e: KeyError| KeyError::Line {
+                line: n + 1,
+                source: Box::new(e),
+            };
             let (id, bytes) = words(line, ALGORITHM).map_err(at)?;
             let bytes: [u8; 32] = bytes
                 .try_into()
-                .map_err(|_| at("a public key is 32 bytes".into()))?;
-            let key = VerifyingKey::from_bytes(&bytes)
-                .map_err(|_| at("not an ed25519 public key".into()))?;
+                .map_err(|_| at(KeyError::PublicKeyLength))?;
+            let key = VerifyingKey::from_bytes(&bytes).map_err(|_| at(KeyError::NotPublicKey))?;
             if keys.iter().any(|(other, _)| *other == id) {
-                return Err(at(format!(
-                    "key id {} is pinned twice",
-                    crate::quote::text(&id)
-                )));
+                return Err(at(KeyError::PinnedTwice { id }));
             }
             keys.push((id, key));
         }
         if keys.is_empty() {
-            return Err(
-                "no keys: pin at least one `ed25519 KEY-ID PUBLIC-KEY` line (eitri-agent keygen prints one)"
-                    .into(),
-            );
+            return Err(KeyError::NoKeys);
         }
         if keys.len() > MAX_KEYS {
-            return Err(format!("{} keys, at most {MAX_KEYS}", keys.len()));
+            return Err(KeyError::TooMany { count: keys.len() });
         }
         Ok(TrustedKeys { keys, origin: None })
     }
@@ -239,21 +375,21 @@ fn signed_message(bytes: &[u8]) -> Vec<u8> {
 }
 
 /// `TAG KEY-ID BASE64`: the id and the decoded bytes.
-fn words(line: &str, tag: &str) -> Result<(String, Vec<u8>), String> {
+fn words(line: &str, tag: &'static str) -> Result<(String, Vec<u8>), KeyError> {
     let mut words = line.split_whitespace();
     let (Some(first), Some(id), Some(b64), None) =
         (words.next(), words.next(), words.next(), words.next())
     else {
-        return Err(format!("expected `{tag} KEY-ID BASE64`"));
+        return Err(KeyError::Shape { tag });
     };
     if first != tag {
-        return Err(format!(
-            "{} is not {tag}: only ed25519 keys are taken",
-            crate::quote::text(first)
-        ));
+        return Err(KeyError::Algorithm {
+            found: first.to_owned(),
+            tag,
+        });
     }
     check_id(id)?;
-    let bytes = crate::base64::decode(b64).ok_or_else(|| "the key is not base64".to_owned())?;
+    let bytes = crate::base64::decode(b64).ok_or(KeyError::Base64)?;
     Ok((id.to_owned(), bytes))
 }
 
@@ -272,12 +408,12 @@ impl fmt::Debug for SecretKey {
 
 impl SecretKey {
     /// A new key named `id`, from the kernel's randomness.
-    pub fn generate(id: &str) -> Result<SecretKey, String> {
+    pub fn generate(id: &str) -> Result<SecretKey, KeyError> {
         check_id(id)?;
         let mut seed = [0u8; 32];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut r| r.read_exact(&mut seed))
-            .map_err(|e| format!("cannot gather randomness: {e}"))?;
+            .map_err(|source| KeyError::Randomness { source })?;
         Ok(SecretKey::from_seed(id, seed))
     }
 
@@ -290,37 +426,20 @@ impl SecretKey {
     }
 
     /// Parses a secret key file's line.
-    pub fn parse(text: &str) -> Result<SecretKey, String> {
+    pub fn parse(text: &str) -> Result<SecretKey, KeyError> {
         let line = text.trim();
         let rest = line
             .strip_prefix(SECRET_TAG)
-            .ok_or_else(|| format!("not a signing key (it starts with `{SECRET_TAG}`)"))?;
+            .ok_or(KeyError::NotSigningKey)?;
         let (id, seed) = words(rest.trim(), ALGORITHM)?;
-        let seed: [u8; 32] = seed
-            .try_into()
-            .map_err(|_| "a signing key's seed is 32 bytes".to_owned())?;
+        let seed: [u8; 32] = seed.try_into().map_err(|_| KeyError::SeedLength)?;
         Ok(SecretKey::from_seed(&id, seed))
     }
 
     /// Reads a secret key file, refusing one others may read.
-    pub fn load(path: &Path) -> Result<SecretKey, String> {
-        use std::os::unix::fs::MetadataExt;
-        let shown = crate::quote::path(path);
-        let file = std::fs::File::open(path).map_err(|e| format!("cannot read {shown}: {e}"))?;
-        let meta = file
-            .metadata()
-            .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        if meta.mode() & 0o077 != 0 {
-            return Err(format!(
-                "{shown} may be read by group or others (mode {:04o}): a signing key is a secret; chmod 600 {shown}",
-                meta.mode() & 0o7777
-            ));
-        }
-        let mut text = String::new();
-        file.take(4 << 10)
-            .read_to_string(&mut text)
-            .map_err(|e| format!("cannot read {shown}: {e}"))?;
-        SecretKey::parse(&text).map_err(|e| format!("{shown}: {e}"))
+    pub fn load(path: &Path) -> Result<SecretKey, KeyError> {
+        let text = read_key_file(path, 0o077, 4 << 10)?;
+        SecretKey::parse(&text).map_err(in_file(path))
     }
 
     pub fn id(&self) -> &str {
@@ -361,7 +480,7 @@ impl SecretKey {
 }
 
 /// Parses a detached signature file's line: (key id, signature).
-pub fn parse_signature_line(text: &str) -> Result<(String, Vec<u8>), String> {
+pub fn parse_signature_line(text: &str) -> Result<(String, Vec<u8>), KeyError> {
     words(text.trim(), ALGORITHM)
 }
 
@@ -460,7 +579,7 @@ mod tests {
         let k = key("cp", 1);
         let text = format!("{}{}", k.public_line(), k.public_line());
 
-        let err = TrustedKeys::parse(&text).expect_err("twice");
+        let err = TrustedKeys::parse(&text).expect_err("twice").to_string();
 
         assert!(err.contains("pinned twice"), "{err}");
     }
@@ -477,8 +596,31 @@ mod tests {
 
     #[test]
     fn an_empty_file_is_an_error_naming_keygen() {
-        let err = TrustedKeys::parse("# nothing\n").expect_err("empty");
+        let err = TrustedKeys::parse("# nothing\n")
+            .expect_err("empty")
+            .to_string();
 
         assert!(err.contains("keygen"), "{err}");
+    }
+
+    #[test]
+    fn a_bad_line_is_named_by_its_file_and_line_and_keeps_its_cause() {
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join("keys");
+        let good = key("cp", 1).public_line();
+        std::fs::write(&path, format!("{good}rsa cp2 AAAA\n")).expect("write");
+
+        let err = TrustedKeys::load(&path).expect_err("refused");
+
+        assert!(
+            err.to_string()
+                .ends_with(": line 2: \"rsa\" is not ed25519: only ed25519 keys are taken"),
+            "{err}"
+        );
+        let line = std::error::Error::source(&err).expect("the line's error");
+        assert!(matches!(
+            std::error::Error::source(line).and_then(|e| e.downcast_ref::<KeyError>()),
+            Some(KeyError::Algorithm { .. })
+        ));
     }
 }

@@ -15,7 +15,7 @@ use crate::trust::SecretKey;
 pub(super) fn keygen(id: &str, out: &Path) -> ExitCode {
     let key = match SecretKey::generate(id) {
         Ok(key) => key,
-        Err(e) => return refuse(&e),
+        Err(e) => return refuse(&e.to_string()),
     };
     let written = std::fs::OpenOptions::new()
         .write(true)
@@ -46,7 +46,7 @@ pub(super) fn keygen(id: &str, out: &Path) -> ExitCode {
 pub(super) fn sign(key_file: &Path, file: &Path) -> ExitCode {
     let key = match SecretKey::load(key_file) {
         Ok(key) => key,
-        Err(e) => return refuse(&e),
+        Err(e) => return refuse(&e.to_string()),
     };
     let bytes = match std::fs::read(file) {
         Ok(bytes) => bytes,

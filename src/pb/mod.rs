@@ -12,4 +12,4 @@ mod prescan;
 mod tenant;
 
 pub use generated::*;
-pub use prescan::{EntryCounts, count_snapshot_entries};
+pub use prescan::{EntryCounts, PrescanError, count_snapshot_entries};

@@ -25,6 +25,49 @@ const CA_KEYS_FIELD: u32 = 16;
 const EGRESS_ALLOW_FIELD: u32 = 17;
 const EGRESS_DENY_FIELD: u32 = 18;
 
+/// Why a snapshot's bytes are refused before they are decoded.
+#[derive(Debug)]
+pub enum PrescanError {
+    /// A field's key or length is not protobuf.
+    Decode(prost::DecodeError),
+    FieldLengthOverflows,
+    Group,
+    PastTheEnd,
+    /// The `entry`-th VM entry (from 0) has more of a list than a VM may.
+    TooMany {
+        entry: usize,
+        what: &'static str,
+        count: usize,
+        cap: usize,
+    },
+}
+
+impl std::fmt::Display for PrescanError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PrescanError::Decode(e) => e.fmt(f),
+            PrescanError::FieldLengthOverflows => f.write_str("a field length overflows"),
+            PrescanError::Group => f.write_str("a snapshot has no groups"),
+            PrescanError::PastTheEnd => f.write_str("a field runs past the end of the message"),
+            PrescanError::TooMany {
+                entry,
+                what,
+                count,
+                cap,
+            } => write!(f, "VM entry {entry} has {count} {what}, at most {cap}"),
+        }
+    }
+}
+
+impl std::error::Error for PrescanError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PrescanError::Decode(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EntryCounts {
     pub vms: usize,
@@ -34,7 +77,7 @@ pub struct EntryCounts {
 /// How many VM and volume entries an encoded `Snapshot` holds; an error
 /// says why the bytes are not a message, or which VM entry holds more of a
 /// list than a VM may have.
-pub fn count_snapshot_entries(buf: &[u8]) -> Result<EntryCounts, String> {
+pub fn count_snapshot_entries(buf: &[u8]) -> Result<EntryCounts, PrescanError> {
     let mut counts = EntryCounts::default();
     walk(buf, |field, body| {
         match field {
@@ -52,7 +95,7 @@ pub fn count_snapshot_entries(buf: &[u8]) -> Result<EntryCounts, String> {
 
 /// Refuses the `n`-th VM entry if it holds more volume ids, user CA keys
 /// or egress ranges than a VM may have.
-fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), String> {
+fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), PrescanError> {
     let (mut volumes, mut keys, mut allowed, mut denied) = (0usize, 0usize, 0usize, 0usize);
     walk(entry, |field, _| {
         match field {
@@ -64,8 +107,11 @@ fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), String> {
         }
         Ok(())
     })?;
-    let over = |what: &str, count: usize, cap: usize| {
-        format!("VM entry {n} has {count} {what}, at most {cap}")
+    let over = |what, count, cap| PrescanError::TooMany {
+        entry: n,
+        what,
+        count,
+        cap,
     };
     if volumes > Limits::MAX_VOLUMES_PER_VM {
         return Err(over("volume_ids", volumes, Limits::MAX_VOLUMES_PER_VM));
@@ -90,28 +136,26 @@ fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), String> {
 /// are not a message, or is `each`'s.
 fn walk(
     mut buf: &[u8],
-    mut each: impl FnMut(u32, &[u8]) -> Result<(), String>,
-) -> Result<(), String> {
+    mut each: impl FnMut(u32, &[u8]) -> Result<(), PrescanError>,
+) -> Result<(), PrescanError> {
     while buf.has_remaining() {
-        let (field, wire_type) = decode_key(&mut buf).map_err(|e| e.to_string())?;
+        let (field, wire_type) = decode_key(&mut buf).map_err(PrescanError::Decode)?;
         let (skip, delimited) = match wire_type {
             WireType::Varint => {
-                decode_varint(&mut buf).map_err(|e| e.to_string())?;
+                decode_varint(&mut buf).map_err(PrescanError::Decode)?;
                 (0, false)
             }
             WireType::SixtyFourBit => (8, false),
             WireType::ThirtyTwoBit => (4, false),
             WireType::LengthDelimited => {
-                let len = decode_varint(&mut buf).map_err(|e| e.to_string())?;
-                let len = usize::try_from(len).map_err(|_| "a field length overflows")?;
+                let len = decode_varint(&mut buf).map_err(PrescanError::Decode)?;
+                let len = usize::try_from(len).map_err(|_| PrescanError::FieldLengthOverflows)?;
                 (len, true)
             }
-            WireType::StartGroup | WireType::EndGroup => {
-                return Err("a snapshot has no groups".into());
-            }
+            WireType::StartGroup | WireType::EndGroup => return Err(PrescanError::Group),
         };
         if skip > buf.remaining() {
-            return Err("a field runs past the end of the message".into());
+            return Err(PrescanError::PastTheEnd);
         }
         if delimited {
             each(field, &buf[..skip])?;
@@ -158,7 +202,7 @@ mod tests {
         let scanned = count_snapshot_entries(&snap.encode_to_vec());
 
         assert_eq!(
-            scanned,
+            scanned.map_err(|e| e.to_string()),
             Err(format!(
                 "VM entry 1 has {} volume_ids, at most {}",
                 Limits::MAX_VOLUMES_PER_VM + 1,
@@ -182,7 +226,7 @@ mod tests {
         assert!(
             scanned
                 .as_ref()
-                .is_err_and(|e| e.contains("ssh_user_ca_authorized_keys")),
+                .is_err_and(|e| e.to_string().contains("ssh_user_ca_authorized_keys")),
             "{scanned:?}"
         );
     }
@@ -200,7 +244,9 @@ mod tests {
         let scanned = count_snapshot_entries(&snap.encode_to_vec());
 
         assert!(
-            scanned.as_ref().is_err_and(|e| e.contains("egress_allow")),
+            scanned
+                .as_ref()
+                .is_err_and(|e| e.to_string().contains("egress_allow")),
             "{scanned:?}"
         );
     }

@@ -60,7 +60,7 @@ impl Ledger {
     /// Commits `spec` if it fits under every cap, counting every other
     /// committed VM (never this one twice: a retry replaces its own entry).
     /// Returns the refusal, naming the cap, when it does not fit.
-    pub fn admit(&self, spec: &VmSpec) -> Result<(), String> {
+    pub fn admit(&self, spec: &VmSpec) -> Result<(), OverCap> {
         let mut committed = self.committed.lock();
         Ledger::fit(&self.caps, &committed, spec)?;
         committed.insert(spec.vm_id.clone(), Compute::of(spec));
@@ -68,11 +68,15 @@ impl Ledger {
     }
 
     /// Whether `spec` would be admitted now, committing nothing.
-    pub fn fits(&self, spec: &VmSpec) -> Result<(), String> {
+    pub fn fits(&self, spec: &VmSpec) -> Result<(), OverCap> {
         Ledger::fit(&self.caps, &self.committed.lock(), spec)
     }
 
-    fn fit(caps: &HostCaps, committed: &HashMap<Id, Compute>, spec: &VmSpec) -> Result<(), String> {
+    fn fit(
+        caps: &HostCaps,
+        committed: &HashMap<Id, Compute>,
+        spec: &VmSpec,
+    ) -> Result<(), OverCap> {
         let mut need = Compute::of(spec);
         for (id, c) in committed.iter() {
             if *id != spec.vm_id {
@@ -81,25 +85,20 @@ impl Ledger {
                 need.disk_gb += c.disk_gb;
             }
         }
-        let over = |need: u64, cap: u64| cap > 0 && need > cap;
-        if over(need.vcpus, caps.max_vcpus) {
-            Err(format!(
-                "host capacity limit reached: needs {} vcpus, host cap {}",
-                need.vcpus, caps.max_vcpus
-            ))
-        } else if over(need.mem_mb, caps.max_mem_mb) {
-            Err(format!(
-                "host capacity limit reached: needs {} MB memory, host cap {}",
-                need.mem_mb, caps.max_mem_mb
-            ))
-        } else if over(need.disk_gb, caps.max_disk_gb) {
-            Err(format!(
-                "host capacity limit reached: needs {} GB disk, host cap {}",
-                need.disk_gb, caps.max_disk_gb
-            ))
-        } else {
-            Ok(())
-        }
+        [
+            (Resource::Vcpus, need.vcpus, caps.max_vcpus),
+            (Resource::Memory, need.mem_mb, caps.max_mem_mb),
+            (Resource::Disk, need.disk_gb, caps.max_disk_gb),
+        ]
+        .into_iter()
+        .find(|(_, need, cap)| *cap > 0 && need > cap)
+        .map_or(Ok(()), |(resource, need, cap)| {
+            Err(OverCap {
+                resource,
+                need,
+                cap,
+            })
+        })
     }
 
     /// Counts an existing VM without a cap check: it is already on the host,
@@ -188,6 +187,40 @@ impl CreateSlots {
     }
 }
 
+/// What a host cap counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resource {
+    Vcpus,
+    Memory,
+    Disk,
+}
+
+/// A VM that does not fit: with it, the host's VMs would need `need` of
+/// `resource`, over the host's `cap`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OverCap {
+    pub resource: Resource,
+    pub need: u64,
+    pub cap: u64,
+}
+
+impl std::fmt::Display for OverCap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let OverCap { need, cap, .. } = self;
+        let what = match self.resource {
+            Resource::Vcpus => "vcpus",
+            Resource::Memory => "MB memory",
+            Resource::Disk => "GB disk",
+        };
+        write!(
+            f,
+            "host capacity limit reached: needs {need} {what}, host cap {cap}"
+        )
+    }
+}
+
+impl std::error::Error for OverCap {}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +259,14 @@ mod tests {
 
         assert_eq!(
             err,
+            OverCap {
+                resource: Resource::Vcpus,
+                need: 5,
+                cap: 4
+            }
+        );
+        assert_eq!(
+            err.to_string(),
             "host capacity limit reached: needs 5 vcpus, host cap 4"
         );
     }

@@ -129,7 +129,12 @@ impl Core {
         // A refusal is no attempt and no record of one: reported failed,
         // as the reference does, and retried at the next tick.
         if let Err(why) = timed("admission", || self.ledger.admit(&rec.spec)) {
-            res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
+            res.report(
+                &rec,
+                Some(PowerState::Stopped),
+                Phase::Failed,
+                why.to_string(),
+            );
             return;
         }
 

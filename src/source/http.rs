@@ -205,7 +205,7 @@ impl Source for HttpSource {
             url: url.clone(),
             problem,
         };
-        let counts = pb::count_snapshot_entries(&bytes).map_err(garbage)?;
+        let counts = pb::count_snapshot_entries(&bytes).map_err(|e| garbage(e.to_string()))?;
         self.limits().check(&url, counts.vms, counts.volumes)?;
         let wire = pb::Snapshot::decode(bytes.as_slice()).map_err(|e| garbage(e.to_string()))?;
         if let Some(key_id) = &signed_by {
