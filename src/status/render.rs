@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use super::ReportFile;
+use super::{ReportFile, VmDetail};
+use crate::pb;
 use crate::quote::inline;
 
 impl ReportFile {
@@ -139,138 +140,30 @@ impl ReportFile {
     }
 
     /// One VM in detail (`status VM`), with the newest `console` lines;
-    /// `None` when the last report does not name it.
+    /// `None` when the last report does not name it. Each group of its
+    /// fields is written by one function below, in this order.
     pub fn render_vm(&self, vm_id: &str, console: &[String], now: SystemTime) -> Option<String> {
         let row = self.report.vms.iter().find(|v| v.vm_id == vm_id);
         let quarantined = self.report.quarantined.iter().find(|q| q.vm_id == vm_id);
         if row.is_none() && quarantined.is_none() {
             return None;
         }
-        let now_ms = now
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        let ago =
-            |ms: u64| crate::human::duration(Duration::from_millis(now_ms.saturating_sub(ms)));
         let detail = self.details.get(vm_id).cloned().unwrap_or_default();
+        let ago = Ago(now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64));
+        let mut fields = spec_fields(&detail);
+        if let Some(row) = row {
+            fields.extend(state_fields(row, &detail, ago));
+            fields.extend(error_fields(row, &detail, ago));
+            fields.extend(process_fields(row, &detail, ago));
+        }
+        fields.extend(self.volume_fields(&detail));
+        fields.extend(quarantined.map(|q| quarantine_field(q, now)));
         let mut out = String::new();
         let _ = writeln!(out, "VM {}", inline(vm_id));
-        let mut line = |key: &str, value: String| {
+        for (key, value) in fields {
             let _ = writeln!(out, "  {key:<11}{value}");
-        };
-        if !detail.image_url.is_empty() {
-            line(
-                "spec",
-                format!(
-                    "{} vcpus, {} MB, {} GB disk, image {}",
-                    detail.vcpus,
-                    detail.mem_mb,
-                    detail.disk_gb,
-                    inline(&detail.image_url)
-                ),
-            );
-        }
-        if let Some(row) = row {
-            line(
-                "power",
-                format!(
-                    "{} for {}",
-                    dash(&row.power_state),
-                    ago(detail.power_since_ms)
-                ),
-            );
-            line(
-                "phase",
-                format!("{} for {}", dash(&row.phase), ago(detail.phase_since_ms)),
-            );
-            if !row.status_detail.is_empty() {
-                line("doing", inline(&row.status_detail));
-            }
-            if !row.limits.is_empty() {
-                line("limits", inline(&row.limits));
-            }
-            if !row.egress.is_empty() {
-                line("egress", inline(&row.egress));
-            }
-            if !row.readiness.is_empty() {
-                line("readiness", inline(&row.readiness));
-            }
-            line(
-                "error",
-                if row.last_error.is_empty() {
-                    "-".into()
-                } else {
-                    format!(
-                        "{} (first {} ago, last {} ago)",
-                        inline(&row.last_error),
-                        ago(detail.error_first_ms),
-                        ago(detail.error_last_ms)
-                    )
-                },
-            );
-            line(
-                "attempts",
-                format!("{} of {}", detail.attempts, detail.max_attempts),
-            );
-            line("boot id", dash(&detail.booted_as));
-            if detail.suspended_at_ms > 0 {
-                line(
-                    "snapshot",
-                    format!(
-                        "{} on disk, taken {} ago",
-                        crate::human::bytes(detail.snapshot_bytes),
-                        ago(detail.suspended_at_ms)
-                    ),
-                );
-            }
-            line(
-                "hypervisor",
-                match detail.pid {
-                    Some(pid) => format!("pid {pid}, up {}", ago(detail.pid_since_ms)),
-                    None => "not running".into(),
-                },
-            );
-            line(
-                "address",
-                format!(
-                    "{}{}",
-                    dash(&row.ip),
-                    if row.network_ip.is_empty() {
-                        String::new()
-                    } else {
-                        format!(
-                            ", {} on {}",
-                            inline(&row.network_ip),
-                            inline(&detail.network)
-                        )
-                    }
-                ),
-            );
-        }
-        if !detail.volume_ids.is_empty() {
-            let volumes: Vec<String> = detail
-                .volume_ids
-                .iter()
-                .map(|v| {
-                    let state = self
-                        .report
-                        .volumes
-                        .iter()
-                        .find(|s| s.volume_id == *v)
-                        .map_or("unknown".to_owned(), |s| inline(&s.state));
-                    format!("{} ({state})", inline(v))
-                })
-                .collect();
-            line("volumes", volumes.join(", "));
-        }
-        if let Some(q) = quarantined {
-            let at = UNIX_EPOCH + Duration::from_secs(q.destroy_at_unix.max(0) as u64);
-            line(
-                "quarantine",
-                format!(
-                    "out of the desired state; destroyed in {}",
-                    crate::human::duration(at.duration_since(now).unwrap_or_default())
-                ),
-            );
         }
         let _ = writeln!(out, "  console    (last {} lines)", console.len());
         for l in console {
@@ -278,6 +171,154 @@ impl ReportFile {
         }
         Some(out)
     }
+
+    /// Its volumes, each with the state the report gives it.
+    fn volume_fields(&self, detail: &VmDetail) -> Option<Field> {
+        if detail.volume_ids.is_empty() {
+            return None;
+        }
+        let volumes: Vec<String> = detail
+            .volume_ids
+            .iter()
+            .map(|v| {
+                let state = self
+                    .report
+                    .volumes
+                    .iter()
+                    .find(|s| s.volume_id == *v)
+                    .map_or("unknown".to_owned(), |s| inline(&s.state));
+                format!("{} ({state})", inline(v))
+            })
+            .collect();
+        Some(("volumes", volumes.join(", ")))
+    }
+}
+
+/// One line of `status VM`: its key and its value.
+type Field = (&'static str, String);
+
+/// How long ago a moment was, from the rendering's now (Unix ms).
+#[derive(Clone, Copy)]
+struct Ago(u64);
+
+impl Ago {
+    fn of(self, ms: u64) -> String {
+        crate::human::duration(Duration::from_millis(self.0.saturating_sub(ms)))
+    }
+}
+
+/// What was asked for: its size and image.
+fn spec_fields(detail: &VmDetail) -> Vec<Field> {
+    if detail.image_url.is_empty() {
+        return Vec::new();
+    }
+    vec![(
+        "spec",
+        format!(
+            "{} vcpus, {} MB, {} GB disk, image {}",
+            detail.vcpus,
+            detail.mem_mb,
+            detail.disk_gb,
+            inline(&detail.image_url)
+        ),
+    )]
+}
+
+/// Where it stands: power and phase and since when, what it is doing, the
+/// limits, egress and readiness it runs with.
+fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
+    let mut fields = vec![
+        (
+            "power",
+            format!(
+                "{} for {}",
+                dash(&row.power_state),
+                ago.of(detail.power_since_ms)
+            ),
+        ),
+        (
+            "phase",
+            format!("{} for {}", dash(&row.phase), ago.of(detail.phase_since_ms)),
+        ),
+    ];
+    for (key, value) in [
+        ("doing", &row.status_detail),
+        ("limits", &row.limits),
+        ("egress", &row.egress),
+        ("readiness", &row.readiness),
+    ] {
+        if !value.is_empty() {
+            fields.push((key, inline(value)));
+        }
+    }
+    fields
+}
+
+/// Its last error and since when, and the attempts spent.
+fn error_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> [Field; 2] {
+    let error = if row.last_error.is_empty() {
+        "-".into()
+    } else {
+        format!(
+            "{} (first {} ago, last {} ago)",
+            inline(&row.last_error),
+            ago.of(detail.error_first_ms),
+            ago.of(detail.error_last_ms)
+        )
+    };
+    [
+        ("error", error),
+        (
+            "attempts",
+            format!("{} of {}", detail.attempts, detail.max_attempts),
+        ),
+    ]
+}
+
+/// What runs it: the boot, a snapshot on disk, the hypervisor, the
+/// addresses.
+fn process_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
+    let mut fields = vec![("boot id", dash(&detail.booted_as))];
+    if detail.suspended_at_ms > 0 {
+        fields.push((
+            "snapshot",
+            format!(
+                "{} on disk, taken {} ago",
+                crate::human::bytes(detail.snapshot_bytes),
+                ago.of(detail.suspended_at_ms)
+            ),
+        ));
+    }
+    fields.push((
+        "hypervisor",
+        match detail.pid {
+            Some(pid) => format!("pid {pid}, up {}", ago.of(detail.pid_since_ms)),
+            None => "not running".into(),
+        },
+    ));
+    let site = if row.network_ip.is_empty() {
+        String::new()
+    } else {
+        format!(
+            ", {} on {}",
+            inline(&row.network_ip),
+            inline(&detail.network)
+        )
+    };
+    fields.push(("address", format!("{}{site}", dash(&row.ip))));
+    fields
+}
+
+/// When a VM out of the desired state is destroyed.
+fn quarantine_field(q: &pb::QuarantinedVm, now: SystemTime) -> Field {
+    let at = UNIX_EPOCH + Duration::from_secs(q.destroy_at_unix.max(0) as u64);
+    (
+        "quarantine",
+        format!(
+            "out of the desired state; destroyed in {}",
+            crate::human::duration(at.duration_since(now).unwrap_or_default())
+        ),
+    )
 }
 
 fn dash(s: &str) -> String {
