@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use super::lifecycle::{self, Attempts, State};
 use super::pass::{CREATE_STAGE, Core, Narrator, Publisher, VmResult};
-use super::seams::{Progress, SeedParams};
+use super::seams::{HostKey, Progress, SeedParams};
 use super::volumes;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Simple, chain};
@@ -37,6 +37,8 @@ use crate::stages::{span, timed};
 use crate::state::Record;
 
 impl Core {
+    /// One create pass for `d` (the steps in the module's header), each
+    /// stage a function below.
     pub(crate) fn create(
         &self,
         deadline: Deadline,
@@ -47,13 +49,7 @@ impl Core {
     ) {
         let vm_id = &d.spec.vm_id;
         let now = self.host.now();
-        let mut rec = prior
-            .cloned()
-            .unwrap_or_else(|| Record::new(d.spec.clone()));
-        if prior.is_some() && rec.spec != d.spec {
-            rec.spec_changed(d.spec.clone());
-        }
-        rec.egress.clone_from(&d.egress);
+        let mut rec = wanted_record(d, prior);
         // A hypervisor of this VM already running, provably its own (left
         // by a crash between its start and the record saying so, or a
         // record deleted under it): the create happened; it is recorded as
@@ -65,79 +61,25 @@ impl Core {
             log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
             return self.report_recorded(res, &rec, PowerState::Running);
         }
-        match lifecycle::state(&rec, self.budget()) {
-            State::Creating(Attempts::Open { due: None } | Attempts::WaitingForHost) => {}
-            State::Creating(Attempts::Open { due: Some(due) }) if due <= now => {}
-            State::Creating(Attempts::Spent { rearm_at }) if rearm_at <= now => {
-                log::info!(
-                    "VM {vm_id}: its create budget, spent on errors that may pass, is re-armed"
-                );
-                rec.rearm();
-            }
-            // Not yet: say why and when, as the record has it.
-            State::Creating(
-                Attempts::Open { .. } | Attempts::Spent { .. } | Attempts::Permanent,
-            )
-            | State::Up
-            | State::Down
-            | State::Suspending
-            | State::Suspended
-            | State::Resuming
-            | State::Quarantined { .. } => {
-                return self.report_recorded(res, &rec, PowerState::Stopped);
-            }
+        if !self.attempt_due(&mut rec, now) {
+            return self.report_recorded(res, &rec, PowerState::Stopped);
         }
         let mut attempt = Attempt {
             core: self,
             deadline,
             counted: false,
         };
-
-        let mut host_key = None;
-        if d.host_cert_required {
-            let key = match timed("host key", || {
-                self.host_keys
-                    .load_or_create(&self.store.layout().host_key(vm_id))
-            }) {
-                Ok(key) => key,
-                Err(e) => return attempt.fail(rec, e, res),
-            };
-            if rec.host_pubkey != key.public_line {
-                rec.host_pubkey = key.public_line.clone();
-                // Saved here only when the pass stops here to wait for the
-                // certificate; otherwise the attempt's own save, before any
-                // side effect, carries it (one fsync pair fewer per create).
-                if d.ssh_host_cert.is_empty()
-                    && let Err(e) = self.store.save(&rec)
-                {
-                    return attempt.fail(rec, e.into(), res);
-                }
-            }
-            res.host_pubkey = rec.host_pubkey.clone();
-            if d.ssh_host_cert.is_empty() {
-                res.report(
-                    &rec,
-                    Some(PowerState::Stopped),
-                    Phase::Creating,
-                    "awaiting host certificate",
-                );
-                return;
-            }
-            host_key = Some(key);
-        }
-
+        let host_key = match self.host_key(d, &mut rec, res) {
+            Ok(HostKeyStage::Go(key)) => key,
+            Ok(HostKeyStage::AwaitingCertificate) => return,
+            Err(e) => return attempt.fail(rec, e, res),
+        };
         // A refusal is no attempt and no record of one: reported failed,
         // as the reference does, and retried at the next tick.
         if let Err(why) = timed("admission", || self.ledger.admit(&rec.spec)) {
-            res.report(
-                &rec,
-                Some(PowerState::Stopped),
-                Phase::Failed,
-                why.to_string(),
-            );
-            return;
+            let why = why.to_string();
+            return res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
         }
-
         // Whether this host can run a guest at all, before an attempt is
         // counted: what the host lacks spends none (see `Attempt::fail`).
         let preflight = timed("preflight", || self.prov.preflight(deadline));
@@ -147,7 +89,6 @@ impl Core {
             let error = chain(&**e);
             return attempt.wait_for_host(rec, error, res);
         }
-
         let before = rec.clone();
         rec.begin_attempt(now);
         if let Err(e) = self.store.save(&rec) {
@@ -166,85 +107,11 @@ impl Core {
             PowerState::Stopped,
             Phase::Creating,
         );
-        if let Err(e) = preflight {
-            return attempt.fail(rec, e, res);
-        }
-        // Bounds how much create concurrency reaches the disk: N parallel
-        // creates are N downloads and N multi-GB copies on one device, which
-        // can starve the state dir and fill the disk with temporaries. A
-        // queued VM says so and waits, at most until its deadline, and a
-        // deadline failure is refunded: waiting costs it no attempt.
-        narrator.say("waiting for a create slot on this host");
-        let slot = match timed("create slot", || self.slots.acquire(deadline)) {
-            Ok(slot) => slot,
-            Err(e) => return attempt.fail(rec, e.into(), res),
-        };
-
-        narrator.say("downloading image");
-        let progress: Progress = {
-            let narrator = narrator.clone();
-            Arc::new(move |done, total| narrator.say(&download_detail(done, total)))
-        };
-        // The image becomes the root disk: it may be no larger.
-        let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
-        let base = match timed("image", || {
-            self.images.resolve(
-                &d.spec.image_url,
-                &d.spec.image_sha256,
-                max_bytes,
-                deadline,
-                progress,
-            )
-        }) {
-            Ok(path) => path,
+        let built = preflight.and_then(|()| self.build(d, &mut rec, host_key, deadline, &narrator));
+        let boots = match built {
+            Ok(boots) => boots,
             Err(e) => return attempt.fail(rec, e, res),
         };
-
-        // The guest learns its address from the host network by DHCP; no
-        // address is baked into the seed.
-        let params = SeedParams {
-            hostname: d.spec.name.clone(),
-            instance_id: vm_id.to_string(),
-            ssh_authorized_key: d.spec.ssh_authorized_key.clone(),
-            user_data: d.spec.cloud_init.clone(),
-            ssh_user_ca_keys: ca_lines(&d.ssh_user_ca_keys),
-            ssh_host_key_public: host_key
-                .as_ref()
-                .map(|k| k.public_line.clone())
-                .unwrap_or_default(),
-            ssh_host_key_pem: host_key.map(|k| k.private_pem).unwrap_or_default(),
-            ssh_host_cert: d.ssh_host_cert.clone(),
-            mac: Mac::underlay(vm_id).to_string(),
-            network_mac: if d.spec.network.is_empty() {
-                String::new()
-            } else {
-                Mac::second_nic(vm_id).to_string()
-            },
-        };
-        // A VM wanted suspended is booted, then suspended: a guest that
-        // never ran has no state to save.
-        let boots = d.power != PowerState::Stopped;
-        narrator.say("preparing root disk and seed");
-        if let Err(e) = self.prepare(&rec.spec, &base, &params, boots, deadline) {
-            return attempt.fail(rec, e, res);
-        }
-
-        if boots {
-            let live = |other: &crate::model::Id| self.prov.running(other);
-            if let Err(e) = volumes::materialized(&self.store, &rec.spec, &live) {
-                return attempt.fail(rec, e, res);
-            }
-            narrator.say("booting");
-            let booting = std::time::Instant::now();
-            if let Err(e) = timed("boot", || self.prov.boot(&rec.spec, deadline)) {
-                return attempt.fail(rec, e, res);
-            }
-            self.counts.boots.observe(booting.elapsed());
-            self.note_address(&mut rec);
-        }
-        // The heavy part is over; the record write below needs no slot.
-        drop(slot);
-
         rec.created(self.host.boot_id(), boots);
         self.counts.lost.touch(vm_id.as_str());
         res.report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
@@ -258,6 +125,127 @@ impl Core {
         if d.power == PowerState::Suspended {
             self.suspend(deadline, rec, res, publisher);
         }
+    }
+
+    /// Whether the lifecycle says an attempt is due now (step 1): a budget
+    /// spent on errors that may pass is re-armed once its time has come.
+    fn attempt_due(&self, rec: &mut Record, now: std::time::SystemTime) -> bool {
+        match lifecycle::state(rec, self.budget()) {
+            State::Creating(Attempts::Open { due: None } | Attempts::WaitingForHost) => true,
+            State::Creating(Attempts::Open { due: Some(due) }) => due <= now,
+            State::Creating(Attempts::Spent { rearm_at }) if rearm_at <= now => {
+                log::info!(
+                    "VM {}: its create budget, spent on errors that may pass, is re-armed",
+                    rec.spec.vm_id
+                );
+                rec.rearm();
+                true
+            }
+            // Not yet: the record says why and when.
+            State::Creating(Attempts::Spent { .. } | Attempts::Permanent)
+            | State::Up
+            | State::Down
+            | State::Suspending
+            | State::Suspended
+            | State::Resuming
+            | State::Quarantined { .. } => false,
+        }
+    }
+
+    /// The VM's host key (step 2), when it is to present a certificate:
+    /// loaded or made, its public line in the record and the result; the
+    /// pass stops here, saying so, until the certificate is in the desired
+    /// state.
+    fn host_key(
+        &self,
+        d: &DesiredVm,
+        rec: &mut Record,
+        res: &mut VmResult,
+    ) -> Result<HostKeyStage, BoxFailure> {
+        if !d.host_cert_required {
+            return Ok(HostKeyStage::Go(None));
+        }
+        let key = timed("host key", || {
+            self.host_keys
+                .load_or_create(&self.store.layout().host_key(&d.spec.vm_id))
+        })?;
+        let awaiting = d.ssh_host_cert.is_empty();
+        if rec.host_pubkey != key.public_line {
+            rec.host_pubkey = key.public_line.clone();
+            // Saved here only when the pass stops here to wait for the
+            // certificate; otherwise the attempt's own save, before any
+            // side effect, carries it (one fsync pair fewer per create).
+            if awaiting {
+                self.store.save(rec)?;
+            }
+        }
+        res.host_pubkey = rec.host_pubkey.clone();
+        if awaiting {
+            res.report(
+                rec,
+                Some(PowerState::Stopped),
+                Phase::Creating,
+                "awaiting host certificate",
+            );
+            return Ok(HostKeyStage::AwaitingCertificate);
+        }
+        Ok(HostKeyStage::Go(Some(key)))
+    }
+
+    /// The attempt's side effects (step 5), once it is counted: a create
+    /// slot, the image, the root disk and seed, and for a VM to run, its
+    /// volumes and its boot. Whether it booted.
+    fn build(
+        &self,
+        d: &DesiredVm,
+        rec: &mut Record,
+        host_key: Option<HostKey>,
+        deadline: Deadline,
+        narrator: &Narrator,
+    ) -> Result<bool, BoxFailure> {
+        // Bounds how much create concurrency reaches the disk: N parallel
+        // creates are N downloads and N multi-GB copies on one device, which
+        // can starve the state dir and fill the disk with temporaries. A
+        // queued VM says so and waits, at most until its deadline, and a
+        // deadline failure is refunded: waiting costs it no attempt.
+        narrator.say("waiting for a create slot on this host");
+        let slot = timed("create slot", || self.slots.acquire(deadline))?;
+
+        narrator.say("downloading image");
+        let progress: Progress = {
+            let narrator = narrator.clone();
+            Arc::new(move |done, total| narrator.say(&download_detail(done, total)))
+        };
+        // The image becomes the root disk: it may be no larger.
+        let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
+        let base = timed("image", || {
+            self.images.resolve(
+                &d.spec.image_url,
+                &d.spec.image_sha256,
+                max_bytes,
+                deadline,
+                progress,
+            )
+        })?;
+        // A VM wanted suspended is booted, then suspended: a guest that
+        // never ran has no state to save.
+        let boots = d.power != PowerState::Stopped;
+        narrator.say("preparing root disk and seed");
+        self.prepare(&rec.spec, &base, &seed_params(d, host_key), boots, deadline)?;
+
+        if boots {
+            let live = |other: &crate::model::Id| self.prov.running(other);
+            volumes::materialized(&self.store, &rec.spec, &live)?;
+            narrator.say("booting");
+            let booting = std::time::Instant::now();
+            timed("boot", || self.prov.boot(&rec.spec, deadline))?;
+            self.counts.boots.observe(booting.elapsed());
+            self.note_address(rec);
+        }
+        // The heavy part is over; the record write that follows needs no
+        // slot.
+        drop(slot);
+        Ok(boots)
     }
 
     /// The root disk, the seed and (for a VM about to boot) the host's
@@ -309,6 +297,52 @@ impl Core {
         seed.map_err(|why| helper("building the seed", why))??;
         reserved.map_err(|why| helper("reserving the host's share", why))??;
         Ok(())
+    }
+}
+
+/// How the host-key stage ends: go on (with the key, when the VM
+/// presents a certificate), or wait for the certificate.
+enum HostKeyStage {
+    Go(Option<HostKey>),
+    AwaitingCertificate,
+}
+
+/// The record a create starts from: the last one, its spec moved on to the
+/// desired one (its budget starts over), or a new one; the egress is the
+/// desired one's.
+fn wanted_record(d: &DesiredVm, prior: Option<&Record>) -> Record {
+    let mut rec = prior
+        .cloned()
+        .unwrap_or_else(|| Record::new(d.spec.clone()));
+    if prior.is_some() && rec.spec != d.spec {
+        rec.spec_changed(d.spec.clone());
+    }
+    rec.egress.clone_from(&d.egress);
+    rec
+}
+
+/// What the seed tells the guest. It learns its address from the host
+/// network by DHCP; no address is baked into the seed.
+fn seed_params(d: &DesiredVm, host_key: Option<HostKey>) -> SeedParams {
+    let vm_id = &d.spec.vm_id;
+    SeedParams {
+        hostname: d.spec.name.clone(),
+        instance_id: vm_id.to_string(),
+        ssh_authorized_key: d.spec.ssh_authorized_key.clone(),
+        user_data: d.spec.cloud_init.clone(),
+        ssh_user_ca_keys: ca_lines(&d.ssh_user_ca_keys),
+        ssh_host_key_public: host_key
+            .as_ref()
+            .map(|k| k.public_line.clone())
+            .unwrap_or_default(),
+        ssh_host_key_pem: host_key.map(|k| k.private_pem).unwrap_or_default(),
+        ssh_host_cert: d.ssh_host_cert.clone(),
+        mac: Mac::underlay(vm_id).to_string(),
+        network_mac: if d.spec.network.is_empty() {
+            String::new()
+        } else {
+            Mac::second_nic(vm_id).to_string()
+        },
     }
 }
 
