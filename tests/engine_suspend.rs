@@ -40,7 +40,7 @@ fn a_running_vm_wanted_suspended_is_suspended_and_runs_no_vmm() {
 
     assert_eq!(h.row(VM).power, Some(PowerState::Suspended));
     assert!(h.record(VM).lifecycle.suspension().saved().is_some());
-    assert!(!eitri_agent::provision::Provisioner::running(
+    assert!(!eitri_agent::provision::Lifecycle::running(
         &*h.fakes,
         &id(VM)
     ));

@@ -17,7 +17,7 @@ use std::time::Duration;
 use eitri_agent::config::{self, Command, Config};
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::Id;
-use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::state::{Record, Store};

@@ -11,7 +11,7 @@ use eitri_agent::deadline::Deadline;
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot, VmStatus};
-use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::provision::vfkit::{Vfkit, VfkitConfig};
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
@@ -62,7 +62,7 @@ impl Host {
 
     fn make_engine(&self) -> Engine {
         let seams = Seams {
-            provisioner: Arc::clone(&self.backend) as Arc<dyn Provisioner>,
+            provisioner: Arc::clone(&self.backend) as Arc<dyn Lifecycle>,
             images: Arc::new(ImageCache::with(
                 self.store.layout().images(),
                 &ImageOptions {

@@ -27,7 +27,7 @@
 //! 6. (In `Engine::new`, after this:) the compute ledger is rebuilt from
 //!    the records, so the first step's admissions count every VM.
 //!
-//! Steps 4 and 5 are the backend's (`Provisioner::recover`), since only it
+//! Steps 4 and 5 are the backend's (`Lifecycle::recover`), since only it
 //! knows what it leaves on a host.
 
 use std::sync::Arc;
@@ -39,7 +39,7 @@ use crate::error::chain;
 use crate::image::ImageCache;
 #[cfg(target_os = "linux")]
 use crate::net::host::HostNetwork;
-use crate::provision::Provisioner;
+use crate::provision::Lifecycle;
 use crate::state::Store;
 
 /// What recovery hands the daemon: the locked, swept store, and the parts
@@ -47,7 +47,7 @@ use crate::state::Store;
 pub struct Recovered {
     pub store: Arc<Store>,
     pub images: Arc<ImageCache>,
-    pub provisioner: Arc<dyn Provisioner>,
+    pub provisioner: Arc<dyn Lifecycle>,
     /// Lasting facts for `status` (e.g. networking is off, and why).
     pub notes: Vec<String>,
 }

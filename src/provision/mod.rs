@@ -6,8 +6,8 @@
 //! launch argument and vfkit takes a virtio-net device, so on every backend
 //! "attach the NIC" is a step of "start the VM". What generalises across
 //! backends is data (the deterministic MAC, a VM's current address), which is
-//! why addresses are polled through [`Provisioner::address`] rather than
-//! returned by [`Provisioner::boot`].
+//! why addresses are polled through [`Lifecycle::address`] rather than
+//! returned by [`Lifecycle::boot`].
 //!
 //! Every blocking method takes the pass's [`Deadline`] and must return by it
 //! (a deadline error is never permanent: the engine refunds the attempt).
@@ -36,16 +36,17 @@ pub type Say<'a> = &'a dyn Fn(&str);
 /// Called from the backend's own threads: it must not block.
 pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
 
-pub trait Provisioner: Send + Sync {
+/// What every backend does: a VM's whole life on this host, from its
+/// root disk to its destruction, and what the engine observes of it. What
+/// only some backends can do is a capability of its own ([`Suspend`],
+/// [`Holds`], [`HostChecks`]), reached through [`Lifecycle::suspender`],
+/// [`Lifecycle::holds`] and [`Lifecycle::host_checks`]: "this backend
+/// cannot suspend" is a `None`, and a new capability widens no backend
+/// that lacks it. The engine asks through `impl dyn Lifecycle`, which
+/// answers for a missing capability.
+pub trait Lifecycle: Send + Sync {
     /// Whether this backend can run a guest on this host at all.
     fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure>;
-
-    /// What the host lacks right now (a host condition, see
-    /// [`Failure`](crate::error::Failure)), for `status`: `None` when it
-    /// can run guests. Cheap and bounded: asked with every report.
-    fn host_condition(&self) -> Option<String> {
-        None
-    }
 
     /// Materialises the VM's root disk from a verified base image (clone and
     /// grow). Root disk only: the rebuild path calls create again, so routing
@@ -131,18 +132,33 @@ pub trait Provisioner: Send + Sync {
         self.running(vm_id)
     }
 
+    /// Suspend and resume, where this backend can: `None` says it cannot.
+    fn suspender(&self) -> Option<&dyn Suspend> {
+        None
+    }
+
+    /// The tenant's limits and egress rules held on the host, where this
+    /// backend holds them.
+    fn holds(&self) -> Option<&dyn Holds> {
+        None
+    }
+
+    /// What the host lacks now, where this backend can tell.
+    fn host_checks(&self) -> Option<&dyn HostChecks> {
+        None
+    }
+}
+
+/// Suspending a VM to its saved state and resuming it: a capability of
+/// some backends (see [`Lifecycle::suspender`]).
+pub trait Suspend: Send + Sync {
     /// Suspends a running VM: its guest paused, its state saved and
-    /// committed where [`Provisioner::resume`] finds it, and (for a backend
+    /// committed where [`Suspend::resume`] finds it, and (for a backend
     /// that saves to disk) its VMM stopped. `say` is told each stage. Only a
     /// committed save is `Ok`; on an error the VM is left running where the
     /// backend can. Idempotent: a suspend cut short is done again from the
     /// start.
-    fn suspend(&self, vm_id: &Id, _deadline: Deadline, _say: Say<'_>) -> Result<Saved, BoxFailure> {
-        Err(crate::error::Simple::permanent(format!(
-            "VM {vm_id}: this host's hypervisor backend cannot suspend a VM"
-        ))
-        .into())
-    }
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure>;
 
     /// Resumes a suspended VM where it left off: a live VMM of it (a
     /// suspend or resume cut short) is made to run, else its saved state is
@@ -150,52 +166,108 @@ pub trait Provisioner: Send + Sync {
     /// guest runs its saved state is discarded: it is stale from then on.
     /// The engine never asks twice for one saved state (see the lifecycle's
     /// rules).
-    fn resume(&self, spec: &VmSpec, _deadline: Deadline) -> Result<(), BoxFailure> {
-        Err(crate::error::Simple::permanent(format!(
-            "VM {}: this host's hypervisor backend cannot resume a VM",
-            spec.vm_id
-        ))
-        .into())
-    }
+    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
 
     /// What holds the VM's suspended guest on this host now, as found (a
     /// committed save, checked against the disks it was taken with);
     /// `None` when nothing does.
-    fn suspension(&self, _vm_id: &Id) -> Option<SavedGuest> {
-        None
-    }
+    fn suspension(&self, vm_id: &Id) -> Option<SavedGuest>;
 
     /// Removes whatever holds the VM's suspended guest; nothing there is
     /// success.
-    fn discard_suspension(&self, _vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
-        Ok(())
-    }
+    fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure>;
+}
 
+/// Holding a tenant's own limits and egress rules on the host: a
+/// capability of some backends (see [`Lifecycle::holds`]).
+pub trait Holds: Send + Sync {
     /// Makes `egress` the VM's own egress rules (see
     /// [`Egress`](crate::model::Egress)): held within the call while the VM
     /// has its network, and from its next plug otherwise, before its guest
     /// sends anything; its hypervisor untouched. Cheap when unchanged:
     /// called on every pass. A backend that cannot hold them says so.
-    fn set_egress(&self, _vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
-        if egress.is_open() {
-            return Ok(());
-        }
-        Err(crate::error::Simple::host(
-            "this host's hypervisor backend cannot hold a VM's own egress rules",
-        )
-        .into())
-    }
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure>;
 
     /// The VM's own egress rules held on the host now; `None` when none
     /// are (the host's policy alone).
-    fn egress_in_force(&self, _vm_id: &Id) -> Option<crate::model::Egress> {
-        None
-    }
+    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress>;
 
     /// The limits a VM of `spec` runs with on this host (its own, else the
     /// host's defaults); `None` when this backend holds none.
-    fn limits_in_force(&self, _spec: &VmSpec) -> Option<crate::model::VmLimits> {
-        None
+    fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits>;
+}
+
+/// Telling what the host lacks right now: a capability of some backends
+/// (see [`Lifecycle::host_checks`]).
+pub trait HostChecks: Send + Sync {
+    /// What the host lacks right now (a host condition, see
+    /// [`Failure`](crate::error::Failure)), for `status`: `None` when it
+    /// can run guests. Cheap and bounded: asked with every report.
+    fn host_condition(&self) -> Option<String>;
+}
+
+/// What the engine asks of any backend, whatever it can: each capability
+/// it lacks answers as a backend without it must (cannot suspend, holds
+/// nothing, knows of no host condition).
+impl dyn Lifecycle + '_ {
+    pub fn suspend(
+        &self,
+        vm_id: &Id,
+        deadline: Deadline,
+        say: Say<'_>,
+    ) -> Result<Saved, BoxFailure> {
+        match self.suspender() {
+            Some(s) => s.suspend(vm_id, deadline, say),
+            None => Err(crate::error::Simple::permanent(format!(
+                "VM {vm_id}: this host's hypervisor backend cannot suspend a VM"
+            ))
+            .into()),
+        }
+    }
+
+    pub fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+        match self.suspender() {
+            Some(s) => s.resume(spec, deadline),
+            None => Err(crate::error::Simple::permanent(format!(
+                "VM {}: this host's hypervisor backend cannot resume a VM",
+                spec.vm_id
+            ))
+            .into()),
+        }
+    }
+
+    pub fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.suspender()?.suspension(vm_id)
+    }
+
+    pub fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+        self.suspender()
+            .map_or(Ok(()), |s| s.discard_suspension(vm_id, deadline))
+    }
+
+    /// An open egress needs no holding; any other is refused, as a host
+    /// condition, by a backend that cannot hold it.
+    pub fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+        match self.holds() {
+            Some(h) => h.set_egress(vm_id, egress),
+            None if egress.is_open() => Ok(()),
+            None => Err(crate::error::Simple::host(
+                "this host's hypervisor backend cannot hold a VM's own egress rules",
+            )
+            .into()),
+        }
+    }
+
+    pub fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
+        self.holds()?.egress_in_force(vm_id)
+    }
+
+    pub fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
+        self.holds()?.limits_in_force(spec)
+    }
+
+    pub fn host_condition(&self) -> Option<String> {
+        self.host_checks()?.host_condition()
     }
 }
 
@@ -324,7 +396,7 @@ pub fn for_host(
     store: std::sync::Arc<crate::state::Store>,
     guest: &GuestBoot,
     network: Option<std::sync::Arc<crate::net::host::HostNetwork>>,
-) -> std::sync::Arc<dyn Provisioner> {
+) -> std::sync::Arc<dyn Lifecycle> {
     std::sync::Arc::new(cloudhv::CloudHypervisor::new(
         store,
         cloudhv::CloudHvConfig {
@@ -350,7 +422,7 @@ pub fn for_host(
 pub fn for_host(
     store: std::sync::Arc<crate::state::Store>,
     guest: &GuestBoot,
-) -> std::sync::Arc<dyn Provisioner> {
+) -> std::sync::Arc<dyn Lifecycle> {
     std::sync::Arc::new(vfkit::Vfkit::new(
         store,
         vfkit::VfkitConfig {
@@ -364,4 +436,81 @@ pub fn for_host(
             leases: vfkit::leases::LEASE_FILE.into(),
         },
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Egress;
+
+    /// A backend with no capability but its lifecycle: nothing it is asked
+    /// touches a host.
+    struct Plain;
+
+    impl Lifecycle for Plain {
+        fn preflight(&self, _: Deadline) -> Result<(), BoxFailure> {
+            Ok(())
+        }
+        fn prepare_root_disk(&self, _: &VmSpec, _: &Path, _: Deadline) -> Result<(), BoxFailure> {
+            Ok(())
+        }
+        fn boot(&self, _: &VmSpec, _: Deadline) -> Result<(), BoxFailure> {
+            Ok(())
+        }
+        fn shutdown(&self, _: &Id, _: Deadline, _: Say<'_>) -> Result<(), BoxFailure> {
+            Ok(())
+        }
+        fn destroy(&self, _: &Id, _: Deadline) -> Result<(), BoxFailure> {
+            Ok(())
+        }
+        fn running(&self, _: &Id) -> bool {
+            true
+        }
+        fn failure_reason(&self, _: &Id) -> Option<String> {
+            None
+        }
+        fn address(&self, _: &Id) -> Option<Ipv4Addr> {
+            None
+        }
+        fn network_address(&self, _: &Id) -> Option<Ipv4Addr> {
+            None
+        }
+    }
+
+    fn vm() -> Id {
+        Id::parse("vm-1").expect("id")
+    }
+
+    #[test]
+    fn a_backend_that_cannot_suspend_refuses_for_good_and_holds_no_saved_guest() {
+        let backend: &dyn Lifecycle = &Plain;
+
+        let refused = backend
+            .suspend(&vm(), Deadline::NONE, &|_| {})
+            .expect_err("cannot suspend");
+
+        assert!(refused.is_permanent());
+        assert_eq!(
+            refused.to_string(),
+            "VM vm-1: this host's hypervisor backend cannot suspend a VM"
+        );
+        assert_eq!(backend.suspension(&vm()), None);
+        assert!(backend.discard_suspension(&vm(), Deadline::NONE).is_ok());
+    }
+
+    #[test]
+    fn a_backend_that_holds_nothing_takes_an_open_egress_and_refuses_any_other_as_the_hosts() {
+        let backend: &dyn Lifecycle = &Plain;
+        let closed = Egress {
+            deny: vec![crate::model::Cidr::parse("0.0.0.0/0").expect("cidr")],
+            allow: Vec::new(),
+        };
+
+        let open = backend.set_egress(&vm(), &Egress::default());
+        let refused = backend.set_egress(&vm(), &closed).expect_err("refused");
+
+        assert!(open.is_ok());
+        assert!(refused.is_host_condition());
+        assert_eq!(backend.egress_in_force(&vm()), None);
+    }
 }

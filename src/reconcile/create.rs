@@ -249,14 +249,14 @@ impl Core {
     }
 
     /// The root disk, the seed and (for a VM about to boot) the host's
-    /// share of it ([`Provisioner::reserve`]), made at once: each ends in
+    /// share of it ([`Lifecycle::reserve`]), made at once: each ends in
     /// a durable write, and writes made together share the filesystem's
     /// journal commits where one after another each waits for its own
     /// (`make bench-create`, the `root disk`, `seed` and `reserve`
     /// stages beside `prepare`). The first error, in that order, is the
     /// create's.
     ///
-    /// [`Provisioner::reserve`]: crate::provision::Provisioner::reserve
+    /// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
     fn prepare(
         &self,
         spec: &crate::model::VmSpec,

@@ -59,7 +59,7 @@ use crate::logonce::LogOnce;
 use crate::model::{
     Id, Phase, PowerState, Rejected, Report, Snapshot, VmStatus, VolumeStatus, WantedVm,
 };
-use crate::provision::Provisioner;
+use crate::provision::Lifecycle;
 use crate::stages::Stages;
 use crate::state::{RecordSlot, Store};
 use crate::version::{FloorVerdict, check_floor};
@@ -112,7 +112,7 @@ impl Default for EngineConfig {
 /// The engine's collaborators, passed in: real ones in the daemon, fakes in
 /// tests.
 pub struct Seams {
-    pub provisioner: Arc<dyn Provisioner>,
+    pub provisioner: Arc<dyn Lifecycle>,
     pub images: Arc<dyn Images>,
     pub seed: Arc<dyn SeedBuilder>,
     pub host_keys: Arc<dyn HostKeys>,
@@ -286,7 +286,7 @@ impl Engine {
     }
 
     /// What the host lacks to run guests right now, if anything (see
-    /// [`Provisioner::host_condition`]).
+    /// [`HostChecks::host_condition`](crate::provision::HostChecks::host_condition)).
     pub fn host_condition(&self) -> Option<String> {
         self.core.prov.host_condition()
     }

@@ -16,7 +16,7 @@ use super::seams::{HostFacts, HostKeys, Images, SeedBuilder};
 use crate::deadline::Deadline;
 use crate::logonce::LogOnce;
 use crate::model::{DesiredVm, Id, Phase, PowerState, QuarantinedVm, Report, VmStatus};
-use crate::provision::Provisioner;
+use crate::provision::Lifecycle;
 use crate::stages::Stages;
 use crate::state::{Record, RecordSlot, Store};
 
@@ -182,7 +182,7 @@ pub(crate) enum PassOutcome {
 /// admission state. Owned by the engine and each worker through an `Arc`.
 pub(crate) struct Core {
     pub store: Arc<Store>,
-    pub prov: Arc<dyn Provisioner>,
+    pub prov: Arc<dyn Lifecycle>,
     pub images: Arc<dyn Images>,
     pub seed: Arc<dyn SeedBuilder>,
     pub host_keys: Arc<dyn HostKeys>,

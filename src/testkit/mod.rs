@@ -28,7 +28,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Simple};
 use crate::model::{DesiredVm, Id, PowerState, Saved, Snapshot, VmSpec, WantedVm};
-use crate::provision::{ExitListener, Provisioner, SavedGuest, Say};
+use crate::provision::{ExitListener, Holds, Lifecycle, SavedGuest, Say, Suspend};
 use crate::reconcile::Seams;
 use crate::reconcile::seams::{
     HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
@@ -223,7 +223,7 @@ impl Fakes {
     /// The engine's seams, all served by these fakes.
     pub fn seams(self: &Arc<Self>) -> Seams {
         Seams {
-            provisioner: Arc::clone(self) as Arc<dyn Provisioner>,
+            provisioner: Arc::clone(self) as Arc<dyn Lifecycle>,
             images: Arc::clone(self) as Arc<dyn Images>,
             seed: Arc::clone(self) as Arc<dyn SeedBuilder>,
             host_keys: Arc::clone(self) as Arc<dyn HostKeys>,
@@ -291,7 +291,7 @@ impl Fakes {
     }
 
     /// The VM's hypervisor dies and, as a real backend's reaper does, the
-    /// fake tells the engine at once (see [`Provisioner::watch_exits`]).
+    /// fake tells the engine at once (see [`Lifecycle::watch_exits`]).
     pub fn kill(&self, vm_id: &Id) {
         self.running.lock().remove(vm_id);
         let listener = self.exits.lock().clone();
@@ -466,7 +466,7 @@ fn precise_sleep(d: Duration) {
     }
 }
 
-impl Provisioner for Fakes {
+impl Lifecycle for Fakes {
     fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure> {
         self.record(Call::Preflight);
         self.act(Op::Preflight, "", deadline)
@@ -524,31 +524,20 @@ impl Provisioner for Fakes {
         self.addresses.lock().get(vm_id).and_then(|a| a.network)
     }
 
-    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
-        if self.egress_refused.load(Ordering::SeqCst) && !egress.is_open() {
-            return Err(crate::error::Simple::host("the fake host holds no egress rules").into());
-        }
-        self.egress.lock().insert(vm_id.clone(), egress.clone());
-        Ok(())
-    }
-
-    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
-        self.egress
-            .lock()
-            .get(vm_id)
-            .filter(|e| !e.is_open())
-            .cloned()
-    }
-
-    /// The spec's own: the fake host has no defaults.
-    fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
-        Some(spec.limits)
-    }
-
     fn watch_exits(&self, listener: ExitListener) {
         *self.exits.lock() = Some(listener);
     }
 
+    fn suspender(&self) -> Option<&dyn Suspend> {
+        Some(self)
+    }
+
+    fn holds(&self) -> Option<&dyn Holds> {
+        Some(self)
+    }
+}
+
+impl Suspend for Fakes {
     /// Saves 64 MiB "taken" now and stops the VM's hypervisor, as the
     /// cloud-hypervisor backend does.
     fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
@@ -599,6 +588,29 @@ impl Provisioner for Fakes {
         self.record(Call::DiscardSuspension(vm_id.clone()));
         self.saved.lock().remove(vm_id);
         Ok(())
+    }
+}
+
+impl Holds for Fakes {
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+        if self.egress_refused.load(Ordering::SeqCst) && !egress.is_open() {
+            return Err(crate::error::Simple::host("the fake host holds no egress rules").into());
+        }
+        self.egress.lock().insert(vm_id.clone(), egress.clone());
+        Ok(())
+    }
+
+    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
+        self.egress
+            .lock()
+            .get(vm_id)
+            .filter(|e| !e.is_open())
+            .cloned()
+    }
+
+    /// The spec's own: the fake host has no defaults.
+    fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
+        Some(spec.limits)
     }
 }
 

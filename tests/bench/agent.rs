@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions};
-use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::Seams;
@@ -18,7 +18,7 @@ use eitri_agent::state::Store;
 /// `images` (`file://`).
 pub fn seams(store: &Arc<Store>, backend: Arc<CloudHypervisor>, images: &Path) -> Seams {
     Seams {
-        provisioner: backend as Arc<dyn Provisioner>,
+        provisioner: backend as Arc<dyn Lifecycle>,
         images: Arc::new(ImageCache::with(
             store.layout().images(),
             &ImageOptions {

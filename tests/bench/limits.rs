@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::{Id, Phase, Snapshot, VmLimits};
-use eitri_agent::provision::Provisioner;
+use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig};

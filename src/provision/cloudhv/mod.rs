@@ -51,7 +51,7 @@ pub use self::error::CloudHvError;
 use self::watch::ExitWatch;
 use super::jail::{self, netns, view};
 use super::supervise::{self, Children, StopTimeouts};
-use super::{ExitListener, Provisioner, SavedGuest, Say};
+use super::{ExitListener, Holds, HostChecks, Lifecycle, SavedGuest, Say, Suspend};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, Saved, VmSpec};
@@ -111,7 +111,7 @@ pub struct CloudHypervisor {
 
 impl CloudHypervisor {
     /// Builds the backend: its socket dir, and the watch on adopted VMMs
-    /// (which watches nothing until [`Provisioner::recover`] adopts them).
+    /// (which watches nothing until [`Lifecycle::recover`] adopts them).
     pub fn new(store: Arc<Store>, mut cfg: CloudHvConfig) -> CloudHypervisor {
         // Found once, by absolute path: what runs as the VMM never depends
         // on PATH after start (and a bare name could not be exec'd at all).
@@ -178,7 +178,7 @@ impl CloudHypervisor {
 impl CloudHypervisor {
     /// Starts the VM's VMM to do what `launch` says, on taps of its own
     /// (opened here, joined to the host's networks alongside, see
-    /// [`Provisioner::boot`]), and waits for its API to say Running.
+    /// [`Lifecycle::boot`]), and waits for its API to say Running.
     /// `started` is called once the VMM runs, before the wait.
     fn start_vmm(
         &self,
@@ -237,27 +237,9 @@ impl CloudHypervisor {
     }
 }
 
-impl Provisioner for CloudHypervisor {
+impl Lifecycle for CloudHypervisor {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
         self.check_host()
-    }
-
-    /// The host check, again when the last is older than
-    /// [`HOST_RECHECK`]: what a fixed host no longer says goes from
-    /// `status` within that.
-    fn host_condition(&self) -> Option<String> {
-        let mut checked = self.host_checked.lock();
-        if let Some((at, said)) = checked.as_ref()
-            && at.elapsed() < HOST_RECHECK
-        {
-            return said.clone();
-        }
-        let said = match self.check_host() {
-            Err(e) if e.is_host_condition() => Some(crate::error::chain(&*e)),
-            Ok(()) | Err(_) => None,
-        };
-        *checked = Some((std::time::Instant::now(), said.clone()));
-        said
     }
 
     fn prepare_root_disk(
@@ -347,27 +329,6 @@ impl Provisioner for CloudHypervisor {
         self.cfg.network.as_ref().and_then(|n| n.address(vm_id))
     }
 
-    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
-        match &self.cfg.network {
-            Some(network) => network.set_egress(vm_id, egress),
-            // With the host network off a VM has no NIC: it reaches
-            // nothing, whatever its rules would allow.
-            None => Ok(()),
-        }
-    }
-
-    fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
-        Some(
-            spec.limits
-                .in_force(spec.vcpus, &self.cfg.confinement.limits),
-        )
-    }
-
-    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
-        let held = self.cfg.network.as_ref()?.egress_in_force(vm_id)?;
-        (!held.is_open()).then_some(held)
-    }
-
     fn network_address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {
         self.cfg
             .network
@@ -396,6 +357,20 @@ impl Provisioner for CloudHypervisor {
         self.find(vm_id).is_some()
     }
 
+    fn suspender(&self) -> Option<&dyn Suspend> {
+        Some(self)
+    }
+
+    fn holds(&self) -> Option<&dyn Holds> {
+        Some(self)
+    }
+
+    fn host_checks(&self) -> Option<&dyn HostChecks> {
+        Some(self)
+    }
+}
+
+impl Suspend for CloudHypervisor {
     fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
         self.suspend_vm(&self.snapshot_of(vm_id), vm_id, deadline, say)
     }
@@ -410,5 +385,48 @@ impl Provisioner for CloudHypervisor {
 
     fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
         self.discard_saved(vm_id)
+    }
+}
+
+impl Holds for CloudHypervisor {
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+        match &self.cfg.network {
+            Some(network) => network.set_egress(vm_id, egress),
+            // With the host network off a VM has no NIC: it reaches
+            // nothing, whatever its rules would allow.
+            None => Ok(()),
+        }
+    }
+
+    fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
+        Some(
+            spec.limits
+                .in_force(spec.vcpus, &self.cfg.confinement.limits),
+        )
+    }
+
+    fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
+        let held = self.cfg.network.as_ref()?.egress_in_force(vm_id)?;
+        (!held.is_open()).then_some(held)
+    }
+}
+
+impl HostChecks for CloudHypervisor {
+    /// The host check, again when the last is older than
+    /// [`HOST_RECHECK`]: what a fixed host no longer says goes from
+    /// `status` within that.
+    fn host_condition(&self) -> Option<String> {
+        let mut checked = self.host_checked.lock();
+        if let Some((at, said)) = checked.as_ref()
+            && at.elapsed() < HOST_RECHECK
+        {
+            return said.clone();
+        }
+        let said = match self.check_host() {
+            Err(e) if e.is_host_condition() => Some(crate::error::chain(&*e)),
+            Ok(()) | Err(_) => None,
+        };
+        *checked = Some((std::time::Instant::now(), said.clone()));
+        said
     }
 }

@@ -147,7 +147,7 @@ impl CloudHypervisor {
     }
 
     /// Takes the VM's address and its VMM's user id, each saved before it
-    /// is handed out (see [`Provisioner::reserve`](crate::provision::Provisioner::reserve)).
+    /// is handed out (see [`Lifecycle::reserve`](crate::provision::Lifecycle::reserve)).
     /// Both at once, for the reason the engine asks for them beside the
     /// disk: two durable writes made together share a journal commit.
     pub(super) fn reserve_host(&self, spec: &VmSpec) -> Result<(), BoxFailure> {

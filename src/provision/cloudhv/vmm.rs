@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 use super::process::Tracked;
 use super::{CloudHypervisor, api};
 use crate::model::Id;
-use crate::provision::Provisioner;
+use crate::provision::Lifecycle;
 use crate::provision::supervise::{self, Request};
 
 /// How long one API request may take: a VMM that does not answer in this

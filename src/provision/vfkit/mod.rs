@@ -45,7 +45,7 @@ use std::time::Duration;
 use self::argv::Files;
 pub use self::error::VfkitError;
 use super::supervise::{self, Children, StopTimeouts};
-use super::{ExitListener, Provisioner, SavedGuest, Say};
+use super::{ExitListener, HostChecks, Lifecycle, SavedGuest, Say, Suspend};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, Saved, VmSpec};
@@ -179,7 +179,7 @@ fn error_line(log: &Path) -> String {
     }
 }
 
-impl Provisioner for Vfkit {
+impl Lifecycle for Vfkit {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
         use std::os::unix::fs::PermissionsExt;
         let program = &self.cfg.vfkit;
@@ -195,13 +195,6 @@ impl Provisioner for Vfkit {
             .into());
         }
         Ok(())
-    }
-
-    fn host_condition(&self) -> Option<String> {
-        let lacks = self.preflight(Deadline::NONE).err()?;
-        lacks
-            .is_host_condition()
-            .then(|| crate::error::chain(&*lacks))
     }
 
     fn prepare_root_disk(
@@ -267,6 +260,40 @@ impl Provisioner for Vfkit {
         self.children.listener().set(listener);
     }
 
+    fn recover(&self, known: &[Id]) -> Vec<String> {
+        let mut notes = Vec::new();
+        for vm_id in self.with_pidfiles() {
+            let Some(pid) = self.alive(&vm_id) else {
+                continue;
+            };
+            if known.contains(&vm_id) {
+                log::info!("VM {vm_id}: adopted its running vfkit (pid {pid})");
+                continue;
+            }
+            log::warn!(
+                "stopping an orphan vfkit (pid {pid}) of VM {vm_id}: no record or desired VM explains it"
+            );
+            let deadline = Deadline::after(Duration::from_secs(30));
+            if let Err(e) = self.stop(&vm_id, deadline, &|_| {}) {
+                log::error!("VM {vm_id}: {e}");
+            }
+            notes.push(format!(
+                "stopped an orphan vfkit (pid {pid}) of VM {vm_id} that no record or desired VM explains"
+            ));
+        }
+        notes
+    }
+
+    fn suspender(&self) -> Option<&dyn Suspend> {
+        Some(self)
+    }
+
+    fn host_checks(&self) -> Option<&dyn HostChecks> {
+        Some(self)
+    }
+}
+
+impl Suspend for Vfkit {
     /// vfkits left by a previous agent are found by their pidfiles: those
     /// `known` explains are adopted (nothing to do: the pidfile tracks
     /// them), the rest are stopped through the ladder, and said.
@@ -334,29 +361,14 @@ impl Provisioner for Vfkit {
         }
         self.stop_paused(vm_id, deadline)
     }
+}
 
-    fn recover(&self, known: &[Id]) -> Vec<String> {
-        let mut notes = Vec::new();
-        for vm_id in self.with_pidfiles() {
-            let Some(pid) = self.alive(&vm_id) else {
-                continue;
-            };
-            if known.contains(&vm_id) {
-                log::info!("VM {vm_id}: adopted its running vfkit (pid {pid})");
-                continue;
-            }
-            log::warn!(
-                "stopping an orphan vfkit (pid {pid}) of VM {vm_id}: no record or desired VM explains it"
-            );
-            let deadline = Deadline::after(Duration::from_secs(30));
-            if let Err(e) = self.stop(&vm_id, deadline, &|_| {}) {
-                log::error!("VM {vm_id}: {e}");
-            }
-            notes.push(format!(
-                "stopped an orphan vfkit (pid {pid}) of VM {vm_id} that no record or desired VM explains"
-            ));
-        }
-        notes
+impl HostChecks for Vfkit {
+    fn host_condition(&self) -> Option<String> {
+        let lacks = self.preflight(Deadline::NONE).err()?;
+        lacks
+            .is_host_condition()
+            .then(|| crate::error::chain(&*lacks))
     }
 }
 

@@ -11,7 +11,7 @@ use nix::unistd::Pid;
 
 use super::{Vfkit, api};
 use crate::model::Id;
-use crate::provision::Provisioner;
+use crate::provision::Lifecycle;
 use crate::provision::supervise::{self, Request};
 
 /// How long one state change may take to be answered.
