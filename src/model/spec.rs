@@ -79,6 +79,28 @@ pub struct VmSpec {
     pub limits: VmLimits,
 }
 
+#[cfg(test)]
+impl VmSpec {
+    /// A VM of `vcpus`, 100 MB and 1 GB of disk, with nothing else asked,
+    /// for unit tests.
+    pub(crate) fn for_tests(id: &str, vcpus: u32) -> VmSpec {
+        VmSpec {
+            vm_id: Id::parse(id).expect("a test's VM id"),
+            name: String::new(),
+            image_url: "file:///x".into(),
+            image_sha256: "0".repeat(64),
+            cloud_init: String::new(),
+            ssh_authorized_key: String::new(),
+            network: String::new(),
+            volume_ids: vec![],
+            vcpus,
+            mem_mb: 100,
+            disk_gb: 1,
+            limits: VmLimits::default(),
+        }
+    }
+}
+
 /// A VM's limits as its spec asks: each zero means the host's default
 /// (its `--vm-…` flag), which may be none.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]

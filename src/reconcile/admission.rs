@@ -227,20 +227,7 @@ mod tests {
     use crate::model::Id;
 
     fn spec(id: &str, vcpus: u32) -> VmSpec {
-        VmSpec {
-            vm_id: Id::parse(id).expect("id"),
-            name: String::new(),
-            image_url: "file:///x".into(),
-            image_sha256: "0".repeat(64),
-            cloud_init: String::new(),
-            ssh_authorized_key: String::new(),
-            network: String::new(),
-            volume_ids: vec![],
-            vcpus,
-            mem_mb: 100,
-            disk_gb: 1,
-            limits: crate::model::VmLimits::default(),
-        }
+        VmSpec::for_tests(id, vcpus)
     }
 
     fn caps(max_vcpus: u64) -> HostCaps {

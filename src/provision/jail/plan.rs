@@ -163,20 +163,7 @@ mod tests {
     use crate::model::VmSpec;
 
     fn spec() -> VmSpec {
-        VmSpec {
-            vm_id: Id::parse("vm-1").expect("id"),
-            name: String::new(),
-            image_url: "file:///x".into(),
-            image_sha256: "0".repeat(64),
-            cloud_init: String::new(),
-            ssh_authorized_key: String::new(),
-            network: String::new(),
-            volume_ids: vec![],
-            vcpus: 1,
-            mem_mb: 100,
-            disk_gb: 1,
-            limits: crate::model::VmLimits::default(),
-        }
+        VmSpec::for_tests("vm-1", 1)
     }
 
     fn plan<'a>(spec: &'a VmSpec, lend: &'a dyn Fn(Option<u32>) -> io::Result<()>) -> Plan<'a> {
