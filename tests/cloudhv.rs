@@ -17,7 +17,7 @@ use eitri_agent::deadline::Deadline;
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
-use eitri_agent::provision::Lifecycle;
+use eitri_agent::provision::Lifecycle as Backend;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::jail::cgroup::Cgroups;
 use eitri_agent::provision::supervise::StopTimeouts;
@@ -161,7 +161,7 @@ impl Host {
 
     fn make_engine(&self) -> Engine {
         let seams = Seams {
-            provisioner: Arc::clone(&self.backend) as Arc<dyn Lifecycle>,
+            provisioner: Arc::clone(&self.backend) as Arc<dyn Backend>,
             // The images these tests boot are wherever the test (or the
             // real-hypervisor env vars) put them: the whole tree is the root.
             images: Arc::new(ImageCache::with(

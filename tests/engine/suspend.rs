@@ -2,9 +2,7 @@
 //! order of intents and side effects, what a crash or a reboot in between
 //! leaves, admission, and every way a saved state can fail to be usable.
 
-mod common;
-
-use common::{Harness, SETTLE, config};
+use crate::common::{Harness, SETTLE, config};
 use eitri_agent::model::{PowerState, Saved, Snapshot, VolumeSpec, WantedVolume};
 use eitri_agent::provision::SavedGuest;
 use eitri_agent::reconcile::{EngineConfig, HostCaps};

@@ -2,11 +2,9 @@
 //! destroy), the compute ledger, unreadable records, and the worker threads
 //! themselves.
 
-mod common;
-
 use std::time::{Duration, UNIX_EPOCH};
 
-use common::{Harness, SETTLE, TOMBSTONE_GRACE, VANISH_GRACE, config, thread_count};
+use crate::common::{Harness, SETTLE, TOMBSTONE_GRACE, VANISH_GRACE, config, thread_count};
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::{Phase, PowerState, Snapshot, VmSpec};
 use eitri_agent::pb::{self, convert};
@@ -848,7 +846,7 @@ fn an_outage_heals_without_a_spec_change() {
 
     // Back: ticks go on, with the same spec, until the VM runs.
     let mut waited = Duration::ZERO;
-    while h.row("vm-1").phase != Some(Phase::Ready) && waited <= common::CREATE_REARM {
+    while h.row("vm-1").phase != Some(Phase::Ready) && waited <= crate::common::CREATE_REARM {
         h.tick(&running("vm-1"));
         h.fakes.advance_clock(tick);
         waited += tick;
@@ -857,7 +855,7 @@ fn an_outage_heals_without_a_spec_change() {
     assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
     assert!(
-        waited <= common::CREATE_REARM,
+        waited <= crate::common::CREATE_REARM,
         "running within the longest wait (the re-arm) of its return: {waited:?}"
     );
 }

@@ -1,12 +1,10 @@
 //! Engine::step as a router: the fence, the version floor, volumes before
 //! dispatch, the union of desired and records, never waiting, the ack.
 
-mod common;
-
 use std::sync::mpsc;
 use std::time::Duration;
 
-use common::{Harness, SETTLE, config, tree_fingerprint};
+use crate::common::{Harness, SETTLE, config, tree_fingerprint};
 use eitri_agent::model::{Phase, PowerState, Snapshot, VolumeSpec, VolumeState, WantedVolume};
 use eitri_agent::reconcile::EngineConfig;
 use eitri_agent::testkit::{Call, Op, desired, id, present, snapshot, tombstoned};

@@ -1,11 +1,9 @@
 //! Creating VMs: the attempt budget, admission, refunds, host certificates,
 //! narration and create slots.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{Harness, SETTLE, config};
+use crate::common::{Harness, SETTLE, config};
 use eitri_agent::model::{Phase, PowerState};
 use eitri_agent::reconcile::{EngineConfig, HostCaps};
 use eitri_agent::testkit::{Call, Op, desired, id, image_url, present, snapshot};

@@ -4,12 +4,10 @@
 //! the row it publishes and the row read back from the record it left
 //! (`observe`, the fence and a refusal read it so) agree.
 
-mod common;
-
 use eitri_agent::state::lifecycle::{Lifecycle, LifecycleParts};
 use std::time::Duration;
 
-use common::{Harness, config};
+use crate::common::{Harness, config};
 use eitri_agent::daemon::XorShift;
 use eitri_agent::model::{Phase, PowerState, Saved, Snapshot};
 use eitri_agent::provision::SavedGuest;

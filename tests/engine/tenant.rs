@@ -4,9 +4,7 @@
 //! limits, which a running VM takes at its next boot; and its readiness
 //! probe, which holds `ready` back and says when the guest stops answering.
 
-mod common;
-
-use common::Harness;
+use crate::common::Harness;
 use std::net::TcpListener;
 use std::time::Duration;
 

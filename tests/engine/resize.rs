@@ -4,9 +4,7 @@
 //! create (image, disk, seed, NICs, volumes) is said, never silently
 //! ignored. Its limits, which follow the same rule, are in engine_tenant.
 
-mod common;
-
-use common::{Harness, config};
+use crate::common::{Harness, config};
 use eitri_agent::model::{DesiredVm, PowerState, Snapshot};
 use eitri_agent::reconcile::{EngineConfig, HostCaps};
 use eitri_agent::testkit::{Call, desired, present, snapshot};

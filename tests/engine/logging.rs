@@ -1,8 +1,6 @@
 //! A VM failing the same way every tick is one warning, not one a tick.
 
-mod common;
-
-use common::Harness;
+use crate::common::Harness;
 use eitri_agent::model::{PowerState, Snapshot};
 use eitri_agent::testkit::logs::capture;
 use eitri_agent::testkit::{Op, desired, id, present, snapshot};
