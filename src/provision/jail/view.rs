@@ -24,7 +24,7 @@
 //!
 //! No `/proc`, `/sys` or `/etc` but the loader's cache: a real
 //! cloud-hypervisor boots, runs, stops and is destroyed without them
-//! (layer 5, `tests/cloudhv.rs`).
+//! (layer 5, `tests/cloudhv/`).
 
 use std::ffi::CString;
 use std::io;

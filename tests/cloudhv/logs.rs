@@ -1,0 +1,94 @@
+//! A guest's console: `eitri-agent logs`, bounded and followed.
+
+use super::*;
+
+pub(crate) const AGENT: &str = env!("CARGO_BIN_EXE_eitri-agent");
+
+/// The number of a stand-in flood line (`serial line N …`).
+pub(crate) fn line_number(line: &str) -> Option<u64> {
+    line.strip_prefix("serial line ")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[test]
+fn logs_of_a_guest_that_printed_10_mib_shows_its_newest_lines_within_the_cap() {
+    // 4 MiB a second against a 1 MiB cap.
+    let rate: u64 = 4 << 20;
+    let mut h = Host::new(&[("STANDIN_SERIAL_FLOOD", &rate.to_string())]);
+    h.cfg.confinement.serial_log_bytes = 1 << 20;
+    let h = h.restart();
+    h.tick(&h.vm("vm-1"));
+    let serial = h.store.layout().serial_log(&id("vm-1"));
+    wait_until("10 MiB of console", || {
+        std::fs::metadata(&serial).is_ok_and(|m| m.len() > 10 << 20)
+    });
+    let written_before = std::fs::metadata(&serial).expect("serial").len();
+
+    let out = std::process::Command::new(AGENT)
+        .args(["logs", "vm-1", "--lines", "3", "--state-dir"])
+        .arg(h.store.root())
+        .output()
+        .expect("eitri-agent logs");
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    let numbers: Vec<u64> = text.lines().filter_map(line_number).collect();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(numbers.len(), 3, "{text}");
+    assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
+    // Newer than anything the first 10 MiB held (lines are ~40 bytes).
+    assert!(numbers[0] * 40 > written_before / 2, "{numbers:?}");
+    let meta = std::fs::metadata(&serial).expect("serial");
+    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
+    assert!(held <= (1 << 20) + rate * 5 / 4, "{held} bytes held");
+}
+
+#[test]
+fn logs_follow_prints_a_new_line_within_a_tick() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let serial = h.store.layout().serial_log(&id("vm-1"));
+    let mut child = std::process::Command::new(AGENT)
+        .args(["logs", "vm-1", "--follow", "--lines", "1", "--state-dir"])
+        .arg(h.store.root())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("eitri-agent logs --follow");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = crossbeam_channel::unbounded();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&serial)
+        .expect("serial");
+    std::io::Write::write_all(&mut file, b"a guest says hello\n").expect("write");
+    // The agent's default tick.
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut seen = false;
+    while let Ok(line) = rx.recv_deadline(until) {
+        if line == "a guest says hello" {
+            seen = true;
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+
+    assert!(seen, "no new line within a tick");
+}

@@ -1,0 +1,272 @@
+//! Suspend and resume: the guest and its console kept, the snapshot checked before it is trusted.
+
+use super::*;
+
+/// `vm` wanted at `power`.
+pub(crate) fn wanting(h: &Host, vm: &str, power: PowerState) -> Snapshot {
+    let mut d = h.desired(vm);
+    d.power = power;
+    snapshot(1, vec![present(d)])
+}
+
+/// The VM's console as `eitri-agent logs` prints it: what its resumes
+/// moved aside, then what its VMM writes now.
+pub(crate) fn console(h: &Host, vm: &str) -> Vec<String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+        .args(["logs", vm, "--lines", "100000", "--state-dir"])
+        .arg(h.store.root())
+        .output()
+        .expect("eitri-agent logs");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// What the VM's VMM's API says its state is.
+pub(crate) fn vm_state(h: &Host, vm: &str) -> Option<String> {
+    let (status, body) = eitri_agent::provision::unix_http::request(
+        &h.backend.socket_path(&id(vm)),
+        "GET",
+        "/api/v1/vm.info",
+        None,
+        Duration::from_secs(2),
+    )
+    .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+    (status == 200).then(|| v.get("state")?.as_str().map(str::to_owned))?
+}
+
+/// Live processes whose command line names `vm` as theirs: its root disk
+/// (a boot) or its snapshot (a restore).
+pub(crate) fn vmms_of(h: &Host, vm: &str) -> usize {
+    let layout = h.store.layout();
+    let disk = format!("path={}", layout.root_disk(&id(vm)).display());
+    let snapshot = format!("source_url=file://{}", layout.snapshot(&id(vm)).display());
+    std::fs::read_dir("/proc")
+        .expect("proc")
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| alive(*pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                c.split(|b| *b == 0).any(|a| {
+                    [disk.as_bytes(), snapshot.as_bytes()].iter().any(|n| {
+                        a.strip_prefix(*n)
+                            .is_some_and(|rest| rest.is_empty() || rest.starts_with(b","))
+                    })
+                })
+            })
+        })
+        .count()
+}
+
+pub(crate) fn suspend_and_resume_twice_keep_the_guest_and_its_console_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    wait_until("the guest's marker", || {
+        console(&h, "vm-1")
+            .iter()
+            .any(|l| l.contains(&h.serial_marker))
+    });
+    let booted = h.pid("vm-1").expect("pid");
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    let asleep = (
+        h.row("vm-1").power,
+        vmms_of(&h, "vm-1"),
+        h.store.layout().snapshot_manifest(&id("vm-1")).is_file(),
+    );
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let resumed = (h.row("vm-1").power, vmms_of(&h, "vm-1"));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(asleep, (Some(PowerState::Suspended), 0, true));
+    assert!(!alive(booted), "the suspended VM's VMM is gone");
+    assert_eq!(resumed, (Some(PowerState::Running), 1));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+    assert!(h.backend.running(&id("vm-1")));
+    assert!(
+        !h.store.layout().snapshot(&id("vm-1")).exists(),
+        "a snapshot is spent once its guest runs"
+    );
+    let lines = console(&h, "vm-1");
+    let markers = lines
+        .iter()
+        .filter(|l| l.contains(&h.serial_marker))
+        .count();
+    assert_eq!(markers, 1, "resumed, never booted again: {lines:?}");
+}
+
+pub(crate) fn a_suspended_vm_resumes_after_an_agent_restart_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let h = h.restart();
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    let still = (h.row("vm-1").power, vmms_of(&h, "vm-1"));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(still, (Some(PowerState::Suspended), 0));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+    assert_eq!(h.engine().counts().cold_boots.get("interrupted"), 0);
+}
+
+pub(crate) fn a_restored_hypervisor_is_jailed_in_namespaces_of_its_own_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let pid = h.pid("vm-1").expect("pid").to_string();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+
+    assert_ne!(namespace(&pid, "net"), namespace("thread-self", "net"));
+    assert_ne!(namespace(&pid, "mnt"), namespace("thread-self", "mnt"));
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse::<u32>().ok())
+        .expect("uid");
+    assert!(uid >= 1_900_000_000, "runs as its VM's own user: {uid}");
+    assert!(status.contains("NoNewPrivs:\t1"), "{status}");
+}
+
+pub(crate) fn a_disk_changed_while_suspended_boots_the_vm_from_its_disks_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    {
+        use std::io::Write;
+        let mut disk = std::fs::OpenOptions::new()
+            .write(true)
+            .open(h.store.layout().root_disk(&id("vm-1")))
+            .expect("the root disk");
+        disk.write_all(b"written while it slept").expect("write");
+    }
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().cold_boots.get("unusable"), 1);
+    assert!(
+        !h.store.layout().snapshot(&id("vm-1")).exists(),
+        "discarded"
+    );
+    let pid = h.pid("vm-1").expect("pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(
+        cmdline.contains("--kernel") && !cmdline.contains("--restore"),
+        "booted, not restored: {cmdline}"
+    );
+}
+
+pub(crate) fn stopping_a_suspended_vm_discards_its_snapshot_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Stopped));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Stopped));
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 0);
+}
+
+pub(crate) fn destroying_a_suspended_vm_leaves_nothing_of_it_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&snapshot(2, vec![tombstoned("vm-1")]));
+
+    assert!(!h.store.layout().vm_dir(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 0);
+}
+
+#[test]
+fn a_snapshot_holding_a_file_cloud_hypervisor_never_writes_is_refused_and_the_vm_runs_on() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_EXTRA", "planted.json")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(row.last_error.contains("planted.json"), "{row:?}");
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(
+        vm_state(&h, "vm-1").as_deref(),
+        Some("Running"),
+        "the paused guest was resumed"
+    );
+}
+
+/// A host whose VMMs cannot be given a userfaultfd device.
+pub(crate) fn without_userfaultfd() -> Host {
+    let mut h = Host::new(&[]);
+    h.cfg.confinement.userfaultfd = None;
+    h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
+    h.engine = Some(h.make_engine());
+    h
+}
+
+#[test]
+fn a_host_without_a_userfaultfd_device_says_a_resume_reads_the_whole_snapshot() {
+    let h = without_userfaultfd();
+
+    let notes = h.backend.recover(&[]);
+
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("whole snapshot") && n.contains("--userfaultfd-device is empty")),
+        "{notes:?}"
+    );
+}
+
+#[test]
+fn a_host_without_a_userfaultfd_device_resumes_by_reading_the_snapshot_first() {
+    let h = without_userfaultfd();
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    let pid = h.pid("vm-1").expect("pid");
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(cmdline.contains("memory_restore_mode=copy"), "{cmdline}");
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+}
+
+#[test]
+fn a_snapshot_whose_memory_is_larger_than_its_guests_is_refused_and_the_vm_runs_on() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_BIG", "1")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(
+        row.last_error.contains("more than its guest's could be"),
+        "{row:?}"
+    );
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+}
+
+#[test]
+fn a_restore_that_fails_boots_the_vm_from_its_disks_and_never_restores_again() {
+    let h = Host::new(&[("STANDIN_RESTORE_FAIL", "1")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().cold_boots.get("failed"), 1);
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+}
