@@ -131,3 +131,22 @@ pub fn point(name: &'static str) {
 #[cfg(not(feature = "crashpoints"))]
 #[inline(always)]
 pub fn point(_name: &'static str) {}
+
+/// A crash point named where a step is asked for and hit where the step
+/// is done: the pass protocol (`Core::intend`) hits the one its caller
+/// names once the intent is saved. Named with [`at`] and a literal name,
+/// so every crash point is found in the source where it is named, by a
+/// call of [`point`] or of [`at`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Point(&'static str);
+
+/// The crash point `name`, to be hit later (see [`Point`]).
+pub const fn at(name: &'static str) -> Point {
+    Point(name)
+}
+
+impl Point {
+    pub fn hit(self) {
+        point(self.0);
+    }
+}

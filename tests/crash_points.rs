@@ -1,4 +1,5 @@
-//! The crash points are one list: where `crash::point` is called in `src/`,
+//! The crash points are one list: where `crash::point` is called (or a
+//! point named with `crash::at`) in `src/`,
 //! `crash::POINTS` (which the chaos proof walks), and the README's table.
 
 use eitri_agent::crash::POINTS;
@@ -13,9 +14,11 @@ fn listed() -> Vec<String> {
 fn every_point_placed_is_listed_once_and_every_listed_point_is_placed() {
     let mut placed = Vec::new();
     for source in eitri_agent::testkit::sources::rust_sources() {
-        for piece in source.text.split("crash::point(\"").skip(1) {
-            if let Some(end) = piece.find('"') {
-                placed.push(piece[..end].to_string());
+        for marker in ["crash::point(\"", "crash::at(\""] {
+            for piece in source.text.split(marker).skip(1) {
+                if let Some(end) = piece.find('"') {
+                    placed.push(piece[..end].to_string());
+                }
             }
         }
     }

@@ -10,7 +10,7 @@
 //! the way every report derives it (`lifecycle::phase`).
 
 use super::lifecycle::{self, State};
-use super::pass::{Core, Narrator, Publisher, VmResult};
+use super::pass::{Core, Pass, VmResult};
 use super::volumes;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, chain};
@@ -18,17 +18,10 @@ use crate::model::{DesiredVm, Phase, PowerState};
 use crate::state::Record;
 
 impl Core {
-    pub(crate) fn converge(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    pub(crate) fn converge(&self, d: &DesiredVm, mut rec: Record, pass: &mut Pass<'_>) {
         match lifecycle::state(&rec, self.budget()) {
             State::Suspended | State::Suspending | State::Resuming => {
-                return self.converge_suspension(deadline, d, rec, res, publisher);
+                return self.converge_suspension(d, rec, pass);
             }
             State::Creating(_) | State::Up | State::Down | State::Quarantined { .. } => {}
         }
@@ -60,40 +53,33 @@ impl Core {
             return match d.power {
                 PowerState::Running | PowerState::Suspended => {
                     // Said before the boot: the guest is down until it ends.
-                    Narrator::new(
-                        publisher,
-                        deadline,
-                        res,
-                        &rec,
-                        PowerState::Stopped,
-                        Phase::Ready,
-                    )
-                    .say(&format!("booting again: {why}"));
-                    if let Some(rec) = self.boot(deadline, rec, boot_id, res)
+                    pass.narrator(&rec, PowerState::Stopped, Phase::Ready)
+                        .say(&format!("booting again: {why}"));
+                    if let Some(rec) = self.boot(pass.deadline, rec, boot_id, pass.res)
                         && d.power == PowerState::Suspended
                     {
-                        self.suspend(deadline, rec, res, publisher);
+                        self.suspend(rec, pass);
                     }
                 }
                 PowerState::Stopped => {
                     rec.lost_while_stopped(boot_id);
                     self.save_best_effort(&rec);
-                    self.report_recorded(res, &rec, PowerState::Stopped);
+                    self.report_recorded(pass.res, &rec, PowerState::Stopped);
                 }
             };
         }
 
         match (d.power, running) {
             (PowerState::Running, false) => {
-                self.boot(deadline, rec, boot_id, res);
+                self.boot(pass.deadline, rec, boot_id, pass.res);
             }
-            (PowerState::Stopped, true) => self.stop(deadline, rec, res, publisher),
-            (PowerState::Suspended, true) => self.suspend(deadline, rec, res, publisher),
+            (PowerState::Stopped, true) => self.stop(rec, pass),
+            (PowerState::Suspended, true) => self.suspend(rec, pass),
             // A stopped VM is suspended by way of a boot: what is wanted is
             // a guest's state saved, and a guest that never ran has none.
             (PowerState::Suspended, false) => {
-                if let Some(rec) = self.boot(deadline, rec, boot_id, res) {
-                    self.suspend(deadline, rec, res, publisher);
+                if let Some(rec) = self.boot(pass.deadline, rec, boot_id, pass.res) {
+                    self.suspend(rec, pass);
                 }
             }
             // At the desired state: whatever an earlier operation left in
@@ -105,7 +91,7 @@ impl Core {
                     rec.converged(running);
                     self.save_best_effort(&rec);
                 }
-                self.report_recorded(res, &rec, PowerState::observed(running));
+                self.report_recorded(pass.res, &rec, PowerState::observed(running));
             }
         }
     }
@@ -146,34 +132,25 @@ impl Core {
     /// stop without a durable intent would read as a crash after an agent
     /// restart, and the VM would be booted again. A long stop (a guest
     /// taking its time over the power button) is narrated as it goes.
-    fn stop(
-        &self,
-        deadline: Deadline,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    fn stop(&self, mut rec: Record, pass: &mut Pass<'_>) {
         rec.stop_intended();
-        if !self.save_intent(&rec, "stopping", PowerState::Running, res) {
-            return;
-        }
-        crate::crash::point("stop.intent-saved");
-        let narrator = Narrator::new(
-            publisher,
-            deadline,
-            res,
+        let Some(narrator) = self.intend(
             &rec,
+            "stopping",
             PowerState::Running,
-            Phase::Ready,
-        );
+            crate::crash::at("stop.intent-saved"),
+            pass,
+        ) else {
+            return;
+        };
         let say = |what: &str| narrator.say(what);
-        match self.prov.shutdown(&rec.spec.vm_id, deadline, &say) {
+        match self.prov.shutdown(&rec.spec.vm_id, pass.deadline, &say) {
             Ok(()) => {
                 crate::crash::point("stop.done");
                 rec.stopped();
                 self.save_best_effort(&rec);
                 log::info!("VM {}: stopped", rec.spec.vm_id);
-                self.report_recorded(res, &rec, PowerState::Stopped);
+                self.report_recorded(pass.res, &rec, PowerState::Stopped);
             }
             // Unlike the reference, a failed shutdown is not reported as
             // stopped: the row says what the host has, and the saved intent
@@ -185,7 +162,7 @@ impl Core {
                 rec.stop_failed(why);
                 self.save_best_effort(&rec);
                 let power = PowerState::observed(self.prov.running(&rec.spec.vm_id));
-                self.report_recorded(res, &rec, power);
+                self.report_recorded(pass.res, &rec, power);
             }
         }
     }

@@ -27,7 +27,7 @@
 use std::sync::Arc;
 
 use super::lifecycle::{self, Attempts, State};
-use super::pass::{CREATE_STAGE, Core, Narrator, Publisher, VmResult};
+use super::pass::{CREATE_STAGE, Core, Narrator, Pass, VmResult};
 use super::seams::{HostKey, Progress, SeedParams};
 use super::volumes;
 use crate::deadline::Deadline;
@@ -39,14 +39,7 @@ use crate::state::Record;
 impl Core {
     /// One create pass for `d` (the steps in the module's header), each
     /// stage a function below.
-    pub(crate) fn create(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        prior: Option<&Record>,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    pub(crate) fn create(&self, d: &DesiredVm, prior: Option<&Record>, pass: &mut Pass<'_>) {
         let vm_id = &d.spec.vm_id;
         let now = self.host.now();
         let mut rec = wanted_record(d, prior);
@@ -59,71 +52,68 @@ impl Core {
             rec.created(self.host.boot_id(), true);
             self.save_best_effort(&rec);
             log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
-            return self.report_recorded(res, &rec, PowerState::Running);
+            return self.report_recorded(pass.res, &rec, PowerState::Running);
         }
         if !self.attempt_due(&mut rec, now) {
-            return self.report_recorded(res, &rec, PowerState::Stopped);
+            return self.report_recorded(pass.res, &rec, PowerState::Stopped);
         }
         let mut attempt = Attempt {
             core: self,
-            deadline,
+            deadline: pass.deadline,
             counted: false,
         };
-        let host_key = match self.host_key(d, &mut rec, res) {
+        let host_key = match self.host_key(d, &mut rec, pass.res) {
             Ok(HostKeyStage::Go(key)) => key,
             Ok(HostKeyStage::AwaitingCertificate) => return,
-            Err(e) => return attempt.fail(rec, e, res),
+            Err(e) => return attempt.fail(rec, e, pass.res),
         };
         // A refusal is no attempt and no record of one: reported failed,
         // as the reference does, and retried at the next tick.
         if let Err(why) = timed("admission", || self.ledger.admit(&rec.spec)) {
             let why = why.to_string();
-            return res.report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
+            return pass
+                .res
+                .report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
         }
         // Whether this host can run a guest at all, before an attempt is
         // counted: what the host lacks spends none (see `Attempt::fail`).
-        let preflight = timed("preflight", || self.prov.preflight(deadline));
+        let preflight = timed("preflight", || self.prov.preflight(pass.deadline));
         if let Err(e) = &preflight
             && e.is_host_condition()
         {
             let error = chain(&**e);
-            return attempt.wait_for_host(rec, error, res);
+            return attempt.wait_for_host(rec, error, pass.res);
         }
         let before = rec.clone();
         rec.begin_attempt(now);
         if let Err(e) = self.store.save(&rec) {
-            return attempt.fail(before, e.into(), res);
+            return attempt.fail(before, e.into(), pass.res);
         }
         attempt.counted = true;
         let _create = span(CREATE_STAGE);
         self.counts.create_attempts.inc();
         crate::crash::point("create.attempt-saved");
 
-        let narrator = Narrator::new(
-            publisher,
-            deadline,
-            res,
-            &rec,
-            PowerState::Stopped,
-            Phase::Creating,
-        );
-        let built = preflight.and_then(|()| self.build(d, &mut rec, host_key, deadline, &narrator));
+        let narrator = pass.narrator(&rec, PowerState::Stopped, Phase::Creating);
+        let built =
+            preflight.and_then(|()| self.build(d, &mut rec, host_key, pass.deadline, &narrator));
         let boots = match built {
             Ok(boots) => boots,
-            Err(e) => return attempt.fail(rec, e, res),
+            Err(e) => return attempt.fail(rec, e, pass.res),
         };
         rec.created(self.host.boot_id(), boots);
         self.counts.lost.touch(vm_id.as_str());
-        res.report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
+        pass.res
+            .report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
         // What the host has is said before the record follows it: the VMM
         // runs whether or not the save below lands, and a crash before it
         // is adopted as this create's (step 0), never started twice.
-        self.say_started(d, res, publisher, deadline);
+        self.say_started(d, pass);
         self.save_best_effort(&rec);
         crate::crash::point("create.booted-saved");
         self.forget_logs(vm_id);
         if d.power == PowerState::Suspended {
-            self.suspend(deadline, rec, res, publisher);
+            self.suspend(rec, pass);
         }
     }
 

@@ -5,8 +5,7 @@
 //! for good) and its probe's answer, in its row and for the metrics file.
 
 use super::counts::Held;
-use super::pass::{Core, Publisher, VmResult};
-use crate::deadline::Deadline;
+use super::pass::{Core, Pass, VmResult};
 use crate::error::{BoxFailure, Failure};
 use crate::model::{DesiredVm, Id, PowerState, VmSpec};
 use crate::state::Record;
@@ -112,17 +111,11 @@ impl Core {
     /// Publishes the row of a VM whose hypervisor just started, mid-pass,
     /// as the end of the pass will say it: with a probe in its spec it is
     /// not ready before its guest answers, and what it is held to is in it.
-    pub(super) fn say_started(
-        &self,
-        desired: &DesiredVm,
-        res: &VmResult,
-        publisher: Option<&Publisher>,
-        deadline: Deadline,
-    ) {
-        let Some(publisher) = publisher.filter(|_| !deadline.expired()) else {
+    pub(super) fn say_started(&self, desired: &DesiredVm, pass: &mut Pass<'_>) {
+        let Some(publisher) = pass.publisher.filter(|_| !pass.deadline.expired()) else {
             return;
         };
-        let mut said = res.clone();
+        let mut said = pass.res.clone();
         self.hold_for_probe(desired, &mut said);
         self.say_what_it_is_held_to(desired, Ok(()), &mut said);
         publisher.publish(said);

@@ -117,6 +117,31 @@ impl VmResult {
     }
 }
 
+/// One VM's pass as every verb of the engine takes it: its deadline, the
+/// result it builds, and who is told what it is doing as it goes.
+pub(crate) struct Pass<'a> {
+    pub deadline: Deadline,
+    pub res: &'a mut VmResult,
+    pub publisher: Option<&'a Publisher>,
+}
+
+impl Pass<'_> {
+    /// Who tells the VM's row, as `rec` at `power` and `phase`, what this
+    /// pass is doing.
+    pub(crate) fn narrator(&self, rec: &Record, power: PowerState, phase: Phase) -> Narrator {
+        let mut template = VmResult {
+            host_pubkey: self.res.host_pubkey.clone(),
+            ..VmResult::default()
+        };
+        template.report(rec, Some(power), phase, "");
+        Narrator {
+            publisher: self.publisher.cloned(),
+            deadline: self.deadline,
+            template,
+        }
+    }
+}
+
 /// Publishes what a pass is doing right now, on the row the VM would
 /// report anyway (for a create: creating, stopped, no error). `'static`
 /// and cheap to clone, so it can ride the image cache's progress callback.
@@ -132,26 +157,6 @@ pub(crate) struct Narrator {
 }
 
 impl Narrator {
-    pub(crate) fn new(
-        publisher: Option<&Publisher>,
-        deadline: Deadline,
-        res: &VmResult,
-        rec: &Record,
-        power: PowerState,
-        phase: Phase,
-    ) -> Narrator {
-        let mut template = VmResult {
-            host_pubkey: res.host_pubkey.clone(),
-            ..VmResult::default()
-        };
-        template.report(rec, Some(power), phase, "");
-        Narrator {
-            publisher: publisher.cloned(),
-            deadline,
-            template,
-        }
-    }
-
     pub(crate) fn say(&self, detail: &str) {
         let Some(publisher) = &self.publisher else {
             return;
@@ -270,14 +275,19 @@ impl Core {
                 .unwrap_or_default(),
             ..VmResult::default()
         };
+        let mut pass = Pass {
+            deadline,
+            res: &mut res,
+            publisher,
+        };
         match assignment {
             Assignment::Desired(desired) => {
                 let rec = rec.map(|r| (*r).clone());
-                self.drive(deadline, desired, rec, &mut res, publisher);
+                self.drive(desired, rec, &mut pass);
             }
             Assignment::Reap { tombstoned } => {
                 if let Some(rec) = rec {
-                    self.reap(deadline, (*rec).clone(), *tombstoned, &mut res, publisher);
+                    self.reap((*rec).clone(), *tombstoned, &mut pass);
                 }
             }
         }
@@ -289,14 +299,7 @@ impl Core {
     /// every side effect succeeded; a disk left by a create that died before
     /// boot is none), a created VM to converge, or a quarantined VM back in
     /// desired state, which leaves quarantine and is driven as what it was.
-    fn drive(
-        &self,
-        deadline: Deadline,
-        desired: &DesiredVm,
-        rec: Option<Record>,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    fn drive(&self, desired: &DesiredVm, rec: Option<Record>, pass: &mut Pass<'_>) {
         let vm_id = &desired.spec.vm_id;
         let rec = rec.map(|rec| self.note_egress(desired, rec));
         let held = self.prov.set_egress(vm_id, &desired.egress);
@@ -307,28 +310,21 @@ impl Core {
             && e.is_host_condition()
             && !self.prov.running(vm_id)
         {
-            return self.refuse_unfenced(vm_id, &**e, rec.as_ref(), res);
+            return self.refuse_unfenced(vm_id, &**e, rec.as_ref(), pass.res);
         }
-        self.drive_lifecycle(deadline, desired, rec, res, publisher);
-        self.probe(deadline, desired, res);
-        self.say_what_it_is_held_to(desired, held, res);
+        self.drive_lifecycle(desired, rec, pass);
+        self.probe(pass.deadline, desired, pass.res);
+        self.say_what_it_is_held_to(desired, held, pass.res);
     }
 
-    fn drive_lifecycle(
-        &self,
-        deadline: Deadline,
-        desired: &DesiredVm,
-        rec: Option<Record>,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    fn drive_lifecycle(&self, desired: &DesiredVm, rec: Option<Record>, pass: &mut Pass<'_>) {
         let Some(mut rec) = rec else {
-            return self.create(deadline, desired, None, res, publisher);
+            return self.create(desired, None, pass);
         };
         match lifecycle::state(&rec, self.budget()) {
-            State::Creating(_) => self.create(deadline, desired, Some(&rec), res, publisher),
+            State::Creating(_) => self.create(desired, Some(&rec), pass),
             State::Up | State::Down | State::Suspending | State::Suspended | State::Resuming => {
-                self.converge(deadline, desired, rec, res, publisher)
+                self.converge(desired, rec, pass)
             }
             State::Quarantined { .. } => {
                 rec.unquarantine();
@@ -340,7 +336,7 @@ impl Core {
                     );
                 }
                 log::info!("VM {vm_id}: back in desired state, leaving quarantine");
-                self.drive(deadline, desired, Some(rec), res, publisher);
+                self.drive(desired, Some(rec), pass);
             }
         }
     }
@@ -463,11 +459,30 @@ impl Core {
         }
     }
 
-    /// Saves a record whose save failing changes nothing this pass decides.
-    /// The failure is logged, and the next pass writes the record again.
-    /// Saves the intent `rec` now holds, before its side effect. If it
+    /// The protocol every side effect of a pass follows: the intent `rec`
+    /// now holds is saved before it (see [`Core::save_intent`]), the crash
+    /// point `saved` marks the moment, and the row's narrator, as `rec` at
+    /// `power`, is handed back to tell what is under way. `None` when the
+    /// intent could not be saved: nothing is to be done.
+    pub(crate) fn intend(
+        &self,
+        rec: &Record,
+        doing: &str,
+        power: PowerState,
+        saved: crate::crash::Point,
+        pass: &mut Pass<'_>,
+    ) -> Option<Narrator> {
+        if !self.save_intent(rec, doing, power, pass) {
+            return None;
+        }
+        saved.hit();
+        Some(pass.narrator(rec, power, Phase::Ready))
+    }
+
+    /// Saves the intent `rec` now holds, before its side effect (a crash
+    /// after reads as that intent, never as a crash of the guest). If it
     /// cannot be saved nothing is done: the failure is logged (once per
-    /// change) as not `doing` it, the row says it with `power` (the record
+    /// change) as not `doing` it, the row says so with `power` (the record
     /// is unchanged, and this error cannot be saved either), and false is
     /// returned.
     pub(crate) fn save_intent(
@@ -475,7 +490,7 @@ impl Core {
         rec: &Record,
         doing: &str,
         power: PowerState,
-        res: &mut VmResult,
+        pass: &mut Pass<'_>,
     ) -> bool {
         let Err(e) = self.store.save(rec) else {
             return true;
@@ -486,10 +501,12 @@ impl Core {
             &format!("{vm_id}/{doing}"),
             &format!("VM {vm_id}: not {doing} it: {why}"),
         );
-        res.report(rec, Some(power), Phase::Failed, why);
+        pass.res.report(rec, Some(power), Phase::Failed, why);
         false
     }
 
+    /// Saves a record whose save failing changes nothing this pass decides.
+    /// The failure is logged, and the next pass writes the record again.
     pub(crate) fn save_best_effort(&self, rec: &Record) {
         let vm_id = &rec.spec.vm_id;
         if let Err(e) = self.store.save(rec) {

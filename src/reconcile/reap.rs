@@ -13,20 +13,12 @@
 //!    gone the VM is reported quarantined, never silently omitted.
 
 use super::lifecycle::{self, State};
-use super::pass::{Core, Publisher, VmResult, grace_expired, quarantined_entry};
-use crate::deadline::Deadline;
+use super::pass::{Core, Pass, VmResult, grace_expired, quarantined_entry};
 use crate::error::chain;
 use crate::state::Record;
 
 impl Core {
-    pub(crate) fn reap(
-        &self,
-        deadline: Deadline,
-        mut rec: Record,
-        tombstoned: bool,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    pub(crate) fn reap(&self, mut rec: Record, tombstoned: bool, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         self.ledger.release(&vm_id);
         let now = self.host.now();
@@ -48,7 +40,7 @@ impl Core {
                     );
                     // Reported as entering quarantine, but nothing was done;
                     // the next pass starts over.
-                    res.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
+                    pass.res.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
                     return;
                 }
                 crate::crash::point("quarantine.saved");
@@ -56,16 +48,16 @@ impl Core {
                     "VM {vm_id}: {} from desired state; quarantined and stopping",
                     if tombstoned { "tombstoned" } else { "gone" }
                 );
-                if let Some(publisher) = publisher {
+                if let Some(publisher) = pass.publisher {
                     let mut entry = VmResult {
-                        host_pubkey: res.host_pubkey.clone(),
+                        host_pubkey: pass.res.host_pubkey.clone(),
                         ..VmResult::default()
                     };
                     entry.quarantined = Some(quarantined_entry(&rec, self.grace_for(&rec)));
                     publisher.publish(entry);
                 }
                 let say = |what: &str| log::info!("VM {vm_id}: {what}");
-                if let Err(e) = self.prov.shutdown(&vm_id, deadline, &say) {
+                if let Err(e) = self.prov.shutdown(&vm_id, pass.deadline, &say) {
                     let err: &dyn std::error::Error = &*e;
                     log::warn!("VM {vm_id}: shutdown on quarantine failed: {}", chain(err));
                 }
@@ -80,7 +72,7 @@ impl Core {
         let grace = self.grace_for(&rec);
         let since = rec.lifecycle.quarantined_at().unwrap_or(now);
         if grace_expired(since, now, grace) {
-            let destroyed = self.prov.destroy(&vm_id, deadline).inspect(|()| {
+            let destroyed = self.prov.destroy(&vm_id, pass.deadline).inspect(|()| {
                 crate::crash::point("destroy.vmm-gone");
             });
             match destroyed {
@@ -115,6 +107,6 @@ impl Core {
                 }
             }
         }
-        res.quarantined = Some(quarantined_entry(&rec, grace));
+        pass.res.quarantined = Some(quarantined_entry(&rec, grace));
     }
 }

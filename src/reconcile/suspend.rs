@@ -40,8 +40,7 @@
 use std::time::Instant;
 
 use super::lifecycle::{self, State};
-use super::pass::{Core, Narrator, Publisher, RESUME_STAGE, SUSPEND_STAGE, VmResult};
-use crate::deadline::Deadline;
+use super::pass::{Core, Pass, RESUME_STAGE, SUSPEND_STAGE};
 use crate::error::chain;
 use crate::model::{DesiredVm, Phase, PowerState, Saved};
 use crate::provision::SavedGuest;
@@ -76,18 +75,11 @@ impl ColdBoot {
 
 impl Core {
     /// A created VM whose record says suspended, suspending or resuming.
-    pub(crate) fn converge_suspension(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    pub(crate) fn converge_suspension(&self, d: &DesiredVm, rec: Record, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         self.counts.lost.touch(vm_id.as_str());
         match lifecycle::state(&rec, self.budget()) {
-            State::Suspended => self.converge_suspended(deadline, d, rec, res, publisher),
+            State::Suspended => self.converge_suspended(d, rec, pass),
             State::Suspending => {
                 self.ledger.note(&rec.spec);
                 let running = self.prov.running(&vm_id);
@@ -98,46 +90,37 @@ impl Core {
                             "VM {vm_id}: its suspend was cut short after its commit; it is suspended"
                         );
                         self.record_suspended(&mut rec, saved);
-                        self.converge_suspended(deadline, d, rec, res, publisher);
+                        self.converge_suspended(d, rec, pass);
                     }
-                    (true, _, PowerState::Suspended) => self.suspend(deadline, rec, res, publisher),
+                    (true, _, PowerState::Suspended) => self.suspend(rec, pass),
                     (true, _, PowerState::Running | PowerState::Stopped) => {
                         // Resumed where it stands (paused, or saving): what
                         // the suspend saved, if anything, goes with it.
-                        self.resume_live(deadline, d, rec, res, publisher);
+                        self.resume_live(d, rec, pass);
                     }
-                    (false, _, _) => {
-                        self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Interrupted)
-                    }
+                    (false, _, _) => self.cold_boot(d, rec, ColdBoot::Interrupted, pass),
                 }
             }
             State::Resuming => {
                 self.ledger.note(&rec.spec);
                 if self.prov.running(&vm_id) {
-                    self.resume_live(deadline, d, rec, res, publisher);
+                    self.resume_live(d, rec, pass);
                 } else {
-                    self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Interrupted);
+                    self.cold_boot(d, rec, ColdBoot::Interrupted, pass);
                 }
             }
             State::Creating(_) | State::Up | State::Down | State::Quarantined { .. } => {
-                self.converge(deadline, d, rec, res, publisher);
+                self.converge(d, rec, pass);
             }
         }
     }
 
     /// A suspended VM: kept so, resumed, or discarded and stopped, as
     /// desired.
-    fn converge_suspended(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    fn converge_suspended(&self, d: &DesiredVm, mut rec: Record, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         let Some(saved) = rec.lifecycle.suspension().saved() else {
-            return self.converge(deadline, d, rec, res, publisher);
+            return self.converge(d, rec, pass);
         };
         self.ledger.note_suspended(&rec.spec, &saved);
         match d.power {
@@ -147,76 +130,64 @@ impl Core {
                         rec.suspended(saved);
                         self.save_best_effort(&rec);
                     }
-                    self.report_recorded(res, &rec, PowerState::Suspended);
+                    self.report_recorded(pass.res, &rec, PowerState::Suspended);
                 }
                 Some(SavedGuest::Unusable(why)) => {
-                    self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Unusable);
+                    self.cold_boot(d, rec, ColdBoot::Unusable, pass);
                     log::warn!("VM {vm_id}: its saved state cannot be restored: {why}");
                 }
-                None => self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Gone),
+                None => self.cold_boot(d, rec, ColdBoot::Gone, pass),
             },
-            PowerState::Running => self.resume(deadline, d, rec, res, publisher),
+            PowerState::Running => self.resume(d, rec, pass),
             PowerState::Stopped => {
-                Narrator::new(
-                    publisher,
-                    deadline,
-                    res,
-                    &rec,
-                    PowerState::Suspended,
-                    Phase::Ready,
-                )
-                .say("stopping: discarding its saved state");
+                pass.narrator(&rec, PowerState::Suspended, Phase::Ready)
+                    .say("stopping: discarding its saved state");
                 // The saved state goes first: a suspended record whose state
                 // is gone is driven as one that lost it, never restored.
-                if let Err(e) = self.prov.discard_suspension(&vm_id, deadline) {
+                if let Err(e) = self.prov.discard_suspension(&vm_id, pass.deadline) {
                     // Still suspended, as the record says; the next pass
                     // tries again.
                     let why = chain(&*e);
                     self.log_failure(&vm_id, "discarding its saved state failed", &why);
-                    return res.report(&rec, Some(PowerState::Suspended), Phase::Failed, why);
+                    return pass
+                        .res
+                        .report(&rec, Some(PowerState::Suspended), Phase::Failed, why);
                 }
                 crate::crash::point("stop.snapshot-discarded");
                 rec.suspension_discarded();
                 self.save_best_effort(&rec);
                 self.ledger.note(&rec.spec);
                 log::info!("VM {vm_id}: stopped; its saved state discarded");
-                self.report_recorded(res, &rec, PowerState::Stopped);
+                self.report_recorded(pass.res, &rec, PowerState::Stopped);
             }
         }
     }
 
     /// Suspends a running VM (see the module's steps).
-    pub(crate) fn suspend(
-        &self,
-        deadline: Deadline,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    pub(crate) fn suspend(&self, mut rec: Record, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         // Whatever saved state is on the host now is stale (a leftover of a
         // discard that failed): a suspend under way finds only its own.
-        if let Err(e) = self.prov.discard_suspension(&vm_id, deadline) {
+        if let Err(e) = self.prov.discard_suspension(&vm_id, pass.deadline) {
             let why = chain(&*e);
             self.log_failure(&vm_id, "suspend failed", &why);
-            return self.report_recorded(res, &rec, PowerState::Running);
+            return self.report_recorded(pass.res, &rec, PowerState::Running);
         }
         rec.suspend_intended();
-        if !self.save_intent(&rec, "suspending", PowerState::Running, res) {
-            return;
-        }
-        crate::crash::point("suspend.intent-saved");
-        let narrator = Narrator::new(
-            publisher,
-            deadline,
-            res,
+        let Some(narrator) = self.intend(
             &rec,
+            "suspending",
             PowerState::Running,
-            Phase::Ready,
-        );
+            crate::crash::at("suspend.intent-saved"),
+            pass,
+        ) else {
+            return;
+        };
         let say = |what: &str| narrator.say(what);
         let started = Instant::now();
-        let suspended = timed(SUSPEND_STAGE, || self.prov.suspend(&vm_id, deadline, &say));
+        let suspended = timed(SUSPEND_STAGE, || {
+            self.prov.suspend(&vm_id, pass.deadline, &say)
+        });
         match suspended {
             Ok(saved) => {
                 self.counts.suspends.observe(started.elapsed());
@@ -227,7 +198,7 @@ impl Core {
                 );
                 self.record_suspended(&mut rec, saved);
                 self.forget_logs(&vm_id);
-                self.report_recorded(res, &rec, PowerState::Suspended);
+                self.report_recorded(pass.res, &rec, PowerState::Suspended);
             }
             Err(e) => {
                 let why = chain(&*e);
@@ -235,7 +206,7 @@ impl Core {
                 rec.suspend_failed(why);
                 self.save_best_effort(&rec);
                 let power = PowerState::observed(self.prov.running(&vm_id));
-                self.report_recorded(res, &rec, power);
+                self.report_recorded(pass.res, &rec, power);
             }
         }
     }
@@ -248,18 +219,11 @@ impl Core {
 
     /// Resumes a suspended VM from its saved state (see the module's
     /// steps).
-    fn resume(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    fn resume(&self, d: &DesiredVm, mut rec: Record, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         if let Err(why) = self.ledger.admit(&rec.spec) {
-            self.report_recorded(res, &rec, PowerState::Suspended);
-            if let Some(row) = &mut res.row {
+            self.report_recorded(pass.res, &rec, PowerState::Suspended);
+            if let Some(row) = &mut pass.res.row {
                 row.status_detail = format!("waiting for room on this host to resume it: {why}");
             }
             return;
@@ -268,38 +232,35 @@ impl Core {
             Some(SavedGuest::Usable(_)) => {}
             Some(SavedGuest::Unusable(why)) => {
                 log::warn!("VM {vm_id}: its saved state cannot be restored: {why}");
-                return self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Unusable);
+                return self.cold_boot(d, rec, ColdBoot::Unusable, pass);
             }
-            None => return self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Gone),
+            None => return self.cold_boot(d, rec, ColdBoot::Gone, pass),
         }
         rec.resume_intended();
-        if !self.save_intent(&rec, "resuming", PowerState::Suspended, res) {
-            return;
-        }
-        crate::crash::point("resume.intent-saved");
-        Narrator::new(
-            publisher,
-            deadline,
-            res,
+        let Some(narrator) = self.intend(
             &rec,
+            "resuming",
             PowerState::Suspended,
-            Phase::Ready,
-        )
-        .say("resuming");
+            crate::crash::at("resume.intent-saved"),
+            pass,
+        ) else {
+            return;
+        };
+        narrator.say("resuming");
         let started = Instant::now();
-        match timed(RESUME_STAGE, || self.prov.resume(&rec.spec, deadline)) {
+        match timed(RESUME_STAGE, || self.prov.resume(&rec.spec, pass.deadline)) {
             Ok(()) => {
                 self.counts.resumes.observe(started.elapsed());
                 log::info!(
                     "VM {vm_id}: resumed in {} ms",
                     started.elapsed().as_millis()
                 );
-                self.record_resumed(rec, res, publisher, deadline, d);
+                self.record_resumed(rec, d, pass);
             }
             Err(e) => {
                 let why = chain(&*e);
                 self.log_failure(&vm_id, "resume failed; booting it from its disks", &why);
-                self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Failed);
+                self.cold_boot(d, rec, ColdBoot::Failed, pass);
             }
         }
     }
@@ -307,34 +268,28 @@ impl Core {
     /// A suspend or resume cut short with the VMM alive: it is made to
     /// run (whatever was saved is discarded by the backend), then driven
     /// to what is desired.
-    fn resume_live(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-    ) {
+    fn resume_live(&self, d: &DesiredVm, mut rec: Record, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         if rec.lifecycle.suspension() != lifecycle::Suspension::Resuming {
             rec.resume_intended();
-            if !self.save_intent(&rec, "resuming", PowerState::Running, res) {
+            if !self.save_intent(&rec, "resuming", PowerState::Running, pass) {
                 return;
             }
         }
-        match self.prov.resume(&rec.spec, deadline) {
+        match self.prov.resume(&rec.spec, pass.deadline) {
             Ok(()) => {
                 log::info!("VM {vm_id}: a suspend or resume cut short is finished: it runs");
-                self.record_resumed(rec, res, publisher, deadline, d);
+                self.record_resumed(rec, d, pass);
             }
             Err(e) => {
                 let why = chain(&*e);
                 self.log_failure(&vm_id, "resuming it failed", &why);
                 if self.prov.running(&vm_id) {
                     // Still there: the next pass tries again.
-                    res.report(&rec, Some(PowerState::Running), Phase::Failed, why);
+                    pass.res
+                        .report(&rec, Some(PowerState::Running), Phase::Failed, why);
                 } else {
-                    self.cold_boot(deadline, d, rec, res, publisher, ColdBoot::Failed);
+                    self.cold_boot(d, rec, ColdBoot::Failed, pass);
                 }
             }
         }
@@ -342,14 +297,7 @@ impl Core {
 
     /// Records a guest running again, then drives it on if it is wanted
     /// otherwise now (a suspend cut short while the wish changed).
-    fn record_resumed(
-        &self,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-        deadline: Deadline,
-        d: &DesiredVm,
-    ) {
+    fn record_resumed(&self, mut rec: Record, d: &DesiredVm, pass: &mut Pass<'_>) {
         rec.resumed(self.host.boot_id());
         self.note_address(&mut rec);
         self.ledger.note(&rec.spec);
@@ -358,13 +306,13 @@ impl Core {
             PowerState::Running => {
                 // Said once the guest runs, before the record follows: a
                 // crash before the save finds its VMM alive and finishes.
-                self.report_recorded(res, &rec, PowerState::Running);
-                self.say_started(d, res, publisher, deadline);
+                self.report_recorded(pass.res, &rec, PowerState::Running);
+                self.say_started(d, pass);
                 self.save_best_effort(&rec);
             }
             PowerState::Suspended | PowerState::Stopped => {
                 self.save_best_effort(&rec);
-                self.converge(deadline, d, rec, res, publisher);
+                self.converge(d, rec, pass);
             }
         }
     }
@@ -372,15 +320,7 @@ impl Core {
     /// The saved state cannot be continued: discarded, said, counted, and
     /// the VM driven as one that is down (booted from its disks if it is
     /// wanted running or suspended).
-    fn cold_boot(
-        &self,
-        deadline: Deadline,
-        d: &DesiredVm,
-        mut rec: Record,
-        res: &mut VmResult,
-        publisher: Option<&Publisher>,
-        why: ColdBoot,
-    ) {
+    fn cold_boot(&self, d: &DesiredVm, mut rec: Record, why: ColdBoot, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         let said = match why {
             ColdBoot::Gone => "its saved state is gone",
@@ -390,23 +330,16 @@ impl Core {
         };
         log::warn!("VM {vm_id}: {said}; it will be booted from its disks");
         self.counts.cold_boots.inc(why.label());
-        if let Err(e) = self.prov.discard_suspension(&vm_id, deadline) {
+        if let Err(e) = self.prov.discard_suspension(&vm_id, pass.deadline) {
             log::warn!("VM {vm_id}: cannot discard its saved state: {}", chain(&*e));
         }
         rec.suspension_lost();
         self.save_best_effort(&rec);
         self.ledger.note(&rec.spec);
         if d.power != PowerState::Stopped {
-            Narrator::new(
-                publisher,
-                deadline,
-                res,
-                &rec,
-                PowerState::Stopped,
-                Phase::Ready,
-            )
-            .say(&format!("booting it from its disks: {said}"));
+            pass.narrator(&rec, PowerState::Stopped, Phase::Ready)
+                .say(&format!("booting it from its disks: {said}"));
         }
-        self.converge(deadline, d, rec, res, publisher);
+        self.converge(d, rec, pass);
     }
 }
