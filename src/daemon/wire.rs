@@ -68,33 +68,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         provisioner,
         mut notes,
     } = recover::recover(&config, guest_dns)?;
-    let caps = config.engine.caps;
-    let unlimited: Vec<&str> = [
-        (caps.max_vcpus, "--max-vcpus"),
-        (caps.max_mem_mb, "--max-mem-mb"),
-        (caps.max_disk_gb, "--max-disk-gb"),
-    ]
-    .into_iter()
-    .filter(|(cap, _)| *cap == 0)
-    .map(|(_, flag)| flag)
-    .collect();
-    if !unlimited.is_empty() {
-        let note = format!(
-            "no cap on {}: every VM desired state names is admitted however much the host has",
-            unlimited.join(", ")
-        );
-        log::warn!("{note}");
-        notes.push(note);
-    }
-    match &config.trust {
-        None => notes.push(
-            "desired state is unauthenticated: whoever can answer for the control plane (or write the desired file) decides what this host runs; pin the signer's keys with --trusted-keys".into(),
-        ),
-        Some(keys) => log::info!(
-            "desired state is taken only signed by a pinned key: {}",
-            keys.ids().collect::<Vec<_>>().join(", ")
-        ),
-    }
+    notes.extend(what_the_operator_should_know(&config));
     let seams = Seams {
         provisioner,
         images: Arc::clone(&images) as Arc<dyn crate::reconcile::seams::Images>,
@@ -107,19 +81,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         seams,
         config.engine.clone(),
     ));
-    let source: Box<dyn Source> = match &config.source {
-        DesiredSource::File(path) => Box::new(FileSource::new(
-            PathBuf::from(path),
-            config.limits,
-            config.trust.clone(),
-        )),
-        DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(
-            cp.clone(),
-            config.limits,
-            config.proxy.as_deref(),
-            config.trust.clone(),
-        )),
-    };
+    let source = source_of(&config);
     let (remote, described) = (source.is_remote(), source.describe());
     let host_id = config.host_id.clone().unwrap_or_else(discover::host_id);
     log::info!(
@@ -166,4 +128,55 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     signal_thread.stop();
     log::info!("stopped");
     Ok(())
+}
+
+/// What the operator should know of this agent's settings from the start
+/// (in `status`, and logged): caps not set, desired state not signed.
+fn what_the_operator_should_know(config: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    let caps = config.engine.caps;
+    let unlimited: Vec<&str> = [
+        (caps.max_vcpus, "--max-vcpus"),
+        (caps.max_mem_mb, "--max-mem-mb"),
+        (caps.max_disk_gb, "--max-disk-gb"),
+    ]
+    .into_iter()
+    .filter(|(cap, _)| *cap == 0)
+    .map(|(_, flag)| flag)
+    .collect();
+    if !unlimited.is_empty() {
+        let note = format!(
+            "no cap on {}: every VM desired state names is admitted however much the host has",
+            unlimited.join(", ")
+        );
+        log::warn!("{note}");
+        out.push(note);
+    }
+    match &config.trust {
+        None => out.push(
+            "desired state is unauthenticated: whoever can answer for the control plane (or write the desired file) decides what this host runs; pin the signer's keys with --trusted-keys".into(),
+        ),
+        Some(keys) => log::info!(
+            "desired state is taken only signed by a pinned key: {}",
+            keys.ids().collect::<Vec<_>>().join(", ")
+        ),
+    }
+    out
+}
+
+/// Where desired state comes from: the desired file, or the control plane.
+fn source_of(config: &Config) -> Box<dyn Source> {
+    match &config.source {
+        DesiredSource::File(path) => Box::new(FileSource::new(
+            PathBuf::from(path),
+            config.limits,
+            config.trust.clone(),
+        )),
+        DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(
+            cp.clone(),
+            config.limits,
+            config.proxy.as_deref(),
+            config.trust.clone(),
+        )),
+    }
 }

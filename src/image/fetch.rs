@@ -232,19 +232,7 @@ fn stream(
     for _ in 0..=PIPELINE {
         let _ = spare_tx.send(vec![0u8; BLOCK]);
     }
-    let hasher = std::thread::Builder::new()
-        .name("image-hash".into())
-        .spawn(move || {
-            let mut hasher = Sha256::new();
-            for (block, n) in full_rx {
-                hasher.update(&block[..n]);
-                if spare_tx.send(block).is_err() {
-                    break;
-                }
-            }
-            crate::hex::encode(&hasher.finalize())
-        })
-        .map_err(store_err)?;
+    let hasher = hash_alongside(full_rx, spare_tx).map_err(store_err)?;
     let mut done = 0u64;
     let mut reported = Instant::now();
     let mut pace = Pacer::new(source.pace);
@@ -264,23 +252,7 @@ fn stream(
                     let _ = full_tx.send((block, 0));
                     continue;
                 }
-                Err(e) => {
-                    let why = if is_global_timeout(&e) {
-                        pace.too_long(done)
-                    } else if is_timeout(&e) {
-                        format!(
-                            "the server sent nothing for {} s after {done} bytes (--image-stall-timeout); the next attempt starts afresh",
-                            source.pace.stall.as_secs_f64()
-                        )
-                    } else {
-                        format!("the download broke off after {done} bytes: {e}")
-                    };
-                    return Err(ImageError::Source {
-                        url: url.into(),
-                        permanent: false,
-                        why,
-                    });
-                }
+                Err(e) => return Err(broke_off(&e, done, &pace, source)),
             };
             done += n as u64;
             if let Err(why) = pace.check(done) {
@@ -330,6 +302,46 @@ fn stream(
         });
     }
     out.sync_data().map_err(store_err)
+}
+
+/// Hashes, on a thread of its own, the blocks sent on `full` (each with
+/// its length), handing each back on `spare`; its result is the digest.
+fn hash_alongside(
+    full: crossbeam_channel::Receiver<(Vec<u8>, usize)>,
+    spare: crossbeam_channel::Sender<Vec<u8>>,
+) -> io::Result<std::thread::JoinHandle<String>> {
+    std::thread::Builder::new()
+        .name("image-hash".into())
+        .spawn(move || {
+            let mut hasher = Sha256::new();
+            for (block, n) in full {
+                hasher.update(&block[..n]);
+                if spare.send(block).is_err() {
+                    break;
+                }
+            }
+            crate::hex::encode(&hasher.finalize())
+        })
+}
+
+/// Why a download broke off after `done` bytes with the read error `e`:
+/// out of its whole time, stalled, or cut; each may pass.
+fn broke_off(e: &io::Error, done: u64, pace: &Pacer, source: &Source<'_>) -> ImageError {
+    let why = if is_global_timeout(e) {
+        pace.too_long(done)
+    } else if is_timeout(e) {
+        format!(
+            "the server sent nothing for {} s after {done} bytes (--image-stall-timeout); the next attempt starts afresh",
+            source.pace.stall.as_secs_f64()
+        )
+    } else {
+        format!("the download broke off after {done} bytes: {e}")
+    };
+    ImageError::Source {
+        url: source.url.into(),
+        permanent: false,
+        why,
+    }
 }
 
 /// The sha256 of a file, streamed: for checking and for benchmarks.

@@ -151,6 +151,24 @@ impl DiskIdentity {
     }
 }
 
+/// Asks the VMM at `socket` to save its paused guest into `work`, within
+/// `bound`. A guest resumed moments ago whose VMM still reads the rest of
+/// its last snapshot in cannot be saved until that is done (seconds for
+/// GiBs): the ask is repeated, saying so, until then.
+fn snapshot_to(socket: &Path, work: &Path, bound: Deadline, say: Say<'_>) -> io::Result<()> {
+    let body =
+        serde_json::json!({ "destination_url": format!("file://{}", work.display()) }).to_string();
+    loop {
+        match put(socket, "/api/v1/vm.snapshot", Some(body.as_bytes()), bound) {
+            Err(e) if e.to_string().contains(RESTORE_IN_PROGRESS) && !bound.expired() => {
+                say("suspending: waiting for its last resume to finish reading its memory in");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            done => return done,
+        }
+    }
+}
+
 /// What a snapshot is taken with (its disks) and held to (its guest's
 /// memory: the memory file is no larger).
 pub(super) struct Taken {
@@ -173,66 +191,9 @@ impl CloudHypervisor {
             }
             .into());
         };
-        let layout = self.store.layout();
         let socket = self.socket_path(vm_id);
-        let work = layout.snapshot_work(vm_id);
         say("suspending: pausing the guest");
-        let saved = (|| -> Result<Saved, BoxFailure> {
-            timed("pause", || {
-                put(
-                    &socket,
-                    "/api/v1/vm.pause",
-                    None,
-                    deadline.capped(API_TIMEOUT),
-                )
-            })
-            .map_err(|e| failed(vm_id, "pause its guest", e))?;
-            if !work.is_dir() {
-                return Err(failed(
-                    vm_id,
-                    "save its guest",
-                    format!(
-                        "its hypervisor was started without {} (by an older agent): stop and start it once to make it suspendable",
-                        work.display()
-                    ),
-                ));
-            }
-            empty_dir(&work).map_err(|e| failed(vm_id, "empty its snapshot directory", e))?;
-            say("suspending: saving its memory");
-            let body = serde_json::json!({
-                "destination_url": format!("file://{}", work.display())
-            })
-            .to_string();
-            // A dense 1 GiB guest takes seconds; the pass's deadline
-            // bounds it (an hour without one).
-            let bound = deadline.capped(Duration::from_secs(3600));
-            timed("snapshot", || {
-                loop {
-                    match put(&socket, "/api/v1/vm.snapshot", Some(body.as_bytes()), bound) {
-                        // A guest resumed moments ago whose VMM still reads
-                        // the rest of its last snapshot in: it cannot be
-                        // saved until that is done (seconds for GiBs).
-                        Err(e) if e.to_string().contains(RESTORE_IN_PROGRESS) && !bound.expired() => {
-                            say("suspending: waiting for its last resume to finish reading its memory in");
-                            std::thread::sleep(Duration::from_millis(20));
-                        }
-                        done => return done,
-                    }
-                }
-            })
-            .map_err(|e| failed(vm_id, "save its guest", e))?;
-            crate::crash::point("suspend.snapshot-written");
-            let paths = SnapshotPaths {
-                incoming: layout.snapshot_incoming(vm_id),
-                committed: layout.snapshot(vm_id),
-                discarded: layout.snapshot_discarded(vm_id),
-            };
-            let taken_at_ms = unix_ms(SystemTime::now());
-            timed("commit", || {
-                seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
-            })
-            .map_err(|e| failed(vm_id, "commit its snapshot", e))
-        })();
+        let saved = self.pause_and_save(taken, vm_id, deadline, say);
         let saved = match saved {
             Ok(saved) => saved,
             Err(e) => {
@@ -260,6 +221,57 @@ impl CloudHypervisor {
         timed("leftovers", || self.end_leftovers(vm_id, say))?;
         crate::crash::point("suspend.vmm-stopped");
         Ok(saved)
+    }
+
+    /// Pauses the guest and saves it, committed where a resume finds it;
+    /// on an error the guest is left paused, for the caller to resume.
+    fn pause_and_save(
+        &self,
+        taken: &Taken,
+        vm_id: &Id,
+        deadline: Deadline,
+        say: Say<'_>,
+    ) -> Result<Saved, BoxFailure> {
+        let layout = self.store.layout();
+        let socket = self.socket_path(vm_id);
+        let work = layout.snapshot_work(vm_id);
+        timed("pause", || {
+            put(
+                &socket,
+                "/api/v1/vm.pause",
+                None,
+                deadline.capped(API_TIMEOUT),
+            )
+        })
+        .map_err(|e| failed(vm_id, "pause its guest", e))?;
+        if !work.is_dir() {
+            return Err(failed(
+                vm_id,
+                "save its guest",
+                format!(
+                    "its hypervisor was started without {} (by an older agent): stop and start it once to make it suspendable",
+                    work.display()
+                ),
+            ));
+        }
+        empty_dir(&work).map_err(|e| failed(vm_id, "empty its snapshot directory", e))?;
+        say("suspending: saving its memory");
+        // A dense 1 GiB guest takes seconds; the pass's deadline bounds it
+        // (an hour without one).
+        let bound = deadline.capped(Duration::from_secs(3600));
+        timed("snapshot", || snapshot_to(&socket, &work, bound, say))
+            .map_err(|e| failed(vm_id, "save its guest", e))?;
+        crate::crash::point("suspend.snapshot-written");
+        let paths = SnapshotPaths {
+            incoming: layout.snapshot_incoming(vm_id),
+            committed: layout.snapshot(vm_id),
+            discarded: layout.snapshot_discarded(vm_id),
+        };
+        let taken_at_ms = unix_ms(SystemTime::now());
+        timed("commit", || {
+            seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
+        })
+        .map_err(|e| failed(vm_id, "commit its snapshot", e))
     }
 
     /// Resumes the VM (see the module's steps).
