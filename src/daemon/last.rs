@@ -42,39 +42,86 @@ pub fn save(path: &Path, wire: &pb::Snapshot) -> std::io::Result<()> {
     write_atomic(path, &bytes)
 }
 
+/// Why the last snapshot's file is not a whole snapshot.
+#[derive(Debug)]
+pub enum LastError {
+    Read(std::io::Error),
+    /// Too short, or without the magic: empty, torn, or an older agent's.
+    NotFramed {
+        bytes: usize,
+    },
+    Format {
+        found: u32,
+    },
+    /// Its header says `said` bytes; it holds `held`.
+    Torn {
+        said: u64,
+        held: usize,
+    },
+    Checksum,
+    Decode(prost::DecodeError),
+}
+
+impl std::fmt::Display for LastError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LastError::Read(e) => write!(f, "cannot read it: {e}"),
+            LastError::NotFramed { bytes } => write!(
+                f,
+                "it is not a framed snapshot ({bytes} bytes; an empty or torn file, or one an older agent wrote)"
+            ),
+            LastError::Format { found } => {
+                write!(f, "its format is {found}, this agent reads {FORMAT}")
+            }
+            LastError::Torn { said, held } => {
+                write!(f, "it says {said} bytes and holds {held}: torn")
+            }
+            LastError::Checksum => f.write_str("its checksum does not match its content"),
+            LastError::Decode(e) => write!(f, "it does not decode: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for LastError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            LastError::Read(e) => Some(e),
+            LastError::Decode(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 /// The snapshot at `path`: `Ok(None)` when there is no file, `Err` (why)
 /// when there is one that is not a whole snapshot.
-pub fn load(path: &Path) -> Result<Option<pb::Snapshot>, String> {
+pub fn load(path: &Path) -> Result<Option<pb::Snapshot>, LastError> {
     let bytes = match std::fs::read(path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read it: {e}")),
+        Err(e) => return Err(LastError::Read(e)),
     };
     if bytes.len() < HEADER || &bytes[..8] != MAGIC {
-        return Err(format!(
-            "it is not a framed snapshot ({} bytes; an empty or torn file, or one an older agent wrote)",
-            bytes.len()
-        ));
+        return Err(LastError::NotFramed { bytes: bytes.len() });
     }
     let field = |at: usize, len: usize| &bytes[at..at + len];
     let format = u32::from_le_bytes(field(8, 4).try_into().unwrap_or([0; 4]));
     if format != FORMAT {
-        return Err(format!("its format is {format}, this agent reads {FORMAT}"));
+        return Err(LastError::Format { found: format });
     }
     let len = u64::from_le_bytes(field(12, 8).try_into().unwrap_or([0; 8]));
     let payload = &bytes[HEADER..];
     if payload.len() as u64 != len {
-        return Err(format!(
-            "it says {len} bytes and holds {}: torn",
-            payload.len()
-        ));
+        return Err(LastError::Torn {
+            said: len,
+            held: payload.len(),
+        });
     }
     if Sha256::digest(payload).as_slice() != field(20, 32) {
-        return Err("its checksum does not match its content".into());
+        return Err(LastError::Checksum);
     }
     pb::Snapshot::decode(payload)
         .map(Some)
-        .map_err(|e| format!("it does not decode: {e}"))
+        .map_err(LastError::Decode)
 }
 
 /// The last accepted snapshot a previous agent persisted, read and checked.
@@ -125,7 +172,7 @@ mod tests {
         let path = dir.path().join("snapshot.pb");
         save(&path, &snap()).expect("save");
 
-        assert_eq!(load(&path), Ok(Some(snap())));
+        assert_eq!(load(&path).ok(), Some(Some(snap())));
     }
 
     #[test]
@@ -152,8 +199,8 @@ mod tests {
         std::fs::write(&path, &altered).expect("altered");
         let changed = load(&path);
 
-        assert!(torn.is_err_and(|e| e.contains("torn")));
-        assert!(changed.is_err_and(|e| e.contains("checksum")));
+        assert!(matches!(torn, Err(LastError::Torn { .. })));
+        assert!(matches!(changed, Err(LastError::Checksum)));
     }
 
     #[test]
