@@ -215,36 +215,9 @@ unsafe fn child(args: &ChildArgs<'_>) -> ! {
         }
         enter(entry, netns, report);
 
-        // Held until it is recorded; end-of-file means the agent died or
-        // could not record it, and this child must never become a VMM.
-        let mut byte = 0u8;
-        loop {
-            let n = libc::read(hold, (&raw mut byte).cast(), 1);
-            if n == 1 {
-                break;
-            }
-            if n < 0 && *libc::__errno_location() == libc::EINTR {
-                continue;
-            }
-            libc::_exit(0);
-        }
-        // Step 4. No handler of the agent's may run in this child (it
-        // shares the agent's memory until the exec): each goes back to the
-        // default before anything is unblocked. (An ignored signal stays
-        // ignored, as a fork and exec would leave it.)
-        let mut signal = 1;
-        while signal < 65 {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(signal, std::ptr::null(), &mut action) == 0
-                && action.sa_sigaction != libc::SIG_DFL
-                && action.sa_sigaction != libc::SIG_IGN
-            {
-                let mut default: libc::sigaction = std::mem::zeroed();
-                default.sa_sigaction = libc::SIG_DFL;
-                libc::sigaction(signal, &default, std::ptr::null_mut());
-            }
-            signal += 1;
-        }
+        wait_for_release(hold);
+        // Step 4.
+        default_every_handler();
         libc::sigprocmask(libc::SIG_SETMASK, &args.mask, std::ptr::null_mut());
         // The high copies are close-on-exec: after the exec the hypervisor
         // holds its targets and nothing else of the agent's.
@@ -254,6 +227,56 @@ unsafe fn child(args: &ChildArgs<'_>) -> ! {
             args.envp.as_ptr(),
         );
         fail(report, Stage::Exec)
+    }
+}
+
+/// Holds the child until it is recorded: a byte on `hold` releases it;
+/// end-of-file means the agent died or could not record it, and this
+/// child must never become a VMM, so it exits.
+///
+/// # Safety
+/// As [`child`]'s: in the cloned child only, async-signal-safe, no
+/// allocation.
+unsafe fn wait_for_release(hold: RawFd) {
+    let mut byte = 0u8;
+    loop {
+        // SAFETY: a read of one byte into this frame's own byte.
+        let n = unsafe { libc::read(hold, (&raw mut byte).cast(), 1) };
+        if n == 1 {
+            return;
+        }
+        // SAFETY: this thread's errno, read right after the call.
+        if n < 0 && unsafe { *libc::__errno_location() } == libc::EINTR {
+            continue;
+        }
+        // SAFETY: _exit is async-signal-safe and runs nothing of the agent's.
+        unsafe { libc::_exit(0) };
+    }
+}
+
+/// Sets every handler of the agent's back to the default before anything
+/// is unblocked: none may run in this child, which shares the agent's
+/// memory until the exec. (An ignored signal stays ignored, as a fork and
+/// exec would leave it.)
+///
+/// # Safety
+/// As [`child`]'s: in the cloned child only, async-signal-safe, no
+/// allocation.
+unsafe fn default_every_handler() {
+    for signal in 1..65 {
+        // SAFETY: sigaction on this process with actions on this frame's
+        // stack; an all-zero sigaction is a valid value.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &mut action) == 0
+                && action.sa_sigaction != libc::SIG_DFL
+                && action.sa_sigaction != libc::SIG_IGN
+            {
+                let mut default: libc::sigaction = std::mem::zeroed();
+                default.sa_sigaction = libc::SIG_DFL;
+                libc::sigaction(signal, &default, std::ptr::null_mut());
+            }
+        }
     }
 }
 

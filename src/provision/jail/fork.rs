@@ -44,7 +44,7 @@
 
 use std::ffi::{CString, OsStr};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -65,6 +65,18 @@ pub struct Jail {
     pub limits: Vec<(Limit, u64)>,
     /// The files it sees (see [`View`]); all of the host's without one.
     pub view: Option<View>,
+}
+
+impl Jail {
+    /// Its groups and limits as the child sets them.
+    fn as_entered(&self) -> (Vec<libc::gid_t>, Vec<(libc::c_int, Rlimit64)>) {
+        let limits = self
+            .limits
+            .iter()
+            .map(|(l, v)| (l.resource(), Rlimit64 { cur: *v, max: *v }))
+            .collect();
+        (self.groups.clone(), limits)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,29 +152,8 @@ pub fn start(
         netns,
         jail,
     } = *what;
-    if own.len() > MAX_OWN_FDS || cgroups.len() > MAX_CGROUP_FDS {
-        return Err(StartError::Spawn(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "{} fds and {} cgroups to pass, at most {MAX_OWN_FDS} and {MAX_CGROUP_FDS}",
-                own.len(),
-                cgroups.len()
-            ),
-        )));
-    }
-    let mut cgroup_fds = [-1; MAX_CGROUP_FDS];
-    for (slot, fd) in cgroup_fds.iter_mut().zip(cgroups) {
-        *slot = fd.as_raw_fd();
-    }
-    let groups: Vec<libc::gid_t> = jail.map(|j| j.groups.clone()).unwrap_or_default();
-    let limits: Vec<(libc::c_int, Rlimit64)> = jail
-        .map(|j| {
-            j.limits
-                .iter()
-                .map(|(l, v)| (l.resource(), Rlimit64 { cur: *v, max: *v }))
-                .collect()
-        })
-        .unwrap_or_default();
+    let cgroup_fds = raw_fds::<MAX_CGROUP_FDS>(cgroups.iter(), "cgroups")?;
+    let (groups, limits) = jail.map(Jail::as_entered).unwrap_or_default();
     let program = cstring(program.as_os_str()).map_err(StartError::Spawn)?;
     let mut owned_args = vec![program.clone()];
     for a in args {
@@ -179,13 +170,12 @@ pub fn start(
     let (hold, release) = pipe()?;
     let (report, report_w) = pipe()?;
     let (announced, announce) = pipe()?;
-    let mut sources = [-1; 3 + MAX_OWN_FDS];
-    sources[0] = null.as_raw_fd();
-    sources[1] = log.as_raw_fd();
-    sources[2] = log.as_raw_fd();
-    for (slot, fd) in sources[3..].iter_mut().zip(own) {
-        *slot = fd.as_raw_fd();
-    }
+    // Its stdin, stdout and stderr, then its own from FIRST_OWN_FD.
+    let standard = [null.as_fd(), log.as_fd(), log.as_fd()];
+    let sources = raw_fds::<{ 3 + MAX_OWN_FDS }>(
+        standard.into_iter().chain(own.iter().map(|fd| fd.as_fd())),
+        "fds",
+    )?;
     let stack = Stack::map().map_err(StartError::Spawn)?;
     let mut args = ChildArgs {
         hold: hold.as_raw_fd(),
@@ -216,77 +206,118 @@ pub fn start(
             .name("vmm-record".into())
             .stack_size(256 * 1024)
             .spawn_scoped(scope, move || {
-                let recording = crate::stages::record();
-                let mut word = [0u8; 4];
-                let announced_pid = read_full(&announced, &mut word)
-                    .then(|| i32::from_ne_bytes(word))
-                    .filter(|pid| *pid > 0);
-                let recorded = announced_pid.map(|pid| {
-                    record(pid).map(|()| {
-                        // A child that has already failed and exited makes
-                        // this EPIPE; its report says why.
-                        let _ = nix::unistd::write(&release, &[1]);
-                    })
-                });
-                (recorded, recording.finish())
+                record_when_announced(&announced, &release, record)
             })
             .map_err(StartError::Spawn)?;
 
-        // SAFETY: the clone runs `trampoline` on a stack of its own with
-        // `args`, which lives in this frame; this thread is suspended
-        // (CLONE_VFORK) until the child execs or exits, so `args` and
-        // everything it points to outlive every use the child makes of
-        // them. Every signal is blocked across the clone, so the child
-        // starts with none deliverable.
-        let pid = unsafe {
-            let mut all = empty_sigset();
-            libc::sigfillset(&mut all);
-            libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut args.mask);
-            let pid = libc::clone(
-                trampoline,
-                stack.top(),
-                libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-                (&raw mut args).cast(),
-            );
-            let cloned = io::Error::last_os_error();
-            libc::pthread_sigmask(libc::SIG_SETMASK, &args.mask, std::ptr::null_mut());
-            if pid < 0 { Err(cloned) } else { Ok(pid) }
-        };
+        let pid = clone_child(&mut args, &stack);
         // The child's copies were its own; these would keep the helper
         // from ever reading the end of the announce pipe, and this thread
         // from reading the end of the report.
         drop((hold, report_w, announce));
         let joined = helper.join();
         let pid = pid.map_err(StartError::Spawn)?;
-        let recorded = match joined {
-            Ok((recorded, stages)) => {
+        let recorded = joined.map_or_else(
+            |payload| {
+                Some(Err(io::Error::other(format!(
+                    "recording the hypervisor's process panicked: {}",
+                    crate::threads::panic_message(payload.as_ref())
+                ))))
+            },
+            |(recorded, stages)| {
                 crate::stages::absorb(&stages);
                 recorded
-            }
-            Err(payload) => Some(Err(io::Error::other(format!(
-                "recording the hypervisor's process panicked: {}",
-                crate::threads::panic_message(payload.as_ref())
-            )))),
-        };
-        let outcome = read_report(&report);
-        match (recorded, outcome) {
-            (Some(Ok(())), Ok(())) => Ok(pid),
-            (_, Err(e)) => {
-                wait_raw(pid);
-                Err(StartError::Exec(e))
-            }
-            (Some(Err(e)), Ok(())) => {
-                wait_raw(pid);
-                Err(StartError::Record(e))
-            }
-            (None, Ok(())) => {
-                wait_raw(pid);
-                Err(StartError::Exec(io::Error::other(
-                    "the hypervisor's process ended before it said its pid",
-                )))
-            }
-        }
+            },
+        );
+        outcome(pid, recorded, read_report(&report))
     })
+}
+
+/// Clones the child that runs `trampoline` with `args` on `stack`, every
+/// signal blocked across the clone; this thread waits (CLONE_VFORK) until
+/// the child execs or exits.
+fn clone_child(args: &mut ChildArgs<'_>, stack: &Stack) -> io::Result<i32> {
+    // SAFETY: the clone runs `trampoline` on a stack of its own with
+    // `args`, which lives in the caller's frame; this thread is suspended
+    // (CLONE_VFORK) until the child execs or exits, so `args` and
+    // everything it points to outlive every use the child makes of them.
+    // Every signal is blocked across the clone, so the child starts with
+    // none deliverable.
+    unsafe {
+        let mut all = empty_sigset();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut args.mask);
+        let pid = libc::clone(
+            trampoline,
+            stack.top(),
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (args as *mut ChildArgs<'_>).cast(),
+        );
+        let cloned = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &args.mask, std::ptr::null_mut());
+        if pid < 0 { Err(cloned) } else { Ok(pid) }
+    }
+}
+
+/// The raw numbers of `fds`, in order, the rest of the `N` slots -1; more
+/// than `N` is refused, naming `what` they are.
+fn raw_fds<'a, const N: usize>(
+    fds: impl IntoIterator<Item = impl AsFd + 'a>,
+    what: &str,
+) -> Result<[RawFd; N], StartError> {
+    let mut out = [-1; N];
+    for (i, fd) in fds.into_iter().enumerate() {
+        let Some(slot) = out.get_mut(i) else {
+            return Err(StartError::Spawn(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("more {what} to pass than the {N} a hypervisor takes"),
+            )));
+        };
+        *slot = fd.as_fd().as_raw_fd();
+    }
+    Ok(out)
+}
+
+/// Step 3, on the helper thread: reads the pid the child announces, has
+/// it recorded, and only then releases the child. Dropping `release`
+/// unsent is what holds a child for good. `None`: the child said no pid.
+fn record_when_announced(
+    announced: &OwnedFd,
+    release: &OwnedFd,
+    record: impl FnOnce(i32) -> io::Result<()>,
+) -> (Option<io::Result<()>>, crate::stages::Stages) {
+    let recording = crate::stages::record();
+    let mut word = [0u8; 4];
+    let announced_pid = read_full(announced, &mut word)
+        .then(|| i32::from_ne_bytes(word))
+        .filter(|pid| *pid > 0);
+    let recorded = announced_pid.map(|pid| {
+        record(pid).map(|()| {
+            // A child that has already failed and exited makes this EPIPE;
+            // its report says why.
+            let _ = nix::unistd::write(release, &[1]);
+        })
+    });
+    (recorded, recording.finish())
+}
+
+/// How a start ended, from what the helper recorded and what the child
+/// reported: running, or reaped with why not.
+fn outcome(
+    pid: i32,
+    recorded: Option<io::Result<()>>,
+    reported: io::Result<()>,
+) -> Result<i32, StartError> {
+    let failed = match (recorded, reported) {
+        (Some(Ok(())), Ok(())) => return Ok(pid),
+        (_, Err(e)) => StartError::Exec(e),
+        (Some(Err(e)), Ok(())) => StartError::Record(e),
+        (None, Ok(())) => StartError::Exec(io::Error::other(
+            "the hypervisor's process ended before it said its pid",
+        )),
+    };
+    wait_raw(pid);
+    Err(failed)
 }
 
 /// Reads exactly `buf.len()` bytes, retrying on EINTR; false at an early
@@ -429,6 +460,22 @@ pub fn wait_raw(pid: i32) -> Option<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn more_fds_than_a_hypervisor_takes_are_refused_naming_them() {
+        let null = std::fs::File::open("/dev/null").expect("null");
+        let three = [null.as_fd(), null.as_fd(), null.as_fd()];
+
+        let refused = raw_fds::<2>(three, "cgroups").expect_err("refused");
+        let taken = raw_fds::<4>(three, "fds").expect("taken");
+
+        assert!(
+            matches!(&refused, StartError::Spawn(e) if e.to_string().contains("more cgroups to pass than the 2")),
+            "{refused:?}"
+        );
+        assert_eq!(taken[3], -1);
+        assert_eq!(taken[0], null.as_raw_fd());
+    }
     use std::io::Read;
     use std::os::fd::{FromRawFd, RawFd};
     use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
