@@ -698,7 +698,15 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
         host.start(None);
         match host.converge(&desired) {
             Ok(took) => converge_s.push(took.as_secs_f64()),
-            Err(p) => problems.extend(p.into_iter().map(|p| format!("kill {kill}: {p}"))),
+            Err(p) => {
+                problems.extend(p.into_iter().map(|p| format!("kill {kill}: {p}")));
+                // The log as it was then: by the end of the run, the
+                // lines that say why are long gone from its tail.
+                problems.push(format!(
+                    "kill {kill}: the agents' log then ends:\n{}",
+                    host.log_tail(LOG_LINES)
+                ));
+            }
         }
     }
     problems.extend(host.finish());
