@@ -259,7 +259,6 @@ impl CloudHvError {
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Kvm { .. }
-            | E::Jail(_)
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile
@@ -276,6 +275,10 @@ impl CloudHvError {
             | E::NotRunning { .. }
             | E::Suspension { .. }
             | E::RemoveTap { .. } => Kind::Transient,
+            // What the host lacks is the host's; the rest (a full disk
+            // under the VM's files, a busy cgroup) is about a moment.
+            E::Jail(e) if e.is_host_condition() => Kind::Host,
+            E::Jail(_) => Kind::Transient,
             E::Supervise(e) if e.is_permanent() => Kind::Permanent,
             E::Supervise(e) if e.is_host_condition() => Kind::Host,
             E::Supervise(_) => Kind::Transient,
@@ -317,6 +320,23 @@ mod tests {
             "{}",
             chain(&err)
         );
+    }
+
+    #[test]
+    fn a_jail_failure_is_the_hosts_only_where_the_host_lacks_something() {
+        use crate::provision::jail::JailError;
+        let unconfinable = CloudHvError::from(JailError::Unconfinable {
+            piece: "jail",
+            why: "not root".into(),
+        });
+        let full_disk = CloudHvError::from(JailError::GiveFiles {
+            vm_id: vm(),
+            source: io::Error::from(io::ErrorKind::StorageFull),
+        });
+
+        assert!(unconfinable.is_host_condition());
+        assert!(!full_disk.is_host_condition());
+        assert!(!full_disk.is_permanent());
     }
 
     #[test]
