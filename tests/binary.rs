@@ -297,6 +297,28 @@ fn a_second_agent_on_the_same_state_dir_fails_naming_it() {
 }
 
 #[test]
+fn a_second_agent_names_the_process_that_holds_the_lock() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let first = Agent::start(dir.path(), &[]);
+    first.wait_report("first report", |_| true);
+    let first_pid = first.child.as_ref().map(Child::id).expect("first pid");
+
+    let second = Command::new(BIN)
+        .args(["run", "--desired", "/dev/null", "--state-dir"])
+        .arg(&first.state)
+        .env_clear()
+        .output()
+        .expect("second agent");
+
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains(&format!("held by pid {first_pid} (eitri-agent)")),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn each_signal_is_logged_once() {
     let dir = tempfile::tempdir().expect("tempdir");
     desired(dir.path(), ONE_VOLUME);

@@ -2,6 +2,7 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
+use super::holders::Holder;
 use crate::model::Id;
 
 /// What went wrong in the state store. Every variant names the file or
@@ -9,9 +10,11 @@ use crate::model::Id;
 /// top level prints as a chain.
 #[derive(Debug)]
 pub enum StoreError {
-    /// Another agent holds the state dir.
+    /// Another agent holds the state dir: the processes found with its
+    /// lock open (none where they cannot be read).
     Locked {
         dir: PathBuf,
+        holders: Vec<Holder>,
     },
     OpenLock {
         path: PathBuf,
@@ -60,11 +63,18 @@ pub enum StoreError {
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            StoreError::Locked { dir } => write!(
-                f,
-                "state dir {} is in use by another eitri-agent; stop that agent or choose another --state-dir",
-                dir.display()
-            ),
+            StoreError::Locked { dir, holders } => {
+                write!(
+                    f,
+                    "state dir {} is in use by another eitri-agent",
+                    dir.display()
+                )?;
+                if !holders.is_empty() {
+                    let named: Vec<String> = holders.iter().map(Holder::to_string).collect();
+                    write!(f, " (its lock is held by {})", named.join(", "))?;
+                }
+                write!(f, "; stop that agent or choose another --state-dir")
+            }
             StoreError::OpenLock { path, .. } => {
                 write!(f, "cannot open the lock file {}", path.display())
             }

@@ -85,6 +85,7 @@ impl Store {
             Err(TryLockError::WouldBlock) => {
                 return Err(StoreError::Locked {
                     dir: root.to_path_buf(),
+                    holders: super::holders::holders(&lock_path),
                 });
             }
             Err(TryLockError::Error(source)) => {
