@@ -191,19 +191,17 @@ fn volumes(report: &serde_json::Value) -> Vec<String> {
 }
 
 #[test]
-fn help_documents_every_flag() {
+fn help_lists_every_flag_of_run_by_section() {
     let out = eitri(&["--help"]);
 
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
-    assert!(
-        text.contains("--state-dir") && text.contains("EITRI_STATE_DIR"),
-        "{text}"
-    );
-    assert!(
-        text.contains("--notify-fd") && text.contains("[5s]"),
-        "{text}"
-    );
+    let state = text.find("State: ").expect("a State section");
+    let reporting = text.find("Reporting: ").expect("a Reporting section");
+    let in_state = &text[state..reporting];
+    let in_reporting = &text[reporting..];
+    assert!(in_state.contains("\n  --state-dir "), "{text}");
+    assert!(in_reporting.contains("\n  --notify-fd "), "{text}");
 }
 
 #[test]
@@ -213,10 +211,25 @@ fn run_help_exits_0_with_runs_flags() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(
-        text.contains("Flags of `run`")
-            && text.contains("--notify-fd")
-            && text.contains("EITRI_TICK"),
+        text.contains("Flags of `run`") && text.contains("--notify-fd") && text.contains("--tick"),
         "{text}"
+    );
+}
+
+#[test]
+fn run_help_all_gives_each_flags_default_environment_variable_and_file_key() {
+    let out = eitri(&["run", "--help-all"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    let tick = text.find("--tick ").expect("--tick");
+    let rest = &text[tick..];
+    let entry = &rest[..rest.find("\n  --").unwrap_or(rest.len())];
+    assert!(
+        entry.contains("[5s]")
+            && entry.contains("$EITRI_TICK")
+            && entry.contains("file: reconcile.tick"),
+        "{entry}"
     );
 }
 

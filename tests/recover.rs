@@ -19,7 +19,6 @@ use eitri_agent::deadline::Deadline;
 use eitri_agent::model::Id;
 use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
-use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::state::{Record, Store};
 use eitri_agent::testkit::tools::tool;
 use eitri_agent::testkit::{desired, id};
@@ -86,16 +85,12 @@ fn a_vmm_left_running(config: &Config) -> i32 {
     let backend = CloudHypervisor::new(
         Arc::clone(&store),
         CloudHvConfig {
-            hypervisor: config.guest.hypervisor.clone(),
-            kernel: config.guest.kernel.clone(),
-            firmware: None,
-            cmdline: String::new(),
-            run_dir: config.guest.run_dir.clone(),
+            hypervisor: Arc::clone(&config.guest.hypervisor),
             tap_prefix: config.guest.tap_prefix.clone(),
             boot_wait: Duration::from_secs(5),
-            stop: StopTimeouts::default(),
             network: None,
-            confinement: config.guest.confinement.clone(),
+            confinement: Arc::clone(&config.guest.confinement),
+            limits: Arc::clone(&config.guest.limits),
         },
     );
     backend.boot(&spec, Deadline::NONE).expect("boot");

@@ -11,9 +11,9 @@ use eitri_agent::deadline::Deadline;
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot, VmStatus};
-use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::provision::vfkit::{Vfkit, VfkitConfig};
+use eitri_agent::provision::{HypervisorSettings, Lifecycle};
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::state::Store;
@@ -133,15 +133,16 @@ impl Drop for Host {
 
 fn config(dir: &Path) -> VfkitConfig {
     VfkitConfig {
-        vfkit: PathBuf::from(VFKIT),
-        run_dir: dir.join("run"),
+        hypervisor: Arc::new(HypervisorSettings {
+            stop: StopTimeouts {
+                power_button: Duration::from_millis(500),
+                vmm_shutdown: Duration::from_millis(500),
+                terminate: Duration::from_millis(500),
+                kill: Duration::from_millis(500),
+            },
+            ..HypervisorSettings::new(PathBuf::from(VFKIT), None, dir.join("run"))
+        }),
         boot_wait: Duration::from_secs(5),
-        stop: StopTimeouts {
-            power_button: Duration::from_millis(500),
-            vmm_shutdown: Duration::from_millis(500),
-            terminate: Duration::from_millis(500),
-            kill: Duration::from_millis(500),
-        },
         leases: dir.join("dhcpd_leases"),
     }
 }

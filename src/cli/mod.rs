@@ -23,6 +23,16 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             print!("{text}");
             ExitCode::SUCCESS
         }
+        Command::Config { text, problem } => {
+            print!("{text}");
+            match problem {
+                None => ExitCode::SUCCESS,
+                Some(e) => {
+                    eprintln!("eitri-agent: run would refuse these settings: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Version => {
             println!("eitri-agent {AGENT_VERSION}");
             ExitCode::SUCCESS

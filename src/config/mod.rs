@@ -15,10 +15,11 @@ use crate::provision::GuestBoot;
 use crate::reconcile::EngineConfig;
 use crate::source::ControlPlane;
 
+mod file;
 mod run;
 mod settings;
 
-use settings::Key;
+use settings::{Key, Section};
 
 /// What the binary was asked to do.
 #[derive(Debug, Clone, PartialEq)]
@@ -53,6 +54,12 @@ pub enum Command {
     Sign {
         key: PathBuf,
         file: PathBuf,
+    },
+    /// The settings `run` would use and where each came from; `problem`:
+    /// why `run` would refuse them.
+    Config {
+        text: String,
+        problem: Option<ConfigError>,
     },
     Version,
     /// Print this help text (the whole binary's, or one verb's).
@@ -120,35 +127,65 @@ pub(super) fn err(msg: impl Into<String>) -> ConfigError {
 
 /// The synopsis of every command, the top of `--help`.
 const SYNOPSIS: &str = "\
-usage: eitri-agent run [FLAGS]        converge this host and report (the daemon)
+usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (the daemon)
+       eitri-agent config [--config FILE] [FLAGS]   the settings run would use, and where each came from
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
        eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
        eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
        eitri-agent sign --key KEY-FILE FILE           sign a desired file: FILE.sig beside it
        eitri-agent --version | --help
-       eitri-agent COMMAND --help         one command's flags
+       eitri-agent COMMAND --help         one command's flags (run --help-all: in full)
 ";
 
-/// The `--help` text: every command, then `run`'s flags, generated from
-/// the settings table.
+/// The `--help` text: every command, then `run`'s flags by section,
+/// generated from the settings table.
 pub fn usage() -> String {
     let mut out = String::from(SYNOPSIS);
     out.push_str(
         "\nThe host agent of the eitri microVM platform. Give --desired FILE (standalone)\n\
-         or --control-plane URL. Every flag may instead be set by the environment\n\
-         variable shown; the flag wins.\n\n",
+         or --control-plane URL. A setting is taken from its flag, else its environment\n\
+         variable, else the config file (--config FILE, $EITRI_CONFIG), else its default.\n\n",
     );
-    out.push_str(&run_usage());
+    out.push_str(&run_usage(false));
     out
 }
 
-/// `run --help`: its flags, with their defaults and environment variables.
-fn run_usage() -> String {
-    let mut out = String::from("Flags of `run` (default in brackets):\n");
-    for s in Key::ALL.iter().map(|k| k.setting()) {
-        out.push_str(&flag_line(s.flag, s.help, s.default, Some(s.env)));
+/// `run --help` (`all`: `--help-all`): its flags section by section; in
+/// full, each with its default, environment variable and config-file key.
+fn run_usage(all: bool) -> String {
+    let mut out = String::from(if all {
+        "Flags of `run`, by section (default in brackets):\n"
+    } else {
+        "Flags of `run`, by section (run --help-all: each in full, with its default,\n\
+         environment variable and config-file key):\n"
+    });
+    for section in Section::ALL {
+        let (title, about) = section.title();
+        out.push_str(&format!("\n{title}: {about}\n"));
+        for s in Key::ALL
+            .iter()
+            .map(|k| k.setting())
+            .filter(|s| s.section == *section)
+        {
+            if all {
+                out.push_str(&flag_line(s.flag, s.help, s.default, Some(s.env)));
+                out.push_str(&format!(
+                    "  {:<26} file: {}.{}\n",
+                    "",
+                    section.name(),
+                    s.flag
+                ));
+            } else {
+                out.push_str(&format!("  --{:<26} {}\n", s.flag, s.help));
+            }
+        }
     }
+    out.push_str(&format!(
+        "\n  --{:<26} {}\n",
+        run::CONFIG_FLAG,
+        "a JSON file of these settings by section, e.g. {\"hypervisor\": {\"kernel\": \"/boot/vmlinux\"}} (or $EITRI_CONFIG)"
+    ));
     out.push_str("\nDurations take a unit: 500ms, 30s, 15m, 24h.\n");
     out
 }
@@ -159,6 +196,52 @@ fn flag_line(flag: &str, help: &str, default: &str, env: Option<&str>) -> String
     let default = if default.is_empty() { "none" } else { default };
     let env = env.map(|e| format!(" ${e}")).unwrap_or_default();
     format!("  --{flag:<24} {help}\n  {:<26} [{default}]{env}\n", "")
+}
+
+/// `eitri-agent config`: every setting of `run` by section, its value and
+/// where the value came from, as `run` would read them with these flags,
+/// this environment and this file.
+fn show_config(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
+    let raw = run::Raw::read(args, env)?;
+    let mut text =
+        String::from("# the settings `eitri-agent run` would use, and where each came from\n");
+    match &raw.file_path {
+        Some(path) => text.push_str(&format!(
+            "# (flag, else env, else the file {}, else default)\n",
+            crate::quote::path(path)
+        )),
+        None => text.push_str("# (flag, else env, else default; no --config file)\n"),
+    }
+    for section in Section::ALL {
+        text.push_str(&format!("\n[{}]\n", section.name()));
+        for key in Key::ALL.iter().filter(|k| k.setting().section == *section) {
+            let (value, origin) = raw.value(*key);
+            let shown = if value.is_empty() {
+                "-".to_owned()
+            } else {
+                value
+            };
+            text.push_str(&format!(
+                "{:<28} {:<40} {}\n",
+                key.setting().flag,
+                shown,
+                origin.name()
+            ));
+        }
+    }
+    let problem = run::build(&raw).err();
+    Ok(Command::Config { text, problem })
+}
+
+fn config_usage() -> String {
+    format!(
+        "usage: eitri-agent config [--config FILE] [FLAGS]\n\n\
+         The settings `run` would use with these flags, this environment and this\n\
+         file, section by section, and where each came from (flag, env, file or\n\
+         default); then whether `run` would accept them. It takes every flag of\n\
+         `run`.\n\n{}",
+        run_usage(false)
+    )
 }
 
 /// The help of a command that reads the state dir: its synopsis, then its
@@ -221,8 +304,11 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
     match verb.as_str() {
         "--version" | "-V" | "version" => Ok(Command::Version),
         "--help" | "-h" | "help" => Ok(Command::Help(usage())),
-        "run" if help => Ok(Command::Help(run_usage())),
+        "run" if rest.iter().any(|a| a == "--help-all") => Ok(Command::Help(run_usage(true))),
+        "run" if help => Ok(Command::Help(run_usage(false))),
         "run" => run::parse(rest, env).map(|c| Command::Run(Box::new(c))),
+        "config" if help => Ok(Command::Help(config_usage())),
+        "config" => show_config(rest, env),
         "status" if help => Ok(Command::Help(status_usage())),
         "status" => parse_status(rest, env),
         "logs" if help => Ok(Command::Help(logs_usage())),
@@ -263,7 +349,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, status, logs, images prune, keygen and sign (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, config, status, logs, images prune, keygen and sign (see eitri-agent --help)"
         ))),
     }
 }
@@ -522,11 +608,18 @@ mod tests {
     fn help_documents_every_flag_with_its_default() {
         let help = usage();
 
+        let all = run_usage(true);
+
         for s in Key::ALL.iter().map(|k| k.setting()) {
             assert!(help.contains(&format!("--{}", s.flag)), "{}", s.flag);
-            assert!(help.contains(s.env), "{}", s.env);
+            assert!(all.contains(s.env), "{}", s.env);
+            assert!(
+                all.contains(&format!("file: {}.{}", s.section.name(), s.flag)),
+                "{}",
+                s.flag
+            );
         }
-        assert!(help.contains("[5s]"));
+        assert!(all.contains("[5s]"));
     }
 
     #[test]
@@ -567,8 +660,14 @@ mod tests {
         let default = run(&["run", "--desired", "/d"], &[]).expect("valid");
         let given = run(&["run", "--desired", "/d", "--stop-grace", "5s"], &[]).expect("valid");
 
-        assert_eq!(default.guest.stop_grace, Duration::from_secs(30));
-        assert_eq!(given.guest.stop_grace, Duration::from_secs(5));
+        assert_eq!(
+            default.guest.hypervisor.stop.power_button,
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            given.guest.hypervisor.stop.power_button,
+            Duration::from_secs(5)
+        );
     }
 
     #[test]

@@ -1,110 +1,207 @@
-//! `run`'s settings: each raw value (flag, else environment, else default)
-//! is looked up by [`Key`], then checked and built into one part of the
-//! [`Config`] by the function that owns that part: where desired state
-//! comes from, how guests boot and the networks they join, how the engine
-//! behaves, and the daemon's own timing. Nothing here reads the host; what
-//! must be discovered there is left `None` for the daemon.
+//! `run`'s settings: each raw value (flag, else environment, else the
+//! config file, else default) is looked up by [`Key`] through the reader of
+//! its [`Section`], then checked and built into one typed part of the
+//! [`Config`] by the function that owns that section: where desired state
+//! comes from, where state is kept, how the engine reconciles, the guests'
+//! network, images, the hypervisor, its jail, limits and reporting. A part
+//! that needs another section's value takes it as built, typed, never by
+//! reading that section's text. Nothing here reads the host but the files
+//! named (the config file, the trusted keys); what must be discovered
+//! there is left `None` for the daemon.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use super::settings::Key;
+use super::file::FileSettings;
+use super::settings::{Key, Section};
 use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
 use crate::image::{ImageOptions, Reach};
 use crate::model::Cidr;
 use crate::net::addresses::Subnet;
 use crate::net::underlay::{Egress, UnderlayConfig};
-use crate::provision::{Confinement, GuestBoot, Piece};
+use crate::provision::supervise::StopTimeouts;
+use crate::provision::{Confinement, GuestBoot, GuestLimits, HypervisorSettings, Piece};
 use crate::reconcile::{EngineConfig, HostCaps};
 use crate::source::{ControlPlane, SnapshotLimits};
 
 /// Parses `run`'s arguments, with `env` for fallbacks.
 pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Config, ConfigError> {
-    let known: Vec<&str> = Key::ALL.iter().map(|k| k.setting().flag).collect();
-    let raw = Raw {
-        flags: flag_values(args, &known, &[])?,
-        env,
-    };
-    let source = source(&raw)?;
-    let trust = trust(&raw, &source)?;
+    build(&Raw::read(args, env)?)
+}
+
+/// The config, each part built by the one function that reads its
+/// section; a part that needs another's value takes it typed, as built.
+pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
+    let state = state(&raw.section(Section::State))?;
+    let desired = &raw.section(Section::Source);
+    let source = source(desired)?;
+    let trust = trust(desired, &source)?;
+    let proxy = proxy(desired)?;
+    let network = network(&raw.section(Section::Network))?;
+    let images = &raw.section(Section::Images);
+    let limits = &raw.section(Section::Limits);
+    let (confinement, jail_wish) = confinement(&raw.section(Section::Jail))?;
+    let reconcile = &raw.section(Section::Reconcile);
+    let reporting = &raw.section(Section::Reporting);
     Ok(Config {
-        state_dir: state_dir(&raw)?,
+        wish: crate::state::claim::Wish {
+            ids: jail_wish.ids,
+            cgroup_root: jail_wish.cgroup_root,
+            default_state_dir: state.is_default,
+            network: network
+                .underlay
+                .clone()
+                .map(|u| crate::state::claim::Network {
+                    subnet: u.subnet.cidr(),
+                    bridge: u.bridge,
+                    tap_prefix: u.tap_prefix,
+                    table: u.table,
+                }),
+        },
+        state_dir: state.dir,
+        agents_dir: state.agents_dir,
+        host_id: desired.optional(Key::HostId).map(|h| h.trim().to_owned()),
+        backoff_max: desired.duration(Key::BackoffMax)?,
+        limits: snapshot_limits(desired)?,
         source,
         trust,
-        host_id: raw.optional(Key::HostId).map(|h| h.trim().to_owned()),
-        tick: tick(&raw)?,
-        backoff_max: raw.duration(Key::BackoffMax)?,
-        shutdown_grace: raw.duration(Key::ShutdownGrace)?,
-        notify_fd: notify_fd(&raw)?,
-        limits: snapshot_limits(&raw)?,
-        proxy: proxy(&raw)?,
-        images: images(&raw)?,
-        guest: guest_boot(&raw)?,
-        engine: engine(&raw)?,
-        metrics_file: raw.optional(Key::MetricsFile).map(PathBuf::from),
-        image_cache_max: image_cache_max(&raw)?,
-        agents_dir: PathBuf::from(raw.get(Key::AgentsDir)),
-        wish: wish(&raw)?,
+        images: image_options(images, proxy.clone(), &network.deny)?,
+        image_cache_max: image_cache_max(images)?,
+        proxy,
+        tick: tick(reconcile)?,
+        shutdown_grace: reconcile.duration(Key::ShutdownGrace)?,
+        engine: engine(reconcile, host_caps(limits)?)?,
+        guest: guest_boot(
+            &raw.section(Section::Hypervisor),
+            network,
+            confinement,
+            limits,
+        )?,
+        notify_fd: notify_fd(reporting)?,
+        metrics_file: reporting.optional(Key::MetricsFile).map(PathBuf::from),
     })
 }
 
-fn image_cache_max(raw: &Raw<'_>) -> Result<Option<u64>, ConfigError> {
-    let text = raw.get(Key::ImageCacheMax);
-    match super::parse_size(&text) {
-        Some(0) => Ok(None),
-        Some(n) => Ok(Some(n)),
-        None => Err(err(format!(
-            "--image-cache-max: {text:?} is not a size; write 200G, 500M or 0 for no cap"
-        ))),
+/// Where a setting's value came from; the later in this list wins.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    Default,
+    File,
+    Env,
+    Flag,
+}
+
+impl Origin {
+    pub fn name(self) -> &'static str {
+        match self {
+            Origin::Default => "default",
+            Origin::File => "file",
+            Origin::Env => "env",
+            Origin::Flag => "flag",
+        }
     }
 }
 
-/// The ids and cgroup root the operator gave, if any (the defaults are the
-/// claim's to choose, see `state::claim`), and the guest network.
-fn wish(raw: &Raw<'_>) -> Result<crate::state::claim::Wish, ConfigError> {
-    let confinement = confinement(raw)?;
-    Ok(crate::state::claim::Wish {
-        ids: raw
-            .given(Key::VmmIds)
-            .then_some((confinement.first_id, confinement.id_count)),
-        cgroup_root: raw
-            .given(Key::CgroupRoot)
-            .then_some(confinement.cgroup_root),
-        default_state_dir: raw.get(Key::StateDir) == Key::StateDir.setting().default,
-        network: underlay(raw)?.map(|u| crate::state::claim::Network {
-            subnet: u.subnet.cidr(),
-            bridge: u.bridge,
-            tap_prefix: u.tap_prefix,
-            table: u.table,
-        }),
-    })
-}
+/// The flag (and variable) naming the config file: not a setting of the
+/// table, since a file cannot name itself.
+pub(super) const CONFIG_FLAG: &str = "config";
+pub(super) const CONFIG_ENV: &str = "EITRI_CONFIG";
 
-/// Raw values: flag, else environment, else default.
-struct Raw<'a> {
+/// Raw values of `run`'s settings: flag, else environment, else the
+/// config file, else default.
+pub(super) struct Raw<'a> {
     flags: HashMap<String, &'a str>,
     env: &'a HashMap<String, String>,
+    file: FileSettings,
+    /// The config file, if one was named.
+    pub file_path: Option<PathBuf>,
+    /// Settings a section's builder read although they are another
+    /// section's: none, or a test fails (see the tests below).
+    strays: RefCell<Vec<(Section, Key)>>,
 }
 
-impl Raw<'_> {
-    fn get(&self, key: Key) -> String {
+impl<'a> Raw<'a> {
+    /// The flags in `args`, the environment, and the config file they name.
+    pub fn read(
+        args: &'a [String],
+        env: &'a HashMap<String, String>,
+    ) -> Result<Raw<'a>, ConfigError> {
+        let mut known: Vec<&str> = Key::ALL.iter().map(|k| k.setting().flag).collect();
+        known.push(CONFIG_FLAG);
+        let mut flags = flag_values(args, &known, &[])?;
+        let file_path = flags
+            .remove(CONFIG_FLAG)
+            .map(str::to_owned)
+            .or_else(|| env.get(CONFIG_ENV).cloned())
+            .filter(|p| !p.trim().is_empty())
+            .map(PathBuf::from);
+        let file = match &file_path {
+            Some(path) => FileSettings::read(path)?,
+            None => FileSettings::default(),
+        };
+        Ok(Raw {
+            flags,
+            env,
+            file,
+            file_path,
+            strays: RefCell::new(Vec::new()),
+        })
+    }
+
+    /// `key`'s value and where it came from.
+    pub fn value(&self, key: Key) -> (String, Origin) {
         let setting = key.setting();
-        match self.flags.get(setting.flag) {
-            Some(v) => (*v).to_owned(),
-            None => self
-                .env
-                .get(setting.env)
-                .cloned()
-                .unwrap_or_else(|| setting.default.to_owned()),
+        if let Some(v) = self.flags.get(setting.flag) {
+            ((*v).to_owned(), Origin::Flag)
+        } else if let Some(v) = self.env.get(setting.env) {
+            (v.clone(), Origin::Env)
+        } else if let Some(v) = self.file.values.get(&key) {
+            (v.clone(), Origin::File)
+        } else {
+            (setting.default.to_owned(), Origin::Default)
         }
     }
 
-    /// Whether the operator set `key`, by flag or environment.
+    /// The reader of one section's settings.
+    pub fn section(&self, section: Section) -> Part<'_> {
+        Part { raw: self, section }
+    }
+
+    #[cfg(test)]
+    fn strays(&self) -> Vec<(Section, Key)> {
+        self.strays.borrow().clone()
+    }
+}
+
+/// One section's settings, as its builder reads them. A read of another
+/// section's key is answered (the agent must not fail over its own
+/// wiring) and noted, for the test that keeps each section read in one
+/// place.
+pub(super) struct Part<'r> {
+    raw: &'r Raw<'r>,
+    section: Section,
+}
+
+impl Part<'_> {
+    fn get(&self, key: Key) -> String {
+        self.note(key);
+        self.raw.value(key).0
+    }
+
+    fn note(&self, key: Key) {
+        if key.setting().section != self.section {
+            self.raw.strays.borrow_mut().push((self.section, key));
+        }
+    }
+
+    /// Whether the operator set `key` (by flag, environment or file).
     fn given(&self, key: Key) -> bool {
-        let setting = key.setting();
-        self.flags.contains_key(setting.flag) || self.env.contains_key(setting.env)
+        self.note(key);
+        self.raw.value(key).1 != Origin::Default
     }
 
     /// The value, `None` when it is empty or blank.
@@ -131,6 +228,11 @@ impl Raw<'_> {
             ))
         })
     }
+
+    /// A comma-separated list of IPv4 ranges.
+    fn ranges(&self, key: Key) -> Result<Vec<Cidr>, ConfigError> {
+        Cidr::parse_list(&self.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
+    }
 }
 
 /// A directory the VMM is told about as `path=…` in an option list, which
@@ -145,7 +247,16 @@ fn no_comma(key: Key, path: &str) -> Result<(), ConfigError> {
     Ok(())
 }
 
-fn state_dir(raw: &Raw<'_>) -> Result<PathBuf, ConfigError> {
+/// The state section as built.
+struct State {
+    dir: PathBuf,
+    agents_dir: PathBuf,
+    /// The state dir is the default one (its claim then keeps the
+    /// historic ids and cgroup root).
+    is_default: bool,
+}
+
+fn state(raw: &Part<'_>) -> Result<State, ConfigError> {
     let dir = raw.get(Key::StateDir);
     if dir.is_empty() {
         return Err(err(
@@ -153,10 +264,14 @@ fn state_dir(raw: &Raw<'_>) -> Result<PathBuf, ConfigError> {
         ));
     }
     no_comma(Key::StateDir, &dir)?;
-    Ok(PathBuf::from(dir))
+    Ok(State {
+        is_default: dir == Key::StateDir.setting().default,
+        dir: PathBuf::from(dir),
+        agents_dir: PathBuf::from(raw.get(Key::AgentsDir)),
+    })
 }
 
-fn tick(raw: &Raw<'_>) -> Result<Duration, ConfigError> {
+fn tick(raw: &Part<'_>) -> Result<Duration, ConfigError> {
     let tick = raw.duration(Key::Tick)?;
     if tick.is_zero() {
         return Err(err("--tick must be longer than 0"));
@@ -164,7 +279,7 @@ fn tick(raw: &Raw<'_>) -> Result<Duration, ConfigError> {
     Ok(tick)
 }
 
-fn notify_fd(raw: &Raw<'_>) -> Result<Option<i32>, ConfigError> {
+fn notify_fd(raw: &Part<'_>) -> Result<Option<i32>, ConfigError> {
     let Some(v) = raw.optional(Key::NotifyFd) else {
         return Ok(None);
     };
@@ -178,7 +293,7 @@ fn notify_fd(raw: &Raw<'_>) -> Result<Option<i32>, ConfigError> {
 
 // ── where desired state comes from ──────────────────────────────────────
 
-fn source(raw: &Raw<'_>) -> Result<DesiredSource, ConfigError> {
+fn source(raw: &Part<'_>) -> Result<DesiredSource, ConfigError> {
     match (raw.optional(Key::Desired), raw.optional(Key::ControlPlane)) {
         (Some(file), None) => Ok(DesiredSource::File(PathBuf::from(file))),
         (None, Some(url)) => control_plane(raw, &url).map(DesiredSource::ControlPlane),
@@ -196,7 +311,7 @@ fn source(raw: &Raw<'_>) -> Result<DesiredSource, ConfigError> {
 /// control plane to the agent, and a token an eavesdropper copies would
 /// let it speak for the agent.
 fn trust(
-    raw: &Raw<'_>,
+    raw: &Part<'_>,
     source: &DesiredSource,
 ) -> Result<Option<crate::trust::TrustedKeys>, ConfigError> {
     let in_clear = match raw.get(Key::TokenInClear).trim() {
@@ -225,7 +340,7 @@ fn trust(
     Ok(Some(keys))
 }
 
-fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> {
+fn control_plane(raw: &Part<'_>, url: &str) -> Result<ControlPlane, ConfigError> {
     let url = url.trim().trim_end_matches('/');
     let tls = cfg!(feature = "tls");
     let scheme_ok = url.starts_with("http://") || (tls && url.starts_with("https://"));
@@ -246,7 +361,7 @@ fn control_plane(raw: &Raw<'_>, url: &str) -> Result<ControlPlane, ConfigError> 
     })
 }
 
-fn proxy(raw: &Raw<'_>) -> Result<Option<String>, ConfigError> {
+fn proxy(raw: &Part<'_>) -> Result<Option<String>, ConfigError> {
     let proxy = raw.optional(Key::Proxy);
     if let Some(p) = &proxy {
         ureq::Proxy::new(p).map_err(|e| {
@@ -258,7 +373,13 @@ fn proxy(raw: &Raw<'_>) -> Result<Option<String>, ConfigError> {
     Ok(proxy)
 }
 
-fn images(raw: &Raw<'_>) -> Result<ImageOptions, ConfigError> {
+/// How images are fetched: the proxy is the control plane's, and what
+/// guests may not reach, downloads may not either (unless `--image-allow`).
+fn image_options(
+    raw: &Part<'_>,
+    proxy: Option<String>,
+    guest_deny: &[Cidr],
+) -> Result<ImageOptions, ConfigError> {
     let file_root = raw.optional(Key::ImageRoot).map(PathBuf::from);
     if let Some(root) = &file_root
         && !root.is_absolute()
@@ -280,24 +401,31 @@ fn images(raw: &Raw<'_>) -> Result<ImageOptions, ConfigError> {
             "--image-download-timeout is shorter than --image-stall-timeout: every slow download would fail; give it hours (1h)",
         ));
     }
-    let min_rate = raw.number(Key::ImageMinRate)?.saturating_mul(1024);
-    let ranges = |key: Key| {
-        Cidr::parse_list(&raw.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
-    };
     Ok(ImageOptions {
-        proxy: proxy(raw)?,
+        proxy,
         file_root,
         stall,
         deadline,
-        min_rate,
+        min_rate: raw.number(Key::ImageMinRate)?.saturating_mul(1024),
         reach: Reach {
-            deny: ranges(Key::GuestDeny)?,
-            allow: ranges(Key::ImageAllow)?,
+            deny: guest_deny.to_vec(),
+            allow: raw.ranges(Key::ImageAllow)?,
         },
     })
 }
 
-fn snapshot_limits(raw: &Raw<'_>) -> Result<SnapshotLimits, ConfigError> {
+fn image_cache_max(raw: &Part<'_>) -> Result<Option<u64>, ConfigError> {
+    let text = raw.get(Key::ImageCacheMax);
+    match super::parse_size(&text) {
+        Some(0) => Ok(None),
+        Some(n) => Ok(Some(n)),
+        None => Err(err(format!(
+            "--image-cache-max: {text:?} is not a size; write 200G, 500M or 0 for no cap"
+        ))),
+    }
+}
+
+fn snapshot_limits(raw: &Part<'_>) -> Result<SnapshotLimits, ConfigError> {
     let max_bytes = raw.number(Key::MaxResponseBytes)?;
     if max_bytes < 1024 {
         return Err(err("--max-response-bytes must be at least 1024"));
@@ -316,9 +444,32 @@ fn snapshot_limits(raw: &Raw<'_>) -> Result<SnapshotLimits, ConfigError> {
     })
 }
 
-// ── how guests boot, and their networks ─────────────────────────────────
+// ── the guests' network ─────────────────────────────────────────────────
 
-fn tap_prefix(raw: &Raw<'_>) -> Result<String, ConfigError> {
+/// The network section as built.
+struct Network {
+    /// `None` when guest networking is off.
+    underlay: Option<UnderlayConfig>,
+    tap_prefix: String,
+    guest_dns: Option<Vec<Ipv4Addr>>,
+    host_networks: HashMap<String, String>,
+    /// `--guest-deny`, which image downloads obey too.
+    deny: Vec<Cidr>,
+}
+
+fn network(raw: &Part<'_>) -> Result<Network, ConfigError> {
+    let tap_prefix = tap_prefix(raw)?;
+    let deny = raw.ranges(Key::GuestDeny)?;
+    Ok(Network {
+        underlay: underlay(raw, &tap_prefix, &deny)?,
+        guest_dns: guest_dns(raw)?,
+        host_networks: host_networks(raw)?,
+        tap_prefix,
+        deny,
+    })
+}
+
+fn tap_prefix(raw: &Part<'_>) -> Result<String, ConfigError> {
     let tap_prefix = raw.get(Key::TapPrefix);
     if tap_prefix.is_empty()
         || tap_prefix.len() > 8
@@ -331,8 +482,98 @@ fn tap_prefix(raw: &Raw<'_>) -> Result<String, ConfigError> {
     Ok(tap_prefix)
 }
 
-fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
-    let tap_prefix = tap_prefix(raw)?;
+fn underlay(
+    raw: &Part<'_>,
+    tap_prefix: &str,
+    deny: &[Cidr],
+) -> Result<Option<UnderlayConfig>, ConfigError> {
+    let Some(bridge) = raw.optional(Key::UnderlayBridge) else {
+        return Ok(None);
+    };
+    if bridge.len() > 15
+        || !bridge
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(err(format!(
+            "--underlay-bridge: {bridge:?} is not a link name (1-15 letters, digits, - or _)"
+        )));
+    }
+    let subnet = Subnet::parse(&raw.get(Key::UnderlaySubnet))
+        .map_err(|e| err(format!("--underlay-subnet: {e}")))?;
+    Ok(Some(UnderlayConfig {
+        bridge,
+        subnet,
+        table: "eitri".into(),
+        tap_prefix: tap_prefix.to_owned(),
+        egress: Egress {
+            deny: deny.to_vec(),
+            allow: raw.ranges(Key::GuestAllow)?,
+            dns: Vec::new(),
+        },
+    }))
+}
+
+/// `--guest-dns`; `None` when not given: the daemon then tells guests the
+/// host's own resolvers.
+fn guest_dns(raw: &Part<'_>) -> Result<Option<Vec<Ipv4Addr>>, ConfigError> {
+    let Some(list) = raw.optional(Key::GuestDns) else {
+        return Ok(None);
+    };
+    list.split(',')
+        .map(|s| {
+            s.trim()
+                .parse()
+                .map_err(|_| err(format!("--guest-dns: {s:?} is not an IPv4 address")))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+fn host_networks(raw: &Part<'_>) -> Result<HashMap<String, String>, ConfigError> {
+    let mut networks = HashMap::new();
+    for pair in raw
+        .optional(Key::HostNetwork)
+        .iter()
+        .flat_map(|v| v.split(','))
+    {
+        let Some((name, bridge)) = pair.trim().split_once('=') else {
+            return Err(err(format!("--host-network: {pair:?} is not NAME=BRIDGE")));
+        };
+        crate::model::Id::parse(name)
+            .map_err(|e| err(format!("--host-network: network name {e}")))?;
+        if bridge.is_empty() || bridge.len() > 15 {
+            return Err(err(format!(
+                "--host-network: {bridge:?} is not a link name"
+            )));
+        }
+        networks.insert(name.to_owned(), bridge.to_owned());
+    }
+    Ok(networks)
+}
+
+// ── the hypervisor, its jail, and what a guest may use ──────────────────
+
+/// How guests boot: the network, hypervisor, jail and limits sections,
+/// each as built, shared with the backend that uses them.
+fn guest_boot(
+    raw: &Part<'_>,
+    network: Network,
+    confinement: Confinement,
+    limits: &Part<'_>,
+) -> Result<GuestBoot, ConfigError> {
+    Ok(GuestBoot {
+        underlay: network.underlay,
+        guest_dns: network.guest_dns,
+        host_networks: network.host_networks,
+        tap_prefix: network.tap_prefix,
+        hypervisor: Arc::new(hypervisor(raw)?),
+        confinement: Arc::new(confinement),
+        limits: Arc::new(guest_limits(limits)?),
+    })
+}
+
+fn hypervisor(raw: &Part<'_>) -> Result<HypervisorSettings, ConfigError> {
     let run_dir = raw.get(Key::RunDir);
     no_comma(Key::RunDir, &run_dir)?;
     let kernel = raw.optional(Key::Kernel).map(PathBuf::from);
@@ -342,22 +583,27 @@ fn guest_boot(raw: &Raw<'_>) -> Result<GuestBoot, ConfigError> {
             "--kernel and --firmware are both set; a guest boots one or the other",
         ));
     }
-    Ok(GuestBoot {
-        underlay: underlay(raw)?,
-        guest_dns: guest_dns(raw)?,
-        host_networks: host_networks(raw)?,
-        hypervisor: PathBuf::from(raw.get(Key::Hypervisor)),
+    Ok(HypervisorSettings {
+        binary: PathBuf::from(raw.get(Key::Hypervisor)),
         run_dir: PathBuf::from(run_dir),
-        tap_prefix,
         kernel,
         firmware,
         cmdline: raw.get(Key::Cmdline),
-        stop_grace: raw.duration(Key::StopGrace)?,
-        confinement: confinement(raw)?,
+        stop: StopTimeouts {
+            power_button: raw.duration(Key::StopGrace)?,
+            ..StopTimeouts::default()
+        },
     })
 }
 
-fn confinement(raw: &Raw<'_>) -> Result<Confinement, ConfigError> {
+/// What the operator asked of the host's shared ids and cgroups, when
+/// they asked: the defaults are the claim's to choose (`state::claim`).
+struct JailWish {
+    ids: Option<(u32, u32)>,
+    cgroup_root: Option<String>,
+}
+
+fn confinement(raw: &Part<'_>) -> Result<(Confinement, JailWish), ConfigError> {
     let ids = raw.get(Key::VmmIds);
     let (first, count) = ids
         .split_once(':')
@@ -392,26 +638,33 @@ fn confinement(raw: &Raw<'_>) -> Result<Confinement, ConfigError> {
             "--cgroup-root: {cgroup_root:?} is not a relative cgroup path such as eitri or machine/eitri"
         )));
     }
-    let serial_mb = raw.number(Key::SerialLogMaxMb)?;
-    if serial_mb == 0 {
-        return Err(err(
-            "--serial-log-max-mb: 0 would keep no serial output at all; give at least 1",
-        ));
-    }
-    Ok(Confinement {
+    let wish = JailWish {
+        ids: raw.given(Key::VmmIds).then_some((first, count)),
+        cgroup_root: raw.given(Key::CgroupRoot).then(|| cgroup_root.clone()),
+    };
+    let confinement = Confinement {
         first_id: first,
         id_count: count,
         kvm: PathBuf::from(raw.get(Key::KvmDevice)),
         userfaultfd: raw.optional(Key::UserfaultfdDevice).map(PathBuf::from),
         cgroup_root,
         allow_without,
-        serial_log_bytes: serial_mb.saturating_mul(1 << 20),
-        limits: limit_defaults(raw)?,
+    };
+    Ok((confinement, wish))
+}
+
+/// The host's caps on what it commits to VMs.
+fn host_caps(raw: &Part<'_>) -> Result<HostCaps, ConfigError> {
+    Ok(HostCaps {
+        max_vcpus: raw.number(Key::MaxVcpus)?,
+        max_mem_mb: raw.number(Key::MaxMemMb)?,
+        max_disk_gb: raw.number(Key::MaxDiskGb)?,
     })
 }
 
-/// The `--vm-…` limits, each bounded as a spec's own is.
-fn limit_defaults(raw: &Raw<'_>) -> Result<crate::model::LimitDefaults, ConfigError> {
+/// What a VM whose spec sets none may use (each bounded as a spec's own
+/// is), and how much of its serial output is kept.
+fn guest_limits(raw: &Part<'_>) -> Result<GuestLimits, ConfigError> {
     use crate::model::Limits;
     let within = |key: Key, max: u64| -> Result<u32, ConfigError> {
         let n = raw.number(key)?;
@@ -423,87 +676,27 @@ fn limit_defaults(raw: &Raw<'_>) -> Result<crate::model::LimitDefaults, ConfigEr
         }
         Ok(n as u32)
     };
-    Ok(crate::model::LimitDefaults {
-        cpu_max_millis_per_vcpu: within(Key::VmCpuMaxPerVcpu, 1000)?,
-        cpu_burst_ms: within(Key::VmCpuBurst, 100 * u64::from(Limits::MAX_VCPUS))?,
-        disk_mbps: within(Key::VmDiskMbps, Limits::MAX_DISK_MBPS)?,
-        disk_iops: within(Key::VmDiskIops, Limits::MAX_DISK_IOPS)?,
-        net_mbps: within(Key::VmNetMbps, Limits::MAX_NET_MBPS)?,
-    })
-}
-
-fn underlay(raw: &Raw<'_>) -> Result<Option<UnderlayConfig>, ConfigError> {
-    let Some(bridge) = raw.optional(Key::UnderlayBridge) else {
-        return Ok(None);
-    };
-    if bridge.len() > 15
-        || !bridge
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-    {
-        return Err(err(format!(
-            "--underlay-bridge: {bridge:?} is not a link name (1-15 letters, digits, - or _)"
-        )));
+    let serial_mb = raw.number(Key::SerialLogMaxMb)?;
+    if serial_mb == 0 {
+        return Err(err(
+            "--serial-log-max-mb: 0 would keep no serial output at all; give at least 1",
+        ));
     }
-    let subnet = Subnet::parse(&raw.get(Key::UnderlaySubnet))
-        .map_err(|e| err(format!("--underlay-subnet: {e}")))?;
-    let ranges = |key: Key| {
-        Cidr::parse_list(&raw.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
-    };
-    Ok(Some(UnderlayConfig {
-        bridge,
-        subnet,
-        table: "eitri".into(),
-        tap_prefix: tap_prefix(raw)?,
-        egress: Egress {
-            deny: ranges(Key::GuestDeny)?,
-            allow: ranges(Key::GuestAllow)?,
-            dns: Vec::new(),
+    Ok(GuestLimits {
+        defaults: crate::model::LimitDefaults {
+            cpu_max_millis_per_vcpu: within(Key::VmCpuMaxPerVcpu, 1000)?,
+            cpu_burst_ms: within(Key::VmCpuBurst, 100 * u64::from(Limits::MAX_VCPUS))?,
+            disk_mbps: within(Key::VmDiskMbps, Limits::MAX_DISK_MBPS)?,
+            disk_iops: within(Key::VmDiskIops, Limits::MAX_DISK_IOPS)?,
+            net_mbps: within(Key::VmNetMbps, Limits::MAX_NET_MBPS)?,
         },
-    }))
-}
-
-/// `--guest-dns`; `None` when not given: the daemon then tells guests the
-/// host's own resolvers.
-fn guest_dns(raw: &Raw<'_>) -> Result<Option<Vec<Ipv4Addr>>, ConfigError> {
-    let Some(list) = raw.optional(Key::GuestDns) else {
-        return Ok(None);
-    };
-    list.split(',')
-        .map(|s| {
-            s.trim()
-                .parse()
-                .map_err(|_| err(format!("--guest-dns: {s:?} is not an IPv4 address")))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map(Some)
-}
-
-fn host_networks(raw: &Raw<'_>) -> Result<HashMap<String, String>, ConfigError> {
-    let mut networks = HashMap::new();
-    for pair in raw
-        .optional(Key::HostNetwork)
-        .iter()
-        .flat_map(|v| v.split(','))
-    {
-        let Some((name, bridge)) = pair.trim().split_once('=') else {
-            return Err(err(format!("--host-network: {pair:?} is not NAME=BRIDGE")));
-        };
-        crate::model::Id::parse(name)
-            .map_err(|e| err(format!("--host-network: network name {e}")))?;
-        if bridge.is_empty() || bridge.len() > 15 {
-            return Err(err(format!(
-                "--host-network: {bridge:?} is not a link name"
-            )));
-        }
-        networks.insert(name.to_owned(), bridge.to_owned());
-    }
-    Ok(networks)
+        serial_log_bytes: serial_mb.saturating_mul(1 << 20),
+    })
 }
 
 // ── how the engine behaves ───────────────────────────────────────────────
 
-fn engine(raw: &Raw<'_>) -> Result<EngineConfig, ConfigError> {
+fn engine(raw: &Part<'_>, caps: HostCaps) -> Result<EngineConfig, ConfigError> {
     let vm_timeout = raw.duration(Key::VmTimeout)?;
     let max_create_attempts = raw.number(Key::MaxCreateAttempts)?;
     if !(1..=1000).contains(&max_create_attempts) {
@@ -516,11 +709,134 @@ fn engine(raw: &Raw<'_>) -> Result<EngineConfig, ConfigError> {
         max_create_attempts: max_create_attempts as u32,
         create_rearm: raw.duration(Key::CreateRearm)?,
         max_concurrent_creates: raw.number(Key::MaxConcurrentCreates)? as usize,
-        caps: HostCaps {
-            max_vcpus: raw.number(Key::MaxVcpus)?,
-            max_mem_mb: raw.number(Key::MaxMemMb)?,
-            max_disk_gb: raw.number(Key::MaxDiskGb)?,
-        },
+        caps,
         ..EngineConfig::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn every_section_reads_only_its_own_settings() {
+        // A control plane and a guest network: every builder runs.
+        let args = args(&["--control-plane", "http://cp.test", "--token-file", "/t"]);
+        let env = env(&[]);
+        let raw = Raw::read(&args, &env).expect("flags");
+
+        build(&raw).expect("valid");
+
+        assert_eq!(raw.strays(), Vec::new());
+    }
+
+    #[test]
+    fn a_read_outside_its_section_is_noted() {
+        let args = args(&[]);
+        let env = env(&[]);
+        let raw = Raw::read(&args, &env).expect("flags");
+
+        let _ = raw.section(Section::Images).get(Key::Tick);
+
+        assert_eq!(raw.strays(), vec![(Section::Images, Key::Tick)]);
+    }
+
+    #[test]
+    fn a_flag_wins_over_the_environment_which_wins_over_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.json");
+        std::fs::write(
+            &file,
+            r#"{
+                "reconcile": { "tick": "7s", "vm-timeout": "7m", "vanish-grace": "7h" },
+                "limits": { "max-vcpus": 7 }
+            }"#,
+        )
+        .expect("write");
+        let config = file.display().to_string();
+        let args = args(&["--config", &config, "--desired", "/d", "--tick", "2s"]);
+        let env = env(&[("EITRI_TICK", "9s"), ("EITRI_VM_TIMEOUT", "9m")]);
+        let raw = Raw::read(&args, &env).expect("flags");
+
+        let built = build(&raw).expect("valid");
+
+        assert_eq!(raw.value(Key::Tick).1, Origin::Flag);
+        assert_eq!(built.tick, Duration::from_secs(2));
+        assert_eq!(raw.value(Key::VmTimeout).1, Origin::Env);
+        assert_eq!(built.engine.vm_timeout, Some(Duration::from_secs(540)));
+        assert_eq!(raw.value(Key::VanishGrace).1, Origin::File);
+        assert_eq!(built.engine.vanish_grace, Duration::from_secs(7 * 3600));
+        assert_eq!(built.engine.caps.max_vcpus, 7);
+        assert_eq!(raw.value(Key::TombstoneGrace).1, Origin::Default);
+    }
+
+    #[test]
+    fn the_config_file_may_be_named_by_the_environment() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.json");
+        std::fs::write(
+            &file,
+            r#"{"source": {"desired": "/etc/eitri/desired.json"}}"#,
+        )
+        .expect("write");
+        let args = args(&[]);
+        let env = env(&[(CONFIG_ENV, &file.display().to_string())]);
+
+        let built = build(&Raw::read(&args, &env).expect("flags")).expect("valid");
+
+        assert_eq!(
+            built.source,
+            DesiredSource::File("/etc/eitri/desired.json".into())
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_in_the_config_file_is_refused_naming_the_file_and_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.json");
+        std::fs::write(
+            &file,
+            "{\n  \"source\": {\"desired\": \"/d\"},\n  \"hypervisor\": {\n    \"kernal\": \"/boot/vmlinux\"\n  }\n}\n",
+        )
+        .expect("write");
+        let config = file.display().to_string();
+        let args = args(&["--config", &config]);
+        let env = env(&[]);
+
+        let e = Raw::read(&args, &env).err().expect("refused").to_string();
+
+        assert!(e.starts_with("--config "), "{e}");
+        assert!(e.contains(&config), "{e}");
+        assert!(e.contains("unknown setting \"kernal\""), "{e}");
+        assert!(e.contains("line 4"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_from_the_file_names_its_setting() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.json");
+        std::fs::write(
+            &file,
+            r#"{"source": {"desired": "/d"}, "reconcile": {"tick": "soon"}}"#,
+        )
+        .expect("write");
+        let config = file.display().to_string();
+        let args = args(&["--config", &config]);
+        let env = env(&[]);
+
+        let e = build(&Raw::read(&args, &env).expect("flags")).expect_err("bad");
+
+        assert!(e.to_string().starts_with("--tick:"), "{e}");
+    }
 }

@@ -145,9 +145,14 @@ fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot
         claim.cgroup_root
     );
     let mut guest = config.guest.clone();
-    guest.confinement.first_id = claim.first_id;
-    guest.confinement.id_count = claim.id_count;
-    guest.confinement.cgroup_root = claim.cgroup_root;
+    // The claim settles what the flags left to it: one new section, which
+    // the backend then shares.
+    guest.confinement = std::sync::Arc::new(crate::provision::Confinement {
+        first_id: claim.first_id,
+        id_count: claim.id_count,
+        cgroup_root: claim.cgroup_root,
+        ..(*config.guest.confinement).clone()
+    });
     if let (Some(underlay), Some(network)) = (guest.underlay.as_mut(), claim.network) {
         log::info!(
             "bridge {}, firewall tables {:?} and taps {}… are this agent's",

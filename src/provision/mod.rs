@@ -283,7 +283,8 @@ pub enum SavedGuest {
 }
 
 /// How guests boot on this host, and the network they join: built from
-/// the flags by `config`, used by the backend.
+/// the settings by `config`, its sections shared (not copied) with the
+/// backend that uses them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestBoot {
     /// `None` when guest networking is off.
@@ -293,15 +294,60 @@ pub struct GuestBoot {
     pub guest_dns: Option<Vec<std::net::Ipv4Addr>>,
     /// Named host networks: name → site bridge.
     pub host_networks: HashMap<String, String>,
-    pub hypervisor: PathBuf,
-    pub run_dir: PathBuf,
     pub tap_prefix: String,
+    pub hypervisor: Arc<HypervisorSettings>,
+    pub confinement: Arc<Confinement>,
+    pub limits: Arc<GuestLimits>,
+}
+
+/// The hypervisor section: what runs a guest, how it boots, and how long
+/// each step of its stop may take.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HypervisorSettings {
+    /// The hypervisor binary (a path, or a name looked up in PATH).
+    pub binary: PathBuf,
     pub kernel: Option<PathBuf>,
     pub firmware: Option<PathBuf>,
     pub cmdline: String,
-    /// How long a guest has to power off after the power button.
-    pub stop_grace: std::time::Duration,
-    pub confinement: Confinement,
+    /// Where API sockets live: short, since a unix socket path is limited
+    /// to 108 bytes whatever the state dir's length.
+    pub run_dir: PathBuf,
+    /// The power button's wait is `--stop-grace`; the rest are the agent's.
+    pub stop: supervise::StopTimeouts,
+}
+
+impl HypervisorSettings {
+    /// `binary` booting `kernel` with no command line, its API sockets in
+    /// `run_dir`, the default stop timeouts.
+    pub fn new(binary: PathBuf, kernel: Option<PathBuf>, run_dir: PathBuf) -> HypervisorSettings {
+        HypervisorSettings {
+            binary,
+            kernel,
+            firmware: None,
+            cmdline: String::new(),
+            run_dir,
+            stop: supervise::StopTimeouts::default(),
+        }
+    }
+}
+
+/// The limits section's share of a guest: what a VM whose spec sets none
+/// may use, and how much of its serial output is kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestLimits {
+    pub defaults: crate::model::LimitDefaults,
+    /// Disk a guest's serial output may hold (see `cloudhv::serial`).
+    pub serial_log_bytes: u64,
+}
+
+impl Default for GuestLimits {
+    /// No limit but the serial log's, at `--serial-log-max-mb`'s default.
+    fn default() -> GuestLimits {
+        GuestLimits {
+            defaults: crate::model::LimitDefaults::default(),
+            serial_log_bytes: 16 << 20,
+        }
+    }
 }
 
 /// How much of a hypervisor's log a failure reason is taken from.
@@ -369,10 +415,6 @@ pub struct Confinement {
     pub cgroup_root: String,
     /// Pieces a VMM may run without where the host lacks them.
     pub allow_without: Vec<Piece>,
-    /// Disk a guest's serial output may hold (see `cloudhv::serial`).
-    pub serial_log_bytes: u64,
-    /// Limits of a VM whose spec sets none.
-    pub limits: crate::model::LimitDefaults,
 }
 
 impl Default for Confinement {
@@ -384,8 +426,6 @@ impl Default for Confinement {
             userfaultfd: Some(PathBuf::from("/dev/userfaultfd")),
             cgroup_root: "eitri".into(),
             allow_without: Vec::new(),
-            serial_log_bytes: 16 << 20,
-            limits: crate::model::LimitDefaults::default(),
         }
     }
 }
@@ -400,19 +440,12 @@ pub fn for_host(
     std::sync::Arc::new(cloudhv::CloudHypervisor::new(
         store,
         cloudhv::CloudHvConfig {
-            hypervisor: guest.hypervisor.clone(),
-            kernel: guest.kernel.clone(),
-            firmware: guest.firmware.clone(),
-            cmdline: guest.cmdline.clone(),
-            run_dir: guest.run_dir.clone(),
+            hypervisor: Arc::clone(&guest.hypervisor),
             tap_prefix: guest.tap_prefix.clone(),
             boot_wait: std::time::Duration::from_secs(60),
-            stop: supervise::StopTimeouts {
-                power_button: guest.stop_grace,
-                ..supervise::StopTimeouts::default()
-            },
             network,
-            confinement: guest.confinement.clone(),
+            confinement: Arc::clone(&guest.confinement),
+            limits: Arc::clone(&guest.limits),
         },
     ))
 }
@@ -426,13 +459,8 @@ pub fn for_host(
     std::sync::Arc::new(vfkit::Vfkit::new(
         store,
         vfkit::VfkitConfig {
-            vfkit: guest.hypervisor.clone(),
-            run_dir: guest.run_dir.clone(),
+            hypervisor: Arc::clone(&guest.hypervisor),
             boot_wait: std::time::Duration::from_secs(60),
-            stop: supervise::StopTimeouts {
-                power_button: guest.stop_grace,
-                ..supervise::StopTimeouts::default()
-            },
             leases: vfkit::leases::LEASE_FILE.into(),
         },
     ))

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions};
+use eitri_agent::provision::HypervisorSettings;
 use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::supervise::StopTimeouts;
@@ -62,21 +63,21 @@ pub fn host_config(
         confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
     }
     Ok(CloudHvConfig {
-        hypervisor,
-        kernel: Some(kernel),
-        firmware: None,
-        cmdline: "console=ttyS0".into(),
-        run_dir: dir.join("run"),
+        hypervisor: Arc::new(HypervisorSettings {
+            cmdline: "console=ttyS0".into(),
+            stop: StopTimeouts {
+                power_button: Duration::from_millis(200),
+                vmm_shutdown: Duration::from_secs(2),
+                terminate: Duration::from_millis(500),
+                ..StopTimeouts::default()
+            },
+            ..HypervisorSettings::new(hypervisor, Some(kernel), dir.join("run"))
+        }),
         tap_prefix: prefix.to_owned(),
         boot_wait: Duration::from_secs(30),
         network: Some(Arc::new(network)),
-        stop: StopTimeouts {
-            power_button: Duration::from_millis(200),
-            vmm_shutdown: Duration::from_secs(2),
-            terminate: Duration::from_millis(500),
-            ..StopTimeouts::default()
-        },
-        confinement,
+        confinement: Arc::new(confinement),
+        limits: Arc::default(),
     })
 }
 

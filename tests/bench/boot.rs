@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::Id;
+use eitri_agent::provision::HypervisorSettings;
 use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
-use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::state::Store;
 use eitri_agent::testkit::desired;
 
@@ -40,16 +40,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let backend = CloudHypervisor::new(
         Arc::clone(&store),
         CloudHvConfig {
-            hypervisor: env!("CARGO_BIN_EXE_eitri-standin-hypervisor").into(),
-            kernel: Some(kernel),
-            firmware: None,
-            cmdline: String::new(),
-            run_dir: dir.path().join("run"),
+            hypervisor: Arc::new(HypervisorSettings::new(
+                env!("CARGO_BIN_EXE_eitri-standin-hypervisor").into(),
+                Some(kernel),
+                dir.path().join("run"),
+            )),
             tap_prefix: format!("eb{:04x}", std::process::id() & 0xffff),
             boot_wait: Duration::from_secs(10),
-            stop: StopTimeouts::default(),
             network: None,
-            confinement: eitri_agent::testkit::confinement(dir.path()),
+            confinement: Arc::new(eitri_agent::testkit::confinement(dir.path())),
+            limits: Arc::default(),
         },
     );
     let spec = desired("bench-vm").spec;

@@ -236,14 +236,8 @@ impl Bench {
         let (base_url, base_sha) = agent::base_image(dir.path())?;
         let store = Arc::new(Store::open(&dir.path().join("state"))?);
         let prefix = format!("ec{:04x}", std::process::id() & 0xffff);
-        let cfg = CloudHvConfig {
+        let mut cfg = CloudHvConfig {
             boot_wait: Duration::from_secs(10),
-            stop: StopTimeouts {
-                power_button: Duration::from_millis(200),
-                vmm_shutdown: Duration::from_millis(200),
-                terminate: Duration::from_millis(200),
-                ..StopTimeouts::default()
-            },
             ..agent::host_config(
                 dir.path(),
                 &store,
@@ -251,6 +245,12 @@ impl Bench {
                 &prefix,
                 real.is_some(),
             )?
+        };
+        Arc::make_mut(&mut cfg.hypervisor).stop = StopTimeouts {
+            power_button: Duration::from_millis(200),
+            vmm_shutdown: Duration::from_millis(200),
+            terminate: Duration::from_millis(200),
+            ..StopTimeouts::default()
         };
         let cgroup_root = cfg.confinement.cgroup_root.clone();
         let seams = agent::seams(

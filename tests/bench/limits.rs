@@ -28,9 +28,9 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::{Id, Phase, Snapshot, VmLimits};
+use eitri_agent::provision::HypervisorSettings;
 use eitri_agent::provision::Lifecycle;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
-use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig};
 use eitri_agent::state::Store;
 use eitri_agent::testkit::{desired, id, present, snapshot};
@@ -108,16 +108,15 @@ fn backend(dir: &Path, hypervisor: PathBuf) -> Result<CloudHypervisor, Error> {
     std::fs::write(&kernel, b"not really a kernel")?;
     let store = Arc::new(Store::open(&dir.join("state"))?);
     let cfg = CloudHvConfig {
-        hypervisor,
-        kernel: Some(kernel),
-        firmware: None,
-        cmdline: "console=ttyS0".into(),
-        run_dir: dir.join("run"),
+        hypervisor: Arc::new(HypervisorSettings {
+            cmdline: "console=ttyS0".into(),
+            ..HypervisorSettings::new(hypervisor, Some(kernel), dir.join("run"))
+        }),
         tap_prefix: format!("el{:04x}", std::process::id() & 0xffff),
         boot_wait: Duration::from_secs(10),
         network: None,
-        stop: StopTimeouts::default(),
-        confinement: eitri_agent::testkit::confinement(dir),
+        confinement: Arc::new(eitri_agent::testkit::confinement(dir)),
+        limits: Arc::default(),
     };
     Ok(CloudHypervisor::new(store, cfg))
 }
@@ -378,16 +377,14 @@ impl IoHost {
         let base = agent::base_image(dir.path())?;
         let store = Arc::new(Store::open(&dir.path().join("state"))?);
         let prefix = format!("eb{:04x}", std::process::id() & 0xffff);
-        let cfg = CloudHvConfig {
-            cmdline: format!("console=ttyS0 {cmdline}"),
-            ..agent::host_config(
-                dir.path(),
-                &store,
-                (ch.to_path_buf(), guest.to_path_buf()),
-                &prefix,
-                true,
-            )?
-        };
+        let mut cfg = agent::host_config(
+            dir.path(),
+            &store,
+            (ch.to_path_buf(), guest.to_path_buf()),
+            &prefix,
+            true,
+        )?;
+        Arc::make_mut(&mut cfg.hypervisor).cmdline = format!("console=ttyS0 {cmdline}");
         let cgroup_root = cfg.confinement.cgroup_root.clone();
         let backend = Arc::new(CloudHypervisor::new(Arc::clone(&store), cfg));
         let engine = Engine::new(

@@ -138,7 +138,7 @@ fn a_crashed_hypervisors_last_words_reach_the_row() {
     let broken = h.dir.path().join("broken-hv");
     std::fs::write(&broken, "#!/bin/sh\nexit 1\n").expect("a broken hypervisor");
     std::fs::set_permissions(&broken, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    std::fs::rename(&broken, &h.cfg.hypervisor).expect("break the hypervisor");
+    std::fs::rename(&broken, &h.cfg.hypervisor.binary).expect("break the hypervisor");
 
     wait_until("the repair to fail", || {
         h.engine()

@@ -306,13 +306,7 @@ fn the_hypervisor_inherits_none_of_the_agents_environment() {
     unsafe { std::env::set_var("EITRI_TEST_SECRET", "hunter2") };
     let h = Host::new(&[]);
     // The stand-in itself, not the launcher script (a shell sets PWD).
-    let backend = CloudHypervisor::new(
-        Arc::clone(&h.store),
-        CloudHvConfig {
-            hypervisor: STANDIN.into(),
-            ..h.cfg.clone()
-        },
-    );
+    let backend = CloudHypervisor::new(Arc::clone(&h.store), with_binary(&h.cfg, STANDIN.into()));
     let spec = h.spec("vm-1");
 
     backend.boot(&spec, Deadline::NONE).expect("boot");
@@ -334,7 +328,7 @@ pub(crate) fn flooded(
     of: fn(&Host) -> PathBuf,
 ) -> (Host, PathBuf, u64, u64) {
     let mut h = Host::new(&[(knob, &rate.to_string())]);
-    h.cfg.confinement.serial_log_bytes = 512 << 10;
+    Arc::make_mut(&mut h.cfg.limits).serial_log_bytes = 512 << 10;
     let h = h.restart();
     h.tick(&h.vm("vm-1"));
     let path = of(&h);
@@ -428,7 +422,7 @@ fn a_local_users_process_naming_a_vms_disk_is_not_taken_for_its_hypervisor() {
         .spawn()
         .expect("sh");
     // Its socket file too, so the backend looks hard (it scans).
-    std::fs::create_dir_all(h.cfg.run_dir.clone()).expect("run dir");
+    std::fs::create_dir_all(h.cfg.hypervisor.run_dir.clone()).expect("run dir");
     std::fs::write(h.backend.socket_path(&id("vm-1")), b"").expect("socket file");
 
     let taken = h.backend.adopt(&id("vm-1"));

@@ -146,7 +146,9 @@ fn a_stopped_vm_boots_again_with_a_cap_below_its_old_burst() {
 #[test]
 fn a_vm_with_no_cap_of_its_own_takes_the_hosts_per_vcpu() {
     let mut h = Host::new(&[]);
-    h.cfg.confinement.limits.cpu_max_millis_per_vcpu = 500;
+    Arc::make_mut(&mut h.cfg.limits)
+        .defaults
+        .cpu_max_millis_per_vcpu = 500;
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     let mut spec = h.spec("vm-1");
     spec.vcpus = 2;

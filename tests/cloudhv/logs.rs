@@ -18,7 +18,7 @@ fn logs_of_a_guest_that_printed_10_mib_shows_its_newest_lines_within_the_cap() {
     // 4 MiB a second against a 1 MiB cap.
     let rate: u64 = 4 << 20;
     let mut h = Host::new(&[("STANDIN_SERIAL_FLOOD", &rate.to_string())]);
-    h.cfg.confinement.serial_log_bytes = 1 << 20;
+    Arc::make_mut(&mut h.cfg.limits).serial_log_bytes = 1 << 20;
     let h = h.restart();
     h.tick(&h.vm("vm-1"));
     let serial = h.store.layout().serial_log(&id("vm-1"));

@@ -30,6 +30,7 @@ use eitri_agent::deadline::Deadline;
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
+use eitri_agent::provision::HypervisorSettings;
 use eitri_agent::provision::Lifecycle as Backend;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::jail::cgroup::Cgroups;
@@ -62,6 +63,17 @@ struct Host {
 
 /// A tap prefix of this test process alone: parallel tests never touch
 /// each other's links, and no real host names a link like this.
+/// `cfg` with another hypervisor binary.
+fn with_binary(cfg: &CloudHvConfig, binary: PathBuf) -> CloudHvConfig {
+    CloudHvConfig {
+        hypervisor: Arc::new(HypervisorSettings {
+            binary,
+            ..(*cfg.hypervisor).clone()
+        }),
+        ..cfg.clone()
+    }
+}
+
 fn tap_prefix() -> String {
     format!("et{:04x}", std::process::id() & 0xffff)
 }
@@ -96,14 +108,14 @@ impl Host {
     /// The root disk is `EITRI_TEST_GUEST_IMAGE` when set, else a blank one.
     fn real(hypervisor: PathBuf, kernel: PathBuf) -> Host {
         let mut h = Host::new(&[]);
-        h.cfg.hypervisor = hypervisor;
-        h.cfg.kernel = Some(kernel);
+        Arc::make_mut(&mut h.cfg.hypervisor).binary = hypervisor;
+        Arc::make_mut(&mut h.cfg.hypervisor).kernel = Some(kernel);
         h.cfg.boot_wait = Duration::from_secs(30);
         // Confined as on a host: the real VMM, as its own user, opens the
         // real /dev/kvm (its group is given access by an ACL entry).
-        h.cfg.confinement.kvm = PathBuf::from("/dev/kvm");
+        Arc::make_mut(&mut h.cfg.confinement).kvm = PathBuf::from("/dev/kvm");
         // And, resuming, the real userfaultfd device (given the same way).
-        h.cfg.confinement.userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
+        Arc::make_mut(&mut h.cfg.confinement).userfaultfd = Some(PathBuf::from("/dev/userfaultfd"));
         if let Some(image) = std::env::var_os("EITRI_TEST_GUEST_IMAGE") {
             h.base_sha = sha256_file(Path::new(&image)).expect("hash the guest image");
             h.base_url = format!("file://{}", PathBuf::from(image).display());
@@ -124,21 +136,25 @@ impl Host {
         std::fs::write(&base, vec![0x5a; 1 << 20]).expect("base image");
         let base_sha = sha256_file(&base).expect("hash");
         let cfg = CloudHvConfig {
-            hypervisor: launcher(dir.path(), knobs),
-            kernel: Some(kernel),
-            firmware: None,
-            cmdline: "console=ttyS0".into(),
-            run_dir: dir.path().join("run"),
+            hypervisor: Arc::new(HypervisorSettings {
+                cmdline: "console=ttyS0".into(),
+                stop: StopTimeouts {
+                    power_button: Duration::from_millis(500),
+                    vmm_shutdown: Duration::from_millis(500),
+                    terminate: Duration::from_millis(300),
+                    ..StopTimeouts::default()
+                },
+                ..HypervisorSettings::new(
+                    launcher(dir.path(), knobs),
+                    Some(kernel),
+                    dir.path().join("run"),
+                )
+            }),
             tap_prefix: tap_prefix(),
             boot_wait: Duration::from_secs(5),
             network: None,
-            stop: StopTimeouts {
-                power_button: Duration::from_millis(500),
-                vmm_shutdown: Duration::from_millis(500),
-                terminate: Duration::from_millis(300),
-                ..StopTimeouts::default()
-            },
-            confinement: eitri_agent::testkit::confinement(dir.path()),
+            confinement: Arc::new(eitri_agent::testkit::confinement(dir.path())),
+            limits: Arc::default(),
         };
         let base_url = format!("file://{}", base.display());
         Host::assemble(dir, cfg, Fakes::new(), base_url, base_sha)

@@ -8,8 +8,8 @@ use super::*;
 pub(crate) fn booting_from(h: &mut Host, elsewhere: &Path) {
     let kernel = elsewhere.join("vmlinux");
     std::fs::write(&kernel, b"not really a kernel").expect("kernel");
-    h.cfg.hypervisor = launcher(elsewhere, &[]);
-    h.cfg.kernel = Some(kernel);
+    Arc::make_mut(&mut h.cfg.hypervisor).binary = launcher(elsewhere, &[]);
+    Arc::make_mut(&mut h.cfg.hypervisor).kernel = Some(kernel);
     drop(h.engine.take());
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     h.engine = Some(h.make_engine());
@@ -62,7 +62,7 @@ fn a_state_dir_opened_to_0711_converges_at_the_next_tick_with_no_spec_change() {
 fn a_hypervisor_installed_after_start_is_found_at_the_next_tick() {
     let mut h = Host::new(&[]);
     let later = h.dir.path().join("installed-later");
-    h.cfg.hypervisor = later.clone();
+    Arc::make_mut(&mut h.cfg.hypervisor).binary = later.clone();
     drop(h.engine.take());
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     h.engine = Some(h.make_engine());
@@ -85,7 +85,7 @@ fn a_hypervisor_installed_after_start_is_found_at_the_next_tick() {
 #[test]
 fn preflight_names_a_missing_hypervisor() {
     let mut h = Host::new(&[]);
-    h.cfg.hypervisor = h.dir.path().join("no-such-hypervisor");
+    Arc::make_mut(&mut h.cfg.hypervisor).binary = h.dir.path().join("no-such-hypervisor");
     let backend = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
 
     let err = backend.preflight(Deadline::NONE).expect_err("missing");
@@ -109,10 +109,7 @@ fn a_hypervisor_named_without_a_path_is_found_once_and_run_by_its_absolute_path(
     let h = Host::new(&[]);
     let backend = CloudHypervisor::new(
         Arc::clone(&h.store),
-        CloudHvConfig {
-            hypervisor: "eitri-standin-hypervisor".into(),
-            ..h.cfg.clone()
-        },
+        with_binary(&h.cfg, "eitri-standin-hypervisor".into()),
     );
     let spec = h.spec("vm-1");
 
@@ -133,13 +130,7 @@ fn preflight_refuses_a_hypervisor_older_than_v51_that_would_probe_disk_formats()
     let old = h.dir.path().join("old-hv");
     std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v50.0'\n").expect("old");
     std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-    let backend = CloudHypervisor::new(
-        Arc::clone(&h.store),
-        CloudHvConfig {
-            hypervisor: old,
-            ..h.cfg.clone()
-        },
-    );
+    let backend = CloudHypervisor::new(Arc::clone(&h.store), with_binary(&h.cfg, old));
 
     let err = backend.preflight(Deadline::NONE).expect_err("too old");
 
@@ -153,13 +144,7 @@ fn a_hypervisor_replaced_by_an_older_one_is_refused_at_the_next_preflight() {
     let h = Host::new(&[]);
     let hv = h.dir.path().join("hv");
     eitri_agent::testkit::standin_hypervisor(Path::new(STANDIN), &hv, &[]);
-    let backend = CloudHypervisor::new(
-        Arc::clone(&h.store),
-        CloudHvConfig {
-            hypervisor: hv.clone(),
-            ..h.cfg.clone()
-        },
-    );
+    let backend = CloudHypervisor::new(Arc::clone(&h.store), with_binary(&h.cfg, hv.clone()));
     backend.preflight(Deadline::NONE).expect("v53 passes");
     // Replaced as a package upgrade does: a new file renamed over it.
     let staged = h.dir.path().join("hv.new");

@@ -206,7 +206,7 @@ fn a_long_state_dir_still_gets_a_short_socket() {
     let mut h = Host::in_dir(dir, &[]);
     // Sockets live apart from the state dir (/run/eitri in production).
     let run = tempfile::tempdir().expect("run dir");
-    h.cfg.run_dir = run.path().to_path_buf();
+    Arc::make_mut(&mut h.cfg.hypervisor).run_dir = run.path().to_path_buf();
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     assert!(
         h.store.layout().vm_dir(&id("vm-1")).as_os_str().len() > 200,

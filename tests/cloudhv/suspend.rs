@@ -206,7 +206,7 @@ fn a_snapshot_holding_a_file_cloud_hypervisor_never_writes_is_refused_and_the_vm
 /// A host whose VMMs cannot be given a userfaultfd device.
 pub(crate) fn without_userfaultfd() -> Host {
     let mut h = Host::new(&[]);
-    h.cfg.confinement.userfaultfd = None;
+    Arc::make_mut(&mut h.cfg.confinement).userfaultfd = None;
     h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
     h.engine = Some(h.make_engine());
     h

@@ -99,7 +99,7 @@ impl CloudHypervisor {
             "/api/v1/vmm.shutdown",
             Duration::from_secs(2),
         );
-        let until = Deadline::after(self.cfg.stop.vmm_shutdown);
+        let until = Deadline::after(self.cfg.hypervisor.stop.vmm_shutdown);
         while tracked.alive() && !until.expired() {
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -107,7 +107,9 @@ impl CloudHypervisor {
     }
 
     pub fn socket_path(&self, vm_id: &Id) -> PathBuf {
-        self.store.layout().api_socket(&self.cfg.run_dir, vm_id)
+        self.store
+            .layout()
+            .api_socket(&self.cfg.hypervisor.run_dir, vm_id)
     }
 
     /// The VM's tap names, while networking is on and it holds an address.

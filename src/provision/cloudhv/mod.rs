@@ -41,7 +41,7 @@ mod watch;
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,8 +50,10 @@ use parking_lot::Mutex;
 pub use self::error::CloudHvError;
 use self::watch::ExitWatch;
 use super::jail::{self, netns, view};
-use super::supervise::{self, Children, StopTimeouts};
-use super::{ExitListener, Holds, HostChecks, Lifecycle, SavedGuest, Say, Suspend};
+use super::supervise::{self, Children};
+use super::{
+    ExitListener, Holds, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Suspend,
+};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, Saved, VmSpec};
@@ -65,22 +67,18 @@ pub const MIN_VERSION: u32 = 51;
 const HOST_RECHECK: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct CloudHvConfig {
-    pub hypervisor: PathBuf,
-    pub kernel: Option<PathBuf>,
-    pub firmware: Option<PathBuf>,
-    pub cmdline: String,
-    /// Where API sockets live: short, since a unix socket path is limited to
-    /// 108 bytes whatever the state dir's length.
-    pub run_dir: PathBuf,
+    /// The binary, what it boots, where its sockets go, how it is stopped.
+    pub hypervisor: Arc<HypervisorSettings>,
     /// Prefix of this agent's tap names; links with it that no live VMM
     /// holds are removed at start.
     pub tap_prefix: String,
     /// Bound on waiting for a new VMM's API to say Running.
     pub boot_wait: Duration,
-    pub stop: StopTimeouts,
     /// The host network taps join; `None` leaves taps unconnected.
     pub network: Option<Arc<crate::net::host::HostNetwork>>,
-    pub confinement: crate::provision::Confinement,
+    pub confinement: Arc<crate::provision::Confinement>,
+    /// What a VM whose spec sets none may use; its serial log's bound.
+    pub limits: Arc<crate::provision::GuestLimits>,
 }
 
 pub struct CloudHypervisor {
@@ -115,15 +113,17 @@ impl CloudHypervisor {
     pub fn new(store: Arc<Store>, mut cfg: CloudHvConfig) -> CloudHypervisor {
         // Found once, by absolute path: what runs as the VMM never depends
         // on PATH after start (and a bare name could not be exec'd at all).
-        if let Some(path) = crate::programs::resolved(&cfg.hypervisor.to_string_lossy()) {
-            cfg.hypervisor = path;
-        }
-        if let Err(e) = fs::create_dir_all(&cfg.run_dir)
-            .and_then(|()| fs::set_permissions(&cfg.run_dir, fs::Permissions::from_mode(0o700)))
+        if let Some(path) = crate::programs::resolved(&cfg.hypervisor.binary.to_string_lossy())
+            && path != cfg.hypervisor.binary
         {
+            Arc::make_mut(&mut cfg.hypervisor).binary = path;
+        }
+        if let Err(e) = fs::create_dir_all(&cfg.hypervisor.run_dir).and_then(|()| {
+            fs::set_permissions(&cfg.hypervisor.run_dir, fs::Permissions::from_mode(0o700))
+        }) {
             log::warn!(
                 "cannot prepare the socket dir {}: {e}",
-                cfg.run_dir.display()
+                cfg.hypervisor.run_dir.display()
             );
         }
         let children = Children::new("hypervisor");
@@ -135,7 +135,7 @@ impl CloudHypervisor {
             })
             .ok();
         let confined = jail::Confined::probe(&cfg.confinement, store.root());
-        let serial = serial::start(Arc::clone(&store), cfg.confinement.serial_log_bytes)
+        let serial = serial::start(Arc::clone(&store), cfg.limits.serial_log_bytes)
             .inspect_err(|e| {
                 log::error!("cannot start the thread that bounds serial logs ({e}); a chatty guest can fill the disk")
             })
@@ -299,8 +299,8 @@ impl Lifecycle for CloudHypervisor {
         }
         let layout = self.store.layout();
         let files = [
-            layout.api_socket(&self.cfg.run_dir, vm_id),
-            layout.api_socket_lock(&self.cfg.run_dir, vm_id),
+            layout.api_socket(&self.cfg.hypervisor.run_dir, vm_id),
+            layout.api_socket_lock(&self.cfg.hypervisor.run_dir, vm_id),
             layout.pidfile(vm_id),
         ];
         supervise::remove_files(vm_id, &files).map_err(CloudHvError::from)?;
@@ -399,10 +399,7 @@ impl Holds for CloudHypervisor {
     }
 
     fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
-        Some(
-            spec.limits
-                .in_force(spec.vcpus, &self.cfg.confinement.limits),
-        )
+        Some(spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults))
     }
 
     fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {

@@ -17,7 +17,7 @@ use crate::provision::jail::paths::{self, Need};
 impl CloudHypervisor {
     pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
         // Resolved to an absolute path when the backend was made.
-        let path = self.cfg.hypervisor.clone();
+        let path = self.cfg.hypervisor.binary.clone();
         if !path.is_absolute() || crate::programs::find(&path.to_string_lossy()).is_none() {
             return Err(CloudHvError::NotExecutable { path }.into());
         }
@@ -56,7 +56,7 @@ impl CloudHypervisor {
         if !Path::new("/dev/net/tun").exists() {
             return Err(CloudHvError::NoTun.into());
         }
-        match (&self.cfg.kernel, &self.cfg.firmware) {
+        match (&self.cfg.hypervisor.kernel, &self.cfg.hypervisor.firmware) {
             (Some(p), _) | (None, Some(p)) if p.is_file() => {}
             (Some(p), _) | (None, Some(p)) => {
                 return Err(CloudHvError::BootFileMissing { path: p.clone() }.into());
@@ -78,13 +78,22 @@ impl CloudHypervisor {
         let uid = ids.kvm_group.saturating_add(1);
         let groups = [uid, ids.kvm_group];
         let layout = self.store.layout();
-        let boot_file = self.cfg.kernel.iter().chain(&self.cfg.firmware);
-        let needed = std::iter::once((self.cfg.hypervisor.clone(), Need::Exec, "--hypervisor"))
-            .chain(boot_file.map(|p| (p.clone(), Need::Read, "--kernel or --firmware")))
-            .chain([
-                (layout.vms(), Need::Search, "--state-dir"),
-                (layout.volumes(), Need::Search, "--state-dir"),
-            ]);
+        let boot_file = self
+            .cfg
+            .hypervisor
+            .kernel
+            .iter()
+            .chain(&self.cfg.hypervisor.firmware);
+        let needed = std::iter::once((
+            self.cfg.hypervisor.binary.clone(),
+            Need::Exec,
+            "--hypervisor",
+        ))
+        .chain(boot_file.map(|p| (p.clone(), Need::Read, "--kernel or --firmware")))
+        .chain([
+            (layout.vms(), Need::Search, "--state-dir"),
+            (layout.volumes(), Need::Search, "--state-dir"),
+        ]);
         for (path, need, flag) in needed {
             if let Some(blocked) = paths::blocked(&path, uid, &groups, need) {
                 return Err(CloudHvError::Unreachable {
@@ -100,7 +109,7 @@ impl CloudHypervisor {
 
     /// The first line `--version` prints, within a bound.
     fn version(&self) -> Result<String, String> {
-        let mut child = Command::new(&self.cfg.hypervisor)
+        let mut child = Command::new(&self.cfg.hypervisor.binary)
             .arg("--version")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

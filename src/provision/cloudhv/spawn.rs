@@ -58,9 +58,7 @@ impl CloudHypervisor {
                 mac: *mac,
             })
             .collect();
-        let limits = spec
-            .limits
-            .in_force(spec.vcpus, &self.cfg.confinement.limits);
+        let limits = spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults);
         let lend = |id| {
             super::suspend::fresh_work_dir(&files.snapshot_work, id)?;
             match (launch, id) {
@@ -87,7 +85,7 @@ impl CloudHypervisor {
                 .cloned()
                 .collect(),
             sees,
-            mountpoint: self.cfg.run_dir.join("vmm-root"),
+            mountpoint: self.cfg.hypervisor.run_dir.join("vmm-root"),
             lend: &lend,
         };
         let prepared =
@@ -175,14 +173,15 @@ impl CloudHypervisor {
     /// only: it reads it, and must not grow it), its disks, volumes,
     /// serial and log files, and the devices it opens.
     fn sees(&self, files: &VmFiles, launch: Launch<'_>) -> std::io::Result<Vec<Visible>> {
-        let boot: Vec<&std::path::Path> = [&self.cfg.kernel, &self.cfg.firmware]
-            .into_iter()
-            .flatten()
-            .map(|p| p.as_path())
-            .collect();
+        let boot: Vec<&std::path::Path> =
+            [&self.cfg.hypervisor.kernel, &self.cfg.hypervisor.firmware]
+                .into_iter()
+                .flatten()
+                .map(|p| p.as_path())
+                .collect();
         let mut visible = what_a_vmm_sees(
             self.runtime()?,
-            &self.cfg.hypervisor,
+            &self.cfg.hypervisor.binary,
             &boot,
             files,
             &self.cfg.confinement.kvm,
@@ -199,7 +198,7 @@ impl CloudHypervisor {
 
     /// What the hypervisor binary needs to run, read once per binary.
     fn runtime(&self) -> std::io::Result<Vec<Visible>> {
-        let hypervisor = &self.cfg.hypervisor;
+        let hypervisor = &self.cfg.hypervisor.binary;
         let now = super::preflight::Binary::of(hypervisor);
         let mut cached = self.runtime.lock();
         if let (Some(now), Some((read, needs))) = (now, cached.as_ref())
@@ -228,10 +227,10 @@ impl CloudHypervisor {
     }
 
     fn guest_image(&self) -> Option<GuestImage<'_>> {
-        match (&self.cfg.kernel, &self.cfg.firmware) {
+        match (&self.cfg.hypervisor.kernel, &self.cfg.hypervisor.firmware) {
             (Some(kernel), _) => Some(GuestImage::Kernel {
                 kernel,
-                cmdline: &self.cfg.cmdline,
+                cmdline: &self.cfg.hypervisor.cmdline,
             }),
             (None, Some(firmware)) => Some(GuestImage::Firmware(firmware)),
             (None, None) => None,
@@ -324,7 +323,7 @@ impl CloudHypervisor {
         let pidfile = self.store.layout().pidfile(vm_id);
         let started = fork::start(
             &fork::Start {
-                program: &self.cfg.hypervisor,
+                program: &self.cfg.hypervisor.binary,
                 args,
                 log: &log,
                 own,
@@ -341,7 +340,7 @@ impl CloudHypervisor {
         );
         let failed = |source| CloudHvError::Start {
             vm_id: vm_id.clone(),
-            program: self.cfg.hypervisor.clone(),
+            program: self.cfg.hypervisor.binary.clone(),
             source,
         };
         let pid = match started {

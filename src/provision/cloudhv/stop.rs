@@ -28,7 +28,7 @@ impl CloudHypervisor {
             Some(tracked) => supervise::stop(
                 vm_id,
                 &self.vmm(vm_id, tracked),
-                self.cfg.stop,
+                self.cfg.hypervisor.stop,
                 deadline,
                 say,
             )?,

@@ -213,7 +213,7 @@ impl CloudHypervisor {
             supervise::ladder::stop_paused(
                 vm_id,
                 &self.vmm(vm_id, tracked),
-                self.cfg.stop,
+                self.cfg.hypervisor.stop,
                 deadline,
                 say,
             )
@@ -659,7 +659,7 @@ fn keep_console(backend: &CloudHypervisor, vm_id: &Id) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
     }
-    let bound = backend.cfg.confinement.serial_log_bytes;
+    let bound = backend.cfg.limits.serial_log_bytes;
     let mut kept = layout.serial_segments(vm_id);
     let held = |list: &[(u32, PathBuf)]| -> u64 {
         list.iter()

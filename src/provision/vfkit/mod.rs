@@ -44,8 +44,8 @@ use std::time::Duration;
 
 use self::argv::Files;
 pub use self::error::VfkitError;
-use super::supervise::{self, Children, StopTimeouts};
-use super::{ExitListener, HostChecks, Lifecycle, SavedGuest, Say, Suspend};
+use super::supervise::{self, Children};
+use super::{ExitListener, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Suspend};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, Saved, VmSpec};
@@ -53,14 +53,11 @@ use crate::state::Store;
 
 #[derive(Debug, Clone)]
 pub struct VfkitConfig {
-    /// The vfkit binary (`--hypervisor`).
-    pub vfkit: PathBuf,
-    /// Where API sockets live: short, since macOS caps a socket path at
-    /// 103 bytes.
-    pub run_dir: PathBuf,
+    /// The vfkit binary (`--hypervisor`), where its API sockets live
+    /// (short: macOS caps a socket path at 103 bytes), how it is stopped.
+    pub hypervisor: Arc<HypervisorSettings>,
     /// Bound on waiting for a new VM's API to say Running.
     pub boot_wait: Duration,
-    pub stop: StopTimeouts,
     /// bootpd's lease file ([`leases::LEASE_FILE`]).
     pub leases: PathBuf,
 }
@@ -84,7 +81,9 @@ impl Vfkit {
 
     /// The VM's API socket: short, unique per state dir and VM.
     pub fn socket_path(&self, vm_id: &Id) -> PathBuf {
-        self.store.layout().api_socket(&self.cfg.run_dir, vm_id)
+        self.store
+            .layout()
+            .api_socket(&self.cfg.hypervisor.run_dir, vm_id)
     }
 
     pub fn pidfile_path(&self, vm_id: &Id) -> PathBuf {
@@ -109,7 +108,7 @@ impl Vfkit {
     pub fn alive(&self, vm_id: &Id) -> Option<u32> {
         self.children
             .unreaped(vm_id)
-            .or_else(|| process::live_pid(&self.pidfile_path(vm_id), &self.cfg.vfkit))
+            .or_else(|| process::live_pid(&self.pidfile_path(vm_id), &self.cfg.hypervisor.binary))
     }
 
     /// Every VM dir with a pidfile: the VMs a vfkit may run for.
@@ -182,7 +181,7 @@ fn error_line(log: &Path) -> String {
 impl Lifecycle for Vfkit {
     fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
         use std::os::unix::fs::PermissionsExt;
-        let program = &self.cfg.vfkit;
+        let program = &self.cfg.hypervisor.binary;
         let meta = fs::metadata(program).map_err(|e| VfkitError::NotInstalled {
             program: program.clone(),
             why: e.to_string(),

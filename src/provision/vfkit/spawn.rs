@@ -49,8 +49,8 @@ impl Vfkit {
             vm_id: vm_id.clone(),
             source,
         })?;
-        crate::state::perms::make_dir(&self.cfg.run_dir)
-            .map_err(files_err("make the run dir", &self.cfg.run_dir))?;
+        crate::state::perms::make_dir(&self.cfg.hypervisor.run_dir)
+            .map_err(files_err("make the run dir", &self.cfg.hypervisor.run_dir))?;
         supervise::remove_files(vm_id, &[files.socket.clone(), files.pidfile.clone()])
             .map_err(VfkitError::from)?;
         let log_path = self.store.layout().hypervisor_log(vm_id);
@@ -63,7 +63,7 @@ impl Vfkit {
         let err_log = log
             .try_clone()
             .map_err(files_err("open the log", &log_path))?;
-        let mut child = Command::new(&self.cfg.vfkit)
+        let mut child = Command::new(&self.cfg.hypervisor.binary)
             .args(&args)
             .stdin(Stdio::null())
             .stdout(log)
@@ -72,7 +72,7 @@ impl Vfkit {
             .spawn()
             .map_err(|source| VfkitError::Start {
                 vm_id: vm_id.clone(),
-                program: self.cfg.vfkit.clone(),
+                program: self.cfg.hypervisor.binary.clone(),
                 source,
             })?;
         let pid = child.id();

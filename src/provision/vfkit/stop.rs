@@ -20,8 +20,14 @@ impl Vfkit {
         let Some(pid) = self.alive(vm_id) else {
             return Ok(());
         };
-        supervise::stop(vm_id, &self.vmm(vm_id, pid), self.cfg.stop, deadline, say)
-            .map_err(Into::into)
+        supervise::stop(
+            vm_id,
+            &self.vmm(vm_id, pid),
+            self.cfg.hypervisor.stop,
+            deadline,
+            say,
+        )
+        .map_err(Into::into)
     }
 
     /// Stops the VM's vfkit whose guest is paused: from `HardStop`, since
@@ -31,7 +37,13 @@ impl Vfkit {
             return Ok(());
         };
         let say = |what: &str| log::info!("VM {vm_id}: {what}");
-        supervise::ladder::stop_paused(vm_id, &self.vmm(vm_id, pid), self.cfg.stop, deadline, &say)
-            .map_err(Into::into)
+        supervise::ladder::stop_paused(
+            vm_id,
+            &self.vmm(vm_id, pid),
+            self.cfg.hypervisor.stop,
+            deadline,
+            &say,
+        )
+        .map_err(Into::into)
     }
 }
