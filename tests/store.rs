@@ -2,6 +2,7 @@
 
 use eitri_agent::state::lifecycle::{Lifecycle, LifecycleParts};
 use std::fs;
+use std::os::unix::process::CommandExt;
 
 use eitri_agent::model::{Id, VmSpec};
 use eitri_agent::state::{Record, RecordSlot, Store, StoreError};
@@ -160,6 +161,66 @@ fn second_store_on_a_locked_dir_fails_naming_it() {
     assert!(matches!(err, StoreError::Locked { .. }), "{err}");
     assert!(
         err.to_string().contains(&dir.path().display().to_string()),
+        "{err}"
+    );
+}
+
+/// `flock` holding the state dir's lock for `seconds`, and its pid, once
+/// it holds it.
+fn hold_the_lock(dir: &std::path::Path, seconds: &str) -> std::process::Child {
+    drop(Store::open(dir).expect("make the state dir"));
+    let lock = eitri_agent::state::Layout::new(dir).lock();
+    // In a group of its own, so that its sleep can be ended with it; the
+    // sleep does not inherit the lock (--close).
+    let mut holder = eitri_agent::testkit::tools::tool("flock")
+        .args(["--exclusive", "--close"])
+        .arg(&lock)
+        .args(["sleep", seconds])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .expect("flock");
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while eitri_agent::state::holders::holders(&lock).is_empty() {
+        assert!(
+            std::time::Instant::now() < until,
+            "flock never took the lock"
+        );
+        assert!(holder.try_wait().expect("flock").is_none(), "flock exited");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    holder
+}
+
+#[test]
+fn a_lock_let_go_within_the_patience_is_taken() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut holder = hold_the_lock(dir.path(), "0.3");
+
+    let store = Store::open_within(dir.path(), std::time::Duration::from_secs(10));
+
+    assert!(store.is_ok(), "{:?}", store.err());
+    assert!(holder.try_wait().expect("flock").is_some());
+}
+
+#[test]
+fn a_lock_held_past_the_patience_is_refused_naming_its_holder() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut holder = hold_the_lock(dir.path(), "30");
+
+    let err = Store::open_within(dir.path(), std::time::Duration::from_millis(300))
+        .err()
+        .expect("still held");
+
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(holder.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+    let _ = holder.wait();
+    assert!(
+        err.to_string()
+            .contains(&format!("held by pid {} (flock)", holder.id())),
         "{err}"
     );
 }

@@ -2,8 +2,12 @@
 //! host (rebooted) left, repaired in one place, in an order that matters.
 //! Each step repairs one kind of leftover and must come before the next:
 //!
-//! 1. **Lock the state dir** (`Store::open`). First of all: two agents
-//!    recovering one state dir would each undo the other's work. The
+//! 1. **Lock the state dir** (`Store::open_within`). First of all: two
+//!    agents recovering one state dir would each undo the other's work. A
+//!    lock held by another process is waited for, [`LOCK_PATIENCE`] at
+//!    most, saying who holds it: an agent restarted the moment its
+//!    predecessor died may find the lock not yet let go, and one that
+//!    exited then would leave the host unreported until restarted. The
 //!    records are read here; stray temp files are never read as records.
 //!    Then **claim** this state dir's VMM ids and cgroup root against the
 //!    host's other agents (`state::claim`), before anything uses either:
@@ -41,6 +45,10 @@ use crate::image::ImageCache;
 use crate::net::host::HostNetwork;
 use crate::provision::Lifecycle;
 use crate::state::Store;
+
+/// How long a new agent waits for a state dir another process holds
+/// before it refuses to start (step 1).
+pub const LOCK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What recovery hands the daemon: the locked, swept store, and the parts
 /// that now reflect the host as it is.
@@ -172,7 +180,8 @@ pub fn recover(
     guest_dns: Vec<std::net::Ipv4Addr>,
 ) -> Result<Recovered, DaemonError> {
     // 1.
-    let store = Arc::new(Store::open(&config.state_dir).map_err(DaemonError::Store)?);
+    let store =
+        Arc::new(Store::open_within(&config.state_dir, LOCK_PATIENCE).map_err(DaemonError::Store)?);
     let guest = claimed(config, &store)?;
     // 2.
     let images = Arc::new(ImageCache::with(store.layout().images(), &config.images));

@@ -70,8 +70,7 @@ impl fmt::Display for StoreError {
                     dir.display()
                 )?;
                 if !holders.is_empty() {
-                    let named: Vec<String> = holders.iter().map(Holder::to_string).collect();
-                    write!(f, " (its lock is held by {})", named.join(", "))?;
+                    write!(f, " (its lock is {})", super::holders::describe(holders))?;
                 }
                 write!(f, "; stop that agent or choose another --state-dir")
             }

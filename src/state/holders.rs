@@ -20,6 +20,16 @@ impl fmt::Display for Holder {
     }
 }
 
+/// `held by pid 7 (eitri-agent), pid 9 (sh)`, or what to say when no
+/// holder could be named.
+pub fn describe(holders: &[Holder]) -> String {
+    if holders.is_empty() {
+        return "no process with its lock file open could be named".to_owned();
+    }
+    let named: Vec<String> = holders.iter().map(Holder::to_string).collect();
+    format!("held by {}", named.join(", "))
+}
+
 /// Every process (but this one) with `path` open, by pid. Processes whose
 /// fds this one may not read are not listed.
 pub fn holders(path: &Path) -> Vec<Holder> {

@@ -4,6 +4,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
@@ -45,6 +46,16 @@ impl Store {
     /// Opens (creating if needed) the state dir at `root` and takes its
     /// lock. Fails at once, naming the dir, when another agent holds it.
     pub fn open(root: &Path) -> Result<Store, StoreError> {
+        Store::open_within(root, Duration::ZERO)
+    }
+
+    /// As [`Store::open`], but a lock held by another process is waited
+    /// for, up to `patience`, saying so once with who holds it: the agent
+    /// that held it may be on its way out (a supervisor's restart, or a
+    /// child it forked that has not yet closed its copy of the fd), and a
+    /// new agent that exits at once leaves the host unreported until it
+    /// is started again. Past `patience` it fails as [`Store::open`] does.
+    pub fn open_within(root: &Path, patience: Duration) -> Result<Store, StoreError> {
         let layout = Layout::new(root);
         for dir in [
             root.to_path_buf(),
@@ -80,21 +91,7 @@ impl Store {
                 path: lock_path.clone(),
                 source,
             })?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(StoreError::Locked {
-                    dir: root.to_path_buf(),
-                    holders: super::holders::holders(&lock_path),
-                });
-            }
-            Err(TryLockError::Error(source)) => {
-                return Err(StoreError::OpenLock {
-                    path: lock_path,
-                    source,
-                });
-            }
-        }
+        take_lock(&lock, root, &lock_path, patience)?;
         let epoch = read_epoch(&layout.epoch());
         let records = scan_records(&layout.vms())?;
         Ok(Store {
@@ -382,6 +379,57 @@ fn count_unreadable(records: &BTreeMap<Id, RecordSlot>) -> usize {
         .values()
         .filter(|slot| matches!(slot, RecordSlot::Unreadable(_)))
         .count()
+}
+
+/// Takes the state dir's lock (see [`Store::open_within`]): at once, or
+/// within `patience`, polled every 50 ms.
+fn take_lock(
+    lock: &File,
+    root: &Path,
+    lock_path: &Path,
+    patience: Duration,
+) -> Result<(), StoreError> {
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        match lock.try_lock() {
+            Ok(()) => {
+                if said {
+                    log::info!(
+                        "took the lock of state dir {} after {:.1} s",
+                        root.display(),
+                        started.elapsed().as_secs_f64()
+                    );
+                }
+                return Ok(());
+            }
+            Err(TryLockError::WouldBlock) => {
+                let holders = super::holders::holders(lock_path);
+                if started.elapsed() >= patience {
+                    return Err(StoreError::Locked {
+                        dir: root.to_path_buf(),
+                        holders,
+                    });
+                }
+                if !said {
+                    said = true;
+                    log::warn!(
+                        "state dir {} is locked ({}); waiting up to {} s for it to be let go",
+                        root.display(),
+                        super::holders::describe(&holders),
+                        patience.as_secs()
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(TryLockError::Error(source)) => {
+                return Err(StoreError::OpenLock {
+                    path: lock_path.to_path_buf(),
+                    source,
+                });
+            }
+        }
+    }
 }
 
 fn read_epoch(path: &Path) -> u64 {
