@@ -1,0 +1,254 @@
+//! The agent binary run as an operator runs it, for the benchmarks that
+//! time it from outside: a desired file renamed into place and SIGHUP, then
+//! the new VMM's own API polled until it says `Running`. Nothing here asks
+//! the agent anything while it works: the wait for a VMM's socket is an
+//! inotify watch on the run dir, and the API polled is the VMM's.
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use eitri_agent::model::Id;
+use eitri_agent::provision::unix_http;
+use eitri_agent::state::Layout;
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+
+type Error = Box<dyn std::error::Error>;
+
+/// What the daemon is given to boot its guests with.
+pub struct Parts<'a> {
+    pub hypervisor: &'a Path,
+    pub kernel: &'a Path,
+    /// A `file://` base image under `images`, and its digest.
+    pub image: (&'a str, &'a str),
+    pub images: &'a Path,
+    /// The cgroup root its VMMs run under (the caller ends it).
+    pub cgroup_root: &'a str,
+    /// Its tap names' prefix and its bridge's name: unlike a host's.
+    pub tap_prefix: &'a str,
+    pub bridge: &'a str,
+}
+
+pub struct Daemon {
+    dir: PathBuf,
+    child: Child,
+    image: (String, String),
+    wanted: Vec<String>,
+}
+
+impl Daemon {
+    /// Starts `eitri-agent run` over an empty desired file in `dir`, its log
+    /// at `dir/agent.log` (info), and waits for its first report.
+    pub fn start(dir: &Path, parts: &Parts<'_>, patience: Duration) -> Result<Daemon, Error> {
+        let path = |p: &Path| p.display().to_string();
+        let image = (parts.image.0.to_owned(), parts.image.1.to_owned());
+        std::fs::create_dir_all(dir)?;
+        write_desired(dir, &image, &[], false)?;
+        let log = std::fs::File::create(dir.join("agent.log"))?;
+        let args: Vec<String> = vec![
+            "run".into(),
+            "--state-dir".into(),
+            path(&dir.join("state")),
+            "--desired".into(),
+            path(&dir.join(DESIRED)),
+            // Only the rename (and SIGHUP) brings a change: no tick lands
+            // inside a measurement.
+            "--tick".into(),
+            "1h".into(),
+            "--run-dir".into(),
+            path(&dir.join("run")),
+            "--agents-dir".into(),
+            path(&dir.join("agents")),
+            "--hypervisor".into(),
+            path(parts.hypervisor),
+            "--kernel".into(),
+            path(parts.kernel),
+            "--cmdline".into(),
+            "console=ttyS0".into(),
+            "--image-root".into(),
+            path(parts.images),
+            "--cgroup-root".into(),
+            parts.cgroup_root.into(),
+            // The default range's group: one ACL entry on the KVM device
+            // for every run, not one each.
+            "--vmm-ids".into(),
+            "1900000000:65536".into(),
+            "--underlay-bridge".into(),
+            parts.bridge.into(),
+            "--tap-prefix".into(),
+            parts.tap_prefix.into(),
+            "--stop-grace".into(),
+            "1s".into(),
+            "--tombstone-grace".into(),
+            "1s".into(),
+        ];
+        let child = Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+            .args(&args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("EITRI_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        let mut daemon = Daemon {
+            dir: dir.to_path_buf(),
+            child,
+            image,
+            wanted: Vec::new(),
+        };
+        let report = daemon.state().join("report.json");
+        let deadline = Instant::now() + patience;
+        while !report.exists() {
+            if Instant::now() > deadline || daemon.child.try_wait()?.is_some() {
+                return Err(format!("the agent wrote no report: {}", daemon.log_tail(20)).into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(daemon)
+    }
+
+    pub fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+
+    /// Adds VM `name` (1 vCPU, 256 MiB, the base image) to the desired
+    /// state, as an operator does, and times it until its VMM's API says
+    /// `Running`.
+    pub fn create(&mut self, name: &str, patience: Duration) -> Result<Duration, Error> {
+        let id = Id::parse(name)?;
+        let socket = Layout::new(&self.state()).api_socket(&self.run_dir(), &id);
+        let watch = Inotify::init(InitFlags::IN_CLOEXEC)?;
+        watch.add_watch(
+            &self.run_dir(),
+            AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO,
+        )?;
+        self.wanted.push(name.to_owned());
+        let started = Instant::now();
+        write_desired(&self.dir, &self.image, &self.wanted, false)?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )?;
+        let deadline = started + patience;
+        while !socket.exists() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!("{name}: no API socket: {}", self.log_tail(20)).into());
+            }
+            let mut fds = [nix::poll::PollFd::new(
+                watch.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            let wait = nix::poll::PollTimeout::try_from(left.min(Duration::from_millis(100)))
+                .unwrap_or(nix::poll::PollTimeout::NONE);
+            if nix::poll::poll(&mut fds, wait)? > 0 {
+                let _ = watch.read_events();
+            }
+        }
+        wait_running(&socket, deadline)
+            .map(|()| started.elapsed())
+            .map_err(|e| format!("{name}: {e}: {}", self.log_tail(20)).into())
+    }
+
+    /// Every VM tombstoned, and waits (bounded) until the agent has
+    /// destroyed them.
+    pub fn destroy_all(&mut self, patience: Duration) -> Result<(), Error> {
+        write_desired(&self.dir, &self.image, &self.wanted, true)?;
+        self.wanted.clear();
+        let deadline = Instant::now() + patience;
+        let vms_dir = self.state().join("vms");
+        while std::fs::read_dir(&vms_dir)?.next().is_some() {
+            if Instant::now() > deadline {
+                return Err(format!("VMs left: {}", self.log_tail(20)).into());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
+    /// The create passes the agent logged, in order: each line's `took`
+    /// part (`12.3 ms (stage 0.1, ...)`).
+    pub fn create_passes(&self) -> Vec<String> {
+        std::fs::read_to_string(self.dir.join("agent.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                l.split_once(": create attempt took ")
+                    .map(|(_, t)| t.to_owned())
+            })
+            .collect()
+    }
+
+    fn log_tail(&self, lines: usize) -> String {
+        let text = std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default();
+        let all: Vec<&str> = text.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+const DESIRED: &str = "desired.json";
+
+/// Writes the desired file in `dir`: `names` (1 vCPU, 256 MiB, the base
+/// `image`), tombstoned or not; a new file renamed over the old, as an
+/// operator's tools do.
+fn write_desired(
+    dir: &Path,
+    (url, sha): &(String, String),
+    names: &[String],
+    tombstoned: bool,
+) -> Result<(), Error> {
+    let vms: Vec<serde_json::Value> = names
+        .iter()
+        .map(|n| {
+            serde_json::json!({
+                "vm_id": n, "name": n, "image_url": url, "image_sha256": sha,
+                "vcpus": 1, "mem_mb": 256, "disk_gb": 1, "power_state": "running",
+                "tombstoned": tombstoned,
+            })
+        })
+        .collect();
+    let temp = dir.join(".desired.json.new");
+    std::fs::write(&temp, serde_json::json!({ "vms": vms }).to_string())?;
+    std::fs::rename(&temp, dir.join(DESIRED))?;
+    Ok(())
+}
+
+/// Polls the VMM's API at `socket` until it says `Running`.
+pub fn wait_running(socket: &Path, deadline: Instant) -> Result<(), String> {
+    loop {
+        let answer = unix_http::request(
+            socket,
+            "GET",
+            "/api/v1/vm.info",
+            None,
+            Duration::from_millis(500),
+        );
+        let state = answer.as_ref().ok().and_then(|(status, body)| {
+            let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+            (*status == 200).then(|| v.get("state")?.as_str().map(str::to_owned))?
+        });
+        if state.as_deref() == Some("Running") {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("the VMM never said Running (last: {answer:?})"));
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+}
