@@ -179,8 +179,13 @@ impl Daemon {
                     }
                     Ok(Event::Desired) => {
                         if let Some((seq, desired, snap)) = self.link.take_desired() {
-                            self.accept(desired, snap);
+                            let fresh = self.accept(desired, snap);
                             self.step(Some(seq));
+                            // After the step, which has handed its passes
+                            // to their workers: see `accept`.
+                            if fresh {
+                                self.persist_last();
+                            }
                         }
                     }
                     Ok(Event::Contact) => self.dirty = true,
@@ -229,8 +234,18 @@ impl Daemon {
         })
     }
 
-    /// Takes new desired state (see the module's step 1).
-    fn accept(&mut self, desired: Desired, mut snap: Snapshot) {
+    /// Takes new desired state (see the module's step 1); whether it is new
+    /// and so to be persisted.
+    ///
+    /// It is persisted once the step that acts on it has handed its passes
+    /// to their workers, not before: its two fsync waits would otherwise
+    /// lie before every create it asks for. The persisted snapshot is only
+    /// what an agent restarted during an outage converges to; the fence is
+    /// the epoch file, saved before any pass starts. A crash in between
+    /// leaves the previous snapshot on disk: a VM created meanwhile is then
+    /// one it no longer names, held for `--vanish-grace` (a day), never
+    /// destroyed, until the control plane is heard again.
+    fn accept(&mut self, desired: Desired, mut snap: Snapshot) -> bool {
         let Desired {
             mut wire,
             signed_by,
@@ -240,7 +255,7 @@ impl Daemon {
         if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref()) {
             self.logs.warn("epoch", &why);
             self.refused_epoch = Some(why);
-            return;
+            return false;
         }
         if self.refused_epoch.take().is_some() {
             self.logs.clear("epoch");
@@ -257,7 +272,7 @@ impl Daemon {
             );
             if let Err(e) = self.store.reset_epoch(wire.epoch) {
                 self.logs.error("epoch-reset", &crate::error::chain(&e));
-                return;
+                return false;
             }
         }
         let current = self.store.epoch();
@@ -271,7 +286,7 @@ impl Daemon {
                 ),
             );
             self.fenced = Some(wire.epoch);
-            return;
+            return false;
         }
         if !fences {
             // An unsigned desired file never fences: a hand-written file
@@ -291,7 +306,7 @@ impl Daemon {
         // A control plane sends the same snapshot tick after tick: check
         // and convert only what changed.
         if self.last.as_ref().is_some_and(|(old, _)| *old == desired) {
-            return;
+            return false;
         }
         // Checked on the exchange thread; only the epoch may have moved.
         snap.epoch = desired.wire.epoch;
@@ -306,8 +321,8 @@ impl Daemon {
                 ),
             );
         }
-        self.persist_last(&desired.wire);
         self.last = Some((desired, snap));
+        true
     }
 
     /// What the fence may not be moved by: an unsigned snapshot from a

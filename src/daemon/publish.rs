@@ -29,9 +29,13 @@ impl Daemon {
         self.dirty = false;
     }
 
-    pub(super) fn persist_last(&self, wire: &pb::Snapshot) {
+    /// Persists the last accepted snapshot (see `accept` for when).
+    pub(super) fn persist_last(&self) {
+        let Some((desired, _)) = &self.last else {
+            return;
+        };
         let path = self.store.layout().last_snapshot();
-        match last::save(&path, wire) {
+        match last::save(&path, &desired.wire) {
             Ok(()) => crate::crash::point("snapshot.persisted"),
             Err(e) => {
                 self.logs.error(

@@ -13,7 +13,9 @@
 //!    (with one, the attempt's save in 4 records the line).
 //! 3. Admission against the host caps. A refusal spends no attempt.
 //! 4. The attempt is counted and saved **before** any side effect, so a
-//!    crash mid-create still counts against the budget.
+//!    crash mid-create still counts against the budget; its save is made
+//!    durable just before the VMM starts (`Store::save_visible`), so a host
+//!    that crashes booting the VM finds the attempt counted too.
 //! 5. Preflight, a create slot (bounded by the deadline), the image, the root
 //!    disk, the seed, and (when desired running) the volumes check and boot.
 //! 6. Success writes the boot id, the create's completion witness.
@@ -34,7 +36,7 @@ use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Simple, chain};
 use crate::model::{DesiredVm, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
-use crate::state::Record;
+use crate::state::{Record, Unsynced};
 
 impl Core {
     /// One create pass for `d` (the steps in the module's header), each
@@ -86,17 +88,20 @@ impl Core {
         }
         let before = rec.clone();
         rec.begin_attempt(now);
-        if let Err(e) = self.store.save(&rec) {
-            return attempt.fail(before, e.into(), pass.res);
-        }
+        // In place before any side effect, durable before the VMM starts
+        // (`build`): see `Store::save_visible`.
+        let unsynced = match self.store.save_visible(&rec) {
+            Ok(unsynced) => unsynced,
+            Err(e) => return attempt.fail(before, e.into(), pass.res),
+        };
         attempt.counted = true;
         let _create = span(CREATE_STAGE);
         self.counts.create_attempts.inc();
         crate::crash::point("create.attempt-saved");
 
         let narrator = pass.narrator(&rec, PowerState::Stopped, Phase::Creating);
-        let built =
-            preflight.and_then(|()| self.build(d, &mut rec, host_key, pass.deadline, &narrator));
+        let built = preflight
+            .and_then(|()| self.build(d, &mut rec, host_key, unsynced, pass.deadline, &narrator));
         let boots = match built {
             Ok(boots) => boots,
             Err(e) => return attempt.fail(rec, e, pass.res),
@@ -190,6 +195,7 @@ impl Core {
         d: &DesiredVm,
         rec: &mut Record,
         host_key: Option<HostKey>,
+        attempt: Unsynced,
         deadline: Deadline,
         narrator: &Narrator,
     ) -> Result<bool, BoxFailure> {
@@ -222,6 +228,10 @@ impl Core {
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
         self.prepare(&rec.spec, &base, &seed_params(d, host_key), boots, deadline)?;
+        // The attempt's record durable before its VMM runs: a host that
+        // crashes booting this VM must find the attempt counted, or it
+        // would boot it again, and again, without end.
+        self.store.make_durable(attempt)?;
 
         if boots {
             let live = |other: &crate::model::Id| self.prov.running(other);

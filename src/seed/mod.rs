@@ -30,7 +30,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::{BoxFailure, Simple};
 use crate::model::is_hostname;
-use crate::state::atomic::write_atomic;
+use crate::state::atomic::write_remade;
 
 pub const VOLUME_ID: &str = "cidata";
 
@@ -84,8 +84,9 @@ impl NoCloudSeed {
             },
         ];
         let image = iso::build(VOLUME_ID, &files, SystemTime::now());
-        // It carries the guest's private host key.
-        write_atomic(out, &image).map_err(|e| {
+        // It carries the guest's private host key (0600). Made for a create
+        // only, and made again by the next attempt if a power cut tears it.
+        write_remade(out, &image).map_err(|e| {
             Simple::transient(format!(
                 "cannot write the seed image {}: {e}",
                 out.display()

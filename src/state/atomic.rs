@@ -28,6 +28,26 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     replace(path, bytes, super::perms::FILE, Durability::Synced)
 }
 
+/// Steps 1 to 3 of [`write_atomic`]: the bytes durable and in place, the
+/// rename itself not yet durable; the caller fsyncs the directory (step 4)
+/// before anything depends on it surviving a power cut.
+pub fn write_then_rename(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    replace(path, bytes, super::perms::FILE, Durability::Content)
+}
+
+/// Replaces `path` atomically for its readers and durably, for a file whose
+/// torn content after a power cut is harmless because it is made again
+/// before anything trusts it (a create's seed: a VM's files are trusted
+/// only once its record says it was created). Steps 1 and 3, then the
+/// file's fsync and the directory's: the first commits the rename with
+/// the data, and the second finds nothing left to wait for, one wait where
+/// [`write_atomic`] takes two. Never for a file with content to lose.
+pub fn write_remade(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    replace(path, bytes, super::perms::FILE, Durability::Unsynced)?;
+    File::open(path)?.sync_all()?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
 /// Replaces `path` atomically for its readers (steps 1 and 3 only), without
 /// the fsyncs that make it survive a power cut. Only for files that are not
 /// state, or whose loss in a power cut is harmless: `report.json` is
@@ -47,7 +67,10 @@ pub fn replace_unsynced_public(path: &Path, bytes: &[u8]) -> io::Result<()> {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Durability {
+    /// Content and name durable.
     Synced,
+    /// Content durable, the name left to the caller.
+    Content,
     Unsynced,
 }
 
@@ -66,7 +89,7 @@ fn replace(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::
     ));
     let result = write_temp(&temp, bytes, mode, durability)
         .inspect(|()| {
-            if durability == Durability::Synced {
+            if durability != Durability::Unsynced {
                 crate::crash::point("record.temp-written");
             }
         })
@@ -79,7 +102,7 @@ fn replace(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> io::
     }
     match durability {
         Durability::Synced => sync_dir(dir),
-        Durability::Unsynced => Ok(()),
+        Durability::Content | Durability::Unsynced => Ok(()),
     }
 }
 
@@ -97,7 +120,7 @@ fn write_temp(path: &Path, bytes: &[u8], mode: u32, durability: Durability) -> i
         file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))?;
     }
     match durability {
-        Durability::Synced => file.sync_all(),
+        Durability::Synced | Durability::Content => file.sync_all(),
         Durability::Unsynced => Ok(()),
     }
 }

@@ -23,4 +23,4 @@ pub use error::StoreError;
 pub use layout::{Layout, RECORD_FILE};
 pub use lifecycle::Lifecycle;
 pub use record::{RECORD_FORMAT, Record};
-pub use store::{RecordSlot, Store, Swept};
+pub use store::{RecordSlot, Store, Swept, Unsynced};

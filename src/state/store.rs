@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use super::atomic::{is_temp_name, remove_stray_temps, sync_dir, write_atomic};
+use super::atomic::{is_temp_name, remove_stray_temps, sync_dir, write_atomic, write_then_rename};
 use super::record::Envelope;
 use super::{Layout, RECORD_FILE, RECORD_FORMAT, Record, StoreError};
 use crate::model::Id;
@@ -41,6 +41,16 @@ pub struct Store {
 }
 
 static DELETE_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// A record saved by [`Store::save_visible`] whose name is not yet durable:
+/// hand it to [`Store::make_durable`].
+#[must_use = "a record's save is durable only once make_durable has run"]
+#[derive(Debug)]
+pub struct Unsynced {
+    vm_id: Id,
+    /// Its VM's directory was made by this save.
+    new_dir: bool,
+}
 
 impl Store {
     /// Opens (creating if needed) the state dir at `root` and takes its
@@ -225,6 +235,23 @@ impl Store {
     /// Saves a record durably, then updates the in-memory copy. A failed
     /// save changes neither.
     pub fn save(&self, rec: &Record) -> Result<(), StoreError> {
+        let unsynced = self.save_visible(rec)?;
+        self.make_durable(unsynced)
+    }
+
+    /// The first half of [`Store::save`]: the record's bytes durable and
+    /// its name in place, so an agent started after a crash reads it, and
+    /// the in-memory copy updated; but the name not yet durable, so a power
+    /// cut may still leave the VM's previous record, or none.
+    /// [`Store::make_durable`] finishes it.
+    ///
+    /// For a create, whose attempt must be recorded before its side effects
+    /// and durable before its VMM starts: the name's fsyncs, taken after
+    /// the root disk, seed and leases are written, find their journal
+    /// commit already made by those writes' own fsyncs, and cost nearly
+    /// nothing, where taken first they are two waits on the way to the
+    /// VMM (`make bench-create`).
+    pub fn save_visible(&self, rec: &Record) -> Result<Unsynced, StoreError> {
         let _span = crate::stages::span("record save");
         let vm_id = &rec.spec.vm_id;
         let dir = self.layout.vm_dir(vm_id);
@@ -235,10 +262,9 @@ impl Store {
                 source,
             }
         };
-        if !dir.is_dir() {
+        let new_dir = !dir.is_dir();
+        if new_dir {
             super::perms::make_dir(&dir).map_err(write_err(dir.clone()))?;
-            // The new directory's own name must survive a crash too.
-            sync_dir(&self.layout.vms()).map_err(write_err(dir.clone()))?;
         }
         let bytes = serde_json::to_vec_pretty(&Envelope {
             format: RECORD_FORMAT,
@@ -249,7 +275,7 @@ impl Store {
             source,
         })?;
         let path = self.layout.record(vm_id);
-        write_atomic(&path, &bytes).map_err(write_err(path.clone()))?;
+        write_then_rename(&path, &bytes).map_err(write_err(path.clone()))?;
         let was = self
             .records
             .write()
@@ -257,6 +283,31 @@ impl Store {
             .insert(vm_id.clone(), RecordSlot::Readable(Arc::new(rec.clone())));
         if matches!(was, Some(RecordSlot::Unreadable(_))) {
             self.unreadable.fetch_sub(1, Ordering::Relaxed);
+        }
+        Ok(Unsynced {
+            vm_id: vm_id.clone(),
+            new_dir,
+        })
+    }
+
+    /// The second half of [`Store::save`]: the record's name made durable
+    /// (its directory fsynced, and for a VM's first record the directory
+    /// that names it).
+    pub fn make_durable(&self, unsynced: Unsynced) -> Result<(), StoreError> {
+        let _span = crate::stages::span("record sync");
+        let Unsynced { vm_id, new_dir } = unsynced;
+        let dir = self.layout.vm_dir(&vm_id);
+        let sync = |path: PathBuf| {
+            sync_dir(&path).map_err(|source| StoreError::WriteRecord {
+                vm_id: vm_id.clone(),
+                path,
+                source,
+            })
+        };
+        sync(dir)?;
+        if new_dir {
+            // The new directory's own name must survive a crash too.
+            sync(self.layout.vms())?;
         }
         Ok(())
     }

@@ -30,7 +30,9 @@
 //!   answer. The difference of the medians is the agent's
 //!   (`real_overhead_ms_p50`); the stages are the ones the agent logged
 //!   for those creates, and "outside the pass" the daemon's share before
-//!   and after the VM's worker ran.
+//!   and after the VM's worker ran. `EITRI_BENCH_REAL_ONLY=1` runs this
+//!   part alone; `EITRI_BENCH_AGENT` names another build of the agent to
+//!   time (two builds run in turns compare on equal terms).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -389,6 +391,12 @@ impl Bench {
 
 fn main() -> Result<(), Error> {
     eitri_agent::testkit::net::private_network();
+    if std::env::var_os("EITRI_BENCH_REAL_ONLY").is_some() {
+        let (ch, guest) = real_parts().ok_or("EITRI_BENCH_REAL_ONLY needs EITRI_REAL_CH")?;
+        let real = real_figures(ch, guest)?;
+        println!("bench=create{real}");
+        return Ok(());
+    }
     let mut bench = Bench::new()?;
     let traces: Arc<parking_lot::Mutex<Vec<Stages>>> = Arc::default();
     {
@@ -445,11 +453,8 @@ fn main() -> Result<(), Error> {
         slots().map_or("default".to_owned(), |n| n.to_string())
     );
     drop(bench);
-    let real = match std::env::var_os("EITRI_REAL_CH") {
-        Some(ch) => {
-            let guest = std::env::var_os("EITRI_REAL_GUEST").unwrap_or_else(|| TINY_GUEST.into());
-            real_figures(PathBuf::from(ch), PathBuf::from(guest))?
-        }
+    let real = match real_parts() {
+        Some((ch, guest)) => real_figures(ch, guest)?,
         None => {
             println!(
                 "real: skipped (set EITRI_REAL_CH to a cloud-hypervisor binary to measure it)"
@@ -466,6 +471,14 @@ fn main() -> Result<(), Error> {
         VMS as f64 / burst.as_secs_f64() / cores as f64
     );
     Ok(())
+}
+
+/// The real hypervisor and the guest it boots, when `EITRI_REAL_CH` names
+/// one.
+fn real_parts() -> Option<(PathBuf, PathBuf)> {
+    let ch = std::env::var_os("EITRI_REAL_CH")?;
+    let guest = std::env::var_os("EITRI_REAL_GUEST").unwrap_or_else(|| TINY_GUEST.into());
+    Some((PathBuf::from(ch), PathBuf::from(guest)))
 }
 
 /// The real hypervisor's figures (see the module header), as the tail of

@@ -83,7 +83,13 @@ impl Daemon {
             "--tombstone-grace".into(),
             "1s".into(),
         ];
-        let child = Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+        // Another build of the agent to time instead (two builds compared
+        // in turns, on one machine's same afternoon): EITRI_BENCH_AGENT.
+        let binary = std::env::var_os("EITRI_BENCH_AGENT").map_or_else(
+            || PathBuf::from(env!("CARGO_BIN_EXE_eitri-agent")),
+            PathBuf::from,
+        );
+        let child = Command::new(binary)
             .args(&args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
