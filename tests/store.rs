@@ -49,6 +49,23 @@ fn saved_record_survives_reopen() {
 }
 
 #[test]
+fn a_record_in_place_but_not_yet_durable_is_read_by_the_next_agent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rec = record("vm-1", 1);
+    let first = Store::open(dir.path()).expect("open");
+    let unsynced = first.save_visible(&rec).expect("save");
+    // The agent dies here, before make_durable: its successor, on the
+    // same host, must count the attempt.
+    drop(unsynced);
+    drop(first);
+
+    let store = Store::open(dir.path()).expect("reopen");
+
+    let got = store.get(&id("vm-1")).expect("readable").expect("present");
+    assert_eq!(*got, rec);
+}
+
+#[test]
 fn interrupted_write_loads_the_old_record() {
     // A crash after the temp file was written but before the rename leaves
     // the temp file beside the old record.
