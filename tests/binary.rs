@@ -286,6 +286,17 @@ fn unknown_flag_exits_2() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--turbo"));
 }
 
+/// A second agent started on `state` while the first runs, to its end
+/// (it waits for the lock a while, then gives up).
+fn second_agent_on(state: &Path) -> std::process::Output {
+    Command::new(BIN)
+        .args(["run", "--desired", "/dev/null", "--state-dir"])
+        .arg(state)
+        .env_clear()
+        .output()
+        .expect("second agent")
+}
+
 #[test]
 fn a_second_agent_on_the_same_state_dir_fails_naming_it() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -293,12 +304,7 @@ fn a_second_agent_on_the_same_state_dir_fails_naming_it() {
     let first = Agent::start(dir.path(), &[]);
     first.wait_report("first report", |_| true);
 
-    let second = Command::new(BIN)
-        .args(["run", "--desired", "/dev/null", "--state-dir"])
-        .arg(&first.state)
-        .env_clear()
-        .output()
-        .expect("second agent");
+    let second = second_agent_on(&first.state);
 
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert_eq!(second.status.code(), Some(1));
@@ -317,12 +323,7 @@ fn a_second_agent_names_the_process_that_holds_the_lock() {
     first.wait_report("first report", |_| true);
     let first_pid = first.child.as_ref().map(Child::id).expect("first pid");
 
-    let second = Command::new(BIN)
-        .args(["run", "--desired", "/dev/null", "--state-dir"])
-        .arg(&first.state)
-        .env_clear()
-        .output()
-        .expect("second agent");
+    let second = second_agent_on(&first.state);
 
     let stderr = String::from_utf8_lossy(&second.stderr);
     assert!(
