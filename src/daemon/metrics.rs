@@ -75,7 +75,7 @@ impl MetricsFile {
         epoch: u64,
         contact_failures: &crate::metrics::CounterVec,
     ) -> String {
-        let from = From {
+        let from = Sources {
             file: self,
             host,
             engine,
@@ -98,9 +98,8 @@ impl MetricsFile {
     }
 }
 
-/// Labelled samples as [`crate::metrics`]'s gauge takes them.
 /// What the families are read from, for one rendering.
-struct From<'a> {
+struct Sources<'a> {
     file: &'a MetricsFile,
     host: &'a pb::HostInfo,
     engine: &'a Engine,
@@ -111,11 +110,11 @@ struct From<'a> {
 }
 
 /// The file's family groups, in the order they are written.
-const WRITERS: &[fn(&From<'_>, &mut Exposition)] =
+const WRITERS: &[fn(&Sources<'_>, &mut Exposition)] =
     &[agent, vms, creates, per_vm, lifecycle, images, quota];
 
 /// The agent itself: who, since when, its loop and its contacts.
-fn agent(from: &From<'_>, e: &mut Exposition) {
+fn agent(from: &Sources<'_>, e: &mut Exposition) {
     e.gauge(
         "eitri_agent_info",
         "The agent's version and host id (always 1).",
@@ -156,7 +155,7 @@ fn agent(from: &From<'_>, e: &mut Exposition) {
 }
 
 /// The VMs of the last report, by power and phase, and those in grace.
-fn vms(from: &From<'_>, e: &mut Exposition) {
+fn vms(from: &Sources<'_>, e: &mut Exposition) {
     let mut by_state: std::collections::BTreeMap<(&str, &str), u64> = Default::default();
     for row in &from.report.vms {
         let power = row.power.map_or("unknown", |p| p.as_wire());
@@ -180,7 +179,7 @@ fn vms(from: &From<'_>, e: &mut Exposition) {
 }
 
 /// Creates: attempts, failures by kind, refunds.
-fn creates(from: &From<'_>, e: &mut Exposition) {
+fn creates(from: &Sources<'_>, e: &mut Exposition) {
     let counts = from.counts;
     e.counter(
         "eitri_create_attempts_total",
@@ -201,7 +200,7 @@ fn creates(from: &From<'_>, e: &mut Exposition) {
 }
 
 /// Each VM's own series: losses, probes, the limits and egress held.
-fn per_vm(from: &From<'_>, e: &mut Exposition) {
+fn per_vm(from: &Sources<'_>, e: &mut Exposition) {
     let counts = from.counts;
     e.counter_vec(
         "eitri_vm_lost_total",
@@ -270,7 +269,7 @@ fn per_vm(from: &From<'_>, e: &mut Exposition) {
 }
 
 /// Boots, suspends, resumes and destroys.
-fn lifecycle(from: &From<'_>, e: &mut Exposition) {
+fn lifecycle(from: &Sources<'_>, e: &mut Exposition) {
     let counts = from.counts;
     e.histogram(
         "eitri_boot_duration_seconds",
@@ -301,7 +300,7 @@ fn lifecycle(from: &From<'_>, e: &mut Exposition) {
 }
 
 /// The image cache at work.
-fn images(from: &From<'_>, e: &mut Exposition) {
+fn images(from: &Sources<'_>, e: &mut Exposition) {
     let images = &from.file.images;
     let stats = images.stats();
     e.gauge(
@@ -327,7 +326,7 @@ fn images(from: &From<'_>, e: &mut Exposition) {
 }
 
 /// Compute committed and capped, and the workers running it.
-fn quota(from: &From<'_>, e: &mut Exposition) {
+fn quota(from: &Sources<'_>, e: &mut Exposition) {
     let quota = from.engine.quota();
     let resources = [
         ("vcpus", quota.vcpus, 1.0),
