@@ -56,9 +56,10 @@ pub enum CloudHvError {
         vm_id: Id,
         source: crate::provision::jail::cgroup::Held,
     },
-    /// The files its VMM is to see could not be planned (one is missing,
-    /// or a path of them is not plain).
-    View {
+    /// What its VMM needs to see could not be listed (the binary's
+    /// libraries, its kernel or firmware, its disks: one is missing, or a
+    /// path of them is not plain).
+    Needs {
         vm_id: Id,
         source: io::Error,
     },
@@ -155,9 +156,9 @@ impl fmt::Display for CloudHvError {
             ),
             E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
             E::Jail(e) => e.fmt(f),
-            E::View { vm_id, .. } => write!(
+            E::Needs { vm_id, .. } => write!(
                 f,
-                "VM {vm_id}: cannot give its hypervisor its files to see"
+                "VM {vm_id}: cannot list the files its hypervisor needs (its binary's libraries, its kernel or firmware, its disks)"
             ),
             E::Leftovers { vm_id, .. } => write!(
                 f,
@@ -218,7 +219,7 @@ impl std::error::Error for CloudHvError {
         match self {
             E::Kvm { source }
             | E::ApiSocket { source, .. }
-            | E::View { source, .. }
+            | E::Needs { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
             | E::Start { source, .. }
@@ -265,7 +266,7 @@ impl CloudHvError {
             | E::Unreachable { .. } => Kind::Host,
             E::Version { .. }
             | E::ApiSocket { .. }
-            | E::View { .. }
+            | E::Needs { .. }
             | E::Leftovers { .. }
             | E::OpenTap { .. }
             | E::OpenLog { .. }

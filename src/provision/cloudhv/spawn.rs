@@ -68,7 +68,7 @@ impl CloudHypervisor {
         };
         let sees = self
             .sees(&files, launch)
-            .map_err(|source| CloudHvError::View {
+            .map_err(|source| CloudHvError::Needs {
                 vm_id: vm_id.clone(),
                 source,
             })?;

@@ -56,7 +56,10 @@ impl fmt::Display for JailError {
             }
             E::Cgroup { vm_id, .. } => write!(f, "VM {vm_id}: cannot set up its cgroups"),
             E::View { vm_id, .. } => {
-                write!(f, "VM {vm_id}: cannot give its hypervisor its files to see")
+                write!(
+                    f,
+                    "VM {vm_id}: cannot build its hypervisor's view of its files (the mounts it is confined to)"
+                )
             }
         }
     }
