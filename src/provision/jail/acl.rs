@@ -167,27 +167,45 @@ fn c_path(path: &Path) -> io::Result<CString> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the path"))
 }
 
-/// The file's access ACL, `None` when it has none (only its mode bits).
+/// The file's access ACL, `None` when it has none (only its mode bits),
+/// of any length: a device that many agents' groups were given has more
+/// entries than any fixed buffer holds (a 64-entry one made every boot
+/// fail with "Result not representable" once it had 65).
 fn read(path: &Path) -> io::Result<Option<Vec<Entry>>> {
     let c = c_path(path)?;
-    let mut buf = [0u8; 4 + 8 * 64];
-    // SAFETY: getxattr writes at most `buf.len()` bytes into `buf`.
-    let n = unsafe {
-        libc::getxattr(
-            c.as_ptr(),
-            XATTR.as_ptr().cast(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if n < 0 {
-        let e = io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::ENODATA) => Ok(None),
-            _ => Err(e),
+    let get = |buf: &mut [u8]| {
+        // SAFETY: getxattr writes at most `buf.len()` bytes into `buf`; with
+        // a length of 0 it writes nothing and says how many it would.
+        let n = unsafe {
+            libc::getxattr(
+                c.as_ptr(),
+                XATTR.as_ptr().cast(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
         };
-    }
-    let bytes = &buf[..n as usize];
+        usize::try_from(n).map_err(|_| io::Error::last_os_error())
+    };
+    let absent = |e: &io::Error| e.raw_os_error() == Some(libc::ENODATA);
+    let buf = loop {
+        let size = match get(&mut []) {
+            Ok(size) => size,
+            Err(e) if absent(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut buf = vec![0u8; size];
+        match get(&mut buf) {
+            Ok(n) => {
+                buf.truncate(n);
+                break buf;
+            }
+            // It grew between the two calls: ask again.
+            Err(e) if e.raw_os_error() == Some(libc::ERANGE) => continue,
+            Err(e) if absent(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        }
+    };
+    let bytes = &buf[..];
     if bytes.len() < 4 || u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) != VERSION {
         return Err(io::Error::other("an ACL of an unknown version"));
     }
@@ -267,6 +285,20 @@ mod tests {
         assert_eq!(perm(GROUP_OBJ), Some(0));
         assert_eq!(perm(OTHER), Some(0));
         assert!(!group_may_read_write(&path, GID + 1).expect("check"));
+    }
+
+    #[test]
+    fn a_file_whose_acl_holds_more_than_64_groups_is_still_granted() {
+        let (_dir, path) = private_file();
+        for n in 1..=80 {
+            grant_group(&path, GID + n).expect("grant one of many");
+        }
+
+        grant_group(&path, GID).expect("grant past 80 entries");
+
+        assert!(group_may_read_write(&path, GID).expect("check"));
+        let entries = read(&path).expect("read").expect("an ACL");
+        assert_eq!(entries.iter().filter(|e| e.tag == GROUP).count(), 81);
     }
 
     #[test]
