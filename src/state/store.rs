@@ -454,20 +454,21 @@ fn take_lock(
                 }
                 return Ok(());
             }
+            // Who holds it is read from /proc only when it is said: once
+            // on the way in, once on giving up, not at every poll.
+            Err(TryLockError::WouldBlock) if started.elapsed() >= patience => {
+                return Err(StoreError::Locked {
+                    dir: root.to_path_buf(),
+                    holders: super::holders::holders(lock_path),
+                });
+            }
             Err(TryLockError::WouldBlock) => {
-                let holders = super::holders::holders(lock_path);
-                if started.elapsed() >= patience {
-                    return Err(StoreError::Locked {
-                        dir: root.to_path_buf(),
-                        holders,
-                    });
-                }
                 if !said {
                     said = true;
                     log::warn!(
                         "state dir {} is locked ({}); waiting up to {} s for it to be let go",
                         root.display(),
-                        super::holders::describe(&holders),
+                        super::holders::describe(&super::holders::holders(lock_path)),
                         patience.as_secs()
                     );
                 }

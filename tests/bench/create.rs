@@ -190,33 +190,19 @@ fn bare_confined_start(
     )
     .map_err(|e| format!("the bare hypervisor did not start: {e:?}"))?;
     drop((api, tap, entries));
-    let deadline = Deadline::after(PATIENCE);
-    let running = loop {
-        let answer = eitri_agent::provision::unix_http::request(
-            &socket,
-            "GET",
-            "/api/v1/vm.info",
-            None,
-            Duration::from_millis(500),
-        );
-        let state = answer.ok().and_then(|(status, body)| {
-            let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-            (status == 200).then(|| v.get("state")?.as_str().map(str::to_owned))?
-        });
-        if state.as_deref() == Some("Running") {
-            break Ok(started.elapsed());
-        }
-        let exited = nix::sys::wait::waitpid(
+    let exited = || {
+        nix::sys::wait::waitpid(
             nix::unistd::Pid::from_raw(pid),
             Some(nix::sys::wait::WaitPidFlag::WNOHANG),
         )
-        .is_ok_and(|s| s != nix::sys::wait::WaitStatus::StillAlive);
-        if deadline.expired() || exited {
-            let said = std::fs::read_to_string(&files.log).unwrap_or_default();
-            break Err(format!("the bare hypervisor did not say Running: {said}").into());
-        }
-        std::thread::sleep(Duration::from_micros(100));
+        .is_ok_and(|s| s != nix::sys::wait::WaitStatus::StillAlive)
     };
+    let running = daemon::wait_running(&socket, Instant::now() + PATIENCE, exited)
+        .map(|()| started.elapsed())
+        .map_err(|e| {
+            let said = std::fs::read_to_string(&files.log).unwrap_or_default();
+            format!("the bare hypervisor: {e}: {said}").into()
+        });
     let _ = nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGKILL,

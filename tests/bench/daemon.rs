@@ -157,7 +157,8 @@ impl Daemon {
                 let _ = watch.read_events();
             }
         }
-        wait_running(&socket, deadline)
+        // The agent's VMM is not this process's child: the deadline bounds it.
+        wait_running(&socket, deadline, || false)
             .map(|()| started.elapsed())
             .map_err(|e| format!("{name}: {e}: {}", self.log_tail(20)).into())
     }
@@ -235,8 +236,13 @@ fn write_desired(
     Ok(())
 }
 
-/// Polls the VMM's API at `socket` until it says `Running`.
-pub fn wait_running(socket: &Path, deadline: Instant) -> Result<(), String> {
+/// Polls the VMM's API at `socket` until it says `Running`; gives up past
+/// `deadline`, or when `exited` says the VMM is gone.
+pub fn wait_running(
+    socket: &Path,
+    deadline: Instant,
+    exited: impl Fn() -> bool,
+) -> Result<(), String> {
     loop {
         let answer = unix_http::request(
             socket,
@@ -252,7 +258,7 @@ pub fn wait_running(socket: &Path, deadline: Instant) -> Result<(), String> {
         if state.as_deref() == Some("Running") {
             return Ok(());
         }
-        if Instant::now() > deadline {
+        if Instant::now() > deadline || exited() {
             return Err(format!("the VMM never said Running (last: {answer:?})"));
         }
         std::thread::sleep(Duration::from_micros(100));

@@ -187,7 +187,7 @@ fn read(path: &Path) -> io::Result<Option<Vec<Entry>>> {
         usize::try_from(n).map_err(|_| io::Error::last_os_error())
     };
     let absent = |e: &io::Error| e.raw_os_error() == Some(libc::ENODATA);
-    let buf = loop {
+    let bytes = loop {
         let size = match get(&mut []) {
             Ok(size) => size,
             Err(e) if absent(&e) => return Ok(None),
@@ -205,7 +205,6 @@ fn read(path: &Path) -> io::Result<Option<Vec<Entry>>> {
             Err(e) => return Err(e),
         }
     };
-    let bytes = &buf[..];
     if bytes.len() < 4 || u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) != VERSION {
         return Err(io::Error::other("an ACL of an unknown version"));
     }
