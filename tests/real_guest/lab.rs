@@ -32,6 +32,9 @@ use serde_json::{Value, json};
 pub const HYPERVISOR_VAR: &str = "EITRI_TEST_CLOUD_HYPERVISOR";
 pub const KERNEL_VAR: &str = "EITRI_TEST_LINUX_KERNEL";
 pub const IMAGE_VAR: &str = "EITRI_TEST_LINUX_IMAGE";
+/// Set (to anything) to keep a failed test's lab dir: the agent's log, its
+/// state dir, each VMM's log and console, for reading afterwards.
+pub const KEEP_VAR: &str = "EITRI_TEST_KEEP_FAILED";
 
 /// The image's user (cloud-init's default user on Debian).
 pub const USER: &str = "debian";
@@ -411,6 +414,17 @@ impl Drop for Lab {
     fn drop(&mut self) {
         self.kill_agent();
         eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
+        if std::thread::panicking() && std::env::var_os(KEEP_VAR).is_some() {
+            // A panic here would abort the test run: keep nothing if no
+            // empty dir can stand in for the one kept.
+            if let Ok(empty) = tempfile::tempdir() {
+                let kept = std::mem::replace(&mut self.dir, empty);
+                eprintln!(
+                    "{KEEP_VAR}: the failed lab is kept in {}",
+                    kept.keep().display()
+                );
+            }
+        }
     }
 }
 
