@@ -17,9 +17,12 @@ pub(super) fn run(
 ) -> ExitCode {
     let layout = Layout::new(state_dir);
     let (earlier, file, what) = if hypervisor {
-        (Vec::new(), layout.hypervisor_log(vm_id), "hypervisor log")
+        // The previous VMM's log (say, of one that died), then this one's.
+        let earlier = vec![layout.previous_hypervisor_log(vm_id)];
+        (earlier, layout.hypervisor_log(vm_id), "hypervisor log")
     } else {
-        // What the guest said before its resumes, then since.
+        // What the guest said under its earlier VMMs (boots and resumes),
+        // then since.
         let earlier = crate::console::earlier_segments(&layout, vm_id);
         (earlier, layout.serial_log(vm_id), "console")
     };

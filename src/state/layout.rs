@@ -123,12 +123,20 @@ impl Layout {
         self.vm_dir(vm_id).join("hypervisor.log")
     }
 
+    /// The log of the VM's previous VMM, moved aside when the next one
+    /// starts: a VMM that died says why there, and its successor would
+    /// truncate it.
+    pub fn previous_hypervisor_log(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("hypervisor.previous.log")
+    }
+
     pub fn serial_log(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("serial.log")
     }
 
-    /// The console as it was before the VM's `n`-th resume: a restored VMM
-    /// truncates the console file it is given, so the agent moves it aside.
+    /// The console as it was before the VM's `n`-th VMM start (a boot or a
+    /// restore): a VMM truncates the console file it is given, so the agent
+    /// moves it aside.
     pub fn serial_segment(&self, vm_id: &Id, n: u32) -> PathBuf {
         self.vm_dir(vm_id).join(format!("serial.{n}.log"))
     }

@@ -92,3 +92,59 @@ fn logs_follow_prints_a_new_line_within_a_tick() {
 
     assert!(seen, "no new line within a tick");
 }
+
+/// `eitri-agent logs vm-1` with `extra` arguments, its lines.
+fn logs(h: &Host, extra: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new(AGENT)
+        .args(["logs", "vm-1", "--lines", "100000", "--state-dir"])
+        .arg(h.store.root())
+        .args(extra)
+        .output()
+        .expect("eitri-agent logs");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Boots vm-1 on a stand-in that crashes 300 ms after each start, and
+/// waits for the VMM that replaces the first one.
+fn crashed_once() -> Host {
+    let h = Host::new(&[("STANDIN_CRASH_AFTER_MS", "300")]);
+    h.tick(&h.vm("vm-1"));
+    let first = h.pid("vm-1").expect("pid");
+    wait_until("a second VMM", || {
+        h.pid("vm-1").is_some_and(|p| p != first && alive(p))
+    });
+    h
+}
+
+#[test]
+fn a_crashed_vmms_log_is_kept_when_the_next_one_starts() {
+    let h = crashed_once();
+
+    let lines = logs(&h, &["--hypervisor"]);
+
+    assert!(
+        lines.iter().any(|l| l.contains("KVM internal error")),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn a_crashed_guests_console_is_kept_when_it_boots_again() {
+    let h = crashed_once();
+    wait_until("the second boot's marker", || {
+        std::fs::read_to_string(h.store.layout().serial_log(&id("vm-1")))
+            .is_ok_and(|c| c.contains(&h.serial_marker))
+    });
+
+    let lines = logs(&h, &[]);
+
+    let boots = lines
+        .iter()
+        .filter(|l| l.contains(&h.serial_marker))
+        .count();
+    assert!(boots >= 2, "both boots' consoles: {lines:?}");
+}

@@ -63,6 +63,11 @@ pub enum CloudHvError {
         vm_id: Id,
         source: io::Error,
     },
+    /// What its previous VMM wrote could not be moved aside.
+    KeepLogs {
+        vm_id: Id,
+        source: io::Error,
+    },
     /// Its API socket could not be bound.
     ApiSocket {
         vm_id: Id,
@@ -167,6 +172,10 @@ impl fmt::Display for CloudHvError {
             E::ApiSocket { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot bind its API socket {}", path.display())
             }
+            E::KeepLogs { vm_id, .. } => write!(
+                f,
+                "VM {vm_id}: cannot move its previous console and hypervisor log aside"
+            ),
             E::BootFileMissing { path } => write!(
                 f,
                 "the guest boot file {} does not exist; fix --kernel or --firmware",
@@ -219,6 +228,7 @@ impl std::error::Error for CloudHvError {
         match self {
             E::Kvm { source }
             | E::ApiSocket { source, .. }
+            | E::KeepLogs { source, .. }
             | E::Needs { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
@@ -266,6 +276,7 @@ impl CloudHvError {
             | E::Unreachable { .. } => Kind::Host,
             E::Version { .. }
             | E::ApiSocket { .. }
+            | E::KeepLogs { .. }
             | E::Needs { .. }
             | E::Leftovers { .. }
             | E::OpenTap { .. }

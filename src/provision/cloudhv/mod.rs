@@ -321,8 +321,17 @@ impl Lifecycle for CloudHypervisor {
     }
 
     fn failure_reason(&self, vm_id: &Id) -> Option<String> {
-        let tail = super::log_tail(&self.store.layout().hypervisor_log(vm_id));
-        Some(self.children.failure_reason(vm_id, tail)).filter(|r| !r.is_empty())
+        let layout = self.store.layout();
+        let mut said = super::log_tail(&layout.hypervisor_log(vm_id));
+        if said.is_empty() {
+            // A VMM that failed without a word: what the one before it said
+            // (a crash whose repair cannot start) is the best lead.
+            let before = super::log_tail(&layout.previous_hypervisor_log(vm_id));
+            if !before.is_empty() {
+                said = format!("(its previous hypervisor said: {before})");
+            }
+        }
+        Some(self.children.failure_reason(vm_id, said)).filter(|r| !r.is_empty())
     }
 
     fn address(&self, vm_id: &Id) -> Option<std::net::Ipv4Addr> {

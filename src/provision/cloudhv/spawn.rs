@@ -47,6 +47,10 @@ impl CloudHypervisor {
     ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
         timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
+        timed("logs", || self.keep_logs(vm_id)).map_err(|source| CloudHvError::KeepLogs {
+            vm_id: vm_id.clone(),
+            source,
+        })?;
         let files = self.files(spec);
         let api = timed("api socket", || self.bind_api(vm_id))?;
         // The API socket first, then the taps, from FIRST_OWN_FD.
@@ -194,6 +198,47 @@ impl CloudHypervisor {
             visible.extend(what_a_restore_sees(snapshot, userfaultfd));
         }
         Ok(visible)
+    }
+
+    /// Moves what the VM's previous VMM wrote aside, as the next one would
+    /// truncate it: a guest that died said why on its console, and its VMM
+    /// in its log. The console becomes the next of its segments (the
+    /// oldest go once they hold more than the console's bound; `logs`
+    /// reads them in order), the log becomes the previous log.
+    fn keep_logs(&self, vm_id: &Id) -> std::io::Result<()> {
+        let layout = self.store.layout();
+        let moved = |from: &std::path::Path, to: &std::path::Path| match fs::rename(from, to) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        };
+        moved(
+            &layout.hypervisor_log(vm_id),
+            &layout.previous_hypervisor_log(vm_id),
+        )?;
+        let next = layout
+            .serial_segments(vm_id)
+            .last()
+            .map_or(1, |(n, _)| n.saturating_add(1));
+        if !moved(
+            &layout.serial_log(vm_id),
+            &layout.serial_segment(vm_id, next),
+        )? {
+            return Ok(());
+        }
+        let bound = self.cfg.limits.serial_log_bytes;
+        let mut kept = layout.serial_segments(vm_id);
+        let held = |list: &[(u32, std::path::PathBuf)]| -> u64 {
+            list.iter()
+                .filter_map(|(_, p)| fs::metadata(p).ok())
+                .map(|m| std::os::unix::fs::MetadataExt::blocks(&m).saturating_mul(512))
+                .sum()
+        };
+        while kept.len() > 1 && held(&kept) > bound {
+            let (_, oldest) = kept.remove(0);
+            fs::remove_file(oldest)?;
+        }
+        Ok(())
     }
 
     /// What the hypervisor binary needs to run, read once per binary.

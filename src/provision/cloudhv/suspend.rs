@@ -298,8 +298,6 @@ impl CloudHypervisor {
         }) {
             return Err(failed(vm_id, "restore its snapshot", why));
         }
-        timed("console", || keep_console(self, vm_id))
-            .map_err(|e| failed(vm_id, "move its console aside", e))?;
         let memory = self.memory_restore();
         let launch = Launch::Restore {
             snapshot: &snapshot,
@@ -644,32 +642,4 @@ fn discard(snapshot: &Path, discarded: &Path) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(e),
     }
-}
-
-/// Moves the VM's console aside before a restore (which truncates it):
-/// `serial.log` becomes the next `serial.<n>.log`, and the oldest segments
-/// go once they hold more than the console's bound.
-fn keep_console(backend: &CloudHypervisor, vm_id: &Id) -> io::Result<()> {
-    let layout = backend.store.layout();
-    let current = layout.serial_log(vm_id);
-    let segments = layout.serial_segments(vm_id);
-    let next = segments.last().map_or(1, |(n, _)| n.saturating_add(1));
-    match fs::rename(&current, layout.serial_segment(vm_id, next)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    }
-    let bound = backend.cfg.limits.serial_log_bytes;
-    let mut kept = layout.serial_segments(vm_id);
-    let held = |list: &[(u32, PathBuf)]| -> u64 {
-        list.iter()
-            .filter_map(|(_, p)| fs::metadata(p).ok())
-            .map(|m| m.blocks().saturating_mul(512))
-            .sum()
-    };
-    while kept.len() > 1 && held(&kept) > bound {
-        let (_, oldest) = kept.remove(0);
-        fs::remove_file(oldest)?;
-    }
-    Ok(())
 }
