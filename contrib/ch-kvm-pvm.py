@@ -10,14 +10,19 @@ from user to kernel mode, kvm_pvm reports the user's code and stack segments
 (0x33/0x2b, DPL 3) at a kernel address: restored so, the guest's first
 interrupt is delivered as if from user mode and it double-faults.
 
-This edits hypervisor/src/kvm/mod.rs, `state()` (x86_64), so that on a host
-where /sys/module/kvm_pvm exists:
+This edits hypervisor/src/kvm/mod.rs, `state()` (x86_64), so that for a
+guest registered with kvm_pvm (KVM reads MSR 0x4b564d10 as not 0; the MSR is
+asked, not /sys/module/kvm_pvm: a jailed VMM does not see /sys, and a first
+version that looked there saved nothing under eitri-agent, so every guest it
+resumed was emulated and died at its first rdtsc, "kvm-pvm: INTERNAL_ERROR in
+batch emul"):
   1. MSR 0x4b564d10 is saved with the others (and so restored);
   2. a vCPU at a kernel address (the upper half, but the vsyscall page) with a
      DPL-3 code segment is saved with the kernel's segments, as SYSCALL loads
      them: CS = STAR[47:32], SS = CS + 8, both DPL 0.
-On a host without kvm_pvm nothing changes. contrib/e2e-real applies it when it
-builds cloud-hypervisor on a kvm_pvm host. Standard library only.
+On a host without kvm_pvm (or a guest not registered) nothing changes.
+contrib/e2e-real applies it when it builds cloud-hypervisor on a kvm_pvm
+host. Standard library only.
 
 Written again from the description of a patch that was proven (300 of 300 busy
 snapshot-restore cycles) and then lost with the machine it lived on; that one
@@ -34,12 +39,17 @@ msrs_old = """        let mut msr_entries = self.msrs.clone();
 """
 msrs_new = """        let mut msr_entries = self.msrs.clone();
         // kvm_pvm: the guest's registration, which KVM's MSR list leaves out.
-        let kvm_pvm = std::path::Path::new("/sys/module/kvm_pvm").exists();
+        // Asked of KVM itself: a VMM in a jail does not see /sys. Only
+        // kvm_pvm reads it, and only a registered guest's is not 0 (a host
+        // with kvm.ignore_msrs reads 0 for any MSR).
+        let mut registration = vec![MsrEntry {
+            index: 0x4b56_4d10,
+            data: 0,
+        }];
+        let kvm_pvm =
+            matches!(self.get_msrs(&mut registration), Ok(1)) && registration[0].data != 0;
         if kvm_pvm && !msr_entries.iter().any(|m| m.index == 0x4b56_4d10) {
-            msr_entries.push(MsrEntry {
-                index: 0x4b56_4d10,
-                data: 0,
-            });
+            msr_entries.extend(registration);
         }
 """
 state_old = """        let vcpu_events = self.get_vcpu_events()?;
