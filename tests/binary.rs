@@ -1000,6 +1000,110 @@ mod booted {
         assert_eq!(ip_table(&tables_of(&a)), rules_before);
     }
 
+    /// The groups named on the ACL of `boot`'s KVM device.
+    fn kvm_groups(dir: &Path) -> Vec<u32> {
+        eitri_agent::provision::jail::acl::named_groups(&dir.join("kvm")).expect("the ACL")
+    }
+
+    /// `root`'s directories in each cgroup hierarchy that are there.
+    fn cgroup_roots(root: &str) -> Vec<PathBuf> {
+        eitri_agent::provision::jail::cgroup::Cgroups::probe(root)
+            .map(|c| c.roots())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|d| d.exists())
+            .collect()
+    }
+
+    /// Boots one VM under a new agent in `dir`, then has it destroyed and
+    /// stops the agent: what a state dir that ran a VM leaves on the host.
+    fn ran_a_vm(boot: &Booting, dir: &Path) {
+        desired(
+            dir,
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("one-1", "")),
+        );
+        let mut agent = boot.start(dir, &["--tombstone-grace", "0"]);
+        agent.wait_report("one-1 ready", |r| row_of(r, "one-1")["phase"] == "ready");
+        destroy(boot, dir, &agent, "one-1");
+        assert!(agent.stop(Signal::SIGTERM).success());
+    }
+
+    /// Tombstones `id` and waits until its agent reports it destroyed.
+    fn destroy(boot: &Booting, dir: &Path, agent: &Agent, id: &str) {
+        let tombstoned = boot.vm_json(id, r#","tombstoned":true"#);
+        desired(dir, &format!(r#"{{"vms":[{tombstoned}]}}"#));
+        agent.wait_report("the VM destroyed", |r| {
+            r["report"]["destroyed"]
+                .as_array()
+                .is_some_and(|d| d.iter().any(|v| v == id))
+        });
+    }
+
+    #[test]
+    fn a_released_state_dir_leaves_the_kvm_acl_and_cgroups_as_they_were() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        let before = kvm_groups(dir.path());
+        ran_a_vm(&boot, dir.path());
+        assert_eq!(kvm_groups(dir.path()).len(), before.len() + 1);
+        assert!(!cgroup_roots(&boot.cgroup_root).is_empty());
+
+        let out = eitri(&[
+            "release",
+            "--state-dir",
+            &dir.path().join("state").display().to_string(),
+            "--agents-dir",
+            &dir.path().join("agents").display().to_string(),
+            "--kvm-device",
+            &dir.path().join("kvm").display().to_string(),
+        ]);
+
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{said}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(kvm_groups(dir.path()), before);
+        assert_eq!(cgroup_roots(&boot.cgroup_root), Vec::<PathBuf>::new());
+        assert!(said.contains("released the claim"), "{said}");
+    }
+
+    #[test]
+    fn the_claim_of_a_state_dir_that_is_gone_is_taken_back_by_the_next_agent() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+        let registry = dir.path().join("agents").display().to_string();
+        for d in [&one, &two] {
+            std::fs::create_dir_all(d).expect("dir");
+        }
+        let shared = ["--agents-dir", registry.as_str()];
+        desired(
+            &one,
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("one-1", "")),
+        );
+        let mut first = boot.start(&one, &[&shared[..], &["--tombstone-grace", "0"]].concat());
+        first.wait_report("one-1 ready", |r| row_of(r, "one-1")["phase"] == "ready");
+        let (group, _, _) = claim_of(&first.state);
+        destroy(&boot, &one, &first, "one-1");
+        assert!(first.stop(Signal::SIGTERM).success());
+        assert!(kvm_groups(dir.path()).contains(&(group as u32)));
+        std::fs::remove_dir_all(&one).expect("the first state dir deleted");
+
+        desired(&two, r#"{"vms":[]}"#);
+        let second = boot.start(&two, &shared);
+        second.wait_report("the second agent", |r| r["host"].is_object());
+
+        assert!(!kvm_groups(dir.path()).contains(&(group as u32)));
+        assert_eq!(cgroup_roots(&boot.cgroup_root), Vec::<PathBuf>::new());
+        assert!(
+            second.log_text().contains("took back"),
+            "{}",
+            second.log_text()
+        );
+    }
+
     /// `vm`'s cgroup file `name` under `boot`'s root.
     fn cgroup_file(boot: &Booting, vm: &str, name: &str) -> Option<String> {
         eitri_agent::testkit::cgroup_file(&boot.cgroup_root, &eitri_agent::testkit::id(vm), name)

@@ -6,6 +6,7 @@
 mod images;
 mod keys;
 mod logs;
+mod release;
 mod status;
 
 use std::io::Write;
@@ -51,6 +52,12 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             hypervisor,
         } => logs::run(&state_dir, &vm_id, lines, follow, hypervisor),
         Command::ImagesPrune { state_dir } => images::prune(&state_dir),
+        Command::Release {
+            state_dir,
+            agents_dir,
+            devices,
+            force,
+        } => release::run(&state_dir, &agents_dir, &devices, force),
         Command::Keygen { id, out } => keys::keygen(&id, &out),
         Command::Sign { key, file } => keys::sign(&key, &file),
         Command::Run(config) => {

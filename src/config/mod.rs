@@ -45,6 +45,17 @@ pub enum Command {
     ImagesPrune {
         state_dir: PathBuf,
     },
+    /// End a state dir's claim on the host: take back what its agent was
+    /// given (device ACL entries, cgroup roots) and free its ids.
+    Release {
+        state_dir: PathBuf,
+        agents_dir: PathBuf,
+        /// The devices its VMMs' group was given (`--kvm-device`,
+        /// `--userfaultfd-device`), beside the usual ones.
+        devices: Vec<PathBuf>,
+        /// Release it even with VMs or volumes left in it.
+        force: bool,
+    },
     /// Make a signing key for desired state.
     Keygen {
         id: String,
@@ -132,6 +143,7 @@ usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
        eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
+       eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
        eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
        eitri-agent sign --key KEY-FILE FILE           sign a desired file: FILE.sig beside it
        eitri-agent --version | --help
@@ -289,6 +301,30 @@ fn images_usage() -> String {
     )
 }
 
+fn release_usage() -> String {
+    let [agents, kvm, userfaultfd] =
+        [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice].map(|k| k.setting());
+    verb_usage(
+        "release [--state-dir DIR] [--agents-dir DIR] [--kvm-device PATH] [--force]\n\n\
+         Ends the state dir's claim on this host: takes its VMM group off the\n\
+         devices' ACLs, removes its cgroup roots, frees its VMM ids and removes its\n\
+         record from the agents' registry. Refused while its agent runs (it takes\n\
+         the state dir's lock), while processes are in its cgroups, and while it has\n\
+         VMs or volumes. The state dir itself is kept; an agent started on it again\n\
+         claims anew. A state dir that is deleted needs none of this: the next\n\
+         agent to start on the host takes its claim back.",
+        &[
+            (agents.flag, agents.help),
+            (kvm.flag, kvm.help),
+            (userfaultfd.flag, userfaultfd.help),
+            (
+                "force",
+                "release it with VMs or volumes left in it (their files stay; they are said)",
+            ),
+        ],
+    )
+}
+
 /// Whether `--help` (or `-h`) is among a command's arguments: it wins over
 /// every other argument, right or wrong.
 fn asks_help(args: &[String]) -> bool {
@@ -338,6 +374,23 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
                 _ => Err(err(usage)),
             }
         }
+        "release" if help => Ok(Command::Help(release_usage())),
+        "release" => {
+            let keys = [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice];
+            let mut known = vec!["state-dir"];
+            known.extend(keys.iter().map(|k| k.setting().flag));
+            let flags = flag_values(rest, &known, &["force"])?;
+            Ok(Command::Release {
+                state_dir: state_dir_of(&flags, env),
+                agents_dir: path_of(Key::AgentsDir, &flags, env),
+                devices: [Key::KvmDevice, Key::UserfaultfdDevice]
+                    .into_iter()
+                    .map(|k| path_of(k, &flags, env))
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .collect(),
+                force: flags.contains_key("force"),
+            })
+        }
         "images" if help => Ok(Command::Help(images_usage())),
         "images" => match rest.split_first() {
             Some((sub, flags)) if sub == "prune" => {
@@ -349,7 +402,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, config, status, logs, images prune, keygen and sign (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, config, status, logs, images prune, release, keygen and sign (see eitri-agent --help)"
         ))),
     }
 }
@@ -440,7 +493,13 @@ fn parse_logs(args: &[String], env: &HashMap<String, String>) -> Result<Command,
 /// `--state-dir` of a command other than `run`, read as `run` reads it:
 /// the flag, else its environment variable, else its default.
 fn state_dir_of(flags: &HashMap<String, &str>, env: &HashMap<String, String>) -> PathBuf {
-    let setting = Key::StateDir.setting();
+    path_of(Key::StateDir, flags, env)
+}
+
+/// A path setting of `run` given to another command, read as `run` reads
+/// it (the flag, else its environment variable, else its default).
+fn path_of(key: Key, flags: &HashMap<String, &str>, env: &HashMap<String, String>) -> PathBuf {
+    let setting = key.setting();
     PathBuf::from(
         flags
             .get(setting.flag)

@@ -143,6 +143,7 @@ fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot
         &layout.vmm_ids(),
         &config.agents_dir,
         &config.wish,
+        &crate::provision::reclaimer(&config.guest.confinement.devices()),
     )
     .map_err(|e| DaemonError::Claim(e.to_string()))?;
     claim::check_host_accounts(claim.first_id, claim.id_count).map_err(DaemonError::Claim)?;

@@ -417,6 +417,16 @@ pub struct Confinement {
     pub allow_without: Vec<Piece>,
 }
 
+impl Confinement {
+    /// The devices a VMM's group is given: the KVM device, and the
+    /// userfaultfd device when there is one.
+    pub fn devices(&self) -> Vec<PathBuf> {
+        std::iter::once(self.kvm.clone())
+            .chain(self.userfaultfd.clone())
+            .collect()
+    }
+}
+
 impl Default for Confinement {
     fn default() -> Confinement {
         Confinement {
@@ -427,6 +437,39 @@ impl Default for Confinement {
             cgroup_root: "eitri".into(),
             allow_without: Vec::new(),
         }
+    }
+}
+
+/// What takes back what an ended claim left on this host: its VMM group's
+/// entries on the devices' ACLs (`devices`, the ones this agent is told
+/// of, and the usual ones, which the ended agent may have used) and its
+/// cgroup roots.
+#[cfg(target_os = "linux")]
+pub fn reclaimer(devices: &[PathBuf]) -> jail::reclaim::HostReclaim {
+    let mut devices: Vec<PathBuf> = jail::reclaim::DEVICES
+        .iter()
+        .map(PathBuf::from)
+        .chain(devices.iter().cloned())
+        .collect();
+    devices.sort();
+    devices.dedup();
+    jail::reclaim::HostReclaim::on(devices)
+}
+
+/// What an ended claim left elsewhere: nothing (vfkit takes no device ACL
+/// and no cgroup).
+#[cfg(not(target_os = "linux"))]
+pub fn reclaimer(_: &[PathBuf]) -> NothingLeft {
+    NothingLeft
+}
+
+#[cfg(not(target_os = "linux"))]
+pub struct NothingLeft;
+
+#[cfg(not(target_os = "linux"))]
+impl crate::state::claim::Reclaim for NothingLeft {
+    fn take_back(&self, _: &crate::state::claim::Claim) -> crate::state::claim::Reclaimed {
+        crate::state::claim::Reclaimed::default()
     }
 }
 

@@ -25,6 +25,12 @@
 //!    subnets or one tap prefix starting another stops the start naming the
 //!    other state dir and the flag to change.
 //! 5. The claim is written to the state dir, then to the registry.
+//!
+//! A claim ends when its state dir is gone (the next agent to settle finds
+//! its record and takes back what it left: see [`Reclaim`]) or when the
+//! operator releases it ([`release`], `eitri-agent release`). Until then
+//! its device ACL entries and cgroup root stay: an agent that is only
+//! stopped keeps them for its next start, and its VMMs may still run.
 
 use std::fs;
 use std::io;
@@ -206,12 +212,43 @@ mod as_pair {
     }
 }
 
-/// Why a claim could not be settled.
+/// Takes back from the host what an ended claim left there (its VMM
+/// group's device ACL entries, its cgroup root). The state dir knows when a
+/// claim ends; the jail knows what it put where. Called under the
+/// registry's lock, so no agent settles the same ids or root meanwhile.
+pub trait Reclaim {
+    fn take_back(&self, ended: &Claim) -> Reclaimed;
+}
+
+/// What [`Reclaim::take_back`] took, and what it had to leave (each with
+/// why): a claim with something left keeps its record, to be tried again.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reclaimed {
+    pub taken: Vec<String>,
+    pub left: Vec<String>,
+}
+
+/// Why a claim could not be settled or released.
 #[derive(Debug)]
 pub enum ClaimError {
     Conflict(String),
-    Registry { path: PathBuf, source: io::Error },
-    Own { path: PathBuf, problem: String },
+    Registry {
+        path: PathBuf,
+        source: io::Error,
+    },
+    Own {
+        path: PathBuf,
+        problem: String,
+    },
+    /// `release` of a state dir no claim names.
+    NotClaimed {
+        state_dir: PathBuf,
+    },
+    /// `release` could not take everything back.
+    Left {
+        state_dir: PathBuf,
+        left: Vec<String>,
+    },
 }
 
 impl std::fmt::Display for ClaimError {
@@ -228,13 +265,25 @@ impl std::fmt::Display for ClaimError {
                 "{} is not a claim ({problem}); move it away to have the claim made again",
                 path.display()
             ),
+            ClaimError::NotClaimed { state_dir } => write!(
+                f,
+                "{} holds no claim (no jail/claim.json, no record in the registry): nothing to release; is --agents-dir the agent's?",
+                state_dir.display()
+            ),
+            ClaimError::Left { state_dir, left } => write!(
+                f,
+                "the claim of {} is kept: {} (take these away and release it again)",
+                state_dir.display(),
+                left.join("; ")
+            ),
         }
     }
 }
 
 impl std::error::Error for ClaimError {}
 
-/// Settles this state dir's claim (see the module steps). `own` is its
+/// Settles this state dir's claim (see the module steps), after taking
+/// back what the claims of state dirs that are gone left. `own` is its
 /// claim file, `leases` its VMM id leases, `registry` the host-wide dir.
 pub fn settle(
     state_dir: &Path,
@@ -242,6 +291,7 @@ pub fn settle(
     leases: &Path,
     registry: &Path,
     wish: &Wish,
+    reclaim: &dyn Reclaim,
 ) -> Result<Claim, ClaimError> {
     let reg_err = |source| ClaimError::Registry {
         path: registry.to_path_buf(),
@@ -249,18 +299,14 @@ pub fn settle(
     };
     let state_dir = fs::canonicalize(state_dir).map_err(reg_err)?;
     let recorded = read_own(own)?;
-    fs::create_dir_all(registry).map_err(reg_err)?;
-    let lock = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(registry.join(".lock"))
-        .map_err(reg_err)?;
-    lock.lock().map_err(reg_err)?;
-    let others: Vec<Claim> = records(registry)
-        .map_err(reg_err)?
+    let _lock = lock_registry(registry).map_err(reg_err)?;
+    let (live, ended) = records(registry).map_err(reg_err)?;
+    for (record, claim) in ended {
+        end(&record, &claim, reclaim);
+    }
+    let others: Vec<Claim> = live
         .into_iter()
+        .map(|(_, claim)| claim)
         .filter(|c| c.state_dir != state_dir)
         .collect();
     let shaped = |mut claim: Claim| {
@@ -301,6 +347,92 @@ pub fn settle(
     write_atomic(own, &text).map_err(reg_err)?;
     write_atomic(&registry.join(record_name(&state_dir)), &text).map_err(reg_err)?;
     Ok(claim)
+}
+
+/// Ends the claim of `state_dir`: takes back what it left on the host,
+/// then removes its record, its claim file and its VMM id leases (the ids
+/// are free for other agents now), so a later start there claims anew.
+/// The caller makes sure its agent is not running and says what VMs it
+/// leaves. Kept whole when anything could not be taken back.
+pub fn release(
+    state_dir: &Path,
+    own: &Path,
+    leases: &Path,
+    registry: &Path,
+    reclaim: &dyn Reclaim,
+) -> Result<Reclaimed, ClaimError> {
+    let reg_err = |source| ClaimError::Registry {
+        path: registry.to_path_buf(),
+        source,
+    };
+    let state_dir = fs::canonicalize(state_dir).map_err(reg_err)?;
+    let _lock = lock_registry(registry).map_err(reg_err)?;
+    let record = registry.join(record_name(&state_dir));
+    let claim = match read_own(own)? {
+        Some(claim) => claim,
+        None => match fs::read(&record) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| ClaimError::Own {
+                path: record.clone(),
+                problem: e.to_string(),
+            })?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(ClaimError::NotClaimed { state_dir });
+            }
+            Err(e) => return Err(reg_err(e)),
+        },
+    };
+    let reclaimed = reclaim.take_back(&claim);
+    if !reclaimed.left.is_empty() {
+        return Err(ClaimError::Left {
+            state_dir,
+            left: reclaimed.left,
+        });
+    }
+    for path in [&record, own, leases] {
+        match fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(reg_err(e)),
+        }
+    }
+    Ok(reclaimed)
+}
+
+/// Takes the registry's lock (made, with the registry, when missing).
+fn lock_registry(registry: &Path) -> io::Result<fs::File> {
+    fs::create_dir_all(registry)?;
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(registry.join(".lock"))?;
+    lock.lock()?;
+    Ok(lock)
+}
+
+/// Ends the claim recorded in `record`, whose state dir is gone: what it
+/// left is taken back and its record removed; what could not be taken is
+/// said, and the record kept to be tried at the next start.
+fn end(record: &Path, claim: &Claim, reclaim: &dyn Reclaim) {
+    let dir = claim.state_dir.display();
+    let reclaimed = reclaim.take_back(claim);
+    if !reclaimed.taken.is_empty() {
+        log::info!(
+            "the state dir {dir} is gone: took back what its agent left ({})",
+            reclaimed.taken.join(", ")
+        );
+    }
+    if reclaimed.left.is_empty() {
+        if let Err(e) = fs::remove_file(record) {
+            log::warn!("could not remove {}: {e}", record.display());
+        }
+    } else {
+        log::warn!(
+            "the state dir {dir} is gone, but what its agent left could not all be taken back: {} (tried again at the next start)",
+            reclaimed.left.join("; ")
+        );
+    }
 }
 
 /// The host's account files a VMM id range must stay clear of, and how
@@ -373,10 +505,14 @@ fn read_own(path: &Path) -> Result<Option<Claim>, ClaimError> {
     }
 }
 
-/// Every agent's record in the registry, dropping those whose state dir is
-/// gone (a test's temp dir, a decommissioned agent) and those unreadable.
-fn records(registry: &Path) -> io::Result<Vec<Claim>> {
-    let mut out = Vec::new();
+/// Every agent's record in the registry (with its path), apart: those
+/// whose state dir is there, and those whose state dir is gone (a test's
+/// temp dir, a decommissioned agent), whose claims have ended. Unreadable
+/// records are skipped.
+type Records = Vec<(PathBuf, Claim)>;
+
+fn records(registry: &Path) -> io::Result<(Records, Records)> {
+    let (mut live, mut ended) = (Vec::new(), Vec::new());
     for entry in fs::read_dir(registry)? {
         let path = entry?.path();
         if path.extension().is_none_or(|e| e != "json") {
@@ -389,12 +525,12 @@ fn records(registry: &Path) -> io::Result<Vec<Claim>> {
             continue;
         };
         if claim.state_dir.is_dir() {
-            out.push(claim);
+            live.push((path, claim));
         } else {
-            let _ = fs::remove_file(&path);
+            ended.push((path, claim));
         }
     }
-    Ok(out)
+    Ok((live, ended))
 }
 
 fn digest(state_dir: &Path) -> [u8; 32] {
@@ -418,13 +554,57 @@ mod tests {
 
     struct Host {
         dir: tempfile::TempDir,
+        reclaim: Taking,
+    }
+
+    /// Takes back nothing of the host: notes whose claims it was asked to,
+    /// and leaves what it is told to.
+    #[derive(Default)]
+    struct Taking {
+        asked: std::sync::Mutex<Vec<Claim>>,
+        leave: Vec<String>,
+    }
+
+    impl Reclaim for Taking {
+        fn take_back(&self, ended: &Claim) -> Reclaimed {
+            self.asked.lock().expect("not poisoned").push(ended.clone());
+            Reclaimed {
+                taken: vec![format!("group {}", ended.first_id)],
+                left: self.leave.clone(),
+            }
+        }
     }
 
     impl Host {
         fn new() -> Host {
             Host {
                 dir: tempfile::tempdir().expect("tempdir"),
+                reclaim: Taking::default(),
             }
+        }
+
+        fn asked(&self) -> Vec<u32> {
+            let asked = self.reclaim.asked.lock().expect("not poisoned");
+            asked.iter().map(|c| c.first_id).collect()
+        }
+
+        fn records(&self) -> usize {
+            fs::read_dir(self.registry())
+                .expect("registry")
+                .flatten()
+                .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+                .count()
+        }
+
+        fn release(&self, name: &str) -> Result<Reclaimed, ClaimError> {
+            let state = self.dir.path().join(name);
+            release(
+                &state,
+                &state.join("jail/claim.json"),
+                &state.join("jail/ids.json"),
+                &self.registry(),
+                &self.reclaim,
+            )
         }
 
         fn registry(&self) -> PathBuf {
@@ -440,6 +620,7 @@ mod tests {
                 &state.join("jail/ids.json"),
                 &self.registry(),
                 wish,
+                &self.reclaim,
             )
         }
     }
@@ -664,6 +845,85 @@ mod tests {
 
         assert_eq!(found.as_deref(), Some("bob's range 1899990000:20000"));
         assert_eq!(clear, None);
+    }
+
+    #[test]
+    fn a_claim_whose_state_dir_is_gone_is_taken_back_by_the_next_settle() {
+        let host = Host::new();
+        let a = host.settle("a", &derived()).expect("a");
+        fs::remove_dir_all(host.dir.path().join("a")).expect("remove a");
+
+        host.settle("b", &derived()).expect("b");
+
+        assert_eq!(host.asked(), [a.first_id]);
+        assert_eq!(host.records(), 1, "a's record is still there");
+    }
+
+    #[test]
+    fn a_gone_claim_with_something_left_keeps_its_record_to_be_tried_again() {
+        let mut host = Host::new();
+        let a = host.settle("a", &derived()).expect("a");
+        fs::remove_dir_all(host.dir.path().join("a")).expect("remove a");
+        host.reclaim.leave = vec!["a cgroup with processes in it".into()];
+
+        host.settle("b", &derived()).expect("b");
+        host.settle("b", &derived()).expect("b again");
+
+        assert_eq!(host.asked(), [a.first_id, a.first_id]);
+        assert_eq!(host.records(), 2);
+    }
+
+    #[test]
+    fn a_released_claim_is_taken_back_and_forgotten() {
+        let host = Host::new();
+        let a = host.settle("a", &derived()).expect("a");
+        let jail = host.dir.path().join("a/jail");
+        fs::write(jail.join("ids.json"), b"{}").expect("leases");
+
+        let released = host.release("a").expect("released");
+
+        assert_eq!(released.taken, [format!("group {}", a.first_id)]);
+        assert_eq!(host.records(), 0);
+        assert!(!jail.join("claim.json").exists(), "its claim file is left");
+        assert!(!jail.join("ids.json").exists(), "its id leases are left");
+    }
+
+    #[test]
+    fn a_state_dir_released_and_started_again_claims_anew() {
+        let host = Host::new();
+        host.settle("a", &derived()).expect("a");
+        host.release("a").expect("released");
+
+        let again = host.settle("a", &derived());
+
+        assert!(again.is_ok(), "{again:?}");
+        assert_eq!(host.records(), 1);
+    }
+
+    #[test]
+    fn a_release_that_leaves_something_keeps_the_claim() {
+        let mut host = Host::new();
+        host.settle("a", &derived()).expect("a");
+        host.reclaim.leave = vec!["a cgroup with processes in it".into()];
+
+        let refused = host.release("a").expect_err("kept");
+
+        assert!(refused.to_string().contains("processes in it"), "{refused}");
+        assert_eq!(host.records(), 1);
+        assert!(host.dir.path().join("a/jail/claim.json").exists());
+    }
+
+    #[test]
+    fn releasing_a_state_dir_never_claimed_says_so() {
+        let host = Host::new();
+        fs::create_dir_all(host.dir.path().join("a")).expect("state dir");
+
+        let refused = host.release("a").expect_err("nothing to release");
+
+        assert!(
+            matches!(refused, ClaimError::NotClaimed { .. }),
+            "{refused}"
+        );
     }
 
     #[test]

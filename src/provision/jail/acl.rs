@@ -162,6 +162,46 @@ pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
     write(path, &entries)
 }
 
+/// Takes group `gid`'s entry off `path`'s ACL, recomputing the mask from
+/// the entries left; once no named entry is left the ACL is only the mode
+/// again (the kernel folds such an ACL back into the mode bits). Whether
+/// there was an entry to take.
+pub fn revoke_group(path: &Path, gid: u32) -> io::Result<bool> {
+    let Some(mut entries) = read(path)? else {
+        return Ok(false);
+    };
+    let before = entries.len();
+    entries.retain(|e| !(e.tag == GROUP && e.id == gid));
+    if entries.len() == before {
+        return Ok(false);
+    }
+    entries.retain(|e| e.tag != MASK);
+    if entries.iter().any(|e| matches!(e.tag, USER | GROUP)) {
+        let mask = entries
+            .iter()
+            .filter(|e| matches!(e.tag, USER | GROUP | GROUP_OBJ))
+            .fold(0, |m, e| m | e.perm);
+        entries.push(Entry {
+            tag: MASK,
+            perm: mask,
+            id: NO_ID,
+        });
+    }
+    entries.sort_by_key(|e| (e.tag, e.id));
+    write(path, &entries)?;
+    Ok(true)
+}
+
+/// The groups `path`'s ACL names (none when it has no ACL).
+pub fn named_groups(path: &Path) -> io::Result<Vec<u32>> {
+    Ok(read(path)?
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.tag == GROUP)
+        .map(|e| e.id)
+        .collect())
+}
+
 fn c_path(path: &Path) -> io::Result<CString> {
     CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL in the path"))
@@ -309,5 +349,45 @@ mod tests {
 
         let entries = read(&path).expect("read").expect("an ACL");
         assert_eq!(entries.iter().filter(|e| e.tag == GROUP).count(), 1);
+    }
+
+    #[test]
+    fn revoking_a_grant_gives_back_the_mode_it_had() {
+        let (_dir, path) = private_file();
+        let before = std::fs::metadata(&path).expect("stat").permissions().mode();
+        grant_group(&path, GID).expect("grant");
+
+        let revoked = revoke_group(&path, GID).expect("revoke");
+
+        assert!(revoked);
+        assert_eq!(read(&path).expect("read"), None, "an ACL is left");
+        let after = std::fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(after, before);
+    }
+
+    #[test]
+    fn revoking_one_group_keeps_the_others_grants() {
+        let (_dir, path) = private_file();
+        grant_group(&path, GID).expect("grant");
+        grant_group(&path, GID + 1).expect("grant another");
+
+        let revoked = revoke_group(&path, GID).expect("revoke");
+
+        assert!(revoked);
+        assert!(!group_may_read_write(&path, GID).expect("check"));
+        assert!(group_may_read_write(&path, GID + 1).expect("check"));
+        assert_eq!(named_groups(&path).expect("groups"), [GID + 1]);
+    }
+
+    #[test]
+    fn revoking_a_group_never_granted_changes_nothing() {
+        let (_dir, path) = private_file();
+        grant_group(&path, GID + 1).expect("grant another");
+        let before = read(&path).expect("read");
+
+        let revoked = revoke_group(&path, GID).expect("revoke");
+
+        assert!(!revoked);
+        assert_eq!(read(&path).expect("read"), before);
     }
 }

@@ -35,6 +35,7 @@ pub mod lack;
 pub mod netns;
 pub mod paths;
 mod plan;
+pub mod reclaim;
 pub mod view;
 
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
