@@ -43,14 +43,12 @@ impl Agent {
             .arg(&state)
             .arg("--run-dir")
             .arg(dir.join("run"))
-            .args([
-                "--host-id",
-                HOST,
-                "--tick",
-                "100ms",
-                "--backoff-max",
-                "200ms",
-            ])
+            .args(["--host-id", HOST, "--tick", "100ms"])
+            .args(if source.contains(&"--backoff-max") {
+                &[][..]
+            } else {
+                &["--backoff-max", "200ms"][..]
+            })
             .args(["--tap-prefix", "etsig", "--underlay-bridge="])
             .args(["--hypervisor", "/nonexistent/cloud-hypervisor"])
             .arg("--agents-dir")
@@ -199,6 +197,81 @@ fn an_unsigned_snapshot_is_refused_and_nothing_is_touched() {
     assert!(contact.contains("nothing in it was acted on"), "{contact}");
     assert!(!a.volume_exists("data-1"));
     assert!(a.status().contains("not signed"), "{}", a.status());
+}
+
+/// The `refused` of every report `cp` received, in order.
+fn refusals(cp: &FakeControlPlane) -> Vec<Option<pb::DesiredRefused>> {
+    cp.reports()
+        .into_iter()
+        .map(|r| r.report.and_then(|r| r.refused))
+        .collect()
+}
+
+#[test]
+fn a_refused_snapshot_is_answered_at_once_with_a_report_naming_the_refusal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let forger = key("forger-1", 9);
+    cp.answer_snapshots(Answer::Raw(signed(&forger, &snapshot(1, HOST, "data-1"))));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&key("cp", 1)]));
+
+    wait_for("a report", || !cp.reports().is_empty());
+    let refused = refusals(&cp)[0].clone().expect("the refusal in the report");
+    assert_eq!(refused.kind, "unknown_key");
+    assert_eq!(refused.key_id, "forger-1");
+    assert!(refused.reason.contains("does not trust"), "{refused:?}");
+    assert!(!a.volume_exists("data-1"));
+}
+
+#[test]
+fn a_refused_answer_is_asked_again_at_the_tick_not_backed_off() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot(1, HOST, "data-1")));
+    let a = Agent::start(
+        dir.path(),
+        &[
+            "--control-plane",
+            &cp.url(),
+            "--trusted-keys",
+            pin(dir.path(), &[&key("cp", 1)]).to_str().expect("utf-8"),
+            "--backoff-max",
+            "60s",
+        ],
+    );
+
+    // At a tick of 100 ms, 10 contacts within 3 s; backed off to 60 s, a
+    // handful.
+    wait_for("ten reports", || cp.reports().len() >= 10);
+
+    assert!(
+        refusals(&cp)
+            .iter()
+            .all(|r| r.as_ref().is_some_and(|r| r.kind == "unsigned"))
+    );
+    drop(a);
+}
+
+#[test]
+fn a_good_answer_after_a_refused_one_clears_the_refusal_from_the_report() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Snapshot(snapshot(1, HOST, "data-1")));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    wait_for("a refusal reported", || {
+        refusals(&cp).iter().any(Option::is_some)
+    });
+
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(1, HOST, "data-1"))));
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+    let seen = cp.reports().len();
+    wait_for("a report after the good answer", || {
+        cp.reports().len() > seen + 1
+    });
+
+    assert_eq!(refusals(&cp).last().cloned().flatten(), None);
 }
 
 #[test]

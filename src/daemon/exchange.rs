@@ -242,13 +242,28 @@ impl Exchange {
             Ok(None) => {}
             Err(e) => failure = Some(e),
         }
-        if failure.is_none()
-            && remote
-            && let Some(report) = self.link.newest_report()
+        // An answer refused is still an answer: the control plane hears at
+        // once that it was refused, and what the host runs meanwhile.
+        let refused = failure.as_ref().and_then(SourceError::refusal);
+        if remote
+            && (failure.is_none() || refused.is_some())
+            && let Some(mut report) = self.newest_report()
         {
-            failure = self.source.send_report(&self.host, &report).err();
+            report.refused = refused;
+            if let Err(e) = self.source.send_report(&self.host, &report) {
+                failure = Some(e);
+            }
         }
         self.settle(failure)
+    }
+
+    /// The main loop's newest report; at a first contact, waited for
+    /// (briefly) when the main loop has published none yet.
+    fn newest_report(&self) -> Option<pb::Report> {
+        if self.link.generation() == 0 {
+            self.link.wait_generation(0, REFLECT_WAIT);
+        }
+        self.link.newest_report()
     }
 
     fn settle(&mut self, failure: Option<SourceError>) -> Contact {
@@ -266,9 +281,12 @@ impl Exchange {
             Some(e) => {
                 self.link.failures.inc(e.kind());
                 let error = chain(&e);
-                let retry_in = if self.source.is_remote() {
+                // A refused answer is no outage: the control plane is there
+                // and was told; it is asked again at the tick.
+                let retry_in = if self.source.is_remote() && e.refusal().is_none() {
                     self.backoff.fail((self.jitter)())
                 } else {
+                    self.backoff.reset();
                     self.tick
                 };
                 self.next_contact = ended + retry_in;

@@ -285,6 +285,8 @@ pub fn report_to_wire(report: &Report) -> pb::Report {
             })
             .collect(),
         fence_violation: report.fence_violation,
+        // The exchange's to say: only it knows how the last contact went.
+        refused: None,
     }
 }
 

@@ -258,6 +258,30 @@ pub struct Report {
     /// The rest of the report is then a read-only observation.
     #[prost(bool, tag = "6")]
     pub fence_violation: bool,
+    /// Set when the agent refused the last answer to its snapshot request
+    /// (not signed as it requires, a tampered byte, another host's, too large,
+    /// not a snapshot): nothing in that answer was acted on, and the rest of
+    /// this report is what the host runs under the last snapshot it accepted
+    /// (last_seen_epoch). Unset when it took the last answer.
+    #[prost(message, optional, tag = "7")]
+    pub refused: ::core::option::Option<DesiredRefused>,
+}
+/// Why the agent refused an answer to its snapshot request.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DesiredRefused {
+    /// A stable word for machines: "unsigned", "unknown_key", "bad_signature",
+    /// "other_host", "too_large", "too_many_entries", "garbage".
+    #[prost(string, tag = "1")]
+    pub kind: ::prost::alloc::string::String,
+    /// The agent's own words: what was wrong and what to do.
+    #[prost(string, tag = "2")]
+    pub reason: ::prost::alloc::string::String,
+    /// The key id the answer named, when it was signed; the answer's epoch is
+    /// not given, since an answer refused was not read that far.
+    #[prost(string, tag = "3")]
+    pub key_id: ::prost::alloc::string::String,
 }
 /// One VM's observed state. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -176,6 +176,30 @@ pub enum SourceError {
 
 impl SourceError {
     /// A short name for the kind of failure, for the metrics file.
+    /// Why the control plane's answer was refused, for the report, when it
+    /// was one: it answered, and the answer was not taken. `None` for an
+    /// outage (unreachable, a status, a rejected token) or a local error.
+    pub fn refusal(&self) -> Option<crate::pb::DesiredRefused> {
+        use crate::trust::Refusal;
+        let (kind, key_id) = match self {
+            SourceError::Refused { why, .. } => match why {
+                Refusal::Unsigned { .. } => ("unsigned", ""),
+                Refusal::UnknownKey { key_id } => ("unknown_key", key_id.as_str()),
+                Refusal::BadSignature { key_id } => ("bad_signature", key_id.as_str()),
+                Refusal::OtherHost { key_id, .. } => ("other_host", key_id.as_str()),
+            },
+            SourceError::TooLarge { .. } => ("too_large", ""),
+            SourceError::TooManyEntries { .. } => ("too_many_entries", ""),
+            SourceError::Garbage { .. } => ("garbage", ""),
+            _ => return None,
+        };
+        Some(crate::pb::DesiredRefused {
+            kind: kind.into(),
+            reason: crate::error::chain(self),
+            key_id: key_id.into(),
+        })
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             SourceError::Unreachable { .. } => "unreachable",
