@@ -1000,6 +1000,44 @@ mod booted {
         assert_eq!(ip_table(&tables_of(&a)), rules_before);
     }
 
+    #[test]
+    fn a_spec_error_in_a_running_vms_entry_keeps_it_running_and_says_so() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("run-1", "")),
+        );
+        let agent = boot.start(dir.path(), &[]);
+        agent.wait_report("run-1 ready", |r| row_of(r, "run-1")["phase"] == "ready");
+        let pid = vmm_pid(&boot, "run-1");
+
+        let bad = boot.vm_json("run-1", r#","no_such_key":1"#);
+        desired(dir.path(), &format!(r#"{{"vms":[{bad}]}}"#));
+        let report = agent.wait_report("the entry refused", |r| {
+            row_of(r, "run-1")["spec_rejected"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty())
+        });
+
+        let row = row_of(&report, "run-1");
+        assert_eq!(row["phase"], "ready", "{row}");
+        assert_eq!(row["power_state"], "running", "{row}");
+        assert!(
+            row["spec_rejected"]
+                .as_str()
+                .is_some_and(|s| s.contains("no_such_key")),
+            "{row}"
+        );
+        assert_eq!(vmm_pid(&boot, "run-1"), pid, "its VMM was touched");
+        let status = eitri(&["status", "--state-dir", &agent.state.display().to_string()]);
+        let header = String::from_utf8_lossy(&status.stdout);
+        assert!(
+            header.contains("1 spec rejected") && !header.contains("failed"),
+            "{header}"
+        );
+    }
+
     /// The groups named on the ACL of `boot`'s KVM device.
     fn kvm_groups(dir: &Path) -> Vec<u32> {
         eitri_agent::provision::jail::acl::named_groups(&dir.join("kvm")).expect("the ACL")

@@ -140,6 +140,7 @@ fn report_round_trips_every_field() {
                 egress: "deny 0.0.0.0/0 except 10.1.0.0/16".into(),
                 limits: "cpu 1.5, net 100 Mbit/s each way".into(),
                 readiness: "tcp 22 answered".into(),
+                spec_rejected: "egress_allow: not a range".into(),
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),

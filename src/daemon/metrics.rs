@@ -11,6 +11,7 @@
 //! | `eitri_snapshot_epoch` | gauge | the accepted epoch |
 //! | `eitri_contact_failures_total{kind}` | counter | failed contacts with the source, by kind |
 //! | `eitri_vms{power,phase}` | gauge | VMs in the last report |
+//! | `eitri_vms_spec_rejected` | gauge | VMs the host has whose desired entry was refused (they run on) |
 //! | `eitri_vms_quarantined` | gauge | VMs waiting out their grace |
 //! | `eitri_create_attempts_total` | counter | create attempts counted against a budget |
 //! | `eitri_create_failures_total{permanence}` | counter | failed creates: `permanent`, `transient`, or `host` (the host must change; no attempt spent) |
@@ -170,6 +171,17 @@ fn vms(from: &Sources<'_>, e: &mut Exposition) {
         "eitri_vms",
         "VMs in the last report, by power and phase.",
         &as_series(&series),
+    );
+    let rejected = from
+        .report
+        .vms
+        .iter()
+        .filter(|v| !v.spec_rejected.is_empty())
+        .count();
+    e.gauge(
+        "eitri_vms_spec_rejected",
+        "VMs the host has whose entry in desired state was refused: they run on as they were (and are counted in eitri_vms by their phase).",
+        &[(&[], rejected as f64)],
     );
     e.gauge(
         "eitri_vms_quarantined",

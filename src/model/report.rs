@@ -92,6 +92,9 @@ pub struct VmStatus {
     /// Its readiness probe's state and last result, as words; empty when
     /// it has no probe or does not run.
     pub readiness: String,
+    /// Why the VM's entry in desired state was refused, while the host has
+    /// the VM and runs it on as it was; empty otherwise.
+    pub spec_rejected: String,
 }
 
 /// A VM waiting out its grace before destruction.

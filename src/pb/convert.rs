@@ -303,6 +303,7 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         egress: row.egress.clone(),
         limits: row.limits.clone(),
         readiness: row.readiness.clone(),
+        spec_rejected: row.spec_rejected.clone(),
     }
 }
 
@@ -328,6 +329,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             egress: row.egress.clone(),
             limits: row.limits.clone(),
             readiness: row.readiness.clone(),
+            spec_rejected: row.spec_rejected.clone(),
         }));
     }
     for q in &wire.quarantined {

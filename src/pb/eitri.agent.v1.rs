@@ -330,6 +330,12 @@ pub struct VmStatus {
     /// its spec names no probe or its guest does not run.
     #[prost(string, tag = "11")]
     pub readiness: ::prost::alloc::string::String,
+    /// Set when this VM's entry in the last snapshot was refused (an unknown
+    /// key, a bad value, its id twice) while the host has the VM: why. The VM
+    /// runs on as it was, under its last accepted spec, and the rest of the
+    /// row (phase included) says how it is; it is not a failed VM.
+    #[prost(string, tag = "12")]
+    pub spec_rejected: ::prost::alloc::string::String,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -415,9 +415,8 @@ impl Engine {
         let mut said = HashSet::new();
         for rejected in &snap.rejected_vms {
             if said.insert(rejected.raw_id.as_str()) {
-                report
-                    .vms
-                    .push(Arc::new(self.rejected_row(rejected, records)));
+                let row = self.rejected_row(rejected, records, workers);
+                report.vms.push(Arc::new(row));
             }
         }
         // A refused entry for a quarantined VM leaves it quarantined: its
@@ -557,28 +556,48 @@ impl Engine {
         report
     }
 
-    /// The row of a VM entry the agent refused. When the id names a VM this
-    /// host has, the row says whether it runs: refusing the entry does not
-    /// make the VM's actual state unknown.
-    fn rejected_row(&self, rejected: &Rejected, records: &BTreeMap<Id, RecordSlot>) -> VmStatus {
+    /// The row of a VM entry the agent refused. An entry for a VM this host
+    /// does not have failed: nothing was made of it. A refused entry for a
+    /// VM the host has changes nothing of the VM, which runs on under its
+    /// last accepted spec: its row is what its worker last said (phase and
+    /// all), with the refusal beside it in `spec_rejected`, not a failure
+    /// (kubectl refusing a bad manifest leaves the pod as it was).
+    fn rejected_row(
+        &self,
+        rejected: &Rejected,
+        records: &BTreeMap<Id, RecordSlot>,
+        workers: &Workers,
+    ) -> VmStatus {
+        let why = rejected.error.to_string();
         let rec = rejected.id.as_ref().and_then(|id| match records.get(id) {
             Some(RecordSlot::Readable(rec)) => Some(rec),
             _ => None,
         });
-        let mut row = VmStatus {
-            vm_id: rejected.raw_id.clone(),
-            phase: Some(Phase::Failed),
-            last_error: rejected.error.to_string(),
-            ..VmStatus::default()
+        let Some(rec) = rec else {
+            return VmStatus {
+                vm_id: rejected.raw_id.clone(),
+                phase: Some(Phase::Failed),
+                last_error: why,
+                ..VmStatus::default()
+            };
         };
-        if let Some(rec) = rec {
-            row.power = Some(PowerState::observed(
-                self.core.prov.running(&rec.spec.vm_id),
-            ));
-            row.ip = rec.ip.clone();
-            row.network_ip = rec.network_ip.clone();
-            row.ssh_host_pubkey = rec.host_pubkey.clone();
-        }
+        let said = workers.row_of(&rec.spec.vm_id);
+        let mut row = match said {
+            Some(row) => VmStatus::clone(&row),
+            // No worker has said it yet (an agent that started with the
+            // entry refused): what the host sees, and no phase.
+            None => VmStatus {
+                vm_id: rejected.raw_id.clone(),
+                power: Some(PowerState::observed(
+                    self.core.prov.running(&rec.spec.vm_id),
+                )),
+                ip: rec.ip.clone(),
+                network_ip: rec.network_ip.clone(),
+                ssh_host_pubkey: rec.host_pubkey.clone(),
+                ..VmStatus::default()
+            },
+        };
+        row.spec_rejected = why;
         row
     }
 }

@@ -95,6 +95,7 @@ impl VmResult {
             egress: String::new(),
             limits: String::new(),
             readiness: String::new(),
+            spec_rejected: String::new(),
         });
     }
 

@@ -115,10 +115,15 @@ impl ReportFile {
                 })
                 .or_default() += 1;
         }
-        let phases: Vec<String> = phases
+        let mut phases: Vec<String> = phases
             .iter()
             .map(|(p, n)| format!("{n} {}", inline(p)))
             .collect();
+        // Counted apart: such a VM runs on as it was, and is in its phase.
+        let rejected = r.vms.iter().filter(|v| !v.spec_rejected.is_empty()).count();
+        if rejected > 0 {
+            phases.push(format!("{rejected} spec rejected"));
+        }
         let q = &self.quota;
         let quota: Vec<String> = [(q.vcpus, "vcpus"), (q.mem_mb, "MB"), (q.disk_gb, "GB")]
             .iter()
@@ -255,7 +260,7 @@ fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
 }
 
 /// Its last error and since when, and the attempts spent.
-fn error_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> [Field; 2] {
+fn error_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
     let error = if row.last_error.is_empty() {
         "-".into()
     } else {
@@ -266,13 +271,20 @@ fn error_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> [Field; 2] {
             ago.of(detail.error_last_ms)
         )
     };
-    [
+    let mut fields = vec![
         ("error", error),
         (
             "attempts",
             format!("{} of {}", detail.attempts, detail.max_attempts),
         ),
-    ]
+    ];
+    if !row.spec_rejected.is_empty() {
+        fields.push((
+            "spec rejected",
+            format!("{}; it runs on as it was", inline(&row.spec_rejected)),
+        ));
+    }
+    fields
 }
 
 /// What runs it: the boot, a snapshot on disk, the hypervisor, the

@@ -95,8 +95,13 @@ fn logs_follow_prints_a_new_line_within_a_tick() {
 
 /// `eitri-agent logs vm-1` with `extra` arguments, its lines.
 fn logs(h: &Host, extra: &[&str]) -> Vec<String> {
+    logs_of(h, "vm-1", extra)
+}
+
+/// `eitri-agent logs VM` with `extra` arguments, its lines (all of them).
+pub(crate) fn logs_of(h: &Host, vm: &str, extra: &[&str]) -> Vec<String> {
     let out = std::process::Command::new(AGENT)
-        .args(["logs", "vm-1", "--lines", "100000", "--state-dir"])
+        .args(["logs", vm, "--lines", "100000", "--state-dir"])
         .arg(h.store.root())
         .args(extra)
         .output()

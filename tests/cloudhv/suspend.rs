@@ -12,16 +12,7 @@ pub(crate) fn wanting(h: &Host, vm: &str, power: PowerState) -> Snapshot {
 /// The VM's console as `eitri-agent logs` prints it: what its resumes
 /// moved aside, then what its VMM writes now.
 pub(crate) fn console(h: &Host, vm: &str) -> Vec<String> {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
-        .args(["logs", vm, "--lines", "100000", "--state-dir"])
-        .arg(h.store.root())
-        .output()
-        .expect("eitri-agent logs");
-    assert!(out.status.success(), "{out:?}");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_owned)
-        .collect()
+    super::logs::logs_of(h, vm, &[])
 }
 
 /// What the VM's VMM's API says its state is.

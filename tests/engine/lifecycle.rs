@@ -195,6 +195,7 @@ fn addresses_are_polled_and_saved_when_they_change() {
 #[test]
 fn a_spec_refused_for_an_existing_vm_leaves_it_alone() {
     let h = created("vm-1");
+    let before = h.tick(&running("vm-1")).vms[0].phase;
     let mut wire = convert::snapshot_to_wire(&running("vm-1"));
     wire.vms[0].vcpus = 0;
 
@@ -203,14 +204,13 @@ fn a_spec_refused_for_an_existing_vm_leaves_it_alone() {
 
     let row = &report_again.vms[0];
     assert_eq!(report.vms.len(), 1);
-    assert_eq!(
-        (row.power, row.phase),
-        (Some(PowerState::Running), Some(Phase::Failed))
-    );
+    // It runs on as it was: its phase is what it was, not failed.
+    assert_eq!((row.power, row.phase), (Some(PowerState::Running), before));
+    assert_ne!(row.phase, Some(Phase::Failed));
     assert!(
-        row.last_error.contains("invalid vcpus"),
+        row.spec_rejected.contains("invalid vcpus"),
         "{}",
-        row.last_error
+        row.spec_rejected
     );
     assert!(
         h.fakes.actions().is_empty(),

@@ -58,6 +58,13 @@ impl Workers {
         (rows, quarantined)
     }
 
+    /// The last row `id`'s worker published, if it has a worker and one.
+    pub(crate) fn row_of(&self, id: &Id) -> Option<Arc<crate::model::VmStatus>> {
+        let handle = self.live.get(id)?;
+        let published = handle.shared.published.lock();
+        published.row.clone()
+    }
+
     /// A worker was started, replaced or retired: the roster and the rows
     /// collected are made again when next needed.
     pub(super) fn changed_workers(&mut self) {
