@@ -120,12 +120,25 @@ impl Core {
                 })
             }
             Check::Serial(text) => {
-                let path = self.store.layout().serial_log(vm_id);
-                match console_holds(&path, text.as_bytes()) {
-                    Ok(true) => Ok(()),
-                    Ok(false) => Err(format!("no console line holds {text:?} yet")),
-                    Err(e) => Err(format!("cannot read the console: {e}")),
+                // The whole boot's console: a resumed guest does not print
+                // its boot line again, and what it printed before its
+                // suspend still counts.
+                let paths = self.store.layout().serial_of_this_boot(vm_id);
+                let mut budget = CONSOLE_TAIL;
+                for path in paths.iter().rev() {
+                    match console_holds(path, text.as_bytes(), budget) {
+                        Ok((true, _)) => return Ok(()),
+                        Ok((false, read)) => budget = budget.saturating_sub(read),
+                        // A segment may be gone under it (the oldest are
+                        // removed past the bound): the console itself may not.
+                        Err(_) if path != &self.store.layout().serial_log(vm_id) => {}
+                        Err(e) => return Err(format!("cannot read the console: {e}")),
+                    }
+                    if budget == 0 {
+                        break;
+                    }
                 }
+                Err(format!("no console line holds {text:?} yet"))
             }
         }
     }
@@ -294,19 +307,21 @@ fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, Str
 
 /// Whether a line of the console at `path` (its last [`CONSOLE_TAIL`]
 /// bytes) holds `text`.
-fn console_holds(path: &std::path::Path, text: &[u8]) -> std::io::Result<bool> {
+fn console_holds(path: &std::path::Path, text: &[u8], tail: u64) -> std::io::Result<(bool, u64)> {
     use std::io::{Seek, SeekFrom};
     let mut file = std::fs::File::open(path)?;
     let len = file.metadata()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(CONSOLE_TAIL)))?;
+    file.seek(SeekFrom::Start(len.saturating_sub(tail)))?;
     let mut bytes = Vec::new();
-    file.take(CONSOLE_TAIL).read_to_end(&mut bytes)?;
+    file.take(tail).read_to_end(&mut bytes)?;
+    let read = bytes.len() as u64;
     if text.is_empty() {
-        return Ok(true);
+        return Ok((true, read));
     }
-    Ok(bytes
+    let holds = bytes
         .split(|b| *b == b'\n')
-        .any(|line| line.windows(text.len()).any(|w| w == text)))
+        .any(|line| line.windows(text.len()).any(|w| w == text));
+    Ok((holds, read))
 }
 
 #[cfg(test)]

@@ -163,6 +163,35 @@ impl Layout {
         found
     }
 
+    /// The number of the console segment the guest's current boot began
+    /// in (see [`Layout::serial_segment`]; the console itself once moved
+    /// aside): written at each boot, not at a resume, whose guest goes on
+    /// with the boot it had. A readiness probe on the console reads from
+    /// there, so a resumed guest's boot line still counts.
+    pub fn serial_boot(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("serial.boot")
+    }
+
+    /// The console of the guest's current boot, oldest first: the segments
+    /// from the one it began in (by [`Layout::serial_boot`]; without it,
+    /// none), then the console itself.
+    pub fn serial_of_this_boot(&self, vm_id: &Id) -> Vec<PathBuf> {
+        let began: Option<u32> = std::fs::read_to_string(self.serial_boot(vm_id))
+            .ok()
+            .and_then(|t| t.trim().parse().ok());
+        let mut out: Vec<PathBuf> = match began {
+            Some(began) => self
+                .serial_segments(vm_id)
+                .into_iter()
+                .filter(|(n, _)| *n >= began)
+                .map(|(_, p)| p)
+                .collect(),
+            None => Vec::new(),
+        };
+        out.push(self.serial_log(vm_id));
+        out
+    }
+
     /// Where the VM's VMM writes a snapshot (cloud-hypervisor): made its
     /// own before it starts, bound into its view.
     pub fn snapshot_work(&self, vm_id: &Id) -> PathBuf {

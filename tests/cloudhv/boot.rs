@@ -18,7 +18,18 @@ pub(crate) fn a_created_vm_boots_and_runs_on(h: Host) {
 
 /// `vm` wanted with a readiness probe on `check` (period 1 s, grace 60 s).
 pub(crate) fn probed(h: &Host, vm: &str, check: eitri_agent::model::Check) -> Snapshot {
+    probed_wanting(h, vm, check, PowerState::Running)
+}
+
+/// As [`probed`], wanted at `power`.
+pub(crate) fn probed_wanting(
+    h: &Host,
+    vm: &str,
+    check: eitri_agent::model::Check,
+    power: PowerState,
+) -> Snapshot {
     let mut d = h.desired(vm);
+    d.power = power;
     d.readiness = Some(eitri_agent::model::Readiness {
         check,
         period: Duration::from_secs(1),

@@ -448,4 +448,6 @@ both!(
     suspend::destroying_a_suspended_vm_leaves_nothing_of_it_on,
     boot::a_serial_probe_makes_the_vm_ready_once_its_guest_prints_the_line_on,
     boot::a_serial_probe_for_a_line_the_guest_never_prints_holds_ready_back_on,
+    suspend::a_resumed_guest_that_printed_its_probes_line_before_is_ready_again_on,
+    suspend::a_cold_boot_does_not_count_the_line_its_last_boot_printed_on,
 );

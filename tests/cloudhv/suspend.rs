@@ -261,3 +261,45 @@ fn a_restore_that_fails_boots_the_vm_from_its_disks_and_never_restores_again() {
     assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
     assert_eq!(vmms_of(&h, "vm-1"), 1);
 }
+
+/// `vm` wanted at `power` with a console probe for the guest's marker.
+fn probed_at(h: &Host, vm: &str, power: PowerState) -> Snapshot {
+    let marker = eitri_agent::model::Check::Serial(h.serial_marker.clone());
+    super::boot::probed_wanting(h, vm, marker, power)
+}
+
+pub(crate) fn a_resumed_guest_that_printed_its_probes_line_before_is_ready_again_on(h: Host) {
+    h.tick_until_row(&probed_at(&h, "vm-1", PowerState::Running), "vm-1", |r| {
+        r.phase == Some(Phase::Ready)
+    });
+    h.tick(&probed_at(&h, "vm-1", PowerState::Suspended));
+
+    // One tick with it running again, then one probe period (1 s).
+    h.tick(&probed_at(&h, "vm-1", PowerState::Running));
+    std::thread::sleep(Duration::from_secs(1));
+    h.tick(&probed_at(&h, "vm-1", PowerState::Running));
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Ready)),
+        "{row:?}"
+    );
+}
+
+pub(crate) fn a_cold_boot_does_not_count_the_line_its_last_boot_printed_on(h: Host) {
+    h.tick_until_row(&probed_at(&h, "vm-1", PowerState::Running), "vm-1", |r| {
+        r.phase == Some(Phase::Ready)
+    });
+    let layout = h.store.layout();
+    // A boot from the disks: what the last boot printed is a segment now.
+    h.tick(&probed_at(&h, "vm-1", PowerState::Stopped));
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+    std::fs::write(layout.serial_log(&id("vm-1")), "nothing yet\n").expect("console");
+
+    let this_boot = layout.serial_of_this_boot(&id("vm-1"));
+
+    assert_eq!(this_boot, [layout.serial_log(&id("vm-1"))], "{this_boot:?}");
+}

@@ -47,7 +47,8 @@ impl CloudHypervisor {
     ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
         timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
-        timed("logs", || self.keep_logs(vm_id)).map_err(|source| CloudHvError::KeepLogs {
+        let boot = matches!(launch, Launch::Boot);
+        timed("logs", || self.keep_logs(vm_id, boot)).map_err(|source| CloudHvError::KeepLogs {
             vm_id: vm_id.clone(),
             source,
         })?;
@@ -205,7 +206,7 @@ impl CloudHypervisor {
     /// in its log. The console becomes the next of its segments (the
     /// oldest go once they hold more than the console's bound; `logs`
     /// reads them in order), the log becomes the previous log.
-    fn keep_logs(&self, vm_id: &Id) -> std::io::Result<()> {
+    fn keep_logs(&self, vm_id: &Id, boot: bool) -> std::io::Result<()> {
         let layout = self.store.layout();
         let moved = |from: &std::path::Path, to: &std::path::Path| match fs::rename(from, to) {
             Ok(()) => Ok(true),
@@ -220,10 +221,16 @@ impl CloudHypervisor {
             .serial_segments(vm_id)
             .last()
             .map_or(1, |(n, _)| n.saturating_add(1));
-        if !moved(
+        let console_moved = moved(
             &layout.serial_log(vm_id),
             &layout.serial_segment(vm_id, next),
-        )? {
+        )?;
+        if boot {
+            // This boot's console is the segment it will be moved to.
+            let began = if console_moved { next + 1 } else { next };
+            fs::write(layout.serial_boot(vm_id), format!("{began}\n"))?;
+        }
+        if !console_moved {
             return Ok(());
         }
         let bound = self.cfg.limits.serial_log_bytes;
