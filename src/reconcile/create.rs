@@ -398,18 +398,19 @@ impl Attempt<'_> {
                 counts
                     .create_failures
                     .inc(if permanent { "permanent" } else { "transient" });
-                rec.attempt_failed(error, permanent, core.host.now(), budget);
+                rec.attempt_failed(error, permanent, core.host.now());
             }
         }
-        core.log_failure(
-            &rec.spec.vm_id,
-            &format!(
+        let said = if rec.lifecycle.failure_permanent() {
+            "create failed, and no retry can succeed with this spec".to_owned()
+        } else {
+            format!(
                 "create failed ({} of {} attempts spent)",
                 rec.lifecycle.create_attempts(),
                 budget.max_attempts
-            ),
-            rec.lifecycle.last_error(),
-        );
+            )
+        };
+        core.log_failure(&rec.spec.vm_id, &said, rec.lifecycle.last_error());
         core.save_best_effort(&rec);
         core.report_recorded(res, &rec, PowerState::Stopped);
     }

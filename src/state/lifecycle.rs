@@ -439,20 +439,14 @@ impl Record {
         self.lifecycle.last_error = error;
     }
 
-    /// A create attempt failed; a permanent error spends the budget.
-    pub fn attempt_failed(
-        &mut self,
-        error: String,
-        permanent: bool,
-        now: SystemTime,
-        budget: Budget,
-    ) {
+    /// A create attempt failed; after a permanent error no attempt is made
+    /// until the spec changes.
+    pub fn attempt_failed(&mut self, error: String, permanent: bool, now: SystemTime) {
         self.lifecycle.last_error = error;
         self.lifecycle.failed_at = Some(now);
-        if permanent {
-            self.lifecycle.failure_permanent = true;
-            self.lifecycle.create_attempts = budget.max_attempts;
-        }
+        // No retry can succeed: none is made. The attempts stay what was
+        // spent, so nothing says "3 of 3" after one.
+        self.lifecycle.failure_permanent |= permanent;
     }
 
     /// A create failed before it could count an attempt (its own record
@@ -697,7 +691,7 @@ mod tests {
     fn a_failed_attempt_is_due_again_after_its_backoff() {
         let mut r = rec();
         r.begin_attempt(t(0));
-        r.attempt_failed("refused".into(), false, t(1), BUDGET);
+        r.attempt_failed("refused".into(), false, t(1));
 
         assert_eq!(
             state(&r, BUDGET),
@@ -713,10 +707,10 @@ mod tests {
         let mut permanent = rec();
         for _ in 0..3 {
             transient.begin_attempt(t(0));
-            transient.attempt_failed("refused".into(), false, t(2), BUDGET);
+            transient.attempt_failed("refused".into(), false, t(2));
         }
         permanent.begin_attempt(t(0));
-        permanent.attempt_failed("digest mismatch".into(), true, t(2), BUDGET);
+        permanent.attempt_failed("digest mismatch".into(), true, t(2));
 
         assert_eq!(
             state(&transient, BUDGET),
@@ -728,6 +722,17 @@ mod tests {
         );
         assert_eq!(phase(&transient, BUDGET), Some(Phase::Failed));
         assert_eq!(phase(&permanent, BUDGET), Some(Phase::Failed));
+    }
+
+    #[test]
+    fn a_permanent_failure_counts_the_one_attempt_it_took() {
+        let mut r = rec();
+        r.begin_attempt(t(0));
+
+        r.attempt_failed("digest mismatch".into(), true, t(1));
+
+        assert_eq!(r.lifecycle.create_attempts(), 1);
+        assert_eq!(state(&r, BUDGET), State::Creating(Attempts::Permanent));
     }
 
     #[test]
@@ -748,7 +753,7 @@ mod tests {
     fn a_spec_change_starts_the_budget_over_even_after_a_permanent_error() {
         let mut r = rec();
         r.begin_attempt(t(0));
-        r.attempt_failed("would shrink".into(), true, t(1), BUDGET);
+        r.attempt_failed("would shrink".into(), true, t(1));
         let mut bigger = r.spec.clone();
         bigger.disk_gb = 10;
 

@@ -211,7 +211,9 @@ fn permanent_error_is_terminal_at_once() {
     h.tick(&snap);
 
     assert_eq!(h.row("vm-1").phase, Some(Phase::Failed));
-    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 3);
+    // The one attempt it took, not the budget: no retry is made anyway.
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 1);
+    assert!(h.record("vm-1").lifecycle.failure_permanent());
     assert_eq!(h.fakes.count(|c| matches!(c, Call::PrepareRootDisk(_))), 1);
 }
 
@@ -277,7 +279,8 @@ fn missing_volume_is_a_permanent_error() {
     let row = h.row("vm-1");
     assert_eq!(row.phase, Some(Phase::Failed));
     assert!(row.last_error.contains("vol-nowhere"), "{}", row.last_error);
-    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 3);
+    assert_eq!(h.record("vm-1").lifecycle.create_attempts(), 1);
+    assert!(h.record("vm-1").lifecycle.failure_permanent());
 }
 
 fn cert_vm(cert: &str) -> eitri_agent::model::Snapshot {
