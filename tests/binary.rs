@@ -1167,6 +1167,51 @@ mod booted {
     }
 
     #[test]
+    fn an_adopted_vm_whose_tap_is_gone_is_not_ready_and_says_why() {
+        eitri_agent::testkit::net::private_network();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("cut-1", "")),
+        );
+        let network = ["--underlay-bridge", "etbinbr0"];
+        let mut first = boot.start(dir.path(), &network);
+        first.wait_report("cut-1 ready", |r| row_of(r, "cut-1")["phase"] == "ready");
+        first.stop(Signal::SIGKILL);
+        let taps = eitri_agent::testkit::tools::tool("ip")
+            .args(["-o", "link", "show", "master", "etbinbr0"])
+            .output()
+            .expect("ip link");
+        let tap = String::from_utf8_lossy(&taps.stdout)
+            .lines()
+            .filter_map(|l| l.split(": ").nth(1))
+            .map(|name| name.split('@').next().unwrap_or(name).to_owned())
+            .find(|name| name.starts_with("etbin"))
+            .expect("the VM's tap on the bridge");
+        let deleted = eitri_agent::testkit::tools::tool("ip")
+            .args(["link", "del", &tap])
+            .status()
+            .expect("ip link del");
+        assert!(deleted.success());
+
+        let second = boot.start(dir.path(), &network);
+        let report = second.wait_report("cut-1 said to be cut off", |r| {
+            row_of(r, "cut-1")["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("not served"))
+        });
+
+        let row = row_of(&report, "cut-1");
+        assert_eq!(row["phase"], "failed", "{row}");
+        assert_eq!(row["power_state"], "running", "{row}");
+        assert!(
+            row["last_error"].as_str().is_some_and(|e| e.contains(&tap)),
+            "{row}"
+        );
+    }
+
+    #[test]
     fn a_running_vms_egress_change_is_held_by_the_binary_with_its_vmm_untouched() {
         eitri_agent::testkit::net::private_network();
         let dir = tempfile::tempdir().expect("tempdir");

@@ -195,6 +195,14 @@ pub trait Holds: Send + Sync {
     /// The limits a VM of `spec` runs with on this host (its own, else the
     /// host's defaults); `None` when this backend holds none.
     fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits>;
+
+    /// Whether the running VM's network is served: its taps are there and
+    /// plugged. A network that could not be served when the VM was
+    /// adopted is tried again here. Called on every pass of a running VM:
+    /// cheap when all is well.
+    fn network_served(&self, _vm_id: &Id) -> Result<(), BoxFailure> {
+        Ok(())
+    }
 }
 
 /// Telling what the host lacks right now: a capability of some backends
@@ -256,6 +264,12 @@ impl dyn Lifecycle + '_ {
             )
             .into()),
         }
+    }
+
+    /// See [`Holds::network_served`]; a backend that holds nothing serves
+    /// no network to lose.
+    pub fn network_served(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+        self.holds().map_or(Ok(()), |h| h.network_served(vm_id))
     }
 
     pub fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {

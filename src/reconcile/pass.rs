@@ -315,7 +315,32 @@ impl Core {
         }
         self.drive_lifecycle(desired, rec, pass);
         self.probe(pass.deadline, desired, pass.res);
+        self.say_unserved(vm_id, pass.res);
         self.say_what_it_is_held_to(desired, held, pass.res);
+    }
+
+    /// A running VM whose network is not served (adopted while it could
+    /// not be plugged, or its tap gone) is not ready, whatever its guest
+    /// says: it cannot be reached. Its row says why; serving it is tried
+    /// again at its every pass.
+    fn say_unserved(&self, vm_id: &Id, res: &mut VmResult) {
+        let Some(row) = res.row.as_mut() else {
+            return;
+        };
+        if row.power != Some(PowerState::Running) {
+            return;
+        }
+        if let Err(e) = self.prov.network_served(vm_id) {
+            let why = crate::error::chain(&*e as &dyn std::error::Error);
+            self.logs.warn(
+                &format!("{vm_id}/unserved"),
+                &format!("VM {vm_id}: its network is not served: {why}"),
+            );
+            row.phase = Some(Phase::Failed);
+            row.last_error = format!("its network is not served: {why}");
+        } else {
+            self.logs.clear(&format!("{vm_id}/unserved"));
+        }
     }
 
     fn drive_lifecycle(&self, desired: &DesiredVm, rec: Option<Record>, pass: &mut Pass<'_>) {

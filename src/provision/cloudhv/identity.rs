@@ -66,29 +66,37 @@ impl CloudHypervisor {
             let Some(network) = &self.cfg.network else {
                 continue;
             };
-            // The rules it last had, held again before its tap is: the
-            // ruleset was made afresh at start, and a sandboxed guest is
-            // not let out until the first pass names them.
-            let mut plugged = network
-                .set_egress(vm_id, &rec.egress)
-                .and_then(|()| network.plug(vm_id, Mac::underlay(vm_id)).map(drop));
-            if plugged.is_ok()
-                && !rec.spec.network.is_empty()
-                && let Some(taps) = network.taps(vm_id)
-            {
-                plugged = network.plug_named(
-                    vm_id,
-                    &rec.spec.network,
-                    &taps.site,
-                    Mac::second_nic(vm_id),
-                );
-            }
-            match plugged {
+            match self.serve(network, rec) {
                 Ok(()) => log::info!("VM {vm_id}: adopted; serving its network again"),
-                Err(e) => log::error!("VM {vm_id}: adopted, but its network is not served: {e}"),
+                Err(e) => {
+                    log::error!(
+                        "VM {vm_id}: adopted, but its network is not served: {} (tried again at its every pass; it is not ready until then)",
+                        crate::error::chain(&*e as &dyn std::error::Error)
+                    );
+                    self.unserved.lock().insert(vm_id.clone());
+                }
             }
         }
         notes
+    }
+
+    /// Serves a running VM's network again (its egress rules, then its
+    /// taps plugged): the ruleset was made afresh at start, and a
+    /// sandboxed guest is not let out until its rules are held.
+    pub(super) fn serve(
+        &self,
+        network: &crate::net::host::HostNetwork,
+        rec: &crate::state::Record,
+    ) -> Result<(), crate::error::BoxFailure> {
+        let vm_id = &rec.spec.vm_id;
+        network.set_egress(vm_id, &rec.egress)?;
+        network.plug(vm_id, Mac::underlay(vm_id))?;
+        if !rec.spec.network.is_empty()
+            && let Some(taps) = network.taps(vm_id)
+        {
+            network.plug_named(vm_id, &rec.spec.network, &taps.site, Mac::second_nic(vm_id))?;
+        }
+        Ok(())
     }
 
     /// Stops a VMM no VM explains: asked to shut down, then killed.

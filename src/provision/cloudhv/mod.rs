@@ -105,6 +105,9 @@ pub struct CloudHypervisor {
     /// Bounds every guest's serial output (see [`serial`]); `None` if its
     /// thread could not start (said at start).
     _serial: Option<crate::threads::OwnedThread>,
+    /// Adopted VMs whose network could not be served: tried again at
+    /// each of their passes ([`Holds::network_served`]).
+    unserved: Mutex<std::collections::HashSet<Id>>,
 }
 
 impl CloudHypervisor {
@@ -157,6 +160,7 @@ impl CloudHypervisor {
             confined,
             netns,
             _serial: serial,
+            unserved: Mutex::new(std::collections::HashSet::new()),
         }
     }
 
@@ -414,6 +418,37 @@ impl Holds for CloudHypervisor {
     fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
         let held = self.cfg.network.as_ref()?.egress_in_force(vm_id)?;
         (!held.is_open()).then_some(held)
+    }
+
+    fn network_served(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+        let Some(network) = &self.cfg.network else {
+            return Ok(());
+        };
+        if self.unserved.lock().contains(vm_id) {
+            let rec = self
+                .store
+                .get(vm_id)
+                .map_err(|e| crate::error::Simple::transient(e.to_string()))?;
+            if let Some(rec) = rec {
+                self.serve(network, &rec)?;
+                self.unserved.lock().remove(vm_id);
+                log::info!("VM {vm_id}: its network is served again");
+            }
+        }
+        // A tap deleted under a running VMM cannot be made again for it:
+        // the guest is cut off until it boots again. Asked of the kernel
+        // in the agent's own network namespace (/sys/class/net shows the
+        // one sysfs was mounted in).
+        if let Some(taps) = network.taps(vm_id)
+            && nix::net::if_::if_nametoindex(taps.underlay.as_str()).is_err()
+        {
+            return Err(crate::error::Simple::transient(format!(
+                "its tap {} is gone: the guest is cut off from the network until it boots again",
+                taps.underlay
+            ))
+            .into());
+        }
+        Ok(())
     }
 }
 
