@@ -1055,15 +1055,17 @@ mod booted {
 
     /// Boots one VM under a new agent in `dir`, then has it destroyed and
     /// stops the agent: what a state dir that ran a VM leaves on the host.
-    fn ran_a_vm(boot: &Booting, dir: &Path) {
+    fn ran_a_vm(boot: &Booting, dir: &Path, extra: &[&str]) -> u32 {
         desired(
             dir,
             &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("one-1", "")),
         );
-        let mut agent = boot.start(dir, &["--tombstone-grace", "0"]);
+        let mut agent = boot.start(dir, &[extra, &["--tombstone-grace", "0"]].concat());
         agent.wait_report("one-1 ready", |r| row_of(r, "one-1")["phase"] == "ready");
+        let (group, _, _) = claim_of(&agent.state);
         destroy(boot, dir, &agent, "one-1");
         assert!(agent.stop(Signal::SIGTERM).success());
+        u32::try_from(group).expect("a gid")
     }
 
     /// Tombstones `id` and waits until its agent reports it destroyed.
@@ -1082,7 +1084,7 @@ mod booted {
         let dir = tempfile::tempdir().expect("tempdir");
         let boot = Booting::new(dir.path());
         let before = kvm_groups(dir.path());
-        ran_a_vm(&boot, dir.path());
+        ran_a_vm(&boot, dir.path(), &[]);
         assert_eq!(kvm_groups(dir.path()).len(), before.len() + 1);
         assert!(!cgroup_roots(&boot.cgroup_root).is_empty());
 
@@ -1117,23 +1119,15 @@ mod booted {
             std::fs::create_dir_all(d).expect("dir");
         }
         let shared = ["--agents-dir", registry.as_str()];
-        desired(
-            &one,
-            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("one-1", "")),
-        );
-        let mut first = boot.start(&one, &[&shared[..], &["--tombstone-grace", "0"]].concat());
-        first.wait_report("one-1 ready", |r| row_of(r, "one-1")["phase"] == "ready");
-        let (group, _, _) = claim_of(&first.state);
-        destroy(&boot, &one, &first, "one-1");
-        assert!(first.stop(Signal::SIGTERM).success());
-        assert!(kvm_groups(dir.path()).contains(&(group as u32)));
+        let group = ran_a_vm(&boot, &one, &shared);
+        assert!(kvm_groups(dir.path()).contains(&group));
         std::fs::remove_dir_all(&one).expect("the first state dir deleted");
 
         desired(&two, r#"{"vms":[]}"#);
         let second = boot.start(&two, &shared);
         second.wait_report("the second agent", |r| r["host"].is_object());
 
-        assert!(!kvm_groups(dir.path()).contains(&(group as u32)));
+        assert!(!kvm_groups(dir.path()).contains(&group));
         assert_eq!(cgroup_roots(&boot.cgroup_root), Vec::<PathBuf>::new());
         assert!(
             second.log_text().contains("took back"),
