@@ -147,11 +147,13 @@ pub fn prepare(
                 CopyError::Deadline => DiskError::Deadline,
                 CopyError::Io(source) => DiskError::Io {
                     what: "copy the base image into",
-                    path: temp.clone(),
+                    path: dest.to_path_buf(),
                     source,
                 },
             })?;
-        out.set_len(want).map_err(io_err("grow", &temp))?;
+        // Errors name the disk, not its temp file: the name an operator
+        // knows, and the same from one attempt to the next.
+        out.set_len(want).map_err(io_err("grow", dest))?;
         fs::rename(&temp, dest).map_err(io_err("move the new disk to", dest))?;
         // fdatasync: the data and the size; the name is the directory's.
         out.sync_data().map_err(io_err("sync", dest))?;

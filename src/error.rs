@@ -107,6 +107,30 @@ impl fmt::Display for DeadlineExpired {
 impl Error for DeadlineExpired {}
 impl Failure for DeadlineExpired {}
 
+/// Whether a filesystem being full (ENOSPC) or a quota spent (EDQUOT) is
+/// what failed, anywhere in the error's chain. That is a host condition
+/// whatever the seam that met it: making room is the operator's to do,
+/// and no retry of the VM's create can succeed before.
+pub fn out_of_space(err: &(dyn Error + 'static)) -> bool {
+    use nix::errno::Errno;
+    let full = |errno: i32| matches!(Errno::from_raw(errno), Errno::ENOSPC | Errno::EDQUOT);
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.raw_os_error().is_some_and(full)
+        {
+            return true;
+        }
+        if let Some(errno) = e.downcast_ref::<Errno>()
+            && full(*errno as i32)
+        {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
 /// Renders an error and its sources as one line, `outer: inner: root`,
 /// skipping a source whose text the outer message already ends with.
 pub fn chain(err: &(dyn Error + 'static)) -> String {
@@ -153,5 +177,24 @@ mod tests {
         assert!(!Simple::transient("x").is_permanent());
         assert!(Simple::host("x").is_host_condition());
         assert!(!Simple::host("x").is_permanent());
+    }
+
+    #[test]
+    fn a_full_filesystem_under_a_wrapper_is_out_of_space() {
+        let err = Outer(std::io::Error::from_raw_os_error(nix::libc::ENOSPC));
+
+        assert!(out_of_space(&err));
+    }
+
+    #[test]
+    fn a_spent_quota_is_out_of_space() {
+        assert!(out_of_space(&nix::errno::Errno::EDQUOT));
+    }
+
+    #[test]
+    fn another_io_error_is_not_out_of_space() {
+        let err = Outer(std::io::Error::from_raw_os_error(nix::libc::EIO));
+
+        assert!(!out_of_space(&err));
     }
 }

@@ -1038,6 +1038,48 @@ mod booted {
         );
     }
 
+    #[test]
+    fn a_full_state_dir_spends_no_create_attempt_and_the_vm_boots_once_there_is_room() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // A state dir of 4 MiB with room for the 1 MiB image and the
+        // agent's files, but not for the VM's copy of it. Mounted first,
+        // unmounted last: after the VMMs `boot` ends.
+        let disk = eitri_agent::testkit::tmpfs::Tmpfs::mount(&dir.path().join("state"), "4m");
+        let boot = Booting::new(dir.path());
+        let filler = disk.path().join("filler");
+        std::fs::write(&filler, vec![0x5a; 5 << 19]).expect("filler");
+        desired(
+            dir.path(),
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("full-1", "")),
+        );
+
+        let agent = boot.start(dir.path(), &[]);
+        let waiting = agent.wait_report("the create stopped by the full disk", |r| {
+            row_of(r, "full-1")["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("No space left"))
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        let record = std::fs::read(agent.state.join("vms/full-1/record.json")).expect("record");
+        let record: serde_json::Value = serde_json::from_slice(&record).expect("json");
+        std::fs::remove_file(&filler).expect("room made");
+        let ready = agent.wait_report("full-1 ready", |r| row_of(r, "full-1")["phase"] == "ready");
+
+        let error = row_of(&waiting, "full-1")["last_error"].to_string();
+        assert!(error.contains("MiB free"), "{error}");
+        assert!(!error.contains("attempt"), "{error}");
+        let notes = waiting["notes"].to_string();
+        assert!(
+            notes.contains("VM full-1 cannot be created") && notes.contains("MiB free"),
+            "the host's condition: {notes}"
+        );
+        assert_eq!(record["record"]["create_attempts"], 0, "{record}");
+        assert_eq!(record["record"]["waiting_for_host"], true, "{record}");
+        assert_eq!(row_of(&ready, "full-1")["power_state"], "running");
+        let log = agent.log_text();
+        assert_eq!(log.matches("No space left").count(), 1, "{log}");
+    }
+
     /// The groups named on the ACL of `boot`'s KVM device.
     fn kvm_groups(dir: &Path) -> Vec<u32> {
         eitri_agent::provision::jail::acl::named_groups(&dir.join("kvm")).expect("the ACL")

@@ -891,7 +891,8 @@ fn a_full_disk_is_a_few_lines_in_the_log_not_lines_every_tick() {
     a.tick();
     disk.fill();
     // vm-1 is to stop (its stop intent cannot be saved), vm-2 is new (its
-    // create attempt cannot be saved), and report.json cannot be written.
+    // create attempt cannot be saved: a host condition, not an attempt),
+    // and report.json cannot be written.
     let mut snap = snapshot_with("vm-1", 2);
     snap.vms[0].power_state = "stopped".into();
     snap.vms.push(wire_vm("vm-2"));
@@ -904,7 +905,10 @@ fn a_full_disk_is_a_few_lines_in_the_log_not_lines_every_tick() {
     let lines = |text| log.count(log::Level::Error, text) + log.count(log::Level::Warn, text);
     assert_eq!(lines("cannot write report.json"), 1);
     assert_eq!(lines("VM vm-1: not stopping it"), 1);
-    assert_eq!(lines("VM vm-2: create failed"), 1);
+    assert_eq!(
+        lines("VM vm-2: cannot create it until the host is fixed"),
+        1
+    );
     drop(a);
 }
 

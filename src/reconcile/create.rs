@@ -107,6 +107,7 @@ impl Core {
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
         rec.created(self.host.boot_id(), boots);
+        self.full.lock().remove(vm_id);
         self.counts.lost.touch(vm_id.as_str());
         pass.res
             .report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
@@ -359,9 +360,34 @@ impl Attempt<'_> {
     /// pass counted is given back), the row says what to fix, and the next
     /// pass checks again. Saved only when the account changes, so a VM
     /// waiting for a fixed host costs no write per tick.
-    fn wait_for_host(&self, mut rec: Record, error: String, res: &mut VmResult) {
+    fn wait_for_host(&self, rec: Record, error: String, res: &mut VmResult) {
+        self.core.full.lock().remove(&rec.spec.vm_id);
+        self.wait(rec, error, String::new(), res);
+    }
+
+    /// A full filesystem (or a spent quota) met on the way: the host must
+    /// make room, as for any host condition. The row adds how much room
+    /// the state dir's filesystem has left, and the host's status says it
+    /// once for every VM that waits.
+    fn wait_for_room(&self, rec: Record, error: String, res: &mut VmResult) {
         let core = self.core;
-        let unchanged = rec.lifecycle.waiting_for_host() && rec.lifecycle.last_error() == error;
+        let room = crate::state::room_at(core.store.root())
+            .map(|room| format!("; {room}: make room there, and it is created again by itself"))
+            .unwrap_or_default();
+        core.full
+            .lock()
+            .insert(rec.spec.vm_id.clone(), format!("{error}{room}"));
+        self.wait(rec, error, room, res);
+    }
+
+    /// `error` is what failed, `said` what the row adds to it (the free
+    /// room, which changes as the host writes): a VM still waiting on the
+    /// same failure is not logged or saved again.
+    fn wait(&self, mut rec: Record, error: String, said: String, res: &mut VmResult) {
+        let core = self.core;
+        let unchanged =
+            rec.lifecycle.waiting_for_host() && rec.lifecycle.last_error().starts_with(&error);
+        let error = error + &said;
         rec.host_not_ready(error, self.counted);
         if !unchanged {
             core.counts.create_failures.inc("host");
@@ -379,9 +405,15 @@ impl Attempt<'_> {
         let core = self.core;
         let budget = core.budget();
         let permanent = err.is_permanent();
-        if err.is_host_condition() && !self.deadline.expired() {
-            return self.wait_for_host(rec, chain(&*err), res);
+        if !self.deadline.expired() {
+            if err.is_host_condition() {
+                return self.wait_for_host(rec, chain(&*err), res);
+            }
+            if crate::error::out_of_space(&*err) {
+                return self.wait_for_room(rec, chain(&*err), res);
+            }
         }
+        core.full.lock().remove(&rec.spec.vm_id);
         let err: &dyn std::error::Error = &*err;
         let error = chain(err);
         let counts = &core.counts;

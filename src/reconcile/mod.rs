@@ -213,6 +213,7 @@ impl Engine {
             counts: counts::Counts::default(),
             create_watch: parking_lot::RwLock::new(None),
             probes: parking_lot::Mutex::default(),
+            full: parking_lot::Mutex::default(),
         };
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);
@@ -285,10 +286,20 @@ impl Engine {
         self.core.ledger.usage()
     }
 
-    /// What the host lacks to run guests right now, if anything (see
-    /// [`HostChecks::host_condition`](crate::provision::HostChecks::host_condition)).
+    /// What the host lacks to run guests right now, if anything: what the
+    /// backend says it lacks (see
+    /// [`HostChecks::host_condition`](crate::provision::HostChecks::host_condition)),
+    /// else the room a VM's create waits for on a full filesystem.
     pub fn host_condition(&self) -> Option<String> {
-        self.core.prov.host_condition()
+        self.core.prov.host_condition().or_else(|| {
+            let full = self.core.full.lock();
+            let (vm_id, said) = full.first_key_value()?;
+            let others = match full.len() - 1 {
+                0 => String::new(),
+                n => format!(" (and {n} more VMs wait for room)"),
+            };
+            Some(format!("VM {vm_id} cannot be created: {said}{others}"))
+        })
     }
 
     /// The VM's live hypervisor's pid, if the backend can say.

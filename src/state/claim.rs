@@ -240,6 +240,12 @@ pub enum ClaimError {
         path: PathBuf,
         problem: String,
     },
+    /// The claim file in the state dir could not be written (or removed):
+    /// the state dir's filesystem, not the registry's, is the one to see.
+    Write {
+        path: PathBuf,
+        source: io::Error,
+    },
     /// `release` of a state dir no claim names.
     NotClaimed {
         state_dir: PathBuf,
@@ -265,6 +271,9 @@ impl std::fmt::Display for ClaimError {
                 "{} is not a claim ({problem}); move it away to have the claim made again",
                 path.display()
             ),
+            ClaimError::Write { path, source } => {
+                write!(f, "cannot write {}: {source}", path.display())
+            }
             ClaimError::NotClaimed { state_dir } => write!(
                 f,
                 "{} holds no claim (no jail/claim.json, no record in the registry): nothing to release; is --agents-dir the agent's?",
@@ -280,7 +289,14 @@ impl std::fmt::Display for ClaimError {
     }
 }
 
-impl std::error::Error for ClaimError {}
+impl std::error::Error for ClaimError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ClaimError::Registry { source, .. } | ClaimError::Write { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
 
 /// Settles this state dir's claim (see the module steps), after taking
 /// back what the claims of state dirs that are gone left. `own` is its
@@ -341,10 +357,14 @@ pub fn settle(
         return Err(ClaimError::Conflict(why));
     }
     let text = serde_json::to_vec_pretty(&claim).map_err(|e| reg_err(io::Error::other(e)))?;
+    let own_err = |source| ClaimError::Write {
+        path: own.to_path_buf(),
+        source,
+    };
     if let Some(dir) = own.parent() {
-        super::perms::make_dir(dir).map_err(reg_err)?;
+        super::perms::make_dir(dir).map_err(own_err)?;
     }
-    write_atomic(own, &text).map_err(reg_err)?;
+    write_atomic(own, &text).map_err(own_err)?;
     write_atomic(&registry.join(record_name(&state_dir)), &text).map_err(reg_err)?;
     Ok(claim)
 }
@@ -392,7 +412,13 @@ pub fn release(
         match fs::remove_file(path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(reg_err(e)),
+            Err(e) if *path == record => return Err(reg_err(e)),
+            Err(source) => {
+                return Err(ClaimError::Write {
+                    path: path.to_path_buf(),
+                    source,
+                });
+            }
         }
     }
     Ok(reclaimed)
@@ -648,6 +674,21 @@ mod tests {
             }),
             ..derived()
         }
+    }
+
+    #[test]
+    fn a_claim_file_that_cannot_be_written_is_blamed_on_the_state_dir_not_the_registry() {
+        let host = Host::new();
+        let state = host.dir.path().join("a");
+        fs::create_dir_all(&state).expect("state dir");
+        // Where the claim's directory should be, a file: its write fails.
+        fs::write(state.join("jail"), b"not a directory").expect("file");
+
+        let err = host.settle("a", &derived()).expect_err("cannot write");
+
+        let said = err.to_string();
+        assert!(said.contains("a/jail/claim.json"), "{said}");
+        assert!(!said.contains("--agents-dir"), "{said}");
     }
 
     #[test]
