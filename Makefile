@@ -5,6 +5,7 @@
 #   make proto        regenerate src/pb/ from proto/ (no protoc needed)
 #   make bench        every benchmark; make bench-NAME runs one
 #   make chaos        the crash-consistency proof at length (1,000 random kills)
+#   make soak         a host's long life in minutes: nothing the agent adds may grow (root)
 #   make e2e-real     a real Linux guest under the agent (builds what is missing; root)
 #
 # Each benchmark's last line is `bench=NAME key=value ...`.
@@ -17,13 +18,19 @@ BENCHES  := store engine storage boot create suspend intake net repair limits
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: e2e-real tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: soak e2e-real tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
 # The crash-consistency proof at length (1,000 random kills; CI runs 50).
 chaos:
 	$(CARGO) bench --locked --features standin,crashpoints --bench chaos
+
+# Rounds of churn on one agent (VMs, suspends, VMM and agent kills, state
+# dirs released and abandoned); every host resource counted before and
+# after. EITRI_SOAK_ROUNDS=5000 for ten times the default.
+soak:
+	$(CARGO) bench --locked --features standin --bench soak
 
 build:
 	$(CARGO) build --release --locked

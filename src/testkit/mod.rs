@@ -858,7 +858,8 @@ fn clear_cgroup_root(root: &str, kill: bool) {
 }
 
 /// On ^C or a TERM, this process exits and a reaper it leaves behind ends
-/// every process in the cgroups under `root` once this one is gone.
+/// every process in the cgroups under `root` once this one is gone, then
+/// removes the temp dirs made by [`temp_dir`].
 ///
 /// The hypervisors run in sessions of their own, so the signal that ends
 /// a test or a benchmark never reaches them; and killing them from here
@@ -870,30 +871,66 @@ fn clear_cgroup_root(root: &str, kill: bool) {
 /// it. A `sh` script, not code of this process: it must outlive it.
 #[cfg(target_os = "linux")]
 pub fn end_when_signalled(root: String) {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
-        return;
-    };
-    let _ = std::thread::Builder::new()
-        .name("end-when-signalled".into())
-        .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                leave_a_reaper(&root);
-                std::process::exit(128 + signal);
-            }
-        });
+    LEFT_ON_SIGNAL.lock().roots.push(root);
+    clean_up_when_signalled();
 }
 
-/// Waits for this process to be gone, then kills what runs in `root`'s
-/// VM cgroups until a pass finds none (at most 5 s), and removes them.
-#[cfg(target_os = "linux")]
+/// Has `dir` (a test's or a benchmark's temp dir) removed when ^C or a
+/// TERM ends this process before its own clean-up runs (a benchmark's
+/// image and disks are tens of MB): the reaper [`end_when_signalled`]
+/// leaves removes it, after the VMMs that may still write there are gone.
+pub fn remove_on_signal(dir: &Path) {
+    LEFT_ON_SIGNAL.lock().dirs.push(dir.to_path_buf());
+    clean_up_when_signalled();
+}
+
+/// What the reaper ends and removes if a signal ends this process.
+#[derive(Default)]
+struct LeftOnSignal {
+    /// Cgroup roots: there are none to end off Linux.
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    roots: Vec<String>,
+    dirs: Vec<PathBuf>,
+}
+
+static LEFT_ON_SIGNAL: parking_lot::Mutex<LeftOnSignal> = parking_lot::Mutex::new(LeftOnSignal {
+    roots: Vec::new(),
+    dirs: Vec::new(),
+});
+
+/// Once per process: a thread that, at ^C or a TERM, leaves the reaper
+/// and exits as the signal would have.
+fn clean_up_when_signalled() {
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    WATCHING.call_once(|| {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM]) else {
+            return;
+        };
+        let _ = std::thread::Builder::new()
+            .name("end-when-signalled".into())
+            .spawn(move || {
+                if let Some(signal) = signals.forever().next() {
+                    leave_a_reaper(&LEFT_ON_SIGNAL.lock());
+                    std::process::exit(128 + signal);
+                }
+            });
+    });
+}
+
+/// Waits for this process to be gone, then kills what runs in the VM
+/// cgroups of the roots (before `--`) until a pass finds none (at most
+/// 5 s), removes those cgroups, and removes the temp dirs (after `--`).
 const REAPER: &str = r#"
 pid=$1; shift
+roots=
+while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do roots="$roots $1"; shift; done
+[ "$#" -gt 0 ] && shift
 while [ -d "/proc/$pid" ]; do sleep 0.01; done
 pass=0
 while [ "$pass" -lt 500 ]; do
     found=
-    for procs in $(for root in "$@"; do echo "$root"/*/cgroup.procs; done); do
+    for procs in $(for root in $roots; do echo "$root"/*/cgroup.procs; done); do
         [ -f "$procs" ] || continue
         for victim in $(cat "$procs"); do
             kill -9 "$victim" 2>/dev/null
@@ -904,25 +941,33 @@ while [ "$pass" -lt 500 ]; do
     sleep 0.01
     pass=$((pass + 1))
 done
-for root in "$@"; do
+for root in $roots; do
     for vm in "$root"/*/; do [ -d "$vm" ] && rmdir "$vm" 2>/dev/null; done
     rmdir "$root" 2>/dev/null
 done
+for dir in "$@"; do rm -rf -- "$dir"; done
 exit 0
 "#;
 
-#[cfg(target_os = "linux")]
-fn leave_a_reaper(root: &str) {
+fn leave_a_reaper(left: &LeftOnSignal) {
     use std::os::unix::process::CommandExt;
-    let Ok(cgroups) = crate::provision::jail::cgroup::Cgroups::probe(root) else {
-        return;
-    };
+    #[cfg(target_os = "linux")]
+    let roots: Vec<PathBuf> = left
+        .roots
+        .iter()
+        .filter_map(|root| crate::provision::jail::cgroup::Cgroups::probe(root).ok())
+        .flat_map(|cgroups| cgroups.roots())
+        .collect();
+    #[cfg(not(target_os = "linux"))]
+    let roots: Vec<PathBuf> = Vec::new();
     let _ = std::process::Command::new("sh")
         .arg("-c")
         .arg(REAPER)
         .arg("eitri-reaper")
         .arg(std::process::id().to_string())
-        .args(cgroups.roots())
+        .args(roots)
+        .arg("--")
+        .args(left.dirs.iter().filter(|d| d.exists()))
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())

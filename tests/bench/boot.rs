@@ -34,6 +34,7 @@ fn standin_time(log: &std::path::Path) -> Option<Duration> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let kernel = dir.path().join("vmlinux");
     std::fs::write(&kernel, b"kernel")?;
     let store = Arc::new(Store::open(&dir.path().join("state"))?);

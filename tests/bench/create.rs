@@ -222,6 +222,7 @@ impl Bench {
     /// KVM device; against the stand-in otherwise.
     fn with(real: Option<(PathBuf, PathBuf)>) -> Result<Bench, Error> {
         let dir = tempfile::tempdir()?;
+        eitri_agent::testkit::remove_on_signal(dir.path());
         let (hypervisor, kernel) = match real.clone() {
             Some(pair) => pair,
             None => {
@@ -473,6 +474,7 @@ fn real_parts() -> Option<(PathBuf, PathBuf)> {
 /// Running, each followed by a bare confined start of the same binary.
 fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     std::fs::set_permissions(
         dir.path(),
         std::os::unix::fs::PermissionsExt::from_mode(0o711),

@@ -104,6 +104,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Convergence with slow fakes.
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let fakes = Fakes::new();
     fakes.set_recording(false);
     fakes.set_delay(CALL);
@@ -136,6 +137,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Step latency and memory with instant fakes.
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let fakes = Fakes::new();
     fakes.set_recording(false);
     let fast = engine(dir.path(), &fakes)?;

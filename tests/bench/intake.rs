@@ -155,6 +155,7 @@ fn main() -> Result<(), Error> {
     let bytes = wire.encode_to_vec();
     let as_file = worst(limits, |s| desired_json(s).len());
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let proto_ms = (0..3)
         .map(|_| proto(&bytes).map(ms))
         .collect::<Result<Vec<_>, _>>()?;

@@ -86,6 +86,7 @@ fn main() -> Result<(), Error> {
 /// CPUs a never-idle vCPU uses capped at `CAP_MILLIS`, and with no cap.
 fn cpu_rates() -> Result<(f64, f64), Error> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     std::fs::set_permissions(
         dir.path(),
         std::os::unix::fs::PermissionsExt::from_mode(0o711),
@@ -158,6 +159,7 @@ fn cpu_seconds(pid: u32) -> Result<f64, Error> {
 /// limited and then not; their `key=value` figures.
 fn vmm_rates(ch: &Path) -> Result<Vec<String>, Error> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let guest = io_guest(dir.path())?;
     let mut figures = Vec::new();
     let runs = [
@@ -374,6 +376,7 @@ impl Drop for IoHost {
 impl IoHost {
     fn new(ch: &Path, guest: &Path, cmdline: &str) -> Result<IoHost, Error> {
         let dir = tempfile::tempdir()?;
+        eitri_agent::testkit::remove_on_signal(dir.path());
         let base = agent::base_image(dir.path())?;
         let store = Arc::new(Store::open(&dir.path().join("state"))?);
         let prefix = format!("eb{:04x}", std::process::id() & 0xffff);

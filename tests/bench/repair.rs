@@ -182,6 +182,7 @@ fn tap_exit_ms(n: usize) -> Res<Vec<f64>> {
 
 fn main() -> Res<()> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     std::fs::create_dir(dir.path().join("library"))?;
     let base = dir.path().join("library/base.raw");
     std::fs::write(&base, vec![0x5au8; 1 << 20])?;

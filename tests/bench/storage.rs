@@ -78,6 +78,7 @@ fn throughput_ratio(ours: Duration, theirs: Duration) -> f64 {
 
 fn main() -> Res<()> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let d = dir.path();
 
     // sha256 of 1 GiB.

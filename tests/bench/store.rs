@@ -58,6 +58,7 @@ fn raw_durable_writes(dir: &std::path::Path, payload: &[u8]) -> std::io::Result<
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
     let records = (0..RECORDS).map(record).collect::<Result<Vec<_>, _>>()?;
 
     let store = Store::open(&dir.path().join("state"))?;

@@ -73,6 +73,7 @@ impl Bench {
     /// Against a real hypervisor and guest when given, else the stand-in.
     fn new(real: Option<(&Path, &Path)>, mem_mb: u64) -> Result<Bench, Error> {
         let dir = tempfile::tempdir()?;
+        eitri_agent::testkit::remove_on_signal(dir.path());
         let (hypervisor, kernel, marker) = match real {
             Some((ch, guest)) => (ch.to_path_buf(), guest.to_path_buf(), "TOUCHED"),
             None => {
@@ -494,6 +495,7 @@ fn main() -> Result<(), Error> {
             let ch = PathBuf::from(ch);
             for (name, mem_mb) in [("real64", 64u64), ("real1g", 1024)] {
                 let dir = tempfile::tempdir()?;
+                eitri_agent::testkit::remove_on_signal(dir.path());
                 let guest = dir.path().join("touching.elf");
                 touching_guest(&guest, mem_mb)?;
                 let mut bench = Bench::new(Some((&ch, &guest)), mem_mb)?;

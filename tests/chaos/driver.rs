@@ -115,6 +115,7 @@ struct Host {
 impl Host {
     fn new() -> Host {
         let dir = tempfile::tempdir().expect("tempdir");
+        eitri_agent::testkit::remove_on_signal(dir.path());
         std::fs::create_dir(dir.path().join("library")).expect("image root");
         let base = dir.path().join("library/base.raw");
         std::fs::write(&base, vec![0x5au8; 1 << 20]).expect("base");

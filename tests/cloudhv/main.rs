@@ -101,6 +101,7 @@ fn launcher(dir: &Path, knobs: &[(&str, &str)]) -> PathBuf {
 impl Host {
     fn new(knobs: &[(&str, &str)]) -> Host {
         let dir = tempfile::tempdir().expect("tempdir");
+        eitri_agent::testkit::remove_on_signal(dir.path());
         Host::in_dir(dir, knobs)
     }
 

@@ -257,7 +257,7 @@ fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
 pub(crate) const INTERRUPTED_CHILD: &str = "EITRI_TEST_INTERRUPTED_CHILD";
 
 #[test]
-#[ignore = "run by a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_and_no_cgroups"]
+#[ignore = "run by a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_no_cgroups_and_no_temp_dir"]
 fn a_test_process_that_waits_for_its_interrupt() {
     if std::env::var_os(INTERRUPTED_CHILD).is_none() {
         return;
@@ -267,12 +267,13 @@ fn a_test_process_that_waits_for_its_interrupt() {
         .boot(&h.spec("vm-1"), Deadline::NONE)
         .expect("boot");
     println!("vmm {}", h.pid("vm-1").expect("pid"));
+    println!("dir {}", h.dir.path().display());
     // Nothing past here: this process ends by the signal.
     std::thread::sleep(PATIENCE * 3);
 }
 
 #[test]
-fn a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_and_no_cgroups() {
+fn a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_no_cgroups_and_no_temp_dir() {
     use std::io::BufRead;
     let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
         .args([
@@ -288,15 +289,18 @@ fn a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_and_no_cgroups() {
         .spawn()
         .expect("child test");
     let out = child.stdout.take().expect("stdout");
-    let vmm: i32 = std::io::BufReader::new(out)
-        .lines()
-        .map_while(Result::ok)
+    let mut lines = std::io::BufReader::new(out).lines().map_while(Result::ok);
+    let vmm: i32 = lines
+        .by_ref()
         // libtest prints the test's name on the same line first.
         .find_map(|l| {
             l.rsplit_once("vmm ")
                 .and_then(|(_, p)| p.trim().parse().ok())
         })
         .expect("the child booted a VMM");
+    let dir = lines
+        .find_map(|l| l.strip_prefix("dir ").map(std::path::PathBuf::from))
+        .expect("the child's temp dir");
     let root = format!("eitri-test-{}", child.id());
     let roots = Cgroups::probe(&root).expect("cgroups").roots();
     assert!(alive(vmm) && roots.iter().all(|r| r.exists()));
@@ -310,11 +314,13 @@ fn a_test_interrupted_with_ctrl_c_leaves_no_hypervisor_and_no_cgroups() {
 
     assert_eq!(ended.code(), Some(130));
     let until = Instant::now() + PATIENCE;
-    while (alive(vmm) || roots.iter().any(|r| r.exists())) && Instant::now() < until {
+    while (alive(vmm) || roots.iter().any(|r| r.exists()) || dir.exists()) && Instant::now() < until
+    {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(!alive(vmm), "the VMM {vmm} outlived its test");
     assert!(roots.iter().all(|r| !r.exists()), "{roots:?}");
+    assert!(!dir.exists(), "{} outlived its test", dir.display());
 }
 
 #[test]

@@ -118,6 +118,8 @@ impl Lab {
         eitri_agent::testkit::end_when_signalled(cgroup_root.clone());
         ip(&["link", "set", "lo", "up"]);
         let dir = tempfile::tempdir().expect("tempdir");
+        // A guest's disk is a GiB: gone with the lab, even at ^C.
+        eitri_agent::testkit::remove_on_signal(dir.path());
         // The jailed VMM must reach nothing here but what it is given.
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711))
             .expect("chmod");
