@@ -150,6 +150,23 @@ fn open_file(root: Option<&Path>, url: &str, path: &str) -> Result<Opened, Image
     Ok((Box::new(file), Some(meta.len())))
 }
 
+/// Whether no answer could be had from the server at all: its name does
+/// not resolve, or nothing takes the connection. The host's network (or
+/// the mirror) must change, not the VM's spec; a server that answers
+/// badly is the image's problem, not this.
+fn unreachable(e: &ureq::Error) -> bool {
+    use std::io::ErrorKind as K;
+    match e {
+        ureq::Error::HostNotFound | ureq::Error::ConnectionFailed => true,
+        ureq::Error::Timeout(t) => matches!(t, ureq::Timeout::Resolve | ureq::Timeout::Connect),
+        ureq::Error::Io(io) => matches!(
+            io.kind(),
+            K::ConnectionRefused | K::HostUnreachable | K::NetworkUnreachable | K::TimedOut
+        ),
+        _ => false,
+    }
+}
+
 fn open_http(agent: &ureq::Agent, url: &str) -> Result<Opened, ImageError> {
     let scheme_ok =
         url.starts_with("http://") || (cfg!(feature = "tls") && url.starts_with("https://"));
@@ -167,6 +184,10 @@ fn open_http(agent: &ureq::Agent, url: &str) -> Result<Opened, ImageError> {
         ureq::Error::Other(inner) if inner.is::<Unreachable>() => ImageError::BadUrl {
             url: url.into(),
             why: inner.to_string(),
+        },
+        e if unreachable(&e) => ImageError::Unreachable {
+            url: url.into(),
+            why: e.to_string(),
         },
         e => ImageError::Source {
             url: url.into(),

@@ -65,6 +65,12 @@ pub enum ImageError {
         permanent: bool,
         why: String,
     },
+    /// The server could not be reached at all (see `fetch::unreachable`):
+    /// a host condition, which spends no create attempt.
+    Unreachable {
+        url: String,
+        why: String,
+    },
     /// The bytes do not hash to the spec's digest. What they do hash to
     /// is never told: whoever named the URL could learn a digest of what
     /// answers there (a host file, a service the agent can reach).
@@ -106,6 +112,11 @@ impl fmt::Display for ImageError {
             }
             ImageError::BadUrl { url, why } => write!(f, "cannot fetch {}: {why}", shown(url)),
             ImageError::Source { url, why, .. } => write!(f, "cannot fetch {}: {why}", shown(url)),
+            ImageError::Unreachable { url, why } => write!(
+                f,
+                "cannot reach the image server of {}: {why}; check that this host can reach it (its address, DNS, a firewall)",
+                shown(url)
+            ),
             ImageError::Mismatch { url, want } => write!(
                 f,
                 "the image at {} does not have sha256 {want}; the download was deleted: check the digest the spec names",
@@ -128,7 +139,14 @@ impl fmt::Display for ImageError {
     }
 }
 
-impl std::error::Error for ImageError {}
+impl std::error::Error for ImageError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ImageError::Store { source, .. } => Some(&**source),
+            _ => None,
+        }
+    }
+}
 
 impl Failure for ImageError {
     fn is_permanent(&self) -> bool {
@@ -139,8 +157,12 @@ impl Failure for ImageError {
             | ImageError::TooLarge { .. }
             | ImageError::NotRaw { .. } => true,
             ImageError::Source { permanent, .. } => *permanent,
-            ImageError::Store { .. } => false,
+            ImageError::Unreachable { .. } | ImageError::Store { .. } => false,
         }
+    }
+
+    fn is_host_condition(&self) -> bool {
+        matches!(self, ImageError::Unreachable { .. })
     }
 }
 

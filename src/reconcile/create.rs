@@ -107,7 +107,7 @@ impl Core {
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
         rec.created(self.host.boot_id(), boots);
-        self.full.lock().remove(vm_id);
+        self.waiting.lock().remove(vm_id);
         self.counts.lost.touch(vm_id.as_str());
         pass.res
             .report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
@@ -357,26 +357,22 @@ struct Attempt<'a> {
 
 impl Attempt<'_> {
     /// The host, not the spec, must change: no attempt is spent (one this
-    /// pass counted is given back), the row says what to fix, and the next
-    /// pass checks again. Saved only when the account changes, so a VM
+    /// pass counted is given back), the row says what to fix, the host's
+    /// status says it once for all the VMs that wait, and the next pass
+    /// checks again. Saved only when the account changes, so a VM
     /// waiting for a fixed host costs no write per tick.
     fn wait_for_host(&self, rec: Record, error: String, res: &mut VmResult) {
-        self.core.full.lock().remove(&rec.spec.vm_id);
         self.wait(rec, error, String::new(), res);
     }
 
     /// A full filesystem (or a spent quota) met on the way: the host must
     /// make room, as for any host condition. The row adds how much room
-    /// the state dir's filesystem has left, and the host's status says it
-    /// once for every VM that waits.
+    /// the state dir's filesystem has left.
     fn wait_for_room(&self, rec: Record, error: String, res: &mut VmResult) {
         let core = self.core;
         let room = crate::state::room_at(core.store.root())
             .map(|room| format!("; {room}: make room there, and it is created again by itself"))
             .unwrap_or_default();
-        core.full
-            .lock()
-            .insert(rec.spec.vm_id.clone(), format!("{error}{room}"));
         self.wait(rec, error, room, res);
     }
 
@@ -388,6 +384,9 @@ impl Attempt<'_> {
         let unchanged =
             rec.lifecycle.waiting_for_host() && rec.lifecycle.last_error().starts_with(&error);
         let error = error + &said;
+        core.waiting
+            .lock()
+            .insert(rec.spec.vm_id.clone(), error.clone());
         rec.host_not_ready(error, self.counted);
         if !unchanged {
             core.counts.create_failures.inc("host");
@@ -413,7 +412,7 @@ impl Attempt<'_> {
                 return self.wait_for_room(rec, chain(&*err), res);
             }
         }
-        core.full.lock().remove(&rec.spec.vm_id);
+        core.waiting.lock().remove(&rec.spec.vm_id);
         let err: &dyn std::error::Error = &*err;
         let error = chain(err);
         let counts = &core.counts;

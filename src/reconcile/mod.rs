@@ -213,7 +213,7 @@ impl Engine {
             counts: counts::Counts::default(),
             create_watch: parking_lot::RwLock::new(None),
             probes: parking_lot::Mutex::default(),
-            full: parking_lot::Mutex::default(),
+            waiting: parking_lot::Mutex::default(),
         };
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);
@@ -289,14 +289,15 @@ impl Engine {
     /// What the host lacks to run guests right now, if anything: what the
     /// backend says it lacks (see
     /// [`HostChecks::host_condition`](crate::provision::HostChecks::host_condition)),
-    /// else the room a VM's create waits for on a full filesystem.
+    /// else what a VM's create waits for (room on a full filesystem, an
+    /// image server out of reach).
     pub fn host_condition(&self) -> Option<String> {
         self.core.prov.host_condition().or_else(|| {
-            let full = self.core.full.lock();
-            let (vm_id, said) = full.first_key_value()?;
-            let others = match full.len() - 1 {
+            let waiting = self.core.waiting.lock();
+            let (vm_id, said) = waiting.first_key_value()?;
+            let others = match waiting.len() - 1 {
                 0 => String::new(),
-                n => format!(" (and {n} more VMs wait for room)"),
+                n => format!(" (and {n} more VMs wait)"),
             };
             Some(format!("VM {vm_id} cannot be created: {said}{others}"))
         })

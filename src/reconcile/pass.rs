@@ -204,9 +204,10 @@ pub(crate) struct Core {
     pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
     /// What each VM's readiness probe knows (see `probe.rs`).
     pub probes: super::probing::Probes,
-    /// The VMs whose create waits for room on a full filesystem, with what
-    /// the row of each says: the host's condition while any waits.
-    pub full: parking_lot::Mutex<std::collections::BTreeMap<Id, String>>,
+    /// The VMs whose create waits for the host to be fixed (a full
+    /// filesystem, an image server out of reach, what the backend lacks),
+    /// with what the row of each says: the host's condition while any waits.
+    pub waiting: parking_lot::Mutex<std::collections::BTreeMap<Id, String>>,
 }
 
 /// What [`Engine::watch_stages`] is given: the VM and its create's stages.

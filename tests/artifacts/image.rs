@@ -130,6 +130,48 @@ fn a_digest_mismatch_is_permanent_and_leaves_no_file() {
 }
 
 #[test]
+fn a_server_nothing_answers_at_is_a_host_condition_not_the_vms_failure() {
+    let f = Fixture::new();
+    // A port just let go: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+
+    let err = f
+        .cache()
+        .resolve(
+            &format!("http://127.0.0.1:{port}/a.raw"),
+            &f.sha,
+            DISK,
+            Deadline::NONE,
+            quiet(),
+        )
+        .expect_err("nothing answers");
+
+    assert!(err.is_host_condition(), "{err}");
+    assert!(!err.is_permanent(), "{err}");
+    assert!(
+        err.to_string().contains("cannot reach the image server"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_server_that_answers_500_is_not_a_host_condition() {
+    let f = Fixture::new();
+    let server = ImageServer::start(Serve::Status(500)).expect("server");
+
+    let err = f
+        .cache()
+        .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
+        .expect_err("500");
+
+    assert!(!err.is_host_condition(), "{err}");
+    assert!(!err.is_permanent(), "{err}");
+}
+
+#[test]
 fn a_mismatch_never_tells_what_the_bytes_hash_to() {
     let f = Fixture::new();
     let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
@@ -814,6 +856,25 @@ fn partial_downloads_left_by_a_crash_are_swept() {
 
     assert_eq!(removed, 1);
     assert!(!partial.exists());
+}
+
+#[test]
+fn a_full_image_cache_is_told_apart_as_out_of_space() {
+    let f = Fixture::new();
+    let tmpfs = eitri_agent::testkit::tmpfs::Tmpfs::mount(&f.dir.path().join("small"), "512k");
+    let server = ImageServer::start(Serve::File(f.image.clone())).expect("server");
+
+    let err = ImageCache::with(
+        tmpfs.path().to_path_buf(),
+        &ImageOptions {
+            reach: loopback_allowed(),
+            ..ImageOptions::default()
+        },
+    )
+    .resolve(&server.url("a.raw"), &f.sha, DISK, Deadline::NONE, quiet())
+    .expect_err("no space");
+
+    assert!(eitri_agent::error::out_of_space(&*err), "{err}");
 }
 
 #[test]
