@@ -315,6 +315,42 @@ fn a_guest_failing_its_probe_past_restart_after_is_booted_again() {
 }
 
 #[test]
+fn a_probe_restart_never_throws_away_a_guest_resumed_within_its_grace() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let port = closed_port();
+    let wanted = |epoch: u64, power: PowerState| {
+        let mut d = desired(VM);
+        d.power = power;
+        d.readiness = Some(Readiness {
+            check: Check::Tcp(port),
+            period: Duration::from_secs(2),
+            timeout: Duration::from_millis(300),
+            grace: Duration::from_secs(60),
+            restart_after: Some(Duration::from_secs(10)),
+        });
+        snapshot(epoch, vec![present(d)])
+    };
+    // Failing since its boot, and asleep for longer than grace and bound.
+    h.tick(&wanted(1, PowerState::Running));
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&wanted(1, PowerState::Running));
+    h.tick(&wanted(2, PowerState::Suspended));
+    h.fakes.advance_clock(Duration::from_secs(600));
+    h.tick(&wanted(3, PowerState::Running));
+
+    h.fakes.advance_clock(Duration::from_secs(50));
+    h.tick(&wanted(3, PowerState::Running));
+
+    let row = h.row(VM);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Resume(_))), 1);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), 1);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Shutdown(_))), 0);
+    assert_eq!(row.power, Some(PowerState::Running));
+    assert!(row.status_detail.contains("50 s of 60 s"), "{row:?}");
+}
+
+#[test]
 fn a_failing_probe_without_restart_after_never_reboots() {
     let h = Harness::new();
     on_loopback(&h);
