@@ -286,6 +286,43 @@ fn unknown_flag_exits_2() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--turbo"));
 }
 
+#[test]
+fn status_lists_the_hosts_claims_and_whose_they_are() {
+    let host = tempfile::tempdir().expect("tempdir");
+    let registry = host.path().join("agents").display().to_string();
+    let start = |name: &str| {
+        let dir = host.path().join(name);
+        std::fs::create_dir_all(&dir).expect("dir");
+        desired(&dir, ONE_VOLUME);
+        let agent = Agent::start(&dir, &["--agents-dir", &registry]);
+        agent.wait_report(name, |_| true);
+        agent
+    };
+    let mine = start("mine");
+    let mut stopped = start("stopped");
+    assert!(stopped.stop(Signal::SIGTERM).success());
+    let mut gone = start("gone");
+    assert!(gone.stop(Signal::SIGTERM).success());
+    std::fs::remove_dir_all(host.path().join("gone")).expect("its state dir gone");
+
+    let out = eitri(&["status", "--state-dir", &mine.state.display().to_string()]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line_of = |name: &str| {
+        text.lines()
+            .find(|l| l.contains(&format!("/{name}/state ")))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let pid = mine.child.as_ref().map(Child::id).expect("its pid");
+    assert!(
+        line_of("mine").contains(&format!("this one, running, pid {pid} (eitri-agent)")),
+        "{text}"
+    );
+    assert!(line_of("stopped").contains("not running"), "{text}");
+    assert!(line_of("gone").contains("state dir gone"), "{text}");
+}
+
 /// A second agent started on `state` while the first runs, to its end
 /// (it waits for the lock a while, then gives up).
 fn second_agent_on(state: &Path) -> std::process::Output {

@@ -122,6 +122,7 @@ fn agent_in(
             notes: vec![],
             metrics: None,
             image_cache_max: None,
+            agents_dir: None,
         },
     );
     let generation = link.generation();
@@ -842,6 +843,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
             notes: vec![],
             metrics: None,
             image_cache_max: None,
+            agents_dir: None,
         },
     );
     let mut exchange = Exchange::new(

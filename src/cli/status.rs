@@ -42,7 +42,7 @@ fn show(
     }
     let now = SystemTime::now();
     let text = match vm_id {
-        None => file.render(now),
+        None => file.render(now) + &claims(&file, state_dir),
         Some(vm) => {
             let layout = Layout::new(state_dir);
             let earlier = crate::console::earlier_segments(&layout, vm);
@@ -67,4 +67,20 @@ fn show(
     print!("{text}");
     let _ = std::io::stdout().flush();
     Ok(tick)
+}
+
+/// The host's claims, when the agent said where they are recorded; a
+/// registry that cannot be read is said, not fatal.
+fn claims(file: &ReportFile, state_dir: &Path) -> String {
+    if file.agents_dir.is_empty() {
+        return String::new();
+    }
+    let mine = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    match crate::state::claim::list(Path::new(&file.agents_dir)) {
+        Ok(claims) => crate::status::render_claims(&file.agents_dir, &claims, &mine),
+        Err(e) => format!(
+            "\nclaims on this host: cannot read {}: {e}\n",
+            crate::quote::inline(&file.agents_dir)
+        ),
+    }
 }

@@ -81,6 +81,8 @@ pub struct Parts {
     pub metrics: Option<metrics::MetricsFile>,
     /// `--image-cache-max`: the most bytes cached images may hold.
     pub image_cache_max: Option<u64>,
+    /// `--agents-dir`, for `status` to list the host's claims.
+    pub agents_dir: Option<std::path::PathBuf>,
 }
 
 /// How far one unsigned snapshot may raise the epoch: four billion, room
@@ -113,6 +115,7 @@ pub struct Daemon {
     pub(super) metrics: Option<metrics::MetricsFile>,
     pub(super) details: details::Details,
     pub(super) image_cache_max: Option<u64>,
+    pub(super) agents_dir: String,
 }
 
 impl Daemon {
@@ -144,6 +147,10 @@ impl Daemon {
             dirty: false,
             metrics: parts.metrics,
             image_cache_max: parts.image_cache_max,
+            agents_dir: parts
+                .agents_dir
+                .map(|d| d.display().to_string())
+                .unwrap_or_default(),
             details: details::Details::default(),
         }
     }

@@ -67,6 +67,7 @@ impl Daemon {
             tick_ms: u64::try_from(self.tick.as_millis()).unwrap_or(u64::MAX),
             details,
             quota: self.engine.quota(),
+            agents_dir: self.agents_dir.clone(),
             ..ReportFile::new(
                 self.host.clone(),
                 self.source.clone(),

@@ -118,6 +118,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             readiness,
             notes,
             image_cache_max: config.image_cache_max,
+            agents_dir: Some(config.agents_dir.clone()),
             metrics: config
                 .metrics_file
                 .clone()

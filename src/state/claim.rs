@@ -424,6 +424,49 @@ pub fn release(
     Ok(reclaimed)
 }
 
+/// One claim of the host, as `status` lists it: whose it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Listed {
+    pub claim: Claim,
+    pub agent: Holding,
+}
+
+/// Whether a claim's agent runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Holding {
+    /// Its state dir's lock is held, by these processes.
+    Running(Vec<super::holders::Holder>),
+    /// Its state dir is there, and no agent holds it.
+    Stopped,
+    /// Its state dir is gone: the next agent to start takes the claim back.
+    Gone,
+}
+
+/// Every claim recorded in `registry`, by state dir. Read without the
+/// registry's lock: a look, not a change.
+pub fn list(registry: &Path) -> io::Result<Vec<Listed>> {
+    let (live, ended) = records(registry)?;
+    let mut out: Vec<Listed> = live
+        .into_iter()
+        .map(|(_, claim)| {
+            let lock = super::Layout::new(&claim.state_dir).lock();
+            let holders = super::holders::holders(&lock);
+            let agent = if holders.is_empty() {
+                Holding::Stopped
+            } else {
+                Holding::Running(holders)
+            };
+            Listed { claim, agent }
+        })
+        .chain(ended.into_iter().map(|(_, claim)| Listed {
+            claim,
+            agent: Holding::Gone,
+        }))
+        .collect();
+    out.sort_by(|a, b| a.claim.state_dir.cmp(&b.claim.state_dir));
+    Ok(out)
+}
+
 /// Takes the registry's lock (made, with the registry, when missing).
 fn lock_registry(registry: &Path) -> io::Result<fs::File> {
     fs::create_dir_all(registry)?;

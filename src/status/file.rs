@@ -78,6 +78,10 @@ pub struct ReportFile {
     /// Compute committed against the host's caps.
     #[serde(default)]
     pub quota: Quota,
+    /// The host-wide registry of agents' claims (`--agents-dir`), where
+    /// `status` reads whose claims this host holds.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agents_dir: String,
 }
 
 /// One VM's history and shape, kept by the daemon across reports.
@@ -131,6 +135,7 @@ impl ReportFile {
             tick_ms: 0,
             details: BTreeMap::new(),
             quota: Quota::default(),
+            agents_dir: String::new(),
         }
     }
 

@@ -6,3 +6,4 @@ mod file;
 mod render;
 
 pub use file::{ReportFile, StatusError, VmDetail};
+pub use render::render_claims;

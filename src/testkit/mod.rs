@@ -859,7 +859,7 @@ fn clear_cgroup_root(root: &str, kill: bool) {
 
 /// On ^C or a TERM, this process exits and a reaper it leaves behind ends
 /// every process in the cgroups under `root` once this one is gone, then
-/// removes the temp dirs made by [`temp_dir`].
+/// removes the temp dirs given to [`remove_on_signal`].
 ///
 /// The hypervisors run in sessions of their own, so the signal that ends
 /// a test or a benchmark never reaches them; and killing them from here
