@@ -77,6 +77,9 @@ impl Agent {
             ("--underlay-bridge=", ""),
             ("--hypervisor", "/nonexistent/cloud-hypervisor"),
             ("--agents-dir", agents.as_str()),
+            // The host's /dev/userfaultfd would get an ACL entry for the
+            // test's claim, which nothing takes back once its dir is gone.
+            ("--userfaultfd-device=", ""),
         ];
         for (flag, value) in defaults {
             if !given(flag.trim_end_matches('=')) {
@@ -1006,6 +1009,42 @@ mod booted {
     }
 
     #[test]
+    fn a_released_state_dir_leaves_no_bridge_and_no_firewall_table() {
+        eitri_agent::testkit::net::private_network();
+        let host = tempfile::tempdir().expect("tempdir");
+        let registry = host.path().join("agents").display().to_string();
+        let mut agent = networked(
+            &host.path().join("one"),
+            &registry,
+            ("etbinr", "100.77.0.0/16", "etbr"),
+        );
+        agent.wait_report("the agent", |r| volumes(r).len() == 1);
+        let table = tables_of(&agent);
+        assert!(agent.stop(Signal::SIGTERM).success());
+        assert!(!ip_table(&table).is_empty(), "the agent made its table");
+
+        // As an operator runs it: from a shell, with ip and nft on PATH.
+        let out = Command::new(BIN)
+            .args(["release", "--state-dir"])
+            .arg(&agent.state)
+            .args(["--agents-dir", &registry, "--force"])
+            .output()
+            .expect("release");
+
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(ip_table(&table), "", "its ip table is left");
+        let bridge = eitri_agent::testkit::tools::tool("ip")
+            .args(["link", "show", "dev", "etbinr"])
+            .output()
+            .expect("ip");
+        assert!(!bridge.status.success(), "its bridge is left");
+    }
+
+    #[test]
     fn a_second_agent_on_the_first_agents_bridge_stops_naming_the_first() {
         eitri_agent::testkit::net::private_network();
         let host = tempfile::tempdir().expect("tempdir");
@@ -1335,7 +1374,8 @@ fn a_sigterm_pending_at_start_is_an_orderly_stop() {
         .arg(dir.path().join("desired.json"))
         .arg("--state-dir")
         .arg(dir.path().join("state"))
-        .args(["--underlay-bridge=", "--tap-prefix", "etbin", "--run-dir"])
+        .args(["--underlay-bridge=", "--userfaultfd-device="])
+        .args(["--tap-prefix", "etbin", "--run-dir"])
         .arg(dir.path().join("run"))
         .arg("--agents-dir")
         .arg(dir.path().join("agents"))

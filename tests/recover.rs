@@ -55,6 +55,12 @@ fn config(dir: &Path) -> Config {
         "--underlay-bridge=",
         "--kvm-device",
         &confinement.kvm.display().to_string(),
+        "--userfaultfd-device",
+        &confinement
+            .userfaultfd
+            .as_ref()
+            .map(|u| u.display().to_string())
+            .unwrap_or_default(),
         "--cgroup-root",
         &confinement.cgroup_root,
         "--agents-dir",

@@ -104,6 +104,15 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
     // An empty env file sets the variable empty: no guest networking, so no
     // bridge or firewall table on the test machine's host.
     std::fs::write(env.join("EITRI_UNDERLAY_BRIDGE"), "").expect("env");
+    // A file of the test's own: the host's /dev/userfaultfd would get an
+    // ACL entry for this claim, which nothing takes back once it is gone.
+    let userfaultfd = dir.path().join("userfaultfd");
+    std::fs::write(&userfaultfd, b"").expect("userfaultfd");
+    std::fs::write(
+        env.join("EITRI_USERFAULTFD_DEVICE"),
+        userfaultfd.display().to_string(),
+    )
+    .expect("env");
     std::fs::write(
         env.join("EITRI_RUN_DIR"),
         dir.path().join("run").display().to_string(),

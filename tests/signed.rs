@@ -50,6 +50,7 @@ impl Agent {
                 &["--backoff-max", "200ms"][..]
             })
             .args(["--tap-prefix", "etsig", "--underlay-bridge="])
+            .arg("--userfaultfd-device=")
             .args(["--hypervisor", "/nonexistent/cloud-hypervisor"])
             .arg("--agents-dir")
             .arg(dir.join("agents"))

@@ -544,6 +544,85 @@ fn iptables_nat(cfg: &UnderlayConfig) -> Result<(), NetError> {
     Ok(())
 }
 
+/// The FORWARD rules that accept `bridge`'s traffic through a DROP policy.
+#[cfg(target_os = "linux")]
+fn forward_accepts(bridge: &str) -> [Vec<&str>; 2] {
+    [
+        vec!["FORWARD", "-i", bridge, "-j", "ACCEPT"],
+        vec![
+            "FORWARD",
+            "-o",
+            bridge,
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "RELATED,ESTABLISHED",
+            "-j",
+            "ACCEPT",
+        ],
+    ]
+}
+
+/// Takes back what an ended claim's agent set up for its guests (see
+/// [`Underlay::setup`]): its nft tables (ip and bridge), or its iptables
+/// NAT chain and FORWARD accepts, and its bridge, once no port is left on
+/// it (a guest still plugged in keeps it, said in `left`). Names come from
+/// the claim's record; what is not there is not an error.
+#[cfg(target_os = "linux")]
+pub fn take_back(
+    network: &crate::state::claim::Network,
+    taken: &mut Vec<String>,
+    left: &mut Vec<String>,
+) {
+    let (t, b) = (network.table.as_str(), network.bridge.as_str());
+    if let Ok(ports) = run("ip", &["-o", "link", "show", "master", b], None)
+        && !ports.trim().is_empty()
+    {
+        left.push(format!("bridge {b}: guests are still plugged into it"));
+        return;
+    }
+    let mut said = |what: String, done: Result<String, NetError>| match done {
+        Ok(_) => taken.push(what),
+        Err(e) => left.push(format!("{what}: {e}")),
+    };
+    for family in ["ip", "bridge"] {
+        if run("nft", &["list", "table", family, t], None).is_ok() {
+            said(
+                format!("nft table {family} {t}"),
+                run("nft", &["delete", "table", family, t], None),
+            );
+        }
+    }
+    let chain = format!("{}-POSTROUTING", t.to_uppercase());
+    if run("iptables", &["-t", "nat", "-S", &chain], None).is_ok() {
+        while run(
+            "iptables",
+            &["-t", "nat", "-D", "POSTROUTING", "-j", &chain],
+            None,
+        )
+        .is_ok()
+        {}
+        let _ = run("iptables", &["-t", "nat", "-F", &chain], None);
+        said(
+            format!("iptables chain nat {chain}"),
+            run("iptables", &["-t", "nat", "-X", &chain], None),
+        );
+    }
+    for rule in forward_accepts(b) {
+        let check: Vec<&str> = ["-C"].iter().copied().chain(rule.iter().copied()).collect();
+        if run("iptables", &check, None).is_ok() {
+            let delete: Vec<&str> = ["-D"].iter().copied().chain(rule.iter().copied()).collect();
+            said(
+                format!("iptables {}", rule.join(" ")),
+                run("iptables", &delete, None),
+            );
+        }
+    }
+    if run("ip", &["link", "show", "dev", b], None).is_ok() {
+        said(format!("bridge {b}"), run("ip", &["link", "del", b], None));
+    }
+}
+
 #[cfg(target_os = "linux")]
 /// With a FORWARD policy of DROP in iptables (Docker's), the bridge's
 /// traffic is accepted explicitly, once.
@@ -555,21 +634,7 @@ fn accept_through_drop_policy(cfg: &UnderlayConfig) {
         return;
     }
     let b = cfg.bridge.as_str();
-    let wanted: [&[&str]; 2] = [
-        &["FORWARD", "-i", b, "-j", "ACCEPT"],
-        &[
-            "FORWARD",
-            "-o",
-            b,
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "RELATED,ESTABLISHED",
-            "-j",
-            "ACCEPT",
-        ],
-    ];
-    for rule in wanted {
+    for rule in forward_accepts(b) {
         let check: Vec<&str> = ["-C"].iter().copied().chain(rule.iter().copied()).collect();
         if run("iptables", &check, None).is_err() {
             let insert: Vec<&str> = ["-I"].iter().copied().chain(rule.iter().copied()).collect();

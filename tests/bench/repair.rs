@@ -151,6 +151,7 @@ fn start(b: &Bench) -> Res<Agent> {
         .arg(b.dir.path().join("library"))
         .arg("--kvm-device")
         .arg(eitri_agent::testkit::confinement(b.dir.path()).kvm)
+        .arg("--userfaultfd-device=")
         .args(["--underlay-bridge=", "--tap-prefix", "etrep"])
         .arg("--agents-dir")
         .arg(b.dir.path().join("agents"))

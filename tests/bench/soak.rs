@@ -5,9 +5,9 @@
 //! suspends and resumes one, kills its VMM (the agent boots it again),
 //! stops the other, rotates the key of the VMs that stay, destroys both;
 //! every tenth round the agent is stopped, or killed, and started again;
-//! and a second agent on a new state dir boots a VM, destroys it and is
-//! then released, or abandoned (its state dir deleted, for the next agent
-//! that starts to reap).
+//! and a second agent on a new state dir, with a guest network of its own,
+//! boots a VM, destroys it and is then released, or abandoned (its state
+//! dir deleted, for the next agent that starts to reap).
 //!
 //! Every host resource the agent can add is counted after a warm-up and
 //! after the last round, each time on the same desired state (two VMs that
@@ -318,11 +318,18 @@ impl Soak {
         };
         self.want(&agent, &one.clone().with(&vm, Want::Running));
         let root = format!("{}-s{n}", self.confinement.cgroup_root);
-        let prefix = format!("eo{n}");
+        let (bridge, prefix) = (format!("etso{n}"), format!("eo{n}"));
         self.start(
             &mut agent,
             &root,
-            &["--underlay-bridge=", "--tap-prefix", &prefix],
+            &[
+                "--underlay-bridge",
+                &bridge,
+                "--underlay-subnet",
+                "100.80.0.0/16",
+                "--tap-prefix",
+                &prefix,
+            ],
         );
         self.converge(
             &agent,

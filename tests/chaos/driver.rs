@@ -165,6 +165,8 @@ impl Host {
             .arg(self.dir.path().join("library"))
             .arg("--kvm-device")
             .arg(&confinement.kvm)
+            .arg("--userfaultfd-device")
+            .arg(confinement.userfaultfd.clone().unwrap_or_default())
             .arg("--cgroup-root")
             .arg(&confinement.cgroup_root)
             .arg("--agents-dir")

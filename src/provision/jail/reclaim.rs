@@ -1,6 +1,7 @@
 //! Taking back what an ended claim put on the host: its VMM group's entry on
-//! the devices' ACLs ([`super::acl`]) and its cgroup root in each hierarchy
-//! ([`super::cgroup`]). Without it a host that saw many state dirs came to
+//! the devices' ACLs ([`super::acl`]), its cgroup root in each hierarchy
+//! ([`super::cgroup`]), and its guests' bridge and firewall tables
+//! ([`crate::net::underlay::take_back`]). Without it a host that saw many state dirs came to
 //! a device ACL of dozens of groups and dozens of empty cgroup roots: what
 //! a host keeps after a year should be what its live agents need.
 //!
@@ -24,7 +25,8 @@ pub const DEVICES: [&str; 2] = ["/dev/kvm", "/dev/userfaultfd"];
 pub struct HostReclaim {
     devices: Vec<PathBuf>,
     /// The mounts a claim's cgroup root is under; `None`, those this
-    /// host's mountinfo names (as the VMMs' cgroups were made in).
+    /// host's mountinfo names (as the VMMs' cgroups were made in), and then
+    /// the claim's network (bridge, firewall tables) is taken back too.
     mounts: Option<Vec<PathBuf>>,
 }
 
@@ -90,6 +92,14 @@ impl Reclaim for HostReclaim {
                 Ok(()) => out.taken.push(format!("cgroup {}", root.display())),
                 Err(e) => out.left.push(format!("cgroup {}: {e}", root.display())),
             }
+        }
+        // A VMM still running keeps its guests' network: they would be cut
+        // off from it.
+        if let Some(network) = &ended.network
+            && self.mounts.is_none()
+            && out.left.is_empty()
+        {
+            crate::net::underlay::take_back(network, &mut out.taken, &mut out.left);
         }
         out
     }
