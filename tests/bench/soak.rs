@@ -178,14 +178,9 @@ impl Soak {
             .arg(self.path("vmlinux"))
             .arg("--image-root")
             .arg(self.path("library"))
-            .arg("--kvm-device")
-            .arg(&self.confinement.kvm)
-            .arg("--userfaultfd-device")
-            .arg(self.userfaultfd())
+            .args(self.host_flags())
             .arg("--cgroup-root")
             .arg(cgroup_root)
-            .arg("--agents-dir")
-            .arg(self.path("agents"))
             .args(["--tick", "200ms", "--tombstone-grace", "0"])
             .args(["--shutdown-grace", "5s"])
             .args(extra)
@@ -197,6 +192,19 @@ impl Soak {
             .stderr(log);
         agent.started_ms = unix_ms();
         agent.child = Some(cmd.spawn().expect("agent"));
+    }
+
+    /// The host-wide flags every agent of the soak and `release` share:
+    /// the registry and the devices its VMMs' group is given.
+    fn host_flags(&self) -> [std::ffi::OsString; 6] {
+        [
+            "--agents-dir".into(),
+            self.path("agents").into(),
+            "--kvm-device".into(),
+            self.confinement.kvm.clone().into(),
+            "--userfaultfd-device".into(),
+            self.userfaultfd().into(),
+        ]
     }
 
     fn userfaultfd(&self) -> PathBuf {
@@ -347,12 +355,7 @@ impl Soak {
                 .arg("release")
                 .arg("--state-dir")
                 .arg(&agent.state)
-                .arg("--agents-dir")
-                .arg(self.path("agents"))
-                .arg("--kvm-device")
-                .arg(&self.confinement.kvm)
-                .arg("--userfaultfd-device")
-                .arg(self.userfaultfd())
+                .args(self.host_flags())
                 .output()
                 .expect("release");
             assert!(

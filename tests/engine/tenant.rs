@@ -189,15 +189,20 @@ fn a_changed_limit_does_not_reboot_or_reset_a_created_vm() {
     assert!(!rec.lifecycle.boot_id().is_empty());
 }
 
-fn probed(epoch: u64, check: Check, restart_after: Option<Duration>) -> Snapshot {
-    let mut d = desired(VM);
-    d.readiness = Some(Readiness {
+/// A probe of `check` every 2 s, with a grace of 60 s.
+fn probe(check: Check, restart_after: Option<Duration>) -> Readiness {
+    Readiness {
         check,
         period: Duration::from_secs(2),
         timeout: Duration::from_millis(300),
         grace: Duration::from_secs(60),
         restart_after,
-    });
+    }
+}
+
+fn probed(epoch: u64, check: Check, restart_after: Option<Duration>) -> Snapshot {
+    let mut d = desired(VM);
+    d.readiness = Some(probe(check, restart_after));
     snapshot(epoch, vec![present(d)])
 }
 
@@ -322,13 +327,7 @@ fn a_probe_restart_never_throws_away_a_guest_resumed_within_its_grace() {
     let wanted = |epoch: u64, power: PowerState| {
         let mut d = desired(VM);
         d.power = power;
-        d.readiness = Some(Readiness {
-            check: Check::Tcp(port),
-            period: Duration::from_secs(2),
-            timeout: Duration::from_millis(300),
-            grace: Duration::from_secs(60),
-            restart_after: Some(Duration::from_secs(10)),
-        });
+        d.readiness = Some(probe(Check::Tcp(port), Some(Duration::from_secs(10))));
         snapshot(epoch, vec![present(d)])
     };
     // Failing since its boot, and asleep for longer than grace and bound.
@@ -520,13 +519,7 @@ fn a_probe_restart_is_a_boot_that_takes_a_waiting_limit() {
     let with_cap = |epoch, millis| {
         let mut d = desired(VM);
         d.spec.limits = cpu(millis);
-        d.readiness = Some(Readiness {
-            check: Check::Tcp(port),
-            period: Duration::from_secs(2),
-            timeout: Duration::from_millis(300),
-            grace: Duration::from_secs(60),
-            restart_after: Some(Duration::from_secs(10)),
-        });
+        d.readiness = Some(probe(Check::Tcp(port), Some(Duration::from_secs(10))));
         snapshot(epoch, vec![present(d)])
     };
     h.tick(&with_cap(1, 500));
