@@ -47,6 +47,12 @@ pub enum Refused {
     Multicast,
     ThisHost,
     Denied(Cidr),
+    /// fc00::/7 and the old site-local fec0::/10: IPv6's private ranges,
+    /// where clouds put their metadata services (fd00:ec2::254).
+    UniqueLocal,
+    /// A tunnel or translation address whose IPv4 end cannot be checked:
+    /// Teredo (2001::/32), a local-use NAT64 prefix (64:ff9b:1::/48).
+    Tunnel,
 }
 
 impl fmt::Display for Refused {
@@ -60,6 +66,12 @@ impl fmt::Display for Refused {
             Refused::Multicast => f.write_str("a multicast or broadcast address"),
             Refused::ThisHost => f.write_str("an address of this host"),
             Refused::Denied(range) => write!(f, "in --guest-deny's {range}"),
+            Refused::UniqueLocal => f.write_str(
+                "an IPv6 unique-local or site-local address (metadata services live there); serve the image from a global IPv6 or an IPv4 address",
+            ),
+            Refused::Tunnel => f.write_str(
+                "an IPv6 tunnel or local NAT64 address, whose IPv4 end cannot be checked; name the server's own address",
+            ),
         }
     }
 }
@@ -68,9 +80,11 @@ impl Reach {
     /// Why `ip` may not be connected to, given this host's addresses
     /// `own`; `None` when it may.
     pub fn refusal(&self, ip: IpAddr, own: &[IpAddr]) -> Option<Refused> {
-        // ::ffff:127.0.0.1 is 127.0.0.1 to the kernel.
+        // ::ffff:127.0.0.1 is 127.0.0.1 to the kernel, and 64:ff9b::a9fe:a9fe
+        // is 169.254.169.254 to a NAT64 gateway: an IPv6 address that carries
+        // an IPv4 one is held to the IPv4 rules (and ranges) of that one.
         let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            IpAddr::V6(v6) => embedded_v4(v6).map_or(ip, IpAddr::V4),
             v4 => v4,
         };
         let refused = match ip {
@@ -103,7 +117,37 @@ fn refusal_v4(ip: Ipv4Addr, deny: &[Cidr]) -> Option<Refused> {
     }
 }
 
+/// The IPv4 address an IPv6 one stands for, where the mapping is fixed:
+/// IPv4-mapped (::ffff:0:0/96), IPv4-compatible (::/96), the well-known
+/// NAT64 prefix (64:ff9b::/96, RFC 6052) and 6to4 (2002::/16, RFC 3056).
+fn embedded_v4(ip: Ipv6Addr) -> Option<Ipv4Addr> {
+    let seg = ip.segments();
+    let low = Ipv4Addr::new(
+        (seg[6] >> 8) as u8,
+        seg[6] as u8,
+        (seg[7] >> 8) as u8,
+        seg[7] as u8,
+    );
+    if let Some(mapped) = ip.to_ipv4_mapped() {
+        Some(mapped)
+    } else if (seg[..6] == [0; 6] && !ip.is_loopback() && !ip.is_unspecified())
+        || seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+    {
+        Some(low)
+    } else if seg[0] == 0x2002 {
+        Some(Ipv4Addr::new(
+            (seg[1] >> 8) as u8,
+            seg[1] as u8,
+            (seg[2] >> 8) as u8,
+            seg[2] as u8,
+        ))
+    } else {
+        None
+    }
+}
+
 fn refusal_v6(ip: Ipv6Addr) -> Option<Refused> {
+    let seg = ip.segments();
     if ip.is_loopback() {
         Some(Refused::Loopback)
     } else if ip.is_unspecified() {
@@ -112,6 +156,10 @@ fn refusal_v6(ip: Ipv6Addr) -> Option<Refused> {
         Some(Refused::LinkLocal)
     } else if ip.is_multicast() {
         Some(Refused::Multicast)
+    } else if seg[0] & 0xfe00 == 0xfc00 || seg[0] & 0xffc0 == 0xfec0 {
+        Some(Refused::UniqueLocal)
+    } else if (seg[0], seg[1]) == (0x2001, 0) || (seg[0], seg[1], seg[2]) == (0x64, 0xff9b, 1) {
+        Some(Refused::Tunnel)
     } else {
         None
     }
@@ -247,6 +295,67 @@ mod tests {
         assert_eq!(
             Reach::default().refusal(mapped, &[]),
             Some(Refused::Loopback)
+        );
+    }
+
+    fn v6(s: &str) -> IpAddr {
+        IpAddr::V6(s.parse().expect("address"))
+    }
+
+    #[test]
+    fn ipv6_private_ranges_are_refused_as_metadata_could_live_there() {
+        let reach = Reach::default();
+
+        for ip in ["fd00:ec2::254", "fc00::1", "fec0::1"] {
+            assert_eq!(
+                reach.refusal(v6(ip), &[]),
+                Some(Refused::UniqueLocal),
+                "{ip}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_ipv4_inside_an_ipv6_address_is_held_to_the_ipv4_rules() {
+        let lan = Cidr::parse("10.1.0.0/16").expect("range");
+        let reach = Reach {
+            deny: vec![lan],
+            allow: Vec::new(),
+        };
+
+        // NAT64 (well-known prefix), 6to4 and IPv4-compatible forms.
+        assert_eq!(
+            reach.refusal(v6("64:ff9b::a9fe:a9fe"), &[]),
+            Some(Refused::LinkLocal)
+        );
+        assert_eq!(
+            reach.refusal(v6("2002:7f00:1::1"), &[]),
+            Some(Refused::Loopback)
+        );
+        assert_eq!(
+            reach.refusal(v6("::a01:203"), &[]),
+            Some(Refused::Denied(lan))
+        );
+        assert_eq!(reach.refusal(v6("64:ff9b::cb00:7107"), &[]), None);
+    }
+
+    #[test]
+    fn tunnels_whose_ipv4_end_cannot_be_checked_are_refused() {
+        let reach = Reach::default();
+
+        for ip in [
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "64:ff9b:1::a9fe:a9fe",
+        ] {
+            assert_eq!(reach.refusal(v6(ip), &[]), Some(Refused::Tunnel), "{ip}");
+        }
+    }
+
+    #[test]
+    fn a_global_ipv6_address_is_reached() {
+        assert_eq!(
+            Reach::default().refusal(v6("2a00:1450:4001::200e"), &[]),
+            None
         );
     }
 
