@@ -467,17 +467,39 @@ pub fn list(registry: &Path) -> io::Result<Vec<Listed>> {
     Ok(out)
 }
 
-/// Takes the registry's lock (made, with the registry, when missing).
+/// Takes the registry's lock (made, with the registry, when missing). The
+/// lock file is never followed through a symlink: root would create or
+/// lock whatever file it pointed at.
 fn lock_registry(registry: &Path) -> io::Result<fs::File> {
     fs::create_dir_all(registry)?;
+    only_its_owner_writes(registry)?;
     let lock = fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(registry.join(".lock"))?;
     lock.lock()?;
     Ok(lock)
+}
+
+/// The registry decides which ids, cgroup roots and bridges an agent may
+/// take, and what the reaper takes back from the host: a registry others
+/// can write is one where anybody plants a claim that blocks every agent,
+/// or points the reaper at what is not its. Refused, naming the fix.
+fn only_its_owner_writes(registry: &Path) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(registry)?;
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() == me && meta.mode() & 0o022 == 0 {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "it is owned by uid {} with mode {:o}, so others could plant or change claims in it; make it this agent's user's ({me}) and not writable by group or others (chown {me} DIR; chmod go-w DIR)",
+        meta.uid(),
+        meta.mode() & 0o7777
+    )))
 }
 
 /// Ends the claim recorded in `record`, whose state dir is gone: what it
@@ -717,6 +739,36 @@ mod tests {
             }),
             ..derived()
         }
+    }
+
+    #[test]
+    fn a_registry_others_can_write_is_refused_naming_the_fix() {
+        use std::os::unix::fs::PermissionsExt;
+        let host = Host::new();
+        fs::create_dir_all(host.registry()).expect("registry");
+        fs::set_permissions(host.registry(), fs::Permissions::from_mode(0o777)).expect("chmod");
+
+        let err = host.settle("a", &derived()).expect_err("refused");
+
+        let said = err.to_string();
+        assert!(
+            said.contains("mode 777") && said.contains("chmod go-w"),
+            "{said}"
+        );
+        assert_eq!(host.records(), 0);
+    }
+
+    #[test]
+    fn a_registry_lock_that_is_a_symlink_is_not_followed() {
+        let host = Host::new();
+        fs::create_dir_all(host.registry()).expect("registry");
+        let target = host.dir.path().join("elsewhere");
+        std::os::unix::fs::symlink(&target, host.registry().join(".lock")).expect("symlink");
+
+        let err = host.settle("a", &derived()).expect_err("refused");
+
+        assert!(!target.exists(), "root created the file a symlink named");
+        assert!(err.to_string().contains("registry"), "{err}");
     }
 
     #[test]
