@@ -381,6 +381,7 @@ fn a_signed_epoch_reset_lowers_the_fence() {
 
     let restored = pb::Snapshot {
         epoch_reset: true,
+        epoch_reset_from: 50,
         ..snapshot(2, HOST, "data-2")
     };
     cp.answer_snapshots(Answer::Raw(signed(&k, &restored)));
@@ -388,6 +389,41 @@ fn a_signed_epoch_reset_lowers_the_fence() {
     a.wait_report("the reset", |r| has_volume(r, "data-2"));
     let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
     assert_eq!(epoch.trim(), "2");
+}
+
+#[test]
+fn a_signed_epoch_reset_replayed_after_the_fence_moved_on_moves_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(200, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    a.wait_report("epoch 200", |r| has_volume(r, "data-1"));
+    // Made once, after a restore: from 200 back to 100.
+    let reset = signed(
+        &k,
+        &pb::Snapshot {
+            epoch_reset: true,
+            epoch_reset_from: 200,
+            ..snapshot(100, HOST, "data-2")
+        },
+    );
+    cp.answer_snapshots(Answer::Raw(reset.clone()));
+    a.wait_report("the reset", |r| has_volume(r, "data-2"));
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(150, HOST, "data-3"))));
+    a.wait_report("epoch 150", |r| has_volume(r, "data-3"));
+
+    cp.answer_snapshots(Answer::Raw(reset));
+
+    a.wait_report("the replay refused", |r| {
+        r["notes"]
+            .to_string()
+            .contains("refusing a signed epoch reset to 100 from epoch 200")
+    });
+    let report = a.report();
+    assert!(has_volume(&report, "data-3"), "{report}");
+    let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
+    assert_eq!(epoch.trim(), "150");
 }
 
 #[test]

@@ -336,12 +336,20 @@ impl Daemon {
     /// control plane may raise the epoch by at most [`MAX_UNSIGNED_STEP`]
     /// at once, so one forged answer with epoch 2^64-1 cannot fence the
     /// real control plane out for good; and `epoch_reset` is obeyed only
-    /// when signed. Signed desired state moves the fence as it says.
+    /// when signed, and then only at the fence it names (a reset replayed
+    /// after the fence moved on moves nothing).
+    /// Signed desired state moves the fence as it says.
     fn epoch_rule(&self, wire: &pb::Snapshot, signed_by: Option<&str>) -> Result<(), String> {
+        let current = self.store.epoch();
+        if signed_by.is_some() && wire.epoch_reset && wire.epoch_reset_from != current {
+            return Err(format!(
+                "refusing a signed epoch reset to {} from epoch {}: this host's fence is {current}. A reset is obeyed only at the fence it names (epoch_reset_from), so one signed before the fence moved on cannot move it back; have the control plane sign a reset from {current}",
+                wire.epoch, wire.epoch_reset_from
+            ));
+        }
         if signed_by.is_some() || !self.remote {
             return Ok(());
         }
-        let current = self.store.epoch();
         if wire.epoch > current.saturating_add(MAX_UNSIGNED_STEP) {
             return Err(format!(
                 "refusing a snapshot whose epoch {} is more than {MAX_UNSIGNED_STEP} above the accepted epoch {current}: unsigned desired state may not move the fence that far (a forged answer could fence the real control plane out for good). Keeping the last accepted desired state; pin the control plane's keys with --trusted-keys to let signed snapshots move it",

@@ -34,6 +34,13 @@ pub struct Snapshot {
     /// snapshot is refused, since a forger could use it to replay old state.
     #[prost(bool, tag = "6")]
     pub epoch_reset: bool,
+    /// The fence a reset replaces: the epoch the host holds when the reset is
+    /// made (its last report's last_seen_epoch). Required with epoch_reset; a
+    /// host whose fence is any other epoch refuses the reset. A signed reset
+    /// is thus good once: replayed after the fence has moved on, it moves
+    /// nothing back.
+    #[prost(uint64, tag = "7")]
+    pub epoch_reset_from: u64,
 }
 /// A Snapshot and the signature over it. The bytes are kept exactly as they
 /// were signed (a re-encoding need not be byte-identical), and the signature

@@ -251,6 +251,7 @@ fn parse(text: &str, limits: SnapshotLimits) -> Result<Desired, Broken> {
             min_agent_version: top.min_agent_version,
             host_id: top.host_id,
             epoch_reset: top.epoch_reset,
+            epoch_reset_from: top.epoch_reset_from,
             ..pb::Snapshot::default()
         },
         ..Desired::default()
@@ -363,6 +364,7 @@ struct TopLevelValue<'a> {
     epoch: u64,
     host_id: String,
     epoch_reset: bool,
+    epoch_reset_from: u64,
     min_agent_version: String,
     vms: Vec<&'a RawValue>,
     volumes: Vec<&'a RawValue>,
@@ -398,6 +400,7 @@ impl<'de> Visitor<'de> for TopLevel {
                 "epoch" => out.epoch = map.next_value()?,
                 "host_id" => out.host_id = map.next_value()?,
                 "epoch_reset" => out.epoch_reset = map.next_value()?,
+                "epoch_reset_from" => out.epoch_reset_from = map.next_value()?,
                 "min_agent_version" => out.min_agent_version = map.next_value()?,
                 "vms" => {
                     out.vms = map.next_value_seed(Entries {
@@ -415,7 +418,7 @@ impl<'de> Visitor<'de> for TopLevel {
                 }
                 other => {
                     return Err(de::Error::custom(format!(
-                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms, volumes, host_id and epoch_reset"
+                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms, volumes, host_id, epoch_reset and epoch_reset_from"
                     )));
                 }
             }
