@@ -326,6 +326,49 @@ fn status_lists_the_hosts_claims_and_whose_they_are() {
     assert!(line_of("gone").contains("state dir gone"), "{text}");
 }
 
+#[test]
+fn epoch_moves_a_stopped_agents_fence() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let mut agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("first report", |_| true);
+    assert!(agent.stop(Signal::SIGTERM).success());
+    let state = agent.state.display().to_string();
+
+    let set = eitri(&["epoch", "--state-dir", &state, "--set", "4294967296"]);
+    let shown = eitri(&["epoch", "--state-dir", &state]);
+
+    assert!(
+        set.status.success(),
+        "{}",
+        String::from_utf8_lossy(&set.stderr)
+    );
+    let said = String::from_utf8_lossy(&shown.stdout);
+    assert!(said.contains("the fence is at epoch 4294967296"), "{said}");
+    let epoch = std::fs::read_to_string(agent.state.join("epoch")).expect("epoch");
+    assert_eq!(epoch.trim(), "4294967296");
+}
+
+#[test]
+fn epoch_is_refused_while_the_agent_runs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("first report", |_| true);
+
+    let out = eitri(&[
+        "epoch",
+        "--state-dir",
+        &agent.state.display().to_string(),
+        "--set",
+        "1",
+    ]);
+
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("in use by another eitri-agent"), "{stderr}");
+}
+
 /// A second agent started on `state` while the first runs, to its end
 /// (it waits for the lock a while, then gives up).
 fn second_agent_on(state: &Path) -> std::process::Output {

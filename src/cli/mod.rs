@@ -3,6 +3,7 @@
 //! 0 done; 1 the daemon or a command failed (2, a bad command line, is
 //! `main`'s, before anything here runs).
 
+mod epoch;
 mod images;
 mod keys;
 mod logs;
@@ -58,6 +59,7 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             devices,
             force,
         } => release::run(&state_dir, &agents_dir, &devices, force),
+        Command::Epoch { state_dir, set } => epoch::run(&state_dir, set),
         Command::Keygen { id, out } => keys::keygen(&id, &out),
         Command::Sign { key, file } => keys::sign(&key, &file),
         Command::Run(config) => {

@@ -45,6 +45,12 @@ pub enum Command {
     ImagesPrune {
         state_dir: PathBuf,
     },
+    /// Show the epoch fence a stopped agent's state dir holds, or move it
+    /// (the way back from an unsigned answer that raised it too far).
+    Epoch {
+        state_dir: PathBuf,
+        set: Option<u64>,
+    },
     /// End a state dir's claim on the host: take back what its agent was
     /// given (device ACL entries, cgroup roots) and free its ids.
     Release {
@@ -144,6 +150,7 @@ usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
        eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
        eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
+       eitri-agent epoch [--state-dir DIR] [--set N]   the epoch fence a stopped agent holds, or move it
        eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
        eitri-agent sign --key KEY-FILE FILE           sign a desired file: FILE.sig beside it
        eitri-agent --version | --help
@@ -301,6 +308,20 @@ fn images_usage() -> String {
     )
 }
 
+fn epoch_usage() -> String {
+    verb_usage(
+        "epoch [--state-dir DIR] [--set N]\n\n\
+         Prints the epoch fence the state dir holds: the highest epoch of desired\n\
+         state its agent accepted, below which a control plane's snapshots are\n\
+         refused as stale. With --set, moves it to N: the way back when an answer\n\
+         the agent should not have trusted (unsigned, without --trusted-keys)\n\
+         raised it past the real control plane's. Refused while the agent runs (it\n\
+         takes the state dir's lock); the agent accepts epoch N or later once\n\
+         started again.",
+        &[("set", "the epoch to move the fence to")],
+    )
+}
+
 fn release_usage() -> String {
     let [agents, kvm, userfaultfd] =
         [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice].map(|k| k.setting());
@@ -374,6 +395,22 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
                 _ => Err(err(usage)),
             }
         }
+        "epoch" if help => Ok(Command::Help(epoch_usage())),
+        "epoch" => {
+            let flags = flag_values(rest, &["state-dir", "set"], &[])?;
+            let set = match flags.get("set") {
+                None => None,
+                Some(n) => Some(n.parse::<u64>().map_err(|_| {
+                    err(format!(
+                        "--set {n:?}: not an epoch; give a whole number (0 to 18446744073709551615)"
+                    ))
+                })?),
+            };
+            Ok(Command::Epoch {
+                state_dir: state_dir_of(&flags, env),
+                set,
+            })
+        }
         "release" if help => Ok(Command::Help(release_usage())),
         "release" => {
             let keys = [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice];
@@ -402,7 +439,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, config, status, logs, images prune, release, keygen and sign (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, config, status, logs, images prune, epoch, release, keygen and sign (see eitri-agent --help)"
         ))),
     }
 }
