@@ -60,7 +60,12 @@ impl Core {
             let timeout = deadline
                 .remaining()
                 .map_or(probe.timeout, |left| probe.timeout.min(left));
-            match self.ask(vm_id, &probe.check, timeout.max(Duration::from_millis(1))) {
+            let timeout = timeout.max(Duration::from_millis(1));
+            let asked = match &probe.check {
+                Check::Serial(text) => self.console(vm_id, text, &mut state.console_searched),
+                check => self.ask(vm_id, check, timeout),
+            };
+            match asked {
                 Ok(()) => {
                     state.answered = Some(now);
                     state.failing_since = None;
@@ -119,27 +124,57 @@ impl Core {
                     }
                 })
             }
-            Check::Serial(text) => {
-                // The whole boot's console: a resumed guest does not print
-                // its boot line again, and what it printed before its
-                // suspend still counts.
-                let paths = self.store.layout().serial_of_this_boot(vm_id);
-                let mut budget = CONSOLE_TAIL;
-                for path in paths.iter().rev() {
-                    match console_holds(path, text.as_bytes(), budget) {
-                        Ok((true, _)) => return Ok(()),
-                        Ok((false, read)) => budget = budget.saturating_sub(read),
-                        // A segment may be gone under it (the oldest are
-                        // removed past the bound): the console itself may not.
-                        Err(_) if path != &self.store.layout().serial_log(vm_id) => {}
-                        Err(e) => return Err(format!("cannot read the console: {e}")),
-                    }
-                    if budget == 0 {
+            Check::Serial(text) => self.console(vm_id, text, &mut 0),
+        }
+    }
+
+    /// Whether a console line of this boot holds `text`. `searched` is how
+    /// much of the live console an earlier look of this hypervisor's
+    /// searched (0: none): only what the guest printed since is read (the
+    /// guest picks how much it prints; reading it all again every period
+    /// cost tens of ms a probe), and set to what this look searched.
+    fn console(&self, vm_id: &Id, text: &str, searched: &mut u64) -> Result<(), String> {
+        let layout = self.store.layout();
+        let live = layout.serial_log(vm_id);
+        let needle = text.as_bytes();
+        let unread = |e: std::io::Error| format!("cannot read the console: {e}");
+        let len = std::fs::metadata(&live).map_err(unread)?.len();
+        let holds = if *searched > 0 && len >= *searched {
+            // A line straddling the last look's end began before it.
+            let from = searched.saturating_sub(needle.len() as u64);
+            console_holds(&live, needle, from, CONSOLE_TAIL)
+                .map_err(unread)?
+                .0
+        } else {
+            // The whole boot's console: a resumed guest does not print its
+            // boot line again, and what it printed before its suspend
+            // still counts.
+            let paths = layout.serial_of_this_boot(vm_id);
+            let mut budget = CONSOLE_TAIL;
+            let mut holds = false;
+            for path in paths.iter().rev() {
+                match console_holds(path, needle, 0, budget) {
+                    Ok((true, _)) => {
+                        holds = true;
                         break;
                     }
+                    Ok((false, read)) => budget = budget.saturating_sub(read),
+                    // A segment may be gone under it (the oldest are
+                    // removed past the bound): the console itself may not.
+                    Err(_) if path != &live => {}
+                    Err(e) => return Err(unread(e)),
                 }
-                Err(format!("no console line holds {text:?} yet"))
+                if budget == 0 {
+                    break;
+                }
             }
+            holds
+        };
+        *searched = len.max(1);
+        if holds {
+            Ok(())
+        } else {
+            Err(format!("no console line holds {text:?} yet"))
         }
     }
 
@@ -305,13 +340,18 @@ fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, Str
         })
 }
 
-/// Whether a line of the console at `path` (its last [`CONSOLE_TAIL`]
-/// bytes) holds `text`.
-fn console_holds(path: &std::path::Path, text: &[u8], tail: u64) -> std::io::Result<(bool, u64)> {
+/// Whether a line of the console at `path`, from byte `from` on (at most
+/// its last `tail` bytes), holds `text`; and how many bytes were read.
+fn console_holds(
+    path: &std::path::Path,
+    text: &[u8],
+    from: u64,
+    tail: u64,
+) -> std::io::Result<(bool, u64)> {
     use std::io::{Seek, SeekFrom};
     let mut file = std::fs::File::open(path)?;
     let len = file.metadata()?.len();
-    file.seek(SeekFrom::Start(len.saturating_sub(tail)))?;
+    file.seek(SeekFrom::Start(len.saturating_sub(tail).max(from)))?;
     let mut bytes = Vec::new();
     file.take(tail).read_to_end(&mut bytes)?;
     let read = bytes.len() as u64;

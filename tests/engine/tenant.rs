@@ -241,6 +241,54 @@ fn a_serial_probe_holds_ready_back_until_the_console_has_its_line() {
     assert_eq!(h.row(VM).phase, Some(Phase::Ready));
 }
 
+/// The fake VM's console, made with `text`.
+fn console_says(h: &Harness, text: &str) -> std::path::PathBuf {
+    let console = h.store.layout().serial_log(&id(VM));
+    std::fs::create_dir_all(console.parent().expect("vm dir")).expect("vm dir");
+    std::fs::write(&console, text).expect("console");
+    console
+}
+
+#[test]
+fn a_serial_probe_does_not_read_again_what_it_has_searched() {
+    let h = Harness::new();
+    let snap = probed(1, Check::Serial("login:".into()), None);
+    h.tick(&snap);
+    let console = console_says(&h, "aaaaaaaaaaaa\n");
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+    // Bytes already searched, changed in place: a new look reads only
+    // what was printed since (a guest's console only grows).
+    std::fs::write(&console, "login: aaaaa\n").expect("rewrite");
+
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    assert_eq!(h.row(VM).phase, Some(Phase::Creating), "{:?}", h.row(VM));
+}
+
+#[test]
+fn a_serial_probe_finds_a_line_printed_across_two_looks() {
+    let h = Harness::new();
+    let snap = probed(1, Check::Serial("login:".into()), None);
+    h.tick(&snap);
+    let console = console_says(&h, "booting\nweb-1 log");
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+    let waiting = h.row(VM);
+    let mut file = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&console)
+        .expect("console");
+    std::io::Write::write_all(&mut file, b"in: \n").expect("append");
+
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    assert_eq!(waiting.phase, Some(Phase::Creating));
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+}
+
 #[test]
 fn a_tcp_probe_holds_ready_back_until_the_guest_listens() {
     let h = Harness::new();
