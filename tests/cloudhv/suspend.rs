@@ -194,6 +194,35 @@ fn a_snapshot_holding_a_file_cloud_hypervisor_never_writes_is_refused_and_the_vm
     );
 }
 
+#[test]
+fn a_snapshot_whose_config_turns_landlock_off_is_refused_and_the_vm_runs_on() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_FORGE", "landlock-off")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(row.last_error.contains("turns Landlock off"), "{row:?}");
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+}
+
+#[test]
+fn a_snapshot_whose_config_widens_landlock_is_refused() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_FORGE", "rule")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(
+        row.last_error.contains("a rule the agent did not"),
+        "{row:?}"
+    );
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+}
+
 /// A host whose VMMs cannot be given a userfaultfd device.
 pub(crate) fn without_userfaultfd() -> Host {
     let mut h = Host::new(&[]);

@@ -54,6 +54,8 @@
 //! - `STANDIN_SNAPSHOT_FAIL=1`: `vm.snapshot` answers 500.
 //! - `STANDIN_SNAPSHOT_EXTRA=name`: `vm.snapshot` also writes a file
 //!   called `name`, as a VMM its guest took over could.
+//! - `STANDIN_SNAPSHOT_FORGE=landlock-off|rule`: `vm.snapshot` writes a
+//!   `config.json` that turns Landlock off, or adds a rule for `/`.
 //! - `STANDIN_RESTORE_FAIL=1`: a restore logs an error and exits 1.
 //! - `STANDIN_SNAPSHOT_BIG=1`: `vm.snapshot` writes a memory file twice
 //!   the guest's memory.
@@ -240,6 +242,12 @@ struct Config {
     disks: Vec<String>,
     memory: String,
     nets: Vec<String>,
+    /// As the real one names them: whether it runs under Landlock, and
+    /// the rules it was given (`path`, `access`).
+    #[serde(default)]
+    landlock_enable: bool,
+    #[serde(default)]
+    landlock_rules: Option<Vec<serde_json::Value>>,
 }
 
 impl Config {
@@ -263,6 +271,19 @@ impl Config {
                 .collect(),
             memory: args.option("memory", "size").unwrap_or_default(),
             nets,
+            landlock_enable: args.has("landlock"),
+            landlock_rules: args.flags.get("landlock-rules").map(|rules| {
+                rules
+                    .iter()
+                    .map(|rule| {
+                        let field = |key: &str| {
+                            rule.split(',')
+                                .find_map(|kv| kv.strip_prefix(key).map(str::to_owned))
+                        };
+                        serde_json::json!({"path": field("path="), "access": field("access=")})
+                    })
+                    .collect()
+            }),
         }
     }
 
@@ -282,7 +303,16 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
     if !dir.is_dir() {
         return Err(format!("{} is not a directory", dir.display()));
     }
-    let json = serde_json::to_vec(config).map_err(|e| e.to_string())?;
+    let mut json = serde_json::to_value(config).map_err(|e| e.to_string())?;
+    if let Some(forged) = knob("STANDIN_SNAPSHOT_FORGE") {
+        // What a hypervisor its guest took over could write for its
+        // successor: Landlock off, or a rule of its own.
+        match forged.as_str() {
+            "landlock-off" => json["landlock_enable"] = false.into(),
+            _ => json["landlock_rules"] = serde_json::json!([{"path": "/", "access": "rw"}]),
+        }
+    }
+    let json = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
     let write = |name: &str, bytes: &[u8]| {
         std::fs::write(dir.join(name), bytes).map_err(|e| format!("{name}: {e}"))
     };

@@ -237,6 +237,7 @@ impl CloudHypervisor {
         suspend::Taken {
             disks,
             memory_bytes,
+            landlock: self.confined.landlock().unwrap_or(false),
         }
     }
 }

@@ -174,6 +174,9 @@ fn snapshot_to(socket: &Path, work: &Path, bound: Deadline, say: Say<'_>) -> io:
 pub(super) struct Taken {
     pub disks: Vec<PathBuf>,
     pub memory_bytes: u64,
+    /// Whether its hypervisor was booted under Landlock: then its snapshot's
+    /// configuration must say so too (see `vet_config`).
+    pub landlock: bool,
 }
 
 impl CloudHypervisor {
@@ -476,6 +479,9 @@ fn seal_and_commit(
             return Err(io::Error::other(format!("it has no {required}")));
         }
     }
+    if taken.landlock {
+        vet_config(&incoming.join("config.json"), work)?;
+    }
     files.sort_by(|a, b| a.name.cmp(&b.name));
     let manifest = Manifest {
         format: FORMAT,
@@ -497,6 +503,35 @@ fn seal_and_commit(
         bytes: allocated,
         in_memory: false,
     })
+}
+
+/// A restored hypervisor takes Landlock, and the paths it may reach, from
+/// the snapshot's `config.json`, which the hypervisor being saved wrote: a
+/// hypervisor its guest took over could turn Landlock off for its
+/// successor, or give it more to reach. Sealed (root's now, out of the
+/// VMM's sight), it must say what the agent booted with: Landlock on, and
+/// no rule but the one for the snapshot's work dir `work`.
+fn vet_config(config: &Path, work: &Path) -> io::Result<()> {
+    let text = fs::read(config)?;
+    let config: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| io::Error::other(format!("its config.json is not JSON: {e}")))?;
+    if config["landlock_enable"] != serde_json::Value::Bool(true) {
+        return Err(io::Error::other(
+            "its config.json turns Landlock off, which its hypervisor was booted with: a hypervisor its guest took over would free its successor",
+        ));
+    }
+    let work = work.to_string_lossy();
+    let rules = config["landlock_rules"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    if let Some(rule) = rules.iter().find(|r| r["path"] != *work) {
+        return Err(io::Error::other(format!(
+            "its config.json gives Landlock a rule the agent did not ({}): a hypervisor its guest took over would widen what its successor reaches",
+            crate::quote::text(&rule.to_string())
+        )));
+    }
+    Ok(())
 }
 
 /// Where a suspend moves its snapshot through (see the module's steps).
