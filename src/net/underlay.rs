@@ -563,6 +563,12 @@ fn forward_accepts(bridge: &str) -> [Vec<&str>; 2] {
     ]
 }
 
+/// `rule` after the iptables operation `op` (`-C`, `-I`, `-D`).
+#[cfg(target_os = "linux")]
+fn iptables_op<'a>(op: &'a str, rule: &[&'a str]) -> Vec<&'a str> {
+    std::iter::once(op).chain(rule.iter().copied()).collect()
+}
+
 /// Takes back what an ended claim's agent set up for its guests (see
 /// [`Underlay::setup`]): its nft tables (ip and bridge), or its iptables
 /// NAT chain and FORWARD accepts, and its bridge, once no port is left on
@@ -609,9 +615,9 @@ pub fn take_back(
         );
     }
     for rule in forward_accepts(b) {
-        let check: Vec<&str> = ["-C"].iter().copied().chain(rule.iter().copied()).collect();
+        let check = iptables_op("-C", &rule);
         if run("iptables", &check, None).is_ok() {
-            let delete: Vec<&str> = ["-D"].iter().copied().chain(rule.iter().copied()).collect();
+            let delete = iptables_op("-D", &rule);
             said(
                 format!("iptables {}", rule.join(" ")),
                 run("iptables", &delete, None),
@@ -635,9 +641,9 @@ fn accept_through_drop_policy(cfg: &UnderlayConfig) {
     }
     let b = cfg.bridge.as_str();
     for rule in forward_accepts(b) {
-        let check: Vec<&str> = ["-C"].iter().copied().chain(rule.iter().copied()).collect();
+        let check = iptables_op("-C", &rule);
         if run("iptables", &check, None).is_err() {
-            let insert: Vec<&str> = ["-I"].iter().copied().chain(rule.iter().copied()).collect();
+            let insert = iptables_op("-I", &rule);
             match run("iptables", &insert, None) {
                 Ok(_) => log::info!("FORWARD policy is DROP: accepting the underlay bridge {b}"),
                 Err(e) => log::warn!(

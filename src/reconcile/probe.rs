@@ -61,11 +61,7 @@ impl Core {
                 .remaining()
                 .map_or(probe.timeout, |left| probe.timeout.min(left));
             let timeout = timeout.max(Duration::from_millis(1));
-            let asked = match &probe.check {
-                Check::Serial(text) => self.console(vm_id, text, &mut state.console_searched),
-                check => self.ask(vm_id, check, timeout),
-            };
-            match asked {
+            match self.ask(vm_id, &probe.check, timeout, &mut state.console_searched) {
                 Ok(()) => {
                     state.answered = Some(now);
                     state.failing_since = None;
@@ -102,7 +98,15 @@ impl Core {
     }
 
     /// Whether the guest answers `check` now; why not, if it does not.
-    fn ask(&self, vm_id: &Id, check: &Check, timeout: Duration) -> Result<(), String> {
+    /// `searched` is how much of the live console a serial check of this
+    /// hypervisor has read (see [`Core::console`]).
+    fn ask(
+        &self,
+        vm_id: &Id,
+        check: &Check,
+        timeout: Duration,
+        searched: &mut Option<u64>,
+    ) -> Result<(), String> {
         match check {
             Check::Tcp(port) => {
                 let Some(ip) = self.prov.address(vm_id) else {
@@ -124,24 +128,24 @@ impl Core {
                     }
                 })
             }
-            Check::Serial(text) => self.console(vm_id, text, &mut 0),
+            Check::Serial(text) => self.console(vm_id, text, searched),
         }
     }
 
     /// Whether a console line of this boot holds `text`. `searched` is how
     /// much of the live console an earlier look of this hypervisor's
-    /// searched (0: none): only what the guest printed since is read (the
-    /// guest picks how much it prints; reading it all again every period
-    /// cost tens of ms a probe), and set to what this look searched.
-    fn console(&self, vm_id: &Id, text: &str, searched: &mut u64) -> Result<(), String> {
+    /// searched: only what the guest printed since is read (the guest picks
+    /// how much it prints; reading it all again every period cost tens of
+    /// ms a probe), and it is set to what this look searched.
+    fn console(&self, vm_id: &Id, text: &str, searched: &mut Option<u64>) -> Result<(), String> {
         let layout = self.store.layout();
         let live = layout.serial_log(vm_id);
         let needle = text.as_bytes();
         let unread = |e: std::io::Error| format!("cannot read the console: {e}");
         let len = std::fs::metadata(&live).map_err(unread)?.len();
-        let holds = if *searched > 0 && len >= *searched {
+        let holds = if let Some(seen) = searched.filter(|seen| len >= *seen) {
             // A line straddling the last look's end began before it.
-            let from = searched.saturating_sub(needle.len() as u64);
+            let from = seen.saturating_sub(needle.len() as u64);
             console_holds(&live, needle, from, CONSOLE_TAIL)
                 .map_err(unread)?
                 .0
@@ -170,7 +174,7 @@ impl Core {
             }
             holds
         };
-        *searched = len.max(1);
+        *searched = Some(len);
         if holds {
             Ok(())
         } else {

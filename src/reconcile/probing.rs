@@ -18,8 +18,8 @@ pub(crate) struct ProbeState {
     pub next_at: SystemTime,
     /// The last probe's result, for the row.
     pub last: String,
-    /// How much of the live console a serial probe has searched (0: none).
-    pub console_searched: u64,
+    /// How much of the live console a serial probe has searched.
+    pub console_searched: Option<u64>,
 }
 
 /// Every VM's probe state, keyed by VM.
@@ -34,6 +34,6 @@ pub(crate) fn fresh(pid: Option<u32>, now: SystemTime) -> ProbeState {
         failing_since: None,
         next_at: now,
         last: String::new(),
-        console_searched: 0,
+        console_searched: None,
     }
 }
