@@ -1157,27 +1157,38 @@ mod booted {
         );
     }
 
-    #[test]
-    fn a_full_state_dir_spends_no_create_attempt_and_the_vm_boots_once_there_is_room() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        // A state dir of 4 MiB with room for the 1 MiB image and the
-        // agent's files, but not for the VM's copy of it. Mounted first,
-        // unmounted last: after the VMMs `boot` ends.
-        let disk = eitri_agent::testkit::tmpfs::Tmpfs::mount(&dir.path().join("state"), "4m");
-        let boot = Booting::new(dir.path());
+    /// A state dir of 4 MiB with room for the 1 MiB image and the agent's
+    /// files, but not for the VM's copy of it, whose `filler` holds the
+    /// room the VM lacks; `full-1` desired. Mounted first, so unmounted
+    /// last: after the VMMs of the `Booting` end.
+    fn full_state_dir(dir: &Path) -> (eitri_agent::testkit::tmpfs::Tmpfs, Booting, PathBuf) {
+        let disk = eitri_agent::testkit::tmpfs::Tmpfs::mount(&dir.join("state"), "4m");
+        let boot = Booting::new(dir);
         let filler = disk.path().join("filler");
         std::fs::write(&filler, vec![0x5a; 5 << 19]).expect("filler");
         desired(
-            dir.path(),
+            dir,
             &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("full-1", "")),
         );
+        (disk, boot, filler)
+    }
 
-        let agent = boot.start(dir.path(), &[]);
-        let waiting = agent.wait_report("the create stopped by the full disk", |r| {
+    /// Waits for `full-1`'s create to be stopped by the full disk.
+    fn wait_until_full(agent: &Agent) -> serde_json::Value {
+        agent.wait_report("the create stopped by the full disk", |r| {
             row_of(r, "full-1")["last_error"]
                 .as_str()
                 .is_some_and(|e| e.contains("No space left"))
-        });
+        })
+    }
+
+    #[test]
+    fn a_full_state_dir_spends_no_create_attempt_and_the_vm_boots_once_there_is_room() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_disk, boot, filler) = full_state_dir(dir.path());
+
+        let agent = boot.start(dir.path(), &[]);
+        let waiting = wait_until_full(&agent);
         std::thread::sleep(Duration::from_secs(1));
         let record = std::fs::read(agent.state.join("vms/full-1/record.json")).expect("record");
         let record: serde_json::Value = serde_json::from_slice(&record).expect("json");
@@ -1195,6 +1206,34 @@ mod booted {
         assert_eq!(record["record"]["create_attempts"], 0, "{record}");
         assert_eq!(record["record"]["waiting_for_host"], true, "{record}");
         assert_eq!(row_of(&ready, "full-1")["power_state"], "running");
+        let log = agent.log_text();
+        assert_eq!(log.matches("No space left").count(), 1, "{log}");
+    }
+
+    #[test]
+    fn a_create_that_met_a_full_state_dir_is_not_tried_again_before_there_is_more_room() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_disk, boot, _filler) = full_state_dir(dir.path());
+        let metrics = dir.path().join("eitri.prom");
+        let metric = |name: &str| -> u64 {
+            std::fs::read_to_string(&metrics)
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or(0)
+        };
+
+        let agent = boot.start(
+            dir.path(),
+            &["--metrics-file", &metrics.display().to_string()],
+        );
+        wait_until_full(&agent);
+        let ticks = metric("eitri_tick_duration_seconds_count");
+        wait_for("five more ticks", || {
+            metric("eitri_tick_duration_seconds_count") > ticks + 5
+        });
+
+        assert_eq!(metric("eitri_create_attempts_total"), 1);
         let log = agent.log_text();
         assert_eq!(log.matches("No space left").count(), 1, "{log}");
     }

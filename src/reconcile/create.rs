@@ -7,7 +7,8 @@
 //! 1. A spec change starts the budget over. An attempt is made only when
 //!    the lifecycle says one is due: a failed one waits out its backoff, a
 //!    budget spent on transient errors waits for its re-arm, a permanent
-//!    error waits for a new spec (see `lifecycle`).
+//!    error waits for a new spec (see `lifecycle`). A create that met a
+//!    full filesystem waits for more room there, or a minute.
 //! 2. With `host_cert_required`, the host key is loaded or made; without a
 //!    certificate yet, its public line is saved and the pass waits for one
 //!    (with one, the attempt's save in 4 records the line).
@@ -29,7 +30,7 @@
 use std::sync::Arc;
 
 use super::lifecycle::{self, Attempts, State};
-use super::pass::{CREATE_STAGE, Core, Narrator, Pass, VmResult};
+use super::pass::{CREATE_STAGE, Core, Narrator, Pass, VmResult, Waiting};
 use super::seams::{HostKey, Progress, SeedParams};
 use super::volumes;
 use crate::deadline::Deadline;
@@ -56,13 +57,17 @@ impl Core {
             log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
             return self.report_recorded(pass.res, &rec, PowerState::Running);
         }
-        if !self.attempt_due(&mut rec, now) {
+        if !self.attempt_due(&mut rec, now) || self.still_full(vm_id, now) {
             return self.report_recorded(pass.res, &rec, PowerState::Stopped);
         }
         let mut attempt = Attempt {
             core: self,
             deadline: pass.deadline,
             counted: false,
+            waited: rec
+                .lifecycle
+                .waiting_for_host()
+                .then(|| rec.lifecycle.last_error().to_owned()),
         };
         let host_key = match self.host_key(d, &mut rec, pass.res) {
             Ok(HostKeyStage::Go(key)) => key,
@@ -146,6 +151,18 @@ impl Core {
             | State::Resuming
             | State::Quarantined { .. } => false,
         }
+    }
+
+    /// Whether the VM waits for room on a filesystem that has no more of
+    /// it than when its create last met it full (and not for long: see
+    /// [`Waiting::full`](super::pass::Waiting)).
+    fn still_full(&self, vm_id: &crate::model::Id, now: std::time::SystemTime) -> bool {
+        let Some((free, since)) = self.waiting.lock().get(vm_id).and_then(|w| w.full) else {
+            return false;
+        };
+        let grown = crate::state::Room::at(self.store.root())
+            .is_none_or(|room| room.free > free.saturating_add(ROOM_GROWN));
+        !grown && now < since + ROOM_RECHECK
     }
 
     /// The VM's host key (step 2), when it is to present a certificate:
@@ -347,12 +364,23 @@ fn seed_params(d: &DesiredVm, host_key: Option<HostKey>) -> SeedParams {
     }
 }
 
+/// How much more room a full filesystem must have before a create that
+/// met it full is tried again: more than the agent's own writes (its
+/// report, its metrics) move it by from one tick to the next.
+const ROOM_GROWN: u64 = 1 << 20;
+
+/// How long a create that met a full filesystem waits, at most, before it
+/// is tried again with no more room seen.
+const ROOM_RECHECK: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// The budget bookkeeping of one create attempt.
 struct Attempt<'a> {
     core: &'a Core,
     deadline: Deadline,
     /// Whether this pass counted an attempt; only a counted one is refunded.
     counted: bool,
+    /// What the VM waited for before this pass, if it waited for the host.
+    waited: Option<String>,
 }
 
 impl Attempt<'_> {
@@ -362,7 +390,7 @@ impl Attempt<'_> {
     /// checks again. Saved only when the account changes, so a VM
     /// waiting for a fixed host costs no write per tick.
     fn wait_for_host(&self, rec: Record, error: String, res: &mut VmResult) {
-        self.wait(rec, error, String::new(), res);
+        self.wait(rec, error, String::new(), None, res);
     }
 
     /// A full filesystem (or a spent quota) met on the way: the host must
@@ -370,23 +398,40 @@ impl Attempt<'_> {
     /// the state dir's filesystem has left.
     fn wait_for_room(&self, rec: Record, error: String, res: &mut VmResult) {
         let core = self.core;
-        let room = crate::state::room_at(core.store.root())
+        let room = crate::state::Room::at(core.store.root());
+        let said = room
+            .as_ref()
             .map(|room| format!("; {room}: make room there, and it is created again by itself"))
             .unwrap_or_default();
-        self.wait(rec, error, room, res);
+        let full = room.map(|room| (room.free, core.host.now()));
+        self.wait(rec, error, said, full, res);
     }
 
     /// `error` is what failed, `said` what the row adds to it (the free
     /// room, which changes as the host writes): a VM still waiting on the
-    /// same failure is not logged or saved again.
-    fn wait(&self, mut rec: Record, error: String, said: String, res: &mut VmResult) {
+    /// same failure is not logged again, and its record is saved again
+    /// only to take back the attempt this pass saved.
+    fn wait(
+        &self,
+        mut rec: Record,
+        error: String,
+        said: String,
+        full: Option<(u64, std::time::SystemTime)>,
+        res: &mut VmResult,
+    ) {
         let core = self.core;
-        let unchanged =
-            rec.lifecycle.waiting_for_host() && rec.lifecycle.last_error().starts_with(&error);
+        let unchanged = self
+            .waited
+            .as_deref()
+            .is_some_and(|waited| waited.starts_with(&error));
         let error = error + &said;
-        core.waiting
-            .lock()
-            .insert(rec.spec.vm_id.clone(), error.clone());
+        core.waiting.lock().insert(
+            rec.spec.vm_id.clone(),
+            Waiting {
+                said: error.clone(),
+                full,
+            },
+        );
         rec.host_not_ready(error, self.counted);
         if !unchanged {
             core.counts.create_failures.inc("host");
@@ -395,6 +440,8 @@ impl Attempt<'_> {
                 "cannot create it until the host is fixed",
                 rec.lifecycle.last_error(),
             );
+        }
+        if !unchanged || self.counted {
             core.save_best_effort(&rec);
         }
         core.report_recorded(res, &rec, PowerState::Stopped);

@@ -50,7 +50,7 @@ use parking_lot::Mutex;
 
 pub use admission::HostCaps;
 use admission::{CreateSlots, Ledger};
-use pass::{Assignment, Core};
+use pass::{Assignment, Core, Waiting};
 use seams::{HostFacts, HostKeys, Images, SeedBuilder};
 use workers::{Pokes, Workers};
 
@@ -294,7 +294,7 @@ impl Engine {
     pub fn host_condition(&self) -> Option<String> {
         self.core.prov.host_condition().or_else(|| {
             let waiting = self.core.waiting.lock();
-            let (vm_id, said) = waiting.first_key_value()?;
+            let (vm_id, Waiting { said, .. }) = waiting.first_key_value()?;
             let others = match waiting.len() - 1 {
                 0 => String::new(),
                 n => format!(" (and {n} more VMs wait)"),

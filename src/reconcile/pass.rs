@@ -207,7 +207,20 @@ pub(crate) struct Core {
     /// The VMs whose create waits for the host to be fixed (a full
     /// filesystem, an image server out of reach, what the backend lacks),
     /// with what the row of each says: the host's condition while any waits.
-    pub waiting: parking_lot::Mutex<std::collections::BTreeMap<Id, String>>,
+    pub waiting: parking_lot::Mutex<std::collections::BTreeMap<Id, Waiting>>,
+}
+
+/// A VM whose create waits for the host to be fixed.
+#[derive(Clone, Debug)]
+pub(crate) struct Waiting {
+    /// What its row says.
+    pub said: String,
+    /// For a full filesystem: how many bytes it had free when the create
+    /// met it, and when. The create is tried again only once there is
+    /// more room, or a while later (a quota, which the free bytes do not
+    /// show, may have been raised): an attempt on an unchanged full disk
+    /// would only fail again, and write its record twice doing so.
+    pub full: Option<(u64, std::time::SystemTime)>,
 }
 
 /// What [`Engine::watch_stages`] is given: the VM and its create's stages.

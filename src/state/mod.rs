@@ -25,18 +25,42 @@ pub use lifecycle::Lifecycle;
 pub use record::{RECORD_FORMAT, Record};
 pub use store::{RecordSlot, Store, Swept, Unsynced};
 
-/// What room is left for the agent on the filesystem holding `path`, as an
-/// operator reads it: "the filesystem of PATH has 0.5 MiB free of 4.0 MiB".
-/// `None` when the filesystem cannot be asked.
-pub fn room_at(path: &std::path::Path) -> Option<String> {
-    const MIB: f64 = (1u64 << 20) as f64;
-    let fs = nix::sys::statvfs::statvfs(path).ok()?;
-    let block = fs.fragment_size() as f64;
-    // What an unprivileged writer may use; root has the reserve on top.
-    let free = fs.blocks_available() as f64 * block / MIB;
-    let size = fs.blocks() as f64 * block / MIB;
-    Some(format!(
-        "the filesystem of {} has {free:.1} MiB free of {size:.1} MiB",
-        path.display()
-    ))
+/// What room is left for the agent on the filesystem holding a path:
+/// shown as an operator reads it, "the filesystem of PATH has 0.5 MiB free
+/// of 4.0 MiB".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Room {
+    pub path: std::path::PathBuf,
+    /// What an unprivileged writer may still use, in bytes (root has the
+    /// filesystem's reserve on top).
+    pub free: u64,
+    pub size: u64,
+}
+
+impl Room {
+    /// The room at `path` now; `None` when its filesystem cannot be asked.
+    // The counts are u64 on Linux, narrower on macOS.
+    #[allow(clippy::useless_conversion)]
+    pub fn at(path: &std::path::Path) -> Option<Room> {
+        let fs = nix::sys::statvfs::statvfs(path).ok()?;
+        let block = u64::from(fs.fragment_size());
+        Some(Room {
+            path: path.to_path_buf(),
+            free: u64::from(fs.blocks_available()).saturating_mul(block),
+            size: u64::from(fs.blocks()).saturating_mul(block),
+        })
+    }
+}
+
+impl std::fmt::Display for Room {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const MIB: f64 = (1u64 << 20) as f64;
+        write!(
+            f,
+            "the filesystem of {} has {:.1} MiB free of {:.1} MiB",
+            self.path.display(),
+            self.free as f64 / MIB,
+            self.size as f64 / MIB
+        )
+    }
 }
