@@ -19,7 +19,7 @@
 //!   vms/<vm_id>/hypervisor.log                 the VMM's output
 //!   vms/<vm_id>/serial.log                     the guest's serial console
 //!   vms/<vm_id>/serial.<n>.log                 its console before its n-th resume (a restored VMM starts its own)
-//!   vms/<vm_id>/snapshot.tmp                   cloud-hypervisor: where its VMM writes a snapshot, the VMM's own
+//!   vms/<vm_id>/snapshot.tmp                   cloud-hypervisor: where its VMM writes a snapshot, its own only while it does
 //!   vms/<vm_id>/snapshot                       a suspended guest's snapshot, committed by rename, root's
 //!   vms/<vm_id>/snapshot/manifest.json         the agent's account of it: its files, the disks it was taken with
 //!   vms/<vm_id>/.snapshot-new                  a snapshot being committed, its files moved in from snapshot.tmp
@@ -192,8 +192,9 @@ impl Layout {
         out
     }
 
-    /// Where the VM's VMM writes a snapshot (cloud-hypervisor): made its
-    /// own before it starts, bound into its view.
+    /// Where the VM's VMM writes a snapshot (cloud-hypervisor): made
+    /// before it starts and bound into its view, its own only for the
+    /// length of a snapshot.
     pub fn snapshot_work(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("snapshot.tmp")
     }
@@ -208,7 +209,7 @@ impl Layout {
     }
 
     /// A snapshot being committed: its files are moved here from
-    /// [`Layout::snapshot_work`], which stays its VMM's, then it is renamed
+    /// [`Layout::snapshot_work`], which is the agent's again, then it is renamed
     /// to [`Layout::snapshot`].
     pub fn snapshot_incoming(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join(".snapshot-new")

@@ -797,9 +797,20 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
         kvm,
         userfaultfd: Some(userfaultfd),
         cgroup_root: format!("{TEST_ROOT_PREFIX}{}", std::process::id()),
+        // VMM users of this process's own, as each agent takes its own
+        // from the host's registry: a test's VMMs are told apart from
+        // another's running beside it by their user too.
+        first_id: TEST_FIRST_ID + (std::process::id() % (1 << 20)) * TEST_ID_COUNT,
+        id_count: TEST_ID_COUNT,
         ..crate::provision::Confinement::default()
     }
 }
+
+/// Where the test processes' VMM users begin: below an agent's default
+/// range (1.9e9 up) at any pid.
+const TEST_FIRST_ID: u32 = 200_000_000;
+/// How many VMM users each test process has (a bench's bursts included).
+const TEST_ID_COUNT: u32 = 1024;
 
 /// A test's cgroup root is this and its process's pid.
 const TEST_ROOT_PREFIX: &str = "eitri-test-";

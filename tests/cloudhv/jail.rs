@@ -81,6 +81,45 @@ fn a_vmm_cannot_grow_its_seed() {
 }
 
 #[test]
+fn a_vmm_cannot_write_its_snapshot_directory_outside_a_suspend() {
+    // Its own from its start, it was storage the VMM could fill, file
+    // after file, for its whole life.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let work = dir.path().join("state/vms/vm-1/snapshot.tmp");
+    let into = work.display().to_string();
+    let h = Host::in_dir(dir, &[("STANDIN_WRITE_INTO", into.as_str())]);
+
+    h.backend
+        .boot(&h.spec("vm-1"), Deadline::NONE)
+        .expect("boot");
+
+    let said = standin_said(&h, "vm-1", "standin-write");
+    assert!(said.contains("refused: Permission denied"), "{said}");
+    assert_eq!(std::fs::read_dir(&work).expect("the directory").count(), 0);
+}
+
+#[test]
+fn an_adopted_vmms_snapshot_directory_is_closed_to_it_and_emptied() {
+    // As an older agent left it: the VMM's, holding what it kept there.
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let work = h.store.layout().snapshot_work(&id("vm-1"));
+    let uid = std::os::unix::fs::MetadataExt::uid(
+        &std::fs::metadata(h.store.layout().root_disk(&id("vm-1"))).expect("disk"),
+    );
+    assert_ne!(uid, 0, "the disk is its VMM user's");
+    std::os::unix::fs::chown(&work, Some(uid), Some(uid)).expect("chown");
+    std::fs::write(work.join("kept"), b"kept").expect("kept");
+
+    let h = h.restart();
+
+    let meta = std::fs::metadata(&work).expect("the directory");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), 0);
+    assert_eq!(std::fs::read_dir(&work).expect("read").count(), 0);
+    assert!(h.backend.running(&id("vm-1")), "adopted, not stopped");
+}
+
+#[test]
 fn a_vmm_cannot_grow_a_disk_past_the_largest_of_its_disks() {
     let dir = tempfile::tempdir().expect("tempdir");
     let disk = dir.path().join("state/vms/vm-1/disk.raw");

@@ -122,7 +122,7 @@ pub(crate) fn a_restored_hypervisor_is_jailed_in_namespaces_of_its_own_on(h: Hos
         .and_then(|l| l.split_whitespace().next())
         .and_then(|u| u.parse::<u32>().ok())
         .expect("uid");
-    assert!(uid >= 1_900_000_000, "runs as its VM's own user: {uid}");
+    assert_ne!(uid, 0, "runs as its VM's own user, not root");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
 }
 
@@ -331,4 +331,79 @@ pub(crate) fn a_cold_boot_does_not_count_the_line_its_last_boot_printed_on(h: Ho
     let this_boot = layout.serial_of_this_boot(&id("vm-1"));
 
     assert_eq!(this_boot, [layout.serial_log(&id("vm-1"))], "{this_boot:?}");
+}
+
+/// How much the files in the VM's snapshot directory hold on disk.
+fn snapshot_work_bytes(h: &Host, vm: &str) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(h.store.layout().snapshot_work(&id(vm)))
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.blocks() * 512)
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// The most the stand-in said it had flooded its snapshot directory with.
+fn flooded_mib(h: &Host, vm: &str) -> u64 {
+    super::jail::standin_said(h, vm, "standin-flood")
+        .lines()
+        .filter_map(|l| l.split_whitespace().rev().nth(1)?.parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+/// A VMM that writes past its guest's memory into its snapshot: killed
+/// near the bound, what it wrote removed, the row saying why.
+fn killed_for_flooding(how: &str) {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_FLOOD", how)]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let memory_mib = h.spec("vm-1").mem_mb;
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert!(
+        row.last_error.contains("into its snapshot directory"),
+        "{row:?}"
+    );
+    wait_until("the flooding VMM gone", || vmms_of(&h, "vm-1") == 0);
+    // The bound: its memory and 64 MiB, plus what it writes between two
+    // measures (a 16 MiB file each 10 ms here, a poll each 10 ms, and the
+    // measure's and the kill's own time).
+    let flooded = flooded_mib(&h, "vm-1");
+    assert!(
+        flooded <= memory_mib + 64 + 48,
+        "{flooded} MiB written, memory {memory_mib} MiB: {row:?}"
+    );
+    assert_eq!(snapshot_work_bytes(&h, "vm-1"), 0);
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+}
+
+#[test]
+fn a_vmm_filling_its_snapshot_directory_past_its_guests_memory_is_killed() {
+    killed_for_flooding("named");
+}
+
+#[test]
+fn a_vmm_hiding_what_it_writes_in_its_snapshot_directory_by_unlinking_it_is_killed() {
+    killed_for_flooding("unnamed");
+}
+
+#[test]
+fn a_vmm_that_keeps_a_snapshot_file_open_after_the_snapshot_is_killed() {
+    let h = Host::new(&[
+        ("STANDIN_SNAPSHOT_HOLD", "1"),
+        ("STANDIN_SNAPSHOT_FAIL", ""),
+    ]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert!(row.last_error.contains("kept 1 file(s)"), "{row:?}");
+    wait_until("the VMM gone", || vmms_of(&h, "vm-1") == 0);
 }

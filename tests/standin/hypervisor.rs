@@ -59,6 +59,15 @@
 //! - `STANDIN_RESTORE_FAIL=1`: a restore logs an error and exits 1.
 //! - `STANDIN_SNAPSHOT_BIG=1`: `vm.snapshot` writes a memory file twice
 //!   the guest's memory.
+//! - `STANDIN_SNAPSHOT_FLOOD=named|unnamed`: `vm.snapshot` goes on to fill
+//!   its directory with 16 MiB files (up to 1 GiB), each left there or
+//!   unlinked and held open, and logs how far it got
+//!   (`standin-flood N MiB`): storage a VMM its guest took over could take.
+//! - `STANDIN_SNAPSHOT_HOLD=1`: `vm.snapshot` keeps its memory file open
+//!   for writing after it answers.
+//! - `STANDIN_WRITE_INTO=dir`: try to create a file in that directory at
+//!   start, and log what came of it (`standin-write dir written|refused:
+//!   why`).
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -344,7 +353,41 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
     if let Some(name) = knob("STANDIN_SNAPSHOT_EXTRA") {
         write(&name, b"planted")?;
     }
+    if let Some(how) = knob("STANDIN_SNAPSHOT_FLOOD") {
+        flood_dir(dir, how == "unnamed");
+    }
+    if knob("STANDIN_SNAPSHOT_HOLD").is_some() {
+        // Open past the answer: written to whenever it likes.
+        std::mem::forget(memory);
+    }
     Ok(())
+}
+
+/// Fills `dir` with 16 MiB files, up to 1 GiB, logging the total after
+/// each; `unnamed`: each unlinked as soon as made, and held open.
+fn flood_dir(dir: &Path, unnamed: bool) {
+    const FILE: i64 = 16 << 20;
+    // Its stderr: the VM's hypervisor log, as its log file is.
+    let log = Log(None);
+    let mut held = Vec::new();
+    for i in 0..64 {
+        let path = dir.join(format!("flood-{i}"));
+        let Ok(file) = File::create(&path) else {
+            return;
+        };
+        if unnamed {
+            let _ = std::fs::remove_file(&path);
+        }
+        if let Err(e) = nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), 0, FILE) {
+            log.line(&format!("standin-flood stopped: {e}"));
+            return;
+        }
+        log.line(&format!("standin-flood {} MiB", (i + 1) * 16));
+        held.push(file);
+        // 1.6 GB/s: a fast disk's pace.
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::mem::forget(held);
 }
 
 /// Writes numbered lines to `path` at `rate` bytes a second, forever.
@@ -541,6 +584,14 @@ fn main() {
             };
             log.line(&format!("standin-look {path} {seen}"));
         }
+    }
+    if let Some(dir) = knob("STANDIN_WRITE_INTO") {
+        // What a VMM its guest took over tries: storage of its own.
+        let said = match File::create(Path::new(&dir).join("standin-planted")) {
+            Ok(_) => "written".to_owned(),
+            Err(e) => format!("refused: {e}"),
+        };
+        log.line(&format!("standin-write {dir} {said}"));
     }
     if let Some(path) = knob("STANDIN_GROW") {
         // What a VMM its guest took over tries: the file grown to 1 TiB.

@@ -32,6 +32,17 @@ impl CloudHypervisor {
                 continue;
             }
             if known.contains(&vm_id) {
+                // An older agent left it the VMM's for its whole life:
+                // the agent's from now on, and what was kept there gone.
+                let work = self.store.layout().snapshot_work(&vm_id);
+                if work.is_dir()
+                    && let Err(e) = super::suspend::fresh_work_dir(&work)
+                {
+                    log::warn!(
+                        "VM {vm_id}: cannot close {} to its hypervisor: {e}",
+                        work.display()
+                    );
+                }
                 if Tracked::read(&self.store.layout().pidfile(&vm_id)) != Some(tracked) {
                     self.take_over(&vm_id, tracked);
                 } else if let Some(watch) = &self.watch {

@@ -38,6 +38,7 @@ mod suspend;
 pub mod tap;
 mod vmm;
 mod watch;
+mod window;
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;

@@ -65,7 +65,9 @@ impl CloudHypervisor {
             .collect();
         let limits = spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults);
         let lend = |id| {
-            super::suspend::fresh_work_dir(&files.snapshot_work, id)?;
+            // The agent's, closed to the VMM but for its snapshots (see
+            // `window`).
+            super::suspend::fresh_work_dir(&files.snapshot_work)?;
             match (launch, id) {
                 (Launch::Restore { snapshot, .. }, Some(id)) => super::suspend::lend(snapshot, id),
                 _ => Ok(()),

@@ -79,7 +79,7 @@ impl CloudHypervisor {
 const LEFTOVER_KILL: Duration = Duration::from_secs(2);
 
 /// The pids of every process whose real, effective or saved uid is `uid`.
-fn processes_of(uid: u32) -> Vec<i32> {
+pub(super) fn processes_of(uid: u32) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };

@@ -1,16 +1,20 @@
 //! Suspend and resume on cloud-hypervisor: the guest's snapshot beside its
 //! disks, and no VMM while it sleeps.
 //!
-//! Where (see [`Layout`](crate::state::Layout)): `snapshot.tmp/` is the
-//! VMM's to write (made empty and its own before every start, bound into
-//! its view, allowed by its Landlock rules); `snapshot/` is a committed
+//! Where (see [`Layout`](crate::state::Layout)): `snapshot.tmp/` is where
+//! the VMM writes (made empty before every start, bound into its view,
+//! allowed by its Landlock rules, but the agent's and closed to the VMM
+//! except while it writes a snapshot: see `window`); `snapshot/` is a committed
 //! snapshot, whole by construction; `.snapshot-discarded/` one on its way
 //! out.
 //!
 //! Suspend, in order:
 //! 1. The guest is paused (`vm.pause`).
 //! 2. `snapshot.tmp/` is emptied (never replaced: the VMM's view holds that
-//!    directory) and `vm.snapshot` writes its files there.
+//!    directory), lent to the VMM, and `vm.snapshot` writes its files
+//!    there, measured as it writes; once it answers, the directory is the
+//!    agent's again (a VMM that wrote past its guest's memory, or holds on
+//!    to what it wrote, is killed: `window`).
 //! 3. Sealed, each file: a regular file of one link and an expected name,
 //!    opened without following a link, made root's, its size bounded (the
 //!    memory file by the guest's memory, the rest by 64 MiB),
@@ -21,7 +25,7 @@
 //! 4. Committed: an older snapshot discarded, `.snapshot-new/` renamed to
 //!    `snapshot/`, the VM's directory synced. A crash before leaves a
 //!    paused VMM and no snapshot; after, a whole snapshot. `snapshot.tmp/`
-//!    stays the VMM's, empty: a suspend cut short is done again in it.
+//!    stays, empty: a suspend cut short is done again in it.
 //! 5. The VMM stopped: asked to shut down, then signalled (a paused guest
 //!    hears no power button), and whatever it forked ended.
 //!
@@ -62,7 +66,7 @@ use serde::{Deserialize, Serialize};
 
 use super::argv::{Launch, MemoryRestore};
 use super::error::CloudHvError;
-use super::{CloudHypervisor, api};
+use super::{CloudHypervisor, api, window};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Saved, VmSpec};
@@ -262,8 +266,12 @@ impl CloudHypervisor {
         // A dense 1 GiB guest takes seconds; the pass's deadline bounds it
         // (an hour without one).
         let bound = deadline.capped(Duration::from_secs(3600));
-        timed("snapshot", || snapshot_to(&socket, &work, bound, say))
-            .map_err(|e| failed(vm_id, "save its guest", e))?;
+        timed("snapshot", || {
+            self.snapshot_window(vm_id, &work, taken, || {
+                snapshot_to(&socket, &work, bound, say)
+            })
+        })
+        .map_err(|e| failed(vm_id, "save its guest", e))?;
         crate::crash::point("suspend.snapshot-written");
         let paths = SnapshotPaths {
             incoming: layout.snapshot_incoming(vm_id),
@@ -275,6 +283,40 @@ impl CloudHypervisor {
             seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
         })
         .map_err(|e| failed(vm_id, "commit its snapshot", e))
+    }
+
+    /// Runs `call` with the VM's snapshot directory `work` open to its
+    /// VMM, and bounded (see `window`). A VMM that breaks the bound is
+    /// killed, and what it wrote removed. An unjailed VMM runs as the
+    /// agent's own user: nothing is its alone to open or close.
+    fn snapshot_window(
+        &self,
+        vm_id: &Id,
+        work: &Path,
+        taken: &Taken,
+        call: impl FnOnce() -> io::Result<()>,
+    ) -> io::Result<()> {
+        let uid = self
+            .confined
+            .ids
+            .as_ref()
+            .ok()
+            .and_then(|ids| ids.get(vm_id));
+        let Some(uid) = uid else {
+            return call();
+        };
+        let budget = taken.memory_bytes.saturating_add(window::MARGIN);
+        let kill = || {
+            let _ = self.end_leftovers(vm_id, &|_| {});
+        };
+        match window::during(work, uid, budget, &kill, call)? {
+            Ok(done) => done,
+            Err(overrun) => {
+                log::error!("VM {vm_id}: {overrun}");
+                let _ = empty_dir(work);
+                Err(io::Error::other(overrun.to_string()))
+            }
+        }
     }
 
     /// Resumes the VM (see the module's steps).
@@ -628,9 +670,9 @@ fn empty_dir(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// `path` made an empty directory of `owner`'s (root's with `None`), 0700,
-/// whatever was there: what a new VMM writes its snapshot into.
-pub(super) fn fresh_work_dir(path: &Path, owner: Option<u32>) -> io::Result<()> {
+/// `path` made an empty directory of the agent's, 0700, whatever was
+/// there: where a VMM writes its snapshot, while the agent lets it.
+pub(super) fn fresh_work_dir(path: &Path) -> io::Result<()> {
     match fs::symlink_metadata(path) {
         // Kept, emptied: a directory made once per VM, not once per boot.
         Ok(m) if m.is_dir() => empty_dir(path)?,
@@ -645,9 +687,8 @@ pub(super) fn fresh_work_dir(path: &Path, owner: Option<u32>) -> io::Result<()> 
         .read(true)
         .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
         .open(path)?;
-    if let Some(owner) = owner {
-        std::os::unix::fs::fchown(&dir, Some(owner), Some(owner))?;
-    }
+    let (me, group) = (nix::unistd::geteuid(), nix::unistd::getegid());
+    std::os::unix::fs::fchown(&dir, Some(me.as_raw()), Some(group.as_raw()))?;
     dir.set_permissions(fs::Permissions::from_mode(0o700))
 }
 
