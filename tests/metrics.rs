@@ -273,3 +273,27 @@ fn a_vms_limits_egress_ranges_and_probe_are_series_of_their_own() {
     );
     assert_eq!(at("eitri_vm_probe_answering{vm_id=vm-1}"), Some(1.0));
 }
+
+#[test]
+fn a_vm_failing_its_probe_after_it_answered_is_counted_unhealthy() {
+    let h = Host::new();
+    h.fakes.set_addresses(&id("vm-1"), "127.0.0.1", "");
+    let guest = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+    let mut d = desired("vm-1");
+    d.readiness = Some(eitri_agent::model::Readiness {
+        check: eitri_agent::model::Check::Tcp(guest.local_addr().expect("addr").port()),
+        period: Duration::from_secs(2),
+        timeout: Duration::from_millis(500),
+        grace: Duration::from_secs(60),
+        restart_after: None,
+    });
+    let snap = snapshot(1, vec![present(d)]);
+    let answering = parse(&h.tick(&snap));
+    drop(guest);
+    h.fakes.advance_clock(Duration::from_secs(2));
+
+    let failing = parse(&h.tick(&snap));
+
+    assert_eq!(answering.get("eitri_vms_unhealthy{}").copied(), Some(0.0));
+    assert_eq!(failing.get("eitri_vms_unhealthy{}").copied(), Some(1.0));
+}

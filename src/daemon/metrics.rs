@@ -12,6 +12,7 @@
 //! | `eitri_contact_failures_total{kind}` | counter | failed contacts with the source, by kind |
 //! | `eitri_vms{power,phase}` | gauge | VMs in the last report |
 //! | `eitri_vms_spec_rejected` | gauge | VMs the host has whose desired entry was refused (they run on) |
+//! | `eitri_vms_unhealthy` | gauge | VMs running whose readiness probe fails (past its grace, or after it answered) |
 //! | `eitri_vms_quarantined` | gauge | VMs waiting out their grace |
 //! | `eitri_create_attempts_total` | counter | create attempts counted against a budget |
 //! | `eitri_create_failures_total{permanence}` | counter | failed creates: `permanent`, `transient`, or `host` (the host must change; no attempt spent) |
@@ -182,6 +183,12 @@ fn vms(from: &Sources<'_>, e: &mut Exposition) {
         "eitri_vms_spec_rejected",
         "VMs the host has whose entry in desired state was refused: they run on as they were (and are counted in eitri_vms by their phase).",
         &[(&[], rejected as f64)],
+    );
+    let unhealthy = from.report.vms.iter().filter(|v| v.unhealthy()).count();
+    e.gauge(
+        "eitri_vms_unhealthy",
+        "VMs running whose readiness probe fails past its grace or after it answered (counted in eitri_vms by their phase too).",
+        &[(&[], unhealthy as f64)],
     );
     e.gauge(
         "eitri_vms_quarantined",

@@ -17,7 +17,9 @@ pub use cidr::{Cidr, CidrError};
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
 pub use quota::{Committed, Quota};
-pub use report::{QuarantinedVm, Report, Rows, VmStatus, VolumeState, VolumeStatus};
+pub use report::{
+    QuarantinedVm, Report, Rows, UNHEALTHY, VmStatus, VolumeState, VolumeStatus, is_unhealthy,
+};
 pub use saved::Saved;
 pub use spec::{
     Check, DesiredVm, Egress, LimitDefaults, Limits, Phase, PowerState, Readiness, Rejected,

@@ -97,6 +97,23 @@ pub struct VmStatus {
     pub spec_rejected: String,
 }
 
+/// How a row's error begins while its readiness probe fails past its
+/// grace, or after it answered: the VM runs, and is not ready.
+pub const UNHEALTHY: &str = "unhealthy: ";
+
+impl VmStatus {
+    /// Whether its readiness probe says the VM is unhealthy (see
+    /// [`UNHEALTHY`]).
+    pub fn unhealthy(&self) -> bool {
+        is_unhealthy(&self.last_error)
+    }
+}
+
+/// Whether a row's error `last_error` says its VM is unhealthy.
+pub fn is_unhealthy(last_error: &str) -> bool {
+    last_error.starts_with(UNHEALTHY)
+}
+
 /// A VM waiting out its grace before destruction.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct QuarantinedVm {

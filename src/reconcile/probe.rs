@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 use super::pass::{Core, VmResult};
 use super::probing::{ProbeState, fresh};
 use crate::deadline::Deadline;
-use crate::model::{Check, DesiredVm, Id, Phase, PowerState, Readiness};
+use crate::model::{Check, DesiredVm, Id, Phase, PowerState, Readiness, UNHEALTHY};
 
 /// How much of the console's end is searched for the line.
 const CONSOLE_TAIL: u64 = 8 << 20;
@@ -36,21 +36,34 @@ impl Core {
     /// running and ready by its lifecycle, is left as its pass reported it.
     pub(crate) fn probe(&self, deadline: Deadline, desired: &DesiredVm, res: &mut VmResult) {
         let vm_id = &desired.spec.vm_id;
-        let Some(probe) = &desired.readiness else {
-            self.probes.lock().remove(vm_id);
-            return;
-        };
         if !up(res) {
             self.probes.lock().remove(vm_id);
             return;
         }
         let now = self.host.now();
         let pid = self.prov.pid(vm_id);
+        let Some(probe) = &desired.readiness else {
+            // Remembered, so a probe added later finds it running.
+            let mut all = self.probes.lock();
+            if all.get(vm_id).is_none_or(|s| !s.unprobed || s.pid != pid) {
+                let seen = ProbeState {
+                    unprobed: true,
+                    ..fresh(pid, now)
+                };
+                all.insert(vm_id.clone(), seen);
+            }
+            return;
+        };
         let mut state = {
             let mut all = self.probes.lock();
             let state = all.entry(vm_id.clone()).or_insert_with(|| fresh(pid, now));
             if state.pid != pid {
                 *state = fresh(pid, now);
+            } else if state.unprobed {
+                *state = ProbeState {
+                    added_while_running: true,
+                    ..fresh(pid, now)
+                };
             }
             state.clone()
         };
@@ -76,11 +89,33 @@ impl Core {
                 }
             }
         }
+        self.say_flip(vm_id, probe, &mut state, now);
         self.probes.lock().insert(vm_id.clone(), state.clone());
         if self.restart_if_due(deadline, desired, probe, &state, now, res) {
             return;
         }
         say(res, probe, &state, now);
+    }
+
+    /// Logs the VM turning unhealthy, or answering again after it was.
+    fn say_flip(&self, vm_id: &Id, probe: &Readiness, state: &mut ProbeState, now: SystemTime) {
+        let unhealthy = match (state.answered, state.failing_since) {
+            (None, _) => past(now, state.since, probe.grace),
+            (Some(_), failing) => failing.is_some(),
+        };
+        if unhealthy == state.unhealthy {
+            return;
+        }
+        state.unhealthy = unhealthy;
+        if unhealthy {
+            log::warn!(
+                "VM {vm_id}: unhealthy: its probe ({}) fails: {}",
+                probe.check,
+                state.last
+            );
+        } else {
+            log::info!("VM {vm_id}: healthy again: {}", state.last);
+        }
     }
 
     /// Holds back the row of a VM whose hypervisor was just started, for a
@@ -274,15 +309,21 @@ fn say(res: &mut VmResult, probe: &Readiness, state: &ProbeState, now: SystemTim
     };
     match (state.answered, state.failing_since) {
         (None, _) => {
-            row.phase = Some(Phase::Creating);
+            // Created and running all along: not ready, never `creating`.
+            let added = if state.added_while_running {
+                " (a probe added while it ran)"
+            } else {
+                row.phase = Some(Phase::Creating);
+                ""
+            };
             row.status_detail = format!(
-                "waiting for the guest: {}, {waited} s of {} s",
+                "waiting for the guest: {}{added}, {waited} s of {} s",
                 probe.check,
                 probe.grace.as_secs()
             );
             if past(now, state.since, probe.grace) {
                 row.last_error = format!(
-                    "unhealthy: the guest has not answered {} in {} s: {}",
+                    "{UNHEALTHY}the guest has not answered {} in {} s: {}",
                     probe.check,
                     probe.grace.as_secs(),
                     state.last
@@ -291,7 +332,7 @@ fn say(res: &mut VmResult, probe: &Readiness, state: &ProbeState, now: SystemTim
         }
         (Some(_), Some(failing)) => {
             let for_s = now.duration_since(failing).unwrap_or_default().as_secs();
-            row.last_error = format!("unhealthy: failing for {for_s} s: {}", state.last);
+            row.last_error = format!("{UNHEALTHY}failing for {for_s} s: {}", state.last);
         }
         (Some(_), None) => {}
     }

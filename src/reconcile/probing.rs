@@ -20,6 +20,15 @@ pub(crate) struct ProbeState {
     pub last: String,
     /// How much of the live console a serial probe has searched.
     pub console_searched: Option<u64>,
+    /// No probe is named yet: the entry only remembers that this
+    /// hypervisor ran (and was ready) without one.
+    pub unprobed: bool,
+    /// The probe came to a hypervisor already running without one: the
+    /// VM is created and running, so it is not `creating` while the probe
+    /// waits for its first answer, only not ready.
+    pub added_while_running: bool,
+    /// Whether the row says unhealthy, so a flip either way is logged once.
+    pub unhealthy: bool,
 }
 
 /// Every VM's probe state, keyed by VM.
@@ -35,5 +44,8 @@ pub(crate) fn fresh(pid: Option<u32>, now: SystemTime) -> ProbeState {
         next_at: now,
         last: String::new(),
         console_searched: None,
+        unprobed: false,
+        added_while_running: false,
+        unhealthy: false,
     }
 }

@@ -107,13 +107,15 @@ impl ReportFile {
         let r = &self.report;
         let mut phases: BTreeMap<&str, usize> = BTreeMap::new();
         for v in &r.vms {
-            *phases
-                .entry(if v.phase.is_empty() {
-                    "unknown"
-                } else {
-                    &v.phase
-                })
-                .or_default() += 1;
+            // Running but failing its probe: not ready, whatever its phase.
+            let condition = if crate::model::is_unhealthy(&v.last_error) {
+                "unhealthy"
+            } else if v.phase.is_empty() {
+                "unknown"
+            } else {
+                &v.phase
+            };
+            *phases.entry(condition).or_default() += 1;
         }
         let mut phases: Vec<String> = phases
             .iter()
@@ -425,6 +427,36 @@ mod tests {
     use super::*;
     use crate::pb;
     use crate::status::VmDetail;
+
+    #[test]
+    fn the_header_counts_an_unhealthy_vm_as_unhealthy_not_ready() {
+        let row = |id: &str, last_error: &str| pb::VmStatus {
+            vm_id: id.into(),
+            power_state: "running".into(),
+            phase: "ready".into(),
+            last_error: last_error.into(),
+            ..Default::default()
+        };
+        let file = ReportFile::new(
+            pb::HostInfo::default(),
+            "desired file /d.json".into(),
+            "ok".into(),
+            pb::Report {
+                vms: vec![
+                    row("vm-1", ""),
+                    row("vm-2", "unhealthy: failing for 4 s: tcp 22 refused"),
+                ],
+                ..Default::default()
+            },
+        );
+
+        let header = file.header();
+
+        assert!(
+            header.contains("1 ready") && header.contains("1 unhealthy"),
+            "{header}"
+        );
+    }
 
     #[test]
     fn renders_rows_and_age() {

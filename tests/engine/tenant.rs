@@ -341,6 +341,56 @@ fn a_probe_failing_after_ready_is_in_the_row_and_counted() {
 }
 
 #[test]
+fn a_probe_added_to_a_running_vm_never_makes_it_creating() {
+    let h = Harness::new();
+    on_loopback(&h);
+    let port = closed_port();
+    h.tick(&snapshot(1, vec![present(desired(VM))]));
+    assert_eq!(h.row(VM).phase, Some(Phase::Ready));
+
+    h.tick(&probed(2, Check::Tcp(port), None));
+
+    let row = h.row(VM);
+    assert_eq!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert_eq!(row.power, Some(PowerState::Running));
+    assert!(
+        row.status_detail.starts_with(&format!(
+            "waiting for the guest: tcp {port} (a probe added while it ran), 0 s of 60 s"
+        )),
+        "{row:?}"
+    );
+    assert!(!row.readiness.ends_with("answered"), "{row:?}");
+    assert!(
+        row.last_error.is_empty(),
+        "not unhealthy within its grace: {row:?}"
+    );
+}
+
+#[test]
+fn a_vm_turning_unhealthy_is_logged_once_and_again_when_it_answers() {
+    let logs = eitri_agent::testkit::logs::capture();
+    let h = Harness::new();
+    on_loopback(&h);
+    let guest = TcpListener::bind("127.0.0.1:0").expect("listen");
+    let port = guest.local_addr().expect("addr").port();
+    let snap = probed(1, Check::Tcp(port), None);
+    h.tick(&snap);
+    drop(guest);
+
+    for _ in 0..3 {
+        h.fakes.advance_clock(Duration::from_secs(2));
+        h.tick(&snap);
+    }
+    let _guest = TcpListener::bind(("127.0.0.1", port)).expect("the guest listens again");
+    h.fakes.advance_clock(Duration::from_secs(2));
+    h.tick(&snap);
+
+    assert_eq!(logs.count(log::Level::Warn, "VM vm-1: unhealthy"), 1);
+    assert_eq!(logs.count(log::Level::Info, "VM vm-1: healthy again"), 1);
+    assert_eq!(h.row(VM).last_error, "");
+}
+
+#[test]
 fn a_guest_failing_its_probe_past_restart_after_is_booted_again() {
     let h = Harness::new();
     on_loopback(&h);
