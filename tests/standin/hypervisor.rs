@@ -363,6 +363,25 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
     Ok(())
 }
 
+/// `bytes` of disk taken by `file`, without writing them where the
+/// kernel can (fallocate), else written.
+fn allocate(file: &File, bytes: i64) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        nix::fcntl::fallocate(file, nix::fcntl::FallocateFlags::empty(), 0, bytes)
+            .map_err(std::io::Error::from)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let mut file = file;
+        let chunk = vec![0x5a; 1 << 20];
+        for _ in 0..bytes / (1 << 20) {
+            file.write_all(&chunk)?;
+        }
+        Ok(())
+    }
+}
+
 /// Fills `dir` with 16 MiB files, up to 1 GiB, logging the total after
 /// each; `unnamed`: each unlinked as soon as made, and held open.
 fn flood_dir(dir: &Path, unnamed: bool) {
@@ -378,7 +397,7 @@ fn flood_dir(dir: &Path, unnamed: bool) {
         if unnamed {
             let _ = std::fs::remove_file(&path);
         }
-        if let Err(e) = nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), 0, FILE) {
+        if let Err(e) = allocate(&file, FILE) {
             log.line(&format!("standin-flood stopped: {e}"));
             return;
         }
