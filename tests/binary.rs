@@ -1360,6 +1360,72 @@ mod booted {
             .ok()
     }
 
+    /// `vm`'s detail in `report` (what `status VM` shows).
+    fn detail_of(report: &serde_json::Value, vm: &str) -> serde_json::Value {
+        report["details"][vm].clone()
+    }
+
+    #[test]
+    fn a_running_vms_durations_go_on_across_an_agent_restart() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("on-1", "")),
+        );
+        let mut agent = boot.start(dir.path(), &[]);
+        let before = agent.wait_report("on-1's hypervisor seen", |r| {
+            detail_of(r, "on-1")["pid"].is_u64()
+        });
+        assert!(agent.stop(Signal::SIGTERM).success());
+        std::thread::sleep(Duration::from_millis(1100));
+
+        let agent = boot.start(dir.path(), &[]);
+        let after = agent.wait_report("a report of the second agent", |r| {
+            r["agent_pid"] == agent.pid().as_raw() && detail_of(r, "on-1")["pid"].is_u64()
+        });
+
+        let (before, after) = (detail_of(&before, "on-1"), detail_of(&after, "on-1"));
+        assert_eq!(after["pid"], before["pid"], "the same hypervisor");
+        assert_eq!(after["pid_since_ms"], before["pid_since_ms"], "{after}");
+        assert_eq!(after["power_since_ms"], before["pid_since_ms"], "{after}");
+        assert_eq!(after["phase_since_ms"], before["phase_since_ms"], "{after}");
+        assert_eq!(after["created_at_ms"], before["created_at_ms"], "{after}");
+    }
+
+    #[test]
+    fn a_hypervisor_that_died_counts_as_a_restart_in_status() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("die-1", "")),
+        );
+        let agent = boot.start(dir.path(), &[]);
+        agent.wait_report("die-1 ready", |r| row_of(r, "die-1")["phase"] == "ready");
+        let pid = vmm_pid(&boot, "die-1").expect("its VMM");
+
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");
+        let report = agent.wait_report("die-1 booted again", |r| {
+            detail_of(r, "die-1")["restarts"] == 1 && row_of(r, "die-1")["phase"] == "ready"
+        });
+
+        assert_ne!(vmm_pid(&boot, "die-1"), Some(pid));
+        let status = eitri(&["status", "--state-dir", &agent.state.display().to_string()]);
+        let text = String::from_utf8_lossy(&status.stdout);
+        let header = text
+            .lines()
+            .find(|l| l.starts_with("VM "))
+            .unwrap_or_default();
+        let row = text
+            .lines()
+            .find(|l| l.starts_with("die-1"))
+            .unwrap_or_default();
+        let column = header.find("RESTARTS").expect("a RESTARTS column");
+        assert_eq!(row.get(column..column + 1), Some("1"), "{text}");
+        assert!(report["agent_pid"].is_u64());
+    }
+
     #[test]
     fn an_adopted_vm_whose_tap_is_gone_is_not_ready_and_says_why() {
         eitri_agent::testkit::net::private_network();

@@ -2,7 +2,7 @@
 //! steps, reports out.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, select};
 
@@ -116,6 +116,8 @@ pub struct Daemon {
     pub(super) details: details::Details,
     pub(super) image_cache_max: Option<u64>,
     pub(super) agents_dir: String,
+    /// When this agent started (Unix ms), for `status`.
+    pub(super) started_at_ms: u64,
 }
 
 impl Daemon {
@@ -123,6 +125,7 @@ impl Daemon {
     /// persisted (a restart during an outage keeps converging).
     pub fn new(tick: Duration, parts: Parts) -> Daemon {
         let last = load_last(&parts.store);
+        let parts_root = parts.store.root().to_path_buf();
         if let Some((_, snap)) = &last {
             log::info!(
                 "resuming with the last accepted snapshot (epoch {})",
@@ -151,7 +154,13 @@ impl Daemon {
                 .agents_dir
                 .map(|d| d.display().to_string())
                 .unwrap_or_default(),
-            details: details::Details::default(),
+            // Before this agent writes its first: the last agent's report.
+            details: details::Details::going_on_from(
+                crate::status::ReportFile::read(&parts_root).ok(),
+            ),
+            started_at_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         }
     }
 

@@ -68,6 +68,8 @@ impl Daemon {
             details,
             quota: self.engine.quota(),
             agents_dir: self.agents_dir.clone(),
+            agent_pid: std::process::id(),
+            agent_started_at_ms: self.started_at_ms,
             ..ReportFile::new(
                 self.host.clone(),
                 self.source.clone(),

@@ -82,6 +82,11 @@ pub struct ReportFile {
     /// `status` reads whose claims this host holds.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub agents_dir: String,
+    /// The agent that wrote it: its pid, and when it started (Unix ms).
+    #[serde(default)]
+    pub agent_pid: u32,
+    #[serde(default)]
+    pub agent_started_at_ms: u64,
 }
 
 /// One VM's history and shape, kept by the daemon across reports.
@@ -112,6 +117,13 @@ pub struct VmDetail {
     pub suspended_at_ms: u64,
     #[serde(default)]
     pub snapshot_bytes: u64,
+    /// How many times the VM was booted again unasked (its hypervisor
+    /// died, or its probe's `restart_after`), over the agents that ran it.
+    #[serde(default)]
+    pub restarts: u64,
+    /// When its last create began (Unix ms; 0: never).
+    #[serde(default)]
+    pub created_at_ms: u64,
 }
 
 impl ReportFile {
@@ -136,6 +148,8 @@ impl ReportFile {
             details: BTreeMap::new(),
             quota: Quota::default(),
             agents_dir: String::new(),
+            agent_pid: 0,
+            agent_started_at_ms: 0,
         }
     }
 

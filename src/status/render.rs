@@ -22,9 +22,19 @@ impl ReportFile {
         let age = now.duration_since(written).unwrap_or_default();
         let r = &self.report;
         let mut out = String::new();
+        let now_ms = now
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let agent = match self.agent_pid {
+            0 => String::new(),
+            pid => format!(
+                ", pid {pid}, up {}",
+                Ago(now_ms).of(self.agent_started_at_ms)
+            ),
+        };
         let _ = writeln!(
             out,
-            "host {} (agent {}), report written {} ago{}, epoch {}{}",
+            "host {} (agent {}{agent}), report written {} ago{}, epoch {}{}",
             inline(&self.host.host_id),
             inline(&self.host.agent_version),
             crate::human::duration(age),
@@ -45,7 +55,7 @@ impl ReportFile {
         for note in &self.notes {
             let _ = writeln!(out, "note: {}", inline(note));
         }
-        let rows: Vec<[String; 6]> = r
+        let rows: Vec<[String; 9]> = r
             .vms
             .iter()
             .map(|v| {
@@ -55,10 +65,18 @@ impl ReportFile {
                     .copied()
                     .collect::<Vec<_>>()
                     .join("; ");
+                let detail = self.details.get(&v.vm_id);
+                let age = detail
+                    .map(|d| d.created_at_ms)
+                    .filter(|at| *at > 0)
+                    .map_or_else(|| "-".to_owned(), |at| Ago(now_ms).of(at));
                 [
                     inline(&v.vm_id),
                     dash(&v.power_state),
                     dash(&v.phase),
+                    ready_cell(v).to_owned(),
+                    detail.map_or(0, |d| d.restarts).to_string(),
+                    age,
                     dash(&v.ip),
                     dash(&v.network_ip),
                     inline(&note),
@@ -68,7 +86,17 @@ impl ReportFile {
         out.push('\n');
         table(
             &mut out,
-            ["VM", "POWER", "PHASE", "IP", "NETWORK IP", "DETAIL / ERROR"],
+            [
+                "VM",
+                "POWER",
+                "PHASE",
+                "READY",
+                "RESTARTS",
+                "AGE",
+                "IP",
+                "NETWORK IP",
+                "DETAIL / ERROR",
+            ],
             &rows,
         );
         if !r.quarantined.is_empty() {
@@ -201,6 +229,18 @@ impl ReportFile {
     }
 }
 
+/// Whether the VM's guest answers its readiness probe: `-` without one,
+/// `yes` once it answered and while it answers, `no` before and after.
+fn ready_cell(row: &pb::VmStatus) -> &'static str {
+    if row.readiness.is_empty() {
+        "-"
+    } else if row.readiness.ends_with(" answered") && !crate::model::is_unhealthy(&row.last_error) {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
 /// One line of `status VM`: its key and its value.
 type Field = (&'static str, String);
 
@@ -292,7 +332,13 @@ fn error_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
 /// What runs it: the boot, a snapshot on disk, the hypervisor, the
 /// addresses.
 fn process_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
-    let mut fields = vec![("boot id", dash(&detail.booted_as))];
+    let running = row.power_state == "running";
+    let boot_id = if detail.booted_as.is_empty() && running {
+        "not recorded yet (it was just booted)".to_owned()
+    } else {
+        dash(&detail.booted_as)
+    };
+    let mut fields = vec![("boot id", boot_id)];
     if detail.suspended_at_ms > 0 {
         fields.push((
             "snapshot",
@@ -307,9 +353,23 @@ fn process_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field>
         "hypervisor",
         match detail.pid {
             Some(pid) => format!("pid {pid}, up {}", ago.of(detail.pid_since_ms)),
+            None if running => "not found yet (the next tick looks again)".into(),
             None => "not running".into(),
         },
     ));
+    fields.push((
+        "restarts",
+        match detail.restarts {
+            0 => "0".to_owned(),
+            n => format!("{n} (booted again unasked: its hypervisor died, or its probe failed)"),
+        },
+    ));
+    if detail.created_at_ms > 0 {
+        fields.push((
+            "age",
+            format!("created {} ago", ago.of(detail.created_at_ms)),
+        ));
+    }
     let site = if row.network_ip.is_empty() {
         String::new()
     } else {
@@ -624,6 +684,8 @@ mod tests {
                 booted_as: "b00t".into(),
                 pid: Some(4242),
                 pid_since_ms: NOW - hour,
+                restarts: 1,
+                created_at_ms: NOW - 2 * hour,
                 vcpus: 2,
                 mem_mb: 2048,
                 disk_gb: 20,
@@ -693,6 +755,8 @@ mod tests {
                  \x20 attempts   1 of 3\n\
                  \x20 boot id    b00t\n\
                  \x20 hypervisor pid 4242, up 60 min\n\
+                 \x20 restarts   1 (booted again unasked: its hypervisor died, or its probe failed)\n\
+                 \x20 age        created 2 h ago\n\
                  \x20 address    100.77.5.5, 192.0.2.55 on site\n\
                  \x20 volumes    web-1-data (attached)\n\
                  \x20 console    (last 2 lines)\n\
@@ -743,10 +807,64 @@ mod tests {
                  \x20 boot id    b00t\n\
                  \x20 snapshot   72 KiB on disk, taken 5 min ago\n\
                  \x20 hypervisor not running\n\
+                 \x20 restarts   0\n\
                  \x20 address    -\n\
                  \x20 console    (last 0 lines)\n"
             )
         );
+    }
+
+    #[test]
+    fn status_of_a_vm_just_booted_never_says_its_hypervisor_is_not_running() {
+        let mut file = golden_host();
+        file.report.vms.push(pb::VmStatus {
+            vm_id: "new-1".into(),
+            power_state: "running".into(),
+            phase: "ready".into(),
+            ..Default::default()
+        });
+        file.details.insert("new-1".into(), VmDetail::default());
+
+        let text = file.render_vm("new-1", &[], at_now()).unwrap_or_default();
+
+        assert!(!text.contains("not running"), "{text}");
+        assert!(
+            text.contains("\n  hypervisor not found yet (the next tick looks again)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\n  boot id    not recorded yet (it was just booted)\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_table_says_whether_each_probed_vm_is_ready_its_restarts_and_age() {
+        let mut file = golden_host();
+        for row in &mut file.report.vms {
+            if row.vm_id == "web-1" {
+                row.readiness = "tcp 22 answered".into();
+            }
+        }
+
+        let text = file.render(at_now());
+
+        let head = text
+            .lines()
+            .find(|l| l.starts_with("VM "))
+            .unwrap_or_default();
+        let row = text
+            .lines()
+            .find(|l| l.starts_with("web-1"))
+            .unwrap_or_default();
+        let at = |name: &str| head.find(name).unwrap_or(usize::MAX);
+        assert_eq!(row.get(at("READY")..at("READY") + 3), Some("yes"), "{text}");
+        assert_eq!(
+            row.get(at("RESTARTS")..at("RESTARTS") + 1),
+            Some("1"),
+            "{text}"
+        );
+        assert_eq!(row.get(at("AGE")..at("AGE") + 3), Some("2 h"), "{text}");
     }
 
     #[test]
@@ -764,6 +882,7 @@ mod tests {
                  \x20 attempts   3 of 3\n\
                  \x20 boot id    -\n\
                  \x20 hypervisor not running\n\
+                 \x20 restarts   0\n\
                  \x20 address    -\n\
                  \x20 console    (last 0 lines)\n"
             )
