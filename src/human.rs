@@ -3,7 +3,7 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// A duration, rounded down to its largest whole unit past two of the
 /// next: seconds under 2 min, minutes under 2 h, hours after that.
@@ -44,6 +44,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_moment_to_come_reads_as_how_long_and_when() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+
+        let said = when(now + Duration::from_secs(23 * 3600 + 60), now);
+
+        assert_eq!(said, "in 23 h (2027-01-16T07:01Z)");
+    }
+
+    #[test]
     fn an_exit_reads_the_same_from_every_program() {
         assert_eq!(exit(ExitStatus::from_raw(3 << 8)), "exit status 3");
         assert_eq!(exit(ExitStatus::from_raw(9)), "killed by signal 9");
@@ -65,5 +74,61 @@ mod tests {
             [read(0), read(119), read(120), read(7199), read(7200)],
             ["0 s", "119 s", "2 min", "119 min", "2 h"]
         );
+    }
+}
+
+/// A moment as a UTC calendar time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Utc {
+    pub year: i64,
+    pub month: u32,
+    pub day: u32,
+    pub hour: u32,
+    pub minute: u32,
+    pub second: u32,
+}
+
+impl Utc {
+    pub fn from(t: SystemTime) -> Utc {
+        let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+        let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+        // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+        let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+        let year = yoe + era * 400 + i64::from(month <= 2);
+        Utc {
+            year,
+            month,
+            day,
+            hour: (rest / 3600) as u32,
+            minute: (rest % 3600 / 60) as u32,
+            second: (rest % 60) as u32,
+        }
+    }
+}
+
+impl std::fmt::Display for Utc {
+    /// ISO 8601 to the minute: "2026-12-05T14:03Z".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:04}-{:02}-{:02}T{:02}:{:02}Z",
+            self.year, self.month, self.day, self.hour, self.minute
+        )
+    }
+}
+
+/// A moment to come, as an operator reads it: "in 23 h
+/// (2026-12-05T14:03Z)"; one past, "now".
+pub fn when(at: SystemTime, now: SystemTime) -> String {
+    match at.duration_since(now) {
+        Ok(left) => format!("in {} ({})", duration(left), Utc::from(at)),
+        Err(_) => format!("now ({})", Utc::from(at)),
     }
 }

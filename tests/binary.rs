@@ -1783,6 +1783,58 @@ fn status_watch_redraws_every_tick() {
     desired(dir.path(), ONE_VM);
     let agent = Agent::start(dir.path(), &[]);
     agent.wait_report("a report", |_| true);
+    // A terminal of its own: --watch redraws only on one.
+    let pty = nix::pty::openpty(None, None).expect("a pty");
+    let mut watch = Command::new(BIN)
+        .args([
+            "status",
+            "--watch",
+            "--state-dir",
+            &agent.state.display().to_string(),
+        ])
+        .env_clear()
+        .stdout(Stdio::from(pty.slave))
+        .spawn()
+        .expect("status --watch");
+
+    // The agent ticks every 100 ms; --watch redraws at its tick (at least
+    // 200 ms apart): a second is several redraws.
+    std::thread::sleep(Duration::from_secs(1));
+    let _ = watch.kill();
+    let _ = watch.wait();
+    let text = read_available(&pty.master);
+
+    let redraws = text.matches("\u{1b}[H\u{1b}[2J").count();
+    assert!(redraws >= 3, "{redraws} redraws");
+}
+
+/// What can be read from `fd` now, without waiting for more.
+fn read_available(fd: &std::os::fd::OwnedFd) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        let mut poll = [nix::poll::PollFd::new(
+            std::os::fd::AsFd::as_fd(fd),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        match nix::poll::poll(&mut poll, nix::poll::PollTimeout::ZERO) {
+            Ok(n) if n > 0 => {}
+            _ => break,
+        }
+        match nix::unistd::read(fd, &mut buf) {
+            Ok(n) if n > 0 => out.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn status_watch_into_a_pipe_writes_pages_without_terminal_codes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VM);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_report("a report", |_| true);
     let mut watch = Command::new(BIN)
         .args([
             "status",
@@ -1796,16 +1848,15 @@ fn status_watch_redraws_every_tick() {
         .expect("status --watch");
     let mut stdout = watch.stdout.take().expect("stdout");
 
-    // The agent ticks every 100 ms; --watch redraws at its tick (at least
-    // 200 ms apart): a second is several redraws.
     std::thread::sleep(Duration::from_secs(1));
     let _ = watch.kill();
     let _ = watch.wait();
     let mut text = String::new();
     stdout.read_to_string(&mut text).expect("read");
 
-    let redraws = text.matches("\u{1b}[H\u{1b}[2J").count();
-    assert!(redraws >= 3, "{redraws} redraws");
+    let pages = text.lines().filter(|l| l.starts_with("host ")).count();
+    assert!(pages >= 3, "{pages} pages: {text}");
+    assert!(!text.contains('\u{1b}'), "{text:?}");
 }
 
 /// A claim file's id range and cgroup root.

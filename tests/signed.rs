@@ -703,6 +703,43 @@ fn keygen_never_overwrites_a_key() {
 }
 
 #[test]
+fn sign_refuses_a_file_that_names_no_host_and_writes_no_signature() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, _) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, r#"{"epoch":1,"volumes":[]}"#);
+
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        desired.to_str().expect("path"),
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("names no host_id"), "{said}");
+    assert!(!dir.path().join("desired.json.sig").exists());
+}
+
+#[test]
+fn keygen_and_sign_each_have_a_help_of_their_own() {
+    let keygen = eitri(&["keygen", "--help"]);
+    let sign = eitri(&["sign", "--help"]);
+
+    let (keygen, sign) = (
+        String::from_utf8_lossy(&keygen.stdout),
+        String::from_utf8_lossy(&sign.stdout),
+    );
+    assert!(
+        keygen.starts_with("usage: eitri-agent keygen --id"),
+        "{keygen}"
+    );
+    assert!(sign.starts_with("usage: eitri-agent sign --key"), "{sign}");
+    assert!(!sign.contains("eitri-agent run"), "{sign}");
+}
+
+#[test]
 fn keys_with_a_token_over_plain_http_stop_the_start_naming_the_choices() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().expect("tempdir");

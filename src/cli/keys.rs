@@ -52,6 +52,9 @@ pub(super) fn sign(key_file: &Path, file: &Path) -> ExitCode {
         Ok(bytes) => bytes,
         Err(e) => return refuse(&format!("cannot read {}: {e}", file.display())),
     };
+    if let Err(why) = names_its_host(&bytes) {
+        return refuse(&format!("will not sign {}: {why}", file.display()));
+    }
     let sig_path = FileSource::signature_path(file);
     if let Err(e) =
         crate::state::atomic::write_atomic(&sig_path, key.signature_line(&bytes).as_bytes())
@@ -65,6 +68,22 @@ pub(super) fn sign(key_file: &Path, file: &Path) -> ExitCode {
         sig_path.display()
     );
     ExitCode::SUCCESS
+}
+
+/// Whether desired state `bytes` names the host it is for: every host
+/// refuses a signed snapshot that does not name it, so a signature on one
+/// that names none is of no use, and the mistake is said here, not later
+/// on each host.
+fn names_its_host(bytes: &[u8]) -> Result<(), String> {
+    let value: serde_json::Value = serde_json::from_slice(bytes)
+        .map_err(|e| format!("it is not desired state (JSON): {e}"))?;
+    match value.get("host_id").and_then(|h| h.as_str()) {
+        Some(host) if !host.trim().is_empty() => Ok(()),
+        _ => Err(
+            "it names no host_id, and a host refuses a signed snapshot that does not name it (so one host's cannot be replayed to another); add \"host_id\": \"<the host's id, as `eitri-agent status` shows it>\""
+                .into(),
+        ),
+    }
 }
 
 fn refuse(why: &str) -> ExitCode {

@@ -61,8 +61,15 @@ fn show(
         }
     };
     if watch {
-        // Home and clear, then the page: a redraw, not a scroll.
-        print!("\x1b[H\x1b[2J");
+        use std::io::IsTerminal;
+        if std::io::stdout().is_terminal() {
+            // Home and clear, then the page: a redraw, not a scroll.
+            print!("\x1b[H\x1b[2J");
+        } else {
+            // A pipe or a file gets the pages one after another, with no
+            // terminal codes in them.
+            println!();
+        }
     }
     print!("{text}");
     let _ = std::io::stdout().flush();

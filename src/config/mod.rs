@@ -308,6 +308,33 @@ fn images_usage() -> String {
     )
 }
 
+fn keygen_usage() -> String {
+    verb_usage(
+        "keygen --id KEY-ID --out KEY-FILE\n\n\
+         Makes an ed25519 key for signing desired state: its secret is written to\n\
+         KEY-FILE (0600, never over an existing file), and the line each host pins\n\
+         in its --trusted-keys file is printed.",
+        &[
+            (
+                "id",
+                "the key's name, as hosts pin it and signatures carry it",
+            ),
+            ("out", "where the secret key is written"),
+        ],
+    )
+}
+
+fn sign_usage() -> String {
+    verb_usage(
+        "sign --key KEY-FILE FILE\n\n\
+         Signs a desired-state file with the secret key from `keygen`, writing\n\
+         FILE.sig beside it. The file must name the host it is for (`host_id`):\n\
+         a host refuses a signed snapshot that names no host or another, so that\n\
+         one host's cannot be replayed to another.",
+        &[("key", "the secret key file `keygen` wrote")],
+    )
+}
+
 fn epoch_usage() -> String {
     verb_usage(
         "epoch [--state-dir DIR] [--set N]\n\n\
@@ -370,7 +397,8 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "status" => parse_status(rest, env),
         "logs" if help => Ok(Command::Help(logs_usage())),
         "logs" => parse_logs(rest, env),
-        "keygen" | "sign" if help => Ok(Command::Help(SYNOPSIS.into())),
+        "keygen" if help => Ok(Command::Help(keygen_usage())),
+        "sign" if help => Ok(Command::Help(sign_usage())),
         "keygen" => {
             let flags = flag_values(rest, &["id", "out"], &[])?;
             match (flags.get("id"), flags.get("out")) {

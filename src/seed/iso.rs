@@ -15,7 +15,7 @@
 //! 25…    file data, each file starting on its own sector
 //! ```
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 const SECTOR: usize = 2048;
 const ROOT_PRIMARY: u32 = 23;
@@ -190,7 +190,7 @@ fn descriptor(
     let stamp = date.long();
     d[813..830].copy_from_slice(&stamp);
     d[830..847].copy_from_slice(&stamp);
-    d[847..864].copy_from_slice(&Date::unset());
+    d[847..864].copy_from_slice(&unset_long());
     d[864..881].copy_from_slice(&stamp);
     d[881] = 1;
 }
@@ -247,40 +247,16 @@ fn path_table(out: &mut [u8], root: u32, big_endian: bool) {
     out[6..8].copy_from_slice(&parent);
 }
 
-/// A UTC calendar time.
-struct Date {
-    year: i64,
-    month: u32,
-    day: u32,
-    hour: u32,
-    minute: u32,
-    second: u32,
+/// A UTC calendar time (see [`crate::human::Utc`]).
+type Date = crate::human::Utc;
+
+/// The ISO 9660 forms of a time.
+trait IsoDate {
+    fn short(&self) -> [u8; 7];
+    fn long(&self) -> [u8; 17];
 }
 
-impl Date {
-    fn from(t: SystemTime) -> Date {
-        let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
-        let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-        // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z - era * 146_097;
-        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-        let mp = (5 * doy + 2) / 153;
-        let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-        let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-        let year = yoe + era * 400 + i64::from(month <= 2);
-        Date {
-            year,
-            month,
-            day,
-            hour: (rest / 3600) as u32,
-            minute: (rest % 3600 / 60) as u32,
-            second: (rest % 60) as u32,
-        }
-    }
-
+impl IsoDate for Date {
     /// The 7-byte form of directory records.
     fn short(&self) -> [u8; 7] {
         [
@@ -304,17 +280,19 @@ impl Date {
         out[..16].copy_from_slice(&text.as_bytes()[..16]);
         out
     }
+}
 
-    fn unset() -> [u8; 17] {
-        let mut out = [b'0'; 17];
-        out[16] = 0;
-        out
-    }
+/// The 17-byte form of a time not set.
+fn unset_long() -> [u8; 17] {
+    let mut out = [b'0'; 17];
+    out[16] = 0;
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn civil_dates() {

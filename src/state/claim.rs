@@ -50,8 +50,11 @@ pub const LEGACY_ID_COUNT: u32 = 65_536;
 pub const LEGACY_CGROUP_ROOT: &str = "eitri";
 
 /// Slots after the legacy one: each a range of [`LEGACY_ID_COUNT`] ids
-/// after [`LEGACY_FIRST_ID`], all below 2^32.
-const SLOTS: u32 = 32_767;
+/// after [`LEGACY_FIRST_ID`], all below 2^31: `ps` and other tools print
+/// an id past it as `2849903+`, and some take it for a negative number.
+/// (A claim already recorded past it, by an agent before this bound, is
+/// kept as recorded.)
+const SLOTS: u32 = 3_775;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Claim {
@@ -639,6 +642,15 @@ fn record_name(state_dir: &Path) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn every_slots_ids_are_below_2_pow_31() {
+        let last = super::Claim::slot(std::path::Path::new("/x"), super::SLOTS);
+
+        let end = u64::from(last.first_id) + u64::from(last.id_count);
+
+        assert!(end <= 1 << 31, "{end}");
+    }
+
     use std::net::Ipv4Addr;
 
     use super::*;

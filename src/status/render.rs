@@ -102,12 +102,13 @@ impl ReportFile {
         if !r.quarantined.is_empty() {
             out.push_str("\nquarantined:\n");
             for q in &r.quarantined {
+                let at = UNIX_EPOCH + Duration::from_secs(q.destroy_at_unix.max(0) as u64);
                 let _ = writeln!(
                     out,
-                    "  {} ({}), destroyed at unix {}",
+                    "  {} ({}), destroyed {}",
                     inline(&q.vm_id),
                     inline(&q.name),
-                    q.destroy_at_unix
+                    crate::human::when(at, now)
                 );
             }
         }
@@ -389,8 +390,8 @@ fn quarantine_field(q: &pb::QuarantinedVm, now: SystemTime) -> Field {
     (
         "quarantine",
         format!(
-            "out of the desired state; destroyed in {}",
-            crate::human::duration(at.duration_since(now).unwrap_or_default())
+            "out of the desired state; destroyed {}",
+            crate::human::when(at, now)
         ),
     )
 }
@@ -897,7 +898,7 @@ mod tests {
             text.as_deref(),
             Some(
                 "VM old-1\n\
-                 \x20 quarantine out of the desired state; destroyed in 3 h\n\
+                 \x20 quarantine out of the desired state; destroyed in 3 h (2027-01-15T11:00Z)\n\
                  \x20 console    (last 0 lines)\n"
             )
         );
