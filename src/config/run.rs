@@ -82,7 +82,7 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
             limits,
         )?,
         notify_fd: notify_fd(reporting)?,
-        metrics_file: reporting.optional(Key::MetricsFile).map(PathBuf::from),
+        metrics_file: reporting.optional_path(Key::MetricsFile),
     })
 }
 
@@ -209,6 +209,15 @@ impl Part<'_> {
         Some(self.get(key)).filter(|v| !v.trim().is_empty())
     }
 
+    /// A path setting, made absolute (see [`absolute`]).
+    fn path(&self, key: Key) -> PathBuf {
+        absolute(self.get(key))
+    }
+
+    fn optional_path(&self, key: Key) -> Option<PathBuf> {
+        self.optional(key).map(absolute)
+    }
+
     fn duration(&self, key: Key) -> Result<Duration, ConfigError> {
         let raw = self.get(key);
         parse_duration(&raw).ok_or_else(|| {
@@ -256,6 +265,27 @@ struct State {
     is_default: bool,
 }
 
+/// `path` from the agent's working directory when relative, so every
+/// path flag means the same whatever reads it later: a hypervisor in its
+/// own mount namespace, a child in another directory.
+fn absolute(path: String) -> PathBuf {
+    let path = PathBuf::from(path);
+    if path.is_absolute() {
+        return path;
+    }
+    std::env::current_dir().map_or(path.clone(), |cwd| cwd.join(&path))
+}
+
+/// A program: a bare name is found on `PATH` as it is; a path is made
+/// absolute like any other.
+fn program(name: String) -> PathBuf {
+    if name.contains('/') {
+        absolute(name)
+    } else {
+        PathBuf::from(name)
+    }
+}
+
 fn state(raw: &Part<'_>) -> Result<State, ConfigError> {
     let dir = raw.get(Key::StateDir);
     if dir.is_empty() {
@@ -266,8 +296,8 @@ fn state(raw: &Part<'_>) -> Result<State, ConfigError> {
     no_comma(Key::StateDir, &dir)?;
     Ok(State {
         is_default: dir == Key::StateDir.setting().default,
-        dir: PathBuf::from(dir),
-        agents_dir: PathBuf::from(raw.get(Key::AgentsDir)),
+        dir: absolute(dir),
+        agents_dir: raw.path(Key::AgentsDir),
     })
 }
 
@@ -295,7 +325,7 @@ fn notify_fd(raw: &Part<'_>) -> Result<Option<i32>, ConfigError> {
 
 fn source(raw: &Part<'_>) -> Result<DesiredSource, ConfigError> {
     match (raw.optional(Key::Desired), raw.optional(Key::ControlPlane)) {
-        (Some(file), None) => Ok(DesiredSource::File(PathBuf::from(file))),
+        (Some(file), None) => Ok(DesiredSource::File(absolute(file))),
         (None, Some(url)) => control_plane(raw, &url).map(DesiredSource::ControlPlane),
         (Some(_), Some(_)) => Err(err(
             "--desired and --control-plane are both set; choose one",
@@ -323,11 +353,11 @@ fn trust(
             )));
         }
     };
-    let Some(path) = raw.optional(Key::TrustedKeys) else {
+    let Some(path) = raw.optional_path(Key::TrustedKeys) else {
         return Ok(None);
     };
-    let keys = crate::trust::TrustedKeys::load(std::path::Path::new(&path))
-        .map_err(|e| err(format!("--trusted-keys: {e}")))?;
+    let keys =
+        crate::trust::TrustedKeys::load(&path).map_err(|e| err(format!("--trusted-keys: {e}")))?;
     if let DesiredSource::ControlPlane(cp) = source
         && cp.token_file.is_some()
         && cp.base_url.starts_with("http://")
@@ -355,7 +385,7 @@ fn control_plane(raw: &Part<'_>, url: &str) -> Result<ControlPlane, ConfigError>
     }
     Ok(ControlPlane {
         base_url: url.to_owned(),
-        token_file: raw.optional(Key::TokenFile).map(PathBuf::from),
+        token_file: raw.optional_path(Key::TokenFile),
         connect_timeout: raw.duration(Key::ConnectTimeout)?,
         request_timeout: raw.duration(Key::RequestTimeout)?,
     })
@@ -380,15 +410,7 @@ fn image_options(
     proxy: Option<String>,
     guest_deny: &[Cidr],
 ) -> Result<ImageOptions, ConfigError> {
-    let file_root = raw.optional(Key::ImageRoot).map(PathBuf::from);
-    if let Some(root) = &file_root
-        && !root.is_absolute()
-    {
-        return Err(err(format!(
-            "--image-root: {} is not an absolute path",
-            crate::quote::path(root)
-        )));
-    }
+    let file_root = raw.optional_path(Key::ImageRoot);
     let stall = raw.duration(Key::ImageStallTimeout)?;
     if stall.is_zero() {
         return Err(err(
@@ -576,16 +598,16 @@ fn guest_boot(
 fn hypervisor(raw: &Part<'_>) -> Result<HypervisorSettings, ConfigError> {
     let run_dir = raw.get(Key::RunDir);
     no_comma(Key::RunDir, &run_dir)?;
-    let kernel = raw.optional(Key::Kernel).map(PathBuf::from);
-    let firmware = raw.optional(Key::Firmware).map(PathBuf::from);
+    let kernel = raw.optional_path(Key::Kernel);
+    let firmware = raw.optional_path(Key::Firmware);
     if kernel.is_some() && firmware.is_some() {
         return Err(err(
             "--kernel and --firmware are both set; a guest boots one or the other",
         ));
     }
     Ok(HypervisorSettings {
-        binary: PathBuf::from(raw.get(Key::Hypervisor)),
-        run_dir: PathBuf::from(run_dir),
+        binary: program(raw.get(Key::Hypervisor)),
+        run_dir: absolute(run_dir),
         kernel,
         firmware,
         cmdline: raw.get(Key::Cmdline),
@@ -645,8 +667,8 @@ fn confinement(raw: &Part<'_>) -> Result<(Confinement, JailWish), ConfigError> {
     let confinement = Confinement {
         first_id: first,
         id_count: count,
-        kvm: PathBuf::from(raw.get(Key::KvmDevice)),
-        userfaultfd: raw.optional(Key::UserfaultfdDevice).map(PathBuf::from),
+        kvm: raw.path(Key::KvmDevice),
+        userfaultfd: raw.optional_path(Key::UserfaultfdDevice),
         cgroup_root,
         allow_without,
     };
