@@ -282,6 +282,110 @@ fn bad_flag_value_exits_2_naming_the_flag() {
 }
 
 #[test]
+fn check_on_a_host_missing_its_pieces_fails_naming_each_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state").display().to_string();
+    let kvm = dir.path().join("no-kvm").display().to_string();
+
+    let out = eitri(&[
+        "check",
+        "--desired",
+        "/d.json",
+        "--state-dir",
+        &state,
+        "--hypervisor",
+        "/nonexistent/cloud-hypervisor",
+        "--kvm-device",
+        &kvm,
+        "--underlay-bridge=",
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    let table = String::from_utf8_lossy(&out.stdout);
+    let failed: Vec<&str> = table.lines().filter(|l| l.starts_with("FAIL")).collect();
+    for what in ["hypervisor", "boot file", "kvm"] {
+        assert!(
+            failed.iter().any(|l| l.contains(what)),
+            "{what} not failed:\n{table}"
+        );
+    }
+    assert!(table.contains("install cloud-hypervisor"), "{table}");
+    assert!(
+        !dir.path().join("state").exists(),
+        "a check changes nothing"
+    );
+}
+
+#[test]
+fn check_on_a_host_with_all_it_needs_exits_0() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hypervisor = dir.path().join("cloud-hypervisor");
+    eitri_agent::testkit::standin_hypervisor(
+        Path::new(env!("CARGO_BIN_EXE_eitri-standin-hypervisor")),
+        &hypervisor,
+        &[],
+    );
+    let kernel = dir.path().join("vmlinux");
+    std::fs::write(&kernel, b"a kernel").expect("kernel");
+    let (kvm, uffd) = (dir.path().join("kvm"), dir.path().join("userfaultfd"));
+    std::fs::write(&kvm, b"").expect("kvm");
+    std::fs::write(&uffd, b"").expect("userfaultfd");
+    let path = |p: &Path| p.display().to_string();
+
+    let out = eitri(&[
+        "check",
+        "--desired",
+        "/d.json",
+        "--state-dir",
+        &path(&dir.path().join("state")),
+        "--hypervisor",
+        &path(&hypervisor),
+        "--kernel",
+        &path(&kernel),
+        "--kvm-device",
+        &path(&kvm),
+        "--userfaultfd-device",
+        &path(&uffd),
+        "--image-root",
+        &path(dir.path()),
+        "--underlay-bridge=",
+        // Whatever the machine running the test lacks of confinement
+        // warns instead.
+        "--allow-without",
+        "jail,cgroups,landlock",
+    ]);
+
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{table}");
+    assert!(!table.contains("FAIL"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("ok") && l.contains("hypervisor") && l.contains("v53")),
+        "{table}"
+    );
+}
+
+#[test]
+fn an_agent_started_on_a_host_missing_pieces_logs_each_and_notes_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), r#"{"vms":[]}"#);
+
+    let agent = Agent::start(dir.path(), &[]);
+    let report = agent.wait_report("a report", |_| true);
+
+    let log = agent.log_text();
+    for what in ["host check: hypervisor", "host check: boot file"] {
+        assert!(
+            log.lines().any(|l| l.contains("ERROR") && l.contains(what)),
+            "{what}:\n{log}"
+        );
+    }
+    let notes = report["notes"].to_string();
+    assert!(notes.contains("at start, host check: boot file"), "{notes}");
+}
+
+#[test]
 fn unknown_flag_exits_2() {
     let out = eitri(&["run", "--turbo"]);
 

@@ -35,6 +35,15 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
                 }
             }
         }
+        Command::Check(config) => {
+            let items = crate::provision::checklist::check(&config.host());
+            print!("{}", crate::provision::checklist::render(&items));
+            if crate::provision::checklist::failed(&items) {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
         Command::Version => {
             println!("eitri-agent {AGENT_VERSION}");
             ExitCode::SUCCESS

@@ -78,6 +78,8 @@ pub enum Command {
         text: String,
         problem: Option<ConfigError>,
     },
+    /// Check every host requirement `run` with these settings has.
+    Check(Box<Config>),
     Version,
     /// Print this help text (the whole binary's, or one verb's).
     Help(String),
@@ -127,6 +129,17 @@ pub struct Config {
     pub wish: crate::state::claim::Wish,
 }
 
+impl Config {
+    /// What the host checks look at (see [`crate::provision::checklist`]).
+    pub fn host(&self) -> crate::provision::checklist::Host<'_> {
+        crate::provision::checklist::Host {
+            guest: &self.guest,
+            state_dir: &self.state_dir,
+            image_root: self.images.file_root.as_deref(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError(String);
 
@@ -146,6 +159,7 @@ pub(super) fn err(msg: impl Into<String>) -> ConfigError {
 const SYNOPSIS: &str = "\
 usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (the daemon)
        eitri-agent config [--config FILE] [FLAGS]   the settings run would use, and where each came from
+       eitri-agent check [--config FILE] [FLAGS]    whether this host has all run needs, one line each
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
        eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
@@ -250,6 +264,21 @@ fn show_config(args: &[String], env: &HashMap<String, String>) -> Result<Command
     }
     let problem = run::build(&raw).err();
     Ok(Command::Config { text, problem })
+}
+
+fn check_usage() -> String {
+    format!(
+        "usage: eitri-agent check [--config FILE] [FLAGS]\n\n\
+         Checks, all at once, what `run` with these settings needs of this host: the\n\
+         hypervisor and its version, the boot file, /dev/kvm, /dev/net/tun, the\n\
+         userfaultfd device, root, cgroups, Landlock, ip and nft, the image root,\n\
+         room in the state dir. One line each: ok, warn (it runs, with less) or\n\
+         FAIL (no VM can be created), with what was found or what to do. Exits 1\n\
+         when a check fails, 2 when the settings are refused; changes nothing. The\n\
+         agent runs the same checks when it starts, and logs what is not ok. It\n\
+         takes every flag of `run`.\n\n{}",
+        run_usage(false)
+    )
 }
 
 fn config_usage() -> String {
@@ -391,6 +420,8 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "run" if rest.iter().any(|a| a == "--help-all") => Ok(Command::Help(run_usage(true))),
         "run" if help => Ok(Command::Help(run_usage(false))),
         "run" => run::parse(rest, env).map(|c| Command::Run(Box::new(c))),
+        "check" if help => Ok(Command::Help(check_usage())),
+        "check" => run::parse(rest, env).map(|c| Command::Check(Box::new(c))),
         "config" if help => Ok(Command::Help(config_usage())),
         "config" => show_config(rest, env),
         "status" if help => Ok(Command::Help(status_usage())),

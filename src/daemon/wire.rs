@@ -69,6 +69,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         mut notes,
     } = recover::recover(&config, guest_dns)?;
     notes.extend(what_the_operator_should_know(&config));
+    notes.extend(host_checks(&config));
     let seams = Seams {
         provisioner,
         images: Arc::clone(&images) as Arc<dyn crate::reconcile::seams::Images>,
@@ -133,6 +134,36 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
 
 /// What the operator should know of this agent's settings from the start
 /// (in `status`, and logged): caps not set, desired state not signed.
+/// Every host requirement, checked once at start (`eitri-agent check`
+/// runs the same): what is not ok is logged, all of it, and noted for
+/// `status` as found at start (the agent runs on: it must report).
+fn host_checks(config: &Config) -> Vec<String> {
+    use crate::provision::checklist::{self, Verdict};
+    let items = checklist::check(&config.host());
+    let mut notes = Vec::new();
+    for item in &items {
+        let line = format!("host check: {}: {}", item.what, item.detail);
+        match item.verdict {
+            Verdict::Ok => log::debug!("{line}"),
+            Verdict::Warn => log::warn!("{line}"),
+            Verdict::Fail => log::error!("{line}; no VM can be created until it is fixed"),
+        }
+        if item.verdict != Verdict::Ok {
+            notes.push(format!(
+                "at start, {line} (`eitri-agent check` looks again)"
+            ));
+        }
+    }
+    let bad = items.iter().filter(|i| i.verdict != Verdict::Ok).count();
+    log::info!(
+        "host checks: {} of {} ok{}",
+        items.len() - bad,
+        items.len(),
+        if bad > 0 { " (the others above)" } else { "" }
+    );
+    notes
+}
+
 fn what_the_operator_should_know(config: &Config) -> Vec<String> {
     let mut out = Vec::new();
     let caps = config.engine.caps;

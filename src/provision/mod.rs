@@ -12,6 +12,7 @@
 //! Every blocking method takes the pass's [`Deadline`] and must return by it
 //! (a deadline error is never permanent: the engine refunds the attempt).
 
+pub mod checklist;
 #[cfg(target_os = "linux")]
 pub mod cloudhv;
 #[cfg(target_os = "linux")]

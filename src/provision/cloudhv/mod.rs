@@ -49,6 +49,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub use self::error::CloudHvError;
+pub(crate) use self::preflight::{major_version, version_of};
 use self::watch::ExitWatch;
 use super::jail::{self, netns, view};
 use super::supervise::{self, Children};

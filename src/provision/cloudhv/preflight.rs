@@ -109,31 +109,36 @@ impl CloudHypervisor {
 
     /// The first line `--version` prints, within a bound.
     fn version(&self) -> Result<String, String> {
-        let mut child = Command::new(&self.cfg.hypervisor.binary)
-            .arg("--version")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| e.to_string())?;
-        let until = Instant::now() + Duration::from_secs(5);
-        loop {
-            match child.try_wait() {
-                Ok(Some(_)) => break,
-                Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
-                _ => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err("--version did not answer within 5s".into());
-                }
+        version_of(&self.cfg.hypervisor.binary)
+    }
+}
+
+/// The first line `binary --version` prints, within a bound.
+pub(crate) fn version_of(binary: &Path) -> Result<String, String> {
+    let mut child = Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("--version did not answer within 5s".into());
             }
         }
-        let mut out = String::new();
-        if let Some(mut stdout) = child.stdout.take() {
-            let _ = stdout.read_to_string(&mut out);
-        }
-        Ok(out.lines().next().unwrap_or("").trim().to_owned())
     }
+    let mut out = String::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        let _ = stdout.read_to_string(&mut out);
+    }
+    Ok(out.lines().next().unwrap_or("").trim().to_owned())
 }
 
 /// Which file a path names, as far as telling a replaced binary goes.
@@ -161,7 +166,7 @@ impl Binary {
 }
 
 /// The major version in `cloud-hypervisor v53.0[-suffix]`.
-fn major_version(line: &str) -> Option<u32> {
+pub(crate) fn major_version(line: &str) -> Option<u32> {
     let v = line.split_whitespace().find(|w| w.starts_with('v'))?;
     v[1..].split(['.', '-']).next()?.parse().ok()
 }

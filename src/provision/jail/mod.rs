@@ -261,7 +261,7 @@ impl Confined {
 }
 
 /// The kernel's Landlock ABI version, or why there is none.
-fn landlock_abi() -> Result<i64, Lack> {
+pub fn landlock_abi() -> Result<i64, Lack> {
     const CREATE_RULESET_VERSION: libc::c_uint = 1;
     // SAFETY: with a null attribute pointer and size 0, this only asks the
     // kernel for its ABI version; nothing is read or written.

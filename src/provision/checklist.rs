@@ -1,0 +1,411 @@
+//! Every host requirement checked at once, each on its own line: what
+//! `eitri-agent check` prints, and what the agent logs and reports at
+//! start. A problem found at start does not stop the agent (it must go on
+//! reporting), but it is said then, all of it, not one piece per failed
+//! create.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use super::GuestBoot;
+
+/// How one requirement stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Ok,
+    /// The agent works, with less (said in the detail).
+    Warn,
+    /// No VM can be created until it is fixed.
+    Fail,
+}
+
+impl Verdict {
+    fn word(self) -> &'static str {
+        match self {
+            Verdict::Ok => "ok",
+            Verdict::Warn => "warn",
+            Verdict::Fail => "FAIL",
+        }
+    }
+}
+
+/// One requirement: what, how it stands, and what was found or what to do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Item {
+    pub what: &'static str,
+    pub verdict: Verdict,
+    pub detail: String,
+}
+
+impl Item {
+    fn new(what: &'static str, verdict: Verdict, detail: impl Into<String>) -> Item {
+        Item {
+            what,
+            verdict,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// What the checks look at: the settings `run` would use.
+pub struct Host<'a> {
+    pub guest: &'a GuestBoot,
+    pub state_dir: &'a Path,
+    pub image_root: Option<&'a Path>,
+}
+
+/// Every check, in the order an operator fixes them.
+pub fn check(host: &Host<'_>) -> Vec<Item> {
+    let mut items = vec![
+        hypervisor(&host.guest.hypervisor.binary),
+        boot_file(host.guest),
+    ];
+    items.extend(devices(host.guest));
+    items.extend(confinement(host.guest));
+    items.push(network_tools(host.guest));
+    items.push(image_root(host.image_root));
+    items.push(state_dir(host.state_dir));
+    items
+}
+
+/// The checks as a table, one line each.
+pub fn render(items: &[Item]) -> String {
+    let width = items.iter().map(|i| i.what.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for item in items {
+        let _ = writeln!(
+            out,
+            "{:<4}  {:<width$}  {}",
+            item.verdict.word(),
+            item.what,
+            crate::quote::inline(&item.detail)
+        );
+    }
+    out
+}
+
+/// Whether any check failed: no VM can be created here as things stand.
+pub fn failed(items: &[Item]) -> bool {
+    items.iter().any(|i| i.verdict == Verdict::Fail)
+}
+
+fn hypervisor(binary: &Path) -> Item {
+    const WHAT: &str = "hypervisor";
+    let Some(found) = crate::programs::find(&binary.to_string_lossy()) else {
+        return Item::new(
+            WHAT,
+            Verdict::Fail,
+            format!(
+                "{} not found: install cloud-hypervisor v{MIN} or later (a static release binary from github.com/cloud-hypervisor/cloud-hypervisor/releases), or name it with --hypervisor",
+                binary.display(),
+                MIN = min_version()
+            ),
+        );
+    };
+    version_item(WHAT, &found)
+}
+
+#[cfg(target_os = "linux")]
+fn min_version() -> u32 {
+    super::cloudhv::MIN_VERSION
+}
+
+#[cfg(not(target_os = "linux"))]
+fn min_version() -> u32 {
+    0
+}
+
+#[cfg(target_os = "linux")]
+fn version_item(what: &'static str, found: &Path) -> Item {
+    use super::cloudhv::{MIN_VERSION, major_version, version_of};
+    match version_of(found) {
+        Ok(banner) => match major_version(&banner) {
+            Some(major) if major >= MIN_VERSION => {
+                Item::new(what, Verdict::Ok, format!("{} ({banner})", found.display()))
+            }
+            _ => Item::new(
+                what,
+                Verdict::Fail,
+                format!(
+                    "{} says {banner:?}: cloud-hypervisor v{MIN_VERSION} or later is needed",
+                    found.display()
+                ),
+            ),
+        },
+        Err(why) => Item::new(
+            what,
+            Verdict::Fail,
+            format!("{} --version: {why}", found.display()),
+        ),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn version_item(what: &'static str, found: &Path) -> Item {
+    Item::new(what, Verdict::Ok, found.display().to_string())
+}
+
+fn boot_file(guest: &GuestBoot) -> Item {
+    const WHAT: &str = "boot file";
+    let hv = &guest.hypervisor;
+    let (path, flag): (&PathBuf, &str) = match (&hv.kernel, &hv.firmware) {
+        (Some(kernel), _) => (kernel, "--kernel"),
+        (None, Some(firmware)) => (firmware, "--firmware"),
+        (None, None) => {
+            return Item::new(
+                WHAT,
+                Verdict::Fail,
+                "neither --kernel nor --firmware is set: name a PVH kernel (vmlinux) or a firmware (hypervisor-fw, CLOUDHV.fd)",
+            );
+        }
+    };
+    match std::fs::File::open(path) {
+        Ok(_) if path.is_file() => {
+            Item::new(WHAT, Verdict::Ok, format!("{flag} {}", path.display()))
+        }
+        Ok(_) => Item::new(
+            WHAT,
+            Verdict::Fail,
+            format!("{flag} {} is not a regular file", path.display()),
+        ),
+        Err(e) => Item::new(
+            WHAT,
+            Verdict::Fail,
+            format!("{flag} {}: {e}", path.display()),
+        ),
+    }
+}
+
+/// The devices every VM needs, and the one a fast resume needs.
+fn devices(guest: &GuestBoot) -> Vec<Item> {
+    let kvm = &guest.confinement.kvm;
+    let kvm = match std::fs::OpenOptions::new().read(true).write(true).open(kvm) {
+        Ok(_) => Item::new("kvm", Verdict::Ok, kvm.display().to_string()),
+        Err(e) => Item::new(
+            "kvm",
+            Verdict::Fail,
+            format!(
+                "{}: {e}: load kvm_intel or kvm_amd (or name the device with --kvm-device)",
+                kvm.display()
+            ),
+        ),
+    };
+    let tun = if Path::new("/dev/net/tun").exists() {
+        Item::new("tun", Verdict::Ok, "/dev/net/tun")
+    } else {
+        Item::new(
+            "tun",
+            Verdict::Fail,
+            "/dev/net/tun is missing: load the tun module",
+        )
+    };
+    let userfaultfd = match &guest.confinement.userfaultfd {
+        Some(device) if device.exists() => {
+            Item::new("userfaultfd", Verdict::Ok, device.display().to_string())
+        }
+        Some(device) => Item::new(
+            "userfaultfd",
+            Verdict::Warn,
+            format!(
+                "{} is missing (Linux 6.1 or later has it): a resume reads the whole snapshot before its guest runs",
+                device.display()
+            ),
+        ),
+        None => Item::new(
+            "userfaultfd",
+            Verdict::Warn,
+            "--userfaultfd-device is empty: a resume reads the whole snapshot before its guest runs",
+        ),
+    };
+    vec![kvm, tun, userfaultfd]
+}
+
+/// What confines each hypervisor: root for its own user, cgroups for its
+/// limits, Landlock. A piece the operator allowed running without warns.
+#[cfg(target_os = "linux")]
+fn confinement(guest: &GuestBoot) -> Vec<Item> {
+    use super::Piece;
+    let allowed = |piece: Piece| guest.confinement.allow_without.contains(&piece);
+    let lacking = |what: &'static str, piece: Piece, why: String| {
+        let (verdict, then) = if allowed(piece) {
+            (
+                Verdict::Warn,
+                "hypervisors run without it (--allow-without)",
+            )
+        } else {
+            (
+                Verdict::Fail,
+                "or allow running without it: --allow-without",
+            )
+        };
+        Item::new(what, verdict, format!("{why}; {then} {}", piece.name()))
+    };
+    let root = if nix::unistd::geteuid().is_root() {
+        Item::new(
+            "root",
+            Verdict::Ok,
+            "each hypervisor gets a user of its own",
+        )
+    } else {
+        lacking(
+            "root",
+            Piece::Jail,
+            format!(
+                "the agent runs as uid {}, and only root gives each hypervisor a user of its own",
+                nix::unistd::geteuid()
+            ),
+        )
+    };
+    let cgroups = match super::jail::cgroup::Cgroups::probe(&guest.confinement.cgroup_root) {
+        Ok(found) => Item::new(
+            "cgroups",
+            Verdict::Ok,
+            format!(
+                "{} hierarchies for memory, pids and cpu",
+                found.roots().len()
+            ),
+        ),
+        Err(lack) => lacking("cgroups", Piece::Cgroups, lack.to_string()),
+    };
+    let landlock = match super::jail::landlock_abi() {
+        Ok(abi) => Item::new("landlock", Verdict::Ok, format!("ABI {abi}")),
+        Err(lack) => lacking("landlock", Piece::Landlock, lack.to_string()),
+    };
+    vec![root, cgroups, landlock]
+}
+
+#[cfg(not(target_os = "linux"))]
+fn confinement(_: &GuestBoot) -> Vec<Item> {
+    Vec::new()
+}
+
+/// `ip`, and `nft` or `iptables`, when guests have a network.
+fn network_tools(guest: &GuestBoot) -> Item {
+    const WHAT: &str = "network tools";
+    if guest.underlay.is_none() {
+        return Item::new(WHAT, Verdict::Ok, "guest networking is off: none needed");
+    }
+    let ip = crate::programs::find("ip");
+    let firewall = crate::programs::find("nft").or_else(|| crate::programs::find("iptables"));
+    match (ip, firewall) {
+        (Some(ip), Some(fw)) => Item::new(
+            WHAT,
+            Verdict::Ok,
+            format!("{}, {}", ip.display(), fw.display()),
+        ),
+        (ip, fw) => {
+            let missing: Vec<&str> = [
+                ip.is_none().then_some("ip (iproute2)"),
+                fw.is_none().then_some("nft (nftables) or iptables"),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            Item::new(
+                WHAT,
+                Verdict::Fail,
+                format!(
+                    "not found on PATH: {}; install them, or turn guest networking off with --underlay-bridge=\"\"",
+                    missing.join(", ")
+                ),
+            )
+        }
+    }
+}
+
+fn image_root(root: Option<&Path>) -> Item {
+    const WHAT: &str = "image root";
+    match root {
+        None => Item::new(
+            WHAT,
+            Verdict::Ok,
+            "not set: file:// images are refused, http(s) ones fetched",
+        ),
+        Some(root) if root.is_dir() => Item::new(WHAT, Verdict::Ok, root.display().to_string()),
+        Some(root) => Item::new(
+            WHAT,
+            Verdict::Fail,
+            format!(
+                "{} is not a directory: create it, or fix --image-root",
+                root.display()
+            ),
+        ),
+    }
+}
+
+/// How much room the state dir's filesystem has: under a GiB warns (a
+/// root disk alone is a GiB or more).
+fn state_dir(dir: &Path) -> Item {
+    const WHAT: &str = "state dir";
+    const LOW: u64 = 1 << 30;
+    // The nearest directory there is: the agent makes the rest.
+    let there = dir
+        .ancestors()
+        .find(|d| d.is_dir())
+        .unwrap_or(Path::new("/"));
+    match crate::state::Room::at(there) {
+        Some(room) if room.free < LOW => Item::new(
+            WHAT,
+            Verdict::Warn,
+            format!("{}: {room}: make room for VMs' disks", dir.display()),
+        ),
+        Some(room) => Item::new(WHAT, Verdict::Ok, format!("{}: {room}", dir.display())),
+        None => Item::new(
+            WHAT,
+            Verdict::Fail,
+            format!("{}: its filesystem cannot be asked", dir.display()),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_hypervisor_fails_naming_where_to_get_one() {
+        let item = hypervisor(Path::new("/nonexistent/cloud-hypervisor"));
+
+        assert_eq!(item.verdict, Verdict::Fail);
+        assert!(item.detail.contains("install cloud-hypervisor"), "{item:?}");
+    }
+
+    /// The settings `run` would use with `flags` and no environment.
+    fn guest(flags: &[&str]) -> GuestBoot {
+        let args: Vec<String> = ["run", "--desired", "/d"]
+            .iter()
+            .chain(flags)
+            .map(|s| s.to_string())
+            .collect();
+        match crate::config::parse(&args, &Default::default()) {
+            Ok(crate::config::Command::Run(c)) => c.guest,
+            other => panic!("not run: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn no_boot_file_fails_naming_both_flags() {
+        let guest = guest(&[]);
+
+        let item = boot_file(&guest);
+
+        assert_eq!(item.verdict, Verdict::Fail);
+        assert!(item.detail.contains("--kernel nor --firmware"), "{item:?}");
+    }
+
+    #[test]
+    fn the_table_has_a_line_per_check_and_fails_if_one_does() {
+        let items = vec![
+            Item::new("kvm", Verdict::Ok, "/dev/kvm"),
+            Item::new("boot file", Verdict::Fail, "neither"),
+        ];
+
+        let table = render(&items);
+
+        assert_eq!(
+            table,
+            "ok    kvm        /dev/kvm\nFAIL  boot file  neither\n"
+        );
+        assert!(failed(&items));
+    }
+}
