@@ -339,6 +339,18 @@ impl Drop for Host {
             }
         }
         eitri_agent::testkit::remove_cgroup_root(&self.cfg.confinement.cgroup_root);
+        // The host's own devices (a real hypervisor's test) get their ACL
+        // entry for this test's VMM group back: each test process has a
+        // group of its own, and the entries would only grow.
+        let confinement = &self.cfg.confinement;
+        for device in confinement.devices() {
+            if !device.starts_with(self.dir.path()) {
+                let _ = eitri_agent::provision::jail::acl::revoke_group(
+                    &device,
+                    confinement.first_id,
+                );
+            }
+        }
     }
 }
 
