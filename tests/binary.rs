@@ -47,6 +47,12 @@ impl Agent {
     }
 
     fn start_ticking(dir: &Path, tick: &str, extra: &[&str]) -> Agent {
+        Agent::start_with_env(dir, tick, extra, &[])
+    }
+
+    /// As `start_ticking`, with `env` its only environment (beside a
+    /// `PATH` a networked test gives it).
+    fn start_with_env(dir: &Path, tick: &str, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let state = dir.join("state");
         let log = dir.join("agent.log");
         let desired = dir.join("desired.json");
@@ -91,7 +97,7 @@ impl Agent {
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut command = Command::new(BIN);
-        command.args(&args).env_clear();
+        command.args(&args).env_clear().envs(env.iter().copied());
         // A test that gives the agent a bridge (in its own network
         // namespace) lets it find ip and nft.
         if let Some(path) = std::env::var_os("PATH").filter(|_| !networkless) {
@@ -566,6 +572,34 @@ fn notify_fd_gets_exactly_one_newline_after_the_first_report() {
 
     assert_eq!(got, b"\n");
     assert!(agent.report().is_some(), "written before readiness");
+}
+
+#[test]
+fn systemds_notify_socket_is_told_ready_once_after_the_first_report() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), ONE_VOLUME);
+    let path = dir.path().join("notify");
+    let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("notify socket");
+    socket.set_read_timeout(Some(PATIENCE)).expect("timeout");
+    let notify = path.display().to_string();
+
+    let agent = Agent::start_with_env(dir.path(), "100ms", &[], &[("NOTIFY_SOCKET", &notify)]);
+    let mut got = [0u8; 256];
+    let n = socket.recv(&mut got).expect("READY=1 within the patience");
+    let report_first = agent.report().is_some();
+    socket
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .expect("timeout");
+    let again = socket.recv(&mut [0u8; 256]);
+
+    let said = String::from_utf8_lossy(&got[..n]);
+    assert!(said.starts_with("READY=1\n"), "{said:?}");
+    assert!(
+        said.contains(&format!("MAINPID={}", agent.pid())),
+        "{said:?}"
+    );
+    assert!(report_first, "written before readiness");
+    assert!(again.is_err(), "said once");
 }
 
 #[test]
@@ -2075,6 +2109,7 @@ fn without_caps_status_says_every_vm_is_admitted() {
 
 /// The README's Quick start: the shell block between its markers, as it
 /// stands.
+#[cfg(target_os = "linux")]
 fn quick_start() -> String {
     let readme = include_str!("../README.md");
     let begin = readme
@@ -2092,6 +2127,7 @@ fn quick_start() -> String {
         .collect()
 }
 
+#[cfg(target_os = "linux")]
 #[test]
 fn quick_start_boots_a_vm_to_ready() {
     use std::os::unix::fs::PermissionsExt;

@@ -1,5 +1,6 @@
 //! The static binary under a real s6-svscan, with the service dir shipped in
-//! contrib/s6: it becomes ready (s6-svwait -U), and a stop is clean.
+//! contrib/s6: it becomes ready (s6-svwait -U), and a stop is clean; and
+//! the systemd unit's env dir read as s6-envdir reads it.
 //!
 //! Needs `make static` (which `make test` runs first) and Debian's s6
 //! (which `.ci/run` installs); without either it fails, naming what is
@@ -101,9 +102,10 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
         dir.path().join("agents").display().to_string(),
     )
     .expect("env");
-    // An empty env file sets the variable empty: no guest networking, so no
-    // bridge or firewall table on the test machine's host.
-    std::fs::write(env.join("EITRI_UNDERLAY_BRIDGE"), "").expect("env");
+    // No guest networking, so no bridge or firewall table on the test
+    // machine's host. Not an empty file: s6-envdir unsets the variable
+    // for one, and the agent would take its default bridge.
+    std::fs::write(env.join("EITRI_UNDERLAY_BRIDGE"), "none").expect("env");
     // A file of the test's own: the host's /dev/userfaultfd would get an
     // ACL entry for this claim, which nothing takes back once it is gone.
     let userfaultfd = dir.path().join("userfaultfd");
@@ -144,18 +146,66 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let ready = s6("s6-svwait", &["-U", "-t", "20000"], &service);
-    let report_written = dir.path().join("state/report.json").is_file();
+    let report = std::fs::read_to_string(dir.path().join("state/report.json")).unwrap_or_default();
     let down = s6("s6-svc", &["-wD", "-d", "-T", "20000"], &service);
     let status = String::from_utf8_lossy(&s6("s6-svstat", &[], &service).stdout).into_owned();
     drop(scanner);
     let log = std::fs::read_to_string(log_dir.join("current")).unwrap_or_default();
 
     assert!(ready.status.success(), "not ready: {ready:?}");
-    assert!(report_written, "readiness came after the first report");
+    assert!(!report.is_empty(), "readiness came after the first report");
+    assert!(report.contains("guest networking is off"), "{report}");
     assert!(down.status.success(), "did not stop: {down:?}");
     assert!(
         status.starts_with("down") && status.contains("exitcode 0"),
         "{status}"
     );
     assert!(log.contains("starting") && log.contains("stopped"), "{log}");
+}
+
+/// What the environment holds of `EITRI_*` after `command` reads the env
+/// dir, printed by `env`.
+fn eitri_env(command: &mut std::process::Command) -> Vec<String> {
+    let out = command
+        .env_clear()
+        .env("EITRI_PRESET", "from-before")
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{out:?}");
+    let mut vars: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("EITRI_"))
+        .map(str::to_owned)
+        .collect();
+    vars.sort();
+    vars
+}
+
+#[test]
+fn the_systemd_units_env_dir_means_what_s6_envdir_means() {
+    require("s6-envdir");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let env = dir.path().join("env");
+    std::fs::create_dir(&env).expect("env dir");
+    std::fs::write(env.join("EITRI_KERNEL"), "/srv/eitri/vmlinux\nignored\n").expect("env");
+    std::fs::write(env.join("EITRI_PRESET"), "").expect("env");
+    let unit = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/systemd/eitri-agent.service"),
+    )
+    .expect("unit");
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart=/bin/sh -c '"))
+        .and_then(|l| l.strip_suffix('\''))
+        .expect("the unit's ExecStart");
+    // The unit's loop over this env dir, then `env` where the agent runs.
+    let looped = exec
+        .replace("/etc/eitri/env", &env.display().to_string())
+        .replace("exec eitri-agent run", "exec env");
+
+    let systemd = eitri_env(std::process::Command::new("/bin/sh").args(["-c", &looped]));
+    let s6 = eitri_env(tool("s6-envdir").arg(&env).arg("env"));
+
+    assert_eq!(systemd, vec!["EITRI_KERNEL=/srv/eitri/vmlinux".to_owned()]);
+    assert_eq!(systemd, s6);
 }

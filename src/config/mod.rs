@@ -719,6 +719,17 @@ mod tests {
     }
 
     #[test]
+    fn an_underlay_bridge_of_none_turns_guest_networking_off() {
+        let c = run(
+            &["run", "--desired", "/d"],
+            &[("EITRI_UNDERLAY_BRIDGE", "none")],
+        )
+        .expect("valid");
+
+        assert_eq!(c.guest.underlay, None);
+    }
+
+    #[test]
     fn a_bare_hypervisor_name_is_left_for_path_to_find() {
         let c = run(
             &["run", "--desired", "/d", "--hypervisor", "cloud-hypervisor"],

@@ -504,12 +504,18 @@ fn tap_prefix(raw: &Part<'_>) -> Result<String, ConfigError> {
     Ok(tap_prefix)
 }
 
+/// The `--underlay-bridge` that turns guest networking off, like empty.
+const NO_BRIDGE: &str = "none";
+
 fn underlay(
     raw: &Part<'_>,
     tap_prefix: &str,
     deny: &[Cidr],
 ) -> Result<Option<UnderlayConfig>, ConfigError> {
-    let Some(bridge) = raw.optional(Key::UnderlayBridge) else {
+    // `none` says it where an empty value cannot be given: an empty
+    // env-dir file unsets its variable under s6-envdir and chpst (and the
+    // systemd unit), which gives the default.
+    let Some(bridge) = raw.optional(Key::UnderlayBridge).filter(|b| b != NO_BRIDGE) else {
         return Ok(None);
     };
     if bridge.len() > 15

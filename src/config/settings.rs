@@ -141,7 +141,7 @@ settings! {
     ]
     Network { "network", "Network", "the guests' bridge, addresses and what they may reach" } [
         UnderlayBridge => "underlay-bridge", "EITRI_UNDERLAY_BRIDGE", "eitri0",
-            "the agent's bridge for guest NICs (empty: no guest networking)";
+            "the agent's bridge for guest NICs (empty or none: no guest networking)";
         UnderlaySubnet => "underlay-subnet", "EITRI_UNDERLAY_SUBNET", "100.77.0.0/16",
             "guest underlay subnet; the bridge takes its first address";
         TapPrefix => "tap-prefix", "EITRI_TAP_PREFIX", "eitri",

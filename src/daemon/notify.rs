@@ -1,13 +1,23 @@
-//! Readiness for s6's notification-fd: one newline, once, then the fd is
-//! closed.
+//! Readiness, said once, after the first report is written: to s6's
+//! notification-fd (one newline, then the fd is closed), or to systemd's
+//! `$NOTIFY_SOCKET` (`READY=1`, for `Type=notify`).
 
 use std::io::Write;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 
-/// The readiness fd, owned by the agent from start to first report.
-pub struct Readiness(OwnedFd);
+/// Where readiness is said, held by the agent from start to first report.
+pub enum Readiness {
+    /// s6's notification-fd.
+    Fd(OwnedFd),
+    /// systemd's notify socket: a datagram socket, and its address.
+    #[cfg(target_os = "linux")]
+    Systemd(
+        std::os::unix::net::UnixDatagram,
+        std::os::unix::net::SocketAddr,
+    ),
+}
 
 impl Readiness {
     /// Takes ownership of `fd` and marks it close-on-exec at once: the
@@ -27,13 +37,36 @@ impl Readiness {
         // SAFETY: the fd is open (checked above) and was handed to this
         // process by its supervisor for it alone; nothing else in the agent
         // refers to it, so owning (and later closing) it is sound.
-        Ok(Readiness(unsafe { OwnedFd::from_raw_fd(fd) }))
+        Ok(Readiness::Fd(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
-    /// Writes the newline and closes the fd.
+    /// systemd's notify socket named by `path` (the value of
+    /// `$NOTIFY_SOCKET`: a path, or `@name` in the abstract namespace).
+    #[cfg(target_os = "linux")]
+    pub fn systemd(path: &std::ffi::OsStr) -> std::io::Result<Readiness> {
+        use std::os::linux::net::SocketAddrExt;
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::net::{SocketAddr, UnixDatagram};
+        let bytes = path.as_bytes();
+        let addr = match bytes.strip_prefix(b"@") {
+            Some(name) => SocketAddr::from_abstract_name(name)?,
+            None => SocketAddr::from_pathname(std::path::Path::new(path))?,
+        };
+        Ok(Readiness::Systemd(UnixDatagram::unbound()?, addr))
+    }
+
+    /// Says the agent is ready, once: the newline (and the fd closed), or
+    /// `READY=1` with the agent's pid.
     pub fn signal(self) {
-        let mut file = std::fs::File::from(self.0);
-        if let Err(e) = file.write_all(b"\n") {
+        let said = match self {
+            Readiness::Fd(fd) => std::fs::File::from(fd).write_all(b"\n"),
+            #[cfg(target_os = "linux")]
+            Readiness::Systemd(socket, addr) => {
+                let message = format!("READY=1\nMAINPID={}\n", std::process::id());
+                socket.send_to_addr(message.as_bytes(), &addr).map(drop)
+            }
+        };
+        if let Err(e) = said {
             log::warn!("cannot signal readiness: {e}");
         }
     }

@@ -99,7 +99,7 @@ fn host_network(
 ) -> Option<Arc<HostNetwork>> {
     match guest.underlay.clone() {
         None => {
-            notes.push("guest networking is off (--underlay-bridge is empty)".to_owned());
+            notes.push("guest networking is off (--underlay-bridge is empty or none)".to_owned());
             None
         }
         Some(underlay) => match HostNetwork::setup(

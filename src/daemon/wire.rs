@@ -30,6 +30,27 @@ pub fn host_info(config: &Config, host_id: String, boot_id: String) -> pb::HostI
     }
 }
 
+/// systemd's notify socket, when the agent runs under `Type=notify`; one
+/// that cannot be used is said, and the agent runs on (systemd then says
+/// why it never became ready).
+fn systemd_readiness() -> Option<Readiness> {
+    let path = std::env::var_os("NOTIFY_SOCKET").filter(|p| !p.is_empty())?;
+    #[cfg(target_os = "linux")]
+    match Readiness::systemd(&path) {
+        Ok(readiness) => return Some(readiness),
+        Err(e) => log::warn!(
+            "NOTIFY_SOCKET={}: {e}; readiness cannot be said",
+            path.display()
+        ),
+    }
+    #[cfg(not(target_os = "linux"))]
+    log::warn!(
+        "NOTIFY_SOCKET={} is systemd's, and this is not Linux",
+        path.display()
+    );
+    None
+}
+
 /// Runs the daemon with the host's real parts until SIGTERM or SIGINT.
 /// `signals` were installed first thing in `main`, so a signal that came
 /// while the agent was starting is acted on, not fatal.
@@ -38,7 +59,8 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     let readiness = config
         .notify_fd
         .map(|fd| Readiness::adopt(fd).map_err(|source| DaemonError::Notify { fd, source }))
-        .transpose()?;
+        .transpose()?
+        .or_else(systemd_readiness);
     if let DesiredSource::ControlPlane(cp) = &config.source
         && let Some(token) = &cp.token_file
     {

@@ -345,10 +345,8 @@ impl Drop for Host {
         let confinement = &self.cfg.confinement;
         for device in confinement.devices() {
             if !device.starts_with(self.dir.path()) {
-                let _ = eitri_agent::provision::jail::acl::revoke_group(
-                    &device,
-                    confinement.first_id,
-                );
+                let _ =
+                    eitri_agent::provision::jail::acl::revoke_group(&device, confinement.first_id);
             }
         }
     }
