@@ -2,7 +2,7 @@
 //! the bytes pass, and name it by its digest only once the digest matches.
 
 use std::fs::{self, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -238,7 +238,7 @@ fn stream(
 ) -> Result<(), ImageError> {
     let (url, sha256) = (source.url, source.sha256);
     let store_err = |source| ImageError::store(partial.to_path_buf(), source);
-    let mut out = OpenOptions::new()
+    let out = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
@@ -290,7 +290,7 @@ fn stream(
                     max: source.max_bytes,
                 });
             }
-            out.write_all(&block[..n]).map_err(store_err)?;
+            write_sparse(&out, &block[..n], done - n as u64).map_err(store_err)?;
             if full_tx.send((block, n)).is_err() {
                 return Err(ImageError::store(
                     partial.to_path_buf(),
@@ -322,7 +322,38 @@ fn stream(
             want: sha256.into(),
         });
     }
+    // A run of zeros at the end was never written: the size says it.
+    out.set_len(done).map_err(store_err)?;
     out.sync_data().map_err(store_err)
+}
+
+/// The granule of holes: a page, a filesystem's usual block.
+const PAGE: usize = 4096;
+
+/// Writes `bytes` at `offset` of `out`, leaving each page of zeros a hole:
+/// an image that is mostly empty (a fresh filesystem, a sparse source)
+/// takes only its data on the host's disk, as its source did, not its
+/// whole size. `out` was made empty, so what is not written reads as
+/// zeros.
+fn write_sparse(out: &std::fs::File, bytes: &[u8], offset: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut run: Option<usize> = None;
+    for (i, page) in bytes.chunks(PAGE).enumerate() {
+        let at = i * PAGE;
+        let zero = page.iter().all(|b| *b == 0);
+        match (run, zero) {
+            (None, false) => run = Some(at),
+            (Some(start), true) => {
+                out.write_all_at(&bytes[start..at], offset + start as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+    }
+    if let Some(start) = run {
+        out.write_all_at(&bytes[start..], offset + start as u64)?;
+    }
+    Ok(())
 }
 
 /// Hashes, on a thread of its own, the blocks sent on `full` (each with

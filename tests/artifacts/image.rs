@@ -898,3 +898,28 @@ fn a_full_disk_fails_and_leaves_no_partial_file() {
     assert!(err.to_string().contains("No space left"), "{err}");
     assert!(entries(&small).is_empty(), "{:?}", entries(&small));
 }
+
+#[test]
+fn a_sparse_file_image_is_cached_sparse() {
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    let f = Fixture::new();
+    // 64 MiB, of which two pages hold data: a fresh filesystem's image.
+    let sparse = f.library().join("sparse.raw");
+    let file = std::fs::File::create(&sparse).expect("sparse image");
+    file.set_len(64 << 20).expect("size");
+    file.write_all_at(&[0x5a; 4096], 0).expect("data");
+    file.write_all_at(&[0xa5; 4096], 40 << 20).expect("data");
+    drop(file);
+    let sha = sha256_file(&sparse).expect("hash");
+
+    let cached = f.resolve_file(&sparse, &sha).expect("cached");
+
+    let meta = std::fs::metadata(&cached).expect("cached image");
+    assert_eq!(meta.len(), 64 << 20, "its size kept");
+    assert!(
+        meta.blocks() * 512 <= 1 << 20,
+        "{} bytes held",
+        meta.blocks() * 512
+    );
+    assert_eq!(sha256_file(&cached).expect("hash"), sha, "its bytes kept");
+}
