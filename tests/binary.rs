@@ -1498,6 +1498,46 @@ mod booted {
             .ok()
     }
 
+    #[test]
+    fn images_list_works_beside_a_running_agent_and_names_each_images_vms() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::new(dir.path());
+        desired(
+            dir.path(),
+            &format!(
+                r#"{{"vms":[{},{}]}}"#,
+                boot.vm_json("img-1", ""),
+                boot.vm_json("img-2", "")
+            ),
+        );
+        let agent = boot.start(dir.path(), &[]);
+        agent.wait_report("both ready", |r| {
+            row_of(r, "img-1")["phase"] == "ready" && row_of(r, "img-2")["phase"] == "ready"
+        });
+
+        let out = eitri(&[
+            "images",
+            "list",
+            "--state-dir",
+            &agent.state.display().to_string(),
+        ]);
+
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&boot.image_sha256))
+            .unwrap_or_default();
+        assert!(
+            row.contains("1.0 MiB") && row.ends_with("img-1,img-2"),
+            "{text}"
+        );
+    }
+
     /// `vm`'s detail in `report` (what `status VM` shows).
     fn detail_of(report: &serde_json::Value, vm: &str) -> serde_json::Value {
         report["details"][vm].clone()

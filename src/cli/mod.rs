@@ -62,6 +62,7 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             hypervisor,
         } => logs::run(&state_dir, &vm_id, lines, follow, hypervisor),
         Command::ImagesPrune { state_dir } => images::prune(&state_dir),
+        Command::ImagesList { state_dir } => images::list(&state_dir),
         Command::Release {
             state_dir,
             agents_dir,

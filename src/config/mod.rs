@@ -45,6 +45,10 @@ pub enum Command {
     ImagesPrune {
         state_dir: PathBuf,
     },
+    /// List the cached images, and which VMs name each.
+    ImagesList {
+        state_dir: PathBuf,
+    },
     /// Show the epoch fence a stopped agent's state dir holds, or move it
     /// (the way back from an unsigned answer that raised it too far).
     Epoch {
@@ -162,7 +166,7 @@ usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (
        eitri-agent check [--config FILE] [FLAGS]    whether this host has all run needs, one line each
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
-       eitri-agent images prune [--state-dir DIR]      delete cached images no VM uses
+       eitri-agent images list|prune [--state-dir DIR]   the cached images and their VMs, or delete those no VM uses
        eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
        eitri-agent epoch [--state-dir DIR] [--set N]   the epoch fence a stopped agent holds, or move it
        eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
@@ -330,9 +334,12 @@ fn logs_usage() -> String {
 
 fn images_usage() -> String {
     verb_usage(
-        "images prune [--state-dir DIR]\n\n\
-         Deletes cached base images no VM record names. Takes the state dir's\n\
-         lock: stop the agent first.",
+        "images list [--state-dir DIR] | images prune [--state-dir DIR]\n\n\
+         list: each cached base image, its size, what it holds of the disk, how\n\
+         long ago it was cached and which VMs name it; it reads, so it works\n\
+         beside a running agent. prune: deletes cached base images no VM record\n\
+         names; it takes the state dir's lock, so stop the agent first (a running\n\
+         agent prunes by itself with --image-cache-max).",
         &[],
     )
 }
@@ -495,7 +502,15 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
                     state_dir: state_dir_of(&flags, env),
                 })
             }
-            _ => Err(err("usage: eitri-agent images prune [--state-dir DIR]")),
+            Some((sub, flags)) if sub == "list" => {
+                let flags = flag_values(flags, &["state-dir"], &[])?;
+                Ok(Command::ImagesList {
+                    state_dir: state_dir_of(&flags, env),
+                })
+            }
+            _ => Err(err(
+                "usage: eitri-agent images list [--state-dir DIR] | images prune [--state-dir DIR]",
+            )),
         },
         other => Err(err(format!(
             "unknown command {other:?}; the commands are run, config, status, logs, images prune, epoch, release, keygen and sign (see eitri-agent --help)"

@@ -23,7 +23,7 @@ pub use error::StoreError;
 pub use layout::{Layout, RECORD_FILE};
 pub use lifecycle::Lifecycle;
 pub use record::{RECORD_FORMAT, Record};
-pub use store::{RecordSlot, Store, Swept, Unsynced};
+pub use store::{RecordSlot, Store, Swept, Unsynced, read_records};
 
 /// What room is left for the agent on the filesystem holding a path:
 /// shown as an operator reads it, "the filesystem of PATH has 0.5 MiB free

@@ -505,6 +505,12 @@ fn read_epoch(path: &Path) -> u64 {
     }
 }
 
+/// Every record of the state dir at `layout`, read without its lock: for
+/// a reader beside a running agent (whose saves are atomic renames).
+pub fn read_records(layout: &Layout) -> Result<BTreeMap<Id, RecordSlot>, StoreError> {
+    scan_records(&layout.vms())
+}
+
 fn scan_records(vms: &Path) -> Result<BTreeMap<Id, RecordSlot>, StoreError> {
     let scan_err = |source| StoreError::ScanDir {
         path: vms.to_path_buf(),
