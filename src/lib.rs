@@ -82,6 +82,7 @@ pub mod daemon;
 pub mod deadline;
 pub mod disk;
 pub mod error;
+pub mod events;
 pub mod hex;
 pub mod hostkey;
 pub mod human;

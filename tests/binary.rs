@@ -1589,6 +1589,18 @@ mod booted {
         });
 
         assert_ne!(vmm_pid(&boot, "die-1"), Some(pid));
+        let detail = eitri(&[
+            "status",
+            "die-1",
+            "--state-dir",
+            &agent.state.display().to_string(),
+        ]);
+        let detail = String::from_utf8_lossy(&detail.stdout);
+        let events = detail.split("\n  events ").nth(1).unwrap_or_default();
+        assert!(
+            events.contains("WARN  lost (") && events.contains("INFO  booted"),
+            "{detail}"
+        );
         let status = eitri(&["status", "--state-dir", &agent.state.display().to_string()]);
         let text = String::from_utf8_lossy(&status.stdout);
         let header = text

@@ -42,6 +42,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("image", 2),
     ("seed", 2),
     ("disk", 2),
+    ("events", 2),
     ("hostkey", 2),
     ("reconcile", 3),
     ("source", 4),

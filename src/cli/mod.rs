@@ -104,7 +104,7 @@ fn fail(err: &dyn std::error::Error) -> ExitCode {
 /// the agent cannot read is said, and info is used.
 fn init_logging() {
     let (filter, mistake) = log_filter(std::env::var("EITRI_LOG").ok().as_deref());
-    env_logger::Builder::new()
+    let logger = env_logger::Builder::new()
         .parse_filters(&filter)
         .format(|buf, record| {
             let thread = std::thread::current();
@@ -117,7 +117,12 @@ fn init_logging() {
                 record.args()
             )
         })
-        .init();
+        .build();
+    let max = logger.filter();
+    // Each line about a VM is its event too, once the daemon keeps them.
+    if log::set_boxed_logger(Box::new(crate::events::Tee { inner: logger })).is_ok() {
+        log::set_max_level(max);
+    }
     if let Some(mistake) = mistake {
         log::warn!("{mistake}");
     }

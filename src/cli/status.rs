@@ -13,6 +13,8 @@ use crate::status::ReportFile;
 
 /// How many console lines `status VM` shows.
 const CONSOLE_LINES: usize = 5;
+/// How many of a VM's last events `status VM` shows.
+const EVENTS: usize = 10;
 
 /// Shows the report once, or again every tick of the agent with `watch`.
 pub(super) fn run(state_dir: &Path, json: bool, vm_id: Option<&Id>, watch: bool) -> ExitCode {
@@ -49,7 +51,8 @@ fn show(
             let console =
                 crate::console::last_lines_across(&earlier, &layout.serial_log(vm), CONSOLE_LINES)
                     .unwrap_or_default();
-            match file.render_vm(vm.as_str(), &console, now) {
+            let events = crate::events::last(&layout, vm, EVENTS);
+            match file.render_vm(vm.as_str(), &console, &events, now) {
                 Some(text) => text,
                 None => {
                     eprintln!(

@@ -55,6 +55,7 @@ fn systemd_readiness() -> Option<Readiness> {
 /// `signals` were installed first thing in `main`, so a signal that came
 /// while the agent was starting is acted on, not fatal.
 pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
+    crate::events::keep_in(crate::state::Layout::new(&config.state_dir));
     // Take the readiness fd first, so no child can inherit it.
     let readiness = config
         .notify_fd

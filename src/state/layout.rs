@@ -18,6 +18,7 @@
 //!   vms/<vm_id>/vfkit.pid                      vfkit: its own pidfile
 //!   vms/<vm_id>/hypervisor.log                 the VMM's output
 //!   vms/<vm_id>/serial.log                     the guest's serial console
+//!   vms/<vm_id>/events.log                     its last events, as logged (see events), bounded
 //!   vms/<vm_id>/serial.<n>.log                 its console before its n-th resume (a restored VMM starts its own)
 //!   vms/<vm_id>/snapshot.tmp                   cloud-hypervisor: where its VMM writes a snapshot, its own only while it does
 //!   vms/<vm_id>/snapshot                       a suspended guest's snapshot, committed by rename, root's
@@ -132,6 +133,11 @@ impl Layout {
 
     pub fn serial_log(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("serial.log")
+    }
+
+    /// The VM's last events (see [`crate::events`]).
+    pub fn events(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("events.log")
     }
 
     /// The console as it was before the VM's `n`-th VMM start (a boot or a
@@ -336,6 +342,7 @@ mod tests {
             layout.vfkit_pidfile(&vm),
             layout.hypervisor_log(&vm),
             layout.serial_log(&vm),
+            layout.events(&vm),
             layout.serial_segment(&vm, 7),
             layout.snapshot_work(&vm),
             layout.snapshot(&vm),

@@ -175,10 +175,17 @@ impl ReportFile {
         )
     }
 
-    /// One VM in detail (`status VM`), with the newest `console` lines;
-    /// `None` when the last report does not name it. Each group of its
-    /// fields is written by one function below, in this order.
-    pub fn render_vm(&self, vm_id: &str, console: &[String], now: SystemTime) -> Option<String> {
+    /// One VM in detail (`status VM`), with the newest `console` lines and
+    /// its last `events` (see [`crate::events`]); `None` when the last
+    /// report does not name it. Each group of its fields is written by one
+    /// function below, in this order.
+    pub fn render_vm(
+        &self,
+        vm_id: &str,
+        console: &[String],
+        events: &[String],
+        now: SystemTime,
+    ) -> Option<String> {
         let row = self.report.vms.iter().find(|v| v.vm_id == vm_id);
         let quarantined = self.report.quarantined.iter().find(|q| q.vm_id == vm_id);
         if row.is_none() && quarantined.is_none() {
@@ -204,6 +211,12 @@ impl ReportFile {
         let _ = writeln!(out, "  console    (last {} lines)", console.len());
         for l in console {
             let _ = writeln!(out, "    {l}");
+        }
+        if !events.is_empty() {
+            let _ = writeln!(out, "  events     (last {}, UTC)", events.len());
+            for e in events {
+                let _ = writeln!(out, "    {e}");
+            }
         }
         Some(out)
     }
@@ -728,7 +741,9 @@ mod tests {
             }
         }
 
-        let text = file.render_vm("web-1", &[], at_now()).unwrap_or_default();
+        let text = file
+            .render_vm("web-1", &[], &[], at_now())
+            .unwrap_or_default();
 
         assert!(
             text.contains("\n  egress     deny 0.0.0.0/0 except 192.0.2.0/24\n"),
@@ -743,7 +758,7 @@ mod tests {
             "web-1 login:".to_owned(),
         ];
 
-        let text = golden_host().render_vm("web-1", &console, at_now());
+        let text = golden_host().render_vm("web-1", &console, &[], at_now());
 
         assert_eq!(
             text.as_deref(),
@@ -794,7 +809,7 @@ mod tests {
             },
         );
 
-        let text = file.render_vm("nap-1", &[], at_now());
+        let text = file.render_vm("nap-1", &[], &[], at_now());
 
         assert_eq!(
             text.as_deref(),
@@ -826,7 +841,9 @@ mod tests {
         });
         file.details.insert("new-1".into(), VmDetail::default());
 
-        let text = file.render_vm("new-1", &[], at_now()).unwrap_or_default();
+        let text = file
+            .render_vm("new-1", &[], &[], at_now())
+            .unwrap_or_default();
 
         assert!(!text.contains("not running"), "{text}");
         assert!(
@@ -870,7 +887,7 @@ mod tests {
 
     #[test]
     fn status_of_a_failed_vm_says_how_old_its_error_is() {
-        let text = golden_host().render_vm("db-1", &[], at_now());
+        let text = golden_host().render_vm("db-1", &[], &[], at_now());
 
         assert_eq!(
             text.as_deref(),
@@ -892,7 +909,7 @@ mod tests {
 
     #[test]
     fn status_of_a_quarantined_vm_says_when_it_is_destroyed() {
-        let text = golden_host().render_vm("old-1", &[], at_now());
+        let text = golden_host().render_vm("old-1", &[], &[], at_now());
 
         assert_eq!(
             text.as_deref(),
@@ -906,7 +923,7 @@ mod tests {
 
     #[test]
     fn status_of_an_unknown_vm_is_none() {
-        assert_eq!(golden_host().render_vm("nope", &[], at_now()), None);
+        assert_eq!(golden_host().render_vm("nope", &[], &[], at_now()), None);
     }
 
     #[test]
