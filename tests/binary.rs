@@ -1260,13 +1260,7 @@ mod booted {
     #[test]
     fn a_spec_error_in_a_running_vms_entry_keeps_it_running_and_says_so() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let boot = Booting::new(dir.path());
-        desired(
-            dir.path(),
-            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("run-1", "")),
-        );
-        let agent = boot.start(dir.path(), &[]);
-        agent.wait_report("run-1 ready", |r| row_of(r, "run-1")["phase"] == "ready");
+        let (boot, agent) = one_vm_ready(dir.path(), "run-1");
         let pid = vmm_pid(&boot, "run-1");
 
         let bad = boot.vm_json("run-1", r#","no_such_key":1"#);
@@ -1538,6 +1532,17 @@ mod booted {
         );
     }
 
+    /// An agent over `dir` whose one desired VM, `vm`, is ready.
+    fn one_vm_ready(dir: &Path, vm: &str) -> (Booting, Agent) {
+        let boot = Booting::new(dir);
+        desired(dir, &format!(r#"{{"vms":[{}]}}"#, boot.vm_json(vm, "")));
+        let agent = boot.start(dir, &[]);
+        agent.wait_report(&format!("{vm} ready"), |r| {
+            row_of(r, vm)["phase"] == "ready"
+        });
+        (boot, agent)
+    }
+
     /// `vm`'s detail in `report` (what `status VM` shows).
     fn detail_of(report: &serde_json::Value, vm: &str) -> serde_json::Value {
         report["details"][vm].clone()
@@ -1574,13 +1579,7 @@ mod booted {
     #[test]
     fn a_hypervisor_that_died_counts_as_a_restart_in_status() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let boot = Booting::new(dir.path());
-        desired(
-            dir.path(),
-            &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("die-1", "")),
-        );
-        let agent = boot.start(dir.path(), &[]);
-        agent.wait_report("die-1 ready", |r| row_of(r, "die-1")["phase"] == "ready");
+        let (boot, agent) = one_vm_ready(dir.path(), "die-1");
         let pid = vmm_pid(&boot, "die-1").expect("its VMM");
 
         kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("kill");

@@ -245,13 +245,7 @@ fn a_vms_limits_egress_ranges_and_probe_are_series_of_their_own() {
     d.spec.limits.net_mbps = 100;
     d.egress.deny = eitri_agent::model::Cidr::parse_list("0.0.0.0/0").expect("deny");
     d.egress.allow = eitri_agent::model::Cidr::parse_list("10.0.0.0/8, 192.0.2.7").expect("allow");
-    d.readiness = Some(eitri_agent::model::Readiness {
-        check: eitri_agent::model::Check::Tcp(guest.local_addr().expect("addr").port()),
-        period: Duration::from_secs(2),
-        timeout: Duration::from_millis(500),
-        grace: Duration::from_secs(60),
-        restart_after: None,
-    });
+    d.readiness = Some(tcp_probe(&guest));
 
     let samples = parse(&h.tick(&snapshot(1, vec![present(d)])));
 
@@ -280,13 +274,7 @@ fn a_vm_failing_its_probe_after_it_answered_is_counted_unhealthy() {
     h.fakes.set_addresses(&id("vm-1"), "127.0.0.1", "");
     let guest = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
     let mut d = desired("vm-1");
-    d.readiness = Some(eitri_agent::model::Readiness {
-        check: eitri_agent::model::Check::Tcp(guest.local_addr().expect("addr").port()),
-        period: Duration::from_secs(2),
-        timeout: Duration::from_millis(500),
-        grace: Duration::from_secs(60),
-        restart_after: None,
-    });
+    d.readiness = Some(tcp_probe(&guest));
     let snap = snapshot(1, vec![present(d)]);
     let answering = parse(&h.tick(&snap));
     drop(guest);
@@ -296,4 +284,15 @@ fn a_vm_failing_its_probe_after_it_answered_is_counted_unhealthy() {
 
     assert_eq!(answering.get("eitri_vms_unhealthy{}").copied(), Some(0.0));
     assert_eq!(failing.get("eitri_vms_unhealthy{}").copied(), Some(1.0));
+}
+
+/// A TCP probe of `guest`'s port every 2 s, with a grace of 60 s.
+fn tcp_probe(guest: &std::net::TcpListener) -> eitri_agent::model::Readiness {
+    eitri_agent::model::Readiness {
+        check: eitri_agent::model::Check::Tcp(guest.local_addr().expect("addr").port()),
+        period: Duration::from_secs(2),
+        timeout: Duration::from_millis(500),
+        grace: Duration::from_secs(60),
+        restart_after: None,
+    }
 }
