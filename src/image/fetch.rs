@@ -104,9 +104,11 @@ pub(super) fn fetch(
 type Opened = (Box<dyn Read + Send>, Option<u64>);
 
 /// A `file://` image: only a regular file under the operator's image root,
-/// reached without a symlink out of it. The path is resolved first and
-/// opened without following a final symlink, then checked again by what
-/// was opened, so a swap between the two is caught.
+/// named by its path there and reached with no symlink at all: opened one
+/// component at a time from the root, each relative to the directory the
+/// last one opened and without following a link, so no rename or link
+/// swapped in meanwhile can lead it out (what was checked is what is
+/// read).
 fn open_file(root: Option<&Path>, url: &str, path: &str) -> Result<Opened, ImageError> {
     let refuse = |why: String| ImageError::BadUrl {
         url: url.into(),
@@ -128,26 +130,82 @@ fn open_file(root: Option<&Path>, url: &str, path: &str) -> Result<Opened, Image
         permanent: e.kind() == io::ErrorKind::NotFound,
         why: e.to_string(),
     };
-    let real = fs::canonicalize(path).map_err(missing)?;
-    let outside = || {
-        refuse(format!(
-            "it is not under the image root {} (symlinks are followed before this check)",
+    let under = path
+        .strip_prefix(root)
+        .ok()
+        .filter(|rel| !root.as_os_str().is_empty() && rel.components().count() > 0);
+    let Some(rel) = under else {
+        return Err(refuse(format!(
+            "it is not under the image root {}: name the image by its path there",
             crate::quote::path(root)
-        ))
+        )));
     };
-    if root.as_os_str().is_empty() || !real.starts_with(root) {
-        return Err(outside());
-    }
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(&real)
-        .map_err(missing)?;
+    let file = match open_beneath(root, rel) {
+        Ok(file) => file,
+        Err(Beneath::Link) => {
+            return Err(refuse(format!(
+                "a component of its path under the image root {} is a symlink (or ..), and none is followed: name the file itself",
+                crate::quote::path(root)
+            )));
+        }
+        Err(Beneath::Io(e)) => return Err(missing(e)),
+    };
     let meta = file.metadata().map_err(missing)?;
     if !meta.is_file() {
         return Err(refuse("it is not a regular file".into()));
     }
     Ok((Box::new(file), Some(meta.len())))
+}
+
+/// Why a file under the image root could not be opened.
+enum Beneath {
+    /// A component is a symlink, or `..`.
+    Link,
+    Io(io::Error),
+}
+
+/// `rel` under the directory `root`, opened one component at a time, each
+/// relative to the last and never through a symlink; the file read-only.
+fn open_beneath(root: &Path, rel: &Path) -> Result<fs::File, Beneath> {
+    use nix::fcntl::{OFlag, openat};
+    use nix::sys::stat::Mode;
+    use std::path::Component;
+    let io_err = |e: nix::Error| Beneath::Io(io::Error::from(e));
+    let mut dir: std::os::fd::OwnedFd = OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY)
+        .open(root)
+        .map_err(Beneath::Io)?
+        .into();
+    let parts: Vec<Component<'_>> = rel.components().collect();
+    for (i, part) in parts.iter().enumerate() {
+        let Component::Normal(name) = part else {
+            return Err(Beneath::Link);
+        };
+        let last = i + 1 == parts.len();
+        let kind = if last {
+            OFlag::O_NONBLOCK
+        } else {
+            OFlag::O_DIRECTORY
+        };
+        let flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | kind;
+        dir = match openat(&dir, *name, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            // O_NOFOLLOW met a symlink: ELOOP for the last component,
+            // ENOTDIR (with O_DIRECTORY) for one before it.
+            Err(nix::Error::ELOOP) => return Err(Beneath::Link),
+            Err(nix::Error::ENOTDIR) if !last => {
+                let meta =
+                    fs::symlink_metadata(root.join(rel.iter().take(i + 1).collect::<PathBuf>()));
+                return match meta {
+                    Ok(m) if m.file_type().is_symlink() => Err(Beneath::Link),
+                    _ => Err(io_err(nix::Error::ENOTDIR)),
+                };
+            }
+            Err(e) => return Err(io_err(e)),
+        };
+    }
+    Ok(fs::File::from(dir))
 }
 
 /// Whether no answer could be had from the server at all: its name does

@@ -923,3 +923,45 @@ fn a_sparse_file_image_is_cached_sparse() {
     );
     assert_eq!(sha256_file(&cached).expect("hash"), sha, "its bytes kept");
 }
+
+#[test]
+fn a_symlinked_directory_on_the_way_out_of_the_image_root_is_refused() {
+    let f = Fixture::new();
+    let outside = f.dir.path().join("outside");
+    std::fs::create_dir(&outside).expect("outside");
+    std::fs::copy(&f.image, outside.join("x.raw")).expect("copy");
+    std::os::unix::fs::symlink(&outside, f.library().join("sub")).expect("symlink");
+
+    let err = f
+        .resolve_file(&f.library().join("sub/x.raw"), &f.sha)
+        .expect_err("through a symlinked directory");
+
+    assert!(err.is_permanent());
+    assert!(err.to_string().contains("symlink"), "{err}");
+    assert!(entries(&f.images()).is_empty());
+}
+
+#[test]
+fn a_dot_dot_out_of_the_image_root_is_refused() {
+    let f = Fixture::new();
+    std::fs::copy(&f.image, f.dir.path().join("outside.raw")).expect("copy");
+
+    let err = f
+        .resolve_file(&f.library().join("../outside.raw"), &f.sha)
+        .expect_err("out by ..");
+
+    assert!(err.is_permanent());
+    assert!(entries(&f.images()).is_empty());
+}
+
+#[test]
+fn an_image_in_a_directory_under_the_root_is_served() {
+    let f = Fixture::new();
+    std::fs::create_dir(f.library().join("debian")).expect("dir");
+    let nested = f.library().join("debian/bookworm.raw");
+    std::fs::copy(&f.image, &nested).expect("copy");
+
+    let cached = f.resolve_file(&nested, &f.sha).expect("served");
+
+    assert_eq!(sha256_file(&cached).expect("hash"), f.sha);
+}
