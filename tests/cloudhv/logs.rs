@@ -44,9 +44,16 @@ fn logs_of_a_guest_that_printed_10_mib_shows_its_newest_lines_within_the_cap() {
     assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
     // Newer than anything the first 10 MiB held (lines are ~40 bytes).
     assert!(numbers[0] * 40 > written_before / 2, "{numbers:?}");
-    let meta = std::fs::metadata(&serial).expect("serial");
-    let held = std::os::unix::fs::MetadataExt::blocks(&meta) * 512;
-    assert!(held <= (1 << 20) + rate * 5 / 4, "{held} bytes held");
+    // The cap is kept by punching what is past it every so often: on a
+    // loaded machine a round may come late, so the bound is waited for,
+    // not sampled once.
+    let held = || {
+        let meta = std::fs::metadata(&serial).expect("serial");
+        std::os::unix::fs::MetadataExt::blocks(&meta) * 512
+    };
+    wait_until("the console held within its cap", || {
+        held() <= (1 << 20) + rate * 5 / 4
+    });
 }
 
 #[test]
