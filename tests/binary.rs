@@ -392,6 +392,31 @@ fn an_agent_started_on_a_host_missing_pieces_logs_each_and_notes_them() {
 }
 
 #[test]
+fn a_mistyped_eitri_log_refuses_the_start_naming_the_levels() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), r#"{"vms":[]}"#);
+
+    let out = Command::new(BIN)
+        .args(["run", "--desired"])
+        .arg(dir.path().join("desired.json"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env_clear()
+        .env("EITRI_LOG", "verbose")
+        .output()
+        .expect("run");
+
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("\"verbose\" is not a log level")
+            && said.contains("off, error, warn, info, debug, trace"),
+        "{said}"
+    );
+    assert!(!dir.path().join("state").exists(), "nothing was started");
+}
+
+#[test]
 fn unknown_flag_exits_2() {
     let out = eitri(&["run", "--turbo"]);
 

@@ -100,10 +100,12 @@ fn fail(err: &dyn std::error::Error) -> ExitCode {
 }
 
 /// One line per event on stderr: time, level, thread (`vm-<id>` for a VM's
-/// worker) and message. `EITRI_LOG` sets the level (default info); one
-/// the agent cannot read is said, and info is used.
+/// worker) and message. `EITRI_LOG` sets the level (default info); one the
+/// agent cannot read was refused with the settings (see
+/// [`crate::config::log_filter`]).
 fn init_logging() {
-    let (filter, mistake) = log_filter(std::env::var("EITRI_LOG").ok().as_deref());
+    let filter = crate::config::log_filter(std::env::var("EITRI_LOG").ok().as_deref())
+        .unwrap_or_else(|_| "info".into());
     let logger = env_logger::Builder::new()
         .parse_filters(&filter)
         .format(|buf, record| {
@@ -122,77 +124,5 @@ fn init_logging() {
     // Each line about a VM is its event too, once the daemon keeps them.
     if log::set_boxed_logger(Box::new(crate::events::Tee { inner: logger })).is_ok() {
         log::set_max_level(max);
-    }
-    if let Some(mistake) = mistake {
-        log::warn!("{mistake}");
-    }
-}
-
-/// The log levels `EITRI_LOG` takes.
-const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
-
-/// The filter `EITRI_LOG` asks for, or info and what was wrong with it: a
-/// word that is no level (`warning`, `verbose`) would otherwise be read as
-/// the name of a module to log, and the agent would log nothing at all.
-/// Takes `LEVEL` or `MODULE=LEVEL`, comma-separated.
-fn log_filter(raw: Option<&str>) -> (String, Option<String>) {
-    let Some(raw) = raw.map(str::trim).filter(|r| !r.is_empty()) else {
-        return ("info".into(), None);
-    };
-    let is_level = |word: &str| LEVELS.contains(&word.trim().to_ascii_lowercase().as_str());
-    let bad = raw
-        .split(',')
-        .find(|directive| match directive.split_once('=') {
-            Some((module, level)) => module.trim().is_empty() || !is_level(level),
-            None => !is_level(directive),
-        });
-    match bad {
-        None => (raw.to_owned(), None),
-        Some(bad) => (
-            "info".into(),
-            Some(format!(
-                "EITRI_LOG={raw:?}: {:?} is not a log level; logging at info. Give one of {} (or MODULE=LEVEL, comma-separated)",
-                bad.trim(),
-                LEVELS.join(", ")
-            )),
-        ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::log_filter;
-
-    #[test]
-    fn no_eitri_log_is_info() {
-        assert_eq!(log_filter(None), ("info".to_owned(), None));
-    }
-
-    #[test]
-    fn a_level_and_module_levels_are_taken_as_given() {
-        let (filter, mistake) = log_filter(Some("warn,eitri_agent::net=debug"));
-
-        assert_eq!(filter, "warn,eitri_agent::net=debug");
-        assert_eq!(mistake, None);
-    }
-
-    #[test]
-    fn a_word_that_is_no_level_logs_at_info_and_says_so() {
-        let (filter, mistake) = log_filter(Some("warning"));
-
-        assert_eq!(filter, "info");
-        let mistake = mistake.unwrap_or_default();
-        assert!(
-            mistake.contains("\"warning\" is not a log level") && mistake.contains("warn, info"),
-            "{mistake}"
-        );
-    }
-
-    #[test]
-    fn a_module_with_a_bad_level_is_refused_too() {
-        let (filter, mistake) = log_filter(Some("eitri_agent=verbose"));
-
-        assert_eq!(filter, "info");
-        assert!(mistake.is_some());
     }
 }

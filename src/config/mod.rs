@@ -159,6 +159,34 @@ pub(super) fn err(msg: impl Into<String>) -> ConfigError {
     ConfigError(msg.into())
 }
 
+/// The log levels `EITRI_LOG` takes.
+const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
+/// The filter `EITRI_LOG` asks for (info without one), or why it is
+/// refused: a word that is no level (`warning`, `verbose`) would otherwise
+/// be read as the name of a module to log, and the agent would log nothing
+/// at all. Takes `LEVEL` or `MODULE=LEVEL`, comma-separated.
+pub fn log_filter(raw: Option<&str>) -> Result<String, ConfigError> {
+    let Some(raw) = raw.map(str::trim).filter(|r| !r.is_empty()) else {
+        return Ok("info".into());
+    };
+    let is_level = |word: &str| LEVELS.contains(&word.trim().to_ascii_lowercase().as_str());
+    let bad = raw
+        .split(',')
+        .find(|directive| match directive.split_once('=') {
+            Some((module, level)) => module.trim().is_empty() || !is_level(level),
+            None => !is_level(directive),
+        });
+    match bad {
+        None => Ok(raw.to_owned()),
+        Some(bad) => Err(err(format!(
+            "EITRI_LOG={raw:?}: {:?} is not a log level; give one of {} (or MODULE=LEVEL, comma-separated), or leave it unset for info",
+            bad.trim(),
+            LEVELS.join(", ")
+        ))),
+    }
+}
+
 /// The synopsis of every command, the top of `--help`.
 const SYNOPSIS: &str = "\
 usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (the daemon)
@@ -731,6 +759,35 @@ mod tests {
         );
         assert_eq!(c.guest.hypervisor.kernel, Some(cwd.join("boot/vmlinux")));
         assert_eq!(c.guest.hypervisor.binary, cwd.join("bin/cloud-hypervisor"));
+    }
+
+    #[test]
+    fn no_eitri_log_is_info() {
+        assert_eq!(super::log_filter(None).expect("info"), "info");
+    }
+
+    #[test]
+    fn a_level_and_module_levels_are_taken_as_given() {
+        let filter = super::log_filter(Some("warn,eitri_agent::net=debug")).expect("taken");
+
+        assert_eq!(filter, "warn,eitri_agent::net=debug");
+    }
+
+    #[test]
+    fn a_word_that_is_no_log_level_refuses_the_start_naming_the_levels() {
+        let refused =
+            run(&["run", "--desired", "/d"], &[("EITRI_LOG", "warning")]).expect_err("refused");
+
+        let said = refused.to_string();
+        assert!(
+            said.contains("\"warning\" is not a log level") && said.contains("warn, info"),
+            "{said}"
+        );
+    }
+
+    #[test]
+    fn a_module_with_a_bad_level_is_refused_too() {
+        assert!(super::log_filter(Some("eitri_agent=verbose")).is_err());
     }
 
     #[test]

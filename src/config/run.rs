@@ -36,6 +36,7 @@ pub(super) fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Co
 /// The config, each part built by the one function that reads its
 /// section; a part that needs another's value takes it typed, as built.
 pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
+    super::log_filter(raw.env.get("EITRI_LOG").map(String::as_str))?;
     let state = state(&raw.section(Section::State))?;
     let desired = &raw.section(Section::Source);
     let source = source(desired)?;
