@@ -2302,3 +2302,31 @@ eitri-agent release --state-dir /srv/eitri/state --force
         "{stdout}"
     );
 }
+
+#[test]
+fn the_readmes_contents_name_every_section_in_order() {
+    let readme = include_str!("../README.md");
+    let mut in_code = false;
+    let mut headings = Vec::new();
+    for line in readme.lines() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+        } else if !in_code
+            && (line.starts_with("## ") || line.starts_with("### "))
+            && line != "## Contents"
+        {
+            headings.push(line.trim_start_matches('#').trim().to_owned());
+        }
+    }
+    let contents: Vec<String> = readme
+        .split("## Contents\n")
+        .nth(1)
+        .unwrap_or_default()
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .filter_map(|l| Some(l.split_once("- [")?.1.split_once("](")?.0.to_owned()))
+        .collect();
+
+    assert_eq!(contents, headings);
+}
