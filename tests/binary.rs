@@ -214,6 +214,22 @@ fn help_lists_every_flag_of_run_by_section() {
 }
 
 #[test]
+fn every_verbs_help_is_its_own() {
+    for verb in [
+        "config", "check", "status", "logs", "images", "release", "epoch", "keygen", "sign",
+    ] {
+        let out = eitri(&[verb, "--help"]);
+
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{verb}: {out:?}");
+        assert!(
+            text.starts_with(&format!("usage: eitri-agent {verb} ")),
+            "{verb}: {text}"
+        );
+    }
+}
+
+#[test]
 fn run_help_exits_0_with_runs_flags() {
     let out = eitri(&["run", "--help"]);
 
@@ -1566,6 +1582,84 @@ mod booted {
             row_of(r, vm)["phase"] == "ready"
         });
         (boot, agent)
+    }
+
+    #[test]
+    fn status_of_a_vm_agrees_with_its_hypervisor_after_boot_suspend_and_resume() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (boot, agent) = one_vm_ready(dir.path(), "nap-1");
+        let state = agent.state.display().to_string();
+        let show = || {
+            let out = eitri(&["status", "nap-1", "--state-dir", &state]);
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        let field = |text: &str, key: &str| {
+            text.lines()
+                .find_map(|l| l.trim_start().strip_prefix(key).map(str::trim))
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let at = |power: &str| {
+            let vm = boot.vm_json("nap-1", "").replace(
+                r#""power_state":"running""#,
+                &format!(r#""power_state":"{power}""#),
+            );
+            desired(dir.path(), &format!(r#"{{"vms":[{vm}]}}"#));
+        };
+        let booted_pid = vmm_pid(&boot, "nap-1").expect("its VMM");
+        let booted = show();
+
+        at("suspended");
+        agent.wait_report("nap-1 suspended", |r| {
+            row_of(r, "nap-1")["power_state"] == "suspended"
+        });
+        let suspended = show();
+        let suspended_vmm = vmm_pid(&boot, "nap-1");
+        at("running");
+        agent.wait_report("nap-1 resumed", |r| {
+            row_of(r, "nap-1")["power_state"] == "running" && detail_of(r, "nap-1")["pid"].is_u64()
+        });
+        let resumed = show();
+        let resumed_pid = vmm_pid(&boot, "nap-1").expect("its new VMM");
+
+        // Booted: the pid /proc and the cgroup have, up as long as running.
+        let hypervisor = field(&booted, "hypervisor ");
+        assert!(
+            hypervisor.starts_with(&format!("pid {booted_pid}, up ")),
+            "{booted}"
+        );
+        let up = hypervisor.rsplit("up ").next().unwrap_or_default();
+        assert_eq!(
+            field(&booted, "power "),
+            format!("running for {up}"),
+            "{booted}"
+        );
+        assert_ne!(field(&booted, "boot id "), "-", "{booted}");
+        // Suspended: no hypervisor, a snapshot.
+        assert!(
+            field(&suspended, "power ").starts_with("suspended for "),
+            "{suspended}"
+        );
+        assert_eq!(
+            field(&suspended, "hypervisor "),
+            "not running",
+            "{suspended}"
+        );
+        assert!(
+            field(&suspended, "snapshot ").contains("on disk"),
+            "{suspended}"
+        );
+        assert_eq!(suspended_vmm, None, "no hypervisor runs it");
+        // Resumed: the new hypervisor, none of the old.
+        assert_ne!(resumed_pid, booted_pid);
+        assert!(
+            field(&resumed, "hypervisor ").starts_with(&format!("pid {resumed_pid}, up ")),
+            "{resumed}"
+        );
+        assert!(
+            field(&resumed, "power ").starts_with("running for "),
+            "{resumed}"
+        );
     }
 
     /// `vm`'s detail in `report` (what `status VM` shows).
