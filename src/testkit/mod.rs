@@ -800,10 +800,21 @@ pub fn confinement(dir: &std::path::Path) -> crate::provision::Confinement {
         // VMM users of this process's own, as each agent takes its own
         // from the host's registry: a test's VMMs are told apart from
         // another's running beside it by their user too.
-        first_id: TEST_FIRST_ID + (std::process::id() % (1 << 20)) * TEST_ID_COUNT,
-        id_count: TEST_ID_COUNT,
+        first_id: test_vmm_ids().0,
+        id_count: test_vmm_ids().1,
         ..crate::provision::Confinement::default()
     }
+}
+
+/// This test process's VMM ids (first, count): its own range, below an
+/// agent's default (1.9e9 up), so a test's VMMs are told apart from
+/// another's by their user, and the ACL entry its group gets on a host's
+/// device is its own to take back.
+pub fn test_vmm_ids() -> (u32, u32) {
+    (
+        TEST_FIRST_ID + (std::process::id() % (1 << 20)) * TEST_ID_COUNT,
+        TEST_ID_COUNT,
+    )
 }
 
 /// Where the test processes' VMM users begin: below an agent's default

@@ -151,6 +151,8 @@ impl Lab {
     pub fn start(&mut self, extra: &[&str]) {
         let path = |p: &Path| p.display().to_string();
         let image_root = self.parts.image.parent().expect("the image's directory");
+        let (first, count) = eitri_agent::testkit::test_vmm_ids();
+        let vmm_ids = format!("{first}:{count}");
         let mut args: Vec<String> = [
             "run",
             "--state-dir",
@@ -173,10 +175,11 @@ impl Lab {
             &path(image_root),
             "--cgroup-root",
             &self.cgroup_root,
-            // One group for every test's VMMs: each group is an ACL entry
-            // on the host's /dev/kvm and /dev/userfaultfd, which hold 64.
+            // The test process's own ids (never an agent's range): its
+            // group's ACL entry on the host's devices is taken back at the
+            // lab's end.
             "--vmm-ids",
-            "1900000000:65536",
+            &vmm_ids,
             "--underlay-bridge",
             "etrbr0",
             // The links a test makes itself are named apart from this: the
@@ -416,6 +419,10 @@ impl Drop for Lab {
     fn drop(&mut self) {
         self.kill_agent();
         eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
+        let (group, _) = eitri_agent::testkit::test_vmm_ids();
+        for device in ["/dev/kvm", "/dev/userfaultfd"] {
+            let _ = eitri_agent::provision::jail::acl::revoke_group(Path::new(device), group);
+        }
         if std::thread::panicking() && std::env::var_os(KEEP_VAR).is_some() {
             // A panic here would abort the test run: keep nothing if no
             // empty dir can stand in for the one kept.
