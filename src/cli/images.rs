@@ -32,7 +32,6 @@ pub(super) fn prune(state_dir: &Path) -> ExitCode {
 
 pub(super) fn list(state_dir: &Path) -> ExitCode {
     use std::collections::BTreeMap;
-    use std::os::unix::fs::MetadataExt;
     let layout = crate::state::Layout::new(state_dir);
     let records = match crate::state::read_records(&layout) {
         Ok(records) => records,
@@ -48,51 +47,32 @@ pub(super) fn list(state_dir: &Path) -> ExitCode {
         }
     }
     let dir = layout.images();
-    let entries = match std::fs::read_dir(&dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            println!("no image cached (no {})", dir.display());
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            eprintln!("eitri-agent: error: cannot list {}: {e}", dir.display());
-            return ExitCode::FAILURE;
-        }
+    let mut images = match crate::image::cached(&dir) {
+        Ok(images) => images,
+        Err(_) if !dir.exists() => Vec::new(),
+        Err(e) => return fail(&e),
     };
+    images.sort_by(|a, b| a.name.cmp(&b.name));
     let now = std::time::SystemTime::now();
-    let mut rows: Vec<String> = entries
-        .flatten()
-        .filter_map(|entry| {
-            let name = entry.file_name().into_string().ok()?;
-            // The cache's own files: a digest each; partial downloads and
-            // the cache's lock are not images.
-            let digest = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit());
-            let meta = entry.metadata().ok().filter(|m| digest && m.is_file())?;
-            let age = meta
-                .modified()
-                .ok()
-                .and_then(|t| now.duration_since(t).ok())
-                .map_or_else(|| "-".to_owned(), crate::human::duration);
-            let vms = named
-                .get(&name)
-                .map_or_else(|| "-".to_owned(), |v| v.join(","));
-            Some(format!(
-                "{name}  {:>10}  {:>10}  {:>8}  {vms}",
-                crate::human::bytes(meta.len()),
-                crate::human::bytes(meta.blocks() * 512),
-                age
-            ))
-        })
-        .collect();
-    rows.sort();
     println!(
         "{:<64}  {:>10}  {:>10}  {:>8}  VMS",
         "SHA256", "SIZE", "ON DISK", "CACHED"
     );
-    for row in &rows {
-        println!("{row}");
+    for image in &images {
+        let age = now
+            .duration_since(image.modified)
+            .map_or_else(|_| "-".to_owned(), crate::human::duration);
+        let vms = named
+            .get(&image.name)
+            .map_or_else(|| "-".to_owned(), |v| v.join(","));
+        println!(
+            "{:<64}  {:>10}  {:>10}  {age:>8}  {vms}",
+            image.name,
+            crate::human::bytes(image.len),
+            crate::human::bytes(image.allocated),
+        );
     }
-    if rows.is_empty() {
+    if images.is_empty() {
         println!("(no image cached)");
     }
     ExitCode::SUCCESS

@@ -541,7 +541,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             )),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, config, status, logs, images prune, epoch, release, keygen and sign (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, config, check, status, logs, images list, images prune, epoch, release, keygen and sign (see eitri-agent --help)"
         ))),
     }
 }

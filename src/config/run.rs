@@ -270,11 +270,7 @@ struct State {
 /// path flag means the same whatever reads it later: a hypervisor in its
 /// own mount namespace, a child in another directory.
 fn absolute(path: String) -> PathBuf {
-    let path = PathBuf::from(path);
-    if path.is_absolute() {
-        return path;
-    }
-    std::env::current_dir().map_or(path.clone(), |cwd| cwd.join(&path))
+    std::path::absolute(&path).unwrap_or_else(|_| PathBuf::from(path))
 }
 
 /// A program: a bare name is found on `PATH` as it is; a path is made

@@ -38,7 +38,8 @@ fn now_ms() -> u64 {
     unix_ms(SystemTime::now())
 }
 
-fn unix_ms(t: SystemTime) -> u64 {
+/// `t` in Unix milliseconds, as `report.json` keeps moments.
+pub(super) fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }

@@ -2,7 +2,7 @@
 //! steps, reports out.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 use crossbeam_channel::{Receiver, select};
 
@@ -125,7 +125,8 @@ impl Daemon {
     /// persisted (a restart during an outage keeps converging).
     pub fn new(tick: Duration, parts: Parts) -> Daemon {
         let last = load_last(&parts.store);
-        let parts_root = parts.store.root().to_path_buf();
+        // Before this agent writes its first: the last agent's report.
+        let last_report = crate::status::ReportFile::read(parts.store.root()).ok();
         if let Some((_, snap)) = &last {
             log::info!(
                 "resuming with the last accepted snapshot (epoch {})",
@@ -154,13 +155,8 @@ impl Daemon {
                 .agents_dir
                 .map(|d| d.display().to_string())
                 .unwrap_or_default(),
-            // Before this agent writes its first: the last agent's report.
-            details: details::Details::going_on_from(
-                crate::status::ReportFile::read(&parts_root).ok(),
-            ),
-            started_at_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            details: details::Details::going_on_from(last_report),
+            started_at_ms: details::unix_ms(SystemTime::now()),
         }
     }
 

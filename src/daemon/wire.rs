@@ -155,8 +155,6 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     Ok(())
 }
 
-/// What the operator should know of this agent's settings from the start
-/// (in `status`, and logged): caps not set, desired state not signed.
 /// Every host requirement, checked once at start (`eitri-agent check`
 /// runs the same): what is not ok is logged, all of it, and noted for
 /// `status` as found at start (the agent runs on: it must report).
@@ -187,6 +185,8 @@ fn host_checks(config: &Config) -> Vec<String> {
     notes
 }
 
+/// What the operator should know of this agent's settings from the start
+/// (in `status`, and logged): caps not set, desired state not signed.
 fn what_the_operator_should_know(config: &Config) -> Vec<String> {
     let mut out = Vec::new();
     let caps = config.engine.caps;

@@ -40,7 +40,7 @@ use parking_lot::{Condvar, Mutex};
 
 pub use destinations::{Reach, Refused, this_hosts_addresses};
 pub use fetch::sha256_file;
-pub use prune::{PruneError, Pruned, prune, prune_to};
+pub use prune::{Cached, PruneError, Pruned, cached, prune, prune_to};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};

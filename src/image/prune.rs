@@ -90,16 +90,48 @@ fn cached_bytes(store: &Store) -> u64 {
         .sum()
 }
 
-/// A cached image that may go.
-struct Candidate {
-    name: String,
-    path: std::path::PathBuf,
-    len: u64,
-    modified: std::time::SystemTime,
+/// A cached image, as the cache's directory has it.
+#[derive(Debug)]
+pub struct Cached {
+    /// Its digest.
+    pub name: String,
+    pub path: std::path::PathBuf,
+    pub len: u64,
+    /// What it holds of the disk (it is cached sparse).
+    pub allocated: u64,
+    /// When it was cached.
+    pub modified: std::time::SystemTime,
+}
+
+/// Every image in the cache at `dir`; partial downloads (dot files) are
+/// none. What `images list` shows and what a prune chooses from.
+pub fn cached(dir: &std::path::Path) -> Result<Vec<Cached>, PruneError> {
+    use std::os::unix::fs::MetadataExt;
+    let entries = fs::read_dir(dir).map_err(|source| PruneError::List {
+        dir: dir.to_path_buf(),
+        source,
+    })?;
+    Ok(entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                return None;
+            }
+            let meta = entry.metadata().ok()?;
+            Some(Cached {
+                name,
+                path: entry.path(),
+                len: meta.len(),
+                allocated: meta.blocks().saturating_mul(512),
+                modified: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
+            })
+        })
+        .collect())
 }
 
 /// Removes `candidates` in order until `enough` bytes are freed.
-fn remove(candidates: Vec<Candidate>, enough: u64) -> Result<Pruned, PruneError> {
+fn remove(candidates: Vec<Cached>, enough: u64) -> Result<Pruned, PruneError> {
     let mut pruned = Pruned::default();
     for c in candidates {
         if pruned.bytes >= enough {
@@ -136,28 +168,10 @@ fn in_use(store: &Store, also: &HashSet<String>) -> Result<HashSet<String>, Prun
 }
 
 /// The verified images outside `keep`.
-fn unused(store: &Store, keep: &HashSet<String>) -> Result<Vec<Candidate>, PruneError> {
-    let dir = store.layout().images();
-    let entries = fs::read_dir(&dir).map_err(|source| PruneError::List {
-        dir: dir.clone(),
-        source,
-    })?;
-    Ok(entries
-        .flatten()
-        .filter_map(|entry| {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') || keep.contains(&name) {
-                return None;
-            }
-            let meta = entry.metadata().ok()?;
-            Some(Candidate {
-                name,
-                path: entry.path(),
-                len: meta.len(),
-                modified: meta.modified().unwrap_or(std::time::UNIX_EPOCH),
-            })
-        })
-        .collect())
+fn unused(store: &Store, keep: &HashSet<String>) -> Result<Vec<Cached>, PruneError> {
+    let mut images = cached(&store.layout().images())?;
+    images.retain(|c| !keep.contains(&c.name));
+    Ok(images)
 }
 
 #[cfg(test)]

@@ -18,7 +18,8 @@ pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
 pub use quota::{Committed, Quota};
 pub use report::{
-    QuarantinedVm, Report, Rows, UNHEALTHY, VmStatus, VolumeState, VolumeStatus, is_unhealthy,
+    ANSWERED, QuarantinedVm, Report, Rows, UNHEALTHY, VmStatus, VolumeState, VolumeStatus,
+    is_unhealthy,
 };
 pub use saved::Saved;
 pub use spec::{

@@ -97,6 +97,9 @@ pub struct VmStatus {
     pub spec_rejected: String,
 }
 
+/// How a row's `readiness` ends while its probe answers ("tcp 22 answered").
+pub const ANSWERED: &str = " answered";
+
 /// How a row's error begins while its readiness probe fails past its
 /// grace, or after it answered: the VM runs, and is not ready.
 pub const UNHEALTHY: &str = "unhealthy: ";

@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime};
 use super::pass::{Core, VmResult};
 use super::probing::{ProbeState, fresh};
 use crate::deadline::Deadline;
-use crate::model::{Check, DesiredVm, Id, Phase, PowerState, Readiness, UNHEALTHY};
+use crate::model::{ANSWERED, Check, DesiredVm, Id, Phase, PowerState, Readiness, UNHEALTHY};
 
 /// How much of the console's end is searched for the line.
 const CONSOLE_TAIL: u64 = 8 << 20;
@@ -78,7 +78,7 @@ impl Core {
                 Ok(()) => {
                     state.answered = Some(now);
                     state.failing_since = None;
-                    state.last = format!("{} answered", probe.check);
+                    state.last = format!("{}{ANSWERED}", probe.check);
                 }
                 Err(why) => {
                     state.failing_since.get_or_insert(now);

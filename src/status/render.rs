@@ -248,7 +248,9 @@ impl ReportFile {
 fn ready_cell(row: &pb::VmStatus) -> &'static str {
     if row.readiness.is_empty() {
         "-"
-    } else if row.readiness.ends_with(" answered") && !crate::model::is_unhealthy(&row.last_error) {
+    } else if row.readiness.ends_with(crate::model::ANSWERED)
+        && !crate::model::is_unhealthy(&row.last_error)
+    {
         "yes"
     } else {
         "no"

@@ -55,10 +55,10 @@
 //! guest took over could have written anything there, and restoring it
 //! gives it nothing its own jail did not.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -464,10 +464,7 @@ fn seal_and_commit(
         fs::remove_dir_all(incoming)?;
     }
     crate::state::perms::make_dir(incoming)?;
-    let dir = OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
-        .open(work)?;
+    let dir = window::open_dir(work)?;
     let mut files = Vec::new();
     let mut allocated = 0u64;
     for entry in fs::read_dir(work)? {
@@ -683,22 +680,13 @@ pub(super) fn fresh_work_dir(path: &Path) -> io::Result<()> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => crate::state::perms::make_dir(path)?,
         Err(e) => return Err(e),
     }
-    let dir = OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
-        .open(path)?;
-    let (me, group) = (nix::unistd::geteuid(), nix::unistd::getegid());
-    std::os::unix::fs::fchown(&dir, Some(me.as_raw()), Some(group.as_raw()))?;
-    dir.set_permissions(fs::Permissions::from_mode(0o700))
+    window::close(&window::open_dir(path)?)
 }
 
 /// The committed snapshot made readable by the VM's user `uid`, who
 /// restores it (read-only in its view: it can change nothing of it).
 pub(super) fn lend(snapshot: &Path, uid: u32) -> io::Result<()> {
-    let dir = OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
-        .open(snapshot)?;
+    let dir = window::open_dir(snapshot)?;
     std::os::unix::fs::fchown(&dir, Some(uid), Some(uid))?;
     for entry in fs::read_dir(snapshot)? {
         let name = entry?.file_name();

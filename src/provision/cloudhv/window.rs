@@ -108,8 +108,8 @@ pub(super) fn during<T>(
     Ok(Ok(result))
 }
 
-/// `dir` made the agent's again, 0700.
-fn close(handle: &File) -> io::Result<()> {
+/// The directory at `handle` made the agent's, 0700: closed to every VMM.
+pub(super) fn close(handle: &File) -> io::Result<()> {
     let me = nix::unistd::geteuid().as_raw();
     let group = nix::unistd::getegid().as_raw();
     std::os::unix::fs::fchown(handle, Some(me), Some(group))?;
@@ -142,7 +142,8 @@ fn watch(
     None
 }
 
-fn open_dir(dir: &Path) -> io::Result<File> {
+/// The directory at `dir`, opened without following a symlink.
+pub(super) fn open_dir(dir: &Path) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
