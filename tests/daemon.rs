@@ -411,6 +411,39 @@ fn restart_during_an_outage_keeps_converging() {
 }
 
 #[test]
+fn a_restarted_agent_acts_on_what_its_source_says_not_on_the_older_snapshot_it_persisted() {
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot_with("vm-1", 1)));
+    let mut a = agent(&cp.url());
+    a.tick();
+    let (dir, fakes) = a.stop();
+    // What a previous agent persisted can lag what it did: here the VM is
+    // down, and the control plane now wants it stopped.
+    fakes.set_running(&id("vm-1"), false);
+    let mut stopped = snapshot_with("vm-1", 1);
+    stopped.vms[0].power_state = "stopped".into();
+    cp.answer_snapshots(Answer::Snapshot(stopped));
+
+    let mut restarted = agent_in(dir, fakes, &cp.url(), config(), limits());
+    restarted.tick();
+
+    assert_eq!(
+        restarted.fakes.count(|c| *c == Call::Boot(id("vm-1"))),
+        1,
+        "booted once, by the first agent; never by the persisted snapshot"
+    );
+    let file = restarted.report_file();
+    assert!(
+        file.report
+            .vms
+            .iter()
+            .any(|r| r.vm_id == "vm-1" && r.power_state == "stopped"),
+        "{:?}",
+        file.report.vms
+    );
+}
+
+#[test]
 fn the_newest_report_is_sent_when_the_control_plane_returns() {
     let cp = FakeControlPlane::start().expect("cp");
     cp.answer_snapshots(Answer::Snapshot(snapshot_with("vm-1", 1)));

@@ -102,6 +102,9 @@ pub struct Daemon {
     pub(super) tick: Duration,
     /// The last accepted desired state, as read and as checked.
     pub(super) last: Option<(Desired, Snapshot)>,
+    /// `last` is the one a previous agent persisted, and the source has
+    /// not answered this agent yet: it is not acted on (see `step`).
+    pub(super) unheard: bool,
     /// The epoch of the stale snapshot the control plane sent last, while
     /// it sends stale ones.
     pub(super) fenced: Option<u64>,
@@ -143,6 +146,7 @@ impl Daemon {
             readiness: parts.readiness,
             notes: parts.notes,
             tick,
+            unheard: last.is_some(),
             last,
             fenced: None,
             refused_epoch: None,
@@ -191,6 +195,7 @@ impl Daemon {
                     }
                     Ok(Event::Desired) => {
                         if let Some((seq, desired, snap)) = self.link.take_desired() {
+                            self.unheard = false;
                             let fresh = self.accept(desired, snap);
                             self.step(Some(seq));
                             // After the step, which has handed its passes
@@ -200,7 +205,12 @@ impl Daemon {
                             }
                         }
                     }
-                    Ok(Event::Contact) => self.dirty = true,
+                    Ok(Event::Contact) => {
+                        // The source's first answer was none (an outage, a
+                        // refusal): the persisted state is all there is.
+                        self.unheard = false;
+                        self.dirty = true;
+                    }
                     Ok(Event::Step { done }) => {
                         self.step(None);
                         next_tick = Instant::now() + self.tick;
@@ -371,11 +381,18 @@ impl Daemon {
     }
 
     /// Steps the engine (the module's steps 1 and 2) and reports.
+    ///
+    /// A snapshot a previous agent persisted is acted on only once the
+    /// source has been asked and had nothing newer: it is persisted after
+    /// the step that acts on it (see `accept`), so it can be older than
+    /// what that agent last did. Acted on at once, it would undo it: a VM
+    /// resumed before a crash suspended again, one started stopped again,
+    /// only to be redone when the source answers.
     fn step(&mut self, reflects: Option<u64>) {
         let started = Instant::now();
         let report = match &self.last {
-            Some((_, snap)) => self.engine.step(snap),
-            None => self.engine.observe(),
+            Some((_, snap)) if !self.unheard => self.engine.step(snap),
+            _ => self.engine.observe(),
         };
         self.publish(&report, reflects, true);
         self.write_metrics(&report, started);

@@ -16,7 +16,9 @@
 //!   2. A tick: step the engine with the last desired state (reachable or
 //!      not, so a crashed VM is restarted while the control plane is down),
 //!      or observe the host if there has never been any (stepping an empty
-//!      snapshot would reap every VM as vanished).
+//!      snapshot would reap every VM as vanished). A state persisted by an
+//!      earlier agent is only observed until the source's first answer
+//!      (or failure): it may be older than what that agent did.
 //!   3. A VM's row changed between steps (a pass ended, a crashed VM was
 //!      repaired): report it at once, at most every
 //!      [`MIN_WRITE_GAP`](event_loop::MIN_WRITE_GAP).
