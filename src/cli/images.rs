@@ -1,20 +1,30 @@
 //! `eitri-agent images list` shows the cached base images and the VMs that
-//! name each, reading, beside a running agent or not; `images prune`
-//! removes those no VM record names, and opens the store, so it refuses to
-//! run beside a live agent.
+//! name each; `images prune` removes those no VM record names and the
+//! last desired state does not. Both read without the state dir's lock,
+//! beside a running agent or not: a prune coordinates with the agent's
+//! creates through the image cache's own lock (see `image::prune`).
 
 use std::path::Path;
 use std::process::ExitCode;
 
 use super::fail;
-use crate::state::Store;
+use crate::state::Layout;
 
 pub(super) fn prune(state_dir: &Path) -> ExitCode {
-    let store = match Store::open(state_dir) {
-        Ok(store) => store,
-        Err(e) => return fail(&e),
+    let layout = Layout::new(state_dir);
+    let wanted = match crate::daemon::images_named(&layout.last_snapshot()) {
+        Ok(wanted) => wanted,
+        Err(e) => {
+            // Only spares the agent a download: what it uses, its records
+            // name, and those are read under the cache's lock.
+            eprintln!(
+                "eitri-agent: warning: the last desired state ({}) is unreadable: {e}; pruning by the VM records alone",
+                layout.last_snapshot().display()
+            );
+            Default::default()
+        }
     };
-    match crate::image::prune(&store) {
+    match crate::image::prune(&layout, &wanted) {
         Ok(pruned) => {
             for sha in &pruned.removed {
                 println!("removed {sha}");
@@ -32,7 +42,7 @@ pub(super) fn prune(state_dir: &Path) -> ExitCode {
 
 pub(super) fn list(state_dir: &Path) -> ExitCode {
     use std::collections::BTreeMap;
-    let layout = crate::state::Layout::new(state_dir);
+    let layout = Layout::new(state_dir);
     let records = match crate::state::read_records(&layout) {
         Ok(records) => records,
         Err(e) => return fail(&e),

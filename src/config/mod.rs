@@ -366,8 +366,9 @@ fn images_usage() -> String {
          list: each cached base image, its size, what it holds of the disk, how\n\
          long ago it was cached and which VMs name it; it reads, so it works\n\
          beside a running agent. prune: deletes cached base images no VM record\n\
-         names; it takes the state dir's lock, so stop the agent first (a running\n\
-         agent prunes by itself with --image-cache-max).",
+         names and the last desired state does not, beside a running agent or\n\
+         not: it waits (at most 30 s) for the VMs being created to make their\n\
+         root disks. A running agent also prunes by itself with --image-cache-max.",
         &[],
     )
 }

@@ -124,6 +124,15 @@ pub fn load(path: &Path) -> Result<Option<pb::Snapshot>, LastError> {
         .map_err(LastError::Decode)
 }
 
+/// The image digests the snapshot at `path` names (none when there is no
+/// file): what `images prune` keeps so that the agent need not fetch them
+/// again.
+pub fn images_named(path: &Path) -> Result<std::collections::HashSet<String>, LastError> {
+    Ok(load(path)?
+        .map(|snap| snap.vms.into_iter().map(|vm| vm.image_sha256).collect())
+        .unwrap_or_default())
+}
+
 /// The last accepted snapshot a previous agent persisted, read and checked.
 pub(super) fn load_last(store: &Store) -> Option<(Desired, Snapshot)> {
     let path = store.layout().last_snapshot();

@@ -49,6 +49,7 @@ pub use backoff::{Backoff, XorShift};
 pub use error::DaemonError;
 pub use event_loop::{Clock, Daemon, Event, Parts, SystemClock};
 pub use exchange::{Contact, Exchange, ExchangeThread, Link};
+pub use last::{LastError, images_named};
 pub use notify::Readiness;
 pub use recover::Recovered;
 pub use signals::Signals;

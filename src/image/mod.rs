@@ -40,7 +40,7 @@ use parking_lot::{Condvar, Mutex};
 
 pub use destinations::{Reach, Refused, this_hosts_addresses};
 pub use fetch::sha256_file;
-pub use prune::{Cached, PruneError, Pruned, cached, prune, prune_to};
+pub use prune::{Base, Cached, Hold, PruneError, Pruned, cached, prune, prune_to};
 
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Failure};
@@ -448,6 +448,45 @@ impl ImageCache {
     /// be at most `max_bytes`, the asking VM's disk), within `deadline`. A
     /// download outliving its deadline goes on and lands for a later pass.
     pub fn resolve(
+        &self,
+        url: &str,
+        sha256: &str,
+        max_bytes: u64,
+        deadline: Deadline,
+        progress: Progress,
+    ) -> Result<PathBuf, BoxFailure> {
+        self.find(url, sha256, max_bytes, deadline, progress)
+    }
+
+    /// [`ImageCache::resolve`], the image then held against a prune until
+    /// the returned [`Base`] is dropped. An image pruned between its find
+    /// and the hold is found again (fetched).
+    pub fn resolve_held(
+        &self,
+        url: &str,
+        sha256: &str,
+        max_bytes: u64,
+        deadline: Deadline,
+        progress: Progress,
+    ) -> Result<Base, BoxFailure> {
+        let lock = crate::state::Layout::images_lock_in(&self.dir);
+        loop {
+            let path = self.find(url, sha256, max_bytes, deadline, Arc::clone(&progress))?;
+            let hold = Hold::take(&lock).map_err(|e| ImageError::store(lock.clone(), e))?;
+            if path.is_file() {
+                return Ok(Base::held(path, hold));
+            }
+            log::info!("image {sha256} was pruned as it was found; fetching it again");
+            if deadline.expired() {
+                return Err(DeadlineExpired {
+                    waiting_for: "the image, pruned as it was found",
+                }
+                .into());
+            }
+        }
+    }
+
+    fn find(
         &self,
         url: &str,
         sha256: &str,

@@ -1,15 +1,37 @@
-//! `eitri-agent images prune`: delete cached images no VM record names.
+//! `eitri-agent images prune`: delete cached images no VM record names,
+//! beside a running agent or not; and the agent's own hold of its cache
+//! to `--image-cache-max`.
+//!
+//! A prune beside a running agent never removes an image under a create:
+//! the cache has a lock file, which a create holds shared from the moment
+//! its image is found to the moment its root disk is made ([`Hold`]), and
+//! a prune takes exclusively. A create saves its record before it looks
+//! for its image, so one holding the lock is named by a record the prune
+//! reads under the lock, and its image is kept; one that comes after
+//! finds its image gone and fetches it again.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fs;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
-use crate::state::{RecordSlot, Store};
+use crate::model::Id;
+use crate::state::{Layout, RecordSlot, Store};
 
 /// Why a prune removed nothing, or stopped part way.
 #[derive(Debug)]
 pub enum PruneError {
     /// An unreadable record might name an image.
     UnreadableRecord { vm_id: crate::model::Id },
+    /// The records could not be read.
+    Records(crate::state::StoreError),
+    /// The cache's lock could not be taken.
+    Lock {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    /// Creates held the cache for longer than a prune waits.
+    Busy { waited: Duration },
     List {
         dir: std::path::PathBuf,
         source: std::io::Error,
@@ -27,6 +49,15 @@ impl std::fmt::Display for PruneError {
                 f,
                 "the record of VM {vm_id} is unreadable and may name an image; nothing was pruned"
             ),
+            PruneError::Records(_) => write!(f, "cannot read the VM records; nothing was pruned"),
+            PruneError::Lock { path, .. } => {
+                write!(f, "cannot lock the image cache ({})", path.display())
+            }
+            PruneError::Busy { waited } => write!(
+                f,
+                "VMs being created held the image cache for {} s; nothing was pruned: run it again once they are up",
+                waited.as_secs()
+            ),
             PruneError::List { dir, .. } => write!(f, "cannot list {}", dir.display()),
             PruneError::Remove { path, .. } => write!(f, "cannot remove {}", path.display()),
         }
@@ -36,8 +67,11 @@ impl std::fmt::Display for PruneError {
 impl std::error::Error for PruneError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            PruneError::UnreadableRecord { .. } => None,
-            PruneError::List { source, .. } | PruneError::Remove { source, .. } => Some(source),
+            PruneError::UnreadableRecord { .. } | PruneError::Busy { .. } => None,
+            PruneError::Records(source) => Some(source),
+            PruneError::List { source, .. }
+            | PruneError::Remove { source, .. }
+            | PruneError::Lock { source, .. } => Some(source),
         }
     }
 }
@@ -49,14 +83,105 @@ pub struct Pruned {
     pub bytes: u64,
 }
 
-/// Removes every verified image no record names. Refuses to remove
-/// anything while a record is unreadable: it might name an image, and an
-/// image deleted in error is a VM that cannot be rebuilt offline.
-pub fn prune(store: &Store) -> Result<Pruned, PruneError> {
-    let keep = in_use(store, &HashSet::new())?;
-    let mut candidates = unused(store, &keep)?;
+/// How long a prune waits for the creates that hold the cache.
+const BUSY_WAIT: Duration = Duration::from_secs(30);
+
+/// Removes every verified image no record names and `wanted` (the digests
+/// the last desired state names) does not hold, beside a running agent or
+/// not (see the module's why). Refuses to remove anything while a record
+/// is unreadable: it might name an image, and an image deleted in error is
+/// a VM that cannot be rebuilt offline.
+pub fn prune(layout: &Layout, wanted: &HashSet<String>) -> Result<Pruned, PruneError> {
+    prune_within(layout, wanted, BUSY_WAIT)
+}
+
+/// [`prune`], waiting at most `bound` for the creates that hold the cache.
+fn prune_within(
+    layout: &Layout,
+    wanted: &HashSet<String>,
+    bound: Duration,
+) -> Result<Pruned, PruneError> {
+    let _lock = exclusive(&layout.images_lock(), bound)?;
+    let records = match crate::state::read_records(layout) {
+        Ok(records) => records,
+        // A state dir no agent has run in yet: no VM.
+        Err(_) if !layout.vms().exists() => BTreeMap::new(),
+        Err(e) => return Err(PruneError::Records(e)),
+    };
+    let keep = in_use(&records, wanted)?;
+    let mut candidates = unused(&layout.images(), &keep)?;
     candidates.sort_by(|a, b| a.name.cmp(&b.name));
     remove(candidates, u64::MAX)
+}
+
+/// The cache's lock, taken exclusively, waiting at most `bound`.
+fn exclusive(path: &Path, bound: Duration) -> Result<fs::File, PruneError> {
+    let lock_err = |source| PruneError::Lock {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = open_lock(path).map_err(lock_err)?;
+    let since = Instant::now();
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(fs::TryLockError::WouldBlock) if since.elapsed() < bound => {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(fs::TryLockError::WouldBlock) => return Err(PruneError::Busy { waited: bound }),
+            Err(fs::TryLockError::Error(e)) => return Err(lock_err(e)),
+        }
+    }
+}
+
+fn open_lock(path: &Path) -> std::io::Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// A create's hold of the image cache: while it lives, no prune removes
+/// an image (see the module's why).
+#[derive(Debug)]
+pub struct Hold {
+    _lock: fs::File,
+}
+
+impl Hold {
+    /// The cache's lock at `path`, shared; blocks while a prune runs
+    /// (which takes well under a second: it removes files).
+    pub fn take(path: &Path) -> std::io::Result<Hold> {
+        let file = open_lock(path)?;
+        file.lock_shared()?;
+        Ok(Hold { _lock: file })
+    }
+}
+
+/// A verified base image, kept from a prune while this lives.
+#[derive(Debug)]
+pub struct Base {
+    pub path: std::path::PathBuf,
+    _hold: Option<Hold>,
+}
+
+impl Base {
+    pub fn held(path: std::path::PathBuf, hold: Hold) -> Base {
+        Base {
+            path,
+            _hold: Some(hold),
+        }
+    }
+
+    /// An image no prune can reach (a test's).
+    pub fn unheld(path: std::path::PathBuf) -> Base {
+        Base { path, _hold: None }
+    }
 }
 
 /// Removes images no record names and `wanted` does not hold (the digests
@@ -72,8 +197,8 @@ pub fn prune_to(
     if held <= max_bytes {
         return Ok(Pruned::default());
     }
-    let keep = in_use(store, wanted)?;
-    let mut candidates = unused(store, &keep)?;
+    let keep = in_use(&store.load_all(), wanted)?;
+    let mut candidates = unused(&store.layout().images(), &keep)?;
     candidates.sort_by_key(|c| c.modified);
     remove(candidates, held - max_bytes)
 }
@@ -149,8 +274,10 @@ fn remove(candidates: Vec<Cached>, enough: u64) -> Result<Pruned, PruneError> {
 
 /// The digests records name, with `also`; an error while a record is
 /// unreadable.
-fn in_use(store: &Store, also: &HashSet<String>) -> Result<HashSet<String>, PruneError> {
-    let records = store.load_all();
+fn in_use(
+    records: &BTreeMap<Id, RecordSlot>,
+    also: &HashSet<String>,
+) -> Result<HashSet<String>, PruneError> {
     let mut keep = also.clone();
     for (vm_id, slot) in records.iter() {
         match slot {
@@ -168,8 +295,8 @@ fn in_use(store: &Store, also: &HashSet<String>) -> Result<HashSet<String>, Prun
 }
 
 /// The verified images outside `keep`.
-fn unused(store: &Store, keep: &HashSet<String>) -> Result<Vec<Cached>, PruneError> {
-    let mut images = cached(&store.layout().images())?;
+fn unused(dir: &Path, keep: &HashSet<String>) -> Result<Vec<Cached>, PruneError> {
+    let mut images = cached(dir)?;
     images.retain(|c| !keep.contains(&c.name));
     Ok(images)
 }
@@ -242,6 +369,33 @@ mod tests {
         prune_to(&store, &wanted, 0).expect("prune");
 
         assert_eq!(left(&store), vec!["used", "wanted"]);
+    }
+
+    #[test]
+    fn a_prune_removes_what_no_record_names_and_desired_state_does_not() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = store_with(dir.path(), "used", &["used", "wanted", "other"]);
+        let wanted: HashSet<String> = ["wanted".to_owned()].into();
+
+        let pruned = prune(store.layout(), &wanted).expect("prune");
+
+        assert_eq!(pruned.removed, vec!["other"]);
+        assert_eq!(left(&store), vec![".lock", "used", "wanted"]);
+    }
+
+    #[test]
+    fn a_prune_removes_nothing_while_a_create_holds_the_cache() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = store_with(dir.path(), "used", &["used", "other"]);
+        let hold = Hold::take(&store.layout().images_lock()).expect("hold");
+
+        let busy = prune_within(store.layout(), &HashSet::new(), Duration::from_millis(100));
+
+        assert!(matches!(busy, Err(PruneError::Busy { .. })), "{busy:?}");
+        assert_eq!(left(&store), vec![".lock", "other", "used"]);
+        drop(hold);
+        let pruned = prune_within(store.layout(), &HashSet::new(), Duration::from_millis(100));
+        assert_eq!(pruned.expect("prune").removed, vec!["other"]);
     }
 
     #[test]

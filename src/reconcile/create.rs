@@ -245,7 +245,15 @@ impl Core {
         // never ran has no state to save.
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
-        self.prepare(&rec.spec, &base, &seed_params(d, host_key), boots, deadline)?;
+        self.prepare(
+            &rec.spec,
+            &base.path,
+            &seed_params(d, host_key),
+            boots,
+            deadline,
+        )?;
+        // The root disk is made: the image may be pruned from here.
+        drop(base);
         // The attempt's record durable before its VMM runs: a host that
         // crashes booting this VM must find the attempt counted, or it
         // would boot it again, and again, without end.

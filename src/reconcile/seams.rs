@@ -5,20 +5,22 @@
 //! implementations for the real parts: the image cache, the seed builder
 //! and the host-key store sit below the engine and know nothing of it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::SystemTime;
 
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 pub use crate::hostkey::HostKey;
 use crate::hostkey::LocalHostKeys;
+pub use crate::image::Base;
 use crate::image::ImageCache;
 pub use crate::image::Progress;
 use crate::seed::NoCloudSeed;
 pub use crate::seed::SeedParams;
 
 /// Resolves an image URL and digest to a verified local base image of at
-/// most `max_bytes`, fetching it when needed.
+/// most `max_bytes`, fetching it when needed, and held against a prune
+/// while the returned [`Base`] lives.
 pub trait Images: Send + Sync {
     fn resolve(
         &self,
@@ -27,7 +29,7 @@ pub trait Images: Send + Sync {
         max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
-    ) -> Result<PathBuf, BoxFailure>;
+    ) -> Result<Base, BoxFailure>;
 }
 
 /// Builds the cloud-init NoCloud seed image at a path, atomically.
@@ -84,8 +86,8 @@ impl Images for ImageCache {
         max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
-    ) -> Result<PathBuf, BoxFailure> {
-        ImageCache::resolve(self, url, sha256, max_bytes, deadline, progress)
+    ) -> Result<Base, BoxFailure> {
+        ImageCache::resolve_held(self, url, sha256, max_bytes, deadline, progress)
     }
 }
 

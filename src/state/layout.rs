@@ -28,6 +28,7 @@
 //!   vms/<vm_id>/efi-vars                       vfkit: the guest's EFI variable store
 //!   images/                                    0700
 //!   images/<sha256>                            a verified base image
+//!   images/.lock                               held by creates, taken by `images prune`
 //!   volumes/                                   0711
 //!   volumes/<volume_id>                        a sparse volume file
 //!   volumes/.tombstoned-<volume_id>            the volume is on its way out
@@ -235,6 +236,17 @@ impl Layout {
         self.state.join("images")
     }
 
+    /// The image cache's lock: held shared by a create from finding its
+    /// image to making its root disk, exclusively by `images prune`.
+    pub fn images_lock(&self) -> PathBuf {
+        Layout::images_lock_in(&self.images())
+    }
+
+    /// [`Layout::images_lock`] of the cache at `images`.
+    pub fn images_lock_in(images: &Path) -> PathBuf {
+        images.join(".lock")
+    }
+
     /// A verified base image, named by its sha256 (checked hex).
     pub fn image(&self, sha256: &str) -> PathBuf {
         self.images().join(sha256)
@@ -351,6 +363,7 @@ mod tests {
             layout.snapshot_discarded(&vm),
             layout.efi_vars(&vm),
             layout.images(),
+            layout.images_lock(),
             layout.image("SHA"),
             layout.volumes(),
             layout.volume(&vol),

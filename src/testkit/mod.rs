@@ -622,7 +622,7 @@ impl Images for Fakes {
         _max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
-    ) -> Result<PathBuf, BoxFailure> {
+    ) -> Result<crate::reconcile::seams::Base, BoxFailure> {
         self.record(Call::Resolve {
             url: url.to_owned(),
         });
@@ -634,7 +634,9 @@ impl Images for Fakes {
             progress(done, total);
         }
         self.act(Op::Resolve, url, deadline)?;
-        Ok(PathBuf::from(format!("/fake/images/{sha256}")))
+        Ok(crate::reconcile::seams::Base::unheld(PathBuf::from(
+            format!("/fake/images/{sha256}"),
+        )))
     }
 }
 

@@ -965,3 +965,45 @@ fn an_image_in_a_directory_under_the_root_is_served() {
 
     assert_eq!(sha256_file(&cached).expect("hash"), f.sha);
 }
+
+#[test]
+fn an_image_a_create_holds_is_kept_from_a_prune_until_its_root_disk_is_made() {
+    let f = Fixture::new();
+    let url = format!("file://{}", f.image.display());
+    let base = f
+        .cache()
+        .resolve_held(&url, &f.sha, DISK, Deadline::NONE, quiet())
+        .expect("found");
+    let layout = eitri_agent::state::Layout::new(f.dir.path());
+    let lock = std::fs::File::open(layout.images_lock()).expect("lock file");
+
+    let while_held = lock.try_lock();
+    drop(base);
+    let after = lock.try_lock();
+
+    assert!(
+        matches!(while_held, Err(std::fs::TryLockError::WouldBlock)),
+        "{while_held:?}"
+    );
+    assert!(after.is_ok(), "{after:?}");
+}
+
+#[test]
+fn an_image_pruned_before_a_create_holds_it_is_fetched_again() {
+    let f = Fixture::new();
+    let url = format!("file://{}", f.image.display());
+    let cache = f.cache();
+    let first = cache
+        .resolve_held(&url, &f.sha, DISK, Deadline::NONE, quiet())
+        .expect("found");
+    drop(first);
+    let layout = eitri_agent::state::Layout::new(f.dir.path());
+    let pruned = eitri_agent::image::prune(&layout, &Default::default()).expect("pruned");
+
+    let again = cache
+        .resolve_held(&url, &f.sha, DISK, Deadline::NONE, quiet())
+        .expect("found again");
+
+    assert_eq!(pruned.removed, vec![f.sha.clone()]);
+    assert_eq!(sha256_file(&again.path).expect("hash"), f.sha);
+}
