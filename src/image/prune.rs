@@ -262,10 +262,17 @@ fn remove(candidates: Vec<Cached>, enough: u64) -> Result<Pruned, PruneError> {
         if pruned.bytes >= enough {
             break;
         }
-        fs::remove_file(&c.path).map_err(|source| PruneError::Remove {
-            path: c.path.clone(),
-            source,
-        })?;
+        match fs::remove_file(&c.path) {
+            Ok(()) => {}
+            // Removed meanwhile by the agent's own hold to its cap.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(source) => {
+                return Err(PruneError::Remove {
+                    path: c.path.clone(),
+                    source,
+                });
+            }
+        }
         pruned.bytes += c.len;
         pruned.removed.push(c.name);
     }
