@@ -44,12 +44,48 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_moment_to_come_reads_as_how_long_and_when() {
+    fn a_moment_to_come_reads_as_how_long_and_when_in_utc() {
         let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
 
-        let said = when(now + Duration::from_secs(23 * 3600 + 60), now);
+        let said = when_at_offset(now + Duration::from_secs(23 * 3600 + 60), now, 0);
 
         assert_eq!(said, "in 23 h (2027-01-16T07:01Z)");
+    }
+
+    #[test]
+    fn a_moment_reads_in_the_local_time_of_its_offset() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let at = now + Duration::from_secs(23 * 3600 + 60);
+
+        let east = when_at_offset(at, now, 3600);
+        let west = when_at_offset(at, now, -(3 * 3600 + 1800));
+
+        assert_eq!(east, "in 23 h (2027-01-16T08:01+01:00)");
+        assert_eq!(west, "in 23 h (2027-01-16T03:31-03:30)");
+    }
+
+    #[test]
+    fn the_local_offset_is_the_one_date_gives() {
+        let at = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let out = std::process::Command::new("date")
+            .args(["-d", "@1800000000", "+%z"])
+            .output()
+            .expect("date runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let (sign, digits) = text.trim().split_at(1);
+        let hhmm: i64 = digits.parse().expect("an offset");
+        let from_date = (hhmm / 100 * 3600 + hhmm % 100 * 60) * if sign == "-" { -1 } else { 1 };
+
+        assert_eq!(local_offset(at), from_date);
+    }
+
+    #[test]
+    fn a_moment_past_reads_now() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+
+        let said = when_at_offset(now - Duration::from_secs(5), now, 0);
+
+        assert_eq!(said, "now (2027-01-15T07:59Z)");
     }
 
     #[test]
@@ -124,11 +160,61 @@ impl std::fmt::Display for Utc {
     }
 }
 
-/// A moment to come, as an operator reads it: "in 23 h
-/// (2026-12-05T14:03Z)"; one past, "now".
+/// A moment to come, as an operator reads it, in the host's local time:
+/// "in 23 h (2026-12-05T15:03+01:00)"; one past, "now (…)". UTC reads
+/// "…Z".
 pub fn when(at: SystemTime, now: SystemTime) -> String {
-    match at.duration_since(now) {
-        Ok(left) => format!("in {} ({})", duration(left), Utc::from(at)),
-        Err(_) => format!("now ({})", Utc::from(at)),
+    when_at_offset(at, now, local_offset(at))
+}
+
+/// [`when`] at a UTC offset of `offset_s` seconds.
+fn when_at_offset(at: SystemTime, now: SystemTime, offset_s: i64) -> String {
+    let shifted = if offset_s >= 0 {
+        at.checked_add(Duration::from_secs(offset_s.unsigned_abs()))
+    } else {
+        at.checked_sub(Duration::from_secs(offset_s.unsigned_abs()))
     }
+    .unwrap_or(at);
+    let t = Utc::from(shifted);
+    let stamp = format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}{}",
+        t.year,
+        t.month,
+        t.day,
+        t.hour,
+        t.minute,
+        zone(offset_s)
+    );
+    match at.duration_since(now) {
+        Ok(left) => format!("in {} ({stamp})", duration(left)),
+        Err(_) => format!("now ({stamp})"),
+    }
+}
+
+/// ISO 8601's zone designator for a UTC offset: "Z", "+01:00", "-03:30".
+fn zone(offset_s: i64) -> String {
+    if offset_s == 0 {
+        return "Z".into();
+    }
+    let sign = if offset_s < 0 { '-' } else { '+' };
+    let m = offset_s.unsigned_abs() / 60;
+    format!("{sign}{:02}:{:02}", m / 60, m % 60)
+}
+
+/// The host's UTC offset at `at`, in seconds, as its C library has it
+/// (`TZ`, else `/etc/localtime`); 0 when it cannot say.
+fn local_offset(at: SystemTime) -> i64 {
+    let secs = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let Ok(time) = nix::libc::time_t::try_from(secs) else {
+        return 0;
+    };
+    // SAFETY: `tm` is plain data, zeroed; localtime_r writes only into
+    // it and reads only `time`, both live for the call.
+    let mut tm: nix::libc::tm = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; a null return leaves `tm` as it was.
+    let filled = unsafe { nix::libc::localtime_r(&time, &mut tm) };
+    if filled.is_null() {
+        return 0;
+    }
+    tm.tm_gmtoff
 }
