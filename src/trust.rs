@@ -479,6 +479,21 @@ impl SecretKey {
     }
 }
 
+/// A file that carries its own signature: its first line is a signature
+/// line, and what follows it is the signed bytes, exactly. (The line, if
+/// there is one; the signed bytes.) Desired state as JSON cannot begin
+/// with the algorithm's name, so a file is one or the other.
+pub fn split_embedded(text: &str) -> (Option<&str>, &str) {
+    match text.split_once('\n') {
+        Some((line, rest))
+            if line.starts_with(ALGORITHM) && line[ALGORITHM.len()..].starts_with(' ') =>
+        {
+            (Some(line), rest)
+        }
+        _ => (None, text),
+    }
+}
+
 /// Parses a detached signature file's line: (key id, signature).
 pub fn parse_signature_line(text: &str) -> Result<(String, Vec<u8>), KeyError> {
     words(text.trim(), ALGORITHM)

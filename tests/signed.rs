@@ -684,6 +684,114 @@ fn standalone_a_file_changed_after_signing_is_refused() {
     assert!(!a.volume_exists("data-2"));
 }
 
+/// `eitri-agent sign --key KEY --embed FILE`, which must succeed.
+fn sign_embedded(key: &Path, file: &Path) {
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        "--embed",
+        file.to_str().expect("path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn one_volume(volume: &str) -> String {
+    format!(
+        r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"{volume}","size_gb":1}}]}}"#
+    )
+}
+
+#[test]
+fn standalone_a_file_that_carries_its_signature_is_acted_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, &one_volume("data-1"));
+
+    sign_embedded(&key, &desired);
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+    assert!(!dir.path().join("desired.json.sig").exists());
+}
+
+#[test]
+fn standalone_a_file_changed_below_its_own_signature_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, &one_volume("data-1"));
+    sign_embedded(&key, &desired);
+    let signed = std::fs::read_to_string(&desired).expect("signed");
+    write_desired(&desired, &signed.replace("data-1", "data-2"));
+
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_refusal("signature does not verify");
+    assert!(!a.volume_exists("data-2"));
+}
+
+#[test]
+fn signing_a_file_that_carries_its_signature_again_replaces_the_line() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, &one_volume("data-1"));
+    sign_embedded(&key, &desired);
+    let signed = std::fs::read_to_string(&desired).expect("signed");
+    write_desired(&desired, &signed.replace("data-1", "data-2"));
+
+    sign_embedded(&key, &desired);
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_report("the volume", |r| has_volume(r, "data-2"));
+    let text = std::fs::read_to_string(&desired).expect("signed");
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("ed25519 ")).count(),
+        1,
+        "{text}"
+    );
+}
+
+#[test]
+fn sign_without_embed_refuses_a_file_that_carries_its_signature() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, _) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, &one_volume("data-1"));
+    sign_embedded(&key, &desired);
+
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        desired.to_str().expect("path"),
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("--embed"), "{said}");
+    assert!(!dir.path().join("desired.json.sig").exists());
+}
+
+#[test]
+fn a_host_without_keys_takes_what_a_file_signs_below_its_signature() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, _) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, &one_volume("data-1"));
+    sign_embedded(&key, &desired);
+
+    let a = Agent::start(dir.path(), &["--desired", desired.to_str().expect("path")]);
+
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+}
+
 #[test]
 fn keygen_never_overwrites_a_key() {
     let dir = tempfile::tempdir().expect("tempdir");

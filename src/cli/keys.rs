@@ -42,30 +42,53 @@ pub(super) fn keygen(id: &str, out: &Path) -> ExitCode {
 }
 
 /// Signs `file`'s exact bytes with the key in `key_file`, writing the
-/// signature beside it (`FILE.sig`), replaced atomically.
-pub(super) fn sign(key_file: &Path, file: &Path) -> ExitCode {
+/// signature beside it (`FILE.sig`), or with `embed` as the file's own
+/// first line; either replaced atomically.
+pub(super) fn sign(key_file: &Path, file: &Path, embed: bool) -> ExitCode {
     let key = match SecretKey::load(key_file) {
         Ok(key) => key,
         Err(e) => return refuse(&e.to_string()),
     };
-    let bytes = match std::fs::read(file) {
-        Ok(bytes) => bytes,
+    let text = match std::fs::read_to_string(file) {
+        Ok(text) => text,
         Err(e) => return refuse(&format!("cannot read {}: {e}", file.display())),
     };
-    if let Err(why) = names_its_host(&bytes) {
+    let (carried, body) = crate::trust::split_embedded(&text);
+    if carried.is_some() && !embed {
+        return refuse(&format!(
+            "{} carries its own signature (its first line); sign it again with --embed, which replaces that line",
+            file.display()
+        ));
+    }
+    if let Err(why) = names_its_host(body.as_bytes()) {
         return refuse(&format!("will not sign {}: {why}", file.display()));
     }
-    let sig_path = FileSource::signature_path(file);
-    if let Err(e) =
-        crate::state::atomic::write_atomic(&sig_path, key.signature_line(&bytes).as_bytes())
-    {
-        return refuse(&format!("cannot write {}: {e}", sig_path.display()));
+    let line = key.signature_line(body.as_bytes());
+    let (written, into) = if embed {
+        let signed = format!("{line}{body}");
+        (
+            crate::state::atomic::write_atomic(file, signed.as_bytes()),
+            file.to_path_buf(),
+        )
+    } else {
+        let sig_path = FileSource::signature_path(file);
+        (
+            crate::state::atomic::write_atomic(&sig_path, line.as_bytes()),
+            sig_path,
+        )
+    };
+    if let Err(e) = written {
+        return refuse(&format!("cannot write {}: {e}", into.display()));
     }
     eprintln!(
         "eitri-agent: signed {} with key {}: {}",
         file.display(),
         key.id(),
-        sig_path.display()
+        if embed {
+            "its first line".to_owned()
+        } else {
+            into.display().to_string()
+        }
     );
     ExitCode::SUCCESS
 }

@@ -75,6 +75,8 @@ pub enum Command {
     Sign {
         key: PathBuf,
         file: PathBuf,
+        /// The signature as the file's own first line, not `FILE.sig`.
+        embed: bool,
     },
     /// The settings `run` would use and where each came from; `problem`:
     /// why `run` would refuse them.
@@ -391,12 +393,20 @@ fn keygen_usage() -> String {
 
 fn sign_usage() -> String {
     verb_usage(
-        "sign --key KEY-FILE FILE\n\n\
+        "sign --key KEY-FILE [--embed] FILE\n\n\
          Signs a desired-state file with the secret key from `keygen`, writing\n\
-         FILE.sig beside it. The file must name the host it is for (`host_id`):\n\
+         FILE.sig beside it, or with --embed, into FILE itself (its first line),\n\
+         replaced in one rename: an agent never reads the file with a signature\n\
+         that is not its own. The file must name the host it is for (`host_id`):\n\
          a host refuses a signed snapshot that names no host or another, so that\n\
          one host's cannot be replayed to another.",
-        &[("key", "the secret key file `keygen` wrote")],
+        &[
+            ("key", "the secret key file `keygen` wrote"),
+            (
+                "embed",
+                "the signature as FILE's own first line (signing again replaces it)",
+            ),
+        ],
     )
 }
 
@@ -477,15 +487,16 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             }
         }
         "sign" => {
-            let usage = "usage: eitri-agent sign --key KEY-FILE FILE";
+            let usage = "usage: eitri-agent sign --key KEY-FILE [--embed] FILE";
             let Some((file, flags)) = rest.split_last() else {
                 return Err(err(usage));
             };
-            let flags = flag_values(flags, &["key"], &[])?;
+            let flags = flag_values(flags, &["key"], &["embed"])?;
             match flags.get("key") {
                 Some(key) if !file.starts_with("--") => Ok(Command::Sign {
                     key: PathBuf::from(key),
                     file: PathBuf::from(file),
+                    embed: flags.contains_key("embed"),
                 }),
                 _ => Err(err(usage)),
             }

@@ -35,8 +35,10 @@ use crate::trust::{self, Refusal, TrustedKeys, Verified};
 pub struct FileSource {
     path: PathBuf,
     limits: SnapshotLimits,
-    /// `--trusted-keys`: with them, the file is taken only with a detached
-    /// signature (`FILE.sig`) by a pinned key, over its exact bytes.
+    /// `--trusted-keys`: with them, the file is taken only signed by a
+    /// pinned key over its exact bytes: by a detached signature
+    /// (`FILE.sig`), or by its own first line (`sign --embed`), which one
+    /// rename replaces with the bytes it signs.
     trust: Option<TrustedKeys>,
     /// The file's stamp and its signature's when last read.
     seen: Option<(Stamp, Option<Stamp>)>,
@@ -99,8 +101,24 @@ impl FileSource {
         }
     }
 
-    /// The verified signer of `bytes` by the signature beside the file.
-    fn verify(&self, keys: &TrustedKeys, bytes: &[u8]) -> Result<Verified, Refusal> {
+    /// The verified signer of `bytes`: by `embedded`, the file's own
+    /// signature line, or else by the signature beside the file.
+    fn verify(
+        &self,
+        keys: &TrustedKeys,
+        embedded: Option<&str>,
+        bytes: &[u8],
+    ) -> Result<Verified, Refusal> {
+        if let Some(line) = embedded {
+            let (key_id, signature) =
+                trust::parse_signature_line(line).map_err(|e| Refusal::Unsigned {
+                    why: format!(
+                        "the first line of {} is not a signature: {e}",
+                        self.path.display()
+                    ),
+                })?;
+            return keys.verify(&key_id, &signature, bytes);
+        }
         let sig_path = FileSource::signature_path(&self.path);
         let mut line = String::new();
         let read =
@@ -159,10 +177,13 @@ impl Source for FileSource {
         self.seen = Some((stamp, sig_stamp));
         self.broken = None;
         self.refused = None;
+        // A host without keys takes the bytes an embedded line signs as it
+        // takes any unsigned file.
+        let (embedded, body) = trust::split_embedded(&text);
         // The signature first: nothing of an untrusted file is parsed.
         let signed_by = match &self.trust {
             None => None,
-            Some(keys) => match self.verify(keys, text.as_bytes()) {
+            Some(keys) => match self.verify(keys, embedded, body.as_bytes()) {
                 Ok(verified) => Some(verified.key_id),
                 Err(why) => {
                     self.refused = Some(why.clone());
@@ -180,7 +201,12 @@ impl Source for FileSource {
                 ),
             })
         } else {
-            parse(&text, self.limits)
+            match embedded {
+                // Its signature line blanked, not cut: every line and column
+                // an error names is the file's own.
+                Some(line) => parse(&format!("{}\n{body}", " ".repeat(line.len())), self.limits),
+                None => parse(&text, self.limits),
+            }
         };
         match parsed {
             Ok(mut desired) => {
@@ -471,6 +497,23 @@ mod tests {
 
     fn read(text: &str) -> Result<Desired, Broken> {
         parse(text, SnapshotLimits::default())
+    }
+
+    #[test]
+    fn a_misspelt_key_below_a_signature_line_is_named_at_the_files_own_line() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("desired.json");
+        let body = "{\"vms\": [\n  {\"vm_id\": \"b\",\n   \"vcpu\": 2}\n]}";
+        std::fs::write(&path, format!("ed25519 k c2ln\n{body}")).expect("file");
+        let mut source = FileSource::new(path, SnapshotLimits::default(), None);
+
+        let desired = source
+            .fetch(&pb::HostInfo::default())
+            .expect("read")
+            .expect("new");
+
+        let why = desired.refused_vms[0].error.to_string();
+        assert!(why.contains("\"vcpu\" at line 4"), "{why}");
     }
 
     #[test]
