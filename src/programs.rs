@@ -48,6 +48,8 @@ pub fn resolved(name: &str) -> Option<PathBuf> {
     // tells what to be from the name it was run by.
     let found = find(name);
     match &found {
+        // A path given as a path needs no line saying it is itself.
+        Some(path) if path.as_os_str() == name => {}
         Some(path) => log::info!("using {} for {name}", path.display()),
         None => log::info!("{name}: not found in PATH"),
     }

@@ -248,8 +248,9 @@ pub(crate) trait Publish: Send + Sync {
 pub(crate) type Publisher = Arc<dyn Publish>;
 
 impl Core {
-    /// After each pass: a pass that made a create attempt logs where its
-    /// time went, one line, and tells the watcher.
+    /// After each pass: a pass that made a create attempt (or a suspend,
+    /// a resume) logs how long it took, and at debug where the time went,
+    /// and tells the watcher.
     pub(crate) fn timed_pass(&self, vm_id: &Id, stages: Stages) {
         let Some(what) = [
             (CREATE_STAGE, "create attempt"),
@@ -261,7 +262,11 @@ impl Core {
         .map(|(_, what)| what) else {
             return;
         };
-        log::info!("VM {vm_id}: {what} took {stages}");
+        log::info!(
+            "VM {vm_id}: {what} took {:.1} ms",
+            stages.total.as_secs_f64() * 1e3
+        );
+        log::debug!("VM {vm_id}: {what} stages: {stages}");
         if let Some(watch) = self.create_watch.read().as_ref() {
             watch(vm_id, &stages);
         }

@@ -93,7 +93,8 @@ impl Daemon {
             .args(&args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("EITRI_LOG", "info")
+            // Where each create's time went is said at debug.
+            .env("EITRI_LOG", "info,eitri_agent::reconcile::pass=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -186,7 +187,7 @@ impl Daemon {
             .unwrap_or_default()
             .lines()
             .filter_map(|l| {
-                l.split_once(": create attempt took ")
+                l.split_once(": create attempt stages: ")
                     .map(|(_, t)| t.to_owned())
             })
             .collect()
