@@ -2423,8 +2423,7 @@ fn the_readmes_contents_name_every_section_in_order() {
         .nth(1)
         .unwrap_or_default()
         .lines()
-        .skip(1)
-        .take_while(|l| !l.is_empty())
+        .take_while(|l| !l.starts_with("## "))
         .filter_map(|l| Some(l.split_once("- [")?.1.split_once("](")?.0.to_owned()))
         .collect();
 
