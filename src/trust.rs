@@ -25,8 +25,13 @@ use std::path::{Path, PathBuf};
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 
-/// What every signature covers before the signed bytes.
+/// What every signature of desired state covers before the signed bytes.
 pub const CONTEXT: &[u8] = b"eitri.agent.v1.Snapshot\n";
+/// What a host's signature of its report covers before the request's
+/// bytes: no report signature is a snapshot's, nor the other way round.
+pub const REPORT_CONTEXT: &[u8] = b"eitri.agent.v1.ReportRequest\n";
+/// The HTTP header a signed report's signature travels in.
+pub const REPORT_SIGNATURE_HEADER: &str = "Eitri-Signature";
 
 const ALGORITHM: &str = "ed25519";
 const SECRET_TAG: &str = "eitri-signing-key";
@@ -85,6 +90,11 @@ pub enum KeyError {
     Randomness {
         source: io::Error,
     },
+    /// A key could not be written.
+    Write {
+        path: PathBuf,
+        source: io::Error,
+    },
 }
 
 impl fmt::Display for KeyError {
@@ -93,6 +103,9 @@ impl fmt::Display for KeyError {
         match self {
             E::Read { path, source } => {
                 write!(f, "cannot read {}: {source}", crate::quote::path(path))
+            }
+            E::Write { path, .. } => {
+                write!(f, "cannot write the key {}", crate::quote::path(path))
             }
             E::Exposed {
                 path,
@@ -154,7 +167,9 @@ impl fmt::Display for KeyError {
 impl std::error::Error for KeyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            KeyError::Read { source, .. } | KeyError::Randomness { source } => Some(source),
+            KeyError::Read { source, .. }
+            | KeyError::Write { source, .. }
+            | KeyError::Randomness { source } => Some(source),
             KeyError::In { source, .. } | KeyError::Line { source, .. } => Some(source.as_ref()),
             _ => None,
         }
@@ -365,11 +380,34 @@ impl TrustedKeys {
             key_id: key_id.to_owned(),
         })
     }
+
+    /// Checks a host's report: `header`, its [`REPORT_SIGNATURE_HEADER`],
+    /// by a key pinned here, over [`REPORT_CONTEXT`] then `body`. What a
+    /// control plane does with the key `host-key` printed for the host.
+    pub fn verify_report(&self, header: &str, body: &[u8]) -> Result<Verified, Refusal> {
+        let (key_id, signature) = parse_signature_line(header).map_err(|e| Refusal::Unsigned {
+            why: format!("the report's signature header is not a signature: {e}"),
+        })?;
+        let Some((_, key)) = self.keys.iter().find(|(id, _)| *id == key_id) else {
+            return Err(Refusal::UnknownKey { key_id });
+        };
+        let bad = || Refusal::BadSignature {
+            key_id: key_id.clone(),
+        };
+        let signature = Signature::from_slice(&signature).map_err(|_| bad())?;
+        key.verify(&in_context(REPORT_CONTEXT, body), &signature)
+            .map_err(|_| bad())?;
+        Ok(Verified { key_id })
+    }
 }
 
 fn signed_message(bytes: &[u8]) -> Vec<u8> {
-    let mut message = Vec::with_capacity(CONTEXT.len() + bytes.len());
-    message.extend_from_slice(CONTEXT);
+    in_context(CONTEXT, bytes)
+}
+
+fn in_context(context: &[u8], bytes: &[u8]) -> Vec<u8> {
+    let mut message = Vec::with_capacity(context.len() + bytes.len());
+    message.extend_from_slice(context);
     message.extend_from_slice(bytes);
     message
 }
@@ -469,6 +507,54 @@ impl SecretKey {
         self.key.sign(&signed_message(bytes)).to_bytes().to_vec()
     }
 
+    /// The [`REPORT_SIGNATURE_HEADER`] of a report request's `body`.
+    pub fn report_signature(&self, body: &[u8]) -> String {
+        let signature = self.key.sign(&in_context(REPORT_CONTEXT, body));
+        format!(
+            "{ALGORITHM} {} {}",
+            self.id,
+            crate::base64::encode(&signature.to_bytes())
+        )
+    }
+
+    /// The host's own key at `path` (in its state dir), made the first
+    /// time it is asked for: `host-` and the start of its public key's
+    /// SHA-256 name it, so its id says which key it is. Written once,
+    /// never over another (two makers at once both end with the one that
+    /// landed first).
+    pub fn host_key(path: &Path) -> Result<SecretKey, KeyError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        match SecretKey::load(path) {
+            Err(KeyError::Read { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+            loaded => return loaded,
+        }
+        let mut seed = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut r| r.read_exact(&mut seed))
+            .map_err(|source| KeyError::Randomness { source })?;
+        let public = SigningKey::from_bytes(&seed).verifying_key();
+        let digest = <sha2::Sha256 as sha2::Digest>::digest(public.as_bytes());
+        let key = SecretKey::from_seed(&format!("host-{}", crate::hex::encode(&digest[..6])), seed);
+        let made = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .and_then(|mut f| {
+                f.write_all(key.secret_line().as_bytes())?;
+                f.sync_all()
+            });
+        match made {
+            Ok(()) => Ok(key),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => SecretKey::load(path),
+            Err(source) => Err(KeyError::Write {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
     /// A detached signature file's line for `bytes`.
     pub fn signature_line(&self, bytes: &[u8]) -> String {
         format!(
@@ -510,6 +596,41 @@ mod tests {
     fn pinned(keys: &[&SecretKey]) -> TrustedKeys {
         let text: String = keys.iter().map(|k| k.public_line()).collect();
         TrustedKeys::parse(&text).expect("trusted keys")
+    }
+
+    #[test]
+    fn a_host_key_is_made_once_secret_and_named_by_its_public_half() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("host-signing-key");
+
+        let made = SecretKey::host_key(&path).expect("made");
+        let again = SecretKey::host_key(&path).expect("loaded");
+
+        assert_eq!(made.public_line(), again.public_line());
+        let mode = std::fs::metadata(&path).expect("file").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let id = made.id();
+        assert!(
+            id.starts_with("host-")
+                && id.len() == 17
+                && id[5..].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{id}"
+        );
+    }
+
+    #[test]
+    fn a_report_signature_is_no_snapshot_signature() {
+        let k = key("host-1", 1);
+        let body = b"a report request";
+        let header = k.report_signature(body);
+        let (id, signature) = parse_signature_line(&header).expect("a signature line");
+
+        let as_report = pinned(&[&k]).verify_report(&header, body);
+        let as_snapshot = pinned(&[&k]).verify(&id, &signature, body);
+
+        assert!(as_report.is_ok(), "{as_report:?}");
+        assert!(matches!(as_snapshot, Err(Refusal::BadSignature { .. })));
     }
 
     #[test]

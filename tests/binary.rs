@@ -217,6 +217,7 @@ fn help_lists_every_flag_of_run_by_section() {
 fn every_verbs_help_is_its_own() {
     for verb in [
         "config", "check", "status", "logs", "images", "release", "epoch", "keygen", "sign",
+        "host-key",
     ] {
         let out = eitri(&[verb, "--help"]);
 

@@ -186,6 +186,113 @@ fn a_snapshot_signed_by_a_pinned_key_is_acted_on() {
     );
 }
 
+/// The report requests `cp` received once the agent had acted on the
+/// volume, with their signature headers.
+fn signed_reports(cp: &FakeControlPlane, a: &Agent) -> Vec<(Option<String>, Vec<u8>)> {
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+    wait_for("a report naming the volume", || {
+        cp.reports().iter().any(|r| {
+            r.report
+                .as_ref()
+                .is_some_and(|r| r.volumes.iter().any(|v| v.volume_id == "data-1"))
+        })
+    });
+    cp.requests()
+        .into_iter()
+        .filter(|r| r.path == "/v1/agent/report")
+        .map(|r| (r.header("eitri-signature").map(str::to_owned), r.body))
+        .collect()
+}
+
+/// What `eitri-agent host-key` prints for the agent's state dir, pinned as
+/// a control plane would.
+fn host_key_of(a: &Agent) -> eitri_agent::trust::TrustedKeys {
+    let out = eitri(&["host-key", "--state-dir", a.state.to_str().expect("path")]);
+    assert!(out.status.success(), "{out:?}");
+    eitri_agent::trust::TrustedKeys::parse(&String::from_utf8_lossy(&out.stdout))
+        .expect("a public key line")
+}
+
+#[test]
+fn each_report_is_signed_by_the_key_host_key_prints() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+
+    let reports = signed_reports(&cp, &a);
+    let pinned = host_key_of(&a);
+
+    assert!(!reports.is_empty());
+    for (header, body) in &reports {
+        let header = header.as_deref().expect("a signature header");
+        assert!(pinned.verify_report(header, body).is_ok(), "{header}");
+    }
+}
+
+#[test]
+fn a_report_changed_on_the_way_does_not_verify() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(1, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    let (header, mut body) = signed_reports(&cp, &a).pop().expect("a report");
+    let pinned = host_key_of(&a);
+
+    // What a man in the middle would change: the host's word on a volume.
+    let at = body.len() - 1;
+    body[at] ^= 1;
+    let verified = pinned.verify_report(&header.expect("a signature header"), &body);
+
+    assert!(
+        matches!(
+            verified,
+            Err(eitri_agent::trust::Refusal::BadSignature { .. })
+        ),
+        "{verified:?}"
+    );
+}
+
+#[test]
+fn a_report_names_the_signed_snapshot_it_answers_and_when_it_was_sent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    let snap = snapshot(7, HOST, "data-1");
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snap)));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    let before = std::time::SystemTime::now();
+
+    let (_, body) = signed_reports(&cp, &a).pop().expect("a report");
+    let request = pb::ReportRequest::decode(body.as_slice()).expect("a report request");
+
+    let report = request.report.expect("its report");
+    let want: Vec<u8> = {
+        use sha2::Digest;
+        sha2::Sha256::digest(snap.encode_to_vec()).to_vec()
+    };
+    assert_eq!(report.answers_sha256, want);
+    assert_eq!(report.last_seen_epoch, 7);
+    let sent = std::time::UNIX_EPOCH + Duration::from_millis(request.sent_at_unix_ms);
+    let skew = Duration::from_secs(60);
+    assert!(sent + skew > before && sent < std::time::SystemTime::now() + skew);
+}
+
+#[test]
+fn without_keys_reports_go_unsigned_and_no_host_key_is_made() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot(1, HOST, "data-1")));
+    let a = Agent::start(dir.path(), &["--control-plane", &cp.url()]);
+
+    let reports = signed_reports(&cp, &a);
+
+    assert!(reports.iter().all(|(header, _)| header.is_none()));
+    assert!(!a.state.join("host-signing-key").exists());
+}
+
 #[test]
 fn an_unsigned_snapshot_is_refused_and_nothing_is_touched() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -3,7 +3,7 @@
 //! no other tool to make a key or sign a desired file.
 
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -91,6 +91,27 @@ pub(super) fn sign(key_file: &Path, file: &Path, embed: bool) -> ExitCode {
         }
     );
     ExitCode::SUCCESS
+}
+
+/// Prints the public line of the host's own key in `state_dir` (see
+/// [`SecretKey::host_key`]), for its control plane to pin.
+pub(super) fn host_key(state_dir: &Path) -> ExitCode {
+    let path = crate::state::Layout::new(state_dir).host_signing_key();
+    // As the agent makes it: a jailed VMM reaches its own files by name.
+    let made = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(state_dir);
+    if let Err(e) = made {
+        return refuse(&format!("cannot make {}: {e}", state_dir.display()));
+    }
+    match SecretKey::host_key(&path) {
+        Ok(key) => {
+            print!("{}", key.public_line());
+            ExitCode::SUCCESS
+        }
+        Err(e) => refuse(&e.to_string()),
+    }
 }
 
 /// Whether desired state `bytes` names the host it is for: every host

@@ -71,6 +71,7 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
         } => release::run(&state_dir, &agents_dir, &devices, force),
         Command::Epoch { state_dir, set } => epoch::run(&state_dir, set),
         Command::Keygen { id, out } => keys::keygen(&id, &out),
+        Command::HostKey { state_dir } => keys::host_key(&state_dir),
         Command::Sign { key, file, embed } => keys::sign(&key, &file, embed),
         Command::Run(config) => {
             init_logging();

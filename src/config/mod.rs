@@ -55,6 +55,11 @@ pub enum Command {
         state_dir: PathBuf,
         set: Option<u64>,
     },
+    /// Print the public line of the key that signs this host's reports,
+    /// making the key if it has none yet.
+    HostKey {
+        state_dir: PathBuf,
+    },
     /// End a state dir's claim on the host: take back what its agent was
     /// given (device ACL entries, cgroup roots) and free its ids.
     Release {
@@ -200,7 +205,8 @@ usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (
        eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
        eitri-agent epoch [--state-dir DIR] [--set N]   the epoch fence a stopped agent holds, or move it
        eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
-       eitri-agent sign --key KEY-FILE FILE           sign a desired file: FILE.sig beside it
+       eitri-agent sign --key KEY-FILE [--embed] FILE   sign a desired file: FILE.sig beside it, or its first line
+       eitri-agent host-key [--state-dir DIR]         the key this host signs its reports with, to pin
        eitri-agent --version | --help
        eitri-agent COMMAND --help         one command's flags (run --help-all: in full)
 ";
@@ -375,6 +381,17 @@ fn images_usage() -> String {
     )
 }
 
+fn host_key_usage() -> String {
+    verb_usage(
+        "host-key [--state-dir DIR]\n\n\
+         Prints the line a control plane pins to check this host's reports\n\
+         (`ed25519 KEY-ID BASE64`): an agent with --trusted-keys signs each report\n\
+         it sends with this key, kept secret in the state dir. The key is made\n\
+         the first time it is asked for, here or by the agent, and kept.",
+        &[],
+    )
+}
+
 fn keygen_usage() -> String {
     verb_usage(
         "keygen --id KEY-ID --out KEY-FILE\n\n\
@@ -474,6 +491,13 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "status" => parse_status(rest, env),
         "logs" if help => Ok(Command::Help(logs_usage())),
         "logs" => parse_logs(rest, env),
+        "host-key" if help => Ok(Command::Help(host_key_usage())),
+        "host-key" => {
+            let flags = flag_values(rest, &["state-dir"], &[])?;
+            Ok(Command::HostKey {
+                state_dir: state_dir_of(&flags, env),
+            })
+        }
         "keygen" if help => Ok(Command::Help(keygen_usage())),
         "sign" if help => Ok(Command::Help(sign_usage())),
         "keygen" => {
@@ -553,7 +577,7 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
             )),
         },
         other => Err(err(format!(
-            "unknown command {other:?}; the commands are run, config, check, status, logs, images list, images prune, epoch, release, keygen and sign (see eitri-agent --help)"
+            "unknown command {other:?}; the commands are run, config, check, status, logs, images list, images prune, epoch, release, keygen, sign and host-key (see eitri-agent --help)"
         ))),
     }
 }

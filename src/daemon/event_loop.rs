@@ -273,6 +273,7 @@ impl Daemon {
             signed_by,
             refused_vms,
             refused_volumes,
+            digest,
         } = desired;
         if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref()) {
             self.logs.warn("epoch", &why);
@@ -324,6 +325,7 @@ impl Daemon {
             signed_by,
             refused_vms,
             refused_volumes,
+            digest,
         };
         // A control plane sends the same snapshot tick after tick: check
         // and convert only what changed.

@@ -23,6 +23,9 @@ impl Daemon {
         if self.fenced.is_some() {
             wire.fence_violation = true;
         }
+        if let Some(digest) = self.last.as_ref().and_then(|(d, _)| d.digest) {
+            wire.answers_sha256 = digest.to_vec();
+        }
         self.link.publish(wire.clone(), reflects);
         self.write_report(wire, tick);
         self.written = Some(Instant::now());

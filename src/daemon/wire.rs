@@ -227,11 +227,31 @@ fn source_of(config: &Config) -> Box<dyn Source> {
             config.limits,
             config.trust.clone(),
         )),
-        DesiredSource::ControlPlane(cp) => Box::new(HttpSource::new(
-            cp.clone(),
-            config.limits,
-            config.proxy.as_deref(),
-            config.trust.clone(),
-        )),
+        DesiredSource::ControlPlane(cp) => {
+            let source = HttpSource::new(
+                cp.clone(),
+                config.limits,
+                config.proxy.as_deref(),
+                config.trust.clone(),
+            );
+            // A control plane that signs what it sends hears reports it can
+            // tell are this host's.
+            if config.trust.is_none() {
+                return Box::new(source);
+            }
+            let path = crate::state::Layout::new(&config.state_dir).host_signing_key();
+            match crate::trust::SecretKey::host_key(&path) {
+                Ok(key) => {
+                    log::info!("reports are signed by this host's key {}", key.id());
+                    Box::new(source.signing_reports(key))
+                }
+                Err(e) => {
+                    log::error!(
+                        "reports go unsigned, and a control plane that pinned this host's key refuses them: {e}"
+                    );
+                    Box::new(source)
+                }
+            }
+        }
     }
 }

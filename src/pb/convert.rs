@@ -287,6 +287,8 @@ pub fn report_to_wire(report: &Report) -> pb::Report {
         fence_violation: report.fence_violation,
         // The exchange's to say: only it knows how the last contact went.
         refused: None,
+        // The daemon's to fill: the engine knows no bytes.
+        answers_sha256: Vec::new(),
     }
 }
 

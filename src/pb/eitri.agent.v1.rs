@@ -272,6 +272,13 @@ pub struct Report {
     /// (last_seen_epoch). Unset when it took the last answer.
     #[prost(message, optional, tag = "7")]
     pub refused: ::core::option::Option<DesiredRefused>,
+    /// SHA-256 of the exact bytes of the desired state this report answers:
+    /// of a signed snapshot, the Snapshot bytes its signature covers; of a
+    /// plain one, the answer's body; of a desired file, the bytes below its
+    /// signature line. Empty while the agent acts on desired state an earlier
+    /// agent persisted and the source has not answered this one yet.
+    #[prost(bytes = "vec", tag = "8")]
+    pub answers_sha256: ::prost::alloc::vec::Vec<u8>,
 }
 /// Why the agent refused an answer to its snapshot request.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -396,6 +403,10 @@ pub struct ReportRequest {
     pub host: ::core::option::Option<HostInfo>,
     #[prost(message, optional, tag = "2")]
     pub report: ::core::option::Option<Report>,
+    /// When the agent sent it (Unix ms, the host's clock): a signed report
+    /// replayed later reads as old.
+    #[prost(uint64, tag = "3")]
+    pub sent_at_unix_ms: u64,
 }
 /// Answer to POST /v1/agent/report. Empty today; room to grow.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -218,6 +218,7 @@ impl Source for FileSource {
                     return Err(self.refusal(why));
                 }
                 desired.signed_by = signed_by;
+                desired.digest = Some(super::digest_of(body.as_bytes()));
                 Ok(Some(desired))
             }
             Err(broken) => {

@@ -25,7 +25,7 @@ use prost::Message;
 
 use super::{Desired, SnapshotLimits, Source, SourceError};
 use crate::pb;
-use crate::trust::{Refusal, TrustedKeys, Verified};
+use crate::trust::{Refusal, SecretKey, TrustedKeys, Verified};
 
 /// Where the control plane is and how to talk to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +73,8 @@ pub struct HttpSource {
     /// `--trusted-keys`: with them, only a verified `SignedSnapshot` is
     /// desired state.
     trust: Option<TrustedKeys>,
+    /// The host's own key, which signs each report (see the proto).
+    host_key: Option<SecretKey>,
 }
 
 const PROTOBUF: &str = "application/x-protobuf";
@@ -103,7 +105,14 @@ impl HttpSource {
             cp,
             limits,
             trust,
+            host_key: None,
         }
+    }
+
+    /// Signs each report with `key`, the host's own (see the proto).
+    pub fn signing_reports(mut self, key: SecretKey) -> HttpSource {
+        self.host_key = Some(key);
+        self
     }
 
     fn limits(&self) -> SnapshotLimits {
@@ -123,6 +132,18 @@ impl HttpSource {
     }
 
     fn post(&self, path: &str, body: Vec<u8>, accept: &str) -> Result<Vec<u8>, SourceError> {
+        self.post_signed(path, body, accept, None)
+    }
+
+    /// [`HttpSource::post`], with the body's signature in its header when
+    /// there is one.
+    fn post_signed(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        accept: &str,
+        signature: Option<&str>,
+    ) -> Result<Vec<u8>, SourceError> {
         let target = format!("{}{path}", self.cp.base_url);
         // What errors name: the address without any credentials in it.
         let url = crate::quote::url(&target).into_owned();
@@ -134,6 +155,9 @@ impl HttpSource {
             .header("Accept", accept);
         if let Some(token) = token {
             request = request.header("Authorization", format!("Bearer {token}"));
+        }
+        if let Some(signature) = signature {
+            request = request.header(crate::trust::REPORT_SIGNATURE_HEADER, signature);
         }
         let unreachable = |e: ureq::Error| SourceError::Unreachable {
             url: url.clone(),
@@ -214,17 +238,27 @@ impl Source for HttpSource {
         Ok(Some(Desired {
             wire,
             signed_by,
+            digest: Some(super::digest_of(&bytes)),
             ..Desired::default()
         }))
     }
 
     fn send_report(&mut self, host: &pb::HostInfo, report: &pb::Report) -> Result<(), SourceError> {
+        let sent_at_unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let body = pb::ReportRequest {
             host: Some(host.clone()),
             report: Some(report.clone()),
+            sent_at_unix_ms,
         }
         .encode_to_vec();
-        self.post("/v1/agent/report", body, PROTOBUF).map(drop)
+        let signature = self
+            .host_key
+            .as_ref()
+            .map(|key| key.report_signature(&body));
+        self.post_signed("/v1/agent/report", body, PROTOBUF, signature.as_deref())
+            .map(drop)
     }
 
     fn is_remote(&self) -> bool {

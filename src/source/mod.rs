@@ -74,6 +74,17 @@ pub struct Desired {
     pub signed_by: Option<String>,
     pub refused_vms: Vec<Rejected>,
     pub refused_volumes: Vec<Rejected>,
+    /// SHA-256 of the exact bytes it arrived as (a signed snapshot's signed
+    /// bytes, a desired file's below its signature line), which each report
+    /// names as what it answers; `None` for what an earlier agent
+    /// persisted.
+    pub digest: Option<[u8; 32]>,
+}
+
+/// The SHA-256 of `bytes`, as [`Desired::digest`] holds it.
+pub(crate) fn digest_of(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
 }
 
 pub trait Source: Send {

@@ -6,6 +6,7 @@
 //! STATE_DIR/                                   0711: a jailed VMM reaches its own files by name
 //!   lock                                       flock: one agent per state dir
 //!   epoch                                      highest accepted snapshot epoch
+//!   host-signing-key                           the host's own key, which signs its reports (with --trusted-keys)
 //!   snapshot.pb                                the last accepted desired state
 //!   report.json                                the last report, for `status`
 //!   vms/                                       0711
@@ -76,6 +77,11 @@ impl Layout {
 
     pub fn epoch(&self) -> PathBuf {
         self.state.join("epoch")
+    }
+
+    /// The host's own signing key (secret, 0600): it signs the reports.
+    pub fn host_signing_key(&self) -> PathBuf {
+        self.state.join("host-signing-key")
     }
 
     pub fn last_snapshot(&self) -> PathBuf {
@@ -362,6 +368,7 @@ mod tests {
             layout.snapshot_incoming(&vm),
             layout.snapshot_discarded(&vm),
             layout.efi_vars(&vm),
+            layout.host_signing_key(),
             layout.images(),
             layout.images_lock(),
             layout.image("SHA"),
