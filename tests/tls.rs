@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::{ImageCache, ImageOptions, Reach};
-use eitri_agent::model::Cidr;
+use eitri_agent::model::IpRange;
 use eitri_agent::pb;
 use eitri_agent::source::{ControlPlane, HttpSource, SnapshotLimits, Source};
 
@@ -78,7 +78,7 @@ fn an_https_image_is_fetched_over_tls() {
         dir.path().to_path_buf(),
         &ImageOptions {
             reach: Reach {
-                allow: vec![Cidr::parse("127.0.0.1").expect("range")],
+                allow: vec![IpRange::parse("127.0.0.1").expect("range")],
                 ..Reach::default()
             },
             ..ImageOptions::default()

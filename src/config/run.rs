@@ -20,7 +20,7 @@ use super::file::FileSettings;
 use super::settings::{Key, Section};
 use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
 use crate::image::{ImageOptions, Reach};
-use crate::model::Cidr;
+use crate::model::{Cidr, IpRange};
 use crate::net::addresses::Subnet;
 use crate::net::underlay::{Egress, UnderlayConfig};
 use crate::provision::supervise::StopTimeouts;
@@ -243,6 +243,12 @@ impl Part<'_> {
     fn ranges(&self, key: Key) -> Result<Vec<Cidr>, ConfigError> {
         Cidr::parse_list(&self.get(key)).map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
     }
+
+    /// IPv4 and IPv6 ranges alike.
+    fn ip_ranges(&self, key: Key) -> Result<Vec<IpRange>, ConfigError> {
+        IpRange::parse_list(&self.get(key))
+            .map_err(|e| err(format!("--{}: {e}", key.setting().flag)))
+    }
 }
 
 /// A directory the VMM is told about as `path=…` in an option list, which
@@ -405,7 +411,7 @@ fn proxy(raw: &Part<'_>) -> Result<Option<String>, ConfigError> {
 fn image_options(
     raw: &Part<'_>,
     proxy: Option<String>,
-    guest_deny: &[Cidr],
+    guest_deny: &[IpRange],
 ) -> Result<ImageOptions, ConfigError> {
     let file_root = raw.optional_path(Key::ImageRoot);
     let stall = raw.duration(Key::ImageStallTimeout)?;
@@ -428,7 +434,7 @@ fn image_options(
         min_rate: raw.number(Key::ImageMinRate)?.saturating_mul(1024),
         reach: Reach {
             deny: guest_deny.to_vec(),
-            allow: raw.ranges(Key::ImageAllow)?,
+            allow: raw.ip_ranges(Key::ImageAllow)?,
         },
     })
 }
@@ -472,15 +478,17 @@ struct Network {
     tap_prefix: String,
     guest_dns: Option<Vec<Ipv4Addr>>,
     host_networks: HashMap<String, String>,
-    /// `--guest-deny`, which image downloads obey too.
-    deny: Vec<Cidr>,
+    /// `--guest-deny`, which image downloads obey too (its IPv6 ranges
+    /// are theirs alone: the guests' network is IPv4).
+    deny: Vec<IpRange>,
 }
 
 fn network(raw: &Part<'_>) -> Result<Network, ConfigError> {
     let tap_prefix = tap_prefix(raw)?;
-    let deny = raw.ranges(Key::GuestDeny)?;
+    let deny = raw.ip_ranges(Key::GuestDeny)?;
+    let guest_deny: Vec<Cidr> = deny.iter().filter_map(IpRange::v4).collect();
     Ok(Network {
-        underlay: underlay(raw, &tap_prefix, &deny)?,
+        underlay: underlay(raw, &tap_prefix, &guest_deny)?,
         guest_dns: guest_dns(raw)?,
         host_networks: host_networks(raw)?,
         tap_prefix,
@@ -764,6 +772,49 @@ mod tests {
         build(&raw).expect("valid");
 
         assert_eq!(raw.strays(), Vec::new());
+    }
+
+    #[test]
+    fn guest_deny_and_image_allow_take_ipv6_ranges_for_downloads() {
+        let args = args(&[
+            "--desired",
+            "/d.json",
+            "--guest-deny",
+            "10.0.0.0/8,fd00:ec2::/32",
+            "--image-allow",
+            "2001:db8::/32",
+        ]);
+        let env = env(&[]);
+        let raw = Raw::read(&args, &env).expect("flags");
+
+        let built = build(&raw).expect("valid");
+
+        let reach = &built.images.reach;
+        assert_eq!(
+            reach.deny,
+            IpRange::parse_list("10.0.0.0/8,fd00:ec2::/32").expect("ranges")
+        );
+        assert_eq!(
+            reach.allow,
+            IpRange::parse_list("2001:db8::/32").expect("ranges")
+        );
+    }
+
+    #[test]
+    fn an_ipv6_range_with_host_bits_is_refused_with_the_range_meant() {
+        let args = args(&["--desired", "/d.json", "--image-allow", "2001:db8::1/32"]);
+        let env = env(&[]);
+        let raw = Raw::read(&args, &env).expect("flags");
+
+        let refused = build(&raw).map(drop).map_err(|e| e.to_string());
+
+        assert_eq!(
+            refused,
+            Err(
+                "--image-allow: 2001:db8::1/32 has host bits set; did you mean 2001:db8::/32?"
+                    .into()
+            )
+        );
     }
 
     #[test]

@@ -151,7 +151,7 @@ settings! {
         GuestDns => "guest-dns", "EITRI_GUEST_DNS", "",
             "DNS servers told to guests, comma-separated (default: the host's non-loopback resolvers)";
         GuestDeny => "guest-deny", "EITRI_GUEST_DENY", "",
-            "ranges guests and image downloads may not reach, CIDR,CIDR (besides this host, 169.254.0.0/16, other guests and the control plane, always refused): list the management LAN here";
+            "ranges guests and image downloads may not reach, CIDR,CIDR (besides this host, 169.254.0.0/16, other guests and the control plane, always refused): list the management LAN here; an IPv6 range binds downloads (guests have no IPv6)";
         GuestAllow => "guest-allow", "EITRI_GUEST_ALLOW", "",
             "ranges guests may reach even where refused (this host's addresses, link-local, --guest-deny), CIDR,CIDR";
     ]
@@ -159,7 +159,7 @@ settings! {
         ImageRoot => "image-root", "EITRI_IMAGE_ROOT", "",
             "directory file:// images must be under (default: none, so file:// images are refused)";
         ImageAllow => "image-allow", "EITRI_IMAGE_ALLOW", "",
-            "ranges image URLs may reach although refused (loopback, link-local, this host's addresses, --guest-deny), CIDR,CIDR: an image mirror on the management LAN";
+            "ranges image URLs may reach although refused (loopback, link-local, unique-local IPv6, this host's addresses, --guest-deny), IPv4 or IPv6 CIDR,CIDR: an image mirror on the management LAN";
         ImageStallTimeout => "image-stall-timeout", "EITRI_IMAGE_STALL_TIMEOUT", "60s",
             "an image download that receives nothing this long fails (and is retried afresh)";
         ImageDownloadTimeout => "image-download-timeout", "EITRI_IMAGE_DOWNLOAD_TIMEOUT", "1h",

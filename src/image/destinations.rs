@@ -26,16 +26,16 @@ use ureq::http::Uri;
 use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
 use ureq::unversioned::transport::NextTimeout;
 
-use crate::model::Cidr;
+use crate::model::IpRange;
 
 /// The operator's ranges: what to refuse besides the host, and what to
 /// allow although refused.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Reach {
-    /// `--guest-deny`: the management LAN and the like.
-    pub deny: Vec<Cidr>,
+    /// `--guest-deny`: the management LAN and the like, IPv4 or IPv6.
+    pub deny: Vec<IpRange>,
     /// `--image-allow`: an image mirror on one of the refused ranges.
-    pub allow: Vec<Cidr>,
+    pub allow: Vec<IpRange>,
 }
 
 /// Why an address is refused.
@@ -46,7 +46,7 @@ pub enum Refused {
     Unspecified,
     Multicast,
     ThisHost,
-    Denied(Cidr),
+    Denied(IpRange),
     /// fc00::/7 and the old site-local fec0::/10: IPv6's private ranges,
     /// where clouds put their metadata services (fd00:ec2::254).
     UniqueLocal,
@@ -88,19 +88,22 @@ impl Reach {
             v4 => v4,
         };
         let refused = match ip {
-            IpAddr::V4(v4) => refusal_v4(v4, &self.deny),
+            IpAddr::V4(v4) => refusal_v4(v4),
             IpAddr::V6(v6) => refusal_v6(v6),
         }
+        .or_else(|| {
+            self.deny
+                .iter()
+                .find(|r| r.contains(ip))
+                .map(|r| Refused::Denied(*r))
+        })
         .or_else(|| own.contains(&ip).then_some(Refused::ThisHost))?;
-        let allowed = match ip {
-            IpAddr::V4(v4) => self.allow.iter().any(|r| r.contains(v4)),
-            IpAddr::V6(_) => false,
-        };
+        let allowed = self.allow.iter().any(|r| r.contains(ip));
         (!allowed).then_some(refused)
     }
 }
 
-fn refusal_v4(ip: Ipv4Addr, deny: &[Cidr]) -> Option<Refused> {
+fn refusal_v4(ip: Ipv4Addr) -> Option<Refused> {
     if ip.is_loopback() {
         Some(Refused::Loopback)
     } else if ip.is_link_local() {
@@ -111,9 +114,7 @@ fn refusal_v4(ip: Ipv4Addr, deny: &[Cidr]) -> Option<Refused> {
     } else if ip.is_multicast() || ip.is_broadcast() {
         Some(Refused::Multicast)
     } else {
-        deny.iter()
-            .find(|r| r.contains(ip))
-            .map(|r| Refused::Denied(*r))
+        None
     }
 }
 
@@ -317,7 +318,7 @@ mod tests {
 
     #[test]
     fn an_ipv4_inside_an_ipv6_address_is_held_to_the_ipv4_rules() {
-        let lan = Cidr::parse("10.1.0.0/16").expect("range");
+        let lan = IpRange::parse("10.1.0.0/16").expect("range");
         let reach = Reach {
             deny: vec![lan],
             allow: Vec::new(),
@@ -371,14 +372,14 @@ mod tests {
 
     #[test]
     fn guest_deny_is_refused_and_image_allow_overrides_it() {
-        let lan = Cidr::parse("10.1.0.0/16").expect("range");
+        let lan = IpRange::parse("10.1.0.0/16").expect("range");
         let denied = Reach {
             deny: vec![lan],
             allow: Vec::new(),
         };
         let allowed = Reach {
             deny: vec![lan],
-            allow: vec![Cidr::parse("10.1.2.0/24").expect("range")],
+            allow: vec![IpRange::parse("10.1.2.0/24").expect("range")],
         };
 
         assert_eq!(
@@ -389,6 +390,40 @@ mod tests {
         assert_eq!(
             allowed.refusal(v4("10.1.9.9"), &[]),
             Some(Refused::Denied(lan))
+        );
+    }
+
+    #[test]
+    fn an_ipv6_range_in_guest_deny_is_refused_and_image_allow_overrides_it() {
+        let lan = IpRange::parse("2001:db8:1::/48").expect("range");
+        let denied = Reach {
+            deny: vec![lan],
+            allow: Vec::new(),
+        };
+        let mirror = Reach {
+            deny: vec![lan],
+            allow: vec![IpRange::parse("2001:db8:1:2::/64").expect("range")],
+        };
+
+        assert_eq!(
+            denied.refusal(v6("2001:db8:1:2::10"), &[]),
+            Some(Refused::Denied(lan))
+        );
+        assert_eq!(mirror.refusal(v6("2001:db8:1:2::10"), &[]), None);
+        assert_eq!(denied.refusal(v6("2001:db8:2::10"), &[]), None);
+    }
+
+    #[test]
+    fn an_ipv6_mirror_on_a_unique_local_range_is_reached_once_allowed() {
+        let reach = Reach {
+            deny: Vec::new(),
+            allow: vec![IpRange::parse("fd12:3456::/32").expect("range")],
+        };
+
+        assert_eq!(reach.refusal(v6("fd12:3456::80"), &[]), None);
+        assert_eq!(
+            reach.refusal(v6("fd00:ec2::254"), &[]),
+            Some(Refused::UniqueLocal)
         );
     }
 

@@ -7,7 +7,7 @@
 //! desired state is checked into them.
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// Why a text is not a range.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -23,6 +23,17 @@ pub enum CidrError {
         text: String,
         meant: Cidr,
     },
+    NotAnIpv6Address {
+        text: String,
+    },
+    NotAnIpv6Prefix {
+        text: String,
+    },
+    /// An IPv6 range with bits set past its prefix: `meant` is the range.
+    HostBits6 {
+        text: String,
+        meant: String,
+    },
 }
 
 impl fmt::Display for CidrError {
@@ -33,6 +44,13 @@ impl fmt::Display for CidrError {
                 write!(f, "/{text} is not a prefix length (0 to 32)")
             }
             CidrError::HostBits { text, meant } => {
+                write!(f, "{text} has host bits set; did you mean {meant}?")
+            }
+            CidrError::NotAnIpv6Address { text } => write!(f, "{text:?} is not an IPv6 address"),
+            CidrError::NotAnIpv6Prefix { text } => {
+                write!(f, "/{text} is not an IPv6 prefix length (0 to 128)")
+            }
+            CidrError::HostBits6 { text, meant } => {
                 write!(f, "{text} has host bits set; did you mean {meant}?")
             }
         }
@@ -143,9 +161,109 @@ impl<'de> serde::Deserialize<'de> for Cidr {
     }
 }
 
+/// An IPv4 or an IPv6 range: what the host's reach lists take where both
+/// families matter (`--guest-deny` as image downloads obey it,
+/// `--image-allow`). The guests' own network is IPv4: there, [`Cidr`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpRange {
+    V4(Cidr),
+    V6 { network: Ipv6Addr, prefix: u8 },
+}
+
+impl IpRange {
+    /// Parses an IPv4 range as [`Cidr::parse`] does, or an IPv6 one,
+    /// `x::y/n` (0 ≤ n ≤ 128, no host bits) or a bare address.
+    pub fn parse(text: &str) -> Result<IpRange, CidrError> {
+        let text = text.trim();
+        if !text.contains(':') {
+            return Cidr::parse(text).map(IpRange::V4);
+        }
+        let (addr, prefix) = text.split_once('/').unwrap_or((text, "128"));
+        let network: Ipv6Addr = addr.parse().map_err(|_| CidrError::NotAnIpv6Address {
+            text: addr.to_owned(),
+        })?;
+        let prefix: u8 = prefix.parse().ok().filter(|p| *p <= 128).ok_or_else(|| {
+            CidrError::NotAnIpv6Prefix {
+                text: prefix.to_owned(),
+            }
+        })?;
+        let masked = Ipv6Addr::from(u128::from(network) & mask6(prefix));
+        if masked != network {
+            return Err(CidrError::HostBits6 {
+                text: text.to_owned(),
+                meant: format!("{masked}/{prefix}"),
+            });
+        }
+        Ok(IpRange::V6 { network, prefix })
+    }
+
+    /// A comma-separated list; empty text is an empty list.
+    pub fn parse_list(text: &str) -> Result<Vec<IpRange>, CidrError> {
+        text.split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(IpRange::parse)
+            .collect()
+    }
+
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self, ip) {
+            (IpRange::V4(c), IpAddr::V4(v4)) => c.contains(v4),
+            (IpRange::V6 { network, prefix }, IpAddr::V6(v6)) => {
+                u128::from(v6) & mask6(*prefix) == u128::from(*network)
+            }
+            _ => false,
+        }
+    }
+
+    /// The IPv4 range, if it is one.
+    pub fn v4(&self) -> Option<Cidr> {
+        match self {
+            IpRange::V4(c) => Some(*c),
+            IpRange::V6 { .. } => None,
+        }
+    }
+}
+
+fn mask6(prefix: u8) -> u128 {
+    u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0)
+}
+
+impl fmt::Display for IpRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IpRange::V4(c) => c.fmt(f),
+            IpRange::V6 { network, prefix } => write!(f, "{network}/{prefix}"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ipv6_range_holds_what_its_prefix_covers() {
+        let r = IpRange::parse("fd00:ec2::/32").expect("parses");
+
+        assert!(r.contains("fd00:ec2::254".parse().expect("ip")));
+        assert!(!r.contains("fd00:ec3::254".parse().expect("ip")));
+        assert!(!r.contains("10.0.0.1".parse().expect("ip")));
+        assert_eq!(r.to_string(), "fd00:ec2::/32");
+    }
+
+    #[test]
+    fn a_mixed_list_takes_both_families_and_refuses_host_bits() {
+        let list = IpRange::parse_list("10.0.0.0/8, 2001:db8::1").expect("list");
+        let bits = IpRange::parse("2001:db8::1/32");
+
+        assert_eq!(list.len(), 2);
+        assert!(list[1].contains("2001:db8::1".parse().expect("ip")));
+        assert_eq!(
+            bits.map_err(|e| e.to_string()),
+            Err("2001:db8::1/32 has host bits set; did you mean 2001:db8::/32?".to_owned())
+        );
+    }
 
     #[test]
     fn outermost_drops_what_another_range_covers_and_keeps_the_rest() {

@@ -13,7 +13,7 @@ mod report;
 mod saved;
 mod spec;
 
-pub use cidr::{Cidr, CidrError};
+pub use cidr::{Cidr, CidrError, IpRange};
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
 pub use quota::{Committed, Quota};

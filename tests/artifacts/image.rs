@@ -7,7 +7,7 @@ use std::time::Duration;
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::Progress;
 use eitri_agent::image::{ImageCache, ImageOptions, Reach, sha256_file};
-use eitri_agent::model::Cidr;
+use eitri_agent::model::IpRange;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 use parking_lot::Mutex;
 
@@ -78,7 +78,7 @@ impl Fixture {
 
 fn loopback_allowed() -> Reach {
     Reach {
-        allow: vec![Cidr::parse("127.0.0.0/8").expect("range")],
+        allow: vec![IpRange::parse("127.0.0.0/8").expect("range")],
         ..Reach::default()
     }
 }
@@ -226,7 +226,7 @@ fn a_redirect_is_not_followed_and_its_target_is_neither_fetched_nor_told() {
     // The mirror's address is allowed; the secret's is not.
     let cache = f.cache_with(ImageOptions {
         reach: Reach {
-            allow: vec![Cidr::parse("127.0.0.2").expect("range")],
+            allow: vec![IpRange::parse("127.0.0.2").expect("range")],
             ..Reach::default()
         },
         ..ImageOptions::default()

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::image::{ImageCache, ImageOptions, Reach, sha256_file};
-use eitri_agent::model::Cidr;
+use eitri_agent::model::IpRange;
 use eitri_agent::testkit::image_server::{ImageServer, Serve};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -113,7 +113,7 @@ fn main() -> Res<()> {
             cache_dir,
             &ImageOptions {
                 reach: Reach {
-                    allow: vec![Cidr::parse("127.0.0.1").map_err(std::io::Error::other)?],
+                    allow: vec![IpRange::parse("127.0.0.1").map_err(std::io::Error::other)?],
                     ..Reach::default()
                 },
                 ..ImageOptions::default()
