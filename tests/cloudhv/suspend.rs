@@ -223,6 +223,46 @@ fn a_snapshot_whose_config_widens_landlock_is_refused() {
     assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
 }
 
+#[test]
+fn a_snapshot_whose_config_gives_the_vm_a_host_disk_is_refused() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_FORGE", "disk")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(row.last_error.contains("/dev/sda"), "{row:?}");
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+}
+
+#[test]
+fn a_snapshot_whose_config_gives_the_vm_more_vcpus_is_refused() {
+    let h = Host::new(&[("STANDIN_SNAPSHOT_FORGE", "vcpus")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(row.last_error.contains("64 vCPUs"), "{row:?}");
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+}
+
+#[test]
+fn a_restored_hypervisor_that_runs_another_vm_is_killed_and_the_vm_booted_from_its_disks() {
+    let h = Host::new(&[("STANDIN_INFO_FORGE", "disk")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().cold_boots.get("failed"), 1);
+    assert!(!h.store.layout().snapshot(&id("vm-1")).exists());
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+}
+
 /// A host whose VMMs cannot be given a userfaultfd device.
 pub(crate) fn without_userfaultfd() -> Host {
     let mut h = Host::new(&[]);

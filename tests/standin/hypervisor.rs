@@ -54,8 +54,11 @@
 //! - `STANDIN_SNAPSHOT_FAIL=1`: `vm.snapshot` answers 500.
 //! - `STANDIN_SNAPSHOT_EXTRA=name`: `vm.snapshot` also writes a file
 //!   called `name`, as a VMM its guest took over could.
-//! - `STANDIN_SNAPSHOT_FORGE=landlock-off|rule`: `vm.snapshot` writes a
-//!   `config.json` that turns Landlock off, or adds a rule for `/`.
+//! - `STANDIN_SNAPSHOT_FORGE=landlock-off|rule|disk|vcpus`: `vm.snapshot`
+//!   writes a `config.json` that turns Landlock off, adds a rule for `/`,
+//!   gives the VM a host disk, or 64 vCPUs.
+//! - `STANDIN_INFO_FORGE=…` (the same words): `vm.info` says so of the VM
+//!   this VMM runs.
 //! - `STANDIN_RESTORE_FAIL=1`: a restore logs an error and exits 1.
 //! - `STANDIN_SNAPSHOT_BIG=1`: `vm.snapshot` writes a memory file twice
 //!   the guest's memory.
@@ -243,66 +246,118 @@ fn check(args: &Args, log: &Log) -> Result<(), String> {
     Ok(())
 }
 
-/// What a snapshot's `config.json` holds (the stand-in's own shape, the
-/// real one's role): what the VM was started with.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Config {
-    serial: Option<String>,
-    disks: Vec<String>,
-    memory: String,
-    nets: Vec<String>,
-    /// As the real one names them: whether it runs under Landlock, and
-    /// the rules it was given (`path`, `access`).
-    #[serde(default)]
-    landlock_enable: bool,
-    #[serde(default)]
-    landlock_rules: Option<Vec<serde_json::Value>>,
-}
+/// What a snapshot's `config.json` holds, and `vm.info` answers as
+/// `config`: what the VM was started with, in cloud-hypervisor's own shape
+/// (v54; the fields the agent reads).
+#[derive(Clone, Debug)]
+struct Config(serde_json::Value);
 
 impl Config {
     fn of(args: &Args) -> Config {
+        use serde_json::json;
         let list = |flag: &str| args.flags.get(flag).cloned().unwrap_or_default();
-        let nets = list("net")
-            .iter()
-            .filter_map(|n| {
-                n.split(',')
-                    .find_map(|kv| kv.strip_prefix("id=").map(str::to_owned))
-            })
-            .collect();
-        Config {
-            serial: args.option("serial", "file"),
-            disks: list("disk")
-                .iter()
-                .filter_map(|d| {
-                    d.split(',')
-                        .find_map(|kv| kv.strip_prefix("path=").map(str::to_owned))
-                })
-                .collect(),
-            memory: args.option("memory", "size").unwrap_or_default(),
-            nets,
-            landlock_enable: args.has("landlock"),
-            landlock_rules: args.flags.get("landlock-rules").map(|rules| {
-                rules
-                    .iter()
-                    .map(|rule| {
-                        let field = |key: &str| {
-                            rule.split(',')
-                                .find_map(|kv| kv.strip_prefix(key).map(str::to_owned))
-                        };
-                        serde_json::json!({"path": field("path="), "access": field("access=")})
-                    })
-                    .collect()
-            }),
-        }
-    }
-
-    /// The memory's size in bytes (`512M`).
-    fn memory_bytes(&self) -> u64 {
-        self.memory
+        let field = |text: &str, key: &str| {
+            text.split(',')
+                .find_map(|kv| kv.strip_prefix(key).map(str::to_owned))
+        };
+        let vcpus: u64 = args
+            .option("cpus", "boot")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(1);
+        let memory = args.option("memory", "size").unwrap_or_default();
+        let memory_bytes = memory
             .trim_end_matches(['M', 'm'])
             .parse::<u64>()
             .unwrap_or(0)
-            << 20
+            << 20;
+        let mut payload = serde_json::Map::new();
+        for key in ["kernel", "firmware", "cmdline"] {
+            if let Some(value) = list(key).first() {
+                payload.insert(key.into(), value.clone().into());
+            }
+        }
+        let disks: Vec<serde_json::Value> = list("disk")
+            .iter()
+            .map(|d| {
+                json!({
+                    "path": field(d, "path="),
+                    "readonly": field(d, "readonly=").is_some_and(|v| v == "on" || v == "true"),
+                    "image_type": match field(d, "image_type=").as_deref() {
+                        Some("raw") => "Raw",
+                        Some("qcow2") => "Qcow2",
+                        _ => "Unknown",
+                    },
+                    "backing_files": field(d, "backing_files=").is_some_and(|v| v == "on"),
+                    "vhost_user": false,
+                })
+            })
+            .collect();
+        let nets: Vec<serde_json::Value> = list("net")
+            .iter()
+            .map(|n| json!({"id": field(n, "id="), "mac": field(n, "mac="), "vhost_user": false}))
+            .collect();
+        let rules = args.flags.get("landlock-rules").map(|rules| {
+            rules
+                .iter()
+                .map(|r| json!({"path": field(r, "path="), "access": field(r, "access=")}))
+                .collect::<Vec<_>>()
+        });
+        let mut config = json!({
+            "cpus": {"boot_vcpus": vcpus, "max_vcpus": vcpus},
+            "memory": {"size": memory_bytes, "shared": memory.contains("shared=on")},
+            "payload": payload,
+            "disks": disks,
+            "net": nets,
+            "console": {"mode": if list("console").first().is_some_and(|c| c == "off") { "Off" } else { "Tty" }},
+            "landlock_enable": args.has("landlock"),
+            "landlock_rules": rules,
+        });
+        if let Some(file) = args.option("serial", "file") {
+            config["serial"] = json!({"file": file, "mode": "File"});
+        }
+        Config(config)
+    }
+
+    fn serial(&self) -> Option<String> {
+        self.0["serial"]["file"].as_str().map(str::to_owned)
+    }
+
+    fn disks(&self) -> Vec<String> {
+        self.0["disks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|d| d["path"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    fn nets(&self) -> Vec<String> {
+        self.0["net"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n["id"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    fn memory_bytes(&self) -> u64 {
+        self.0["memory"]["size"].as_u64().unwrap_or(0)
+    }
+}
+
+/// What a hypervisor its guest took over could write for its successor
+/// (`STANDIN_SNAPSHOT_FORGE`) or say of itself (`STANDIN_INFO_FORGE`):
+/// Landlock off, a rule of its own, a host disk, more vCPUs.
+fn forge(config: &mut serde_json::Value, how: &str) {
+    match how {
+        "landlock-off" => config["landlock_enable"] = false.into(),
+        "disk" => {
+            if let Some(disks) = config["disks"].as_array_mut() {
+                disks.push(serde_json::json!({"path": "/dev/sda", "image_type": "Raw"}));
+            }
+        }
+        "vcpus" => config["cpus"] = serde_json::json!({"boot_vcpus": 64, "max_vcpus": 64}),
+        _ => config["landlock_rules"] = serde_json::json!([{"path": "/", "access": "rw"}]),
     }
 }
 
@@ -312,14 +367,9 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
     if !dir.is_dir() {
         return Err(format!("{} is not a directory", dir.display()));
     }
-    let mut json = serde_json::to_value(config).map_err(|e| e.to_string())?;
+    let mut json = config.0.clone();
     if let Some(forged) = knob("STANDIN_SNAPSHOT_FORGE") {
-        // What a hypervisor its guest took over could write for its
-        // successor: Landlock off, or a rule of its own.
-        match forged.as_str() {
-            "landlock-off" => json["landlock_enable"] = false.into(),
-            _ => json["landlock_rules"] = serde_json::json!([{"path": "/", "access": "rw"}]),
-        }
+        forge(&mut json, &forged);
     }
     let json = serde_json::to_vec(&json).map_err(|e| e.to_string())?;
     let write = |name: &str, bytes: &[u8]| {
@@ -703,7 +753,7 @@ fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
         .ok_or_else(|| format!("{url}: not a file:// URL"))?;
     let dir = Path::new(dir);
     let text = std::fs::read(dir.join("config.json")).map_err(|e| format!("config.json: {e}"))?;
-    let config: Config = serde_json::from_slice(&text).map_err(|e| format!("config.json: {e}"))?;
+    let config = Config(serde_json::from_slice(&text).map_err(|e| format!("config.json: {e}"))?);
     let state = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
     let nonce = serde_json::from_slice::<serde_json::Value>(&state)
         .ok()
@@ -732,12 +782,12 @@ fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
             .unwrap_or(list.len());
         for item in list[..end].split("],") {
             let id = item.split('@').next().unwrap_or("");
-            if !id.is_empty() && !config.nets.iter().any(|n| n == id) {
+            if !id.is_empty() && !config.nets().iter().any(|n| n == id) {
                 return Err(format!("no net device {id:?} in the snapshot"));
             }
         }
     }
-    if let Some(serial) = &config.serial {
+    if let Some(serial) = &config.serial() {
         std::fs::write(serial, "eitri standin: resumed\n").map_err(|e| format!("{serial}: {e}"))?;
     }
     log.line(&format!("standin-restored nonce={nonce}"));
@@ -771,7 +821,7 @@ fn serve_all(
         _ => "Running",
     };
     let config = Arc::new(restored.unwrap_or_else(|| Config::of(args)));
-    if let Some(disk) = config.disks.first() {
+    if let Some(disk) = config.disks().first() {
         use std::os::unix::fs::MetadataExt;
         let ino = std::fs::metadata(disk).map_or(0, |m| m.ino());
         log.line(&format!(
@@ -858,11 +908,14 @@ fn serve(
                         .to_owned(),
                     false,
                 ),
-                ("GET", "/api/v1/vm.info") => (
-                    200,
-                    format!(r#"{{"state":"{s}","config":{{}},"memory_actual_size":0}}"#),
-                    false,
-                ),
+                ("GET", "/api/v1/vm.info") => {
+                    let mut config = config.0.clone();
+                    if let Some(forged) = knob("STANDIN_INFO_FORGE") {
+                        forge(&mut config, &forged);
+                    }
+                    let info = serde_json::json!({"state": *s, "config": config, "memory_actual_size": 0});
+                    (200, info.to_string(), false)
+                }
                 ("PUT", "/api/v1/vm.boot") | ("PUT", "/api/v1/vm.resume") => {
                     *s = "Running".into();
                     (204, String::new(), false)

@@ -23,10 +23,17 @@ pub fn call(
 
 /// `vm.info`'s `"state"`, or `None` when the VMM does not answer with one.
 pub fn vm_state(socket: &Path, timeout: Duration) -> Option<String> {
+    vm_info(socket, timeout)?
+        .get("state")?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// The VMM's `vm.info` answer (its state, and the VM's whole `config`).
+pub fn vm_info(socket: &Path, timeout: Duration) -> Option<serde_json::Value> {
     let (status, body) = call(socket, "GET", "/api/v1/vm.info", timeout).ok()?;
     if status != 200 {
         return None;
     }
-    let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
-    v.get("state")?.as_str().map(str::to_owned)
+    serde_json::from_slice(&body).ok()
 }

@@ -36,6 +36,7 @@ mod spawn;
 mod stop;
 mod suspend;
 pub mod tap;
+mod vet;
 mod vmm;
 mod watch;
 mod window;
@@ -231,15 +232,31 @@ impl CloudHypervisor {
     fn snapshot_of(&self, vm_id: &Id) -> suspend::Taken {
         let layout = self.store.layout();
         let mut disks = vec![layout.root_disk(vm_id)];
-        let mut memory_bytes = 0;
+        let (mut memory_bytes, mut vcpus) = (0, 0);
         if let Ok(Some(rec)) = self.store.get(vm_id) {
             disks.extend(layout.volumes_of(&rec.spec));
             memory_bytes = rec.spec.mem_mb.saturating_mul(1 << 20);
+            vcpus = rec.spec.vcpus;
         }
+        let mut in_argv = disks.clone();
+        in_argv.insert(1, layout.seed(vm_id));
+        let boot = &self.cfg.hypervisor;
+        let expected = vet::Expected {
+            disks: in_argv,
+            serial: layout.serial_log(vm_id),
+            vcpus,
+            memory_bytes,
+            payload: boot.kernel.clone().or_else(|| boot.firmware.clone()),
+            landlock_rule: self
+                .confined
+                .landlock()
+                .unwrap_or(false)
+                .then(|| layout.snapshot_work(vm_id)),
+        };
         suspend::Taken {
             disks,
             memory_bytes,
-            landlock: self.confined.landlock().unwrap_or(false),
+            expected,
         }
     }
 }

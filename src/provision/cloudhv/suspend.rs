@@ -178,9 +178,9 @@ fn snapshot_to(socket: &Path, work: &Path, bound: Deadline, say: Say<'_>) -> io:
 pub(super) struct Taken {
     pub disks: Vec<PathBuf>,
     pub memory_bytes: u64,
-    /// Whether its hypervisor was booted under Landlock: then its snapshot's
-    /// configuration must say so too (see `vet_config`).
-    pub landlock: bool,
+    /// What its hypervisor was started with, which the snapshot's
+    /// configuration must say too (see `vet`).
+    pub expected: super::vet::Expected,
 }
 
 impl CloudHypervisor {
@@ -351,10 +351,36 @@ impl CloudHypervisor {
         self.start_vmm(spec, launch, deadline, || {
             crate::crash::point("resume.restore-started");
         })?;
+        self.vet_restored(vm_id)?;
         crate::crash::point("resume.resumed");
         self.discard_saved(vm_id)?;
         crate::crash::point("resume.snapshot-discarded");
         Ok(())
+    }
+
+    /// A restored hypervisor's own account of its VM (`vm.info`), held to
+    /// what the agent started the VM with (see `vet`); one that differs,
+    /// or says nothing, is killed.
+    fn vet_restored(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+        let expected = super::vet::Expected {
+            // Its guest runs from its memory, not the file it booted.
+            payload: None,
+            ..self.snapshot_of(vm_id).expected
+        };
+        let info = api::vm_info(&self.socket_path(vm_id), API_TIMEOUT);
+        let why = match info {
+            Some(info) => super::vet::difference(&info["config"], &expected),
+            None => Some("it does not answer vm.info".into()),
+        };
+        let Some(why) = why else {
+            return Ok(());
+        };
+        log::error!("VM {vm_id}: its restored hypervisor is not the VM it was: {why}; killing it");
+        if let Some(tracked) = self.find(vm_id) {
+            super::supervise::ladder::kill(&self.vmm(vm_id, tracked));
+        }
+        let _ = self.end_leftovers(vm_id, &|_| {});
+        Err(failed(vm_id, "check its restored hypervisor", why))
     }
 
     /// The VM's committed snapshot, as found now (see the module's why).
@@ -518,9 +544,7 @@ fn seal_and_commit(
             return Err(io::Error::other(format!("it has no {required}")));
         }
     }
-    if taken.landlock {
-        vet_config(&incoming.join("config.json"), work)?;
-    }
+    vet_config(&incoming.join("config.json"), &taken.expected)?;
     files.sort_by(|a, b| a.name.cmp(&b.name));
     let manifest = Manifest {
         format: FORMAT,
@@ -544,33 +568,16 @@ fn seal_and_commit(
     })
 }
 
-/// A restored hypervisor takes Landlock, and the paths it may reach, from
-/// the snapshot's `config.json`, which the hypervisor being saved wrote: a
-/// hypervisor its guest took over could turn Landlock off for its
-/// successor, or give it more to reach. Sealed (root's now, out of the
-/// VMM's sight), it must say what the agent booted with: Landlock on, and
-/// no rule but the one for the snapshot's work dir `work`.
-fn vet_config(config: &Path, work: &Path) -> io::Result<()> {
+/// The snapshot's `config.json`, sealed (root's now, out of the VMM's
+/// sight), held to what the agent started the VM with (see `vet`).
+fn vet_config(config: &Path, expected: &super::vet::Expected) -> io::Result<()> {
     let text = fs::read(config)?;
     let config: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| io::Error::other(format!("its config.json is not JSON: {e}")))?;
-    if config["landlock_enable"] != serde_json::Value::Bool(true) {
-        return Err(io::Error::other(
-            "its config.json turns Landlock off, which its hypervisor was booted with: a hypervisor its guest took over would free its successor",
-        ));
+    match super::vet::difference(&config, expected) {
+        None => Ok(()),
+        Some(why) => Err(io::Error::other(format!("its config.json: {why}"))),
     }
-    let work = work.to_string_lossy();
-    let rules = config["landlock_rules"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    if let Some(rule) = rules.iter().find(|r| r["path"] != *work) {
-        return Err(io::Error::other(format!(
-            "its config.json gives Landlock a rule the agent did not ({}): a hypervisor its guest took over would widen what its successor reaches",
-            crate::quote::text(&rule.to_string())
-        )));
-    }
-    Ok(())
 }
 
 /// Where a suspend moves its snapshot through (see the module's steps).
