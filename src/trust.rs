@@ -30,6 +30,27 @@ pub const CONTEXT: &[u8] = b"eitri.agent.v1.Snapshot\n";
 /// What a host's signature of its report covers before the request's
 /// bytes: no report signature is a snapshot's, nor the other way round.
 pub const REPORT_CONTEXT: &[u8] = b"eitri.agent.v1.ReportRequest\n";
+/// How far past its `not_after` a snapshot is still taken: clocks of a
+/// control plane and a host disagree by this much at most.
+pub const SKEW: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Refuses a snapshot whose `not_after_ms` (0: none) passed more than
+/// [`SKEW`] before `now` (see the proto).
+pub fn in_date(key_id: &str, not_after_ms: u64, now: std::time::SystemTime) -> Result<(), Refusal> {
+    let now_ms = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let skew = u64::try_from(SKEW.as_millis()).unwrap_or(u64::MAX);
+    if not_after_ms == 0 || now_ms <= not_after_ms.saturating_add(skew) {
+        return Ok(());
+    }
+    Err(Refusal::Expired {
+        key_id: key_id.to_owned(),
+        not_after_ms,
+        now_ms,
+    })
+}
+
 /// The HTTP header a signed report's signature travels in.
 pub const REPORT_SIGNATURE_HEADER: &str = "Eitri-Signature";
 
@@ -244,6 +265,12 @@ pub enum Refusal {
         named: String,
         this_host: String,
     },
+    /// Past its `not_after`, and the allowance for skew.
+    Expired {
+        key_id: String,
+        not_after_ms: u64,
+        now_ms: u64,
+    },
 }
 
 impl fmt::Display for Refusal {
@@ -273,6 +300,21 @@ impl fmt::Display for Refusal {
                 crate::quote::text(key_id),
                 crate::quote::text(named),
                 crate::quote::text(this_host)
+            ),
+            Refusal::Expired {
+                key_id,
+                not_after_ms,
+                now_ms,
+            } => write!(
+                f,
+                "it expired {} s ago (not_after_unix_ms {not_after_ms}; this host's clock says {now_ms}, allowing {} s of skew){}: the control plane must send a fresh one, or this host's clock is wrong",
+                now_ms.saturating_sub(*not_after_ms) / 1000,
+                SKEW.as_secs(),
+                if key_id.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (signed by key {})", crate::quote::text(key_id))
+                }
             ),
         }
     }
@@ -631,6 +673,20 @@ mod tests {
 
         assert!(as_report.is_ok(), "{as_report:?}");
         assert!(matches!(as_snapshot, Err(Refusal::BadSignature { .. })));
+    }
+
+    #[test]
+    fn a_snapshot_expires_only_past_its_not_after_and_the_skew() {
+        use std::time::{Duration, UNIX_EPOCH};
+        let at = |ms: u64| UNIX_EPOCH + Duration::from_millis(ms);
+        let skew = SKEW.as_millis() as u64;
+
+        assert!(in_date("k", 0, at(u64::MAX / 2)).is_ok(), "0 never expires");
+        assert!(in_date("k", 1_000, at(1_000 + skew)).is_ok());
+        assert!(matches!(
+            in_date("k", 1_000, at(1_001 + skew)),
+            Err(Refusal::Expired { not_after_ms: 1_000, .. })
+        ));
     }
 
     #[test]

@@ -332,6 +332,46 @@ fn a_refused_snapshot_is_answered_at_once_with_a_report_naming_the_refusal() {
     assert!(!a.volume_exists("data-1"));
 }
 
+/// `snap` expiring `ago` before now (Unix ms).
+fn expiring(mut snap: pb::Snapshot, ago: Duration) -> pb::Snapshot {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970");
+    snap.not_after_unix_ms = u64::try_from((now - ago).as_millis()).expect("ms");
+    snap
+}
+
+#[test]
+fn a_signed_snapshot_past_its_not_after_is_refused_as_expired() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    // What a man in the middle replays: signed, but stale.
+    let stale = expiring(snapshot(1, HOST, "data-1"), Duration::from_secs(600));
+    cp.answer_snapshots(Answer::Raw(signed(&k, &stale)));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+
+    wait_for("a report", || !cp.reports().is_empty());
+    let refused = refusals(&cp)[0].clone().expect("the refusal in the report");
+    assert_eq!(refused.kind, "expired");
+    assert_eq!(refused.key_id, "cp");
+    assert!(!a.volume_exists("data-1"));
+}
+
+#[test]
+fn a_signed_snapshot_within_the_skew_allowance_of_its_not_after_is_taken() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    let late = expiring(snapshot(1, HOST, "data-1"), Duration::from_secs(60));
+    cp.answer_snapshots(Answer::Raw(signed(&k, &late)));
+
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+
+    a.wait_report("the volume", |r| has_volume(r, "data-1"));
+}
+
 #[test]
 fn a_refused_answer_is_asked_again_at_the_tick_not_backed_off() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -41,6 +41,15 @@ pub struct Snapshot {
     /// nothing back.
     #[prost(uint64, tag = "7")]
     pub epoch_reset_from: u64,
+    /// When set, the moment (Unix ms) after which this snapshot is stale: a
+    /// host refuses it once its clock is past it by more than five minutes
+    /// (the allowance for clock skew), and runs on the last one it accepted,
+    /// saying why (DesiredRefused.kind "expired"). Signed, it keeps a man in
+    /// the middle from serving an old snapshot as current for ever (a freeze
+    /// attack): a control plane that signs sets it a few ticks ahead, each
+    /// time it signs. 0 = it never expires.
+    #[prost(uint64, tag = "8")]
+    pub not_after_unix_ms: u64,
 }
 /// A Snapshot and the signature over it. The bytes are kept exactly as they
 /// were signed (a re-encoding need not be byte-identical), and the signature
@@ -286,7 +295,7 @@ pub struct Report {
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct DesiredRefused {
     /// A stable word for machines: "unsigned", "unknown_key", "bad_signature",
-    /// "other_host", "too_large", "too_many_entries", "garbage".
+    /// "other_host", "expired", "too_large", "too_many_entries", "garbage".
     #[prost(string, tag = "1")]
     pub kind: ::prost::alloc::string::String,
     /// The agent's own words: what was wrong and what to do.

@@ -210,10 +210,20 @@ impl Source for FileSource {
         };
         match parsed {
             Ok(mut desired) => {
-                if let Some(key_id) = &signed_by
-                    && let Err(why) =
+                let checked = match &signed_by {
+                    Some(key_id) => {
                         super::http::for_this_host(key_id, &desired.wire.host_id, &host.host_id)
-                {
+                    }
+                    None => Ok(()),
+                }
+                .and_then(|()| {
+                    trust::in_date(
+                        signed_by.as_deref().unwrap_or(""),
+                        desired.wire.not_after_unix_ms,
+                        SystemTime::now(),
+                    )
+                });
+                if let Err(why) = checked {
                     self.refused = Some(why.clone());
                     return Err(self.refusal(why));
                 }
@@ -279,6 +289,7 @@ fn parse(text: &str, limits: SnapshotLimits) -> Result<Desired, Broken> {
             host_id: top.host_id,
             epoch_reset: top.epoch_reset,
             epoch_reset_from: top.epoch_reset_from,
+            not_after_unix_ms: top.not_after_unix_ms,
             ..pb::Snapshot::default()
         },
         ..Desired::default()
@@ -392,6 +403,7 @@ struct TopLevelValue<'a> {
     host_id: String,
     epoch_reset: bool,
     epoch_reset_from: u64,
+    not_after_unix_ms: u64,
     min_agent_version: String,
     vms: Vec<&'a RawValue>,
     volumes: Vec<&'a RawValue>,
@@ -428,6 +440,7 @@ impl<'de> Visitor<'de> for TopLevel {
                 "host_id" => out.host_id = map.next_value()?,
                 "epoch_reset" => out.epoch_reset = map.next_value()?,
                 "epoch_reset_from" => out.epoch_reset_from = map.next_value()?,
+                "not_after_unix_ms" => out.not_after_unix_ms = map.next_value()?,
                 "min_agent_version" => out.min_agent_version = map.next_value()?,
                 "vms" => {
                     out.vms = map.next_value_seed(Entries {
@@ -445,7 +458,7 @@ impl<'de> Visitor<'de> for TopLevel {
                 }
                 other => {
                     return Err(de::Error::custom(format!(
-                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms, volumes, host_id, epoch_reset and epoch_reset_from"
+                        "unknown key {other:?}; a desired file's keys are epoch, min_agent_version, vms, volumes, host_id, epoch_reset, epoch_reset_from and not_after_unix_ms"
                     )));
                 }
             }

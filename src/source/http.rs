@@ -235,6 +235,12 @@ impl Source for HttpSource {
         if let Some(key_id) = &signed_by {
             for_this_host(key_id, &wire.host_id, &host.host_id).map_err(refused)?;
         }
+        crate::trust::in_date(
+            signed_by.as_deref().unwrap_or(""),
+            wire.not_after_unix_ms,
+            std::time::SystemTime::now(),
+        )
+        .map_err(refused)?;
         Ok(Some(Desired {
             wire,
             signed_by,

@@ -198,6 +198,7 @@ impl SourceError {
                 Refusal::UnknownKey { key_id } => ("unknown_key", key_id.as_str()),
                 Refusal::BadSignature { key_id } => ("bad_signature", key_id.as_str()),
                 Refusal::OtherHost { key_id, .. } => ("other_host", key_id.as_str()),
+                Refusal::Expired { key_id, .. } => ("expired", key_id.as_str()),
             },
             SourceError::TooLarge { .. } => ("too_large", ""),
             SourceError::TooManyEntries { .. } => ("too_many_entries", ""),
