@@ -685,7 +685,10 @@ mod tests {
         assert!(in_date("k", 1_000, at(1_000 + skew)).is_ok());
         assert!(matches!(
             in_date("k", 1_000, at(1_001 + skew)),
-            Err(Refusal::Expired { not_after_ms: 1_000, .. })
+            Err(Refusal::Expired {
+                not_after_ms: 1_000,
+                ..
+            })
         ));
     }
 

@@ -2279,7 +2279,7 @@ fn without_caps_status_says_every_vm_is_admitted() {
     let report = agent.wait_report("the first report", |r| volumes(r).len() == 1);
     let notes = report["notes"].to_string();
     assert!(
-        notes.contains("no cap on --max-mem-mb, --max-disk-gb") && !notes.contains("--max-vcpus"),
+        notes.contains("no cap on --max-disk-gb") && !notes.contains("--max-vcpus"),
         "{notes}"
     );
 }

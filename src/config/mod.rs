@@ -103,6 +103,24 @@ pub enum DesiredSource {
     ControlPlane(ControlPlane),
 }
 
+/// `--image-cache-max`: bytes, or a share of the state dir's filesystem
+/// (resolved at start, when the state dir is there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheCap {
+    Bytes(u64),
+    Percent(u8),
+}
+
+impl CacheCap {
+    /// In bytes, on a filesystem of `total` bytes.
+    pub fn bytes(self, total: u64) -> u64 {
+        match self {
+            CacheCap::Bytes(n) => n,
+            CacheCap::Percent(p) => total / 100 * u64::from(p),
+        }
+    }
+}
+
 /// The daemon's validated settings. What is to be found out from the host
 /// rather than the flags (its id, its DNS servers) is left `None` here and
 /// discovered by the daemon when it starts.
@@ -132,7 +150,7 @@ pub struct Config {
     /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
     pub metrics_file: Option<PathBuf>,
     /// `--image-cache-max`: bytes the image cache may hold; `None`: no cap.
-    pub image_cache_max: Option<u64>,
+    pub image_cache_max: Option<CacheCap>,
     /// `--agents-dir`: the host-wide registry of the agents' claims.
     pub agents_dir: PathBuf,
     /// What this agent asks of the host's shared ids and cgroups; settled

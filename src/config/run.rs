@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use super::file::FileSettings;
 use super::settings::{Key, Section};
-use super::{Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
+use super::{CacheCap, Config, ConfigError, DesiredSource, err, flag_values, parse_duration};
 use crate::image::{ImageOptions, Reach};
 use crate::model::{Cidr, IpRange};
 use crate::net::addresses::Subnet;
@@ -439,13 +439,22 @@ fn image_options(
     })
 }
 
-fn image_cache_max(raw: &Part<'_>) -> Result<Option<u64>, ConfigError> {
+fn image_cache_max(raw: &Part<'_>) -> Result<Option<CacheCap>, ConfigError> {
     let text = raw.get(Key::ImageCacheMax);
+    if let Some(percent) = text.trim().strip_suffix('%') {
+        return match percent.trim().parse::<u8>() {
+            Ok(0) => Ok(None),
+            Ok(p) if p <= 100 => Ok(Some(CacheCap::Percent(p))),
+            _ => Err(err(format!(
+                "--image-cache-max: {text:?} is not a share of the filesystem; write 1% to 100%"
+            ))),
+        };
+    }
     match super::parse_size(&text) {
         Some(0) => Ok(None),
-        Some(n) => Ok(Some(n)),
+        Some(n) => Ok(Some(CacheCap::Bytes(n))),
         None => Err(err(format!(
-            "--image-cache-max: {text:?} is not a size; write 200G, 500M or 0 for no cap"
+            "--image-cache-max: {text:?} is not a size; write 200G, 500M, 25% or 0 for no cap"
         ))),
     }
 }
@@ -688,11 +697,30 @@ fn confinement(raw: &Part<'_>) -> Result<(Confinement, JailWish), ConfigError> {
 
 /// The host's caps on what it commits to VMs.
 fn host_caps(raw: &Part<'_>) -> Result<HostCaps, ConfigError> {
+    let max_mem_mb = match raw.get(Key::MaxMemMb).trim() {
+        "auto" => auto_memory_cap_mb(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default()),
+        _ => raw.number(Key::MaxMemMb)?,
+    };
     Ok(HostCaps {
         max_vcpus: raw.number(Key::MaxVcpus)?,
-        max_mem_mb: raw.number(Key::MaxMemMb)?,
+        max_mem_mb,
         max_disk_gb: raw.number(Key::MaxDiskGb)?,
     })
+}
+
+/// `--max-mem-mb auto`: the host's memory (`meminfo`'s MemTotal) less a
+/// tenth, and at least 1 GiB, for the host itself (the agent, the page
+/// cache, the VMMs' own few MiB each). Memory is what VMs cannot share:
+/// admitting more than the host has ends with the kernel killing a VMM,
+/// a customer's running VM, to free some. 0 (unlimited) when the host
+/// does not say.
+fn auto_memory_cap_mb(meminfo: &str) -> u64 {
+    let total_mb = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb / 1024);
+    total_mb.saturating_sub((total_mb / 10).max(1024))
 }
 
 /// What a VM whose spec sets none may use (each bounded as a spec's own
@@ -815,6 +843,38 @@ mod tests {
                     .into()
             )
         );
+    }
+
+    #[test]
+    fn the_automatic_memory_cap_keeps_a_tenth_and_at_least_1_gib_for_the_host() {
+        let meminfo = |mib: u64| format!("MemTotal:       {} kB\nMemFree: 1 kB\n", mib * 1024);
+
+        assert_eq!(auto_memory_cap_mb(&meminfo(24 * 1024)), 24 * 1024 - 2457);
+        assert_eq!(auto_memory_cap_mb(&meminfo(4096)), 3072);
+        assert_eq!(
+            auto_memory_cap_mb(&meminfo(512)),
+            0,
+            "all of it is the host's"
+        );
+        assert_eq!(auto_memory_cap_mb(""), 0, "unknown: no cap");
+    }
+
+    #[test]
+    fn the_image_cache_cap_is_a_size_or_a_share_of_the_filesystem() {
+        let cap = |v: &str| {
+            let args = args(&["--desired", "/d.json", "--image-cache-max", v]);
+            let env = env(&[]);
+            let raw = Raw::read(&args, &env).expect("flags");
+            build(&raw)
+                .map(|c| c.image_cache_max)
+                .map_err(|e| e.to_string())
+        };
+
+        assert_eq!(cap("25%"), Ok(Some(CacheCap::Percent(25))));
+        assert_eq!(cap("200G"), Ok(Some(CacheCap::Bytes(200 << 30))));
+        assert_eq!(cap("0"), Ok(None));
+        assert!(cap("101%").is_err_and(|e| e.contains("1% to 100%")));
+        assert_eq!(CacheCap::Percent(25).bytes(1000), 250);
     }
 
     #[test]

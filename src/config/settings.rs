@@ -166,8 +166,8 @@ settings! {
             "an image download still running after this long fails (and is retried afresh)";
         ImageMinRate => "image-min-rate-kib", "EITRI_IMAGE_MIN_RATE_KIB", "64",
             "an image download averaging fewer KiB/s than this over one --image-stall-timeout fails (0: no minimum)";
-        ImageCacheMax => "image-cache-max", "EITRI_IMAGE_CACHE_MAX", "0",
-            "most disk the image cache may hold, e.g. 200G or 500M: past it, images no VM uses and desired state does not name are deleted, oldest first (0: no cap)";
+        ImageCacheMax => "image-cache-max", "EITRI_IMAGE_CACHE_MAX", "25%",
+            "most disk the image cache may hold, e.g. 200G, 500M or 25% (of the state dir's filesystem): past it, images no VM uses and desired state does not name are deleted, oldest first (0: no cap)";
     ]
     Hypervisor { "hypervisor", "Hypervisor", "what runs a guest and how it boots" } [
         Hypervisor => "hypervisor", "EITRI_HYPERVISOR", DEFAULT_HYPERVISOR,
@@ -198,8 +198,8 @@ settings! {
     Limits { "limits", "Limits", "what the host commits, and what a VM whose spec sets none may use" } [
         MaxVcpus => "max-vcpus", "EITRI_MAX_VCPUS", "0",
             "host cap on vCPUs committed to VMs (0 = unlimited)";
-        MaxMemMb => "max-mem-mb", "EITRI_MAX_MEM_MB", "0",
-            "host cap on guest memory in MiB (0 = unlimited)";
+        MaxMemMb => "max-mem-mb", "EITRI_MAX_MEM_MB", "auto",
+            "host cap on guest memory in MiB (auto: this host's memory less a tenth, at least 1 GiB, kept for itself; 0 = unlimited)";
         MaxDiskGb => "max-disk-gb", "EITRI_MAX_DISK_GB", "0",
             "host cap on root disks in GiB (0 = unlimited)";
         VmCpuMaxPerVcpu => "vm-cpu-max-millis-per-vcpu", "EITRI_VM_CPU_MAX_MILLIS_PER_VCPU", "0",
