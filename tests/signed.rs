@@ -847,6 +847,16 @@ fn sign_embedded(key: &Path, file: &Path) {
     );
 }
 
+/// A key made in `dir` (its secret, its pinned line) and a desired file
+/// naming volume data-1 that carries its signature.
+fn embedded_file(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let (key, pinned) = keygen(dir, "pipeline");
+    let desired = dir.join("desired.json");
+    write_desired(&desired, &one_volume("data-1"));
+    sign_embedded(&key, &desired);
+    (key, pinned, desired)
+}
+
 fn one_volume(volume: &str) -> String {
     format!(
         r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"{volume}","size_gb":1}}]}}"#
@@ -856,11 +866,8 @@ fn one_volume(volume: &str) -> String {
 #[test]
 fn standalone_a_file_that_carries_its_signature_is_acted_on() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (key, pinned) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(&desired, &one_volume("data-1"));
 
-    sign_embedded(&key, &desired);
+    let (_, pinned, desired) = embedded_file(dir.path());
     let a = standalone(dir.path(), &desired, &pinned);
 
     a.wait_report("the volume", |r| has_volume(r, "data-1"));
@@ -870,10 +877,7 @@ fn standalone_a_file_that_carries_its_signature_is_acted_on() {
 #[test]
 fn standalone_a_file_changed_below_its_own_signature_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (key, pinned) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(&desired, &one_volume("data-1"));
-    sign_embedded(&key, &desired);
+    let (_, pinned, desired) = embedded_file(dir.path());
     let signed = std::fs::read_to_string(&desired).expect("signed");
     write_desired(&desired, &signed.replace("data-1", "data-2"));
 
@@ -886,10 +890,7 @@ fn standalone_a_file_changed_below_its_own_signature_is_refused() {
 #[test]
 fn signing_a_file_that_carries_its_signature_again_replaces_the_line() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (key, pinned) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(&desired, &one_volume("data-1"));
-    sign_embedded(&key, &desired);
+    let (key, pinned, desired) = embedded_file(dir.path());
     let signed = std::fs::read_to_string(&desired).expect("signed");
     write_desired(&desired, &signed.replace("data-1", "data-2"));
 
@@ -908,10 +909,7 @@ fn signing_a_file_that_carries_its_signature_again_replaces_the_line() {
 #[test]
 fn sign_without_embed_refuses_a_file_that_carries_its_signature() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (key, _) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(&desired, &one_volume("data-1"));
-    sign_embedded(&key, &desired);
+    let (key, _, desired) = embedded_file(dir.path());
 
     let out = eitri(&[
         "sign",
@@ -929,10 +927,7 @@ fn sign_without_embed_refuses_a_file_that_carries_its_signature() {
 #[test]
 fn a_host_without_keys_takes_what_a_file_signs_below_its_signature() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (key, _) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(&desired, &one_volume("data-1"));
-    sign_embedded(&key, &desired);
+    let (_, _, desired) = embedded_file(dir.path());
 
     let a = Agent::start(dir.path(), &["--desired", desired.to_str().expect("path")]);
 

@@ -447,17 +447,6 @@ impl ImageCache {
     /// from `url` (one download per digest, however many VMs ask; it may
     /// be at most `max_bytes`, the asking VM's disk), within `deadline`. A
     /// download outliving its deadline goes on and lands for a later pass.
-    pub fn resolve(
-        &self,
-        url: &str,
-        sha256: &str,
-        max_bytes: u64,
-        deadline: Deadline,
-        progress: Progress,
-    ) -> Result<PathBuf, BoxFailure> {
-        self.find(url, sha256, max_bytes, deadline, progress)
-    }
-
     /// [`ImageCache::resolve`], the image then held against a prune until
     /// the returned [`Base`] is dropped. An image pruned between its find
     /// and the hold is found again (fetched).
@@ -471,7 +460,7 @@ impl ImageCache {
     ) -> Result<Base, BoxFailure> {
         let lock = crate::state::Layout::images_lock_in(&self.dir);
         loop {
-            let path = self.find(url, sha256, max_bytes, deadline, Arc::clone(&progress))?;
+            let path = self.resolve(url, sha256, max_bytes, deadline, Arc::clone(&progress))?;
             let hold = Hold::take(&lock).map_err(|e| ImageError::store(lock.clone(), e))?;
             if path.is_file() {
                 return Ok(Base::held(path, hold));
@@ -486,7 +475,11 @@ impl ImageCache {
         }
     }
 
-    fn find(
+    /// The verified base image for `sha256`: the cached one, or downloaded
+    /// from `url` (one download per digest, however many VMs ask; it may
+    /// be at most `max_bytes`, the asking VM's disk), within `deadline`. A
+    /// download outliving its deadline goes on and lands for a later pass.
+    pub fn resolve(
         &self,
         url: &str,
         sha256: &str,
