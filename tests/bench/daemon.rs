@@ -187,7 +187,13 @@ impl Daemon {
             .unwrap_or_default()
             .lines()
             .filter_map(|l| {
+                // An agent before the stages moved to debug said them in
+                // its info line (a build compared in turns).
                 l.split_once(": create attempt stages: ")
+                    .or_else(|| {
+                        l.split_once(": create attempt took ")
+                            .filter(|(_, t)| t.contains('('))
+                    })
                     .map(|(_, t)| t.to_owned())
             })
             .collect()
