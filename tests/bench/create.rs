@@ -503,7 +503,12 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
     // The image into the cache, and every lazy first (the KVM grant, the
     // cgroup parents) out of the way.
     daemon.create("real-warm", PATIENCE)?;
-    let ids = (1_900_000_000 + 65_535, 1_900_000_000);
+    // The bare start's user and group: the last id of the daemon's range
+    // (its VMMs take the first ones), and its VMMs' group.
+    let ids = {
+        let (first, count) = daemon::vmm_ids();
+        (first + count - 1, first)
+    };
     let bare_dir = dir.path().join("bare");
     std::fs::create_dir_all(&bare_dir)?;
     // One of each in turn, so whatever else this machine does meanwhile

@@ -70,10 +70,13 @@ impl Daemon {
             path(parts.images),
             "--cgroup-root".into(),
             parts.cgroup_root.into(),
-            // The default range's group: one ACL entry on the KVM device
-            // for every run, not one each.
+            // The bench process's own range, whose group's ACL entry on
+            // the host's devices it gives back at its end (see `Drop`).
             "--vmm-ids".into(),
-            "1900000000:65536".into(),
+            {
+                let (first, count) = vmm_ids();
+                format!("{first}:{count}")
+            },
             "--underlay-bridge".into(),
             parts.bridge.into(),
             "--tap-prefix".into(),
@@ -213,7 +216,18 @@ impl Drop for Daemon {
             nix::sys::signal::Signal::SIGTERM,
         );
         let _ = self.child.wait();
+        // What the agent gave its VMMs' group on the host's devices.
+        let (group, _) = vmm_ids();
+        for device in ["/dev/kvm", "/dev/userfaultfd"] {
+            let _ = eitri_agent::provision::jail::acl::revoke_group(Path::new(device), group);
+        }
     }
+}
+
+/// The daemon's VMM ids (first, count): this bench process's own range;
+/// the first is its VMMs' group, the last the user of a bare start.
+pub fn vmm_ids() -> (u32, u32) {
+    eitri_agent::testkit::test_vmm_ids()
 }
 
 const DESIRED: &str = "desired.json";
