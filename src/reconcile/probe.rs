@@ -82,7 +82,7 @@ impl Core {
                 }
                 Err(why) => {
                     state.failing_since.get_or_insert(now);
-                    state.last = why;
+                    state.last = crate::error::chain(&why);
                     if state.answered.is_some() || past(now, state.since, probe.grace) {
                         self.counts.unhealthy.inc(vm_id.as_str());
                     }
@@ -141,25 +141,30 @@ impl Core {
         check: &Check,
         timeout: Duration,
         searched: &mut Option<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Unanswered> {
+        let address = |what: &'static str, port: u16| {
+            self.prov
+                .address(vm_id)
+                .ok_or(Unanswered::NoAddress { what, port })
+        };
         match check {
             Check::Tcp(port) => {
-                let Some(ip) = self.prov.address(vm_id) else {
-                    return Err(format!("tcp {port}: the guest has no address yet"));
-                };
-                TcpStream::connect_timeout(&SocketAddr::from((ip, *port)), timeout)
+                let to = SocketAddr::from((address("tcp", *port)?, *port));
+                TcpStream::connect_timeout(&to, timeout)
                     .map(drop)
-                    .map_err(|e| format!("tcp {port} on {ip}: {e}"))
+                    .map_err(|source| Unanswered::Tcp { to, source })
             }
             Check::Http { port, path } => {
-                let Some(ip) = self.prov.address(vm_id) else {
-                    return Err(format!("http {port}: the guest has no address yet"));
-                };
-                http_status(SocketAddr::from((ip, *port)), path, timeout).and_then(|status| {
+                let to = SocketAddr::from((address("http", *port)?, *port));
+                http_status(to, path, timeout).and_then(|status| {
                     if (200..300).contains(&status) {
                         Ok(())
                     } else {
-                        Err(format!("http {port} {path} on {ip} answered {status}"))
+                        Err(Unanswered::HttpStatus {
+                            to,
+                            path: path.clone(),
+                            status,
+                        })
                     }
                 })
             }
@@ -172,11 +177,16 @@ impl Core {
     /// searched: only what the guest printed since is read (the guest picks
     /// how much it prints; reading it all again every period cost tens of
     /// ms a probe), and it is set to what this look searched.
-    fn console(&self, vm_id: &Id, text: &str, searched: &mut Option<u64>) -> Result<(), String> {
+    fn console(
+        &self,
+        vm_id: &Id,
+        text: &str,
+        searched: &mut Option<u64>,
+    ) -> Result<(), Unanswered> {
         let layout = self.store.layout();
         let live = layout.serial_log(vm_id);
         let needle = text.as_bytes();
-        let unread = |e: std::io::Error| format!("cannot read the console: {e}");
+        let unread = Unanswered::Console;
         let len = std::fs::metadata(&live).map_err(unread)?.len();
         let holds = if let Some(seen) = searched.filter(|seen| len >= *seen) {
             // A line straddling the last look's end began before it.
@@ -213,7 +223,9 @@ impl Core {
         if holds {
             Ok(())
         } else {
-            Err(format!("no console line holds {text:?} yet"))
+            Err(Unanswered::NotPrinted {
+                text: text.to_owned(),
+            })
         }
     }
 
@@ -341,7 +353,7 @@ fn say(res: &mut VmResult, probe: &Readiness, state: &ProbeState, now: SystemTim
 /// The status code a GET of `path` at `to` answers, all of it (connect,
 /// request, status line) within `timeout`; the guest is untrusted, so at
 /// most its first 512 bytes are read.
-fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, String> {
+fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, Unanswered> {
     use std::io::Write;
     let start = std::time::Instant::now();
     let left = || {
@@ -349,7 +361,11 @@ fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, Str
             .saturating_sub(start.elapsed())
             .max(Duration::from_millis(1))
     };
-    let what = |e: std::io::Error| format!("http {} {path} on {}: {e}", to.port(), to.ip());
+    let what = |source: std::io::Error| Unanswered::Http {
+        to,
+        path: path.to_owned(),
+        source,
+    };
     let mut conn = TcpStream::connect_timeout(&to, timeout).map_err(what)?;
     conn.set_write_timeout(Some(left())).map_err(what)?;
     conn.write_all(
@@ -376,13 +392,83 @@ fn http_status(to: SocketAddr, path: &str, timeout: Duration) -> Result<u16, Str
         .nth(1)
         .filter(|_| line.starts_with("HTTP/"))
         .and_then(|code| code.parse().ok())
-        .ok_or_else(|| {
-            format!(
+        .ok_or_else(|| Unanswered::NoStatusLine {
+            to,
+            path: path.to_owned(),
+        })
+}
+
+/// Why a probe's check was not answered; its words, with its source's
+/// (`error::chain`), are the row's.
+#[derive(Debug)]
+enum Unanswered {
+    NoAddress {
+        what: &'static str,
+        port: u16,
+    },
+    Tcp {
+        to: SocketAddr,
+        source: std::io::Error,
+    },
+    Http {
+        to: SocketAddr,
+        path: String,
+        source: std::io::Error,
+    },
+    HttpStatus {
+        to: SocketAddr,
+        path: String,
+        status: u16,
+    },
+    NoStatusLine {
+        to: SocketAddr,
+        path: String,
+    },
+    Console(std::io::Error),
+    NotPrinted {
+        text: String,
+    },
+}
+
+impl std::fmt::Display for Unanswered {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unanswered::NoAddress { what, port } => {
+                write!(f, "{what} {port}: the guest has no address yet")
+            }
+            Unanswered::Tcp { to, .. } => write!(f, "tcp {} on {}", to.port(), to.ip()),
+            Unanswered::Http { to, path, .. } => {
+                write!(f, "http {} {path} on {}", to.port(), to.ip())
+            }
+            Unanswered::HttpStatus { to, path, status } => {
+                write!(
+                    f,
+                    "http {} {path} on {} answered {status}",
+                    to.port(),
+                    to.ip()
+                )
+            }
+            Unanswered::NoStatusLine { to, path } => write!(
+                f,
                 "http {} {path} on {}: no HTTP status line in its answer",
                 to.port(),
                 to.ip()
-            )
-        })
+            ),
+            Unanswered::Console(_) => f.write_str("cannot read the console"),
+            Unanswered::NotPrinted { text } => write!(f, "no console line holds {text:?} yet"),
+        }
+    }
+}
+
+impl std::error::Error for Unanswered {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Unanswered::Tcp { source, .. }
+            | Unanswered::Http { source, .. }
+            | Unanswered::Console(source) => Some(source),
+            _ => None,
+        }
+    }
 }
 
 /// Whether a line of the console at `path`, from byte `from` on (at most
@@ -432,7 +518,10 @@ mod tests {
     fn a_status_line_is_read_and_its_code_taken() {
         let at = peer(b"HTTP/1.1 204 No Content\r\n\r\n");
 
-        assert_eq!(http_status(at, "/", Duration::from_secs(1)), Ok(204));
+        assert_eq!(
+            http_status(at, "/", Duration::from_secs(1)).map_err(|e| e.to_string()),
+            Ok(204)
+        );
     }
 
     #[test]
@@ -442,8 +531,7 @@ mod tests {
         let read = http_status(at, "/", Duration::from_secs(1));
 
         assert!(
-            read.as_ref()
-                .is_err_and(|e| e.contains("no HTTP status line")),
+            matches!(read, Err(Unanswered::NoStatusLine { .. })),
             "{read:?}"
         );
     }
