@@ -341,7 +341,11 @@ impl CloudHypervisor {
         if let Err(why) = timed("check", || {
             check(&layout.snapshot_manifest(vm_id), &snapshot)
         }) {
-            return Err(failed(vm_id, "restore its snapshot", why));
+            return Err(failed(
+                vm_id,
+                "restore its snapshot",
+                crate::error::chain(&why),
+            ));
         }
         let memory = self.memory_restore();
         let launch = Launch::Restore {
@@ -392,7 +396,7 @@ impl CloudHypervisor {
         }
         Some(match check(&layout.snapshot_manifest(vm_id), &snapshot) {
             Ok(saved) => SavedGuest::Usable(saved),
-            Err(why) => SavedGuest::Unusable(why),
+            Err(why) => SavedGuest::Unusable(crate::error::chain(&why)),
         })
     }
 
@@ -613,44 +617,39 @@ fn open_beneath(dir: &File, name: &str) -> io::Result<File> {
 
 /// Whether the committed snapshot at `snapshot` is usable: what it holds
 /// of the disk, or why it is not.
-fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, String> {
-    let meta = fs::symlink_metadata(manifest).map_err(|e| format!("it has no manifest: {e}"))?;
+fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, Unusable> {
+    let meta = fs::symlink_metadata(manifest).map_err(Unusable::NoManifest)?;
     if !meta.is_file() || meta.len() > MANIFEST_MAX {
-        return Err("its manifest is not the agent's".into());
+        return Err(Unusable::NotOurs);
     }
-    let text = fs::read(manifest).map_err(|e| format!("its manifest cannot be read: {e}"))?;
-    let manifest: Manifest =
-        serde_json::from_slice(&text).map_err(|e| format!("its manifest is torn: {e}"))?;
+    let text = fs::read(manifest).map_err(Unusable::Unreadable)?;
+    let manifest: Manifest = serde_json::from_slice(&text).map_err(Unusable::Torn)?;
     if manifest.format != FORMAT {
-        return Err(format!(
-            "its manifest is of format {}, this agent writes {FORMAT}",
-            manifest.format
-        ));
+        return Err(Unusable::Format(manifest.format));
     }
     let mut allocated = 0u64;
     for file in &manifest.files {
         let path = snapshot.join(&file.name);
-        let meta =
-            fs::symlink_metadata(&path).map_err(|e| format!("its {} is gone: {e}", file.name))?;
+        let meta = fs::symlink_metadata(&path).map_err(|source| Unusable::FileGone {
+            name: file.name.clone(),
+            source,
+        })?;
         if !meta.is_file() || meta.len() != file.bytes {
-            return Err(format!(
-                "torn: its {} is {} bytes, and was {} when it was taken",
-                file.name,
-                meta.len(),
-                file.bytes
-            ));
+            return Err(Unusable::FileTorn {
+                name: file.name.clone(),
+                bytes: meta.len(),
+                taken: file.bytes,
+            });
         }
         allocated = allocated.saturating_add(meta.blocks().saturating_mul(512));
     }
     for disk in &manifest.disks {
-        let now = DiskIdentity::of(&disk.path).map_err(|e| {
-            format!(
-                "it was taken with {}, which is gone: {e}",
-                disk.path.display()
-            )
+        let now = DiskIdentity::of(&disk.path).map_err(|source| Unusable::DiskGone {
+            path: disk.path.clone(),
+            source,
         })?;
         if let Some(why) = disk.differs(&now) {
-            return Err(format!("it was taken with other disks: {why}"));
+            return Err(Unusable::OtherDisks(why));
         }
     }
     Ok(Saved {
@@ -658,6 +657,68 @@ fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, String> {
         bytes: allocated,
         in_memory: false,
     })
+}
+
+/// Why a committed snapshot cannot be restored.
+#[derive(Debug)]
+enum Unusable {
+    NoManifest(io::Error),
+    /// Not a file, or larger than a manifest the agent writes.
+    NotOurs,
+    Unreadable(io::Error),
+    Torn(serde_json::Error),
+    Format(u32),
+    FileGone {
+        name: String,
+        source: io::Error,
+    },
+    FileTorn {
+        name: String,
+        bytes: u64,
+        taken: u64,
+    },
+    DiskGone {
+        path: PathBuf,
+        source: io::Error,
+    },
+    OtherDisks(String),
+}
+
+impl std::fmt::Display for Unusable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unusable::NoManifest(_) => f.write_str("it has no manifest"),
+            Unusable::NotOurs => f.write_str("its manifest is not the agent's"),
+            Unusable::Unreadable(_) => f.write_str("its manifest cannot be read"),
+            Unusable::Torn(_) => f.write_str("its manifest is torn"),
+            Unusable::Format(format) => write!(
+                f,
+                "its manifest is of format {format}, this agent writes {FORMAT}"
+            ),
+            Unusable::FileGone { name, .. } => write!(f, "its {name} is gone"),
+            Unusable::FileTorn { name, bytes, taken } => write!(
+                f,
+                "torn: its {name} is {bytes} bytes, and was {taken} when it was taken"
+            ),
+            Unusable::DiskGone { path, .. } => {
+                write!(f, "it was taken with {}, which is gone", path.display())
+            }
+            Unusable::OtherDisks(why) => write!(f, "it was taken with other disks: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for Unusable {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Unusable::NoManifest(e)
+            | Unusable::Unreadable(e)
+            | Unusable::FileGone { source: e, .. }
+            | Unusable::DiskGone { source: e, .. } => Some(e),
+            Unusable::Torn(e) => Some(e),
+            _ => None,
+        }
+    }
 }
 
 /// Removes every entry of the directory `dir` (never following a
