@@ -27,7 +27,7 @@ pub enum CloudHvError {
     /// `--version` could not be asked.
     Version {
         path: PathBuf,
-        problem: String,
+        source: io::Error,
     },
     Kvm {
         source: io::Error,
@@ -153,8 +153,8 @@ impl fmt::Display for CloudHvError {
                 "{} reports version {banner:?}; this agent needs cloud-hypervisor v{min} or later (it passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it)",
                 path.display()
             ),
-            E::Version { path, problem } => {
-                write!(f, "cannot ask {} its version: {problem}", path.display())
+            E::Version { path, .. } => {
+                write!(f, "cannot ask {} its version", path.display())
             }
             E::Kvm { .. } => f.write_str(
                 "cannot open /dev/kvm read-write; load kvm_intel or kvm_amd and give the agent access to it",
@@ -234,14 +234,14 @@ impl std::error::Error for CloudHvError {
             | E::OpenLog { source, .. }
             | E::Start { source, .. }
             | E::Pidfile { source, .. }
-            | E::RemoveTap { source, .. } => Some(source),
+            | E::RemoveTap { source, .. }
+            | E::Version { source, .. } => Some(source),
             E::Leftovers { source, .. } => Some(source),
             // Transparent: the wrapped error's own message is this one's.
             E::Supervise(e) => e.source(),
             E::Jail(e) => e.source(),
             E::NotExecutable { .. }
             | E::TooOld { .. }
-            | E::Version { .. }
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::Unreachable { .. }

@@ -5,7 +5,7 @@
 //! tick.
 
 use std::fs::OpenOptions;
-use std::io::Read;
+use std::io::{self, Read};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -41,7 +41,7 @@ impl CloudHypervisor {
                 }
                 .into());
             }
-            Err(problem) => return Err(CloudHvError::Version { path, problem }.into()),
+            Err(source) => return Err(CloudHvError::Version { path, source }.into()),
         }
         self.check_devices()
     }
@@ -108,20 +108,19 @@ impl CloudHypervisor {
     }
 
     /// The first line `--version` prints, within a bound.
-    fn version(&self) -> Result<String, String> {
+    fn version(&self) -> io::Result<String> {
         version_of(&self.cfg.hypervisor.binary)
     }
 }
 
 /// The first line `binary --version` prints, within a bound.
-pub(crate) fn version_of(binary: &Path) -> Result<String, String> {
+pub(crate) fn version_of(binary: &Path) -> io::Result<String> {
     let mut child = Command::new(binary)
         .arg("--version")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| e.to_string())?;
+        .spawn()?;
     let until = Instant::now() + Duration::from_secs(5);
     loop {
         match child.try_wait() {
@@ -130,7 +129,10 @@ pub(crate) fn version_of(binary: &Path) -> Result<String, String> {
             _ => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err("--version did not answer within 5s".into());
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "--version did not answer within 5s",
+                ));
             }
         }
     }
