@@ -90,6 +90,38 @@ pub struct Parts {
 /// of 0; one that counts milliseconds signs its snapshots.
 pub const MAX_UNSIGNED_STEP: u64 = 1 << 32;
 
+/// Why a snapshot's epoch may not move the fence (see `epoch_rule`).
+#[derive(Debug)]
+pub(super) enum EpochRefusal {
+    /// A signed reset names another fence than the host's.
+    ResetFromElsewhere { to: u64, from: u64, current: u64 },
+    /// An unsigned epoch more than [`MAX_UNSIGNED_STEP`] above the fence.
+    TooFar { epoch: u64, current: u64 },
+    /// An unsigned snapshot asks to lower the fence.
+    UnsignedReset { to: u64, current: u64 },
+}
+
+impl std::fmt::Display for EpochRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EpochRefusal::ResetFromElsewhere { to, from, current } => write!(
+                f,
+                "refusing a signed epoch reset to {to} from epoch {from}: this host's fence is {current}. A reset is obeyed only at the fence it names (epoch_reset_from), so one signed before the fence moved on cannot move it back; have the control plane sign a reset from {current}"
+            ),
+            EpochRefusal::TooFar { epoch, current } => write!(
+                f,
+                "refusing a snapshot whose epoch {epoch} is more than {MAX_UNSIGNED_STEP} above the accepted epoch {current}: unsigned desired state may not move the fence that far (a forged answer could fence the real control plane out for good). Keeping the last accepted desired state; pin the control plane's keys with --trusted-keys to let signed snapshots move it"
+            ),
+            EpochRefusal::UnsignedReset { to, current } => write!(
+                f,
+                "refusing an unsigned snapshot that asks to reset the epoch from {current} to {to}: only desired state signed by a key in --trusted-keys may lower the fence"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for EpochRefusal {}
+
 pub struct Daemon {
     pub(super) store: Arc<Store>,
     pub(super) engine: Arc<Engine>,
@@ -276,6 +308,7 @@ impl Daemon {
             digest,
         } = desired;
         if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref()) {
+            let why = why.to_string();
             self.logs.warn("epoch", &why);
             self.refused_epoch = Some(why);
             return false;
@@ -356,28 +389,29 @@ impl Daemon {
     /// when signed, and then only at the fence it names (a reset replayed
     /// after the fence moved on moves nothing).
     /// Signed desired state moves the fence as it says.
-    fn epoch_rule(&self, wire: &pb::Snapshot, signed_by: Option<&str>) -> Result<(), String> {
+    fn epoch_rule(&self, wire: &pb::Snapshot, signed_by: Option<&str>) -> Result<(), EpochRefusal> {
         let current = self.store.epoch();
         if signed_by.is_some() && wire.epoch_reset && wire.epoch_reset_from != current {
-            return Err(format!(
-                "refusing a signed epoch reset to {} from epoch {}: this host's fence is {current}. A reset is obeyed only at the fence it names (epoch_reset_from), so one signed before the fence moved on cannot move it back; have the control plane sign a reset from {current}",
-                wire.epoch, wire.epoch_reset_from
-            ));
+            return Err(EpochRefusal::ResetFromElsewhere {
+                to: wire.epoch,
+                from: wire.epoch_reset_from,
+                current,
+            });
         }
         if signed_by.is_some() || !self.remote {
             return Ok(());
         }
         if wire.epoch > current.saturating_add(MAX_UNSIGNED_STEP) {
-            return Err(format!(
-                "refusing a snapshot whose epoch {} is more than {MAX_UNSIGNED_STEP} above the accepted epoch {current}: unsigned desired state may not move the fence that far (a forged answer could fence the real control plane out for good). Keeping the last accepted desired state; pin the control plane's keys with --trusted-keys to let signed snapshots move it",
-                wire.epoch
-            ));
+            return Err(EpochRefusal::TooFar {
+                epoch: wire.epoch,
+                current,
+            });
         }
         if wire.epoch_reset && wire.epoch < current {
-            return Err(format!(
-                "refusing an unsigned snapshot that asks to reset the epoch from {current} to {}: only desired state signed by a key in --trusted-keys may lower the fence",
-                wire.epoch
-            ));
+            return Err(EpochRefusal::UnsignedReset {
+                to: wire.epoch,
+                current,
+            });
         }
         Ok(())
     }
