@@ -9,6 +9,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use eitri_agent::pb;
+use eitri_agent::source::FileSource;
 use eitri_agent::testkit::control_plane::{Answer, FakeControlPlane};
 use eitri_agent::trust::SecretKey;
 use prost::Message;
@@ -847,6 +848,20 @@ fn sign_embedded(key: &Path, file: &Path) {
     );
 }
 
+/// `eitri-agent sign --key KEY FILE`, which must refuse (exit 1) and
+/// write no signature: what it said.
+fn sign_refused(key: &Path, file: &Path) -> String {
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        file.to_str().expect("path"),
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(!FileSource::signature_path(file).exists());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// A key made in `dir` (its secret, its pinned line) and a desired file
 /// naming volume data-1 that carries its signature.
 fn embedded_file(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
@@ -911,17 +926,9 @@ fn sign_without_embed_refuses_a_file_that_carries_its_signature() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (key, _, desired) = embedded_file(dir.path());
 
-    let out = eitri(&[
-        "sign",
-        "--key",
-        key.to_str().expect("path"),
-        desired.to_str().expect("path"),
-    ]);
+    let said = sign_refused(&key, &desired);
 
-    assert_eq!(out.status.code(), Some(1));
-    let said = String::from_utf8_lossy(&out.stderr);
     assert!(said.contains("--embed"), "{said}");
-    assert!(!dir.path().join("desired.json.sig").exists());
 }
 
 #[test]
@@ -959,17 +966,9 @@ fn sign_refuses_a_file_that_names_no_host_and_writes_no_signature() {
     let desired = dir.path().join("desired.json");
     write_desired(&desired, r#"{"epoch":1,"volumes":[]}"#);
 
-    let out = eitri(&[
-        "sign",
-        "--key",
-        key.to_str().expect("path"),
-        desired.to_str().expect("path"),
-    ]);
+    let said = sign_refused(&key, &desired);
 
-    assert_eq!(out.status.code(), Some(1));
-    let said = String::from_utf8_lossy(&out.stderr);
     assert!(said.contains("names no host_id"), "{said}");
-    assert!(!dir.path().join("desired.json.sig").exists());
 }
 
 #[test]
