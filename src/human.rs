@@ -205,7 +205,9 @@ fn zone(offset_s: i64) -> String {
 /// (`TZ`, else `/etc/localtime`); 0 when it cannot say.
 fn local_offset(at: SystemTime) -> i64 {
     let secs = at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let Ok(time) = nix::libc::time_t::try_from(secs) else {
+    // time_t is an i64 on every target the agent builds for (musl
+    // included), which the call below holds it to.
+    let Ok(time) = i64::try_from(secs) else {
         return 0;
     };
     // SAFETY: `tm` is plain data, zeroed; localtime_r writes only into
