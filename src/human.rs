@@ -113,6 +113,13 @@ mod tests {
     }
 }
 
+/// `t` in Unix milliseconds, as records, reports and the wire keep
+/// moments (0 before 1970).
+pub fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// A moment as a UTC calendar time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Utc {

@@ -37,9 +37,7 @@ pub const SKEW: std::time::Duration = std::time::Duration::from_secs(300);
 /// Refuses a snapshot whose `not_after_ms` (0: none) passed more than
 /// [`SKEW`] before `now` (see the proto).
 pub fn in_date(key_id: &str, not_after_ms: u64, now: std::time::SystemTime) -> Result<(), Refusal> {
-    let now_ms = now
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let now_ms = crate::human::unix_ms(now);
     let skew = u64::try_from(SKEW.as_millis()).unwrap_or(u64::MAX);
     if not_after_ms == 0 || now_ms <= not_after_ms.saturating_add(skew) {
         return Ok(());
@@ -443,6 +441,15 @@ impl TrustedKeys {
     }
 }
 
+/// A key's 32 bytes of seed, from the kernel's randomness.
+fn random_seed() -> Result<[u8; 32], KeyError> {
+    let mut seed = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut r| r.read_exact(&mut seed))
+        .map_err(|source| KeyError::Randomness { source })?;
+    Ok(seed)
+}
+
 fn signed_message(bytes: &[u8]) -> Vec<u8> {
     in_context(CONTEXT, bytes)
 }
@@ -490,11 +497,7 @@ impl SecretKey {
     /// A new key named `id`, from the kernel's randomness.
     pub fn generate(id: &str) -> Result<SecretKey, KeyError> {
         check_id(id)?;
-        let mut seed = [0u8; 32];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut r| r.read_exact(&mut seed))
-            .map_err(|source| KeyError::Randomness { source })?;
-        Ok(SecretKey::from_seed(id, seed))
+        Ok(SecretKey::from_seed(id, random_seed()?))
     }
 
     /// The key of a 32-byte seed (tests and benchmarks name their keys).
@@ -571,10 +574,7 @@ impl SecretKey {
             Err(KeyError::Read { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
             loaded => return loaded,
         }
-        let mut seed = [0u8; 32];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut r| r.read_exact(&mut seed))
-            .map_err(|source| KeyError::Randomness { source })?;
+        let seed = random_seed()?;
         let public = SigningKey::from_bytes(&seed).verifying_key();
         let digest = <sha2::Sha256 as sha2::Digest>::digest(public.as_bytes());
         let key = SecretKey::from_seed(&format!("host-{}", crate::hex::encode(&digest[..6])), seed);

@@ -11,7 +11,7 @@
 //! A VM gone from the report is gone from here.
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use crate::model::Id;
 use crate::pb;
@@ -38,11 +38,7 @@ fn now_ms() -> u64 {
     unix_ms(SystemTime::now())
 }
 
-/// `t` in Unix milliseconds, as `report.json` keeps moments.
-pub(super) fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+pub(super) use crate::human::unix_ms;
 
 /// When process `pid` started (Unix ms), from its own /proc entry: the
 /// same whoever asks, across agent restarts. `None` where there is no

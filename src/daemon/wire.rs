@@ -144,15 +144,12 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             image_cache_max: config.image_cache_max.map(|cap| {
                 let total = crate::state::Room::at(&config.state_dir).map_or(0, |room| room.size);
                 let bytes = cap.bytes(total);
-                log::info!(
-                    "the image cache is held to {} (--image-cache-max {})",
-                    crate::human::bytes(bytes),
-                    match cap {
-                        crate::config::CacheCap::Percent(p) =>
-                            format!("{p}% of the state dir's filesystem"),
-                        crate::config::CacheCap::Bytes(_) => "in bytes".into(),
-                    }
-                );
+                if let crate::config::CacheCap::Percent(p) = cap {
+                    log::info!(
+                        "the image cache is held to {} ({p}% of the state dir's filesystem)",
+                        crate::human::bytes(bytes)
+                    );
+                }
                 bytes
             }),
             agents_dir: Some(config.agents_dir.clone()),

@@ -443,10 +443,6 @@ fn valid_digest(sha256: &str) -> bool {
 }
 
 impl ImageCache {
-    /// The verified base image for `sha256`: the cached one, or downloaded
-    /// from `url` (one download per digest, however many VMs ask; it may
-    /// be at most `max_bytes`, the asking VM's disk), within `deadline`. A
-    /// download outliving its deadline goes on and lands for a later pass.
     /// [`ImageCache::resolve`], the image then held against a prune until
     /// the returned [`Base`] is dropped. An image pruned between its find
     /// and the hold is found again (fetched).

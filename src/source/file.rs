@@ -210,19 +210,7 @@ impl Source for FileSource {
         };
         match parsed {
             Ok(mut desired) => {
-                let checked = match &signed_by {
-                    Some(key_id) => {
-                        super::http::for_this_host(key_id, &desired.wire.host_id, &host.host_id)
-                    }
-                    None => Ok(()),
-                }
-                .and_then(|()| {
-                    trust::in_date(
-                        signed_by.as_deref().unwrap_or(""),
-                        desired.wire.not_after_unix_ms,
-                        SystemTime::now(),
-                    )
-                });
+                let checked = super::admissible(signed_by.as_deref(), &desired.wire, &host.host_id);
                 if let Err(why) = checked {
                     self.refused = Some(why.clone());
                     return Err(self.refusal(why));

@@ -232,15 +232,7 @@ impl Source for HttpSource {
         let counts = pb::count_snapshot_entries(&bytes).map_err(|e| garbage(e.to_string()))?;
         self.limits().check(&url, counts.vms, counts.volumes)?;
         let wire = pb::Snapshot::decode(bytes.as_slice()).map_err(|e| garbage(e.to_string()))?;
-        if let Some(key_id) = &signed_by {
-            for_this_host(key_id, &wire.host_id, &host.host_id).map_err(refused)?;
-        }
-        crate::trust::in_date(
-            signed_by.as_deref().unwrap_or(""),
-            wire.not_after_unix_ms,
-            std::time::SystemTime::now(),
-        )
-        .map_err(refused)?;
+        super::admissible(signed_by.as_deref(), &wire, &host.host_id).map_err(refused)?;
         Ok(Some(Desired {
             wire,
             signed_by,
@@ -250,9 +242,7 @@ impl Source for HttpSource {
     }
 
     fn send_report(&mut self, host: &pb::HostInfo, report: &pb::Report) -> Result<(), SourceError> {
-        let sent_at_unix_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let sent_at_unix_ms = crate::human::unix_ms(std::time::SystemTime::now());
         let body = pb::ReportRequest {
             host: Some(host.clone()),
             report: Some(report.clone()),

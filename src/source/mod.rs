@@ -81,6 +81,24 @@ pub struct Desired {
     pub digest: Option<[u8; 32]>,
 }
 
+/// What desired state must be besides well formed, from a control plane
+/// or a file alike: signed (by `signed_by`), for this host; and not past
+/// its `not_after` (see [`crate::trust::in_date`]).
+pub(super) fn admissible(
+    signed_by: Option<&str>,
+    wire: &pb::Snapshot,
+    this_host: &str,
+) -> Result<(), crate::trust::Refusal> {
+    if let Some(key_id) = signed_by {
+        http::for_this_host(key_id, &wire.host_id, this_host)?;
+    }
+    crate::trust::in_date(
+        signed_by.unwrap_or(""),
+        wire.not_after_unix_ms,
+        std::time::SystemTime::now(),
+    )
+}
+
 /// The SHA-256 of `bytes`, as [`Desired::digest`] holds it.
 pub(crate) fn digest_of(bytes: &[u8]) -> [u8; 32] {
     use sha2::Digest;

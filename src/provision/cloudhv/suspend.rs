@@ -60,7 +60,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use serde::{Deserialize, Serialize};
 
@@ -69,6 +69,7 @@ use super::error::CloudHvError;
 use super::{CloudHypervisor, api, window};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
+use crate::human::unix_ms;
 use crate::model::{Id, Saved, VmSpec};
 use crate::provision::supervise;
 use crate::provision::{SavedGuest, Say};
@@ -467,11 +468,6 @@ fn put(socket: &Path, path: &str, body: Option<&[u8]>, deadline: Deadline) -> io
         "{path} answered {code}: {}",
         crate::quote::inline(&String::from_utf8_lossy(&answer))
     )))
-}
-
-fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Steps 3 and 4 of a suspend: `work`'s files sealed into `incoming`,

@@ -314,9 +314,7 @@ impl Suspend for Vfkit {
         })?;
         self.await_state(vm_id, api::PAUSED, deadline)?;
         Ok(Saved {
-            taken_at_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            taken_at_ms: crate::human::unix_ms(std::time::SystemTime::now()),
             bytes: 0,
             in_memory: true,
         })
