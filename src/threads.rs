@@ -188,7 +188,7 @@ pub fn alongside<A: Send, B>(
     name: &str,
     side: impl FnOnce() -> A + Send,
     main: impl FnOnce() -> B,
-) -> (Result<A, String>, B) {
+) -> (Result<A, Panicked>, B) {
     let side = parking_lot::Mutex::new(Some(side));
     // Whoever calls this first runs `side`; the other finds it taken.
     let run_side = &|| {
@@ -214,9 +214,9 @@ pub fn alongside<A: Send, B>(
             (Some(done), _) => Ok(done),
             (None, Ok(helper)) => helper
                 .join()
-                .map_err(|payload| panic_message(payload.as_ref()))
-                .and_then(|done| done.ok_or_else(|| "its work never ran".to_owned())),
-            (None, Err(_)) => Err("its work never ran".to_owned()),
+                .map_err(|payload| Panicked(panic_message(payload.as_ref())))
+                .and_then(|done| done.ok_or_else(Panicked::never_ran)),
+            (None, Err(_)) => Err(Panicked::never_ran()),
         };
         let side = side.map(|(out, stages)| {
             crate::stages::absorb(&stages);
@@ -225,6 +225,24 @@ pub fn alongside<A: Send, B>(
         (side, main)
     })
 }
+
+/// Why the side of [`alongside`] brought no result: what its panic said.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Panicked(pub String);
+
+impl Panicked {
+    fn never_ran() -> Panicked {
+        Panicked("its work never ran".to_owned())
+    }
+}
+
+impl std::fmt::Display for Panicked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Panicked {}
 
 /// What a panic said, from its payload.
 pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -308,13 +326,13 @@ mod tests {
 
     #[test]
     fn a_side_that_panics_is_an_error_and_main_still_runs() {
-        let (side, main): (Result<(), String>, _) = alongside(
+        let (side, main): (Result<(), Panicked>, _) = alongside(
             "test-side",
             || panic!("test: the side failed"),
             || "main ran",
         );
 
-        assert_eq!(side, Err("test: the side failed".to_owned()));
+        assert_eq!(side, Err(Panicked("test: the side failed".to_owned())));
         assert_eq!(main, "main ran");
     }
 }

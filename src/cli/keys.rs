@@ -118,17 +118,33 @@ pub(super) fn host_key(state_dir: &Path) -> ExitCode {
 /// refuses a signed snapshot that does not name it, so a signature on one
 /// that names none is of no use, and the mistake is said here, not later
 /// on each host.
-fn names_its_host(bytes: &[u8]) -> Result<(), String> {
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| format!("it is not desired state (JSON): {e}"))?;
+fn names_its_host(bytes: &[u8]) -> Result<(), Unsignable> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(Unsignable::NotJson)?;
     match value.get("host_id").and_then(|h| h.as_str()) {
         Some(host) if !host.trim().is_empty() => Ok(()),
-        _ => Err(
-            "it names no host_id, and a host refuses a signed snapshot that does not name it (so one host's cannot be replayed to another); add \"host_id\": \"<the host's id, as `eitri-agent status` shows it>\""
-                .into(),
-        ),
+        _ => Err(Unsignable::NoHost),
     }
 }
+
+/// Why a file is not signed: a signature on it would be of no use.
+#[derive(Debug)]
+enum Unsignable {
+    NotJson(serde_json::Error),
+    NoHost,
+}
+
+impl std::fmt::Display for Unsignable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unsignable::NotJson(e) => write!(f, "it is not desired state (JSON): {e}"),
+            Unsignable::NoHost => f.write_str(
+                "it names no host_id, and a host refuses a signed snapshot that does not name it (so one host's cannot be replayed to another); add \"host_id\": \"<the host's id, as `eitri-agent status` shows it>\"",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Unsignable {}
 
 fn refuse(why: &str) -> ExitCode {
     eprintln!("eitri-agent: error: {why}");

@@ -518,85 +518,95 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         }
         "keygen" if help => Ok(Command::Help(keygen_usage())),
         "sign" if help => Ok(Command::Help(sign_usage())),
-        "keygen" => {
-            let flags = flag_values(rest, &["id", "out"], &[])?;
-            match (flags.get("id"), flags.get("out")) {
-                (Some(id), Some(out)) => Ok(Command::Keygen {
-                    id: (*id).to_owned(),
-                    out: PathBuf::from(out),
-                }),
-                _ => Err(err("usage: eitri-agent keygen --id KEY-ID --out KEY-FILE")),
-            }
-        }
-        "sign" => {
-            let usage = "usage: eitri-agent sign --key KEY-FILE [--embed] FILE";
-            let Some((file, flags)) = rest.split_last() else {
-                return Err(err(usage));
-            };
-            let flags = flag_values(flags, &["key"], &["embed"])?;
-            match flags.get("key") {
-                Some(key) if !file.starts_with("--") => Ok(Command::Sign {
-                    key: PathBuf::from(key),
-                    file: PathBuf::from(file),
-                    embed: flags.contains_key("embed"),
-                }),
-                _ => Err(err(usage)),
-            }
-        }
+        "keygen" => parse_keygen(rest),
+        "sign" => parse_sign(rest),
         "epoch" if help => Ok(Command::Help(epoch_usage())),
-        "epoch" => {
-            let flags = flag_values(rest, &["state-dir", "set"], &[])?;
-            let set = match flags.get("set") {
-                None => None,
-                Some(n) => Some(n.parse::<u64>().map_err(|_| {
-                    err(format!(
-                        "--set {n:?}: not an epoch; give a whole number (0 to 18446744073709551615)"
-                    ))
-                })?),
-            };
-            Ok(Command::Epoch {
-                state_dir: state_dir_of(&flags, env),
-                set,
-            })
-        }
+        "epoch" => parse_epoch(rest, env),
         "release" if help => Ok(Command::Help(release_usage())),
-        "release" => {
-            let keys = [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice];
-            let mut known = vec!["state-dir"];
-            known.extend(keys.iter().map(|k| k.setting().flag));
-            let flags = flag_values(rest, &known, &["force"])?;
-            Ok(Command::Release {
-                state_dir: state_dir_of(&flags, env),
-                agents_dir: path_of(Key::AgentsDir, &flags, env),
-                devices: [Key::KvmDevice, Key::UserfaultfdDevice]
-                    .into_iter()
-                    .map(|k| path_of(k, &flags, env))
-                    .filter(|p| !p.as_os_str().is_empty())
-                    .collect(),
-                force: flags.contains_key("force"),
-            })
-        }
+        "release" => parse_release(rest, env),
         "images" if help => Ok(Command::Help(images_usage())),
-        "images" => match rest.split_first() {
-            Some((sub, flags)) if sub == "prune" => {
-                let flags = flag_values(flags, &["state-dir"], &[])?;
-                Ok(Command::ImagesPrune {
-                    state_dir: state_dir_of(&flags, env),
-                })
-            }
-            Some((sub, flags)) if sub == "list" => {
-                let flags = flag_values(flags, &["state-dir"], &[])?;
-                Ok(Command::ImagesList {
-                    state_dir: state_dir_of(&flags, env),
-                })
-            }
-            _ => Err(err(
-                "usage: eitri-agent images list [--state-dir DIR] | images prune [--state-dir DIR]",
-            )),
-        },
+        "images" => parse_images(rest, env),
         other => Err(err(format!(
             "unknown command {other:?}; the commands are run, config, check, status, logs, images list, images prune, epoch, release, keygen, sign and host-key (see eitri-agent --help)"
         ))),
+    }
+}
+
+fn parse_keygen(rest: &[String]) -> Result<Command, ConfigError> {
+    let flags = flag_values(rest, &["id", "out"], &[])?;
+    match (flags.get("id"), flags.get("out")) {
+        (Some(id), Some(out)) => Ok(Command::Keygen {
+            id: (*id).to_owned(),
+            out: PathBuf::from(out),
+        }),
+        _ => Err(err("usage: eitri-agent keygen --id KEY-ID --out KEY-FILE")),
+    }
+}
+
+fn parse_sign(rest: &[String]) -> Result<Command, ConfigError> {
+    let usage = "usage: eitri-agent sign --key KEY-FILE [--embed] FILE";
+    let Some((file, flags)) = rest.split_last() else {
+        return Err(err(usage));
+    };
+    let flags = flag_values(flags, &["key"], &["embed"])?;
+    match flags.get("key") {
+        Some(key) if !file.starts_with("--") => Ok(Command::Sign {
+            key: PathBuf::from(key),
+            file: PathBuf::from(file),
+            embed: flags.contains_key("embed"),
+        }),
+        _ => Err(err(usage)),
+    }
+}
+
+fn parse_epoch(rest: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
+    let flags = flag_values(rest, &["state-dir", "set"], &[])?;
+    let set = match flags.get("set") {
+        None => None,
+        Some(n) => Some(n.parse::<u64>().map_err(|_| {
+            err(format!(
+                "--set {n:?}: not an epoch; give a whole number (0 to 18446744073709551615)"
+            ))
+        })?),
+    };
+    Ok(Command::Epoch {
+        state_dir: state_dir_of(&flags, env),
+        set,
+    })
+}
+
+fn parse_release(rest: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
+    let keys = [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice];
+    let mut known = vec!["state-dir"];
+    known.extend(keys.iter().map(|k| k.setting().flag));
+    let flags = flag_values(rest, &known, &["force"])?;
+    Ok(Command::Release {
+        state_dir: state_dir_of(&flags, env),
+        agents_dir: path_of(Key::AgentsDir, &flags, env),
+        devices: [Key::KvmDevice, Key::UserfaultfdDevice]
+            .into_iter()
+            .map(|k| path_of(k, &flags, env))
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect(),
+        force: flags.contains_key("force"),
+    })
+}
+
+fn parse_images(rest: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
+    let state_dir = |flags: &[String]| -> Result<PathBuf, ConfigError> {
+        let flags = flag_values(flags, &["state-dir"], &[])?;
+        Ok(state_dir_of(&flags, env))
+    };
+    match rest.split_first() {
+        Some((sub, flags)) if sub == "prune" => Ok(Command::ImagesPrune {
+            state_dir: state_dir(flags)?,
+        }),
+        Some((sub, flags)) if sub == "list" => Ok(Command::ImagesList {
+            state_dir: state_dir(flags)?,
+        }),
+        _ => Err(err(
+            "usage: eitri-agent images list [--state-dir DIR] | images prune [--state-dir DIR]",
+        )),
     }
 }
 

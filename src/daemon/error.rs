@@ -16,7 +16,7 @@ pub enum DaemonError {
     Token(SourceError),
     /// This agent's VMM ids or cgroup root cannot be had (see
     /// `state::claim`).
-    Claim(String),
+    Claim(crate::state::claim::ClaimError),
     /// A thread the daemon needs could not be started.
     Thread {
         name: &'static str,
@@ -36,9 +36,8 @@ impl std::fmt::Display for DaemonError {
             }
             DaemonError::Signals(_) => f.write_str("cannot install the signal handlers"),
             DaemonError::Token(_) => f.write_str("cannot use the token file"),
-            DaemonError::Claim(why) => write!(
-                f,
-                "cannot claim this agent's share of the host (VMM ids, cgroup root, guest network): {why}"
+            DaemonError::Claim(_) => f.write_str(
+                "cannot claim this agent's share of the host (VMM ids, cgroup root, guest network)",
             ),
             DaemonError::Thread { name, .. } => write!(f, "cannot start the {name} thread"),
         }
@@ -53,7 +52,7 @@ impl std::error::Error for DaemonError {
             DaemonError::Notify { source, .. } => Some(source),
             DaemonError::Token(e) => Some(e),
             DaemonError::Thread { source, .. } => Some(source),
-            DaemonError::Claim(_) => None,
+            DaemonError::Claim(e) => Some(e),
         }
     }
 }

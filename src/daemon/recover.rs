@@ -145,7 +145,7 @@ fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot
         &config.wish,
         &crate::provision::reclaimer(&config.guest.confinement.devices()),
     )
-    .map_err(|e| DaemonError::Claim(e.to_string()))?;
+    .map_err(DaemonError::Claim)?;
     claim::check_host_accounts(claim.first_id, claim.id_count).map_err(DaemonError::Claim)?;
     log::info!(
         "VMM ids {}:{} and cgroup root {:?} are this agent's",

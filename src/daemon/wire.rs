@@ -56,24 +56,7 @@ fn systemd_readiness() -> Option<Readiness> {
 /// while the agent was starting is acted on, not fatal.
 pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     crate::events::keep_in(crate::state::Layout::new(&config.state_dir));
-    // Take the readiness fd first, so no child can inherit it.
-    let readiness = config
-        .notify_fd
-        .map(|fd| Readiness::adopt(fd).map_err(|source| DaemonError::Notify { fd, source }))
-        .transpose()?
-        .or_else(systemd_readiness);
-    if let DesiredSource::ControlPlane(cp) = &config.source
-        && let Some(token) = &cp.token_file
-    {
-        crate::source::check_token_mode(token).map_err(DaemonError::Token)?;
-    }
-    // Every program the agent will run, found once by absolute path (and
-    // logged) before anything runs one.
-    if config.guest.underlay.is_some() {
-        for program in ["ip", "nft", "iptables"] {
-            crate::programs::resolved(program);
-        }
-    }
+    let readiness = before_anything_runs(&config)?;
     let (events, rx) = crossbeam_channel::unbounded();
     let signal_thread = signals
         .spawn(events.clone())
@@ -141,17 +124,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             remote,
             readiness,
             notes,
-            image_cache_max: config.image_cache_max.map(|cap| {
-                let total = crate::state::Room::at(&config.state_dir).map_or(0, |room| room.size);
-                let bytes = cap.bytes(total);
-                if let crate::config::CacheCap::Percent(p) = cap {
-                    log::info!(
-                        "the image cache is held to {} ({p}% of the state dir's filesystem)",
-                        crate::human::bytes(bytes)
-                    );
-                }
-                bytes
-            }),
+            image_cache_max: image_cache_bytes(&config),
             agents_dir: Some(config.agents_dir.clone()),
             metrics: config
                 .metrics_file
@@ -163,6 +136,44 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     signal_thread.stop();
     log::info!("stopped");
     Ok(())
+}
+
+/// What is settled before the agent runs anything: the readiness fd taken
+/// (first, so no child can inherit it), the control plane's token file's
+/// mode checked, and every program the agent will run found once by
+/// absolute path (and logged).
+fn before_anything_runs(config: &Config) -> Result<Option<Readiness>, DaemonError> {
+    let readiness = config
+        .notify_fd
+        .map(|fd| Readiness::adopt(fd).map_err(|source| DaemonError::Notify { fd, source }))
+        .transpose()?
+        .or_else(systemd_readiness);
+    if let DesiredSource::ControlPlane(cp) = &config.source
+        && let Some(token) = &cp.token_file
+    {
+        crate::source::check_token_mode(token).map_err(DaemonError::Token)?;
+    }
+    if config.guest.underlay.is_some() {
+        for program in ["ip", "nft", "iptables"] {
+            crate::programs::resolved(program);
+        }
+    }
+    Ok(readiness)
+}
+
+/// `--image-cache-max` in bytes: a share is of the state dir's filesystem,
+/// measured now, and said.
+fn image_cache_bytes(config: &Config) -> Option<u64> {
+    let cap = config.image_cache_max?;
+    let total = crate::state::Room::at(&config.state_dir).map_or(0, |room| room.size);
+    let bytes = cap.bytes(total);
+    if let crate::config::CacheCap::Percent(p) = cap {
+        log::info!(
+            "the image cache is held to {} ({p}% of the state dir's filesystem)",
+            crate::human::bytes(bytes)
+        );
+    }
+    Some(bytes)
 }
 
 /// Every host requirement, checked once at start (`eitri-agent check`

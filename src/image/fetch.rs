@@ -338,7 +338,7 @@ fn stream(
                 return Err(ImageError::Source {
                     url: url.into(),
                     permanent: false,
-                    why,
+                    why: why.to_string(),
                 });
             }
             if done > source.max_bytes {
@@ -438,7 +438,7 @@ fn hash_alongside(
 /// out of its whole time, stalled, or cut; each may pass.
 fn broke_off(e: &io::Error, done: u64, pace: &Pacer, source: &Source<'_>) -> ImageError {
     let why = if is_global_timeout(e) {
-        pace.too_long(done)
+        pace.too_long(done).to_string()
     } else if is_timeout(e) {
         format!(
             "the server sent nothing for {} s after {done} bytes (--image-stall-timeout); the next attempt starts afresh",
@@ -489,7 +489,7 @@ impl Pacer {
 
     /// After a read that brought the total to `done`: whether the download
     /// may go on, or why not.
-    fn check(&mut self, done: u64) -> Result<(), String> {
+    fn check(&mut self, done: u64) -> Result<(), OutOfPace> {
         if self.started.elapsed() > self.pace.deadline {
             return Err(self.too_long(done));
         }
@@ -500,23 +500,58 @@ impl Pacer {
         let got = done - self.window_bytes_before;
         let rate = got as f64 / window.as_secs_f64();
         if self.pace.min_rate > 0 && rate < self.pace.min_rate as f64 {
-            return Err(format!(
-                "the server sent {got} bytes in {:.1} s ({:.0} bytes/s), slower than --image-min-rate-kib ({} KiB/s); the next attempt starts afresh",
-                window.as_secs_f64(),
-                rate,
-                self.pace.min_rate / 1024
-            ));
+            return Err(OutOfPace::Slow {
+                got,
+                window,
+                min_rate: self.pace.min_rate,
+            });
         }
         self.window_started = Instant::now();
         self.window_bytes_before = done;
         Ok(())
     }
 
-    fn too_long(&self, done: u64) -> String {
-        format!(
-            "the download was still running after {} s, with {done} bytes (--image-download-timeout); the next attempt starts afresh",
-            self.pace.deadline.as_secs_f64()
-        )
+    fn too_long(&self, done: u64) -> OutOfPace {
+        OutOfPace::Overdue {
+            deadline: self.pace.deadline,
+            done,
+        }
+    }
+}
+
+/// Why a download's pace ends it; either may pass.
+#[derive(Debug)]
+enum OutOfPace {
+    /// Still running at `--image-download-timeout`, with `done` bytes.
+    Overdue { deadline: Duration, done: u64 },
+    /// `got` bytes in the last `window`, below `--image-min-rate-kib`.
+    Slow {
+        got: u64,
+        window: Duration,
+        min_rate: u64,
+    },
+}
+
+impl std::fmt::Display for OutOfPace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OutOfPace::Overdue { deadline, done } => write!(
+                f,
+                "the download was still running after {} s, with {done} bytes (--image-download-timeout); the next attempt starts afresh",
+                deadline.as_secs_f64()
+            ),
+            OutOfPace::Slow {
+                got,
+                window,
+                min_rate,
+            } => write!(
+                f,
+                "the server sent {got} bytes in {:.1} s ({:.0} bytes/s), slower than --image-min-rate-kib ({} KiB/s); the next attempt starts afresh",
+                window.as_secs_f64(),
+                *got as f64 / window.as_secs_f64(),
+                min_rate / 1024
+            ),
+        }
     }
 }
 

@@ -316,7 +316,7 @@ impl Core {
             crate::threads::alongside(&format!("seed-{vm_id}"), seed, || {
                 crate::threads::alongside(&format!("reserve-{vm_id}"), reserve, disk)
             });
-        let helper = |what: &str, panicked: String| -> BoxFailure {
+        let helper = |what: &str, panicked: crate::threads::Panicked| -> BoxFailure {
             Simple::transient(format!("{what} panicked: {panicked}")).into()
         };
         disk?;

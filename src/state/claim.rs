@@ -253,6 +253,14 @@ pub enum ClaimError {
     NotClaimed {
         state_dir: PathBuf,
     },
+    /// The VMM ids `first:count` hold an account of the host (`what`, a
+    /// line of `path`): a VMM would run as it.
+    Accounts {
+        first: u32,
+        count: u32,
+        what: String,
+        path: &'static str,
+    },
     /// `release` could not take everything back.
     Left {
         state_dir: PathBuf,
@@ -281,6 +289,15 @@ impl std::fmt::Display for ClaimError {
                 f,
                 "{} holds no claim (no jail/claim.json, no record in the registry): nothing to release; is --agents-dir the agent's?",
                 state_dir.display()
+            ),
+            ClaimError::Accounts {
+                first,
+                count,
+                what,
+                path,
+            } => write!(
+                f,
+                "--vmm-ids {first}:{count} holds {what} of {path}: a VMM would run as that account; give --vmm-ids a range clear of the host's users and subordinate ids"
             ),
             ClaimError::Left { state_dir, left } => write!(
                 f,
@@ -549,15 +566,18 @@ pub enum Accounts {
 /// Why `first:count` may not be VMM ids on this host: an existing user or
 /// group, or a subordinate id range, inside it. Unreadable files are
 /// skipped (a host without subuid has none).
-pub fn check_host_accounts(first: u32, count: u32) -> Result<(), String> {
+pub fn check_host_accounts(first: u32, count: u32) -> Result<(), ClaimError> {
     for (path, kind) in ACCOUNTS {
         let Ok(text) = fs::read_to_string(path) else {
             continue;
         };
-        if let Some(why) = accounts_overlap(&text, kind, first, count) {
-            return Err(format!(
-                "--vmm-ids {first}:{count} holds {why} of {path}: a VMM would run as that account; give --vmm-ids a range clear of the host's users and subordinate ids"
-            ));
+        if let Some(what) = accounts_overlap(&text, kind, first, count) {
+            return Err(ClaimError::Accounts {
+                first,
+                count,
+                what,
+                path,
+            });
         }
     }
     Ok(())

@@ -12,19 +12,43 @@ use super::{ReportFile, VmDetail};
 use crate::pb;
 use crate::quote::inline;
 
+/// The host table's columns, one row per VM.
+const VM_COLUMNS: [&str; 9] = [
+    "VM",
+    "POWER",
+    "PHASE",
+    "READY",
+    "RESTARTS",
+    "AGE",
+    "IP",
+    "NETWORK IP",
+    "DETAIL / ERROR",
+];
+
 impl ReportFile {
     /// The report as a table for a person. Every value from the report
     /// goes through [`inline`]: ids, names and errors can come from the
     /// wire or a guest, and must not move a terminal's cursor or start a
     /// line of their own.
     pub fn render(&self, now: SystemTime) -> String {
-        let written = UNIX_EPOCH + Duration::from_millis(self.written_at_unix_ms);
-        let age = now.duration_since(written).unwrap_or_default();
-        let r = &self.report;
-        let mut out = String::new();
         let now_ms = now
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
+        let mut out = String::new();
+        self.write_title(&mut out, now, now_ms);
+        out.push('\n');
+        table(&mut out, VM_COLUMNS, &self.vm_rows(now_ms));
+        self.write_quarantined(&mut out, now);
+        self.write_volumes(&mut out);
+        out
+    }
+
+    /// The lines above the table: the host and its agent, the report's age
+    /// and epoch, the header, the desired state's source and the notes.
+    fn write_title(&self, out: &mut String, now: SystemTime, now_ms: u64) {
+        let written = UNIX_EPOCH + Duration::from_millis(self.written_at_unix_ms);
+        let age = now.duration_since(written).unwrap_or_default();
+        let r = &self.report;
         let agent = match self.agent_pid {
             0 => String::new(),
             pid => format!(
@@ -55,7 +79,11 @@ impl ReportFile {
         for note in &self.notes {
             let _ = writeln!(out, "note: {}", inline(note));
         }
-        let rows: Vec<[String; 9]> = r
+    }
+
+    /// One row of [`VM_COLUMNS`] per VM.
+    fn vm_rows(&self, now_ms: u64) -> Vec<[String; 9]> {
+        self.report
             .vms
             .iter()
             .map(|v| {
@@ -82,55 +110,51 @@ impl ReportFile {
                     inline(&note),
                 ]
             })
-            .collect();
-        out.push('\n');
-        table(
-            &mut out,
-            [
-                "VM",
-                "POWER",
-                "PHASE",
-                "READY",
-                "RESTARTS",
-                "AGE",
-                "IP",
-                "NETWORK IP",
-                "DETAIL / ERROR",
-            ],
-            &rows,
-        );
-        if !r.quarantined.is_empty() {
-            out.push_str("\nquarantined:\n");
-            for q in &r.quarantined {
-                let at = UNIX_EPOCH + Duration::from_secs(q.destroy_at_unix.max(0) as u64);
-                let _ = writeln!(
-                    out,
-                    "  {} ({}), destroyed {}",
-                    inline(&q.vm_id),
-                    inline(&q.name),
-                    crate::human::when(at, now)
-                );
-            }
-        }
-        if !r.volumes.is_empty() {
-            out.push_str("\nvolumes:\n");
-            for v in &r.volumes {
-                let _ = writeln!(
-                    out,
-                    "  {} {} GiB {}{}",
-                    inline(&v.volume_id),
-                    v.size_gb,
-                    inline(&v.state),
-                    if v.last_error.is_empty() {
-                        String::new()
-                    } else {
-                        format!(": {}", inline(&v.last_error))
-                    }
-                );
-            }
-        }
-        out
+            .collect()
     }
+
+    /// The quarantined VMs and when each is destroyed, if any.
+    fn write_quarantined(&self, out: &mut String, now: SystemTime) {
+        let quarantined = &self.report.quarantined;
+        if quarantined.is_empty() {
+            return;
+        }
+        out.push_str("\nquarantined:\n");
+        for q in quarantined {
+            let at = UNIX_EPOCH + Duration::from_secs(q.destroy_at_unix.max(0) as u64);
+            let _ = writeln!(
+                out,
+                "  {} ({}), destroyed {}",
+                inline(&q.vm_id),
+                inline(&q.name),
+                crate::human::when(at, now)
+            );
+        }
+    }
+
+    /// The volumes, their sizes and states, if any.
+    fn write_volumes(&self, out: &mut String) {
+        let volumes = &self.report.volumes;
+        if volumes.is_empty() {
+            return;
+        }
+        out.push_str("\nvolumes:\n");
+        for v in volumes {
+            let _ = writeln!(
+                out,
+                "  {} {} GiB {}{}",
+                inline(&v.volume_id),
+                v.size_gb,
+                inline(&v.state),
+                if v.last_error.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", inline(&v.last_error))
+                }
+            );
+        }
+    }
+
     /// The host in one line: epoch, contact, quota, VMs by phase.
     pub fn header(&self) -> String {
         let r = &self.report;

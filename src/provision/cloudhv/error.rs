@@ -115,7 +115,7 @@ pub enum CloudHvError {
     Panicked {
         vm_id: Id,
         doing: &'static str,
-        why: String,
+        why: crate::threads::Panicked,
     },
     RemoveTap {
         vm_id: Id,
@@ -247,6 +247,7 @@ impl std::error::Error for CloudHvError {
             | E::Unreachable { .. }
             | E::NoBootFile
             | E::NetworkNotServed { .. }
+            // Its message is in this one's words.
             | E::Panicked { .. }
             | E::NotRunning { .. }
             | E::Suspension { .. } => None,
