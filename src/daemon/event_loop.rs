@@ -227,9 +227,15 @@ impl Daemon {
                     }
                     Ok(Event::Desired) => {
                         if let Some((seq, desired, snap)) = self.link.take_desired() {
-                            self.unheard = false;
+                            // The first answer a restarted agent acts on
+                            // is its first step over every VM.
+                            let news = !std::mem::take(&mut self.unheard);
                             let fresh = self.accept(desired, snap);
-                            self.step(Some(seq));
+                            if news {
+                                self.step_news(Some(seq));
+                            } else {
+                                self.step(Some(seq));
+                            }
                             // After the step, which has handed its passes
                             // to their workers: see `accept`.
                             if fresh {
@@ -433,6 +439,20 @@ impl Daemon {
         self.publish(&report, reflects, true);
         self.write_metrics(&report, started);
         self.evict_images();
+    }
+
+    /// A step for desired state that arrived between ticks: only the VMs
+    /// it changes are woken (see [`Engine::step_news`]), and the report's
+    /// details look up the hypervisors' pids only of rows whose power
+    /// changed; the next tick does the rest. A create asked for by a new
+    /// desired file then shares the host's cores with nothing the agent
+    /// could have left for later.
+    fn step_news(&mut self, reflects: Option<u64>) {
+        let Some((_, snap)) = &self.last else {
+            return self.step(reflects);
+        };
+        let report = self.engine.step_news(snap);
+        self.publish(&report, reflects, false);
     }
 
     /// Holds the image cache to `--image-cache-max`: images no record names

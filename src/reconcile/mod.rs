@@ -265,12 +265,26 @@ impl Engine {
     }
 
     /// Routes one snapshot to the VM workers and returns the host's report
-    /// (see the module steps). Never waits for a worker: a VM busy in a long
-    /// operation reports its last published row, and a VM named for the
-    /// first time reports `queued`.
+    /// (see the module steps), every VM's pass run again: the level
+    /// trigger. Never waits for a worker: a VM busy in a long operation
+    /// reports its last published row, and a VM named for the first time
+    /// reports `queued`.
     pub fn step(&self, snap: &Snapshot) -> Report {
+        self.step_as(snap, Trigger::Level)
+    }
+
+    /// [`Engine::step`] for a snapshot that arrived between ticks: only
+    /// the VMs it changes (and those it names for the first time) are
+    /// woken. The passes of the others would find what they found at the
+    /// last tick and, run beside a create on a host's few cores, would
+    /// only delay it; they run at the next [`Engine::step`].
+    pub fn step_news(&self, snap: &Snapshot) -> Report {
+        self.step_as(snap, Trigger::News)
+    }
+
+    fn step_as(&self, snap: &Snapshot, trigger: Trigger) -> Report {
         let started = std::time::Instant::now();
-        let report = self.step_timed(snap);
+        let report = self.step_timed(snap, trigger);
         self.core.counts.steps.observe(started.elapsed());
         report
     }
@@ -326,7 +340,7 @@ impl Engine {
         self.workers.lock().alive()
     }
 
-    fn step_timed(&self, snap: &Snapshot) -> Report {
+    fn step_timed(&self, snap: &Snapshot, trigger: Trigger) -> Report {
         let store = &self.core.store;
         match self.verdict(snap) {
             Verdict::Fenced { current } => return self.fence_report(current),
@@ -363,7 +377,9 @@ impl Engine {
             .lock()
             .as_ref()
             .is_some_and(|d| d.matches(snap, generation));
-        if !(same && workers.redeliver_all(std::time::Instant::now())) {
+        let level = trigger == Trigger::Level;
+        let redelivered = same && (!level || workers.redeliver_all(std::time::Instant::now()));
+        if !redelivered {
             workers.full_delivery_begins();
             let assignments = assignments(snap, &records, &claimed);
             for (vm_id, assignment) in &assignments {
@@ -371,7 +387,7 @@ impl Engine {
                     self.core
                         .initial_result(vm_id, assignment, records.get(*vm_id))
                 };
-                workers.deliver(vm_id, assignment.clone(), &self.core, initial);
+                workers.deliver(vm_id, assignment.clone(), trigger, &self.core, initial);
             }
             // A refused entry still claims its id: its worker (if any) is
             // kept, and the VM is neither created nor reaped.
@@ -620,6 +636,16 @@ impl Drop for Engine {
             .get_mut()
             .stop_all(Deadline::after(Duration::from_secs(5)));
     }
+}
+
+/// What a step wakes: every VM's worker, or only those whose assignment
+/// changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Trigger {
+    /// Every VM is reconciled again, changed or not (the tick).
+    Level,
+    /// News between ticks: only the VMs it changes.
+    News,
 }
 
 /// The ids refused entries claim: no pass creates or reaps under them.

@@ -23,7 +23,7 @@ use crate::state::{Record, RecordSlot, Store};
 /// One VM's slice of a snapshot. It holds the desired spec by `Arc`: the
 /// worker keeps it for as long as its pass runs, well past the step that
 /// delivered it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Assignment {
     Desired(Arc<DesiredVm>),
     /// Absent from desired state (vanished) or tombstoned: reap it. The two

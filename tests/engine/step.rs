@@ -279,6 +279,53 @@ fn vm_in_desired_and_records_converges_without_create() {
 }
 
 #[test]
+fn news_between_ticks_wakes_only_the_vms_it_changes() {
+    let h = Harness::new();
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+    h.fakes.forget_calls();
+
+    h.engine.step_news(&snapshot(
+        2,
+        vec![present(desired("vm-1")), present(desired("vm-2"))],
+    ));
+    h.idle();
+
+    assert!(h.fakes.calls().contains(&Call::Boot(id("vm-2"))));
+    assert!(
+        !h.fakes.calls().contains(&Call::Running(id("vm-1"))),
+        "vm-1's entry did not change: {:?}",
+        h.fakes.calls()
+    );
+}
+
+#[test]
+fn the_tick_after_news_runs_the_vms_it_left_alone() {
+    let h = Harness::new();
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+    let news = snapshot(2, vec![present(desired("vm-1")), present(desired("vm-2"))]);
+    h.engine.step_news(&news);
+    h.idle();
+    h.fakes.forget_calls();
+
+    h.tick(&news);
+
+    assert!(h.fakes.calls().contains(&Call::Running(id("vm-1"))));
+}
+
+#[test]
+fn news_that_changes_a_vm_wakes_it() {
+    let h = Harness::new();
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+    let mut stopped = desired("vm-1");
+    stopped.power = PowerState::Stopped;
+
+    h.engine.step_news(&snapshot(2, vec![present(stopped)]));
+    h.idle();
+
+    assert_eq!(h.fakes.count(|c| *c == Call::Shutdown(id("vm-1"))), 1);
+}
+
+#[test]
 fn tombstoned_vm_without_a_record_gets_no_pass_and_is_acked() {
     let h = Harness::new();
 

@@ -71,6 +71,7 @@ use self::router::{Batch, Doorbell, RING_CHUNK, Ringer, ring_now};
 use self::rows::Collected;
 use self::shared::Signals;
 use self::thread::WorkerHandle;
+use super::Trigger;
 use super::pass::{Assignment, Core, VmResult};
 use crate::deadline::Deadline;
 use crate::model::Id;
@@ -141,10 +142,16 @@ impl Workers {
     /// gone. The worker is woken by the next [`Workers::ring`]. A new worker
     /// starts with `initial()` as its row, so the VM is in the very report
     /// of the step that first names it, not one tick later.
+    ///
+    /// For a [`Trigger::News`] step, a live worker whose last assignment
+    /// is this one is left as it is, neither given it again nor woken:
+    /// nothing it works toward changed, and the next tick's level trigger
+    /// runs it.
     pub(crate) fn deliver(
         &mut self,
         vm_id: &Id,
         assignment: Assignment,
+        trigger: Trigger,
         core: &Arc<Core>,
         initial: impl FnOnce() -> Option<VmResult>,
     ) {
@@ -165,7 +172,12 @@ impl Workers {
         // A worker that did not start takes no work: nothing would ever
         // take it, and the next delivery brings a newer assignment anyway.
         if handle.thread.is_some() {
-            handle.shared.mailbox.lock().deliver(assignment);
+            let mut mailbox = handle.shared.mailbox.lock();
+            if trigger == Trigger::News && mailbox.last.as_ref() == Some(&assignment) {
+                return;
+            }
+            mailbox.deliver(assignment);
+            drop(mailbox);
             self.to_ring.push(handle.doorbell_of());
         }
     }
