@@ -9,14 +9,14 @@
 //!    that walks the base's data extents (SEEK_DATA/SEEK_HOLE) and copies
 //!    each (in the kernel with copy_file_range on Linux), so holes stay
 //!    holes.
-//! 3. Grow to the asked size (a sparse extension), rename over the target,
-//!    then fsync it and the directory: a killed agent never leaves a torn
-//!    disk (the rename is atomic). After a power cut one may be found torn,
-//!    but only by a create that had not finished (a root disk is made only
-//!    while its VM's record says it is being created), which makes it
-//!    again. In this order the file's fsync commits the rename with the
-//!    data, and the directory's finds nothing left to wait for: one wait,
-//!    where fsync, rename, fsync took two (`make bench-create`).
+//! 3. Grow to the asked size (a sparse extension) and rename over the
+//!    target: a killed agent never leaves a torn disk (the rename is
+//!    atomic). Its durability is the caller's to wait for
+//!    ([`crate::state::atomic::Pending`]): a create syncs it while its VMM
+//!    starts, and records the VM created only after. After a power cut a
+//!    disk may be found torn, but only by a create that had not finished
+//!    (a root disk is made only while its VM's record says it is being
+//!    created), which makes it again.
 //!
 //! Root disks only. Volumes never pass through here: the rebuild path
 //! recreates root disks, and a volume must outlive that.
@@ -34,7 +34,6 @@ use nix::unistd::{Whence, lseek};
 
 use crate::deadline::Deadline;
 use crate::error::Failure;
-use crate::state::atomic::sync_dir;
 
 const GIB: u64 = 1 << 30;
 /// The largest piece copied between deadline checks: big enough that the
@@ -155,9 +154,6 @@ pub fn prepare(
         // knows, and the same from one attempt to the next.
         out.set_len(want).map_err(io_err("grow", dest))?;
         fs::rename(&temp, dest).map_err(io_err("move the new disk to", dest))?;
-        // fdatasync: the data and the size; the name is the directory's.
-        out.sync_data().map_err(io_err("sync", dest))?;
-        sync_dir(dir).map_err(io_err("sync", dir))?;
         Ok(method)
     })();
     if result.is_err() {

@@ -52,12 +52,14 @@ pub trait Lifecycle: Send + Sync {
     /// Materialises the VM's root disk from a verified base image (clone and
     /// grow). Root disk only: the rebuild path calls create again, so routing
     /// a volume through here would destroy data meant to outlive the VM.
+    /// In place when this returns, durable once the returned
+    /// [`Pending`](crate::state::atomic::Pending) is synced.
     fn prepare_root_disk(
         &self,
         spec: &VmSpec,
         base_image: &Path,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure>;
+    ) -> Result<crate::state::atomic::Pending, BoxFailure>;
 
     /// Takes, durably, what of the host the VM's boot will hold (its
     /// addresses, its VMM's user id), so the boot finds it taken. Asked
@@ -537,8 +539,13 @@ mod tests {
         fn preflight(&self, _: Deadline) -> Result<(), BoxFailure> {
             Ok(())
         }
-        fn prepare_root_disk(&self, _: &VmSpec, _: &Path, _: Deadline) -> Result<(), BoxFailure> {
-            Ok(())
+        fn prepare_root_disk(
+            &self,
+            _: &VmSpec,
+            _: &Path,
+            _: Deadline,
+        ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+            Ok(crate::state::atomic::Pending::none())
         }
         fn boot(&self, _: &VmSpec, _: Deadline) -> Result<(), BoxFailure> {
             Ok(())

@@ -37,6 +37,7 @@ use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Simple, chain};
 use crate::model::{DesiredVm, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
+use crate::state::atomic::Pending;
 use crate::state::{Record, Unsynced};
 
 impl Core {
@@ -245,7 +246,7 @@ impl Core {
         // never ran has no state to save.
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
-        self.prepare(
+        let made = self.prepare(
             &rec.spec,
             &base.path,
             &seed_params(d, host_key),
@@ -262,16 +263,57 @@ impl Core {
         if boots {
             let live = |other: &crate::model::Id| self.prov.running(other);
             volumes::materialized(&self.store, &rec.spec, &live)?;
-            narrator.say("booting");
-            let booting = std::time::Instant::now();
-            timed("boot", || self.prov.boot(&rec.spec, deadline))?;
-            self.counts.boots.observe(booting.elapsed());
+            self.boot_syncing(&rec.spec, made, deadline, narrator)?;
             self.note_address(rec);
+        } else {
+            sync_made(&rec.spec.vm_id, made)?;
         }
         // The heavy part is over; the record write that follows needs no
         // slot.
         drop(slot);
         Ok(boots)
+    }
+
+    /// Boots the VM while what its create made is made durable: the VMM
+    /// reads its root disk and seed from the page cache, so it need not
+    /// wait for them to reach the disk, and the create is recorded done
+    /// only once both have (a power cut before that finds the record
+    /// still creating, and the next attempt makes both again). A sync
+    /// that fails stops the VMM it was for: its VM's disk cannot be
+    /// trusted to survive the host.
+    fn boot_syncing(
+        &self,
+        spec: &crate::model::VmSpec,
+        made: Pending,
+        deadline: Deadline,
+        narrator: &Narrator,
+    ) -> Result<(), BoxFailure> {
+        let vm_id = &spec.vm_id;
+        narrator.say("booting");
+        let booting = std::time::Instant::now();
+        let (synced, booted) = crate::threads::alongside(
+            &format!("sync-{vm_id}"),
+            || timed("sync made", || sync_made(vm_id, made)),
+            || timed("boot", || self.prov.boot(spec, deadline)),
+        );
+        booted?;
+        self.counts.boots.observe(booting.elapsed());
+        let synced = synced
+            .map_err(|why| -> BoxFailure {
+                Simple::transient(format!("syncing the root disk and seed panicked: {why}")).into()
+            })
+            .and_then(|synced| synced);
+        if let Err(e) = synced {
+            let say = |_: &str| {};
+            if let Err(stop) = self.prov.shutdown(vm_id, deadline, &say) {
+                log::error!(
+                    "VM {vm_id}: cannot stop the hypervisor after its disk failed to sync: {}",
+                    chain(&*stop)
+                );
+            }
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// The root disk, the seed and (for a VM about to boot) the host's
@@ -290,20 +332,20 @@ impl Core {
         params: &SeedParams,
         boots: bool,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    ) -> Result<Pending, BoxFailure> {
         let vm_id = &spec.vm_id;
         let _prepare = span("prepare");
         let disk = || {
             timed("root disk", || {
                 self.prov.prepare_root_disk(spec, base, deadline)
             })
-            .inspect(|()| crate::crash::point("create.disk-prepared"))
+            .inspect(|_| crate::crash::point("create.disk-prepared"))
         };
         let seed = || {
             timed("seed", || {
                 self.seed.build(&self.store.layout().seed(vm_id), params)
             })
-            .inspect(|()| crate::crash::point("create.seed-built"))
+            .inspect(|_| crate::crash::point("create.seed-built"))
         };
         let reserve = || {
             if boots {
@@ -319,11 +361,21 @@ impl Core {
         let helper = |what: &str, panicked: crate::threads::Panicked| -> BoxFailure {
             Simple::transient(format!("{what} panicked: {panicked}")).into()
         };
-        disk?;
-        seed.map_err(|why| helper("building the seed", why))??;
+        let disk = disk?;
+        let seed = seed.map_err(|why| helper("building the seed", why))??;
         reserved.map_err(|why| helper("reserving the host's share", why))??;
-        Ok(())
+        Ok(disk.and(seed))
     }
+}
+
+/// Makes what a create made durable (see [`Pending`]).
+fn sync_made(vm_id: &crate::model::Id, made: Pending) -> Result<(), BoxFailure> {
+    made.sync().map_err(|e| {
+        Simple::transient(format!(
+            "VM {vm_id}: cannot make its root disk and seed durable: {e}"
+        ))
+        .into()
+    })
 }
 
 /// How the host-key stage ends: go on (with the key, when the VM

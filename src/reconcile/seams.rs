@@ -34,7 +34,13 @@ pub trait Images: Send + Sync {
 
 /// Builds the cloud-init NoCloud seed image at a path, atomically.
 pub trait SeedBuilder: Send + Sync {
-    fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure>;
+    /// The seed in place at `out`; durable once the returned
+    /// [`Pending`](crate::state::atomic::Pending) is synced.
+    fn build(
+        &self,
+        out: &Path,
+        params: &SeedParams,
+    ) -> Result<crate::state::atomic::Pending, BoxFailure>;
 }
 
 /// Loads the host key stored at a path, creating and persisting one when
@@ -92,7 +98,11 @@ impl Images for ImageCache {
 }
 
 impl SeedBuilder for NoCloudSeed {
-    fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+    fn build(
+        &self,
+        out: &Path,
+        params: &SeedParams,
+    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
         NoCloudSeed::build(self, out, params)
     }
 }

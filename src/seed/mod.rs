@@ -60,7 +60,11 @@ pub struct NoCloudSeed;
 
 impl NoCloudSeed {
     /// Builds the seed image for `params` at `out`, atomically.
-    pub fn build(&self, out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+    pub fn build(
+        &self,
+        out: &Path,
+        params: &SeedParams,
+    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
         check(params)?;
         let meta = meta_data(params);
         let vendor = vendor_data(params);

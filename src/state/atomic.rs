@@ -35,17 +35,60 @@ pub fn write_then_rename(path: &Path, bytes: &[u8]) -> io::Result<()> {
     replace(path, bytes, super::perms::FILE, Durability::Content)
 }
 
-/// Replaces `path` atomically for its readers and durably, for a file whose
-/// torn content after a power cut is harmless because it is made again
-/// before anything trusts it (a create's seed: a VM's files are trusted
-/// only once its record says it was created). Steps 1 and 3, then the
-/// file's fsync and the directory's: the first commits the rename with
-/// the data, and the second finds nothing left to wait for, one wait where
-/// [`write_atomic`] takes two. Never for a file with content to lose.
-pub fn write_remade(path: &Path, bytes: &[u8]) -> io::Result<()> {
+/// Replaces `path` atomically for its readers (steps 1 and 3), 0600, for
+/// a file whose torn content after a power cut is harmless because it is
+/// made again before anything trusts it (a create's seed: a VM's files are
+/// trusted only once its record says it was created). Its durability is
+/// the returned [`Pending`]'s, for the caller to wait for where it must:
+/// a create, beside its VMM's start.
+pub fn write_remade(path: &Path, bytes: &[u8]) -> io::Result<Pending> {
     replace(path, bytes, super::perms::FILE, Durability::Unsynced)?;
-    File::open(path)?.sync_all()?;
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    Ok(Pending::file(path))
+}
+
+/// Files in place whose bytes a power cut may still tear: [`Pending::sync`]
+/// makes them durable (each file's data, then each of their directories).
+/// For the files a create makes again at each attempt (root disk, seed),
+/// which the VM's record trusts only once they are durable: made before
+/// the VMM starts (it reads them from the page cache), synced while it
+/// starts, and the create recorded done only after.
+#[must_use = "the files are not durable until synced"]
+#[derive(Debug, Default)]
+pub struct Pending {
+    files: Vec<std::path::PathBuf>,
+}
+
+impl Pending {
+    /// Nothing left to sync.
+    pub fn none() -> Pending {
+        Pending::default()
+    }
+
+    pub fn file(path: &Path) -> Pending {
+        Pending {
+            files: vec![path.to_path_buf()],
+        }
+    }
+
+    /// Both: one sync for what two steps made.
+    pub fn and(mut self, other: Pending) -> Pending {
+        self.files.extend(other.files);
+        self
+    }
+
+    /// The files' data (fdatasync: their size too), then their
+    /// directories, each once.
+    pub fn sync(self) -> io::Result<()> {
+        let mut dirs: Vec<&Path> = Vec::new();
+        for file in &self.files {
+            File::open(file)?.sync_data()?;
+            let dir = file.parent().unwrap_or(Path::new("."));
+            if !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
+        dirs.into_iter().try_for_each(sync_dir)
+    }
 }
 
 /// Replaces `path` atomically for its readers (steps 1 and 3 only), without

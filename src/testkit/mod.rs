@@ -194,6 +194,9 @@ pub struct Fakes {
     /// every pass, they would crowd every test's list of calls).
     egress: Mutex<HashMap<Id, crate::model::Egress>>,
     egress_refused: std::sync::atomic::AtomicBool,
+    /// What a VM's root disk is said to leave to sync (see
+    /// [`Fakes::root_disk_at`]); nothing for the others.
+    made: Mutex<HashMap<Id, std::path::PathBuf>>,
 }
 
 impl Fakes {
@@ -217,7 +220,14 @@ impl Fakes {
             exits: Mutex::new(None),
             egress: Mutex::new(HashMap::new()),
             egress_refused: std::sync::atomic::AtomicBool::new(false),
+            made: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// `vm_id`'s root disk is said to be made at `path`, not yet durable:
+    /// the create syncs it (a path that is not there fails that sync).
+    pub fn root_disk_at(&self, vm_id: &Id, path: &Path) {
+        self.made.lock().insert(vm_id.clone(), path.to_path_buf());
     }
 
     /// The engine's seams, all served by these fakes.
@@ -477,9 +487,13 @@ impl Lifecycle for Fakes {
         spec: &VmSpec,
         _base: &Path,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
         self.record(Call::PrepareRootDisk(spec.vm_id.clone()));
-        self.act(Op::PrepareRootDisk, spec.vm_id.as_str(), deadline)
+        self.act(Op::PrepareRootDisk, spec.vm_id.as_str(), deadline)?;
+        Ok(match self.made.lock().get(&spec.vm_id) {
+            Some(path) => crate::state::atomic::Pending::file(path),
+            None => crate::state::atomic::Pending::none(),
+        })
     }
 
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
@@ -641,9 +655,14 @@ impl Images for Fakes {
 }
 
 impl SeedBuilder for Fakes {
-    fn build(&self, _out: &Path, params: &SeedParams) -> Result<(), BoxFailure> {
+    fn build(
+        &self,
+        _out: &Path,
+        params: &SeedParams,
+    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
         self.record(Call::Seed(Box::new(params.clone())));
         self.act(Op::Seed, &params.instance_id, Deadline::NONE)
+            .map(|()| crate::state::atomic::Pending::none())
     }
 }
 

@@ -26,7 +26,11 @@ fn params() -> SeedParams {
 
 fn built(dir: &Path) -> std::path::PathBuf {
     let iso = dir.join("seed.iso");
-    NoCloudSeed.build(&iso, &params()).expect("seed built");
+    NoCloudSeed
+        .build(&iso, &params())
+        .expect("seed built")
+        .sync()
+        .expect("seed synced");
     iso
 }
 
@@ -231,7 +235,9 @@ fn a_large_user_data_spans_sectors_intact() {
                 ..params()
             },
         )
-        .expect("built");
+        .expect("built")
+        .sync()
+        .expect("synced");
 
     assert_eq!(isoinfo_file(&iso, "/user-data"), big.as_bytes());
 }

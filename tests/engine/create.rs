@@ -611,3 +611,43 @@ fn wait_for_error(h: &Harness, vm: &str) -> eitri_agent::model::VmStatus {
     }
     panic!("{vm} never failed");
 }
+
+#[test]
+fn a_root_disk_that_cannot_be_made_durable_fails_the_attempt_and_stops_its_vmm() {
+    let h = Harness::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    h.fakes
+        .root_disk_at(&id("vm-1"), &dir.path().join("a disk the host lost"));
+
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+
+    let rec = h.record("vm-1");
+    assert_eq!(rec.lifecycle.create_attempts(), 1);
+    assert!(rec.lifecycle.boot_id().is_empty(), "never recorded created");
+    assert!(
+        rec.lifecycle
+            .last_error()
+            .contains("cannot make its root disk and seed durable"),
+        "{}",
+        rec.lifecycle.last_error()
+    );
+    assert_eq!(h.fakes.count(|c| *c == Call::Shutdown(id("vm-1"))), 1);
+    assert!(!eitri_agent::provision::Lifecycle::running(
+        &*h.fakes,
+        &id("vm-1")
+    ));
+}
+
+#[test]
+fn a_root_disk_made_durable_beside_the_boot_is_recorded_created() {
+    let h = Harness::new();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let disk = dir.path().join("disk.raw");
+    std::fs::write(&disk, b"guest").expect("disk");
+    h.fakes.root_disk_at(&id("vm-1"), &disk);
+
+    h.tick(&snapshot(1, vec![present(desired("vm-1"))]));
+
+    assert_eq!(h.record("vm-1").lifecycle.boot_id(), "boot-1");
+    assert_eq!(h.row("vm-1").phase, Some(Phase::Ready));
+}

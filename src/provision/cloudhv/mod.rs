@@ -271,7 +271,7 @@ impl Lifecycle for CloudHypervisor {
         spec: &VmSpec,
         base: &Path,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
         let in_use = self.find(&spec.vm_id).is_some();
         supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }

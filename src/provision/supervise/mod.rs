@@ -35,6 +35,7 @@ use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, VmSpec};
 use crate::state::Store;
+use crate::state::atomic::Pending;
 
 /// One VM's VMM as the shared supervision sees it: what a backend answers
 /// about its process and what it asks its API.
@@ -97,14 +98,15 @@ pub fn vm_dir(store: &Store, vm_id: &Id) -> Result<PathBuf, SuperviseError> {
 
 /// Materialises the VM's root disk from `base` (see [`crate::disk`]),
 /// unless `in_use`: a create retried after its record save failed must
-/// not clone over the disk of a guest running on it.
+/// not clone over the disk of a guest running on it. In place, not yet
+/// durable: see [`Pending`].
 pub fn prepare_root_disk(
     store: &Store,
     spec: &VmSpec,
     base: &Path,
     in_use: bool,
     deadline: Deadline,
-) -> Result<(), BoxFailure> {
+) -> Result<Pending, BoxFailure> {
     let vm_id = &spec.vm_id;
     if in_use {
         return Err(SuperviseError::DiskInUse {
@@ -113,14 +115,9 @@ pub fn prepare_root_disk(
         .into());
     }
     vm_dir(store, vm_id)?;
-    crate::disk::prepare(
-        base,
-        &store.layout().root_disk(vm_id),
-        spec.disk_gb,
-        deadline,
-    )
-    .map(drop)
-    .map_err(Into::into)
+    let disk = store.layout().root_disk(vm_id);
+    crate::disk::prepare(base, &disk, spec.disk_gb, deadline)?;
+    Ok(Pending::file(&disk))
 }
 
 /// Removes each of `paths` that exists: what destroy leaves of a VMM.

@@ -201,7 +201,7 @@ impl Lifecycle for Vfkit {
         spec: &VmSpec,
         base: &Path,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
         let in_use = self.alive(&spec.vm_id).is_some();
         supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }
