@@ -1033,8 +1033,10 @@ pub fn sweep_stale_test_roots() {
         };
         for entry in std::fs::read_dir(point).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
+            // `eitri-test-PID`, or a root of its named `eitri-test-PID-what`.
             let gone = name
                 .strip_prefix(TEST_ROOT_PREFIX)
+                .and_then(|rest| rest.split('-').next())
                 .and_then(|pid| pid.parse::<u32>().ok())
                 .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
             if gone {

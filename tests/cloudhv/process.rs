@@ -253,6 +253,26 @@ fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
     );
 }
 
+#[test]
+fn a_named_root_of_a_gone_run_is_swept_too() {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    eitri_agent::testkit::confinement(scratch.path());
+    // A bench's second root (`eitri-test-PID-bare`), of a pid no process has.
+    let root = format!("eitri-test-{}-bare", (1u32 << 22) + 8);
+    let cgroups = eitri_agent::provision::jail::cgroup::Cgroups::probe(&root).expect("cgroups");
+    for root in cgroups.roots() {
+        std::fs::create_dir_all(root.join("vm-1")).expect("cgroup");
+    }
+
+    eitri_agent::testkit::sweep_stale_test_roots();
+
+    assert!(
+        cgroups.roots().iter().all(|r| !r.exists()),
+        "{:?}",
+        cgroups.roots()
+    );
+}
+
 /// Set in the environment of the process the interrupt test starts.
 pub(crate) const INTERRUPTED_CHILD: &str = "EITRI_TEST_INTERRUPTED_CHILD";
 
