@@ -113,7 +113,7 @@ impl Core {
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
         rec.created(self.host.boot_id(), boots);
-        self.waiting.lock().remove(vm_id);
+        self.creates.waiting.lock().remove(vm_id);
         self.counts.lost.touch(vm_id.as_str());
         pass.res
             .report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
@@ -158,7 +158,8 @@ impl Core {
     /// it than when its create last met it full (and not for long: see
     /// [`Waiting::full`](super::pass::Waiting)).
     fn still_full(&self, vm_id: &crate::model::Id, now: std::time::SystemTime) -> bool {
-        let Some((free, since)) = self.waiting.lock().get(vm_id).and_then(|w| w.full) else {
+        let Some((free, since)) = self.creates.waiting.lock().get(vm_id).and_then(|w| w.full)
+        else {
             return false;
         };
         let grown = crate::state::Room::at(self.store.root())
@@ -180,7 +181,8 @@ impl Core {
             return Ok(HostKeyStage::Go(None));
         }
         let key = timed("host key", || {
-            self.host_keys
+            self.creates
+                .host_keys
                 .load_or_create(&self.store.layout().host_key(&d.spec.vm_id))
         })?;
         let awaiting = d.ssh_host_cert.is_empty();
@@ -224,7 +226,7 @@ impl Core {
         // queued VM says so and waits, at most until its deadline, and a
         // deadline failure is refunded: waiting costs it no attempt.
         narrator.say("waiting for a create slot on this host");
-        let slot = timed("create slot", || self.slots.acquire(deadline))?;
+        let slot = timed("create slot", || self.creates.slots.acquire(deadline))?;
 
         narrator.say("downloading image");
         let progress: Progress = {
@@ -234,7 +236,7 @@ impl Core {
         // The image becomes the root disk: it may be no larger.
         let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
         let base = timed("image", || {
-            self.images.resolve(
+            self.creates.images.resolve(
                 &d.spec.image_url,
                 &d.spec.image_sha256,
                 max_bytes,
@@ -343,7 +345,9 @@ impl Core {
         };
         let seed = || {
             timed("seed", || {
-                self.seed.build(&self.store.layout().seed(vm_id), params)
+                self.creates
+                    .seed
+                    .build(&self.store.layout().seed(vm_id), params)
             })
             .inspect(|_| crate::crash::point("create.seed-built"))
         };
@@ -485,7 +489,7 @@ impl Attempt<'_> {
             .as_deref()
             .is_some_and(|waited| waited.starts_with(&error));
         let error = error + &said;
-        core.waiting.lock().insert(
+        core.creates.waiting.lock().insert(
             rec.spec.vm_id.clone(),
             Waiting {
                 said: error.clone(),
@@ -519,7 +523,7 @@ impl Attempt<'_> {
                 return self.wait_for_room(rec, chain(&*err), res);
             }
         }
-        core.waiting.lock().remove(&rec.spec.vm_id);
+        core.creates.waiting.lock().remove(&rec.spec.vm_id);
         let err: &dyn std::error::Error = &*err;
         let error = chain(err);
         let counts = &core.counts;

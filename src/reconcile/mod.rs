@@ -202,18 +202,20 @@ impl Engine {
         let core = Core {
             store,
             prov: seams.provisioner,
-            images: seams.images,
-            seed: seams.seed,
-            host_keys: seams.host_keys,
             host: seams.host,
             config,
             ledger,
-            slots,
             logs: LogOnce::new(),
             counts: counts::Counts::default(),
             create_watch: parking_lot::RwLock::new(None),
+            creates: pass::Creates {
+                images: seams.images,
+                seed: seams.seed,
+                host_keys: seams.host_keys,
+                slots,
+                waiting: parking_lot::Mutex::default(),
+            },
             probes: parking_lot::Mutex::default(),
-            waiting: parking_lot::Mutex::default(),
         };
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);
@@ -307,7 +309,7 @@ impl Engine {
     /// image server out of reach).
     pub fn host_condition(&self) -> Option<String> {
         self.core.prov.host_condition().or_else(|| {
-            let waiting = self.core.waiting.lock();
+            let waiting = self.core.creates.waiting.lock();
             let (vm_id, Waiting { said, .. }) = waiting.first_key_value()?;
             let others = match waiting.len() - 1 {
                 0 => String::new(),

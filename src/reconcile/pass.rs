@@ -184,26 +184,37 @@ pub(crate) enum PassOutcome {
     },
 }
 
-/// What every pass shares: the store, the seams, the configuration and the
-/// admission state. Owned by the engine and each worker through an `Arc`.
+/// What every pass shares: the store, the backend, the host, the
+/// configuration, the admission ledger, the log memory and the counts;
+/// and the state of the two verbs that keep some across passes, each in a
+/// field of its own (creating, probing). Owned by the engine and each
+/// worker through an `Arc`.
 pub(crate) struct Core {
     pub store: Arc<Store>,
     pub prov: Arc<dyn Lifecycle>,
-    pub images: Arc<dyn Images>,
-    pub seed: Arc<dyn SeedBuilder>,
-    pub host_keys: Arc<dyn HostKeys>,
     pub host: Arc<dyn HostFacts>,
     pub config: EngineConfig,
     pub ledger: Ledger,
-    pub slots: CreateSlots,
     /// Per-VM log memory (subjects `<vm_id>/<what>`): a VM failing the same
     /// way every pass is one line, not one a tick.
     pub logs: LogOnce,
     pub counts: super::counts::Counts,
-    /// Told the stages of every create attempt (see [`Engine::watch_stages`](super::Engine::watch_stages)).
+    /// Told the stages of every timed pass (see [`Engine::watch_stages`](super::Engine::watch_stages)).
     pub create_watch: parking_lot::RwLock<Option<CreateWatch>>,
+    /// What only a create uses (see `create.rs`).
+    pub creates: Creates,
     /// What each VM's readiness probe knows (see `probe.rs`).
     pub probes: super::probing::Probes,
+}
+
+/// What only a create uses: where its image, seed and host key come from,
+/// the slots that bound creates at once, and the creates that wait for
+/// the host.
+pub(crate) struct Creates {
+    pub images: Arc<dyn Images>,
+    pub seed: Arc<dyn SeedBuilder>,
+    pub host_keys: Arc<dyn HostKeys>,
+    pub slots: CreateSlots,
     /// The VMs whose create waits for the host to be fixed (a full
     /// filesystem, an image server out of reach, what the backend lacks),
     /// with what the row of each says: the host's condition while any waits.
