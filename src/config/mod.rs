@@ -121,19 +121,33 @@ impl CacheCap {
     }
 }
 
-/// The daemon's validated settings. What is to be found out from the host
-/// rather than the flags (its id, its DNS servers) is left `None` here and
-/// discovered by the daemon when it starts.
+/// The daemon's validated settings, shaped as the settings are defined
+/// (see `settings`): one field per section, and each part of the agent
+/// takes the section it reads, by reference. What is to be found out from
+/// the host rather than the flags (its id, its DNS servers) is left `None`
+/// here and discovered by the daemon when it starts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
-    pub state_dir: PathBuf,
-    pub source: DesiredSource,
+    pub source: SourceSettings,
+    pub state: StateSettings,
+    pub reconcile: ReconcileSettings,
+    pub images: ImageSettings,
+    /// The network, hypervisor, jail and limits sections, as the backends
+    /// take them.
+    pub guest: GuestBoot,
+    pub reporting: ReportingSettings,
+    /// What this agent asks of the host's shared ids and cgroups; settled
+    /// at start into `guest.confinement` (see `state::claim`).
+    pub wish: crate::state::claim::Wish,
+}
+
+/// Where desired state comes from, and how far it is trusted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SourceSettings {
+    pub desired: DesiredSource,
     /// `--host-id`; `None`: the daemon reads /etc/machine-id.
     pub host_id: Option<String>,
-    pub tick: Duration,
     pub backoff_max: Duration,
-    pub shutdown_grace: Duration,
-    pub notify_fd: Option<i32>,
     /// Bounds on one snapshot, from either source.
     pub limits: crate::source::SnapshotLimits,
     /// `--trusted-keys`, read: the keys desired state must be signed by;
@@ -142,20 +156,39 @@ pub struct Config {
     /// An HTTP proxy for the control plane and image downloads; never taken
     /// from the environment.
     pub proxy: Option<String>,
-    /// How base images are fetched (the proxy again, `--image-root`, the
-    /// stall timeout).
-    pub images: crate::image::ImageOptions,
-    pub guest: GuestBoot,
-    pub engine: EngineConfig,
-    /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
-    pub metrics_file: Option<PathBuf>,
-    /// `--image-cache-max`: bytes the image cache may hold; `None`: no cap.
-    pub image_cache_max: Option<CacheCap>,
+}
+
+/// Where the agent keeps its state, and the host's registry of agents.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateSettings {
+    pub dir: PathBuf,
     /// `--agents-dir`: the host-wide registry of the agents' claims.
     pub agents_dir: PathBuf,
-    /// What this agent asks of the host's shared ids and cgroups; settled
-    /// at start into `guest.confinement` (see `state::claim`).
-    pub wish: crate::state::claim::Wish,
+}
+
+/// The loop's pace and the engine's rules.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReconcileSettings {
+    pub tick: Duration,
+    pub shutdown_grace: Duration,
+    pub engine: EngineConfig,
+}
+
+/// How base images are fetched and how much of them is kept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageSettings {
+    /// The proxy again, `--image-root`, the stall timeout, ...
+    pub fetch: crate::image::ImageOptions,
+    /// `--image-cache-max`: bytes the image cache may hold; `None`: no cap.
+    pub cache_max: Option<CacheCap>,
+}
+
+/// What the agent tells beside its report.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportingSettings {
+    pub notify_fd: Option<i32>,
+    /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
+    pub metrics_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -163,8 +196,8 @@ impl Config {
     pub fn host(&self) -> crate::provision::checklist::Host<'_> {
         crate::provision::checklist::Host {
             guest: &self.guest,
-            state_dir: &self.state_dir,
-            image_root: self.images.file_root.as_deref(),
+            state_dir: &self.state.dir,
+            image_root: self.images.fetch.file_root.as_deref(),
         }
     }
 }
@@ -772,11 +805,14 @@ mod tests {
         let c = run(&["run", "--desired", "/etc/eitri/desired.json"], &[]).expect("valid");
 
         assert_eq!(
-            c.source,
+            c.source.desired,
             DesiredSource::File("/etc/eitri/desired.json".into())
         );
-        assert_eq!(c.tick, Duration::from_secs(5));
-        assert_eq!(c.engine.vm_timeout, Some(Duration::from_secs(900)));
+        assert_eq!(c.reconcile.tick, Duration::from_secs(5));
+        assert_eq!(
+            c.reconcile.engine.vm_timeout,
+            Some(Duration::from_secs(900))
+        );
     }
 
     #[test]
@@ -788,8 +824,11 @@ mod tests {
         )
         .expect("valid");
 
-        assert_eq!(default.images.file_root, None);
-        assert_eq!(named.images.file_root, Some(PathBuf::from("/srv/images")));
+        assert_eq!(default.images.fetch.file_root, None);
+        assert_eq!(
+            named.images.fetch.file_root,
+            Some(PathBuf::from("/srv/images"))
+        );
     }
 
     #[test]
@@ -814,12 +853,12 @@ mod tests {
         )
         .expect("valid");
 
-        assert_eq!(c.images.file_root, Some(cwd.join("images")));
-        assert_eq!(c.state_dir, cwd.join("state"));
+        assert_eq!(c.images.fetch.file_root, Some(cwd.join("images")));
+        assert_eq!(c.state.dir, cwd.join("state"));
         assert!(
-            matches!(&c.source, DesiredSource::File(f) if *f == cwd.join("d.json")),
+            matches!(&c.source.desired, DesiredSource::File(f) if *f == cwd.join("d.json")),
             "{:?}",
-            c.source
+            c.source.desired
         );
         assert_eq!(c.guest.hypervisor.kernel, Some(cwd.join("boot/vmlinux")));
         assert_eq!(c.guest.hypervisor.binary, cwd.join("bin/cloud-hypervisor"));
@@ -884,8 +923,8 @@ mod tests {
         )
         .expect("valid");
 
-        assert_eq!(c.tick, Duration::from_secs(2));
-        assert_eq!(c.engine.caps.max_vcpus, 64);
+        assert_eq!(c.reconcile.tick, Duration::from_secs(2));
+        assert_eq!(c.reconcile.engine.caps.max_vcpus, 64);
     }
 
     #[test]
@@ -986,7 +1025,7 @@ mod tests {
     fn host_id_and_guest_dns_are_left_to_the_daemon_unless_given() {
         let c = run(&["run", "--desired", "/d"], &[]).expect("valid");
 
-        assert_eq!(c.host_id, None);
+        assert_eq!(c.source.host_id, None);
         assert_eq!(c.guest.guest_dns, None);
     }
 
@@ -1028,9 +1067,9 @@ mod tests {
         )
         .expect("valid");
 
-        assert_eq!(default.metrics_file, None);
+        assert_eq!(default.reporting.metrics_file, None);
         assert_eq!(
-            given.metrics_file,
+            given.reporting.metrics_file,
             Some(PathBuf::from("/var/lib/node_exporter/eitri.prom"))
         );
     }

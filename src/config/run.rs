@@ -63,27 +63,37 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
                     table: u.table,
                 }),
         },
-        state_dir: state.dir,
-        agents_dir: state.agents_dir,
-        host_id: desired.optional(Key::HostId).map(|h| h.trim().to_owned()),
-        backoff_max: desired.duration(Key::BackoffMax)?,
-        limits: snapshot_limits(desired)?,
-        source,
-        trust,
-        images: image_options(images, proxy.clone(), &network.deny)?,
-        image_cache_max: image_cache_max(images)?,
-        proxy,
-        tick: tick(reconcile)?,
-        shutdown_grace: reconcile.duration(Key::ShutdownGrace)?,
-        engine: engine(reconcile, host_caps(limits)?)?,
+        state: super::StateSettings {
+            dir: state.dir,
+            agents_dir: state.agents_dir,
+        },
+        images: super::ImageSettings {
+            fetch: image_options(images, proxy.clone(), &network.deny)?,
+            cache_max: image_cache_max(images)?,
+        },
+        source: super::SourceSettings {
+            desired: source,
+            host_id: desired.optional(Key::HostId).map(|h| h.trim().to_owned()),
+            backoff_max: desired.duration(Key::BackoffMax)?,
+            limits: snapshot_limits(desired)?,
+            trust,
+            proxy,
+        },
+        reconcile: super::ReconcileSettings {
+            tick: tick(reconcile)?,
+            shutdown_grace: reconcile.duration(Key::ShutdownGrace)?,
+            engine: engine(reconcile, host_caps(limits)?)?,
+        },
         guest: guest_boot(
             &raw.section(Section::Hypervisor),
             network,
             confinement,
             limits,
         )?,
-        notify_fd: notify_fd(reporting)?,
-        metrics_file: reporting.optional_path(Key::MetricsFile),
+        reporting: super::ReportingSettings {
+            notify_fd: notify_fd(reporting)?,
+            metrics_file: reporting.optional_path(Key::MetricsFile),
+        },
     })
 }
 
@@ -817,7 +827,7 @@ mod tests {
 
         let built = build(&raw).expect("valid");
 
-        let reach = &built.images.reach;
+        let reach = &built.images.fetch.reach;
         assert_eq!(
             reach.deny,
             IpRange::parse_list("10.0.0.0/8,fd00:ec2::/32").expect("ranges")
@@ -866,7 +876,7 @@ mod tests {
             let env = env(&[]);
             let raw = Raw::read(&args, &env).expect("flags");
             build(&raw)
-                .map(|c| c.image_cache_max)
+                .map(|c| c.images.cache_max)
                 .map_err(|e| e.to_string())
         };
 
@@ -908,12 +918,18 @@ mod tests {
         let built = build(&raw).expect("valid");
 
         assert_eq!(raw.value(Key::Tick).1, Origin::Flag);
-        assert_eq!(built.tick, Duration::from_secs(2));
+        assert_eq!(built.reconcile.tick, Duration::from_secs(2));
         assert_eq!(raw.value(Key::VmTimeout).1, Origin::Env);
-        assert_eq!(built.engine.vm_timeout, Some(Duration::from_secs(540)));
+        assert_eq!(
+            built.reconcile.engine.vm_timeout,
+            Some(Duration::from_secs(540))
+        );
         assert_eq!(raw.value(Key::VanishGrace).1, Origin::File);
-        assert_eq!(built.engine.vanish_grace, Duration::from_secs(7 * 3600));
-        assert_eq!(built.engine.caps.max_vcpus, 7);
+        assert_eq!(
+            built.reconcile.engine.vanish_grace,
+            Duration::from_secs(7 * 3600)
+        );
+        assert_eq!(built.reconcile.engine.caps.max_vcpus, 7);
         assert_eq!(raw.value(Key::TombstoneGrace).1, Origin::Default);
     }
 
@@ -932,7 +948,7 @@ mod tests {
         let built = build(&Raw::read(&args, &env).expect("flags")).expect("valid");
 
         assert_eq!(
-            built.source,
+            built.source.desired,
             DesiredSource::File("/etc/eitri/desired.json".into())
         );
     }

@@ -70,10 +70,10 @@ fn keep_from_guests(
 ) -> crate::net::underlay::UnderlayConfig {
     use crate::model::Cidr;
     let mut urls: Vec<&str> = Vec::new();
-    if let crate::config::DesiredSource::ControlPlane(cp) = &config.source {
+    if let crate::config::DesiredSource::ControlPlane(cp) = &config.source.desired {
         urls.push(&cp.base_url);
     }
-    urls.extend(config.proxy.as_deref());
+    urls.extend(config.source.proxy.as_deref());
     for url in urls {
         let found = crate::source::url_addresses(url);
         if found.is_empty() {
@@ -138,10 +138,10 @@ fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot
     use crate::state::claim;
     let layout = store.layout();
     let claim = claim::settle(
-        &config.state_dir,
+        &config.state.dir,
         &layout.claim(),
         &layout.vmm_ids(),
-        &config.agents_dir,
+        &config.state.agents_dir,
         &config.wish,
         &crate::provision::reclaimer(&config.guest.confinement.devices()),
     )
@@ -182,10 +182,13 @@ pub fn recover(
 ) -> Result<Recovered, DaemonError> {
     // 1.
     let store =
-        Arc::new(Store::open_within(&config.state_dir, LOCK_PATIENCE).map_err(DaemonError::Store)?);
+        Arc::new(Store::open_within(&config.state.dir, LOCK_PATIENCE).map_err(DaemonError::Store)?);
     let guest = claimed(config, &store)?;
     // 2.
-    let images = Arc::new(ImageCache::with(store.layout().images(), &config.images));
+    let images = Arc::new(ImageCache::with(
+        store.layout().images(),
+        &config.images.fetch,
+    ));
     let swept = store.sweep();
     let partials = images.sweep_partials();
     if swept.temp_files + swept.half_deleted_vms + partials > 0 {

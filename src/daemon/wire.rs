@@ -24,9 +24,9 @@ pub fn host_info(config: &Config, host_id: String, boot_id: String) -> pb::HostI
         host_id,
         agent_version: crate::version::AGENT_VERSION.to_owned(),
         boot_id,
-        max_vcpus: config.engine.caps.max_vcpus as i64,
-        max_mem_mb: config.engine.caps.max_mem_mb as i64,
-        max_disk_gb: config.engine.caps.max_disk_gb as i64,
+        max_vcpus: config.reconcile.engine.caps.max_vcpus as i64,
+        max_mem_mb: config.reconcile.engine.caps.max_mem_mb as i64,
+        max_disk_gb: config.reconcile.engine.caps.max_disk_gb as i64,
     }
 }
 
@@ -55,7 +55,7 @@ fn systemd_readiness() -> Option<Readiness> {
 /// `signals` were installed first thing in `main`, so a signal that came
 /// while the agent was starting is acted on, not fatal.
 pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
-    crate::events::keep_in(crate::state::Layout::new(&config.state_dir));
+    crate::events::keep_in(crate::state::Layout::new(&config.state.dir));
     let readiness = before_anything_runs(&config)?;
     let (events, rx) = crossbeam_channel::unbounded();
     let signal_thread = signals
@@ -86,15 +86,19 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     let engine = Arc::new(Engine::new(
         Arc::clone(&store),
         seams,
-        config.engine.clone(),
+        config.reconcile.engine.clone(),
     ));
     let source = source_of(&config);
     let (remote, described) = (source.is_remote(), source.describe());
-    let host_id = config.host_id.clone().unwrap_or_else(discover::host_id);
+    let host_id = config
+        .source
+        .host_id
+        .clone()
+        .unwrap_or_else(discover::host_id);
     log::info!(
         "eitri-agent {} starting: host {host_id}, state dir {}, {described}",
         crate::version::AGENT_VERSION,
-        config.state_dir.display(),
+        config.state.dir.display(),
     );
     let link = Link::new(events);
     let info = host_info(&config, host_id, boot_id);
@@ -102,8 +106,8 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
     let exchange = Exchange::new(
         source,
         info.clone(),
-        config.tick,
-        config.backoff_max,
+        config.reconcile.tick,
+        config.source.backoff_max,
         Box::new(SystemClock::new()),
         Box::new(move || rng.next_unit()),
         Arc::clone(&link),
@@ -114,7 +118,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
         source,
     })?;
     let daemon = Daemon::new(
-        config.tick,
+        config.reconcile.tick,
         Parts {
             store,
             engine,
@@ -125,14 +129,15 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             readiness,
             notes,
             image_cache_max: image_cache_bytes(&config),
-            agents_dir: Some(config.agents_dir.clone()),
+            agents_dir: Some(config.state.agents_dir.clone()),
             metrics: config
+                .reporting
                 .metrics_file
                 .clone()
                 .map(|path| metrics::MetricsFile::new(path, Arc::clone(&images))),
         },
     );
-    daemon.run(&rx, Some(exchange), config.shutdown_grace);
+    daemon.run(&rx, Some(exchange), config.reconcile.shutdown_grace);
     signal_thread.stop();
     log::info!("stopped");
     Ok(())
@@ -144,11 +149,12 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
 /// absolute path (and logged).
 fn before_anything_runs(config: &Config) -> Result<Option<Readiness>, DaemonError> {
     let readiness = config
+        .reporting
         .notify_fd
         .map(|fd| Readiness::adopt(fd).map_err(|source| DaemonError::Notify { fd, source }))
         .transpose()?
         .or_else(systemd_readiness);
-    if let DesiredSource::ControlPlane(cp) = &config.source
+    if let DesiredSource::ControlPlane(cp) = &config.source.desired
         && let Some(token) = &cp.token_file
     {
         crate::source::check_token_mode(token).map_err(DaemonError::Token)?;
@@ -164,8 +170,8 @@ fn before_anything_runs(config: &Config) -> Result<Option<Readiness>, DaemonErro
 /// `--image-cache-max` in bytes: a share is of the state dir's filesystem,
 /// measured now, and said.
 fn image_cache_bytes(config: &Config) -> Option<u64> {
-    let cap = config.image_cache_max?;
-    let total = crate::state::Room::at(&config.state_dir).map_or(0, |room| room.size);
+    let cap = config.images.cache_max?;
+    let total = crate::state::Room::at(&config.state.dir).map_or(0, |room| room.size);
     let bytes = cap.bytes(total);
     if let crate::config::CacheCap::Percent(p) = cap {
         log::info!(
@@ -210,7 +216,7 @@ fn host_checks(config: &Config) -> Vec<String> {
 /// (in `status`, and logged): caps not set, desired state not signed.
 fn what_the_operator_should_know(config: &Config) -> Vec<String> {
     let mut out = Vec::new();
-    let caps = config.engine.caps;
+    let caps = config.reconcile.engine.caps;
     let unlimited: Vec<&str> = [
         (caps.max_vcpus, "--max-vcpus"),
         (caps.max_mem_mb, "--max-mem-mb"),
@@ -228,7 +234,7 @@ fn what_the_operator_should_know(config: &Config) -> Vec<String> {
         log::warn!("{note}");
         out.push(note);
     }
-    match &config.trust {
+    match &config.source.trust {
         None => out.push(
             "desired state is unauthenticated: whoever can answer for the control plane (or write the desired file) decides what this host runs; pin the signer's keys with --trusted-keys".into(),
         ),
@@ -242,25 +248,25 @@ fn what_the_operator_should_know(config: &Config) -> Vec<String> {
 
 /// Where desired state comes from: the desired file, or the control plane.
 fn source_of(config: &Config) -> Box<dyn Source> {
-    match &config.source {
+    match &config.source.desired {
         DesiredSource::File(path) => Box::new(FileSource::new(
             PathBuf::from(path),
-            config.limits,
-            config.trust.clone(),
+            config.source.limits,
+            config.source.trust.clone(),
         )),
         DesiredSource::ControlPlane(cp) => {
             let source = HttpSource::new(
                 cp.clone(),
-                config.limits,
-                config.proxy.as_deref(),
-                config.trust.clone(),
+                config.source.limits,
+                config.source.proxy.as_deref(),
+                config.source.trust.clone(),
             );
             // A control plane that signs what it sends hears reports it can
             // tell are this host's.
-            if config.trust.is_none() {
+            if config.source.trust.is_none() {
                 return Box::new(source);
             }
-            let path = crate::state::Layout::new(&config.state_dir).host_signing_key();
+            let path = crate::state::Layout::new(&config.state.dir).host_signing_key();
             match crate::trust::SecretKey::host_key(&path) {
                 Ok(key) => {
                     log::info!("reports are signed by this host's key {}", key.id());

@@ -1,7 +1,7 @@
 //! The DHCP codec and the answering rules against random and mutated
 //! packets: nothing may panic. `EITRI_FUZZ_ITERATIONS` sets how many (the
 //! default keeps CI quick; run a million with
-//! `EITRI_FUZZ_ITERATIONS=1000000 cargo test --release --test fuzz_dhcp`).
+//! `EITRI_FUZZ_ITERATIONS=1000000 cargo test --release --features testkit --test artifacts fuzz_dhcp`).
 
 use std::net::Ipv4Addr;
 

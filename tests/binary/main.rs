@@ -4,6 +4,12 @@
 //! volumes are real files. Where a test needs VMs that run, the agent boots
 //! the stand-in hypervisor, jailed as on a host (`Booting`).
 
+// The real binary's other faces, each a module of this crate: signed
+// desired state against a fake control plane, and the static binary
+// under s6.
+mod s6;
+mod signed;
+
 use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
@@ -2288,7 +2294,7 @@ fn without_caps_status_says_every_vm_is_admitted() {
 /// stands.
 #[cfg(target_os = "linux")]
 fn quick_start() -> String {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let begin = readme
         .find("<!-- quick-start:begin -->")
         .expect("the README marks its Quick start");
@@ -2406,7 +2412,7 @@ eitri-agent release --state-dir /srv/eitri/state --force
 
 #[test]
 fn the_readmes_contents_name_every_section_in_order() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let mut in_code = false;
     let mut headings = Vec::new();
     for line in readme.lines() {

@@ -5,8 +5,8 @@
 // cloud-hypervisor backend or its stand-in).
 #![cfg(target_os = "linux")]
 
-#[path = "chaos/driver.rs"]
 mod driver;
+mod points;
 
 #[test]
 fn no_kill_loses_doubles_or_misreports_a_vm() {

@@ -33,7 +33,7 @@ fn every_point_placed_is_listed_once_and_every_listed_point_is_placed() {
 
 #[test]
 fn the_readme_publishes_every_point() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
 
     let missing: Vec<String> = listed()
         .into_iter()

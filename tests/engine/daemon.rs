@@ -7,14 +7,12 @@
 //! clock the test moves, so backoff is deterministic; the main loop runs
 //! for real, as in the daemon.
 
-mod common;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use common::{SETTLE, config};
+use crate::common::{SETTLE, config};
 use crossbeam_channel::Sender;
 use eitri_agent::daemon::{Clock, Contact, Daemon, Event, Exchange, Link, Parts};
 use eitri_agent::deadline::Deadline;

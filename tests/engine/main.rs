@@ -1,10 +1,12 @@
-//! The engine against the fake provisioner (DESIGN.md, layer 2), one module
-//! per concern, in one test crate: one link instead of eight.
+//! The engine against the fake provisioner (DESIGN.md, layer 2), and the
+//! daemon's main loop over it, one module per concern, in one test crate:
+//! one link instead of ten.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 mod create;
+mod daemon;
 mod lifecycle;
 mod lifecycle_table;
 mod logging;
@@ -12,3 +14,4 @@ mod resize;
 mod step;
 mod suspend;
 mod tenant;
+mod volumes;

@@ -1,11 +1,9 @@
 //! Volumes: sparse files made on the heartbeat path, grown, never shrunk,
 //! and deleted only when tombstoned and no VM record refers to them.
 
-mod common;
-
 use std::os::unix::fs::MetadataExt;
 
-use common::Harness;
+use crate::common::Harness;
 use eitri_agent::model::{Snapshot, VolumeSpec, VolumeState, WantedVm, WantedVolume};
 use eitri_agent::pb::{self, convert};
 use eitri_agent::testkit::{desired, id, present, snapshot};

@@ -79,11 +79,11 @@ fn config(dir: &Path) -> Config {
 /// `vm-live` (with its record and pidfile), still running.
 fn a_vmm_left_running(config: &Config) -> i32 {
     std::fs::write(
-        config.state_dir.parent().expect("dir").join("vmlinux"),
+        config.state.dir.parent().expect("dir").join("vmlinux"),
         b"k",
     )
     .expect("kernel");
-    let store = Arc::new(Store::open(&config.state_dir).expect("store"));
+    let store = Arc::new(Store::open(&config.state.dir).expect("store"));
     let spec = desired("vm-live").spec;
     let mut rec = Record::new(spec.clone());
     rec.created("boot-1".into(), true);
@@ -147,7 +147,7 @@ fn recovery_repairs_what_a_crash_in_each_phase_left() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = config(dir.path());
     let vmm = a_vmm_left_running(&config);
-    let state = &config.state_dir;
+    let state = &config.state.dir;
     let leftovers: Vec<PathBuf> = [
         ".epoch.tmp-999-0",
         "vms/vm-live/.record.json.tmp-999-1",
