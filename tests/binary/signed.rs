@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use eitri_agent::pb;
 use eitri_agent::source::FileSource;
@@ -14,18 +14,9 @@ use eitri_agent::testkit::control_plane::{Answer, FakeControlPlane};
 use eitri_agent::trust::SecretKey;
 use prost::Message;
 
-const BIN: &str = env!("CARGO_BIN_EXE_eitri-agent");
-/// A bound to fail on, not a measurement.
-const PATIENCE: Duration = Duration::from_secs(15);
-const HOST: &str = "signed-test-host";
+use crate::{BIN, wait_for};
 
-fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + PATIENCE;
-    while !done() {
-        assert!(Instant::now() < until, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+const HOST: &str = "signed-test-host";
 
 /// An agent process with a state dir under `dir`; killed on drop.
 struct Agent {

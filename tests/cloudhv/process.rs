@@ -220,19 +220,25 @@ fn a_long_state_dir_still_gets_a_short_socket() {
     assert!(h.backend.running(&id("vm-1")));
 }
 
-#[test]
-fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
-    // This process's own once-per-process sweep is done first, so only the
-    // call below can see the root this test leaves.
+/// A test cgroup root `name` with a VM's cgroup `vm-1` in each hierarchy,
+/// as a gone run leaves it, and those cgroups. This process's own
+/// once-per-process sweep is done first, so only the test's own call can
+/// see it.
+fn gone_runs_root(name: &str) -> (eitri_agent::provision::jail::cgroup::Cgroups, Vec<PathBuf>) {
     let scratch = tempfile::tempdir().expect("tempdir");
     eitri_agent::testkit::confinement(scratch.path());
-    // No process has a pid past the kernel's largest pid_max (2^22).
-    let root = format!("eitri-test-{}", (1u32 << 22) + 7);
-    let cgroups = eitri_agent::provision::jail::cgroup::Cgroups::probe(&root).expect("cgroups");
+    let cgroups = eitri_agent::provision::jail::cgroup::Cgroups::probe(name).expect("cgroups");
     let dirs: Vec<PathBuf> = cgroups.roots().iter().map(|r| r.join("vm-1")).collect();
     for dir in &dirs {
         std::fs::create_dir_all(dir).expect("cgroup");
     }
+    (cgroups, dirs)
+}
+
+#[test]
+fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
+    // No process has a pid past the kernel's largest pid_max (2^22).
+    let (cgroups, dirs) = gone_runs_root(&format!("eitri-test-{}", (1u32 << 22) + 7));
     let mut left = std::process::Command::new("sleep")
         .arg("600")
         .spawn()
@@ -255,14 +261,8 @@ fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
 
 #[test]
 fn a_named_root_of_a_gone_run_is_swept_too() {
-    let scratch = tempfile::tempdir().expect("tempdir");
-    eitri_agent::testkit::confinement(scratch.path());
     // A bench's second root (`eitri-test-PID-bare`), of a pid no process has.
-    let root = format!("eitri-test-{}-bare", (1u32 << 22) + 8);
-    let cgroups = eitri_agent::provision::jail::cgroup::Cgroups::probe(&root).expect("cgroups");
-    for root in cgroups.roots() {
-        std::fs::create_dir_all(root.join("vm-1")).expect("cgroup");
-    }
+    let (cgroups, _) = gone_runs_root(&format!("eitri-test-{}-bare", (1u32 << 22) + 8));
 
     eitri_agent::testkit::sweep_stale_test_roots();
 
