@@ -211,13 +211,11 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_vm_entry_with_more_user_ca_keys_than_a_vm_may_have_is_refused_before_decoding() {
+    /// Scans a snapshot of the one VM entry `vm`, and checks that it is
+    /// refused naming `field`.
+    fn refused_naming(vm: pb::VmSpec, field: &str) {
         let snap = pb::Snapshot {
-            vms: vec![pb::VmSpec {
-                ssh_user_ca_authorized_keys: vec![String::new(); Limits::MAX_USER_CA_KEYS + 1],
-                ..Default::default()
-            }],
+            vms: vec![vm],
             ..Default::default()
         };
 
@@ -226,28 +224,30 @@ mod tests {
         assert!(
             scanned
                 .as_ref()
-                .is_err_and(|e| e.to_string().contains("ssh_user_ca_authorized_keys")),
+                .is_err_and(|e| e.to_string().contains(field)),
             "{scanned:?}"
         );
     }
 
     #[test]
+    fn a_vm_entry_with_more_user_ca_keys_than_a_vm_may_have_is_refused_before_decoding() {
+        refused_naming(
+            pb::VmSpec {
+                ssh_user_ca_authorized_keys: vec![String::new(); Limits::MAX_USER_CA_KEYS + 1],
+                ..Default::default()
+            },
+            "ssh_user_ca_authorized_keys",
+        );
+    }
+
+    #[test]
     fn a_vm_entry_with_more_egress_ranges_than_a_vm_may_have_is_refused_before_decoding() {
-        let snap = pb::Snapshot {
-            vms: vec![pb::VmSpec {
+        refused_naming(
+            pb::VmSpec {
                 egress_allow: vec![String::new(); Limits::MAX_EGRESS_RULES + 1],
                 ..Default::default()
-            }],
-            ..Default::default()
-        };
-
-        let scanned = count_snapshot_entries(&snap.encode_to_vec());
-
-        assert!(
-            scanned
-                .as_ref()
-                .is_err_and(|e| e.to_string().contains("egress_allow")),
-            "{scanned:?}"
+            },
+            "egress_allow",
         );
     }
 
