@@ -152,7 +152,7 @@ impl Learned {
         let result = self
             .path
             .parent()
-            .map_or(Ok(()), crate::state::perms::make_dir)
+            .map_or(Ok(()), crate::state::perms::make_dir_in)
             .and_then(|()| {
                 write_atomic(
                     &self.path,

@@ -118,7 +118,7 @@ impl<V: Slot> Leases<V> {
 
     fn save(&self, map: &BTreeMap<String, V>) -> std::io::Result<()> {
         if let Some(dir) = self.path.parent() {
-            super::perms::make_dir(dir)?;
+            super::perms::make_dir_in(dir)?;
         }
         write_atomic(
             &self.path,

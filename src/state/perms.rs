@@ -32,6 +32,19 @@ pub fn make_dir(dir: &Path) -> io::Result<()> {
     fs::DirBuilder::new().recursive(true).mode(DIR).create(dir)
 }
 
+/// Makes `dir`, 0700 from its creation, inside a parent that must be
+/// there: for a directory of the state dir made while the agent runs (a
+/// VM's, `net/`), so that a state dir removed under a running agent (or
+/// a test's, after it ended) fails the write, where [`make_dir`] would
+/// make a state dir of one file again.
+pub fn make_dir_in(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    match fs::DirBuilder::new().mode(DIR).create(dir) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        made => made,
+    }
+}
+
 /// Brings every entry under `root` to the modes above; returns how many it
 /// changed. Symlinks are left alone (the agent makes none), and their
 /// targets are never followed.

@@ -264,7 +264,7 @@ impl Store {
         };
         let new_dir = !dir.is_dir();
         if new_dir {
-            super::perms::make_dir(&dir).map_err(write_err(dir.clone()))?;
+            super::perms::make_dir_in(&dir).map_err(write_err(dir.clone()))?;
         }
         let bytes = serde_json::to_vec_pretty(&Envelope {
             format: RECORD_FORMAT,

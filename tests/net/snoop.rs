@@ -44,6 +44,8 @@ impl Drop for Cleanup {
 }
 
 fn host_network(state: &std::path::Path) -> HostNetwork {
+    // The agent's state dir is there before its network is set up.
+    std::fs::create_dir_all(state).expect("state dir");
     HostNetwork::setup(
         underlay_config(),
         &eitri_agent::state::Layout::new(state),

@@ -318,3 +318,16 @@ fn records_are_served_from_memory() {
         Some(RecordSlot::Readable(_))
     ));
 }
+
+#[test]
+fn a_record_saved_into_a_state_dir_removed_under_the_store_fails_and_makes_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    let store = Store::open(&state).expect("open");
+    fs::remove_dir_all(&state).expect("removed under it");
+
+    let saved = store.save(&record("vm-1", 1));
+
+    assert!(saved.is_err(), "{saved:?}");
+    assert!(!state.exists(), "no state dir of one record made again");
+}
