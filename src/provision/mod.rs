@@ -63,10 +63,8 @@ pub trait Lifecycle: Send + Sync {
 
     /// Takes, durably, what of the host the VM's boot will hold (its
     /// addresses, its VMM's user id), so the boot finds it taken. Asked
-    /// beside the root disk and the seed: each is a durable write, and
-    /// writes made at once share the filesystem's journal commits where one
-    /// after another would each wait for its own. Idempotent; nothing by
-    /// default.
+    /// beside the root disk and the seed, whose making it overlaps.
+    /// Idempotent; nothing by default.
     fn reserve(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
         Ok(())
     }

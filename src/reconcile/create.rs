@@ -319,12 +319,12 @@ impl Core {
     }
 
     /// The root disk, the seed and (for a VM about to boot) the host's
-    /// share of it ([`Lifecycle::reserve`]), made at once: each ends in
-    /// a durable write, and writes made together share the filesystem's
-    /// journal commits where one after another each waits for its own
-    /// (`make bench-create`, the `root disk`, `seed` and `reserve`
-    /// stages beside `prepare`). The first error, in that order, is the
-    /// create's.
+    /// share of it ([`Lifecycle::reserve`]), made at once (`make
+    /// bench-create`, the `root disk`, `seed` and `reserve` stages beside
+    /// `prepare`). The host's share is durable when this returns; the root
+    /// disk and seed are in place, and durable once the returned
+    /// [`Pending`] is synced (see [`Core::boot_syncing`]). The first
+    /// error, in that order, is the create's.
     ///
     /// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
     fn prepare(
