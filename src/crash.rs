@@ -16,6 +16,10 @@ pub const POINTS: &[(&str, &str)] = &[
         "the attempt counted before any side effect is not lost, and the create resumes",
     ),
     (
+        "create.reserved",
+        "an address and VMM id taken beside the attempt's save, which the crash may have kept from landing, are taken again by the create, or given back at start",
+    ),
+    (
         "create.disk-prepared",
         "a root disk made but not booted is made again, never under a live VMM",
     ),

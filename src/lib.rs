@@ -43,7 +43,8 @@
 //! | `vmm-exits` | pidfds of hypervisors adopted after a restart | the kernel |
 //! | `image-<sha8>` | one base image's download, shared by every pass that waits for it (detached) | the network, bounded by `--image-stall-timeout` |
 //! | `image-hash` | hashes a download's blocks beside it, joined by it | nothing |
-//! | `seed-<id>`, `reserve-<id>`, `lease-<id>` | a create's seed, its host share (address, VMM id) beside its root disk: durable writes made at once share journal commits; joined by the pass | the disk |
+//! | `reserve-<id>`, `lease-<id>` | a create's host share (address, VMM id) beside its attempt's save: durable writes made at once share journal commits; joined by the pass | the save |
+//! | `seed-<id>`, `record-<id>` | a create's seed and its record's fsync, beside its root disk; joined by the pass | the disk |
 //! | `vmm-record` | records a VMM held before its exec (its pidfile) while it enters its jail; joined by the start | the disk |
 //! | `netns-spare` | makes network namespaces ahead, one per VMM to come | nothing (two kept ready) |
 //! | `plug-<id>` | joins a new VM's taps to the host's networks while its VMM starts, joined by the boot | netlink, `nft` |

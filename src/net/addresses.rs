@@ -243,6 +243,12 @@ impl Addresses {
         Ok(ip)
     }
 
+    /// The VMs holding an address.
+    pub fn holders(&self) -> Vec<Id> {
+        let keys = self.leases.keys();
+        keys.iter().filter_map(|key| Id::parse(key).ok()).collect()
+    }
+
     /// Frees the VM's address (at destroy).
     pub fn release(&self, vm_id: &Id) -> Result<(), AddressError> {
         let mut macs = self.macs.lock();

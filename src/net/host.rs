@@ -169,6 +169,11 @@ impl HostNetwork {
         Ok(self.taps_of(ip))
     }
 
+    /// The VMs holding an address.
+    pub fn holders(&self) -> Vec<Id> {
+        self.addresses.holders()
+    }
+
     /// The names of the VM's taps, while it holds an address.
     pub fn taps(&self, vm_id: &Id) -> Option<Taps> {
         self.addresses.get(vm_id).map(|ip| self.taps_of(ip))

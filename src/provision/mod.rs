@@ -63,8 +63,11 @@ pub trait Lifecycle: Send + Sync {
 
     /// Takes, durably, what of the host the VM's boot will hold (its
     /// addresses, its VMM's user id), so the boot finds it taken. Asked
-    /// beside the root disk and the seed, whose making it overlaps.
-    /// Idempotent; nothing by default.
+    /// beside the save of the create's attempt, which it overlaps, so it
+    /// must touch nothing but the backend's own bookkeeping; a backend
+    /// that implements it gives back, in [`Lifecycle::recover`], what a
+    /// VM with no record and no hypervisor holds (a crash came before
+    /// the save). Idempotent; nothing by default.
     fn reserve(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
         Ok(())
     }

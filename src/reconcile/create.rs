@@ -15,8 +15,11 @@
 //! 3. Admission against the host caps. A refusal spends no attempt.
 //! 4. The attempt is counted and saved **before** any side effect, so a
 //!    crash mid-create still counts against the budget; its save is made
-//!    durable just before the VMM starts (`Store::save_visible`), so a host
-//!    that crashes booting the VM finds the attempt counted too.
+//!    durable beside the root disk, before the VMM starts
+//!    (`Store::save_visible`), so a host that crashes booting the VM finds
+//!    the attempt counted too. Beside the save, the VM's address and VMM
+//!    id are taken (`Core::count_attempt` says why that is no side effect
+//!    the count must precede).
 //! 5. Preflight, a create slot (bounded by the deadline), the image, the root
 //!    disk, the seed, and (when desired running) the volumes check and boot.
 //! 6. Success writes the boot id, the create's completion witness.
@@ -94,19 +97,22 @@ impl Core {
         }
         let before = rec.clone();
         rec.begin_attempt(now);
-        // In place before any side effect, durable before the VMM starts
-        // (`build`): see `Store::save_visible`.
-        let unsynced = match self.store.save_visible(&rec) {
+        let _create = span(CREATE_STAGE);
+        // A VM wanted suspended is booted, then suspended: a guest that
+        // never ran has no state to save.
+        let boots = d.power != PowerState::Stopped;
+        let (unsynced, reserved) = self.count_attempt(&rec, boots && preflight.is_ok());
+        let unsynced = match unsynced {
             Ok(unsynced) => unsynced,
-            Err(e) => return attempt.fail(before, e.into(), pass.res),
+            Err(e) => return attempt.fail(before, e, pass.res),
         };
         attempt.counted = true;
-        let _create = span(CREATE_STAGE);
         self.counts.create_attempts.inc();
         crate::crash::point("create.attempt-saved");
 
         let narrator = pass.narrator(&rec, PowerState::Stopped, Phase::Creating);
         let built = preflight
+            .and(reserved)
             .and_then(|()| self.build(d, &mut rec, host_key, unsynced, pass.deadline, &narrator));
         let boots = match built {
             Ok(boots) => boots,
@@ -127,6 +133,49 @@ impl Core {
         if d.power == PowerState::Suspended {
             self.suspend(rec, pass);
         }
+    }
+
+    /// Saves the attempt (step 4) and, for a VM about to boot, takes the
+    /// host's share of it ([`Lifecycle::reserve`]: its address and its
+    /// VMM's id), at once: two durable writes made together wait for one
+    /// journal commit, where one after the other they were two waits on
+    /// the way to the VMM (`make bench-create`, the `record save` and
+    /// `reserve` stages). The record is in place and its bytes durable
+    /// when this returns; its name is made durable beside the root disk
+    /// (see [`Core::prepare`]).
+    ///
+    /// The share is bookkeeping of the agent's own, which touches neither
+    /// the guest nor the host's devices, so taking it beside the save
+    /// breaks no "counted before any side effect": a crash between the
+    /// two leaves a share held by a VM with no record, which the next
+    /// agent gives back at its start (the backend's `recover`), and the
+    /// create that runs again takes it again (the leases are sticky).
+    ///
+    /// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
+    fn count_attempt(
+        &self,
+        rec: &Record,
+        reserve: bool,
+    ) -> (Result<Unsynced, BoxFailure>, Result<(), BoxFailure>) {
+        let vm_id = &rec.spec.vm_id;
+        let take = || {
+            if reserve {
+                timed("reserve", || self.prov.reserve(&rec.spec))
+                    .inspect(|()| crate::crash::point("create.reserved"))
+            } else {
+                Ok(())
+            }
+        };
+        let (reserved, saved) =
+            crate::threads::alongside(&format!("reserve-{vm_id}"), take, || {
+                self.store.save_visible(rec)
+            });
+        let reserved = reserved
+            .map_err(|why| -> BoxFailure {
+                Simple::transient(format!("reserving the host's share panicked: {why}")).into()
+            })
+            .and_then(|reserved| reserved);
+        (saved.map_err(BoxFailure::from), reserved)
     }
 
     /// Whether the lifecycle says an attempt is due now (step 1): a budget
@@ -244,23 +293,17 @@ impl Core {
                 progress,
             )
         })?;
-        // A VM wanted suspended is booted, then suspended: a guest that
-        // never ran has no state to save.
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
         let made = self.prepare(
             &rec.spec,
             &base.path,
             &seed_params(d, host_key),
-            boots,
+            attempt,
             deadline,
         )?;
         // The root disk is made: the image may be pruned from here.
         drop(base);
-        // The attempt's record durable before its VMM runs: a host that
-        // crashes booting this VM must find the attempt counted, or it
-        // would boot it again, and again, without end.
-        self.store.make_durable(attempt)?;
 
         if boots {
             let live = |other: &crate::model::Id| self.prov.running(other);
@@ -318,21 +361,20 @@ impl Core {
         Ok(())
     }
 
-    /// The root disk, the seed and (for a VM about to boot) the host's
-    /// share of it ([`Lifecycle::reserve`]), made at once (`make
-    /// bench-create`, the `root disk`, `seed` and `reserve` stages beside
-    /// `prepare`). The host's share is durable when this returns; the root
-    /// disk and seed are in place, and durable once the returned
-    /// [`Pending`] is synced (see [`Core::boot_syncing`]). The first
-    /// error, in that order, is the create's.
-    ///
-    /// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
+    /// The root disk and the seed, made while the attempt's record is made
+    /// durable (`make bench-create`, the `root disk`, `seed` and `record
+    /// sync` stages beside `prepare`). The record is durable when this
+    /// returns: a host that crashes booting this VM must find the attempt
+    /// counted, or it would boot it again, and again, without end. The
+    /// root disk and seed are in place, and durable once the returned
+    /// [`Pending`] is synced (see [`Core::boot_syncing`]). The first error,
+    /// in that order, is the create's.
     fn prepare(
         &self,
         spec: &crate::model::VmSpec,
         base: &std::path::Path,
         params: &SeedParams,
-        boots: bool,
+        attempt: Unsynced,
         deadline: Deadline,
     ) -> Result<Pending, BoxFailure> {
         let vm_id = &spec.vm_id;
@@ -351,23 +393,17 @@ impl Core {
             })
             .inspect(|_| crate::crash::point("create.seed-built"))
         };
-        let reserve = || {
-            if boots {
-                timed("reserve", || self.prov.reserve(spec))
-            } else {
-                Ok(())
-            }
-        };
-        let (seed, (reserved, disk)) =
+        let durable = || self.store.make_durable(attempt);
+        let (seed, (durable, disk)) =
             crate::threads::alongside(&format!("seed-{vm_id}"), seed, || {
-                crate::threads::alongside(&format!("reserve-{vm_id}"), reserve, disk)
+                crate::threads::alongside(&format!("record-{vm_id}"), durable, disk)
             });
         let helper = |what: &str, panicked: crate::threads::Panicked| -> BoxFailure {
             Simple::transient(format!("{what} panicked: {panicked}")).into()
         };
         let disk = disk?;
         let seed = seed.map_err(|why| helper("building the seed", why))??;
-        reserved.map_err(|why| helper("reserving the host's share", why))??;
+        durable.map_err(|why| helper("syncing the attempt's record", why))??;
         Ok(disk.and(seed))
     }
 }

@@ -246,11 +246,9 @@ impl Store {
     /// [`Store::make_durable`] finishes it.
     ///
     /// For a create, whose attempt must be recorded before its side effects
-    /// and durable before its VMM starts: the name's fsyncs, taken after
-    /// the root disk, seed and leases are written, find their journal
-    /// commit already made by those writes' own fsyncs, and cost nearly
-    /// nothing, where taken first they are two waits on the way to the
-    /// VMM (`make bench-create`).
+    /// and durable before its VMM starts: the name's fsyncs run beside the
+    /// making of the root disk and seed, where taken at once they were
+    /// one more wait on the way to the VMM (`make bench-create`).
     pub fn save_visible(&self, rec: &Record) -> Result<Unsynced, StoreError> {
         let _span = crate::stages::span("record save");
         let vm_id = &rec.spec.vm_id;

@@ -323,6 +323,15 @@ impl Host {
             .collect()
     }
 
+    /// The VMs the state dir's VMM ids name (none while VMMs run unjailed).
+    fn vmm_id_holders(&self) -> Vec<String> {
+        std::fs::read(self.state().join("jail/ids.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<BTreeMap<String, u32>>(&b).ok())
+            .map(|ids| ids.into_keys().collect())
+            .unwrap_or_default()
+    }
+
     fn records(&self) -> BTreeSet<String> {
         std::fs::read_dir(self.state().join("vms"))
             .into_iter()
@@ -383,6 +392,11 @@ impl Host {
                 if *ino != 0 && *ino != now {
                     out.push(format!("{vm}: root disk replaced under VMM {pid}"));
                 }
+            }
+        }
+        for vm in self.vmm_id_holders() {
+            if !records.contains(&vm) && !vmms.contains_key(&vm) {
+                out.push(format!("{vm}: holds a VMM id with no record and no VMM"));
             }
         }
         for vm in &records {

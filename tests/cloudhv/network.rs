@@ -347,3 +347,50 @@ fn a_destroyed_vm_leaves_no_egress_rule_of_its_own() {
     assert!(!nft_set_elements("vm_deny").contains(&ip));
     assert!(!nft_set_elements("vm_allow").contains(&ip));
 }
+
+/// The VMs named in the state dir's VMM ids.
+fn holding_vmm_ids(h: &Host) -> Vec<String> {
+    let ids: std::collections::BTreeMap<String, u32> =
+        serde_json::from_slice(&std::fs::read(h.store.layout().vmm_ids()).expect("the VMM ids"))
+            .expect("a map of VMM ids");
+    ids.into_keys().collect()
+}
+
+#[test]
+fn leases_held_with_no_record_and_no_vmm_are_given_back_at_start() {
+    // A create takes its leases beside its attempt's save: a crash between
+    // the two leaves them held by a VM with no record.
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    h.backend.reserve(&h.spec("vm-1")).expect("reserve");
+    assert!(h.backend.address(&id("vm-1")).is_some());
+    assert_eq!(holding_vmm_ids(&h), ["vm-1"]);
+
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    // The last desired state still names vm-1: what holds is its record.
+    restarted.recover(&[id("vm-1")]);
+
+    assert_eq!(restarted.address(&id("vm-1")), None);
+    assert!(holding_vmm_ids(&h).is_empty(), "{:?}", holding_vmm_ids(&h));
+}
+
+#[test]
+fn leases_of_a_recorded_vm_with_no_vmm_are_kept_at_start() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    let spec = h.spec("vm-1");
+    h.store
+        .save(&eitri_agent::state::Record::new(spec.clone()))
+        .expect("save");
+    h.backend.reserve(&spec).expect("reserve");
+    let address = h.backend.address(&id("vm-1"));
+
+    let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());
+    restarted.recover(&known(&h.store));
+
+    assert!(address.is_some());
+    assert_eq!(restarted.address(&id("vm-1")), address);
+    assert_eq!(holding_vmm_ids(&h), ["vm-1"]);
+}

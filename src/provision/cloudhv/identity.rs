@@ -15,6 +15,51 @@ use crate::deadline::Deadline;
 use crate::model::{Id, Mac};
 
 impl CloudHypervisor {
+    /// Gives back the address and VMM id of every VM that holds one with
+    /// no record and no live VMM: a create takes them beside the save of
+    /// its attempt (see `reconcile::create`), so a crash between the two
+    /// leaves them held by a VM this host never recorded, which no destroy
+    /// would ever release. A VM with a record keeps its leases while it is
+    /// stopped; one whose VMM runs (adopted without a record) keeps them
+    /// while it runs.
+    pub(super) fn release_unrecorded(&self) {
+        let records = self.store.load_all();
+        let mut holders = self
+            .cfg
+            .network
+            .as_ref()
+            .map(|n| n.holders())
+            .unwrap_or_default();
+        if let Ok(ids) = &self.confined.ids {
+            holders.extend(ids.holders());
+        }
+        holders.sort();
+        holders.dedup();
+        for vm_id in holders {
+            if records.contains_key(&vm_id) || self.alive(&vm_id).is_some() {
+                continue;
+            }
+            let released = match &self.cfg.network {
+                Some(network) => network.release(&vm_id, Mac::second_nic(&vm_id)),
+                None => Ok(()),
+            }
+            .and_then(|()| {
+                self.confined
+                    .release(&vm_id)
+                    .map_err(|e| super::CloudHvError::from(e).into())
+            });
+            match released {
+                Ok(()) => log::info!(
+                    "VM {vm_id}: gave back its address and VMM id, held with no record (a create's attempt that a crash kept from being saved)"
+                ),
+                Err(e) => log::warn!(
+                    "VM {vm_id}: cannot give back the leases it holds with no record: {}",
+                    crate::error::chain(&*e)
+                ),
+            }
+        }
+    }
+
     /// Finds every VMM of this agent, whatever its pidfile says: every
     /// process whose command line names an API socket in this agent's run
     /// dir. Those `known` explains (a VM with a record, or in the last

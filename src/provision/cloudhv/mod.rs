@@ -376,6 +376,9 @@ impl Lifecycle for CloudHypervisor {
     /// 1. Leaked taps go first (see [`CloudHypervisor::remove_leaked_taps`]).
     /// 2. Then the live VMMs are adopted, or stopped as orphans (see
     ///    [`CloudHypervisor::adopt`]).
+    /// 3. Then what no VM holds any more is given back: cgroups of no
+    ///    known VM, and the leases of VMs with no record and no VMM (see
+    ///    [`CloudHypervisor::release_unrecorded`]).
     fn recover(&self, known: &[Id]) -> Vec<String> {
         self.remove_leaked_taps();
         let notes = self.adopt(known);
@@ -383,6 +386,7 @@ impl Lifecycle for CloudHypervisor {
         if let Ok(cgroups) = &self.confined.cgroups {
             cgroups.remove_unknown(known);
         }
+        self.release_unrecorded();
         notes
     }
 

@@ -154,7 +154,7 @@ impl CloudHypervisor {
     /// Takes the VM's address and its VMM's user id, each saved before it
     /// is handed out (see [`Lifecycle::reserve`](crate::provision::Lifecycle::reserve)).
     /// Both at once, for the reason the engine asks for them beside the
-    /// disk: two durable writes made together share a journal commit.
+    /// attempt's save: durable writes made together share a journal commit.
     pub(super) fn reserve_host(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
         let address = || match &self.cfg.network {

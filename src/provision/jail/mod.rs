@@ -86,6 +86,12 @@ impl VmmIds {
     pub fn release(&self, vm_id: &Id) -> Result<(), LeaseError> {
         self.leases.release(vm_id.as_str())
     }
+
+    /// The VMs holding an id.
+    pub fn holders(&self) -> Vec<Id> {
+        let keys = self.leases.keys();
+        keys.iter().filter_map(|key| Id::parse(key).ok()).collect()
+    }
 }
 
 /// The jail the VM's VMM enters: `id` as user and group, the KVM group,
