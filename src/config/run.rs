@@ -563,6 +563,8 @@ fn underlay(
             allow: raw.ranges(Key::GuestAllow)?,
             dns: Vec::new(),
         },
+        publish: crate::model::PortRange::parse(&raw.get(Key::PublishPorts))
+            .map_err(|e| err(format!("--publish-ports: {e}")))?,
     }))
 }
 

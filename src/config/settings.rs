@@ -154,6 +154,8 @@ settings! {
             "ranges guests and image downloads may not reach, CIDR,CIDR (besides this host, 169.254.0.0/16, other guests and the control plane, always refused): list the management LAN here; an IPv6 range binds downloads (guests have no IPv6)";
         GuestAllow => "guest-allow", "EITRI_GUEST_ALLOW", "",
             "ranges guests may reach even where refused (this host's addresses, link-local, --guest-deny), CIDR,CIDR";
+        PublishPorts => "publish-ports", "EITRI_PUBLISH_PORTS", "",
+            "host ports a VM's entry may publish to its guest, FIRST-LAST (default: none, so no port is published)";
     ]
     Images { "images", "Images", "how base images are fetched and cached" } [
         ImageRoot => "image-root", "EITRI_IMAGE_ROOT", "",

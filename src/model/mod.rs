@@ -8,6 +8,7 @@
 mod cidr;
 mod id;
 mod mac;
+mod publish;
 mod quota;
 mod report;
 mod saved;
@@ -16,6 +17,7 @@ mod spec;
 pub use cidr::{Cidr, CidrError, IpRange};
 pub use id::{Id, IdError, MAX_ID_LEN};
 pub use mac::Mac;
+pub use publish::{HostPort, PortRange, Publish, Transport, unpublishable};
 pub use quota::{Committed, Quota};
 pub use report::{
     ANSWERED, QuarantinedVm, Report, Rows, UNHEALTHY, VmStatus, VolumeState, VolumeStatus,

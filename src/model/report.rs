@@ -95,6 +95,8 @@ pub struct VmStatus {
     /// Why the VM's entry in desired state was refused, while the host has
     /// the VM and runs it on as it was; empty otherwise.
     pub spec_rejected: String,
+    /// The ports published for it now.
+    pub published: Vec<super::Publish>,
 }
 
 /// How a row's `readiness` ends while its probe answers ("tcp 22 answered").

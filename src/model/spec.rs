@@ -42,6 +42,8 @@ impl Limits {
     /// Ranges in each of a VM's egress lists: elements of one nft set per
     /// list, each a lookup on the guest's packets.
     pub const MAX_EGRESS_RULES: usize = 64;
+    /// Published ports a VM may have.
+    pub const MAX_PUBLISHED_PORTS: usize = 32;
     /// A CPU cap under this is under the kernel's smallest quota (1 ms of
     /// each 100 ms period).
     pub const MIN_CPU_MAX_MILLIS: u64 = 10;
@@ -276,6 +278,9 @@ pub struct DesiredVm {
     /// How the agent knows its guest is up; `None`: once its hypervisor
     /// runs. Not in [`VmSpec`] either: it applies to a running VM.
     pub readiness: Option<Readiness>,
+    /// Ports of the host forwarded to the guest. Not in [`VmSpec`]: like
+    /// the egress rules they apply to a running VM.
+    pub published: Vec<super::Publish>,
 }
 
 /// A readiness probe and its timing.

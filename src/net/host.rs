@@ -21,10 +21,11 @@ use std::sync::Arc;
 
 use super::addresses::{AddressError, Addresses};
 use super::dhcp::{Lease, Responder};
+use super::publish::{Change, Ports};
 use super::snoop::{Learned, Snooper, Writer};
 use super::underlay::{Port, Underlay, UnderlayConfig};
 use crate::error::{BoxFailure, Failure};
-use crate::model::{Egress, Id, Mac};
+use crate::model::{Egress, Id, Mac, Publish};
 
 /// What can go wrong plugging a VM into the host's networks, beyond the
 /// address map (`AddressError`) and the underlay's commands (`NetError`).
@@ -120,6 +121,9 @@ pub struct HostNetwork {
     /// holds for its address (none before its first plug). One lock, so
     /// two changes of one VM never interleave their transactions.
     egress: Mutex<HashMap<Id, EgressHeld>>,
+    /// Each VM's published ports: what it holds, and what the ruleset
+    /// forwards to its address. One lock, as for the egress rules.
+    ports: Mutex<Ports>,
     /// Declared after the snoopers: dropped after them, it writes what
     /// they learned last.
     _writer: Writer,
@@ -139,6 +143,7 @@ impl HostNetwork {
         // Guests may always reach the DNS servers they are told.
         let mut cfg = cfg;
         cfg.egress.dns.clone_from(&dns);
+        let ports = Ports::new(cfg.publish);
         let underlay = Underlay::setup(cfg).map_err(|e| -> BoxFailure { e.into() })?;
         let learned = Arc::new(Learned::open(&layout.learned()));
         let writer = Writer::start(Arc::clone(&learned)).map_err(|source| -> BoxFailure {
@@ -158,6 +163,7 @@ impl HostNetwork {
             learned,
             snoopers: Mutex::new(HashMap::new()),
             egress: Mutex::new(HashMap::new()),
+            ports: Mutex::new(ports),
             _writer: writer,
         })
     }
@@ -200,11 +206,21 @@ impl HostNetwork {
         let tap = &self.taps_of(ip).underlay;
         // Before the tap is guarded, so before the guest sends a frame.
         self.hold_egress(vm_id, Some(ip))?;
+        {
+            let mut ports = self.ports.lock();
+            let change = ports.at(vm_id, ip);
+            self.forward(&mut ports, vm_id, change)?;
+        }
         self.underlay.attach(&Port {
             tap,
             mac,
             ip: Some(ip),
         })?;
+        // A VM that publishes ports leaves the kernel's isolation for the
+        // bridge table's (see `Underlay::isolate`).
+        if !self.ports.lock().held(vm_id).is_empty() {
+            self.underlay.isolate(tap, false)?;
+        }
         let subnet = self.underlay.subnet();
         let lease = Lease {
             mac: mac.octets(),
@@ -236,6 +252,47 @@ impl HostNetwork {
             held.wanted = egress.clone();
         }
         self.hold_egress(vm_id, self.addresses.get(vm_id))
+    }
+
+    /// Makes `wanted` the VM's published ports, as far as the host lets
+    /// it (see [`publish`](super::publish)): forwarded at once while it has
+    /// an address, else from its plug. The ports refused are the error;
+    /// the rest are held. Its hypervisor is not involved.
+    pub fn set_published(&self, vm_id: &Id, wanted: &[Publish]) -> Result<(), BoxFailure> {
+        let mut ports = self.ports.lock();
+        let address = self.addresses.get(vm_id);
+        let had = !ports.held(vm_id).is_empty();
+        let (change, held) = ports.set(vm_id, wanted, address);
+        let has = !ports.held(vm_id).is_empty();
+        // Isolated again before the last port goes, and not before the
+        // first is forwarded; a tap not there yet is made isolated and
+        // loses it at its plug.
+        let tap = address.map(|ip| self.taps_of(ip).underlay);
+        if let Some(tap) = tap.as_deref().filter(|_| had && !has) {
+            self.underlay.isolate(tap, true)?;
+        }
+        self.forward(&mut ports, vm_id, change)?;
+        if let Some(tap) = tap.as_deref().filter(|t| !had && has && tap_exists(t)) {
+            self.underlay.isolate(tap, false)?;
+        }
+        held.map_err(BoxFailure::from)
+    }
+
+    /// The ports the VM holds.
+    pub fn published(&self, vm_id: &Id) -> Vec<Publish> {
+        self.ports.lock().held(vm_id)
+    }
+
+    /// Moves the ruleset's published ports for the VM as `change` says,
+    /// and notes what it says now.
+    fn forward(&self, ports: &mut Ports, vm_id: &Id, change: Change) -> Result<(), BoxFailure> {
+        if change.old == change.new {
+            return Ok(());
+        }
+        self.underlay
+            .publish(change.old.as_ref(), change.new.as_ref())?;
+        ports.applied(vm_id, change.new);
+        Ok(())
     }
 
     /// The VM's own egress rules in the ruleset now, when it has any there.
@@ -342,6 +399,17 @@ impl HostNetwork {
         let snooper = self.snoopers.lock().remove(vm_id);
         let bound = snooper.and_then(Snooper::end);
         {
+            let mut ports = self.ports.lock();
+            let change = ports.release(vm_id);
+            if !ports.held(vm_id).is_empty()
+                && let Some(ip) = self.addresses.get(vm_id)
+            {
+                self.underlay.isolate(&self.taps_of(ip).underlay, true)?;
+            }
+            self.forward(&mut ports, vm_id, change)?;
+            ports.forget(vm_id);
+        }
+        {
             let mut all = self.egress.lock();
             if let Some((at, applied)) = all.get(vm_id).and_then(|h| h.applied.clone()) {
                 self.underlay.set_egress(at, &applied, &Egress::default())?;
@@ -365,4 +433,9 @@ impl HostNetwork {
         self.learned.forget(&second_mac.to_string());
         self.addresses.release(vm_id).map_err(Into::into)
     }
+}
+
+/// Whether the link `name` is there (a stopped VM's tap is not).
+fn tap_exists(name: &str) -> bool {
+    super::packet::ifindex(name).is_ok()
 }

@@ -20,5 +20,7 @@ pub mod nftables;
 pub mod packet;
 pub mod port;
 #[cfg(target_os = "linux")]
+pub mod publish;
+#[cfg(target_os = "linux")]
 pub mod snoop;
 pub mod underlay;

@@ -64,14 +64,36 @@ pub fn join_isolated(tap: &str, bridge: &str) -> Result<(), LinkError> {
     up.attr(IFLA_MASTER, &bridge_index.to_ne_bytes());
     socket.ask(&up.finish()).map_err(fail(0))?;
 
-    let mut isolated = Message::link(2, tap_index, 0, 0);
-    let info = isolated.begin(IFLA_LINKINFO);
-    isolated.attr(IFLA_INFO_SLAVE_KIND, b"bridge\0");
-    let data = isolated.begin(IFLA_INFO_SLAVE_DATA);
-    isolated.attr(IFLA_BRPORT_ISOLATED, &[1]);
-    isolated.end(data);
-    isolated.end(info);
-    socket.ask(&isolated.finish()).map_err(fail(1))
+    socket
+        .ask(&isolation(2, tap_index, true).finish())
+        .map_err(fail(1))
+}
+
+/// Makes the bridge port `tap` isolated or not: as `ip link set dev {tap}
+/// type bridge_slave isolated on|off`.
+pub fn set_isolated(tap: &str, on: bool) -> Result<(), LinkError> {
+    let fail = |source| LinkError {
+        command: format!(
+            "ip link set dev {tap} type bridge_slave isolated {}",
+            if on { "on" } else { "off" }
+        ),
+        source,
+    };
+    let socket = Socket::open(libc::NETLINK_ROUTE).map_err(fail)?;
+    let index = ifindex(tap).map_err(fail)?;
+    socket.ask(&isolation(1, index, on).finish()).map_err(fail)
+}
+
+/// The request that sets a bridge port's isolation.
+fn isolation(seq: u32, index: i32, on: bool) -> Message {
+    let mut m = Message::link(seq, index, 0, 0);
+    let info = m.begin(IFLA_LINKINFO);
+    m.attr(IFLA_INFO_SLAVE_KIND, b"bridge\0");
+    let data = m.begin(IFLA_INFO_SLAVE_DATA);
+    m.attr(IFLA_BRPORT_ISOLATED, &[u8::from(on)]);
+    m.end(data);
+    m.end(info);
+    m
 }
 
 /// One netlink request, built in place.

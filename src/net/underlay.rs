@@ -58,8 +58,8 @@ pub use super::command::NetError;
 #[cfg(target_os = "linux")]
 use super::command::{have, run};
 pub use super::port::Port;
-use crate::model::Cidr;
 use crate::model::Egress as VmEgress;
+use crate::model::{Cidr, PortRange, Publish};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnderlayConfig {
@@ -70,6 +70,8 @@ pub struct UnderlayConfig {
     /// Every guest tap's name starts with it: one without a guard is dropped.
     pub tap_prefix: String,
     pub egress: Egress,
+    /// The host ports guests may be published on (`--publish-ports`).
+    pub publish: PortRange,
 }
 
 /// Where guests may not go, beyond what is always refused (the host
@@ -171,6 +173,51 @@ impl Underlay {
         })
     }
 
+    /// Makes the guest port `tap` isolated from the bridge's other ports
+    /// by the kernel (`on`, as [`Underlay::attach`] leaves it), or only by
+    /// the bridge table's forward chain, which lets the connections to a
+    /// published port through (see [`nft_ruleset`]): a port's isolation is
+    /// off while its VM publishes ports, as a bridged connection to them
+    /// from another guest (with `br_netfilter`, which bridges a DNAT back
+    /// onto the bridge it came from) must pass it.
+    ///
+    /// The bridge table's rules for the port are in place before its
+    /// isolation goes, and stay until it is back: the port is never left
+    /// to the kernel's isolation alone while it has none. A port no longer
+    /// there is isolated enough.
+    pub fn isolate(&self, tap: &str, on: bool) -> Result<(), NetError> {
+        let element = format!("bridge {} unisolated {{ \"{tap}\" }}", self.cfg.table);
+        let netlink = |on| {
+            super::netlink::set_isolated(tap, on).map_err(|e| NetError::Netlink {
+                request: e.command,
+                source: e.source,
+            })
+        };
+        if on {
+            match netlink(true) {
+                Err(NetError::Netlink { source, .. })
+                    if source.raw_os_error() == Some(nix::libc::ENODEV) => {}
+                other => other?,
+            }
+            if self.nat.guards() {
+                let text = format!("add element {element}\ndelete element {element}\n");
+                run("nft", &["-f", "-"], Some(&text))?;
+            }
+            return Ok(());
+        }
+        if !self.nat.guards() {
+            return Err(NetError::Unenforceable {
+                what: "a published port's way in from other guests",
+            });
+        }
+        run(
+            "nft",
+            &["-f", "-"],
+            Some(&format!("add element {element}\n")),
+        )?;
+        netlink(false)
+    }
+
     /// Holds `port` to its MAC (and address), in one transaction. Nothing to do without nft (said at setup).
     pub fn guard(&self, port: &Port<'_>) -> Result<(), NetError> {
         if !self.nat.guards() {
@@ -245,6 +292,30 @@ impl Underlay {
             };
         }
         let text = egress_ruleset(&self.cfg.table, guest, old, new);
+        if text.is_empty() {
+            return Ok(());
+        }
+        run("nft", &["-f", "-"], Some(&text)).map(drop)
+    }
+
+    /// Moves a VM's published ports in the ruleset (see
+    /// [`publish_ruleset`]). Without nft nothing can forward them: an
+    /// error when there are any.
+    pub fn publish(
+        &self,
+        old: Option<&(Ipv4Addr, Vec<Publish>)>,
+        new: Option<&(Ipv4Addr, Vec<Publish>)>,
+    ) -> Result<(), NetError> {
+        if !self.nat.guards() {
+            return if new.is_none_or(|(_, list)| list.is_empty()) {
+                Ok(())
+            } else {
+                Err(NetError::Unenforceable {
+                    what: "a VM's published ports",
+                })
+            };
+        }
+        let text = publish_ruleset(&self.cfg.table, old, new);
         if text.is_empty() {
             return Ok(());
         }
@@ -331,6 +402,23 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \tchain postrouting {{\n\
          \t\ttype nat hook postrouting priority srcnat; policy accept;\n\
          \t\tip saddr {s} oifname != \"{b}\" masquerade\n\
+         \t\tip saddr {s} oifname \"{b}\" ct status dnat masquerade comment \"a guest to a published port: answered through the host\"\n\
+         \t}}\n\
+         \tmap publish_any {{\n\
+         \t\ttype inet_proto . inet_service : ipv4_addr . inet_service;\n\
+         \t}}\n\
+         \tmap publish_at {{\n\
+         \t\ttype ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service;\n\
+         \t}}\n\
+         \tchain publish_in {{\n\
+         \t\ttype nat hook prerouting priority dstnat; policy accept;\n\
+         \t\tfib daddr type local dnat ip to ip daddr . meta l4proto . th dport map @publish_at\n\
+         \t\tfib daddr type local dnat ip to meta l4proto . th dport map @publish_any\n\
+         \t}}\n\
+         \tchain publish_out {{\n\
+         \t\ttype nat hook output priority -100; policy accept;\n\
+         \t\tip daddr != 127.0.0.0/8 fib daddr type local dnat ip to ip daddr . meta l4proto . th dport map @publish_at\n\
+         \t\tip daddr != 127.0.0.0/8 fib daddr type local dnat ip to meta l4proto . th dport map @publish_any\n\
          \t}}\n\
          \tchain input {{\n\
          \t\ttype filter hook input priority filter; policy accept;\n\
@@ -354,7 +442,9 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \t\ttype filter hook forward priority filter; policy accept;\n\
          {dns_rule}\
          \t\tiifname \"{b}\" ip saddr @vm_ruled ip saddr . ip daddr @vm_deny ip saddr . ip daddr != @vm_allow counter drop comment \"denied by the VM's own egress rules\"\n\
+         \t\toifname \"{b}\" ct status dnat meta mark set meta mark or {PUBLISHED_MARK:#010x} comment \"to a published port: let through the bridge\"\n\
          \t\tct state established,related accept\n\
+         \t\toifname \"{b}\" ct status dnat accept comment \"to a published port\"\n\
          \t\tiifname \"{b}\" oifname \"{b}\" counter drop comment \"guest to guest\"\n\
          \t\tiifname \"{b}\" ip daddr @allow accept\n\
          \t\tiifname \"{b}\" ip daddr @deny counter drop comment \"a denied destination\"\n\
@@ -387,12 +477,29 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \t\tether type arp accept\n\
          \t\tcounter drop comment \"neither IPv4 nor ARP\"\n\
          \t}}\n\
+         \tset unisolated {{\n\
+         \t\ttype ifname;\n\
+         \t}}\n\
+         \tchain forward {{\n\
+         \t\ttype filter hook forward priority 100; policy accept;\n\
+         \t\tiifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"a published port's answer\"\n\
+         \t\toifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"to a published port\"\n\
+         \t\tiifname @unisolated counter drop comment \"guest to guest, from a port the kernel does not isolate\"\n\
+         \t\toifname @unisolated counter drop comment \"guest to guest, to a port the kernel does not isolate\"\n\
+         \t}}\n\
          }}\n",
+        unmark = !PUBLISHED_MARK,
         deny_set = set("deny", &deny),
         allow_set = set("allow", &cfg.egress.allow),
         prefix = cfg.tap_prefix,
     )
 }
+
+/// The bit of a packet's mark that says "a connection to a published
+/// port" from the ip table's forward chain to the bridge table's, which
+/// clears it as it lets the frame through: it lives for one hop of one
+/// packet, so a host's other users of the mark see it only there.
+pub const PUBLISHED_MARK: u32 = 0x0100_0000;
 
 /// What holds one port, as set elements: its tap and MAC in `macs`, and
 /// for an underlay port its tap and address in `addrs` (see
@@ -467,6 +574,60 @@ pub fn egress_ruleset(table: &str, guest: Ipv4Addr, old: &VmEgress, new: &VmEgre
         text.push_str(&format!("add element {ruled}\ndelete element {ruled}\n"));
     }
     text
+}
+
+/// Moves a VM's published ports from what the ruleset says for it (`old`,
+/// at its guest's address then) to `new`, in one transaction: elements of
+/// `publish_any` (every address of the host) and `publish_at` (one),
+/// keyed by the host side, so a lookup costs the same at any number of
+/// ports. Each removed element is added first, so what is absent is no
+/// error; removed before added, as a port may move to another guest port.
+pub fn publish_ruleset(
+    table: &str,
+    old: Option<&(Ipv4Addr, Vec<Publish>)>,
+    new: Option<&(Ipv4Addr, Vec<Publish>)>,
+) -> String {
+    let listed = |side: Option<&(Ipv4Addr, Vec<Publish>)>| -> Vec<String> {
+        side.map(|(guest, list)| {
+            list.iter()
+                .map(|p| publish_element(table, *guest, p))
+                .collect()
+        })
+        .unwrap_or_default()
+    };
+    let (was, now) = (listed(old), listed(new));
+    let mut text = String::new();
+    for gone in was.iter().filter(|e| !now.contains(e)) {
+        text.push_str(&format!(
+            "add element {gone}\ndelete element {}\n",
+            key_only(gone)
+        ));
+    }
+    for came in now.iter().filter(|e| !was.contains(e)) {
+        text.push_str(&format!("add element {came}\n"));
+    }
+    text
+}
+
+/// One published port as a map element: `ip T publish_any { tcp . 30080 :
+/// 10.0.0.2 . 80 }`, or in `publish_at` with the host address first.
+fn publish_element(table: &str, guest: Ipv4Addr, p: &Publish) -> String {
+    let (map, at) = match p.host_address {
+        Some(address) => ("publish_at", format!("{address} . ")),
+        None => ("publish_any", String::new()),
+    };
+    format!(
+        "ip {table} {map} {{ {at}{} . {} : {guest} . {} }}",
+        p.transport, p.host_port, p.guest_port
+    )
+}
+
+/// A map element without its value: what `delete element` takes.
+fn key_only(element: &str) -> String {
+    match element.split_once(" : ") {
+        Some((key, _)) => format!("{key} }}"),
+        None => element.to_owned(),
+    }
 }
 
 fn address_element(table: &str, tap: &str, ip: Ipv4Addr) -> String {

@@ -9,7 +9,9 @@
 
 use std::collections::HashMap;
 
-use super::tenant::{egress_list, readiness, readiness_to_wire, vm_limits};
+use super::tenant::{
+    egress_list, published_ports, published_to_wire, readiness, readiness_to_wire, vm_limits,
+};
 use crate::model::is_hostname;
 use crate::model::{
     Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report,
@@ -172,6 +174,7 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         ssh_user_ca_keys: ca_keys,
         egress,
         readiness: raw.readiness.as_ref().map(readiness).transpose()?,
+        published: published_ports(&raw.published_ports)?,
     })
 }
 
@@ -209,6 +212,7 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                 ssh_user_ca_authorized_keys: d.ssh_user_ca_keys.clone(),
                 egress_allow: d.egress.allow.iter().map(Cidr::to_string).collect(),
                 egress_deny: d.egress.deny.iter().map(Cidr::to_string).collect(),
+                published_ports: published_to_wire(&d.published),
             }
         }
     }
@@ -306,6 +310,7 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         limits: row.limits.clone(),
         readiness: row.readiness.clone(),
         spec_rejected: row.spec_rejected.clone(),
+        published_ports: published_to_wire(&row.published),
     }
 }
 
@@ -332,6 +337,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             limits: row.limits.clone(),
             readiness: row.readiness.clone(),
             spec_rejected: row.spec_rejected.clone(),
+            published: published_ports(&row.published_ports)?,
         }));
     }
     for q in &wire.quarantined {

@@ -74,7 +74,7 @@ pub struct SignedSnapshot {
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 #[serde(deny_unknown_fields)]
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct VmSpec {
     /// Stable identity: 1-64 characters of \[A-Za-z0-9._-\], not "." or "..".
     /// It names the VM's directory on the host, so it is validated before use.
@@ -174,6 +174,39 @@ pub struct VmSpec {
     /// runs, as before. Applies to a running VM from the next tick.
     #[prost(message, optional, tag = "24")]
     pub readiness: ::core::option::Option<Readiness>,
+    /// Ports of the host that reach the guest (at most 32): a connection to
+    /// one, from anywhere that reaches the host (another host, another guest,
+    /// the host itself, on any of its addresses but loopback) is forwarded to
+    /// the guest's port on its underlay address, the client's address kept
+    /// (a guest's own, from another guest, is the bridge's). Host ports come
+    /// from the host's --publish-ports range; a host port another VM of the
+    /// host holds, or a host process listens on, is refused for this VM
+    /// (the other keeps it) and its row says why. Changed on a running VM,
+    /// they apply within a tick, its hypervisor untouched; they go with the
+    /// VM. A VM's own egress rules and the bridge's guard apply as ever:
+    /// publishing opens a way in, not a way out.
+    #[prost(message, repeated, tag = "25")]
+    pub published_ports: ::prost::alloc::vec::Vec<PublishedPort>,
+}
+/// One port published to the world: host_port of the host forwarded to
+/// guest_port of the guest.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct PublishedPort {
+    /// "tcp" or "udp"; empty = "tcp".
+    #[prost(string, tag = "1")]
+    pub protocol: ::prost::alloc::string::String,
+    /// 1..=65535, within the host's --publish-ports range.
+    #[prost(uint32, tag = "2")]
+    pub host_port: u32,
+    /// 1..=65535.
+    #[prost(uint32, tag = "3")]
+    pub guest_port: u32,
+    /// One IPv4 address of the host to publish on (not loopback, multicast
+    /// or broadcast); empty = every address of the host.
+    #[prost(string, tag = "4")]
+    pub host_address: ::prost::alloc::string::String,
 }
 /// A readiness probe: exactly one of serial_contains and tcp_port (which
 /// http_path makes an HTTP check).
@@ -309,7 +342,7 @@ pub struct DesiredRefused {
 /// One VM's observed state. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]
 #[serde(default)]
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct VmStatus {
     #[prost(string, tag = "1")]
     pub vm_id: ::prost::alloc::string::String,
@@ -359,6 +392,11 @@ pub struct VmStatus {
     /// row (phase included) says how it is; it is not a failed VM.
     #[prost(string, tag = "12")]
     pub spec_rejected: ::prost::alloc::string::String,
+    /// The ports published for it now (VMSpec.published_ports as held on the
+    /// host); one asked for but not held is missing here, and its row's
+    /// last_error says why.
+    #[prost(message, repeated, tag = "13")]
+    pub published_ports: ::prost::alloc::vec::Vec<PublishedPort>,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

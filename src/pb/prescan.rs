@@ -6,7 +6,7 @@
 //! walks the top-level fields with no allocation, so a snapshot with more
 //! entries than the agent will take is refused at the cost of reading it.
 //! So with the lists inside a VM entry (its volume ids, its user CA keys,
-//! its egress ranges):
+//! its egress ranges, its published ports):
 //! each VM entry is walked too, and one with more of either than a VM may
 //! have refuses the snapshot before a string of it is made.
 
@@ -19,11 +19,13 @@ use crate::model::Limits;
 const VMS_FIELD: u32 = 2;
 const VOLUMES_FIELD: u32 = 4;
 /// `VMSpec.volume_ids`, `VMSpec.ssh_user_ca_authorized_keys`,
-/// `VMSpec.egress_allow` and `VMSpec.egress_deny`.
+/// `VMSpec.egress_allow`, `VMSpec.egress_deny` and
+/// `VMSpec.published_ports`.
 const VOLUME_IDS_FIELD: u32 = 8;
 const CA_KEYS_FIELD: u32 = 16;
 const EGRESS_ALLOW_FIELD: u32 = 17;
 const EGRESS_DENY_FIELD: u32 = 18;
+const PUBLISHED_PORTS_FIELD: u32 = 25;
 
 /// Why a snapshot's bytes are refused before they are decoded.
 #[derive(Debug)]
@@ -93,16 +95,18 @@ pub fn count_snapshot_entries(buf: &[u8]) -> Result<EntryCounts, PrescanError> {
     Ok(counts)
 }
 
-/// Refuses the `n`-th VM entry if it holds more volume ids, user CA keys
-/// or egress ranges than a VM may have.
+/// Refuses the `n`-th VM entry if it holds more volume ids, user CA keys,
+/// egress ranges or published ports than a VM may have.
 fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), PrescanError> {
     let (mut volumes, mut keys, mut allowed, mut denied) = (0usize, 0usize, 0usize, 0usize);
+    let mut published = 0usize;
     walk(entry, |field, _| {
         match field {
             VOLUME_IDS_FIELD => volumes += 1,
             CA_KEYS_FIELD => keys += 1,
             EGRESS_ALLOW_FIELD => allowed += 1,
             EGRESS_DENY_FIELD => denied += 1,
+            PUBLISHED_PORTS_FIELD => published += 1,
             _ => {}
         }
         Ok(())
@@ -127,6 +131,13 @@ fn check_vm_entry(entry: &[u8], n: usize) -> Result<(), PrescanError> {
         if count > Limits::MAX_EGRESS_RULES {
             return Err(over(what, count, Limits::MAX_EGRESS_RULES));
         }
+    }
+    if published > Limits::MAX_PUBLISHED_PORTS {
+        return Err(over(
+            "published_ports",
+            published,
+            Limits::MAX_PUBLISHED_PORTS,
+        ));
     }
     Ok(())
 }
@@ -248,6 +259,20 @@ mod tests {
                 ..Default::default()
             },
             "egress_allow",
+        );
+    }
+
+    #[test]
+    fn a_vm_entry_with_more_published_ports_than_a_vm_may_have_is_refused_before_decoding() {
+        refused_naming(
+            pb::VmSpec {
+                published_ports: vec![
+                    pb::PublishedPort::default();
+                    Limits::MAX_PUBLISHED_PORTS + 1
+                ],
+                ..Default::default()
+            },
+            "published_ports",
         );
     }
 

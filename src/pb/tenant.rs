@@ -1,10 +1,10 @@
 //! The wire's promises to a tenant's VM, checked: its own egress ranges,
-//! its limits and its readiness probe (see the README's Limits and
-//! Readiness). Each bad value refuses its VM entry alone, naming the field.
+//! its published ports, its limits and its readiness probe (see the
+//! README's Limits, Published ports and Readiness). Each bad value refuses its VM entry alone, naming the field.
 
 use std::time::Duration;
 
-use crate::model::{Check, Cidr, Limits, Readiness, SpecError, VmLimits};
+use crate::model::{Check, Cidr, Limits, Publish, Readiness, SpecError, Transport, VmLimits};
 use crate::pb;
 use crate::quote;
 
@@ -35,6 +35,89 @@ pub(super) fn egress_list(field: &'static str, raw: &[String]) -> Result<Vec<Cid
         list.push(cidr);
     }
     Ok(list)
+}
+
+/// A VM's published ports: at most [`Limits::MAX_PUBLISHED_PORTS`], each
+/// port of the host once. Whether the host's range holds them is the
+/// host's to say (`--publish-ports`), when it holds them.
+pub(super) fn published_ports(raw: &[pb::PublishedPort]) -> Result<Vec<Publish>, SpecError> {
+    const FIELD: &str = "published_ports";
+    if raw.len() > Limits::MAX_PUBLISHED_PORTS {
+        return Err(SpecError::new(
+            FIELD,
+            format!(
+                "{} ports, at most {}",
+                raw.len(),
+                Limits::MAX_PUBLISHED_PORTS
+            ),
+        ));
+    }
+    let mut list: Vec<Publish> = Vec::with_capacity(raw.len());
+    for p in raw {
+        let transport = Transport::parse(&p.protocol).ok_or_else(|| {
+            SpecError::new(
+                FIELD,
+                format!(
+                    "protocol {} is not \"tcp\" or \"udp\"",
+                    quote::text(&p.protocol)
+                ),
+            )
+        })?;
+        let port = |what: &str, n: u32| {
+            u16::try_from(n)
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| SpecError::new(FIELD, format!("{what} {n} is not a port (1-65535)")))
+        };
+        let host_address = match p.host_address.as_str() {
+            "" => None,
+            text => {
+                let address: std::net::Ipv4Addr = text.parse().map_err(|_| {
+                    SpecError::new(
+                        FIELD,
+                        format!(
+                            "host_address {} is not an IPv4 address (or empty, for every address of the host)",
+                            quote::text(text)
+                        ),
+                    )
+                })?;
+                if let Some(why) = crate::model::unpublishable(address) {
+                    return Err(SpecError::new(
+                        FIELD,
+                        format!("host_address {address}: {why}"),
+                    ));
+                }
+                Some(address)
+            }
+        };
+        let publish = Publish {
+            transport,
+            host_port: port("host_port", p.host_port)?,
+            guest_port: port("guest_port", p.guest_port)?,
+            host_address,
+        };
+        let side = publish.host_side();
+        if let Some(other) = list.iter().find(|o| o.host_side().overlaps(&side)) {
+            return Err(SpecError::new(
+                FIELD,
+                format!("{side} is published twice ({other} and {publish})"),
+            ));
+        }
+        list.push(publish);
+    }
+    Ok(list)
+}
+
+/// The wire's form of published ports.
+pub(super) fn published_to_wire(list: &[Publish]) -> Vec<pb::PublishedPort> {
+    list.iter()
+        .map(|p| pb::PublishedPort {
+            protocol: p.transport.as_str().to_owned(),
+            host_port: u32::from(p.host_port),
+            guest_port: u32::from(p.guest_port),
+            host_address: p.host_address.map(|a| a.to_string()).unwrap_or_default(),
+        })
+        .collect()
 }
 
 /// A VM's limits: each 0 (the host's) or within its bounds.

@@ -196,6 +196,19 @@ pub trait Holds: Send + Sync {
     /// are (the host's policy alone).
     fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress>;
 
+    /// Makes `wanted` the VM's published ports, as far as the host lets it:
+    /// each held within the call (forwarded while the VM has its network,
+    /// from its next plug otherwise), its hypervisor untouched. The ports
+    /// refused are the error (permanent: another VM holds one, or the
+    /// host's range lacks it; a host condition: a host process holds
+    /// one); the rest are held. Cheap when unchanged: called on every pass.
+    fn set_published(&self, vm_id: &Id, wanted: &[crate::model::Publish])
+    -> Result<(), BoxFailure>;
+
+    /// The ports the VM holds on the host now (forwarded or, before its
+    /// network is plugged, kept for it).
+    fn published(&self, vm_id: &Id) -> Vec<crate::model::Publish>;
+
     /// The limits a VM of `spec` runs with on this host (its own, else the
     /// host's defaults); `None` when this backend holds none.
     fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits>;
@@ -268,6 +281,27 @@ impl dyn Lifecycle + '_ {
             )
             .into()),
         }
+    }
+
+    /// No port to publish needs holding; any is refused, as a host
+    /// condition, by a backend that cannot hold it.
+    pub fn set_published(
+        &self,
+        vm_id: &Id,
+        wanted: &[crate::model::Publish],
+    ) -> Result<(), BoxFailure> {
+        match self.holds() {
+            Some(h) => h.set_published(vm_id, wanted),
+            None if wanted.is_empty() => Ok(()),
+            None => Err(crate::error::Simple::host(
+                "this host's hypervisor backend cannot publish a VM's ports",
+            )
+            .into()),
+        }
+    }
+
+    pub fn published(&self, vm_id: &Id) -> Vec<crate::model::Publish> {
+        self.holds().map(|h| h.published(vm_id)).unwrap_or_default()
     }
 
     /// See [`Holds::network_served`]; a backend that holds nothing serves

@@ -108,6 +108,51 @@ impl Core {
         rec
     }
 
+    /// Holds the VM's published ports as its entry says, once it has a
+    /// record (after its lifecycle's step: a create's record comes first,
+    /// and a VM that never had one holds nothing a destroy would not give
+    /// back), and records what is held when that changed: an agent's
+    /// start holds the recorded ones again before any pass. A port
+    /// refused stays refused to this VM only; it runs whatever its ports.
+    pub(super) fn publish(&self, desired: &DesiredVm) -> Result<(), BoxFailure> {
+        let vm_id = &desired.spec.vm_id;
+        let Ok(Some(rec)) = self.store.get(vm_id) else {
+            return Ok(());
+        };
+        let result = self.prov.set_published(vm_id, &desired.published);
+        let held = self.prov.published(vm_id);
+        if rec.published != held {
+            let mut rec = (*rec).clone();
+            rec.published = held;
+            self.save_best_effort(&rec);
+        }
+        result
+    }
+
+    /// The ports held for the VM in its row, and why the others its entry
+    /// asks for are not.
+    pub(super) fn say_published(
+        &self,
+        vm_id: &Id,
+        published: Result<(), BoxFailure>,
+        res: &mut VmResult,
+    ) {
+        let Some(row) = res.row.as_mut() else {
+            return;
+        };
+        row.published = self.prov.published(vm_id);
+        if let Err(e) = published {
+            let why = crate::error::chain(&*e);
+            self.logs
+                .warn(&format!("{vm_id}/publish"), &format!("VM {vm_id}: {why}"));
+            row.last_error = if row.last_error.is_empty() {
+                why
+            } else {
+                format!("{}; {why}", row.last_error)
+            };
+        }
+    }
+
     /// Publishes the row of a VM whose hypervisor just started, mid-pass,
     /// as the end of the pass will say it: with a probe in its spec it is
     /// not ready before its guest answers, and what it is held to is in it.

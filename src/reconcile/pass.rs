@@ -96,6 +96,7 @@ impl VmResult {
             limits: String::new(),
             readiness: String::new(),
             spec_rejected: String::new(),
+            published: Vec::new(),
         });
     }
 
@@ -347,9 +348,11 @@ impl Core {
             return self.refuse_unfenced(vm_id, &**e, rec.as_ref(), pass.res);
         }
         self.drive_lifecycle(desired, rec, pass);
+        let published = self.publish(desired);
         self.probe(pass.deadline, desired, pass.res);
         self.say_unserved(vm_id, pass.res);
         self.say_what_it_is_held_to(desired, held, pass.res);
+        self.say_published(vm_id, published, pass.res);
     }
 
     /// A running VM whose network is not served (adopted while it could

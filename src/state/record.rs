@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::Lifecycle;
-use crate::model::{Egress, VmSpec};
+use crate::model::{Egress, Publish, VmSpec};
 
 /// The on-disk format this agent writes. A record of a higher format was
 /// written by a newer agent and is reported unreadable rather than half
@@ -27,6 +27,11 @@ pub struct Record {
     /// agent's start adopts its running hypervisor, before any pass.
     #[serde(default, skip_serializing_if = "Egress::is_open")]
     pub egress: Egress,
+    /// The ports published for it, as last held: held again at an
+    /// agent's start, before any pass. Saved after they are held, so a
+    /// record names only ports that were granted to it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub published: Vec<Publish>,
 }
 
 impl Record {
@@ -39,6 +44,7 @@ impl Record {
             network_ip: String::new(),
             host_pubkey: String::new(),
             egress: Egress::default(),
+            published: Vec::new(),
         }
     }
 }

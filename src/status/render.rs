@@ -312,7 +312,7 @@ fn spec_fields(detail: &VmDetail) -> Vec<Field> {
 }
 
 /// Where it stands: power and phase and since when, what it is doing, the
-/// limits, egress and readiness it runs with.
+/// limits, egress, readiness and published ports it runs with.
 fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
     let mut fields = vec![
         (
@@ -338,7 +338,31 @@ fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
             fields.push((key, inline(value)));
         }
     }
+    if !row.published_ports.is_empty() {
+        fields.push(("published", published(&row.published_ports)));
+    }
     fields
+}
+
+/// Its published ports as people read them: `30080/tcp → 80, 10.0.0.1:30053/udp → 53`.
+fn published(ports: &[pb::PublishedPort]) -> String {
+    let said: Vec<String> = ports
+        .iter()
+        .map(|p| {
+            let at = if p.host_address.is_empty() {
+                String::new()
+            } else {
+                format!("{}:", p.host_address)
+            };
+            format!(
+                "{at}{}/{} → {}",
+                p.host_port,
+                inline(&p.protocol),
+                p.guest_port
+            )
+        })
+        .collect();
+    said.join(", ")
 }
 
 /// Its last error and since when, and the attempts spent.
@@ -773,6 +797,38 @@ mod tests {
 
         assert!(
             text.contains("\n  egress     deny 0.0.0.0/0 except 192.0.2.0/24\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn status_of_a_vm_that_publishes_ports_lists_them() {
+        let mut file = golden_host();
+        for row in &mut file.report.vms {
+            if row.vm_id == "web-1" {
+                row.published_ports = vec![
+                    pb::PublishedPort {
+                        protocol: "tcp".into(),
+                        host_port: 30080,
+                        guest_port: 80,
+                        host_address: String::new(),
+                    },
+                    pb::PublishedPort {
+                        protocol: "udp".into(),
+                        host_port: 30053,
+                        guest_port: 53,
+                        host_address: "192.0.2.10".into(),
+                    },
+                ];
+            }
+        }
+
+        let text = file
+            .render_vm("web-1", &[], &[], at_now())
+            .unwrap_or_default();
+
+        assert!(
+            text.contains("\n  published  30080/tcp → 80, 192.0.2.10:30053/udp → 53\n"),
             "{text}"
         );
     }

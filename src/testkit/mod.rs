@@ -194,6 +194,10 @@ pub struct Fakes {
     /// every pass, they would crowd every test's list of calls).
     egress: Mutex<HashMap<Id, crate::model::Egress>>,
     egress_refused: std::sync::atomic::AtomicBool,
+    /// Each VM's published ports as granted (not a [`Call`], as egress).
+    published: Mutex<HashMap<Id, Vec<crate::model::Publish>>>,
+    /// Host ports refused to any VM that asks (see [`Fakes::refuse_port`]).
+    ports_refused: Mutex<Vec<u16>>,
     /// What a VM's root disk is said to leave to sync (see
     /// [`Fakes::root_disk_at`]); nothing for the others.
     made: Mutex<HashMap<Id, std::path::PathBuf>>,
@@ -220,6 +224,8 @@ impl Fakes {
             exits: Mutex::new(None),
             egress: Mutex::new(HashMap::new()),
             egress_refused: std::sync::atomic::AtomicBool::new(false),
+            published: Mutex::new(HashMap::new()),
+            ports_refused: Mutex::new(Vec::new()),
             made: Mutex::new(HashMap::new()),
         })
     }
@@ -383,6 +389,12 @@ impl Fakes {
     /// a host condition.
     pub fn refuse_egress(&self) {
         self.egress_refused.store(true, Ordering::SeqCst);
+    }
+
+    /// From now on, host port `port` is refused to any VM that asks for
+    /// it, as another VM's.
+    pub fn refuse_port(&self, port: u16) {
+        self.ports_refused.lock().push(port);
     }
 
     /// The VM's own egress rules as the engine last set them.
@@ -626,6 +638,35 @@ impl Holds for Fakes {
     fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
         Some(spec.limits)
     }
+
+    /// Every port is granted, unless `ports_refused` names it: refused as
+    /// another VM's (a permanent error).
+    fn set_published(
+        &self,
+        vm_id: &Id,
+        wanted: &[crate::model::Publish],
+    ) -> Result<(), BoxFailure> {
+        let refused = self.ports_refused.lock().clone();
+        let (granted, denied): (Vec<_>, Vec<_>) =
+            wanted.iter().partition(|p| !refused.contains(&p.host_port));
+        self.published.lock().insert(vm_id.clone(), granted);
+        match denied.first() {
+            None => Ok(()),
+            Some(p) => Err(crate::error::Simple::permanent(format!(
+                "{}: the fake host gave it to another VM",
+                p.host_side()
+            ))
+            .into()),
+        }
+    }
+
+    fn published(&self, vm_id: &Id) -> Vec<crate::model::Publish> {
+        self.published
+            .lock()
+            .get(vm_id)
+            .cloned()
+            .unwrap_or_default()
+    }
 }
 
 impl Images for Fakes {
@@ -768,6 +809,7 @@ pub fn desired(vm: &str) -> DesiredVm {
         ssh_user_ca_keys: Vec::new(),
         egress: crate::model::Egress::default(),
         readiness: None,
+        published: Vec::new(),
     }
 }
 

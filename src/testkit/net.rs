@@ -70,6 +70,7 @@ pub fn underlay_config() -> UnderlayConfig {
         table: "eitri_test".into(),
         tap_prefix: "etg".into(),
         egress: crate::net::underlay::Egress::default(),
+        publish: crate::model::PortRange::new(30000, 30999).unwrap_or_default(),
     }
 }
 

@@ -42,6 +42,12 @@ fn full_vm(id: &str) -> pb::VmSpec {
             restart_after_s: 120,
             ..pb::Readiness::default()
         }),
+        published_ports: vec![pb::PublishedPort {
+            protocol: "udp".into(),
+            host_port: 30053,
+            guest_port: 53,
+            host_address: "192.0.2.1".into(),
+        }],
     }
 }
 
@@ -141,6 +147,12 @@ fn report_round_trips_every_field() {
                 limits: "cpu 1.5, net 100 Mbit/s each way".into(),
                 readiness: "tcp 22 answered".into(),
                 spec_rejected: "egress_allow: not a range".into(),
+                published: vec![eitri_agent::model::Publish {
+                    transport: eitri_agent::model::Transport::Tcp,
+                    host_port: 30080,
+                    guest_port: 80,
+                    host_address: None,
+                }],
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),
@@ -389,6 +401,91 @@ fn a_bad_egress_range_refuses_its_vm_alone() {
     assert_eq!(snap.vms[0].id().as_str(), "good");
     assert_eq!(snap.rejected_vms.len(), 1);
     assert_eq!(snap.rejected_vms[0].raw_id, "bad");
+}
+
+fn port(protocol: &str, host_port: u32, guest_port: u32, host_address: &str) -> pb::PublishedPort {
+    pb::PublishedPort {
+        protocol: protocol.into(),
+        host_port,
+        guest_port,
+        host_address: host_address.into(),
+    }
+}
+
+#[test]
+fn published_ports_survive_the_wire_both_ways() {
+    let wire = pb::VmSpec {
+        published_ports: vec![port("", 30080, 80, ""), port("udp", 30053, 53, "192.0.2.1")],
+        ..full_vm("v")
+    };
+
+    let snap = convert::snapshot_from_wire(&pb::Snapshot {
+        vms: vec![wire],
+        ..pb::Snapshot::default()
+    });
+    let back = convert::vm_to_wire(&snap.vms[0]);
+
+    assert_eq!(
+        back.published_ports,
+        [
+            port("tcp", 30080, 80, ""),
+            port("udp", 30053, 53, "192.0.2.1")
+        ]
+    );
+}
+
+#[test]
+fn a_published_port_of_another_protocol_is_refused_naming_the_two_it_may_be() {
+    let err = rejection(pb::VmSpec {
+        published_ports: vec![port("sctp", 30080, 80, "")],
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("published_ports") && err.contains("\"tcp\" or \"udp\""),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_published_port_past_65535_or_zero_is_refused() {
+    let past = rejection(pb::VmSpec {
+        published_ports: vec![port("tcp", 70000, 80, "")],
+        ..full_vm("v")
+    });
+    let zero = rejection(pb::VmSpec {
+        published_ports: vec![port("tcp", 30080, 0, "")],
+        ..full_vm("v")
+    });
+
+    assert!(past.contains("host_port 70000 is not a port"), "{past}");
+    assert!(zero.contains("guest_port 0 is not a port"), "{zero}");
+}
+
+#[test]
+fn a_host_port_published_twice_by_one_vm_is_refused() {
+    let err = rejection(pb::VmSpec {
+        published_ports: vec![
+            port("tcp", 30080, 80, ""),
+            port("tcp", 30080, 81, "192.0.2.1"),
+        ],
+        ..full_vm("v")
+    });
+
+    assert!(err.contains("published twice"), "{err}");
+}
+
+#[test]
+fn a_port_published_on_loopback_is_refused_saying_why() {
+    let err = rejection(pb::VmSpec {
+        published_ports: vec![port("tcp", 30080, 80, "127.0.0.1")],
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("host_address 127.0.0.1") && err.contains("loopback"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -13,6 +13,7 @@ mod logs;
 mod network;
 mod preflight;
 mod process;
+mod publish;
 mod stop;
 mod suspend;
 

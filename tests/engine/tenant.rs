@@ -1,6 +1,7 @@
 //! What a tenant's VM is promised beyond its hardware, through the engine
 //! against the fake backend: its own egress rules, held from before its
-//! first boot and changed on a running VM without touching it; and its
+//! first boot and changed on a running VM without touching it; its
+//! published ports, held once it has a record and recorded as held; and its
 //! limits, which a running VM takes at its next boot; and its readiness
 //! probe, which holds `ready` back and says when the guest stops answering.
 
@@ -9,7 +10,8 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use eitri_agent::model::{
-    Check, Cidr, Egress, Phase, PowerState, Readiness, Snapshot, VmLimits, VmStatus,
+    Check, Cidr, Egress, Phase, PowerState, Publish, Readiness, Snapshot, Transport, VmLimits,
+    VmStatus,
 };
 use eitri_agent::testkit::{Call, desired, id, present, snapshot};
 
@@ -62,6 +64,62 @@ fn changed_egress_rules_are_recorded_for_the_next_agent_start() {
     h.tick(&wanted(2, &egress("0.0.0.0/0", "")));
 
     assert_eq!(h.record(VM).egress, egress("0.0.0.0/0", ""));
+}
+
+fn tcp(host_port: u16, guest_port: u16) -> Publish {
+    Publish {
+        transport: Transport::Tcp,
+        host_port,
+        guest_port,
+        host_address: None,
+    }
+}
+
+fn publishing(epoch: u64, ports: &[Publish]) -> Snapshot {
+    let mut d = desired(VM);
+    d.published = ports.to_vec();
+    snapshot(epoch, vec![present(d)])
+}
+
+#[test]
+fn a_new_vms_published_ports_are_held_in_the_pass_that_creates_it_and_recorded() {
+    let h = Harness::new();
+
+    h.tick(&publishing(1, &[tcp(30080, 80)]));
+
+    assert_eq!(h.row(VM).published, [tcp(30080, 80)]);
+    assert_eq!(h.record(VM).published, [tcp(30080, 80)]);
+}
+
+#[test]
+fn a_refused_port_is_said_in_the_row_left_out_of_the_record_and_the_vm_runs() {
+    let h = Harness::new();
+    h.fakes.refuse_port(30081);
+
+    h.tick(&publishing(1, &[tcp(30080, 80), tcp(30081, 81)]));
+
+    let row = h.row(VM);
+    assert_eq!(row.power, Some(PowerState::Running));
+    assert_eq!(row.published, [tcp(30080, 80)]);
+    assert!(
+        row.last_error
+            .contains("30081/tcp: the fake host gave it to another VM"),
+        "{row:?}"
+    );
+    assert_eq!(h.record(VM).published, [tcp(30080, 80)]);
+}
+
+#[test]
+fn a_port_removed_from_a_running_vm_leaves_its_record_and_the_vm_is_not_rebooted() {
+    let h = Harness::new();
+    h.tick(&publishing(1, &[tcp(30080, 80)]));
+    let boots = h.fakes.count(|c| matches!(c, Call::Boot(_)));
+
+    h.tick(&publishing(2, &[]));
+
+    assert!(h.record(VM).published.is_empty());
+    assert!(h.row(VM).published.is_empty());
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::Boot(_))), boots);
 }
 
 #[test]

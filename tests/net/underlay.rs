@@ -150,7 +150,7 @@ fn a_port_that_cannot_join_names_the_ip_command_it_stands_for() {
 }
 
 /// Guest A's address, as the agent would allocate it.
-const GUEST_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 5);
+pub(crate) const GUEST_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 5);
 
 /// A guest namespace behind a bridge port (as a VM behind its tap), its
 /// port guarded to its MAC and address.
@@ -173,16 +173,16 @@ fn add_guest(underlay: &Underlay, ns: &str, port: &str, mac: &str, address: Ipv4
 /// A guest namespace behind a bridge port (as a VM behind its tap) and a
 /// "remote" namespace reachable from the host with no route back to the
 /// guests. Removed on drop.
-struct Topology {
-    guest: String,
-    remote: String,
+pub(crate) struct Topology {
+    pub(crate) guest: String,
+    pub(crate) remote: String,
     /// A second guest's namespace, made by [`Topology::add_peer`].
-    peer: String,
+    pub(crate) peer: String,
     _cleanup: Namespaces,
 }
 
 impl Topology {
-    fn new(underlay: &Underlay) -> Topology {
+    pub(crate) fn new(underlay: &Underlay) -> Topology {
         let tag = format!("{:x}", std::process::id() & 0xffff);
         let (guest, remote) = (format!("etg{tag}"), format!("etr{tag}"));
         let cleanup = Namespaces(vec![guest.clone(), remote.clone(), format!("etp{tag}")]);
@@ -212,7 +212,7 @@ impl Topology {
     }
 
     /// Guest B, behind port `etgpeer`, with its address set by hand.
-    fn add_peer(&self, underlay: &Underlay) {
+    pub(crate) fn add_peer(&self, underlay: &Underlay) {
         add_guest(underlay, &self.peer, "etgpeer", PEER_MAC, PEER_IP);
         configure(&self.peer, PEER_IP);
     }
@@ -418,12 +418,12 @@ fn without_nft_and_iptables_guests_reach_the_host_only() {
 // ── what a hostile guest tries ──────────────────────────────────────────
 
 const PEER_MAC: &str = "02:e1:00:00:00:08";
-const PEER_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 6);
-const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
-const GATEWAY: Ipv4Addr = Ipv4Addr::new(100, 77, 0, 1);
+pub(crate) const PEER_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 6);
+pub(crate) const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+pub(crate) const GATEWAY: Ipv4Addr = Ipv4Addr::new(100, 77, 0, 1);
 
 /// Gives a guest its address by hand, with the gateway as its route out.
-fn configure(ns: &str, address: Ipv4Addr) {
+pub(crate) fn configure(ns: &str, address: Ipv4Addr) {
     ip(&[
         "-n",
         ns,
@@ -451,14 +451,14 @@ fn send_from(ns: &str, frames: &[Vec<u8>]) {
 }
 
 /// Whether a TCP connection from namespace `ns` to `to` opens within 1 s.
-fn connects(ns: &str, to: SocketAddr) -> bool {
+pub(crate) fn connects(ns: &str, to: SocketAddr) -> bool {
     within(ns, || {
         TcpStream::connect_timeout(&to, Duration::from_secs(1)).is_ok()
     })
 }
 
 /// A TCP listener bound in namespace `ns` (it stays there).
-fn listen_in(ns: &str, at: Ipv4Addr) -> TcpListener {
+pub(crate) fn listen_in(ns: &str, at: Ipv4Addr) -> TcpListener {
     within(ns, || TcpListener::bind((at, 0)).expect("listen"))
 }
 

@@ -15,6 +15,33 @@ use crate::deadline::Deadline;
 use crate::model::{Id, Mac};
 
 impl CloudHypervisor {
+    /// Holds again the ports each recorded VM held (its record says which,
+    /// saved once they were held): the ruleset was made afresh at start,
+    /// and a VM's ports are its own while it exists, running or not. Each
+    /// record holds only what was granted to it, so no two claim one port;
+    /// a host process that took one while no agent ran keeps it, and the
+    /// VM's row says so at its next pass.
+    pub(super) fn hold_recorded_ports(&self) {
+        let Some(network) = &self.cfg.network else {
+            return;
+        };
+        for slot in self.store.load_all().values() {
+            let crate::state::RecordSlot::Readable(rec) = slot else {
+                continue;
+            };
+            if rec.published.is_empty() {
+                continue;
+            }
+            if let Err(e) = network.set_published(&rec.spec.vm_id, &rec.published) {
+                log::warn!(
+                    "VM {}: its published ports are not all held again: {}",
+                    rec.spec.vm_id,
+                    crate::error::chain(&*e)
+                );
+            }
+        }
+    }
+
     /// Gives back the address and VMM id of every VM that holds one with
     /// no record and no live VMM: a create takes them beside the save of
     /// its attempt (see `reconcile::create`), so a crash between the two

@@ -373,7 +373,9 @@ impl Lifecycle for CloudHypervisor {
         self.children.listener().set(listener);
     }
 
-    /// 1. Leaked taps go first (see [`CloudHypervisor::remove_leaked_taps`]).
+    /// 1. Leaked taps go first (see [`CloudHypervisor::remove_leaked_taps`]),
+    ///    then every recorded VM's published ports are held again (see
+    ///    [`CloudHypervisor::hold_recorded_ports`]).
     /// 2. Then the live VMMs are adopted, or stopped as orphans (see
     ///    [`CloudHypervisor::adopt`]).
     /// 3. Then what no VM holds any more is given back: cgroups of no
@@ -381,6 +383,7 @@ impl Lifecycle for CloudHypervisor {
     ///    [`CloudHypervisor::release_unrecorded`]).
     fn recover(&self, known: &[Id]) -> Vec<String> {
         self.remove_leaked_taps();
+        self.hold_recorded_ports();
         let notes = self.adopt(known);
         // After the orphans are stopped: their cgroups are empty now.
         if let Ok(cgroups) = &self.confined.cgroups {
@@ -437,6 +440,30 @@ impl Holds for CloudHypervisor {
 
     fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
         Some(spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults))
+    }
+
+    fn set_published(
+        &self,
+        vm_id: &Id,
+        wanted: &[crate::model::Publish],
+    ) -> Result<(), BoxFailure> {
+        match &self.cfg.network {
+            Some(network) => network.set_published(vm_id, wanted),
+            // With the host network off a VM has no NIC to forward to.
+            None if wanted.is_empty() => Ok(()),
+            None => Err(crate::error::Simple::host(
+                "guest networking is off on this host (--underlay-bridge none): no port can reach a guest",
+            )
+            .into()),
+        }
+    }
+
+    fn published(&self, vm_id: &Id) -> Vec<crate::model::Publish> {
+        self.cfg
+            .network
+            .as_ref()
+            .map(|n| n.published(vm_id))
+            .unwrap_or_default()
     }
 
     fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
