@@ -19,7 +19,9 @@ use std::os::fd::OwnedFd;
 use crate::error::Failure;
 use crate::model::{HostPort, Id, PortRange, Publish, Transport};
 
-/// Why a port was not published for a VM.
+/// Why a port was not published for a VM: the first two are the entry's
+/// to fix (permanent), the others the host's (a host condition: an
+/// address may be added, a process may let its port go).
 #[derive(Debug)]
 pub enum Refusal {
     OutOfRange {
@@ -33,6 +35,10 @@ pub enum Refusal {
     InUse {
         port: HostPort,
         source: std::io::Error,
+    },
+    /// Its host address is none of this host's.
+    NotHere {
+        port: HostPort,
     },
 }
 
@@ -50,6 +56,10 @@ impl std::fmt::Display for Refusal {
             Refusal::HeldBy { port, other } => write!(
                 f,
                 "{port} is published for VM {other}; a host port is one VM's at a time"
+            ),
+            Refusal::NotHere { port } => write!(
+                f,
+                "{port}: its host_address is not an address of this host; name one of the host's, or none for every address"
             ),
             Refusal::InUse { port, source } => write!(
                 f,
@@ -82,10 +92,11 @@ impl Failure for PublishError {
     fn is_permanent(&self) -> bool {
         self.refused
             .iter()
-            .any(|r| !matches!(r, Refusal::InUse { .. }))
+            .any(|r| matches!(r, Refusal::OutOfRange { .. } | Refusal::HeldBy { .. }))
     }
 
-    /// A host process on the port is the host's to fix.
+    /// A host process on the port, or an address the host lacks, is the
+    /// host's to fix.
     fn is_host_condition(&self) -> bool {
         !self.is_permanent()
     }
@@ -268,7 +279,13 @@ impl Ports {
                 other: other.clone(),
             });
         }
-        reserve(port).map_err(|source| Refusal::InUse { port, source })
+        reserve(port).map_err(|source| {
+            if source.raw_os_error() == Some(nix::libc::EADDRNOTAVAIL) {
+                Refusal::NotHere { port }
+            } else {
+                Refusal::InUse { port, source }
+            }
+        })
     }
 }
 
@@ -363,6 +380,22 @@ mod tests {
         let e = result.expect_err("refused");
         assert!(e.is_host_condition() && !e.is_permanent(), "{e}");
         assert!(e.to_string().contains("host process"), "{e}");
+    }
+
+    #[test]
+    fn a_port_on_an_address_the_host_lacks_is_refused_saying_so() {
+        let port = free_port();
+        let mut ports = ports_around(port);
+        let elsewhere = Publish {
+            host_address: Some(Ipv4Addr::new(192, 0, 2, 77)),
+            ..tcp(port, 80)
+        };
+
+        let (_, result) = ports.set(&id("vm-a"), &[elsewhere], None);
+
+        let e = result.expect_err("refused");
+        assert!(e.to_string().contains("not an address of this host"), "{e}");
+        assert!(e.is_host_condition());
     }
 
     #[test]

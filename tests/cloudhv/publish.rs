@@ -172,3 +172,58 @@ fn a_restarted_agent_forwards_a_vms_ports_again_before_its_first_tick() {
         "the port is held for the VM again"
     );
 }
+
+/// A host beyond this one: a namespace on a link of its own to the
+/// host (198.51.100.2, the host 198.51.100.1), with no route to the
+/// guests. Removed on drop.
+fn remote_host() -> (eitri_agent::testkit::net::Namespaces, String) {
+    use eitri_agent::testkit::net::ip;
+    let ns = format!("etr{:x}", std::process::id() & 0xffff);
+    let cleanup = eitri_agent::testkit::net::Namespaces(vec![ns.clone()]);
+    ip(&["netns", "add", &ns]);
+    ip(&[
+        "link", "add", "etremote", "type", "veth", "peer", "name", "eth0", "netns", &ns,
+    ]);
+    ip(&["addr", "add", "198.51.100.1/24", "dev", "etremote"]);
+    ip(&["link", "set", "etremote", "up"]);
+    ip(&["-n", &ns, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+    ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+    (cleanup, ns)
+}
+
+/// The SYNs the stand-in's guest read (`STANDIN_GUEST_TCP`), as it logged
+/// them.
+fn syns(h: &Host, vm: &str) -> Vec<String> {
+    std::fs::read_to_string(h.store.layout().hypervisor_log(&id(vm)))
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("standin-guest: syn from"))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn a_connection_from_another_host_reaches_the_guest_through_its_published_port() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[("STANDIN_GUEST_TCP", "1")]);
+    h.connect();
+    let (_remote, ns) = remote_host();
+    h.tick(&publishing(&h, 1, &[("vm-1", vec![tcp(30080, 8080)])]));
+
+    let connected = eitri_agent::testkit::net::within(&ns, || {
+        std::net::TcpStream::connect_timeout(
+            &(std::net::Ipv4Addr::new(198, 51, 100, 1), 30080).into(),
+            Duration::from_secs(2),
+        )
+    });
+
+    assert!(connected.is_ok(), "{connected:?}");
+    let syns = syns(&h, "vm-1");
+    // The guest read the client's first SYN, on its own port, from the
+    // client's own address: one SYN, no retransmit.
+    assert_eq!(syns.len(), 1, "{syns:?}");
+    assert!(
+        syns[0].contains("from 198.51.100.2:") && syns[0].ends_with("to port 8080"),
+        "{syns:?}"
+    );
+}

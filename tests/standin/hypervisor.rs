@@ -71,6 +71,10 @@
 //! - `STANDIN_WRITE_INTO=dir`: try to create a file in that directory at
 //!   start, and log what came of it (`standin-write dir written|refused:
 //!   why`).
+//! - `STANDIN_GUEST_TCP=1`: the guest answers ARP and TCP SYNs on its first
+//!   NIC, and logs each SYN (see `wire`).
+
+mod wire;
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -624,6 +628,12 @@ fn main() {
     // The NIC's fd is held for the process's life, like a real VMM holds its
     // tap: the tap exists exactly as long as this process does.
     let _net_fd = args.option("net", "fd");
+    if knob("STANDIN_GUEST_TCP").is_some()
+        && let Some((fd, mac)) = first_nic(&args, restored.as_ref())
+    {
+        let log = Arc::clone(&log);
+        std::thread::spawn(move || wire::answer(fd, mac, |said| log.line(said)));
+    }
     if let Some(ms) = knob("STANDIN_CRASH_AFTER_MS").and_then(|v| v.parse::<u64>().ok()) {
         let log = Arc::clone(&log);
         std::thread::spawn(move || {
@@ -744,6 +754,28 @@ fn main() {
 /// it): the snapshot's config read back, its NICs' new taps checked
 /// against it, its serial file truncated (as the real one does) with a
 /// resume line, and its root disk's inode logged for the chaos harness.
+/// The first NIC's tap fd and MAC: from `--net fd=…,mac=…` at a boot, from
+/// the restore's `net_fds=[net0@[fd]]` and the snapshot's config at a
+/// restore.
+fn first_nic(args: &Args, restored: Option<&Config>) -> Option<(i32, [u8; 6])> {
+    let (fd, mac) = match restored {
+        None => (args.option("net", "fd")?, args.option("net", "mac")?),
+        Some(config) => {
+            let arg = args.flags.get("restore")?.first()?;
+            let fd = arg.split("net_fds=[").nth(1)?.split('[').nth(1)?;
+            let fd = fd.split(']').next()?.to_owned();
+            let mac = config.0["net"][0]["mac"].as_str()?.to_owned();
+            (fd, mac)
+        }
+    };
+    let mut octets = [0u8; 6];
+    let mut parts = mac.split(':');
+    for o in &mut octets {
+        *o = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    Some((fd.parse().ok()?, octets))
+}
+
 fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
     if knob("STANDIN_RESTORE_FAIL").is_some() {
         return Err("restore refused (STANDIN_RESTORE_FAIL)".into());
