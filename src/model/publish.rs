@@ -53,6 +53,17 @@ pub struct Publish {
 }
 
 impl Publish {
+    /// `host_port` of every address of the host to the guest's TCP
+    /// `guest_port`: the common case.
+    pub fn tcp(host_port: u16, guest_port: u16) -> Publish {
+        Publish {
+            transport: Transport::Tcp,
+            host_port,
+            guest_port,
+            host_address: None,
+        }
+    }
+
     /// What on the host it takes: one VM's at a time.
     pub fn host_side(&self) -> HostPort {
         HostPort {

@@ -315,15 +315,6 @@ mod tests {
         Id::parse(s).expect("id")
     }
 
-    fn tcp(host_port: u16, guest_port: u16) -> Publish {
-        Publish {
-            transport: Transport::Tcp,
-            host_port,
-            guest_port,
-            host_address: None,
-        }
-    }
-
     /// A free port of loopback's range for this test to publish: bound
     /// once and let go, so the host has it free.
     fn free_port() -> u16 {
@@ -342,9 +333,9 @@ mod tests {
         let port = free_port();
         let mut ports = ports_around(port);
         let guest = Some(Ipv4Addr::new(10, 0, 0, 2));
-        let (_, first) = ports.set(&id("vm-a"), &[tcp(port, 80)], guest);
+        let (_, first) = ports.set(&id("vm-a"), &[Publish::tcp(port, 80)], guest);
 
-        let (change, second) = ports.set(&id("vm-b"), &[tcp(port, 8080)], guest);
+        let (change, second) = ports.set(&id("vm-b"), &[Publish::tcp(port, 8080)], guest);
 
         assert!(first.is_ok());
         let e = second.expect_err("refused");
@@ -353,16 +344,16 @@ mod tests {
         assert_eq!(change.new.map(|(_, l)| l), Some(vec![]));
         ports.applied(
             &id("vm-a"),
-            Some((Ipv4Addr::new(10, 0, 0, 2), vec![tcp(port, 80)])),
+            Some((Ipv4Addr::new(10, 0, 0, 2), vec![Publish::tcp(port, 80)])),
         );
-        assert_eq!(ports.in_force(&id("vm-a")), [tcp(port, 80)]);
+        assert_eq!(ports.in_force(&id("vm-a")), [Publish::tcp(port, 80)]);
     }
 
     #[test]
     fn a_port_outside_the_range_is_refused_saying_the_range() {
         let mut ports = Ports::new(PortRange::new(30000, 30010).expect("range"));
 
-        let (_, result) = ports.set(&id("vm-a"), &[tcp(8080, 80)], None);
+        let (_, result) = ports.set(&id("vm-a"), &[Publish::tcp(8080, 80)], None);
 
         let e = result.expect_err("refused");
         assert!(e.to_string().contains("30000-30010"), "{e}");
@@ -375,7 +366,7 @@ mod tests {
         let port = listener.local_addr().expect("addr").port();
         let mut ports = ports_around(port);
 
-        let (_, result) = ports.set(&id("vm-a"), &[tcp(port, 80)], None);
+        let (_, result) = ports.set(&id("vm-a"), &[Publish::tcp(port, 80)], None);
 
         let e = result.expect_err("refused");
         assert!(e.is_host_condition() && !e.is_permanent(), "{e}");
@@ -388,7 +379,7 @@ mod tests {
         let mut ports = ports_around(port);
         let elsewhere = Publish {
             host_address: Some(Ipv4Addr::new(192, 0, 2, 77)),
-            ..tcp(port, 80)
+            ..Publish::tcp(port, 80)
         };
 
         let (_, result) = ports.set(&id("vm-a"), &[elsewhere], None);
@@ -402,7 +393,7 @@ mod tests {
     fn a_held_port_keeps_host_processes_off_it_until_given_back() {
         let port = free_port();
         let mut ports = ports_around(port);
-        let (_, held) = ports.set(&id("vm-a"), &[tcp(port, 80)], None);
+        let (_, held) = ports.set(&id("vm-a"), &[Publish::tcp(port, 80)], None);
 
         let while_held = std::net::TcpListener::bind(("0.0.0.0", port));
         ports.forget(&id("vm-a"));
@@ -418,13 +409,13 @@ mod tests {
         let port = free_port();
         let mut ports = ports_around(port);
         let guest = Ipv4Addr::new(10, 0, 0, 2);
-        let (change, _) = ports.set(&id("vm-a"), &[tcp(port, 80)], Some(guest));
+        let (change, _) = ports.set(&id("vm-a"), &[Publish::tcp(port, 80)], Some(guest));
         ports.applied(&id("vm-a"), change.new);
 
         let (change, result) = ports.set(&id("vm-a"), &[], Some(guest));
 
         assert!(result.is_ok());
-        assert_eq!(change.old, Some((guest, vec![tcp(port, 80)])));
+        assert_eq!(change.old, Some((guest, vec![Publish::tcp(port, 80)])));
         assert_eq!(change.new, Some((guest, vec![])));
         assert!(std::net::TcpListener::bind(("0.0.0.0", port)).is_ok());
     }

@@ -4,16 +4,7 @@
 //! that starts over.
 
 use super::*;
-use eitri_agent::model::{Publish, Transport};
-
-fn tcp(host_port: u16, guest_port: u16) -> Publish {
-    Publish {
-        transport: Transport::Tcp,
-        host_port,
-        guest_port,
-        host_address: None,
-    }
-}
+use eitri_agent::model::Publish;
 
 /// The desired state of `vms`, each publishing `ports`.
 fn publishing(h: &Host, epoch: u64, vms: &[(&str, Vec<Publish>)]) -> Snapshot {
@@ -61,7 +52,11 @@ fn a_running_vms_published_port_is_forwarded_within_a_tick_with_its_vmm_untouche
     let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
     assert!(isolated(&tap));
 
-    h.tick(&publishing(&h, 2, &[("vm-1", vec![tcp(30080, 80)])]));
+    h.tick(&publishing(
+        &h,
+        2,
+        &[("vm-1", vec![Publish::tcp(30080, 80)])],
+    ));
 
     let map = forwarded();
     assert!(map.contains(&format!("tcp . 30080 : {ip} . 80")), "{map}");
@@ -71,13 +66,17 @@ fn a_running_vms_published_port_is_forwarded_within_a_tick_with_its_vmm_untouche
     );
     assert_eq!(h.pid("vm-1"), pid);
     assert!(pid.is_some_and(alive));
-    assert_eq!(h.row("vm-1").published, [tcp(30080, 80)]);
+    assert_eq!(h.row("vm-1").published, [Publish::tcp(30080, 80)]);
 }
 
 #[test]
 fn a_port_removed_live_is_forwarded_no_more_and_the_tap_is_isolated_again() {
     let h = networked();
-    h.tick(&publishing(&h, 1, &[("vm-1", vec![tcp(30080, 80)])]));
+    h.tick(&publishing(
+        &h,
+        1,
+        &[("vm-1", vec![Publish::tcp(30080, 80)])],
+    ));
     let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
     let pid = h.pid("vm-1");
 
@@ -93,19 +92,23 @@ fn a_port_removed_live_is_forwarded_no_more_and_the_tap_is_isolated_again() {
 #[test]
 fn a_port_another_vm_holds_is_refused_naming_it_and_the_holder_keeps_it() {
     let h = networked();
-    h.tick(&publishing(&h, 1, &[("vm-a", vec![tcp(30080, 80)])]));
+    h.tick(&publishing(
+        &h,
+        1,
+        &[("vm-a", vec![Publish::tcp(30080, 80)])],
+    ));
 
     h.tick(&publishing(
         &h,
         2,
         &[
-            ("vm-a", vec![tcp(30080, 80)]),
-            ("vm-b", vec![tcp(30080, 8080)]),
+            ("vm-a", vec![Publish::tcp(30080, 80)]),
+            ("vm-b", vec![Publish::tcp(30080, 8080)]),
         ],
     ));
 
     let (a, b) = (h.row("vm-a"), h.row("vm-b"));
-    assert_eq!(a.published, [tcp(30080, 80)]);
+    assert_eq!(a.published, [Publish::tcp(30080, 80)]);
     assert!(b.published.is_empty());
     assert!(
         b.last_error.contains("30080/tcp is published for VM vm-a"),
@@ -120,7 +123,11 @@ fn a_port_another_vm_holds_is_refused_naming_it_and_the_holder_keeps_it() {
 fn a_port_outside_the_hosts_range_is_refused_saying_the_range() {
     let h = networked();
 
-    h.tick(&publishing(&h, 1, &[("vm-1", vec![tcp(8080, 80)])]));
+    h.tick(&publishing(
+        &h,
+        1,
+        &[("vm-1", vec![Publish::tcp(8080, 80)])],
+    ));
 
     let row = h.row("vm-1");
     assert!(row.published.is_empty());
@@ -135,7 +142,11 @@ fn a_port_outside_the_hosts_range_is_refused_saying_the_range() {
 #[test]
 fn a_destroyed_vm_gives_its_ports_back() {
     let mut h = networked();
-    h.tick(&publishing(&h, 1, &[("vm-1", vec![tcp(30080, 80)])]));
+    h.tick(&publishing(
+        &h,
+        1,
+        &[("vm-1", vec![Publish::tcp(30080, 80)])],
+    ));
     // No engine to boot it again when its VMM goes.
     drop(h.engine.take());
 
@@ -152,7 +163,11 @@ fn a_destroyed_vm_gives_its_ports_back() {
 #[test]
 fn a_restarted_agent_forwards_a_vms_ports_again_before_its_first_tick() {
     let h = networked();
-    h.tick(&publishing(&h, 1, &[("vm-1", vec![tcp(30080, 80)])]));
+    h.tick(&publishing(
+        &h,
+        1,
+        &[("vm-1", vec![Publish::tcp(30080, 80)])],
+    ));
     let ip = h.backend.address(&id("vm-1")).expect("ip");
     let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
 
@@ -208,7 +223,11 @@ fn a_connection_from_another_host_reaches_the_guest_through_its_published_port()
     let mut h = Host::new(&[("STANDIN_GUEST_TCP", "1")]);
     h.connect();
     let (_remote, ns) = remote_host();
-    h.tick(&publishing(&h, 1, &[("vm-1", vec![tcp(30080, 8080)])]));
+    h.tick(&publishing(
+        &h,
+        1,
+        &[("vm-1", vec![Publish::tcp(30080, 8080)])],
+    ));
 
     let connected = eitri_agent::testkit::net::within(&ns, || {
         std::net::TcpStream::connect_timeout(

@@ -10,8 +10,7 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use eitri_agent::model::{
-    Check, Cidr, Egress, Phase, PowerState, Publish, Readiness, Snapshot, Transport, VmLimits,
-    VmStatus,
+    Check, Cidr, Egress, Phase, PowerState, Publish, Readiness, Snapshot, VmLimits, VmStatus,
 };
 use eitri_agent::testkit::{Call, desired, id, present, snapshot};
 
@@ -66,15 +65,6 @@ fn changed_egress_rules_are_recorded_for_the_next_agent_start() {
     assert_eq!(h.record(VM).egress, egress("0.0.0.0/0", ""));
 }
 
-fn tcp(host_port: u16, guest_port: u16) -> Publish {
-    Publish {
-        transport: Transport::Tcp,
-        host_port,
-        guest_port,
-        host_address: None,
-    }
-}
-
 fn publishing(epoch: u64, ports: &[Publish]) -> Snapshot {
     let mut d = desired(VM);
     d.published = ports.to_vec();
@@ -85,10 +75,10 @@ fn publishing(epoch: u64, ports: &[Publish]) -> Snapshot {
 fn a_new_vms_published_ports_are_held_in_the_pass_that_creates_it_and_recorded() {
     let h = Harness::new();
 
-    h.tick(&publishing(1, &[tcp(30080, 80)]));
+    h.tick(&publishing(1, &[Publish::tcp(30080, 80)]));
 
-    assert_eq!(h.row(VM).published, [tcp(30080, 80)]);
-    assert_eq!(h.record(VM).published, [tcp(30080, 80)]);
+    assert_eq!(h.row(VM).published, [Publish::tcp(30080, 80)]);
+    assert_eq!(h.record(VM).published, [Publish::tcp(30080, 80)]);
 }
 
 #[test]
@@ -96,23 +86,26 @@ fn a_refused_port_is_said_in_the_row_left_out_of_the_record_and_the_vm_runs() {
     let h = Harness::new();
     h.fakes.refuse_port(30081);
 
-    h.tick(&publishing(1, &[tcp(30080, 80), tcp(30081, 81)]));
+    h.tick(&publishing(
+        1,
+        &[Publish::tcp(30080, 80), Publish::tcp(30081, 81)],
+    ));
 
     let row = h.row(VM);
     assert_eq!(row.power, Some(PowerState::Running));
-    assert_eq!(row.published, [tcp(30080, 80)]);
+    assert_eq!(row.published, [Publish::tcp(30080, 80)]);
     assert!(
         row.last_error
             .contains("30081/tcp: the fake host gave it to another VM"),
         "{row:?}"
     );
-    assert_eq!(h.record(VM).published, [tcp(30080, 80)]);
+    assert_eq!(h.record(VM).published, [Publish::tcp(30080, 80)]);
 }
 
 #[test]
 fn a_port_removed_from_a_running_vm_leaves_its_record_and_the_vm_is_not_rebooted() {
     let h = Harness::new();
-    h.tick(&publishing(1, &[tcp(30080, 80)]));
+    h.tick(&publishing(1, &[Publish::tcp(30080, 80)]));
     let boots = h.fakes.count(|c| matches!(c, Call::Boot(_)));
 
     h.tick(&publishing(2, &[]));

@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::time::Duration;
 
-use eitri_agent::model::{Publish, Transport};
+use eitri_agent::model::Publish;
 use eitri_agent::net::underlay::Underlay;
 use eitri_agent::testkit::net::{nft_counter, private_network, underlay_config, within};
 
@@ -18,15 +18,6 @@ use super::underlay::{GATEWAY, GUEST_IP, REMOTE, Topology, configure, connects, 
 
 /// The host's address on the remote's link.
 const HOST_ON_REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
-
-fn tcp(host_port: u16, guest_port: u16) -> Publish {
-    Publish {
-        transport: Transport::Tcp,
-        host_port,
-        guest_port,
-        host_address: None,
-    }
-}
 
 /// The underlay with the guest configured, listening; its port published
 /// as host port 30080.
@@ -38,7 +29,10 @@ fn published() -> (Underlay, Topology, TcpListener) {
     let listener = listen_in(&topology.guest, GUEST_IP);
     let guest_port = listener.local_addr().expect("addr").port();
     underlay
-        .publish(None, Some(&(GUEST_IP, vec![tcp(30080, guest_port)])))
+        .publish(
+            None,
+            Some(&(GUEST_IP, vec![Publish::tcp(30080, guest_port)])),
+        )
         .expect("publish");
     // As the host network leaves the port of a VM that publishes.
     underlay.isolate("etgport", false).expect("isolation off");
@@ -134,7 +128,7 @@ fn a_port_on_one_host_address_is_not_published_on_another() {
     let listener = listen_in(&topology.guest, GUEST_IP);
     let on_gateway = Publish {
         host_address: Some(GATEWAY),
-        ..tcp(30080, listener.local_addr().expect("addr").port())
+        ..Publish::tcp(30080, listener.local_addr().expect("addr").port())
     };
     underlay
         .publish(None, Some(&(GUEST_IP, vec![on_gateway])))
@@ -148,7 +142,10 @@ fn a_port_on_one_host_address_is_not_published_on_another() {
 #[test]
 fn a_port_no_longer_published_reaches_nothing() {
     let (underlay, topology, listener) = published();
-    let list = vec![tcp(30080, listener.local_addr().expect("addr").port())];
+    let list = vec![Publish::tcp(
+        30080,
+        listener.local_addr().expect("addr").port(),
+    )];
 
     underlay
         .publish(Some(&(GUEST_IP, list)), Some(&(GUEST_IP, Vec::new())))
