@@ -245,8 +245,7 @@ impl Addresses {
 
     /// The VMs holding an address.
     pub fn holders(&self) -> Vec<Id> {
-        let keys = self.leases.keys();
-        keys.iter().filter_map(|key| Id::parse(key).ok()).collect()
+        self.leases.vm_ids()
     }
 
     /// Frees the VM's address (at destroy).

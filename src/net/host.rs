@@ -218,7 +218,7 @@ impl HostNetwork {
         })?;
         // A VM that publishes ports leaves the kernel's isolation for the
         // bridge table's (see `Underlay::isolate`).
-        if !self.ports.lock().held(vm_id).is_empty() {
+        if self.ports.lock().holds_any(vm_id) {
             self.underlay.isolate(tap, false)?;
         }
         let subnet = self.underlay.subnet();
@@ -260,10 +260,14 @@ impl HostNetwork {
     /// the rest are held. Its hypervisor is not involved.
     pub fn set_published(&self, vm_id: &Id, wanted: &[Publish]) -> Result<(), BoxFailure> {
         let mut ports = self.ports.lock();
+        let had = ports.holds_any(vm_id);
+        // Every pass asks; a VM that publishes nothing costs a lookup.
+        if !had && wanted.is_empty() {
+            return Ok(());
+        }
         let address = self.addresses.get(vm_id);
-        let had = !ports.held(vm_id).is_empty();
         let (change, held) = ports.set(vm_id, wanted, address);
-        let has = !ports.held(vm_id).is_empty();
+        let has = ports.holds_any(vm_id);
         // Isolated again before the last port goes, and not before the
         // first is forwarded; a tap not there yet is made isolated and
         // loses it at its plug.
@@ -401,7 +405,7 @@ impl HostNetwork {
         {
             let mut ports = self.ports.lock();
             let change = ports.release(vm_id);
-            if !ports.held(vm_id).is_empty()
+            if ports.holds_any(vm_id)
                 && let Some(ip) = self.addresses.get(vm_id)
             {
                 self.underlay.isolate(&self.taps_of(ip).underlay, true)?;

@@ -242,6 +242,11 @@ impl Ports {
         self.by_vm.remove(vm_id);
     }
 
+    /// Whether the VM holds any port.
+    pub fn holds_any(&self, vm_id: &Id) -> bool {
+        self.by_vm.get(vm_id).is_some_and(|m| !m.held.is_empty())
+    }
+
     /// The ports the VM holds.
     pub fn held(&self, vm_id: &Id) -> Vec<Publish> {
         self.by_vm

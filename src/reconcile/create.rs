@@ -171,9 +171,7 @@ impl Core {
                 self.store.save_visible(rec)
             });
         let reserved = reserved
-            .map_err(|why| -> BoxFailure {
-                Simple::transient(format!("reserving the host's share panicked: {why}")).into()
-            })
+            .map_err(|why| panicked("reserving the host's share", why))
             .and_then(|reserved| reserved);
         (saved.map_err(BoxFailure::from), reserved)
     }
@@ -344,9 +342,7 @@ impl Core {
         booted?;
         self.counts.boots.observe(booting.elapsed());
         let synced = synced
-            .map_err(|why| -> BoxFailure {
-                Simple::transient(format!("syncing the root disk and seed panicked: {why}")).into()
-            })
+            .map_err(|why| panicked("syncing the root disk and seed", why))
             .and_then(|synced| synced);
         if let Err(e) = synced {
             let say = |_: &str| {};
@@ -398,14 +394,17 @@ impl Core {
             crate::threads::alongside(&format!("seed-{vm_id}"), seed, || {
                 crate::threads::alongside(&format!("record-{vm_id}"), durable, disk)
             });
-        let helper = |what: &str, panicked: crate::threads::Panicked| -> BoxFailure {
-            Simple::transient(format!("{what} panicked: {panicked}")).into()
-        };
         let disk = disk?;
-        let seed = seed.map_err(|why| helper("building the seed", why))??;
-        durable.map_err(|why| helper("syncing the attempt's record", why))??;
+        let seed = seed.map_err(|why| panicked("building the seed", why))??;
+        durable.map_err(|why| panicked("syncing the attempt's record", why))??;
         Ok(disk.and(seed))
     }
+}
+
+/// The error of a step run beside another that panicked: one attempt
+/// spent, the daemon untouched.
+fn panicked(what: &str, why: crate::threads::Panicked) -> BoxFailure {
+    Simple::transient(format!("{what} panicked: {why}")).into()
 }
 
 /// Makes what a create made durable (see [`Pending`]).

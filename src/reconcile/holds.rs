@@ -7,7 +7,7 @@
 use super::counts::Held;
 use super::pass::{Core, Pass, VmResult};
 use crate::error::{BoxFailure, Failure};
-use crate::model::{DesiredVm, Id, PowerState, VmSpec};
+use crate::model::{DesiredVm, Id, PowerState, Publish, VmSpec};
 use crate::state::Record;
 
 impl Core {
@@ -114,19 +114,20 @@ impl Core {
     /// back), and records what is held when that changed: an agent's
     /// start holds the recorded ones again before any pass. A port
     /// refused stays refused to this VM only; it runs whatever its ports.
-    pub(super) fn publish(&self, desired: &DesiredVm) -> Result<(), BoxFailure> {
+    /// What is held, and the refusals.
+    pub(super) fn publish(&self, desired: &DesiredVm) -> (Vec<Publish>, Result<(), BoxFailure>) {
         let vm_id = &desired.spec.vm_id;
         let Ok(Some(rec)) = self.store.get(vm_id) else {
-            return Ok(());
+            return (Vec::new(), Ok(()));
         };
         let result = self.prov.set_published(vm_id, &desired.published);
         let held = self.prov.published(vm_id);
         if rec.published != held {
             let mut rec = (*rec).clone();
-            rec.published = held;
+            rec.published.clone_from(&held);
             self.save_best_effort(&rec);
         }
-        result
+        (held, result)
     }
 
     /// The ports held for the VM in its row, and why the others its entry
@@ -134,13 +135,13 @@ impl Core {
     pub(super) fn say_published(
         &self,
         vm_id: &Id,
-        published: Result<(), BoxFailure>,
+        (held, published): (Vec<Publish>, Result<(), BoxFailure>),
         res: &mut VmResult,
     ) {
         let Some(row) = res.row.as_mut() else {
             return;
         };
-        row.published = self.prov.published(vm_id);
+        row.published = held;
         if let Err(e) = published {
             let why = crate::error::chain(&*e);
             self.logs

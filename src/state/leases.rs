@@ -76,6 +76,15 @@ impl<V: Slot> Leases<V> {
         self.map.lock().keys().cloned().collect()
     }
 
+    /// The VMs among the keys holding a slot (a key that names none, of
+    /// an older format, is left out).
+    pub fn vm_ids(&self) -> Vec<crate::model::Id> {
+        let map = self.map.lock();
+        map.keys()
+            .filter_map(|key| crate::model::Id::parse(key).ok())
+            .collect()
+    }
+
     /// The key's slot: the one it has, or a new one (first choice from
     /// `seed`), saved before it is returned.
     pub fn allocate(&self, key: &str, seed: &str) -> Result<V, LeaseError> {

@@ -89,8 +89,7 @@ impl VmmIds {
 
     /// The VMs holding an id.
     pub fn holders(&self) -> Vec<Id> {
-        let keys = self.leases.keys();
-        keys.iter().filter_map(|key| Id::parse(key).ok()).collect()
+        self.leases.vm_ids()
     }
 }
 
