@@ -26,6 +26,8 @@
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |
 //! | `eitri_suspend_duration_seconds` | histogram | suspend asked → snapshot committed and VMM gone (its `_count`: suspends) |
 //! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
+//! | `eitri_wake_duration_seconds` | histogram | first frame for a sleeping guest → guest running (its `_count`: wakes) |
+//! | `eitri_idle_suspends_total` | counter | running VMs suspended for idleness |
 //! | `eitri_resume_cold_boots_total{why}` | counter | suspended VMs booted from their disks instead: `gone`, `unusable`, `failed`, `interrupted` |
 //! | `eitri_destroys_total` | counter | VMs destroyed (then acknowledged in reports) |
 //! | `eitri_image_cache_bytes` | gauge | disk the image cache holds |
@@ -310,6 +312,16 @@ fn lifecycle(from: &Sources<'_>, e: &mut Exposition) {
         "Suspended VMs booted from their disks instead of resumed, by why.",
         "why",
         &counts.cold_boots,
+    );
+    e.histogram(
+        "eitri_wake_duration_seconds",
+        "Wakes on traffic: the first frame for a sleeping guest until it runs.",
+        &counts.wakes,
+    );
+    e.counter(
+        "eitri_idle_suspends_total",
+        "Running VMs suspended because their NICs carried no frame for their idle time.",
+        counts.idle_suspends.get(),
     );
     e.counter(
         "eitri_destroys_total",

@@ -25,6 +25,6 @@ pub use report::{
 };
 pub use saved::Saved;
 pub use spec::{
-    Check, DesiredVm, Egress, LimitDefaults, Limits, Phase, PowerState, Readiness, Rejected,
+    Check, DesiredVm, Egress, LimitDefaults, Limits, Phase, PowerState, Readiness, Rejected, Sleep,
     Snapshot, SpecError, VmLimits, VmSpec, VolumeSpec, WantedVm, WantedVolume, is_hostname,
 };

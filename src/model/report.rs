@@ -97,6 +97,10 @@ pub struct VmStatus {
     pub spec_rejected: String,
     /// The ports published for it now.
     pub published: Vec<super::Publish>,
+    /// Suspended and listening: its next frame wakes it.
+    pub asleep: bool,
+    /// Its last wake, as words; empty when traffic never woke it.
+    pub last_wake: String,
 }
 
 /// How a row's `readiness` ends while its probe answers ("tcp 22 answered").

@@ -281,6 +281,41 @@ pub struct DesiredVm {
     /// Ports of the host forwarded to the guest. Not in [`VmSpec`]: like
     /// the egress rules they apply to a running VM.
     pub published: Vec<super::Publish>,
+    /// When it sleeps and what wakes it. Not in [`VmSpec`]: it applies to
+    /// a running VM.
+    pub sleep: Sleep,
+}
+
+/// Scale to zero: a VM suspended with `wake_on_traffic` is woken by the
+/// first frame for its guest; one idle for `idle_after` is suspended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Sleep {
+    pub wake_on_traffic: bool,
+    /// Suspended once its NICs carried no frame for this long; only with
+    /// `wake_on_traffic` (a VM suspended for idleness wakes only on
+    /// traffic).
+    pub idle_after: Option<std::time::Duration>,
+}
+
+impl Sleep {
+    /// How long a VM woken by traffic while wanted suspended runs idle
+    /// before it sleeps again, when its entry names no idle time.
+    pub const AWAKE_IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+    /// The longest idle time an entry may name.
+    pub const MAX_IDLE: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+
+    /// How long it runs idle before the agent suspends it, for a VM wanted
+    /// `power` that traffic did (`woken`) or did not wake; `None`: never.
+    pub fn idle_limit(&self, power: PowerState, woken: bool) -> Option<std::time::Duration> {
+        if !self.wake_on_traffic {
+            return None;
+        }
+        match power {
+            PowerState::Running => self.idle_after,
+            PowerState::Suspended if woken => Some(self.idle_after.unwrap_or(Self::AWAKE_IDLE)),
+            PowerState::Suspended | PowerState::Stopped => None,
+        }
+    }
 }
 
 /// A readiness probe and its timing.

@@ -254,6 +254,16 @@ impl HostNetwork {
         self.hold_egress(vm_id, self.addresses.get(vm_id))
     }
 
+    /// Whether the VM sleeps: its underlay tap then passes only what is
+    /// for its guest (see [`Underlay::sleep`]).
+    pub fn set_asleep(&self, vm_id: &Id, on: bool) -> Result<(), BoxFailure> {
+        let Some(ip) = self.addresses.get(vm_id) else {
+            return Ok(());
+        };
+        self.underlay.sleep(&self.taps_of(ip).underlay, on)?;
+        Ok(())
+    }
+
     /// Makes `wanted` the VM's published ports, as far as the host lets
     /// it (see [`publish`](super::publish)): forwarded at once while it has
     /// an address, else from its plug. The ports refused are the error;

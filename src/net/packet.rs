@@ -50,7 +50,110 @@ const DHCP_ONLY: [libc::sock_filter; 15] = {
     ]
 };
 
+/// A classic BPF program that passes the head (96 bytes: Ethernet, IPv4
+/// and the ports) of frames the interface sends, IPv4 or ARP, and nothing
+/// else: on a tap, what goes to the guest.
+const TO_GUEST_HEADS: [libc::sock_filter; 7] = {
+    const fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+        libc::sock_filter { code, jt, jf, k }
+    }
+    const LDB_ABS: u16 = 0x30;
+    const LDH_ABS: u16 = 0x28;
+    const JEQ: u16 = 0x15;
+    const RET: u16 = 0x06;
+    // SKF_AD_OFF + SKF_AD_PKTTYPE: the frame's packet type.
+    const PKTTYPE: u32 = 0xffff_f000 + 4;
+    [
+        op(LDB_ABS, 0, 0, PKTTYPE),                  // 0
+        op(JEQ, 0, 4, libc::PACKET_OUTGOING as u32), // 1: else drop (6)
+        op(LDH_ABS, 0, 0, 12),                       // 2: the ethertype
+        op(JEQ, 1, 0, 0x0800),                       // 3: IPv4: pass (5)
+        op(JEQ, 0, 1, 0x0806),                       // 4: ARP: pass, else drop
+        op(RET, 0, 0, 96),                           // 5: pass its head
+        op(RET, 0, 0, 0),                            // 6: drop
+    ]
+};
+
+/// What a frame for a guest is, in words: "tcp from 192.0.2.9:40312 to
+/// port 8080", "udp from …", "arp from 10.0.0.1"; `None` for anything
+/// else, or a frame too short to say.
+pub fn describe(frame: &[u8]) -> Option<String> {
+    let ethertype = u16::from_be_bytes([*frame.get(12)?, *frame.get(13)?]);
+    let ip = |at: usize| -> Option<Ipv4Addr> {
+        let b = frame.get(at..at + 4)?;
+        Some(Ipv4Addr::new(b[0], b[1], b[2], b[3]))
+    };
+    match ethertype {
+        0x0806 => Some(format!("arp from {}", ip(14 + 14)?)),
+        0x0800 => {
+            let ihl = usize::from(frame.get(14)? & 0x0f) * 4;
+            let proto = match frame.get(14 + 9)? {
+                6 => "tcp",
+                17 => "udp",
+                1 => return Some(format!("icmp from {}", ip(14 + 12)?)),
+                _ => return Some(format!("ip from {}", ip(14 + 12)?)),
+            };
+            let l4 = 14 + ihl;
+            let port = |at: usize| -> Option<u16> {
+                Some(u16::from_be_bytes([*frame.get(at)?, *frame.get(at + 1)?]))
+            };
+            Some(format!(
+                "{proto} from {}:{} to port {}",
+                ip(14 + 12)?,
+                port(l4)?,
+                port(l4 + 2)?
+            ))
+        }
+        _ => None,
+    }
+}
+
 impl PacketSocket {
+    /// Opens a packet socket on the tap `iface` that sees the head of
+    /// every IPv4 and ARP frame sent to its guest (see [`TO_GUEST_HEADS`]),
+    /// queueing at most a few: a copy, the frames themselves are the
+    /// guest's.
+    pub fn open_to_guest_heads(iface: &str) -> io::Result<PacketSocket> {
+        let socket = PacketSocket::open_with(iface, None, Some(&TO_GUEST_HEADS))?;
+        let bytes: libc::c_int = 4096;
+        // SAFETY: SO_RCVBUF takes an int, passed with its size.
+        let rc = unsafe {
+            libc::setsockopt(
+                socket.fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                std::ptr::from_ref(&bytes).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(socket)
+    }
+
+    /// One frame into `buf` if one waits, without waiting.
+    pub fn recv_now(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        // SAFETY: `buf` is valid for writes of its length.
+        let n = unsafe {
+            libc::recv(
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        if n >= 0 {
+            return Ok(Some(n as usize));
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::WouldBlock {
+            Ok(None)
+        } else {
+            Err(e)
+        }
+    }
+
     /// Opens a packet socket on `iface` that receives every frame;
     /// `timeout` bounds each receive.
     pub fn open(iface: &str, timeout: Option<Duration>) -> io::Result<PacketSocket> {
@@ -93,6 +196,10 @@ impl PacketSocket {
         }
         let mac = interface_mac(iface)?;
         Ok(PacketSocket { fd, mac })
+    }
+
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.fd)
     }
 
     /// The interface's own MAC.

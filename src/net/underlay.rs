@@ -218,6 +218,24 @@ impl Underlay {
         netlink(false)
     }
 
+    /// Whether the tap `tap` of a sleeping VM (see `reconcile::sleep`) is
+    /// passed only what is for its guest: frames to its MAC and ARP for
+    /// its address. Flooded frames (broadcasts, multicast, unicast to a
+    /// MAC the bridge has not learned) would wake it for nothing.
+    pub fn sleep(&self, tap: &str, on: bool) -> Result<(), NetError> {
+        if !self.nat.guards() {
+            return Ok(());
+        }
+        let element = format!("bridge {} asleep {{ \"{tap}\" }}", self.cfg.table);
+        let text = if on {
+            format!("add element {element}\n")
+        } else {
+            format!("add element {element}\ndelete element {element}\n")
+        };
+        run("nft", &["-f", "-"], Some(&text))?;
+        Ok(())
+    }
+
     /// Holds `port` to its MAC (and address), in one transaction. Nothing to do without nft (said at setup).
     pub fn guard(&self, port: &Port<'_>) -> Result<(), NetError> {
         if !self.nat.guards() {
@@ -480,8 +498,21 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \tset unisolated {{\n\
          \t\ttype ifname;\n\
          \t}}\n\
+         \tset asleep {{\n\
+         \t\ttype ifname;\n\
+         \t}}\n\
+         \tchain to_sleeper {{\n\
+         \t\toifname . ether daddr @macs accept comment \"to a sleeping guest's own MAC: it wakes\"\n\
+         \t\tarp operation request oifname . arp daddr ip @addrs accept comment \"ARP for a sleeping guest's address: it wakes\"\n\
+         \t\tcounter drop comment \"flooded to a sleeping guest: it would wake for nothing\"\n\
+         \t}}\n\
+         \tchain output {{\n\
+         \t\ttype filter hook output priority 100; policy accept;\n\
+         \t\toifname @asleep jump to_sleeper\n\
+         \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority 100; policy accept;\n\
+         \t\toifname @asleep jump to_sleeper\n\
          \t\tiifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"a published port's answer\"\n\
          \t\toifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"to a published port\"\n\
          \t\tiifname @unisolated counter drop comment \"guest to guest, from a port the kernel does not isolate\"\n\

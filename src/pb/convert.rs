@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use super::tenant::{
-    egress_list, published_ports, published_to_wire, readiness, readiness_to_wire, vm_limits,
+    egress_list, published_ports, published_to_wire, readiness, readiness_to_wire, sleep, vm_limits,
 };
 use crate::model::is_hostname;
 use crate::model::{
@@ -175,6 +175,7 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         egress,
         readiness: raw.readiness.as_ref().map(readiness).transpose()?,
         published: published_ports(&raw.published_ports)?,
+        sleep: sleep(raw.wake_on_traffic, raw.idle_suspend_after_s)?,
     })
 }
 
@@ -213,6 +214,11 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                 egress_allow: d.egress.allow.iter().map(Cidr::to_string).collect(),
                 egress_deny: d.egress.deny.iter().map(Cidr::to_string).collect(),
                 published_ports: published_to_wire(&d.published),
+                wake_on_traffic: d.sleep.wake_on_traffic,
+                idle_suspend_after_s: d
+                    .sleep
+                    .idle_after
+                    .map_or(0, |t| u32::try_from(t.as_secs()).unwrap_or(u32::MAX)),
             }
         }
     }
@@ -311,6 +317,8 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         readiness: row.readiness.clone(),
         spec_rejected: row.spec_rejected.clone(),
         published_ports: published_to_wire(&row.published),
+        asleep: row.asleep,
+        last_wake: row.last_wake.clone(),
     }
 }
 
@@ -338,6 +346,8 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             readiness: row.readiness.clone(),
             spec_rejected: row.spec_rejected.clone(),
             published: published_ports(&row.published_ports)?,
+            asleep: row.asleep,
+            last_wake: row.last_wake.clone(),
         }));
     }
     for q in &wire.quarantined {

@@ -187,6 +187,24 @@ pub struct VmSpec {
     /// publishing opens a way in, not a way out.
     #[prost(message, repeated, tag = "25")]
     pub published_ports: ::prost::alloc::vec::Vec<PublishedPort>,
+    /// Scale to zero. While the VM is suspended (wanted so, or for
+    /// idleness), the agent keeps its NIC open with no hypervisor behind it,
+    /// so frames for the guest wait there; the first one wakes it: it is
+    /// resumed (admitted like any resume) on that same NIC and reads them,
+    /// the first SYN included. Needs the host's networking.
+    /// Level-triggered, as every field: power_state "suspended" with this
+    /// set is satisfied by a VM asleep (suspended, listening) or awake
+    /// because traffic woke it; once woken it runs until it is idle for
+    /// idle_suspend_after_s (60 s when 0), then sleeps again.
+    #[prost(bool, tag = "26")]
+    pub wake_on_traffic: bool,
+    /// Suspend a running VM whose NICs carried no frame either way for this
+    /// many seconds (0 = never; at most 30 days; needs wake_on_traffic: a VM
+    /// suspended for idleness wakes only on traffic). power_state "running"
+    /// is satisfied by it asleep: VMStatus says power_state "suspended" with
+    /// asleep set, and the next frame for it makes it run again.
+    #[prost(uint32, tag = "27")]
+    pub idle_suspend_after_s: u32,
 }
 /// One port published to the world: host_port of the host forwarded to
 /// guest_port of the guest.
@@ -397,6 +415,16 @@ pub struct VmStatus {
     /// last_error says why.
     #[prost(message, repeated, tag = "13")]
     pub published_ports: ::prost::alloc::vec::Vec<PublishedPort>,
+    /// Set while it is suspended and listening: its next frame wakes it
+    /// (VMSpec.wake_on_traffic). Suspended for idleness while wanted
+    /// running, or wanted suspended: both wake on traffic.
+    #[prost(bool, tag = "14")]
+    pub asleep: bool,
+    /// Its last wake, for people, e.g. "woken 12 s ago by tcp from
+    /// 203.0.113.7:40312 to port 8080, running in 14 ms"; empty when traffic
+    /// never woke it under this agent.
+    #[prost(string, tag = "15")]
+    pub last_wake: ::prost::alloc::string::String,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

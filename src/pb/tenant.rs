@@ -4,7 +4,9 @@
 
 use std::time::Duration;
 
-use crate::model::{Check, Cidr, Limits, Publish, Readiness, SpecError, Transport, VmLimits};
+use crate::model::{
+    Check, Cidr, Limits, Publish, Readiness, Sleep, SpecError, Transport, VmLimits,
+};
 use crate::pb;
 use crate::quote;
 
@@ -106,6 +108,33 @@ pub(super) fn published_ports(raw: &[pb::PublishedPort]) -> Result<Vec<Publish>,
         list.push(publish);
     }
     Ok(list)
+}
+
+/// When a VM sleeps and what wakes it. An idle time needs wake on
+/// traffic: a VM suspended for idleness while wanted running would
+/// otherwise be resumed by the next pass, and suspended again.
+pub(super) fn sleep(wake_on_traffic: bool, idle_suspend_after_s: u32) -> Result<Sleep, SpecError> {
+    const FIELD: &str = "idle_suspend_after_s";
+    let idle_after = match idle_suspend_after_s {
+        0 => None,
+        _ if !wake_on_traffic => {
+            return Err(SpecError::new(
+                FIELD,
+                "needs wake_on_traffic: a VM suspended for idleness wakes only on traffic; set both, or neither",
+            ));
+        }
+        s if u64::from(s) > Sleep::MAX_IDLE.as_secs() => {
+            return Err(SpecError::new(
+                FIELD,
+                format!("{s} s, at most {} (30 days)", Sleep::MAX_IDLE.as_secs()),
+            ));
+        }
+        s => Some(Duration::from_secs(u64::from(s))),
+    };
+    Ok(Sleep {
+        wake_on_traffic,
+        idle_after,
+    })
 }
 
 /// The wire's form of published ports.

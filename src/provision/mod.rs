@@ -151,6 +151,40 @@ pub trait Lifecycle: Send + Sync {
     fn host_checks(&self) -> Option<&dyn HostChecks> {
         None
     }
+
+    /// Waking a suspended VM on the first frame for its guest, where this
+    /// backend can.
+    fn waker(&self) -> Option<&dyn Wake> {
+        None
+    }
+}
+
+/// Scale to zero: a suspended VM's NICs held open with no VMM behind
+/// them, so what arrives for its guest waits there for the VMM that
+/// resumes it (see [`Lifecycle::waker`]).
+pub trait Wake: Send + Sync {
+    /// Holds the NICs of the suspended VM open (opened and joined to the
+    /// host's networks when they are not held yet; held already, they are
+    /// kept) and returns what to poll. The next resume hands them to its
+    /// VMM, which reads what waited.
+    fn listen(&self, spec: &VmSpec) -> Result<Listening, BoxFailure>;
+
+    /// Lets go of what [`Wake::listen`] held: the VM is not to wake (its
+    /// wake turned off, stopped, destroyed).
+    fn stop_listening(&self, vm_id: &Id);
+
+    /// How many frames the VM's guest sent on its NICs, as the kernel
+    /// counts them; `None` when it has none.
+    fn frames(&self, vm_id: &Id) -> Option<u64>;
+}
+
+/// What a listening VM's wake is seen by.
+pub struct Listening {
+    /// Readable once a frame for the guest waits on its NIC: polled, never
+    /// read (the frames are the guest's).
+    pub ready: Vec<std::os::fd::OwnedFd>,
+    /// The NIC a copy of the waking frame is seen on, to say who woke it.
+    pub nic: Option<String>,
 }
 
 /// Suspending a VM to its saved state and resuming it: a capability of

@@ -31,6 +31,11 @@ pub struct Counts {
     /// mid-resume left nothing to continue).
     pub cold_boots: CounterVec,
     pub destroyed: Counter,
+    /// Wakes on traffic: from the first frame for a sleeping guest to its
+    /// guest running.
+    pub wakes: Histogram,
+    /// Running VMs suspended by the agent because their NICs were idle.
+    pub idle_suspends: Counter,
     /// Probes failed by a VM past its grace or after it was ready, per VM.
     pub unhealthy: CounterVec,
     /// VMs booted again by their probe's `restart_after`, per VM.
@@ -73,6 +78,8 @@ impl Default for Counts {
             resumes: Histogram::new(BOOT_BUCKETS),
             cold_boots,
             destroyed: Counter::default(),
+            wakes: Histogram::new(BOOT_BUCKETS),
+            idle_suspends: Counter::default(),
             unhealthy: CounterVec::default(),
             probe_restarts: CounterVec::default(),
             held: parking_lot::Mutex::default(),

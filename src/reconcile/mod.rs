@@ -37,6 +37,8 @@ mod probe;
 mod probing;
 mod reap;
 pub mod seams;
+mod sleep;
+mod sleepers;
 mod suspend;
 pub mod volumes;
 mod workers;
@@ -199,6 +201,20 @@ impl Engine {
         }
         let slots = CreateSlots::new(config.max_concurrent_creates);
         let stack = config.worker_stack_bytes;
+        let (changed, changes) = bounded(1);
+        let workers = Workers::new(stack, changed);
+        // Weak: a dropped engine must stop being poked, and the backend
+        // (which holds the listener) must not keep the workers alive.
+        let pokes: Weak<Pokes> = Arc::downgrade(&workers.pokes());
+        let wakes = Weak::clone(&pokes);
+        let sleepers = sleepers::Sleepers::new(
+            Arc::clone(&seams.provisioner),
+            Arc::new(move |vm_id: &Id| {
+                if let Some(pokes) = wakes.upgrade() {
+                    pokes.wake(vm_id);
+                }
+            }),
+        );
         let core = Core {
             store,
             prov: seams.provisioner,
@@ -216,12 +232,8 @@ impl Engine {
                 waiting: parking_lot::Mutex::default(),
             },
             probes: parking_lot::Mutex::default(),
+            sleepers,
         };
-        let (changed, changes) = bounded(1);
-        let workers = Workers::new(stack, changed);
-        // Weak: a dropped engine must stop being poked, and the backend
-        // (which holds the listener) must not keep the workers alive.
-        let pokes: Weak<Pokes> = Arc::downgrade(&workers.pokes());
         core.prov.watch_exits(Arc::new(move |vm_id: &Id| {
             if let Some(pokes) = pokes.upgrade()
                 && pokes.poke(vm_id)

@@ -97,6 +97,8 @@ impl VmResult {
             readiness: String::new(),
             spec_rejected: String::new(),
             published: Vec::new(),
+            asleep: false,
+            last_wake: String::new(),
         });
     }
 
@@ -206,6 +208,9 @@ pub(crate) struct Core {
     pub creates: Creates,
     /// What each VM's readiness probe knows (see `probe.rs`).
     pub probes: super::probing::Probes,
+    /// The VMs asleep until traffic wakes them, and the running ones
+    /// watched for idleness (see `sleep.rs`).
+    pub sleepers: super::sleepers::Sleepers,
 }
 
 /// What only a create uses: where its image, seed and host key come from,
@@ -336,7 +341,8 @@ impl Core {
     /// desired state, which leaves quarantine and is driven as what it was.
     fn drive(&self, desired: &DesiredVm, rec: Option<Record>, pass: &mut Pass<'_>) {
         let vm_id = &desired.spec.vm_id;
-        let rec = rec.map(|rec| self.note_egress(desired, rec));
+        let mut rec = rec.map(|rec| self.note_egress(desired, rec));
+        let wanted = self.with_sleep(desired, rec.as_mut());
         let held = self.prov.set_egress(vm_id, &desired.egress);
         // Rules this host cannot hold keep a VM that is not running from
         // starting: a guest meant to be fenced in is never let out
@@ -347,7 +353,8 @@ impl Core {
         {
             return self.refuse_unfenced(vm_id, &**e, rec.as_ref(), pass.res);
         }
-        self.drive_lifecycle(desired, rec, pass);
+        self.drive_lifecycle(&wanted, rec, pass);
+        self.after_sleep(desired, pass);
         let published = self.publish(desired);
         self.probe(pass.deadline, desired, pass.res);
         self.say_unserved(vm_id, pass.res);

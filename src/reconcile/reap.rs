@@ -85,6 +85,7 @@ impl Core {
                         self.counts.probe_restarts.remove(vm_id.as_str());
                         self.counts.held.lock().remove(vm_id.as_str());
                         self.probes.lock().remove(&vm_id);
+                        self.sleepers.forget(&vm_id);
                         self.creates.waiting.lock().remove(&vm_id);
                         self.forget_logs(&vm_id);
                         return;

@@ -32,6 +32,14 @@ pub struct Record {
     /// record names only ports that were granted to it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub published: Vec<Publish>,
+    /// Suspended (or being suspended) by the agent for idleness while
+    /// wanted running: it sleeps until traffic wakes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub asleep: bool,
+    /// Running because traffic woke it while wanted suspended: it runs
+    /// until it is idle, then sleeps again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub woken: bool,
 }
 
 impl Record {
@@ -45,6 +53,8 @@ impl Record {
             host_pubkey: String::new(),
             egress: Egress::default(),
             published: Vec::new(),
+            asleep: false,
+            woken: false,
         }
     }
 }

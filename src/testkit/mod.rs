@@ -810,6 +810,7 @@ pub fn desired(vm: &str) -> DesiredVm {
         egress: crate::model::Egress::default(),
         readiness: None,
         published: Vec::new(),
+        sleep: crate::model::Sleep::default(),
     }
 }
 

@@ -48,6 +48,8 @@ fn full_vm(id: &str) -> pb::VmSpec {
             guest_port: 53,
             host_address: "192.0.2.1".into(),
         }],
+        wake_on_traffic: true,
+        idle_suspend_after_s: 300,
     }
 }
 
@@ -153,6 +155,8 @@ fn report_round_trips_every_field() {
                     guest_port: 80,
                     host_address: None,
                 }],
+                asleep: true,
+                last_wake: "woken 3 s ago by tcp from 192.0.2.9:40312 to port 30080".into(),
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),
@@ -752,4 +756,31 @@ fn a_volume_attached_twice_is_refused() {
     let why = rejection(raw);
 
     assert!(why.contains("volume data-1 is attached twice"), "{why}");
+}
+
+#[test]
+fn an_idle_time_without_wake_on_traffic_is_refused_saying_to_set_both() {
+    let err = rejection(pb::VmSpec {
+        wake_on_traffic: false,
+        idle_suspend_after_s: 60,
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("idle_suspend_after_s") && err.contains("needs wake_on_traffic"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_idle_time_past_thirty_days_is_refused() {
+    let err = rejection(pb::VmSpec {
+        idle_suspend_after_s: 31 * 24 * 3600,
+        ..full_vm("v")
+    });
+
+    assert!(
+        err.contains("idle_suspend_after_s") && err.contains("at most 2592000"),
+        "{err}"
+    );
 }

@@ -16,6 +16,7 @@ mod process;
 mod publish;
 mod stop;
 mod suspend;
+mod wake;
 
 // Helpers of these two that the other modules use too.
 use self::{process::*, suspend::*};

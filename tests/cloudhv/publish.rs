@@ -7,7 +7,7 @@ use super::*;
 use eitri_agent::model::Publish;
 
 /// The desired state of `vms`, each publishing `ports`.
-fn publishing(h: &Host, epoch: u64, vms: &[(&str, Vec<Publish>)]) -> Snapshot {
+pub(crate) fn publishing(h: &Host, epoch: u64, vms: &[(&str, Vec<Publish>)]) -> Snapshot {
     let wanted = vms
         .iter()
         .map(|(vm, ports)| {
@@ -191,7 +191,7 @@ fn a_restarted_agent_forwards_a_vms_ports_again_before_its_first_tick() {
 /// A host beyond this one: a namespace on a link of its own to the
 /// host (198.51.100.2, the host 198.51.100.1), with no route to the
 /// guests. Removed on drop.
-fn remote_host() -> (eitri_agent::testkit::net::Namespaces, String) {
+pub(crate) fn remote_host() -> (eitri_agent::testkit::net::Namespaces, String) {
     use eitri_agent::testkit::net::ip;
     let ns = format!("etr{:x}", std::process::id() & 0xffff);
     let cleanup = eitri_agent::testkit::net::Namespaces(vec![ns.clone()]);
@@ -208,7 +208,7 @@ fn remote_host() -> (eitri_agent::testkit::net::Namespaces, String) {
 
 /// The SYNs the stand-in's guest read (`STANDIN_GUEST_TCP`), as it logged
 /// them.
-fn syns(h: &Host, vm: &str) -> Vec<String> {
+pub(crate) fn syns(h: &Host, vm: &str) -> Vec<String> {
     std::fs::read_to_string(h.store.layout().hypervisor_log(&id(vm)))
         .unwrap_or_default()
         .lines()

@@ -38,6 +38,7 @@ mod suspend;
 pub mod tap;
 mod vet;
 mod vmm;
+mod wake;
 mod watch;
 mod window;
 
@@ -111,6 +112,10 @@ pub struct CloudHypervisor {
     /// Adopted VMs whose network could not be served: tried again at
     /// each of their passes ([`Holds::network_served`]).
     unserved: Mutex<std::collections::HashSet<Id>>,
+    /// The taps of sleeping VMs that wake on traffic (see [`wake`]).
+    listening: wake::Held,
+    /// The last reading of every link's frame counters (see [`wake`]).
+    counted: wake::Counted,
 }
 
 impl CloudHypervisor {
@@ -164,6 +169,8 @@ impl CloudHypervisor {
             netns,
             _serial: serial,
             unserved: Mutex::new(std::collections::HashSet::new()),
+            listening: Mutex::default(),
+            counted: Mutex::default(),
         }
     }
 
@@ -195,7 +202,7 @@ impl CloudHypervisor {
         started: impl FnOnce(),
     ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
-        let taps = stages::timed("tap open", || self.open_nics(spec))?;
+        let taps = stages::timed("tap open", || self.taps_for_start(spec))?;
         let (plugged, booted) = crate::threads::alongside(
             &format!("plug-{vm_id}"),
             || stages::timed("plug", || self.plug_nics(spec)),
@@ -301,16 +308,12 @@ impl Lifecycle for CloudHypervisor {
 
     fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
         self.stop(vm_id, deadline, &|what| log::info!("VM {vm_id}: {what}"))?;
+        super::Wake::stop_listening(self, vm_id);
         let taps = self.taps(vm_id).map(|t| [t.underlay, t.site]);
         for tap in taps.into_iter().flatten() {
-            // The kernel unregisters a tap asynchronously once its last fd
-            // closes, so a VMM that just exited can leave its link for a
-            // moment: give it that moment before removing a leftover.
-            let settle = Deadline::after(Duration::from_secs(2));
-            while tap::exists(&tap) && !settle.expired() {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if tap::exists(&tap)
+            // A VMM that just exited can leave its link for a moment: a
+            // leftover is removed once that moment has passed.
+            if !wake::settled(&tap)
                 && let Err(source) = tap::remove(&tap)
             {
                 return Err(CloudHvError::RemoveTap {
@@ -406,6 +409,10 @@ impl Lifecycle for CloudHypervisor {
     }
 
     fn host_checks(&self) -> Option<&dyn HostChecks> {
+        Some(self)
+    }
+
+    fn waker(&self) -> Option<&dyn super::Wake> {
         Some(self)
     }
 }

@@ -56,7 +56,22 @@ pub fn open(name: &str) -> io::Result<OwnedFd> {
     // SAFETY: TUNSETIFF reads a `struct ifreq` (IfReq is laid out as one)
     // through the pointer, which is valid for the call; the fd is open.
     unsafe { tunsetiff(tun.as_raw_fd(), &req) }.map_err(io::Error::from)?;
+    without_ipv6(name);
     Ok(OwnedFd::from(tun))
+}
+
+/// Turns the host's own IPv6 off on the tap, before it is up: a guest's
+/// underlay is IPv4 (its IPv6 is dropped by the guard), and the host
+/// would otherwise send the guest its router solicitations and neighbour
+/// discovery, frames for nobody that would wake a sleeping guest. A host
+/// without IPv6 has nothing to turn off.
+fn without_ipv6(name: &str) {
+    let path = format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6");
+    if std::path::Path::new(&path).exists()
+        && let Err(e) = std::fs::write(&path, "1")
+    {
+        log::warn!("tap {name}: cannot turn the host's IPv6 off on it: {e}");
+    }
 }
 
 /// Whether a network link of this name exists, in this process's network

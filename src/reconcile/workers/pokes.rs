@@ -32,10 +32,21 @@ impl Pokes {
     /// module's step 6). Returns whether a pass was asked for: a VM with no
     /// worker, or whose worker never got an assignment, has nothing to run.
     pub(crate) fn poke(&self, vm_id: &Id) -> bool {
+        self.ring(vm_id, true)
+    }
+
+    /// As [`Pokes::poke`], without its spacing: traffic for a sleeping VM,
+    /// or its NICs quiet for its idle time. Each is bounded by its own rule
+    /// (a wake is one per sleep; an idle VM is told once per quiet spell).
+    pub(crate) fn wake(&self, vm_id: &Id) -> bool {
+        self.ring(vm_id, false)
+    }
+
+    fn ring(&self, vm_id: &Id, spaced: bool) -> bool {
         let Some(Pokeable { shared, doorbell }) = self.0.lock().get(vm_id).cloned() else {
             return false;
         };
-        {
+        if spaced {
             let mut poked = shared.poked.lock();
             if poked.is_some_and(|at| at.elapsed() < POKE_SPACING) {
                 log::debug!("VM {vm_id}: poked again within {POKE_SPACING:?}; left to the tick");

@@ -1,0 +1,189 @@
+//! Scale to zero through the whole backend and the stand-in's guest on the
+//! wire (`STANDIN_GUEST_TCP`): a sleeping VM woken by the first SYN of a
+//! client on another host, which its restored VMM reads; a running one
+//! put to sleep once its NICs are quiet, and not while frames flow.
+
+use super::publish::{publishing, remote_host, syns};
+use super::*;
+use eitri_agent::model::{Publish, Sleep};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+
+/// `vm` publishing 30080 → 8080, waking on traffic, wanted `power`, idle
+/// after `idle`.
+fn sleeper(h: &Host, epoch: u64, power: PowerState, idle: Option<Duration>) -> Snapshot {
+    let mut snap = publishing(h, epoch, &[("vm-1", vec![Publish::tcp(30080, 8080)])]);
+    for vm in &mut snap.vms {
+        if let eitri_agent::model::WantedVm::Present(d) = vm {
+            let d = Arc::make_mut(d);
+            d.power = power;
+            d.sleep = Sleep {
+                wake_on_traffic: true,
+                idle_after: idle,
+            };
+        }
+    }
+    snap
+}
+
+fn wire_host() -> (Host, eitri_agent::testkit::net::Namespaces, String) {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[("STANDIN_GUEST_TCP", "1")]);
+    h.connect();
+    let (remote, ns) = remote_host();
+    (h, remote, ns)
+}
+
+/// A client on the other host connects to the published port: the
+/// stream, and how many segments its kernel sent again.
+fn connect_from(ns: &str) -> std::io::Result<(TcpStream, u32)> {
+    eitri_agent::testkit::net::within(ns, || {
+        let stream = TcpStream::connect_timeout(
+            &(Ipv4Addr::new(198, 51, 100, 1), 30080).into(),
+            Duration::from_secs(5),
+        )?;
+        Ok((stream.try_clone()?, total_retransmits(&stream)?))
+    })
+}
+
+fn total_retransmits(stream: &TcpStream) -> std::io::Result<u32> {
+    use nix::libc;
+    // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(info.tcpi_total_retrans)
+}
+
+/// Waits (without a step: the wake is the agent's own doing) until the
+/// VM's row says `done`.
+fn until_row(
+    h: &Host,
+    done: impl Fn(&eitri_agent::model::VmStatus) -> bool,
+) -> eitri_agent::model::VmStatus {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let row = h.row("vm-1");
+        if done(&row) || Instant::now() > deadline {
+            return row;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_sleeping_vm_is_woken_by_the_first_syn_which_its_guest_reads_without_a_retransmit() {
+    let (h, _remote, ns) = wire_host();
+    h.tick(&sleeper(&h, 1, PowerState::Suspended, None));
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Suspended), "{row:?}");
+    assert!(row.asleep, "{row:?}");
+    assert_eq!(
+        h.pid("vm-1").filter(|p| alive(*p)),
+        None,
+        "no VMM while it sleeps"
+    );
+
+    let connected = connect_from(&ns);
+
+    let (_stream, retransmits) = connected.expect("the client's connect is answered");
+    assert_eq!(retransmits, 0, "the client never sent its SYN again");
+    let syns = syns(&h, "vm-1");
+    assert_eq!(syns.len(), 1, "{syns:?}");
+    assert!(syns[0].contains("from 198.51.100.2:"), "{syns:?}");
+    let row = until_row(&h, |r| {
+        r.power == Some(PowerState::Running) && r.last_wake.contains("tcp")
+    });
+    assert!(!row.asleep, "{row:?}");
+    assert!(
+        row.last_wake.contains("tcp from 198.51.100.2:") && row.last_wake.contains("to port 8080"),
+        "{row:?}"
+    );
+}
+
+#[test]
+fn a_vm_wanted_suspended_stays_awake_after_its_wake_at_the_next_tick() {
+    let (h, _remote, ns) = wire_host();
+    let snap = sleeper(&h, 1, PowerState::Suspended, Some(Duration::from_secs(600)));
+    h.tick(&snap);
+    connect_from(&ns).expect("connect");
+    until_row(&h, |r| r.power == Some(PowerState::Running));
+    let pid = h.pid("vm-1");
+
+    h.tick(&snap);
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert_eq!(h.pid("vm-1"), pid, "its VMM untouched");
+}
+
+#[test]
+fn a_running_vm_sleeps_once_its_nics_are_quiet_for_its_idle_time_and_not_while_frames_flow() {
+    let (h, _remote, ns) = wire_host();
+    let idle = Duration::from_secs(2);
+    let snap = sleeper(&h, 1, PowerState::Running, Some(idle));
+    h.tick(&snap);
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+
+    // Its guest answering for 4 s, a connection every 300 ms: twice its
+    // idle time.
+    let flowing = Instant::now();
+    let mut last_frame = flowing;
+    while flowing.elapsed() < idle * 2 {
+        connect_from(&ns).expect("connect");
+        last_frame = Instant::now();
+        h.tick(&snap);
+        assert_eq!(
+            h.row("vm-1").power,
+            Some(PowerState::Running),
+            "asleep while frames flow"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let row = until_row(&h, |r| r.asleep);
+
+    assert!(row.asleep, "{row:?}");
+    assert_eq!(row.power, Some(PowerState::Suspended));
+    assert!(
+        last_frame.elapsed() >= idle,
+        "asleep {:?} after the last frame",
+        last_frame.elapsed()
+    );
+    // Wanted running, and satisfied asleep: the next tick leaves it so.
+    h.tick(&snap);
+    assert!(h.row("vm-1").asleep);
+}
+
+#[test]
+fn a_vm_asleep_when_the_agent_is_killed_wakes_on_traffic_under_the_next_one() {
+    let (h, _remote, ns) = wire_host();
+    let snap = sleeper(&h, 1, PowerState::Suspended, None);
+    h.tick(&snap);
+    assert!(h.row("vm-1").asleep);
+
+    // The old agent's taps and host network go with it, as with a kill -9.
+    let mut h = h;
+    h.cfg.network = None;
+    let mut h = h.restart();
+    h.connect();
+    h.tick(&snap);
+    assert!(h.row("vm-1").asleep, "{:?}", h.row("vm-1"));
+    let connected = connect_from(&ns);
+
+    let (_stream, retransmits) = connected.expect("connect");
+    assert_eq!(retransmits, 0);
+    let row = until_row(&h, |r| r.power == Some(PowerState::Running));
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+}
