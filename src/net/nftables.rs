@@ -9,7 +9,8 @@
 //!
 //! The sets are the ones [`nft_ruleset`](super::underlay::nft_ruleset)
 //! declares: `macs` (ifname . ether_addr) and `addrs` (ifname .
-//! ipv4_addr). A concatenated key is each field padded to
+//! ipv4_addr), and `asleep` (ifname: a sleeping VM's tap, on its wake's
+//! path). A concatenated key is each field padded to
 //! four bytes: an interface name is 16 bytes, zero-filled; a MAC 6 bytes
 //! and 2 of padding; an IPv4 address 4 bytes in network order.
 
@@ -54,6 +55,18 @@ pub fn remove(table: &str, port: &Port<'_>) -> io::Result<()> {
     for (set, key) in elements(port)? {
         batch.element(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, set, &key);
         batch.element(NFT_MSG_DELSETELEM, 0, table, set, &key);
+    }
+    batch.send()
+}
+
+/// Puts the tap `tap` in the `asleep` set of `table` (`on`), or takes it
+/// out (added first, so one that is absent is no error), in one batch.
+pub fn asleep(table: &str, tap: &str, on: bool) -> io::Result<()> {
+    let key = ifname(tap)?;
+    let mut batch = Batch::new();
+    batch.element(NFT_MSG_NEWSETELEM, NLM_F_CREATE, table, "asleep", &key);
+    if !on {
+        batch.element(NFT_MSG_DELSETELEM, 0, table, "asleep", &key);
     }
     batch.send()
 }

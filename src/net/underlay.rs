@@ -227,13 +227,16 @@ impl Underlay {
             return Ok(());
         }
         let element = format!("bridge {} asleep {{ \"{tap}\" }}", self.cfg.table);
-        let text = if on {
-            format!("add element {element}\n")
-        } else {
-            format!("add element {element}\ndelete element {element}\n")
-        };
-        run("nft", &["-f", "-"], Some(&text))?;
-        Ok(())
+        self.by_netlink_or_nft(
+            || super::nftables::asleep(&self.cfg.table, tap, on),
+            || {
+                if on {
+                    format!("add element {element}\n")
+                } else {
+                    format!("add element {element}\ndelete element {element}\n")
+                }
+            },
+        )
     }
 
     /// Holds `port` to its MAC (and address), in one transaction. Nothing to do without nft (said at setup).

@@ -166,6 +166,11 @@ impl Core {
                 self.sleepers.rewake(vm_id, at);
             }
         }
+        // Its idle watch from now: no pass may come before its idle time
+        // is up (a daemon's tick can be an hour).
+        if running && let Some(limit) = d.sleep.idle_limit(d.power, rec.woken) {
+            self.sleepers.watch_quiet(vm_id, limit);
+        }
         let wants_sleep = rec.asleep || (d.power == PowerState::Suspended && !rec.woken);
         let mut listening = self.sleepers.is_listening(vm_id);
         if suspended && wants_sleep && !listening && woke_at.is_none() {

@@ -1,6 +1,11 @@
 //! What the benchmarks that run VMs through the whole agent share: a
 //! host's backend configuration, the engine's seams over it, a base image.
 
+#![allow(
+    dead_code,
+    reason = "shared by the benchmarks, each of which uses only a part"
+)]
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;

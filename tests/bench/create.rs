@@ -497,6 +497,8 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
             cgroup_root: &roots.0[0],
             tap_prefix: &format!("ed{tag}"),
             bridge: &format!("ebd{tag}"),
+            cmdline: "console=ttyS0",
+            extra: &[],
         },
         PATIENCE,
     )?;

@@ -4,6 +4,11 @@
 //! the agent anything while it works: the wait for a VMM's socket is an
 //! inotify watch on the run dir, and the API polled is the VMM's.
 
+#![allow(
+    dead_code,
+    reason = "shared by the benchmarks, each of which uses only a part"
+)]
+
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -28,6 +33,10 @@ pub struct Parts<'a> {
     /// Its tap names' prefix and its bridge's name: unlike a host's.
     pub tap_prefix: &'a str,
     pub bridge: &'a str,
+    /// The guest kernel's command line.
+    pub cmdline: &'a str,
+    /// More of the agent's flags.
+    pub extra: &'a [&'a str],
 }
 
 pub struct Daemon {
@@ -65,7 +74,7 @@ impl Daemon {
             "--kernel".into(),
             path(parts.kernel),
             "--cmdline".into(),
-            "console=ttyS0".into(),
+            parts.cmdline.into(),
             "--image-root".into(),
             path(parts.images),
             "--cgroup-root".into(),
@@ -86,6 +95,10 @@ impl Daemon {
             "--tombstone-grace".into(),
             "1s".into(),
         ];
+        let args: Vec<String> = args
+            .into_iter()
+            .chain(parts.extra.iter().map(|a| (*a).to_owned()))
+            .collect();
         // Another build of the agent to time instead (two builds compared
         // in turns, on one machine's same afternoon): EITRI_BENCH_AGENT.
         let binary = std::env::var_os("EITRI_BENCH_AGENT").map_or_else(
@@ -117,6 +130,59 @@ impl Daemon {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(daemon)
+    }
+
+    /// Makes `vms` (each a VMSpec as JSON) the desired state, as an
+    /// operator does: the file renamed into place, then SIGHUP.
+    pub fn desire(&self, vms: &[serde_json::Value]) -> Result<(), Error> {
+        let temp = self.dir.join(".desired.json.new");
+        std::fs::write(&temp, serde_json::json!({ "vms": vms }).to_string())?;
+        std::fs::rename(&temp, self.dir.join(DESIRED))?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )?;
+        Ok(())
+    }
+
+    /// A VM of `name` as the desired file writes it: 1 vCPU, 256 MiB,
+    /// the base image, running; the caller sets the rest.
+    pub fn vm(&self, name: &str) -> serde_json::Value {
+        serde_json::json!({
+            "vm_id": name, "name": name, "image_url": self.image.0,
+            "image_sha256": self.image.1, "vcpus": 1, "mem_mb": 256, "disk_gb": 1,
+            "power_state": "running",
+        })
+    }
+
+    /// Waits (polling the report.json the agent writes, at most
+    /// `patience`) until `done` holds for the rows of its report.
+    pub fn wait_rows(
+        &self,
+        what: &str,
+        patience: Duration,
+        done: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> Result<(), Error> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let rows = std::fs::read(self.state().join("report.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|r| r["report"]["vms"].as_array().cloned())
+                .unwrap_or_default();
+            if done(&rows) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{what}: never: {}", self.log_tail(20)).into());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The agent's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
     }
 
     pub fn state(&self) -> PathBuf {

@@ -1,6 +1,11 @@
 //! What the benchmarks share in their figures: milliseconds, percentiles,
 //! and a pass's stages as medians.
 
+#![allow(
+    dead_code,
+    reason = "shared by the benchmarks, each of which uses only a part"
+)]
+
 use std::time::Duration;
 
 use eitri_agent::stages::Stages;

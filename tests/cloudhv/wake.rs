@@ -187,3 +187,22 @@ fn a_vm_asleep_when_the_agent_is_killed_wakes_on_traffic_under_the_next_one() {
     let row = until_row(&h, |r| r.power == Some(PowerState::Running));
     assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
 }
+
+#[test]
+fn a_woken_vm_wanted_suspended_sleeps_again_after_its_idle_time_without_a_tick() {
+    let (h, _remote, ns) = wire_host();
+    h.tick(&sleeper(
+        &h,
+        1,
+        PowerState::Suspended,
+        Some(Duration::from_secs(1)),
+    ));
+    connect_from(&ns).expect("connect");
+    until_row(&h, |r| r.power == Some(PowerState::Running));
+
+    // No tick from here: the agent's own idle watch puts it back to sleep.
+    let row = until_row(&h, |r| r.asleep);
+
+    assert!(row.asleep, "{row:?}");
+    assert_eq!(row.power, Some(PowerState::Suspended));
+}

@@ -911,3 +911,17 @@ fn guard_elements_made_by_netlink_read_back_as_nft_writes_them() {
     eitri_agent::net::nftables::remove("eitri_test", &port).expect("absent is no error");
     assert!(!nft_table_bridge().contains("etnl0"));
 }
+
+#[test]
+fn a_sleepers_tap_made_by_netlink_reads_back_in_the_asleep_set() {
+    private_network();
+    let _underlay = Underlay::setup(underlay_config()).expect("setup");
+
+    eitri_agent::net::nftables::asleep("eitri_test", "etsl0", true).expect("added by netlink");
+
+    let listed = eitri_agent::testkit::net::nft_set_elements("asleep");
+    assert!(listed.contains("\"etsl0\""), "{listed}");
+    eitri_agent::net::nftables::asleep("eitri_test", "etsl0", false).expect("removed by netlink");
+    eitri_agent::net::nftables::asleep("eitri_test", "etsl0", false).expect("absent is no error");
+    assert!(!eitri_agent::testkit::net::nft_set_elements("asleep").contains("etsl0"));
+}

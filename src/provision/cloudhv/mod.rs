@@ -202,10 +202,16 @@ impl CloudHypervisor {
         started: impl FnOnce(),
     ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
-        let taps = stages::timed("tap open", || self.taps_for_start(spec))?;
+        let (taps, joined) = stages::timed("tap open", || self.taps_for_start(spec))?;
         let (plugged, booted) = crate::threads::alongside(
             &format!("plug-{vm_id}"),
-            || stages::timed("plug", || self.plug_nics(spec)),
+            || {
+                if joined {
+                    stages::timed("awake", || self.awake(vm_id))
+                } else {
+                    stages::timed("plug", || self.plug_nics(spec))
+                }
+            },
             || {
                 self.spawn(spec, taps, launch).and_then(|tracked| {
                     started();

@@ -45,20 +45,24 @@ pub(super) fn settled(name: &str) -> bool {
 }
 
 impl CloudHypervisor {
-    /// The VM's taps for a VMM about to start: those held while it slept,
-    /// with what waited on them, or new ones.
-    pub(super) fn taps_for_start(&self, spec: &VmSpec) -> Result<Vec<(OwnedFd, Mac)>, BoxFailure> {
+    /// The VM's taps for a VMM about to start, and whether they are joined
+    /// to the host's networks already: those held while it slept, with
+    /// what waited on them (their sleep's filter still on: see
+    /// [`CloudHypervisor::awake`]), or new ones.
+    pub(super) fn taps_for_start(
+        &self,
+        spec: &VmSpec,
+    ) -> Result<(Vec<(OwnedFd, Mac)>, bool), BoxFailure> {
         match self.listening.lock().remove(&spec.vm_id) {
-            Some(held) => {
-                self.awake(&spec.vm_id)?;
-                Ok(held)
-            }
-            None => self.open_nics(spec),
+            Some(held) => Ok((held, true)),
+            None => self.open_nics(spec).map(|taps| (taps, false)),
         }
     }
 
-    /// Its underlay tap passes whatever the bridge sends it again.
-    fn awake(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+    /// Its underlay tap passes whatever the bridge sends it again. Done
+    /// beside a woken VM's start: until then the filter passes all that is
+    /// for the guest, so nothing for it waits on this.
+    pub(super) fn awake(&self, vm_id: &Id) -> Result<(), BoxFailure> {
         match &self.cfg.network {
             Some(network) => network.set_asleep(vm_id, false),
             None => Ok(()),

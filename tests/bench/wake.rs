@@ -1,0 +1,303 @@
+//! `make bench-wake`: a client on another host connects to a port a
+//! sleeping VM publishes, and the agent wakes the VM for it. Run as root.
+//!
+//! The agent binary runs as a daemon (in a private network namespace,
+//! guest networking on, `--publish-ports`), over a desired file naming
+//! `VMS` VMs, each publishing its own host port to the guest's `PORT`,
+//! wanted suspended with `wake_on_traffic` and an idle time of 1 s. The
+//! client is in a namespace of its own behind a veth (another host, as far
+//! as the agent can tell). Each round, once every VM is asleep (its row
+//! says so), the client connects to each VM's port in turn:
+//! - `wake_connect_ms`: its `connect()`, from the call to the handshake
+//!   done, to the sleeping VM;
+//! - `syn_retransmits`: the segments its kernel sent again (TCP_INFO's
+//!   total), over every wake connect: 0 when the first SYN was delivered;
+//! - `running_connect_ms`: the same connect at once again, to the VM now
+//!   running: the baseline;
+//! - `resume_ms`: the resume inside that wake, as the agent logs it
+//!   (`resumed in N ms`), and `wake_ms` the agent's own account, from the
+//!   first frame to the guest running.
+//!
+//! The guest is the stand-in's (`STANDIN_GUEST_TCP`: it answers ARP and
+//! a SYN on its tap), or, with `EITRI_REAL_CH`, `EITRI_REAL_KERNEL` and
+//! `EITRI_REAL_IMAGE` naming a real cloud-hypervisor, a Linux kernel and
+//! a root filesystem with sshd (`make e2e-real` builds them), a real
+//! guest's sshd on port 22. The last line: `bench=wake …`.
+
+use std::net::{Ipv4Addr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[path = "agent.rs"]
+mod agent;
+#[path = "daemon.rs"]
+mod daemon;
+#[path = "figures.rs"]
+mod figures;
+use figures::{ms, percentile};
+
+const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+const VMS: usize = 5;
+const ROUNDS: usize = 4;
+const FIRST_PORT: u16 = 30100;
+/// A bound to give up on, not a measurement.
+const PATIENCE: Duration = Duration::from_secs(120);
+/// The host's address on the client's link, and the client's.
+const HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const CLIENT: &str = "198.51.100.2/24";
+
+type Error = Box<dyn std::error::Error>;
+
+/// What is torn down at the end, whatever way the bench ends.
+struct Cleanup {
+    netns: String,
+    cgroup_root: String,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+        eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
+    }
+}
+
+/// The guest: the hypervisor, its kernel, a root image (`None`: a blank
+/// one), the kernel's command line, and the port it answers on.
+struct Guest {
+    hypervisor: PathBuf,
+    kernel: PathBuf,
+    image: Option<PathBuf>,
+    cmdline: &'static str,
+    port: u16,
+    what: &'static str,
+}
+
+fn guest(dir: &Path) -> Result<Guest, Error> {
+    let real = |var: &str| std::env::var_os(var).map(PathBuf::from);
+    if let (Some(hypervisor), Some(kernel), Some(image)) = (
+        real("EITRI_REAL_CH"),
+        real("EITRI_REAL_KERNEL"),
+        real("EITRI_REAL_IMAGE"),
+    ) {
+        return Ok(Guest {
+            hypervisor,
+            kernel,
+            image: Some(image),
+            cmdline: "console=ttyS0 root=/dev/vda rw",
+            port: 22,
+            what: "real",
+        });
+    }
+    let hypervisor = dir.join("hv");
+    eitri_agent::testkit::standin_hypervisor(
+        Path::new(STANDIN),
+        &hypervisor,
+        &[("STANDIN_GUEST_TCP", "1")],
+    );
+    let kernel = dir.join("vmlinux");
+    std::fs::write(&kernel, b"stand-in kernel")?;
+    Ok(Guest {
+        hypervisor,
+        kernel,
+        image: None,
+        cmdline: "console=ttyS0",
+        port: 8080,
+        what: "standin",
+    })
+}
+
+/// A client namespace behind a veth from this one: the host is `HOST`.
+fn client_host(name: &str) -> Result<(), Error> {
+    let ip = |args: &[&str]| -> Result<(), Error> {
+        let ok = std::process::Command::new("ip")
+            .args(args)
+            .status()?
+            .success();
+        ok.then_some(())
+            .ok_or_else(|| format!("ip {args:?} failed").into())
+    };
+    ip(&["netns", "add", name])?;
+    ip(&[
+        "link", "add", "etwake", "type", "veth", "peer", "name", "eth0", "netns", name,
+    ])?;
+    ip(&["addr", "add", &format!("{HOST}/24"), "dev", "etwake"])?;
+    ip(&["link", "set", "etwake", "up"])?;
+    ip(&["-n", name, "addr", "add", CLIENT, "dev", "eth0"])?;
+    ip(&["-n", name, "link", "set", "eth0", "up"])?;
+    ip(&["-n", name, "link", "set", "lo", "up"])?;
+    Ok(())
+}
+
+/// One connect from the client's namespace to `port` of the host: how
+/// long it took, and how many segments its kernel sent again.
+fn connect(netns: &str, port: u16) -> Result<(Duration, u32), String> {
+    eitri_agent::testkit::net::within(netns, || {
+        let started = Instant::now();
+        let stream = TcpStream::connect_timeout(&(HOST, port).into(), Duration::from_secs(10))
+            .map_err(|e| format!("connect to {port}: {e}"))?;
+        let took = started.elapsed();
+        let again = retransmits(&stream).map_err(|e| e.to_string())?;
+        // Closed with a reset, at once: a FIN the guest never answers (the
+        // stand-in's keeps no connection) would be sent again and again,
+        // each a frame that wakes it.
+        let _ = nix::sys::socket::setsockopt(
+            &stream,
+            nix::sys::socket::sockopt::Linger,
+            &nix::libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            },
+        );
+        Ok((took, again))
+    })
+}
+
+fn retransmits(stream: &TcpStream) -> std::io::Result<u32> {
+    use nix::libc;
+    // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(info.tcpi_total_retrans)
+}
+
+/// The figures the agent logged after `from` (a byte offset of its log):
+/// each `marker N ms`.
+fn logged(log: &str, from: usize, marker: &str) -> Vec<Duration> {
+    log.get(from..)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(marker)?;
+            let n: u64 = rest.split_whitespace().next()?.parse().ok()?;
+            Some(Duration::from_millis(n))
+        })
+        .collect()
+}
+
+fn main() -> Result<(), Error> {
+    eitri_agent::testkit::net::private_network();
+    let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )?;
+    let tag = format!("{:04x}", std::process::id() & 0xffff);
+    let cleanup = Cleanup {
+        netns: format!("etwk{tag}"),
+        cgroup_root: format!("eitri-test-{}", std::process::id()),
+    };
+    let guest = guest(dir.path())?;
+    let images = dir.path().join("images");
+    std::fs::create_dir_all(&images)?;
+    let (url, sha) = match &guest.image {
+        Some(image) => {
+            let to = images.join("guest.raw");
+            std::fs::copy(image, &to)?;
+            (
+                format!("file://{}", to.display()),
+                eitri_agent::image::sha256_file(&to)?,
+            )
+        }
+        None => agent::base_image(&images)?,
+    };
+    client_host(&cleanup.netns)?;
+    let daemon = daemon::Daemon::start(
+        &dir.path().join("agent"),
+        &daemon::Parts {
+            hypervisor: &guest.hypervisor,
+            kernel: &guest.kernel,
+            image: (&url, &sha),
+            images: &images,
+            cgroup_root: &cleanup.cgroup_root,
+            tap_prefix: &format!("ew{tag}"),
+            bridge: &format!("ebw{tag}"),
+            cmdline: guest.cmdline,
+            extra: &["--publish-ports", "30000-30999"],
+        },
+        PATIENCE,
+    )?;
+    let names: Vec<String> = (0..VMS).map(|i| format!("wake-{i}")).collect();
+    let vms: Vec<serde_json::Value> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut vm = daemon.vm(name);
+            vm["power_state"] = "suspended".into();
+            vm["wake_on_traffic"] = true.into();
+            vm["idle_suspend_after_s"] = 1.into();
+            vm["published_ports"] = serde_json::json!([{
+                "host_port": FIRST_PORT + i as u16, "guest_port": guest.port,
+            }]);
+            if guest.image.is_some() {
+                vm["disk_gb"] = 2.into();
+                vm["mem_mb"] = 512.into();
+            }
+            vm
+        })
+        .collect();
+    daemon.desire(&vms)?;
+    let all_asleep =
+        |rows: &[serde_json::Value]| rows.len() == VMS && rows.iter().all(|r| r["asleep"] == true);
+    let (mut wakes, mut running, mut retransmitted) = (Vec::new(), Vec::new(), 0u32);
+    let log_from = daemon.log().len();
+    let rounds = (|| -> Result<(), Error> {
+        for round in 0..ROUNDS {
+            daemon.wait_rows(
+                &format!("round {round}: every VM asleep"),
+                PATIENCE,
+                all_asleep,
+            )?;
+            for i in 0..VMS {
+                let port = FIRST_PORT + i as u16;
+                let (took, again) = connect(&cleanup.netns, port)?;
+                wakes.push(took);
+                retransmitted += again;
+                let (took, _) = connect(&cleanup.netns, port)?;
+                running.push(took);
+            }
+        }
+        Ok(())
+    })();
+    let log = daemon.log();
+    // The agent's log, kept where EITRI_BENCH_LOG says.
+    if let Some(keep) = std::env::var_os("EITRI_BENCH_LOG") {
+        std::fs::write(keep, &log)?;
+    }
+    rounds?;
+    let resumes = logged(&log, log_from, ": resumed in ");
+    let agent_wakes = logged(&log, log_from, "its guest ran ");
+    let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
+    let (wake_p50, resume_p50) = (p(&wakes, 0.5), p(&resumes, 0.5));
+    println!(
+        "bench=wake guest={} vms={VMS} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={}",
+        guest.what,
+        wakes.len(),
+        wake_p50,
+        p(&wakes, 0.9),
+        resume_p50,
+        resumes.len(),
+        p(&agent_wakes, 0.5),
+        p(&running, 0.5),
+        wake_p50 - resume_p50,
+    );
+    drop(daemon);
+    drop(cleanup);
+    Ok(())
+}
