@@ -84,6 +84,70 @@ pub fn set_isolated(tap: &str, on: bool) -> Result<(), LinkError> {
     socket.ask(&isolation(1, index, on).finish()).map_err(fail)
 }
 
+const RTM_NEWNEIGH: u16 = 28;
+const RTM_DELNEIGH: u16 = 29;
+const NLM_F_REPLACE: u16 = 0x100;
+const NLM_F_CREATE: u16 = 0x400;
+const NUD_PERMANENT: u16 = 0x80;
+const NDA_DST: u16 = 1;
+const NDA_LLADDR: u16 = 2;
+
+/// Tells the host that `ip`, on `bridge`, is at `mac`, for good: as `ip
+/// neigh replace {ip} lladdr {mac} dev {bridge} nud permanent`. The host
+/// then never asks (by ARP) where a guest it addressed itself is: a frame
+/// for a guest goes to its port at once, and waits there while the guest
+/// sleeps, where an ARP unanswered for 3 s would fail the sender with "no
+/// route to host".
+pub fn set_neighbour(bridge: &str, ip: std::net::Ipv4Addr, mac: [u8; 6]) -> Result<(), LinkError> {
+    let fail = |source| LinkError {
+        command: format!(
+            "ip neigh replace {ip} lladdr {} dev {bridge} nud permanent",
+            crate::model::Mac::from(mac)
+        ),
+        source,
+    };
+    let socket = Socket::open(libc::NETLINK_ROUTE).map_err(fail)?;
+    let index = ifindex(bridge).map_err(fail)?;
+    let mut m = neighbour(
+        RTM_NEWNEIGH,
+        NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+        index,
+        ip,
+    );
+    m.attr(NDA_LLADDR, &mac);
+    socket.ask(&m.finish()).map_err(fail)
+}
+
+/// Forgets what [`set_neighbour`] told: as `ip neigh del {ip} dev
+/// {bridge}`. One the host does not hold is no error.
+pub fn forget_neighbour(bridge: &str, ip: std::net::Ipv4Addr) -> Result<(), LinkError> {
+    let fail = |source| LinkError {
+        command: format!("ip neigh del {ip} dev {bridge}"),
+        source,
+    };
+    let socket = Socket::open(libc::NETLINK_ROUTE).map_err(fail)?;
+    let index = match ifindex(bridge) {
+        Ok(index) => index,
+        Err(_) => return Ok(()),
+    };
+    match socket.ask(&neighbour(RTM_DELNEIGH, NLM_F_ACK, index, ip).finish()) {
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other.map_err(fail),
+    }
+}
+
+/// A neighbour request about `ip` on the link `index`: `struct ndmsg`
+/// (IPv4, permanent) and the address.
+fn neighbour(kind: u16, flags: u16, index: i32, ip: std::net::Ipv4Addr) -> Message {
+    let mut m = Message::new(kind, flags, 1);
+    m.raw(&[libc::AF_INET as u8, 0, 0, 0]);
+    m.raw(&index.to_ne_bytes());
+    m.raw(&NUD_PERMANENT.to_ne_bytes());
+    m.raw(&[0, 0]);
+    m.attr(NDA_DST, &ip.octets());
+    m
+}
+
 /// The request that sets a bridge port's isolation.
 fn isolation(seq: u32, index: i32, on: bool) -> Message {
     let mut m = Message::link(seq, index, 0, 0);

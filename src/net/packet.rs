@@ -295,7 +295,7 @@ pub(super) fn ifindex(name: &str) -> io::Result<i32> {
 
 /// The interface's MAC, from the kernel of this process's network
 /// namespace (SIOCGIFHWADDR; /sys may show another namespace).
-fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
+pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
     if name.is_empty() || name.len() >= libc::IFNAMSIZ {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,

@@ -127,6 +127,7 @@ impl Underlay {
             run("ip", &["link", "add", bridge, "type", "bridge"], None)?;
             log::info!("created the underlay bridge {bridge}");
         }
+        pin_address(bridge)?;
         let gateway = format!("{}/{}", cfg.subnet.gateway(), cfg.subnet.prefix());
         run("ip", &["addr", "replace", &gateway, "dev", bridge], None)?;
         run("ip", &["link", "set", bridge, "up"], None)?;
@@ -167,10 +168,15 @@ impl Underlay {
     pub fn attach(&self, port: &Port<'_>) -> Result<(), NetError> {
         self.guard(port)?;
         let _span = crate::stages::span("netlink");
-        super::netlink::join_isolated(port.tap, &self.cfg.bridge).map_err(|e| NetError::Netlink {
+        let netlink = |e: super::netlink::LinkError| NetError::Netlink {
             request: e.command,
             source: e.source,
-        })
+        };
+        if let Some(ip) = port.ip {
+            super::netlink::set_neighbour(&self.cfg.bridge, ip, port.mac.octets())
+                .map_err(netlink)?;
+        }
+        super::netlink::join_isolated(port.tap, &self.cfg.bridge).map_err(netlink)
     }
 
     /// Makes the guest port `tap` isolated from the bridge's other ports
@@ -283,8 +289,17 @@ impl Underlay {
         )
     }
 
-    /// Removes `port`'s guard, in one transaction (absent is fine).
+    /// Removes `port`'s guard, in one transaction (absent is fine), and
+    /// what the host was told of its address (see [`Underlay::attach`]).
     pub fn unguard(&self, port: &Port<'_>) -> Result<(), NetError> {
+        if let Some(ip) = port.ip {
+            super::netlink::forget_neighbour(&self.cfg.bridge, ip).map_err(|e| {
+                NetError::Netlink {
+                    request: e.command,
+                    source: e.source,
+                }
+            })?;
+        }
         if !self.nat.guards() {
             return Ok(());
         }
@@ -363,6 +378,23 @@ impl Underlay {
 
 /// What the log and `status` say where nothing guards the guests.
 pub const UNGUARDED: &str = "guest traffic is unprotected: nft is not installed, so nothing holds a guest to its MAC and address or keeps it from this host's services (install nftables)";
+
+/// Sets the bridge's MAC to the one it has: set, it is the bridge's own,
+/// where a bridge left to itself takes the lowest of its ports' and
+/// changes whenever a tap with a lower one joins or leaves. Each change
+/// makes every guest's gateway another MAC (its ARP cache stale until it
+/// asks again) and flushes the host's neighbour entries on the bridge,
+/// the ones that say where each guest is too (see `netlink::set_neighbour`).
+#[cfg(target_os = "linux")]
+fn pin_address(bridge: &str) -> Result<(), NetError> {
+    let mac = super::packet::interface_mac(bridge).map_err(|source| NetError::Netlink {
+        request: format!("ip link show dev {bridge}"),
+        source,
+    })?;
+    let mac = crate::model::Mac::from(mac).to_string();
+    run("ip", &["link", "set", "dev", bridge, "address", &mac], None)?;
+    Ok(())
+}
 
 #[cfg(target_os = "linux")]
 fn enable_forwarding() -> Result<(), NetError> {

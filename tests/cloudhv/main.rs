@@ -61,6 +61,8 @@ struct Host {
     /// What the guest writes on its serial console once it runs: the
     /// stand-in's "booting", or the real guest's marker.
     serial_marker: String,
+    /// What the engine admits (0: no cap).
+    caps: eitri_agent::reconcile::HostCaps,
 }
 
 /// A tap prefix of this test process alone: parallel tests never touch
@@ -186,6 +188,7 @@ impl Host {
             base_sha,
             cleanup: true,
             serial_marker: "booting".into(),
+            caps: eitri_agent::reconcile::HostCaps::default(),
         };
         host.engine = Some(host.make_engine());
         host
@@ -211,6 +214,7 @@ impl Host {
             agent_version: "1.0.0".into(),
             vm_timeout: Some(Duration::from_secs(30)),
             tombstone_grace: Duration::ZERO,
+            caps: self.caps,
             ..EngineConfig::default()
         };
         Engine::new(Arc::clone(&self.store), seams, config)

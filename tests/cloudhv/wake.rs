@@ -40,7 +40,7 @@ fn connect_from(ns: &str) -> std::io::Result<(TcpStream, u32)> {
     eitri_agent::testkit::net::within(ns, || {
         let stream = TcpStream::connect_timeout(
             &(Ipv4Addr::new(198, 51, 100, 1), 30080).into(),
-            Duration::from_secs(5),
+            Duration::from_secs(10),
         )?;
         Ok((stream.try_clone()?, total_retransmits(&stream)?))
     })
@@ -205,4 +205,37 @@ fn a_woken_vm_wanted_suspended_sleeps_again_after_its_idle_time_without_a_tick()
 
     assert!(row.asleep, "{row:?}");
     assert_eq!(row.power, Some(PowerState::Suspended));
+}
+
+#[test]
+fn a_wake_the_host_has_no_room_for_waits_said_and_then_serves_the_client() {
+    let (mut h, _remote, ns) = wire_host();
+    // Room for one running vCPU: a sleeper holds none.
+    h.caps = eitri_agent::reconcile::HostCaps {
+        max_vcpus: 1,
+        ..Default::default()
+    };
+    h.engine = Some(h.make_engine());
+    let sleeping = sleeper(&h, 1, PowerState::Suspended, None);
+    h.tick(&sleeping);
+    let mut both = sleeping.clone();
+    both.epoch = 2;
+    both.vms.push(present(h.desired("vm-2")));
+    h.tick(&both);
+    assert_eq!(h.row("vm-2").power, Some(PowerState::Running));
+
+    let client = std::thread::scope(|scope| {
+        let client = scope.spawn(|| connect_from(&ns));
+        let waiting = until_row(&h, |r| r.status_detail.contains("waiting for room"));
+        assert_eq!(waiting.power, Some(PowerState::Suspended), "{waiting:?}");
+        // Room made: the other VM destroyed, and a tick resumes it.
+        let mut room = sleeping.clone();
+        room.epoch = 3;
+        room.vms.push(tombstoned("vm-2"));
+        h.tick_until_row(&room, "vm-1", |r| r.power == Some(PowerState::Running));
+        client.join().expect("client")
+    });
+
+    client.expect("the client's connect is answered once the VM runs");
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
 }

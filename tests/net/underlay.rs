@@ -925,3 +925,40 @@ fn a_sleepers_tap_made_by_netlink_reads_back_in_the_asleep_set() {
     eitri_agent::net::nftables::asleep("eitri_test", "etsl0", false).expect("absent is no error");
     assert!(!eitri_agent::testkit::net::nft_set_elements("asleep").contains("etsl0"));
 }
+
+#[test]
+fn the_host_holds_an_attached_guests_address_to_its_mac_while_other_ports_come_and_go() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    ip(&[
+        "link", "add", "etport0", "type", "veth", "peer", "name", "etport1",
+    ]);
+    underlay
+        .attach(&Port {
+            tap: "etport0",
+            mac: Mac::parse("02:e1:00:00:00:01").expect("mac"),
+            ip: Some(Ipv4Addr::new(100, 77, 0, 9)),
+        })
+        .expect("attach");
+
+    // A port with a lower MAC than any: a bridge left to itself takes it,
+    // and flushes what it knew of its neighbours.
+    ip(&[
+        "link", "add", "etport2", "type", "veth", "peer", "name", "etport3",
+    ]);
+    ip(&["link", "set", "etport2", "address", "00:00:00:00:00:01"]);
+    ip(&["link", "set", "etport2", "master", "etbr0", "up"]);
+
+    let neigh = String::from_utf8_lossy(
+        &Command::new("ip")
+            .args(["neigh", "show", "dev", "etbr0"])
+            .output()
+            .expect("ip")
+            .stdout,
+    )
+    .into_owned();
+    assert!(
+        neigh.contains("100.77.0.9 lladdr 02:e1:00:00:00:01 PERMANENT"),
+        "{neigh}"
+    );
+}
