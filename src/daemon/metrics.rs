@@ -28,6 +28,7 @@
 //! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
 //! | `eitri_wake_duration_seconds` | histogram | first frame for a sleeping guest → guest running (its `_count`: wakes) |
 //! | `eitri_idle_suspends_total` | counter | running VMs suspended for idleness |
+//! | `eitri_wake_loops_total` | counter | wakes that ended a sleep shorter than the idle time |
 //! | `eitri_resume_cold_boots_total{why}` | counter | suspended VMs booted from their disks instead: `gone`, `unusable`, `failed`, `interrupted` |
 //! | `eitri_destroys_total` | counter | VMs destroyed (then acknowledged in reports) |
 //! | `eitri_image_cache_bytes` | gauge | disk the image cache holds |
@@ -322,6 +323,11 @@ fn lifecycle(from: &Sources<'_>, e: &mut Exposition) {
         "eitri_idle_suspends_total",
         "Running VMs suspended because their NICs carried no frame for their idle time.",
         counts.idle_suspends.get(),
+    );
+    e.counter(
+        "eitri_wake_loops_total",
+        "Wakes that ended a sleep shorter than the VM's idle time (each doubles its next idle time, at most 64 times).",
+        counts.wake_loops.get(),
     );
     e.counter(
         "eitri_destroys_total",

@@ -36,6 +36,9 @@ pub struct Counts {
     pub wakes: Histogram,
     /// Running VMs suspended by the agent because their NICs were idle.
     pub idle_suspends: Counter,
+    /// Wakes that ended a sleep shorter than the VM's idle time: a wake
+    /// loop, which stretches its next idle time.
+    pub wake_loops: Counter,
     /// Probes failed by a VM past its grace or after it was ready, per VM.
     pub unhealthy: CounterVec,
     /// VMs booted again by their probe's `restart_after`, per VM.
@@ -80,6 +83,7 @@ impl Default for Counts {
             destroyed: Counter::default(),
             wakes: Histogram::new(BOOT_BUCKETS),
             idle_suspends: Counter::default(),
+            wake_loops: Counter::default(),
             unhealthy: CounterVec::default(),
             probe_restarts: CounterVec::default(),
             held: parking_lot::Mutex::default(),

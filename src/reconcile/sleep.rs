@@ -105,18 +105,19 @@ impl Core {
         }
         // Wanted running, or awake by a wake: quiet for its idle time, it
         // sleeps.
-        let limit = d.sleep.idle_limit(d.power, rec.woken);
+        let limit = self.idle_limit(d, rec);
         let running = state == State::Up && self.prov.running(vm_id);
         match limit {
             Some(limit) if running => {
                 sleepers.watch_quiet(vm_id, limit);
                 if sleepers.quiet_for(vm_id).is_some_and(|q| q >= limit) {
                     log::info!(
-                        "VM {vm_id}: its NICs carried nothing for {} s: suspending it until traffic wakes it",
+                        "VM {vm_id}: its guest sent nothing for {} s: suspending it until traffic wakes it",
                         limit.as_secs()
                     );
                     self.counts.idle_suspends.inc();
                     sleepers.unwatch_quiet(vm_id);
+                    sleepers.slept(vm_id);
                     rec.asleep = d.power == PowerState::Running;
                     rec.woken = false;
                     return Some(PowerState::Suspended);
@@ -125,6 +126,14 @@ impl Core {
             _ => sleepers.unwatch_quiet(vm_id),
         }
         Some(PowerState::Running)
+    }
+
+    /// How long the running VM may be idle before it sleeps: its entry's
+    /// idle time, stretched while it wakes and sleeps in a loop (see
+    /// `Sleepers::stretched`); `None`: it never sleeps for idleness.
+    fn idle_limit(&self, d: &DesiredVm, rec: &Record) -> Option<std::time::Duration> {
+        let base = d.sleep.idle_limit(d.power, rec.woken)?;
+        Some(self.sleepers.stretched(&d.spec.vm_id, base))
     }
 
     fn quit_listening(&self, vm_id: &Id) {
@@ -156,6 +165,16 @@ impl Core {
                 let took = at.elapsed();
                 self.counts.wakes.observe(took);
                 self.sleepers.ran(vm_id, took);
+                if let Some(base) = d.sleep.idle_limit(d.power, rec.woken)
+                    && self.sleepers.woke(vm_id, base)
+                {
+                    self.counts.wake_loops.inc();
+                    log::info!(
+                        "VM {vm_id}: woken again before it slept its idle time ({} s); it stays awake {} s idle before it sleeps again",
+                        base.as_secs(),
+                        self.sleepers.stretched(vm_id, base).as_secs()
+                    );
+                }
                 log::info!(
                     "VM {vm_id}: woken by traffic; its guest ran {} ms after the first frame",
                     took.as_millis()
@@ -168,7 +187,7 @@ impl Core {
         }
         // Its idle watch from now: no pass may come before its idle time
         // is up (a daemon's tick can be an hour).
-        if running && let Some(limit) = d.sleep.idle_limit(d.power, rec.woken) {
+        if running && let Some(limit) = self.idle_limit(d, &rec) {
             self.sleepers.watch_quiet(vm_id, limit);
         }
         let wants_sleep = rec.asleep || (d.power == PowerState::Suspended && !rec.woken);

@@ -43,6 +43,8 @@ struct Shared {
     woken: Mutex<HashMap<Id, Instant>>,
     /// The last wake of each VM, for its row.
     last: Mutex<HashMap<Id, LastWake>>,
+    /// How each VM's sleeps went (see [`Sleepers::stretched`]).
+    loops: Mutex<HashMap<Id, Loop>>,
     /// Wakes the thread when what it polls changed; `None` if the pipe
     /// could not be made (then it looks again every [`RELOOK`]).
     wakeup: Option<Arc<Wakeup>>,
@@ -55,6 +57,18 @@ struct Listener {
     #[cfg(target_os = "linux")]
     copy: Option<Arc<crate::net::packet::PacketSocket>>,
 }
+
+/// A VM's sleeps, to bound a wake loop.
+#[derive(Default)]
+struct Loop {
+    slept_at: Option<Instant>,
+    /// Wakes in a row that came before the sleep they ended had lasted
+    /// the VM's idle time.
+    short: u32,
+}
+
+/// The most an idle time is stretched by a wake loop: 2^6 = 64 times.
+const MAX_STRETCH: u32 = 6;
 
 struct Quiet {
     limit: Duration,
@@ -87,6 +101,7 @@ impl Sleepers {
                 quiet: Mutex::default(),
                 woken: Mutex::default(),
                 last: Mutex::default(),
+                loops: Mutex::default(),
                 wakeup,
                 poke,
                 prov,
@@ -191,6 +206,42 @@ impl Sleepers {
     pub(crate) fn forget(&self, vm_id: &Id) {
         self.quit(vm_id);
         self.shared.last.lock().remove(vm_id);
+        self.shared.loops.lock().remove(vm_id);
+    }
+
+    /// The VM is suspended for idleness now.
+    pub(super) fn slept(&self, vm_id: &Id) {
+        self.shared
+            .loops
+            .lock()
+            .entry(vm_id.clone())
+            .or_default()
+            .slept_at = Some(Instant::now());
+    }
+
+    /// The VM was woken: whether this wake ends a sleep shorter than its
+    /// `idle` time (a wake loop: a peer, or its guest's own timer, sending
+    /// a frame each idle period), which stretches its next idle time.
+    pub(super) fn woke(&self, vm_id: &Id, idle: Duration) -> bool {
+        let mut loops = self.shared.loops.lock();
+        let l = loops.entry(vm_id.clone()).or_default();
+        let short = l.slept_at.is_some_and(|at| at.elapsed() < idle);
+        l.short = if short { l.short.saturating_add(1) } else { 0 };
+        short
+    }
+
+    /// The VM's idle time `idle`, doubled for each short sleep in a row
+    /// (at most [`MAX_STRETCH`] times): a loop of wakes and sleeps costs a
+    /// suspend (its memory written) and a resume each turn, and this
+    /// spaces the turns out until its sleeps are long again.
+    pub(super) fn stretched(&self, vm_id: &Id, idle: Duration) -> Duration {
+        let short = self
+            .shared
+            .loops
+            .lock()
+            .get(vm_id)
+            .map_or(0, |l| l.short.min(MAX_STRETCH));
+        idle.saturating_mul(1 << short)
     }
 
     /// The wake at `at` ran the VM's guest after `took`.

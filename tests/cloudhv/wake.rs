@@ -42,6 +42,17 @@ fn connect_from(ns: &str) -> std::io::Result<(TcpStream, u32)> {
             &(Ipv4Addr::new(198, 51, 100, 1), 30080).into(),
             Duration::from_secs(10),
         )?;
+        // Closed with a reset: the stand-in's guest keeps no connection,
+        // and a FIN it never answers would be sent again, each time a
+        // frame that wakes it.
+        nix::sys::socket::setsockopt(
+            &stream,
+            nix::sys::socket::sockopt::Linger,
+            &nix::libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            },
+        )?;
         Ok((stream.try_clone()?, total_retransmits(&stream)?))
     })
 }
@@ -238,4 +249,28 @@ fn a_wake_the_host_has_no_room_for_waits_said_and_then_serves_the_client() {
 
     client.expect("the client's connect is answered once the VM runs");
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+}
+
+#[test]
+fn a_vm_woken_again_before_it_slept_its_idle_time_stays_awake_twice_as_long() {
+    let (h, _remote, ns) = wire_host();
+    let idle = Duration::from_secs(1);
+    h.tick(&sleeper(&h, 1, PowerState::Suspended, Some(idle)));
+    connect_from(&ns).expect("connect");
+    until_row(&h, |r| r.power == Some(PowerState::Running));
+    until_row(&h, |r| r.asleep);
+
+    // At once: a sleep shorter than its idle time.
+    connect_from(&ns).expect("connect");
+    until_row(&h, |r| r.power == Some(PowerState::Running));
+    let woke = Instant::now();
+    let row = until_row(&h, |r| r.asleep);
+
+    assert!(row.asleep, "{row:?}");
+    assert!(
+        woke.elapsed() >= idle * 2,
+        "asleep {:?} after its loop's wake",
+        woke.elapsed()
+    );
+    assert_eq!(h.engine().counts().wake_loops.get(), 1);
 }
