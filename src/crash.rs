@@ -48,6 +48,14 @@ pub const POINTS: &[(&str, &str)] = &[
         "a stopped VM whose record was not yet updated stays stopped",
     ),
     (
+        "sleep.flags-saved",
+        "a sleep or a wake decided (the record says asleep or woken) but not yet begun is driven again from what the record says: a VM wanted running and asleep sleeps, one woken runs until idle",
+    ),
+    (
+        "wake.listening",
+        "a sleeping VM's taps held by an agent that dies go with it; the next agent listens again and the VM still wakes on traffic",
+    ),
+    (
         "suspend.intent-saved",
         "a suspend intended but not begun is done, or undone if the VM is wanted running",
     ),

@@ -63,6 +63,7 @@ impl Core {
         let power = self.sleep_power(d, rec);
         if (rec.asleep, rec.woken) != was {
             self.save_best_effort(rec);
+            crate::crash::point("sleep.flags-saved");
         }
         match power {
             Some(power) if power != d.power => Cow::Owned(DesiredVm { power, ..d.clone() }),
@@ -106,7 +107,7 @@ impl Core {
         // Wanted running, or awake by a wake: quiet for its idle time, it
         // sleeps.
         let limit = self.idle_limit(d, rec);
-        let running = state == State::Up && self.prov.running(vm_id);
+        let running = state == State::Up && self.prov.running(vm_id) && self.answered(d);
         match limit {
             Some(limit) if running => {
                 sleepers.watch_quiet(vm_id, limit);
@@ -134,6 +135,18 @@ impl Core {
     fn idle_limit(&self, d: &DesiredVm, rec: &Record) -> Option<std::time::Duration> {
         let base = d.sleep.idle_limit(d.power, rec.woken)?;
         Some(self.sleepers.stretched(&d.spec.vm_id, base))
+    }
+
+    /// Whether the running VM's guest is up as its entry says: its
+    /// readiness probe answered its hypervisor, or it has none. A guest
+    /// still booting sends nothing for seconds, and is not idle.
+    fn answered(&self, d: &DesiredVm) -> bool {
+        d.readiness.is_none()
+            || self
+                .probes
+                .lock()
+                .get(&d.spec.vm_id)
+                .is_some_and(|p| p.answered.is_some())
     }
 
     fn quit_listening(&self, vm_id: &Id) {
@@ -187,7 +200,10 @@ impl Core {
         }
         // Its idle watch from now: no pass may come before its idle time
         // is up (a daemon's tick can be an hour).
-        if running && let Some(limit) = self.idle_limit(d, &rec) {
+        if running
+            && self.answered(d)
+            && let Some(limit) = self.idle_limit(d, &rec)
+        {
             self.sleepers.watch_quiet(vm_id, limit);
         }
         let wants_sleep = rec.asleep || (d.power == PowerState::Suspended && !rec.woken);
@@ -215,6 +231,7 @@ impl Core {
         match waker.listen(&d.spec) {
             Ok(listening) => {
                 self.sleepers.listen(vm_id, listening);
+                crate::crash::point("wake.listening");
                 log::info!("VM {vm_id}: asleep; its next frame wakes it");
                 true
             }

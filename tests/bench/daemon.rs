@@ -176,8 +176,12 @@ impl Daemon {
             if Instant::now() > deadline {
                 return Err(format!("{what}: never: {}", self.log_tail(20)).into());
             }
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// The agent's log so far.

@@ -18,6 +18,10 @@
 //!   (`resumed in N ms`), and `wake_ms` the agent's own account, from the
 //!   first frame to the guest running.
 //!
+//! `EITRI_BENCH_VMS` sets how many VMs sleep (default 5); each round
+//! wakes at most 5 of them. Once they are all asleep the agent's own cost
+//! is read from /proc: `agent_rss_mb`, `agent_threads`, `agent_fds`.
+//!
 //! The guest is the stand-in's (`STANDIN_GUEST_TCP`: it answers ARP and
 //! a SYN on its tap), or, with `EITRI_REAL_CH`, `EITRI_REAL_KERNEL` and
 //! `EITRI_REAL_IMAGE` naming a real cloud-hypervisor, a Linux kernel and
@@ -38,11 +42,27 @@ mod figures;
 use figures::{ms, percentile};
 
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+/// VMs asleep, unless `EITRI_BENCH_VMS` says otherwise.
 const VMS: usize = 5;
+/// VMs woken in each round.
+const WOKEN: usize = 5;
 const ROUNDS: usize = 4;
 const FIRST_PORT: u16 = 30100;
-/// A bound to give up on, not a measurement.
+/// A bound to give up on, not a measurement (per 100 VMs).
 const PATIENCE: Duration = Duration::from_secs(120);
+
+/// The agent's resident memory (MiB), threads and open fds, from /proc.
+fn cost(pid: u32) -> Result<(f64, usize, usize), Error> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or("no VmRSS")?;
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task"))?.count();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
+    Ok((kib / 1024.0, threads, fds))
+}
 /// The host's address on the client's link, and the client's.
 const HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const CLIENT: &str = "198.51.100.2/24";
@@ -190,6 +210,36 @@ fn logged(log: &str, from: usize, marker: &str) -> Vec<Duration> {
         .collect()
 }
 
+/// Waits until each of the `n` guests answers on `port` at its address
+/// (from this, the host's, namespace).
+fn wait_sshd(
+    daemon: &daemon::Daemon,
+    n: usize,
+    port: u16,
+    patience: Duration,
+) -> Result<(), Error> {
+    let deadline = Instant::now() + patience;
+    let addresses = std::cell::RefCell::new(Vec::new());
+    daemon.wait_rows("every guest's address", patience, |rows| {
+        let mut found = addresses.borrow_mut();
+        *found = rows
+            .iter()
+            .filter_map(|r| r["ip"].as_str()?.parse::<Ipv4Addr>().ok())
+            .collect();
+        found.len() == n
+    })?;
+    let addresses = addresses.into_inner();
+    for ip in addresses {
+        while TcpStream::connect_timeout(&(ip, port).into(), Duration::from_secs(1)).is_err() {
+            if Instant::now() > deadline {
+                return Err(format!("{ip}:{port} never answered").into());
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<(), Error> {
     eitri_agent::testkit::net::private_network();
     let dir = tempfile::tempdir()?;
@@ -233,18 +283,25 @@ fn main() -> Result<(), Error> {
         },
         PATIENCE,
     )?;
-    let names: Vec<String> = (0..VMS).map(|i| format!("wake-{i}")).collect();
+    let vms_n: usize = std::env::var("EITRI_BENCH_VMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(VMS);
+    let patience = PATIENCE * u32::try_from(vms_n.div_ceil(100)).unwrap_or(1);
+    let names: Vec<String> = (0..vms_n).map(|i| format!("wake-{i}")).collect();
     let vms: Vec<serde_json::Value> = names
         .iter()
         .enumerate()
         .map(|(i, name)| {
             let mut vm = daemon.vm(name);
-            vm["power_state"] = "suspended".into();
             vm["wake_on_traffic"] = true.into();
             vm["idle_suspend_after_s"] = 1.into();
             vm["published_ports"] = serde_json::json!([{
                 "host_port": FIRST_PORT + i as u16, "guest_port": guest.port,
             }]);
+            // The stand-in's guest holds no memory: a thousand of them are
+            // admitted on a small host.
+            vm["mem_mb"] = 16.into();
             if guest.image.is_some() {
                 vm["disk_gb"] = 2.into();
                 vm["mem_mb"] = 512.into();
@@ -252,19 +309,45 @@ fn main() -> Result<(), Error> {
             vm
         })
         .collect();
+    // A real guest first boots, running and never idle, to its sshd
+    // answering (a guest suspended mid-boot would wake to a port nobody
+    // listens on yet).
+    if guest.image.is_some() {
+        let booting: Vec<serde_json::Value> = vms
+            .iter()
+            .map(|vm| {
+                let mut vm = vm.clone();
+                vm["wake_on_traffic"] = false.into();
+                vm["idle_suspend_after_s"] = 0.into();
+                vm
+            })
+            .collect();
+        daemon.desire(&booting)?;
+        wait_sshd(&daemon, vms_n, guest.port, patience * 3)?;
+    }
+    let vms: Vec<serde_json::Value> = vms
+        .into_iter()
+        .map(|mut vm| {
+            vm["power_state"] = "suspended".into();
+            vm
+        })
+        .collect();
     daemon.desire(&vms)?;
-    let all_asleep =
-        |rows: &[serde_json::Value]| rows.len() == VMS && rows.iter().all(|r| r["asleep"] == true);
+    let all_asleep = |rows: &[serde_json::Value]| {
+        rows.len() == vms_n && rows.iter().all(|r| r["asleep"] == true)
+    };
+    daemon.wait_rows("every VM asleep", patience, all_asleep)?;
+    let (rss_mb, threads, fds) = cost(daemon.pid())?;
     let (mut wakes, mut running, mut retransmitted) = (Vec::new(), Vec::new(), 0u32);
     let log_from = daemon.log().len();
     let rounds = (|| -> Result<(), Error> {
         for round in 0..ROUNDS {
             daemon.wait_rows(
                 &format!("round {round}: every VM asleep"),
-                PATIENCE,
+                patience,
                 all_asleep,
             )?;
-            for i in 0..VMS {
+            for i in 0..vms_n.min(WOKEN) {
                 let port = FIRST_PORT + i as u16;
                 let (took, again) = connect(&cleanup.netns, port)?;
                 wakes.push(took);
@@ -286,7 +369,7 @@ fn main() -> Result<(), Error> {
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
     let (wake_p50, resume_p50) = (p(&wakes, 0.5), p(&resumes, 0.5));
     println!(
-        "bench=wake guest={} vms={VMS} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={}",
+        "bench=wake guest={} vms={vms_n} agent_rss_mb={rss_mb:.1} agent_threads={threads} agent_fds={fds} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={}",
         guest.what,
         wakes.len(),
         wake_p50,

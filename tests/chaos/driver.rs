@@ -17,7 +17,11 @@
 //! 9. every desired-suspended VM has no live VMM and a whole snapshot, and
 //!    every desired-running one no snapshot: never both, never neither;
 //! 10. no snapshot is restored twice (the stand-in writes a nonce into
-//!     each snapshot and logs it at each restore).
+//!     each snapshot and logs it at each restore);
+//! 11. every VM wanted suspended with wake on traffic is asleep (no VMM,
+//!     a whole snapshot) or awake (one VMM, no snapshot), while frames
+//!     sent to it wake it (guest networking is on, in the test's own
+//!     network namespace).
 
 // Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
 // cloud-hypervisor backend or its stand-in).
@@ -48,6 +52,9 @@ pub struct Summary {
     pub random_kills: usize,
     pub violations: Vec<String>,
     pub converge_s: Vec<f64>,
+    /// Random kills after which a VM's row said traffic had woken it
+    /// (under that agent): the wakes the random phase reached.
+    pub woken: usize,
 }
 
 /// What a VM should be.
@@ -56,6 +63,9 @@ enum Want {
     Running,
     Stopped,
     Suspended,
+    /// Suspended with wake on traffic and an idle time of 1 s: asleep, or
+    /// awake after a frame woke it.
+    Sleeping,
     /// Tombstoned: destroyed at once (the tombstone grace is zero).
     Gone,
 }
@@ -75,11 +85,16 @@ impl Desired {
             .map(|(id, want)| match want {
                 Want::Gone => format!(r#"{{"vm_id":"{id}","tombstoned":true}}"#),
                 _ => format!(
-                    r#"{{"vm_id":"{id}","name":"{id}","image_url":"{base_url}","image_sha256":"{base_sha}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"{}"}}"#,
+                    r#"{{"vm_id":"{id}","name":"{id}","image_url":"{base_url}","image_sha256":"{base_sha}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"{}"{}}}"#,
                     match want {
                         Want::Running => "running",
-                        Want::Suspended => "suspended",
+                        Want::Suspended | Want::Sleeping => "suspended",
                         Want::Stopped | Want::Gone => "stopped",
+                    },
+                    if *want == Want::Sleeping {
+                        r#","wake_on_traffic":true,"idle_suspend_after_s":1"#
+                    } else {
+                        ""
                     }
                 ),
             })
@@ -172,7 +187,8 @@ impl Host {
             .arg("--agents-dir")
             .arg(self.dir.path().join("agents"))
             .args([
-                "--underlay-bridge=",
+                "--underlay-bridge",
+                &format!("ecb{:04x}", std::process::id() & 0xffff),
                 "--tap-prefix",
                 &format!("ec{:04x}", std::process::id() & 0xffff),
                 "--tick",
@@ -183,6 +199,8 @@ impl Host {
                 "5s",
             ])
             .env_clear()
+            // ip and nft, for the guest networking.
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("EITRI_LOG", log_level())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -200,11 +218,65 @@ impl Host {
         self.agent = Some(cmd.spawn().expect("agent"));
     }
 
-    /// Waits for the agent to die by its crash point; `false` if it did not
-    /// reach it within `bound` (then it is killed).
-    fn wait_crash(&mut self, bound: Duration) -> bool {
+    /// Waits (at most `bound`) until every VM `d` wants sleeping is asleep,
+    /// as the report says.
+    fn until_asleep(&self, d: &Desired, bound: Duration) {
         let until = Instant::now() + bound;
+        while Instant::now() < until {
+            let rows = self
+                .report()
+                .and_then(|r| r["report"]["vms"].as_array().cloned())
+                .unwrap_or_default();
+            let awake = d.vms.iter().any(|(vm, want)| {
+                *want == Want::Sleeping
+                    && !rows
+                        .iter()
+                        .any(|r| r["vm_id"] == vm.as_str() && r["asleep"] == true)
+            });
+            if !awake {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends a frame to each VM `d` wants sleeping, at its address as the
+    /// report says it: what wakes it.
+    fn nudge(&self, d: &Desired) {
+        let Some(report) = self.report() else {
+            return;
+        };
+        let Ok(socket) = std::net::UdpSocket::bind("0.0.0.0:0") else {
+            return;
+        };
+        let rows = report["report"]["vms"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for (vm, want) in &d.vms {
+            let ip = rows
+                .iter()
+                .find(|r| r["vm_id"] == vm.as_str())
+                .and_then(|r| r["ip"].as_str()?.parse::<std::net::Ipv4Addr>().ok());
+            if *want == Want::Sleeping
+                && let Some(ip) = ip
+            {
+                let _ = socket.send_to(b"wake", (ip, 9));
+            }
+        }
+    }
+
+    /// Waits for the agent to die by its crash point, sending frames to
+    /// the VMs `d` wants sleeping meanwhile; `false` if it did not reach
+    /// it within `bound` (then it is killed).
+    fn wait_crash(&mut self, bound: Duration, d: &Desired) -> bool {
+        let until = Instant::now() + bound;
+        let mut nudged = Instant::now();
         loop {
+            if nudged.elapsed() >= Duration::from_millis(100) {
+                self.nudge(d);
+                nudged = Instant::now();
+            }
             let Some(child) = self.agent.as_mut() else {
                 return false;
             };
@@ -362,11 +434,20 @@ impl Host {
                 Want::Stopped | Want::Gone | Want::Suspended if live != 0 => {
                     out.push(format!("{vm}: {live} live VMMs, want none"))
                 }
+                Want::Sleeping if live > 1 => out.push(format!(
+                    "{vm}: {live} live VMMs, want one awake or none asleep"
+                )),
                 _ => {}
             }
             match want {
                 Want::Suspended if !snapshot => {
                     out.push(format!("{vm}: suspended with no whole snapshot"))
+                }
+                Want::Sleeping if live == 0 && !snapshot => {
+                    out.push(format!("{vm}: asleep with no whole snapshot"))
+                }
+                Want::Sleeping if live == 1 && snapshot => {
+                    out.push(format!("{vm}: awake with a snapshot left"))
                 }
                 Want::Running | Want::Stopped if snapshot => {
                     out.push(format!("{vm}: {want:?} with a snapshot left"))
@@ -438,10 +519,26 @@ impl Host {
                         Want::Running => says == Some(("running".into(), "ready".into())) && live,
                         Want::Stopped => says == Some(("stopped".into(), "ready".into())),
                         Want::Suspended => says == Some(("suspended".into(), "ready".into())),
+                        // It sleeps and wakes on its own: between the two
+                        // its row narrates the pass on its way (its VMM
+                        // stops before that pass ends).
+                        Want::Sleeping => {
+                            let asleep = row.is_some_and(|x| x["asleep"] == true);
+                            let detail = row
+                                .and_then(|x| x["status_detail"].as_str())
+                                .unwrap_or_default();
+                            let on_its_way = !detail.is_empty();
+                            (says == Some(("suspended".into(), "ready".into())) && asleep && !live)
+                                || (says == Some(("running".into(), "ready".into()))
+                                    && (live || on_its_way))
+                        }
                         Want::Gone => row.is_none(),
                     };
                     if !good {
-                        out.push(format!("{vm}: the report says {says:?}, want {want:?}"));
+                        let detail = row.map(|x| x["status_detail"].clone());
+                        out.push(format!(
+                            "{vm}: the report says {says:?} ({detail:?}), want {want:?}"
+                        ));
                     }
                 }
             }
@@ -591,6 +688,14 @@ fn scenario(point: &str) -> (Desired, Desired) {
             vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),
             three.clone(),
         ),
+        "sleep.flags-saved" => (
+            vms(&[("vm-a", Sleeping), ("vm-b", Running), ("vm-c", Stopped)]),
+            vms(&[("vm-a", Sleeping), ("vm-b", Running), ("vm-c", Stopped)]),
+        ),
+        "wake.listening" => (
+            three.clone(),
+            vms(&[("vm-a", Sleeping), ("vm-b", Running), ("vm-c", Stopped)]),
+        ),
         "stop.snapshot-discarded" => (
             vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),
             vms(&[("vm-a", Stopped), ("vm-b", Running), ("vm-c", Stopped)]),
@@ -630,8 +735,8 @@ fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
     host.stop();
     host.start(Some(point));
     host.want(&then);
-    if !host.wait_crash(Duration::from_secs(20)) {
-        return vec![format!("{point}: never reached")];
+    if !host.wait_crash(Duration::from_secs(20), &then) {
+        return with_log(&host, vec![format!("{point}: never reached")]);
     }
     host.start(None);
     let mut problems: Vec<String> = match host.converge(&then) {
@@ -672,12 +777,14 @@ fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
     let mut d = Desired::default();
     for id in ["vm-a", "vm-b", "vm-c", "vm-d", "vm-e"] {
         let r = rng.next_unit();
-        let want = if r < 0.35 {
+        let want = if r < 0.3 {
             Some(Want::Running)
-        } else if r < 0.5 {
+        } else if r < 0.42 {
             Some(Want::Stopped)
-        } else if r < 0.65 {
+        } else if r < 0.54 {
             Some(Want::Suspended)
+        } else if r < 0.68 {
+            Some(Want::Sleeping)
         } else if r < 0.8 {
             Some(Want::Gone)
         } else {
@@ -697,7 +804,7 @@ fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
 }
 
 /// `n` kills at random moments of random traffic; the problems found.
-fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
+fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>, woken: &mut usize) -> Vec<String> {
     let mut rng = XorShift::from_seed(seed);
     let mut host = Host::new();
     let mut problems = Vec::new();
@@ -711,10 +818,32 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>) -> Vec<String> {
         desired = random_desired(&mut rng, &mut volume_gb);
         host.want(&desired);
         std::thread::sleep(Duration::from_millis((rng.next_unit() * 300.0) as u64));
+        // Frames for the sleepers, so some kills land in a wake.
+        host.nudge(&desired);
+        std::thread::sleep(Duration::from_millis((rng.next_unit() * 50.0) as u64));
         host.kill();
         host.start(None);
         match host.converge(&desired) {
-            Ok(took) => converge_s.push(took.as_secs_f64()),
+            Ok(took) => {
+                converge_s.push(took.as_secs_f64());
+                // Frames for this agent's sleepers, once they sleep (one
+                // woken before runs its idle second first, and the idle watch
+                // reads once a second): the next kill
+                // may land in their wake, or in their next sleep.
+                host.until_asleep(&desired, Duration::from_secs(3));
+                host.nudge(&desired);
+                std::thread::sleep(Duration::from_millis(300));
+                let rows = host
+                    .report()
+                    .and_then(|r| r["report"]["vms"].as_array().cloned())
+                    .unwrap_or_default();
+                if rows
+                    .iter()
+                    .any(|r| r["last_wake"].as_str().is_some_and(|w| !w.is_empty()))
+                {
+                    *woken += 1;
+                }
+            }
             Err(p) => {
                 problems.extend(p.into_iter().map(|p| format!("kill {kill}: {p}")));
                 // The log as it was then: by the end of the run, the
@@ -748,7 +877,13 @@ pub fn run(kills: usize) -> Summary {
     for point in &chosen {
         violations.extend(run_point(point, &mut converge_s));
     }
-    violations.extend(random_kills(kills, 0x000c_4a05, &mut converge_s));
+    let mut woken = 0;
+    violations.extend(random_kills(
+        kills,
+        0x000c_4a05,
+        &mut converge_s,
+        &mut woken,
+    ));
     converge_s.sort_by(f64::total_cmp);
     Summary {
         points: eitri_agent::crash::POINTS.len(),
@@ -756,6 +891,7 @@ pub fn run(kills: usize) -> Summary {
         random_kills: kills,
         violations,
         converge_s,
+        woken,
     }
 }
 
@@ -769,10 +905,11 @@ impl Summary {
             self.converge_s[i]
         };
         format!(
-            "bench=chaos points={} point_runs={} random_kills={} violations={} converge_s_p50={:.3} converge_s_p99={:.3}",
+            "bench=chaos points={} point_runs={} random_kills={} woken={} violations={} converge_s_p50={:.3} converge_s_p99={:.3}",
             self.points,
             self.point_runs,
             self.random_kills,
+            self.woken,
             self.violations.len(),
             pct(0.5),
             pct(0.99)

@@ -15,6 +15,8 @@ fn no_kill_loses_doubles_or_misreports_a_vm() {
         .and_then(|k| k.parse().ok())
         .unwrap_or(50);
 
+    // Guest networking on, in a network namespace of the test's own.
+    eitri_agent::testkit::net::private_network();
     let summary = driver::run(kills);
 
     println!("{}", summary.line());
