@@ -341,6 +341,12 @@ fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
     if !row.published_ports.is_empty() {
         fields.push(("published", published(&row.published_ports)));
     }
+    if row.asleep {
+        fields.push(("sleep", "asleep: its next frame wakes it".to_owned()));
+    }
+    if !row.last_wake.is_empty() {
+        fields.push(("woken", inline(&row.last_wake)));
+    }
     fields
 }
 
@@ -829,6 +835,34 @@ mod tests {
 
         assert!(
             text.contains("\n  published  30080/tcp → 80, 192.0.2.10:30053/udp → 53\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn status_of_a_sleeping_vm_says_it_sleeps_and_who_woke_it_last() {
+        let mut file = golden_host();
+        for row in &mut file.report.vms {
+            if row.vm_id == "web-1" {
+                row.asleep = true;
+                row.last_wake =
+                    "woken 40 s ago by tcp from 192.0.2.9:40312 to port 80, running in 18 ms"
+                        .into();
+            }
+        }
+
+        let text = file
+            .render_vm("web-1", &[], &[], at_now())
+            .unwrap_or_default();
+
+        assert!(
+            text.contains("\n  sleep      asleep: its next frame wakes it\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "\n  woken      woken 40 s ago by tcp from 192.0.2.9:40312 to port 80, running in 18 ms\n"
+            ),
             "{text}"
         );
     }
