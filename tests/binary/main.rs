@@ -990,6 +990,11 @@ mod booted {
 
     impl Booting {
         fn new(dir: &Path) -> Booting {
+            Booting::with_knobs(dir, &[])
+        }
+
+        /// As `new`, the stand-in's `knobs` set.
+        fn with_knobs(dir: &Path, knobs: &[(&str, &str)]) -> Booting {
             use std::os::unix::fs::PermissionsExt;
             // The jailed VMM must reach its binary and kernel.
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).expect("chmod");
@@ -997,7 +1002,7 @@ mod booted {
             eitri_agent::testkit::standin_hypervisor(
                 Path::new(env!("CARGO_BIN_EXE_eitri-standin-hypervisor")),
                 &hypervisor,
-                &[],
+                knobs,
             );
             let kernel = dir.join("vmlinux");
             std::fs::write(&kernel, b"not really a kernel").expect("kernel");
@@ -1745,6 +1750,93 @@ mod booted {
         let column = header.find("RESTARTS").expect("a RESTARTS column");
         assert_eq!(row.get(column..column + 1), Some("1"), "{text}");
         assert!(report["agent_pid"].is_u64());
+    }
+
+    /// TCP_INFO's count of the segments `stream`'s kernel sent again.
+    fn retransmits(stream: &std::net::TcpStream) -> u32 {
+        use nix::libc;
+        use std::os::fd::AsRawFd;
+        // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                std::ptr::from_mut(&mut info).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+        info.tcpi_total_retrans
+    }
+
+    #[test]
+    fn a_vm_asleep_when_the_agent_is_killed_9_wakes_for_a_client_under_the_next_agent() {
+        use eitri_agent::testkit::net::ip;
+        eitri_agent::testkit::net::private_network();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let boot = Booting::with_knobs(dir.path(), &[("STANDIN_GUEST_TCP", "1")]);
+        let vm = boot
+            .vm_json(
+                "nap-1",
+                r#","wake_on_traffic":true,"published_ports":[{"host_port":30080,"guest_port":8080}]"#,
+            )
+            .replace(r#""power_state":"running""#, r#""power_state":"suspended""#);
+        desired(dir.path(), &format!(r#"{{"vms":[{vm}]}}"#));
+        let network = [
+            "--underlay-bridge",
+            "etbinbr0",
+            "--publish-ports",
+            "30000-30999",
+        ];
+        let asleep = |r: &serde_json::Value| row_of(r, "nap-1")["asleep"] == true;
+        let mut first = boot.start(dir.path(), &network);
+        first.wait_report("nap-1 asleep", asleep);
+        // A client on a host beyond this one.
+        let ns = format!("etbn{:x}", std::process::id() & 0xffff);
+        let _cleanup = eitri_agent::testkit::net::Namespaces(vec![ns.clone()]);
+        ip(&["netns", "add", &ns]);
+        ip(&[
+            "link",
+            "add",
+            "etbremote",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &ns,
+        ]);
+        ip(&["addr", "add", "198.51.100.1/24", "dev", "etbremote"]);
+        ip(&["link", "set", "etbremote", "up"]);
+        ip(&["-n", &ns, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+        ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+
+        first.stop(Signal::SIGKILL);
+        let second = boot.start(dir.path(), &network);
+        let pid = second.pid().as_raw();
+        second.wait_report("nap-1 asleep under the next agent", |r| {
+            r["agent_pid"] == pid && asleep(r)
+        });
+        let connected = eitri_agent::testkit::net::within(&ns, || {
+            std::net::TcpStream::connect_timeout(
+                &(std::net::Ipv4Addr::new(198, 51, 100, 1), 30080).into(),
+                Duration::from_secs(10),
+            )
+        });
+
+        let stream = connected.expect("the client's connect is answered");
+        assert_eq!(retransmits(&stream), 0, "its first SYN was delivered");
+        let report = second.wait_report("nap-1 woken", |r| {
+            row_of(r, "nap-1")["last_wake"]
+                .as_str()
+                .is_some_and(|w| w.contains("tcp from 198.51.100.2:"))
+        });
+        assert_eq!(row_of(&report, "nap-1")["power_state"], "running");
     }
 
     #[test]
