@@ -342,7 +342,7 @@ impl Core {
     fn drive(&self, desired: &DesiredVm, rec: Option<Record>, pass: &mut Pass<'_>) {
         let vm_id = &desired.spec.vm_id;
         let mut rec = rec.map(|rec| self.note_egress(desired, rec));
-        let wanted = self.with_sleep(desired, rec.as_mut());
+        let wanted = self.with_sleep(desired, rec.as_mut(), pass);
         let held = self.prov.set_egress(vm_id, &desired.egress);
         // Rules this host cannot hold keep a VM that is not running from
         // starting: a guest meant to be fenced in is never let out

@@ -44,7 +44,7 @@ use std::borrow::Cow;
 
 use super::lifecycle::{self, State};
 use super::pass::{Core, Pass};
-use crate::model::{DesiredVm, Id, PowerState};
+use crate::model::{DesiredVm, Id, Phase, PowerState};
 use crate::state::Record;
 
 impl Core {
@@ -55,12 +55,20 @@ impl Core {
         &self,
         d: &'d DesiredVm,
         rec: Option<&mut Record>,
+        pass: &mut Pass<'_>,
     ) -> Cow<'d, DesiredVm> {
         let Some(rec) = rec else {
             return Cow::Borrowed(d);
         };
         let was = (rec.asleep, rec.woken);
         let power = self.sleep_power(d, rec);
+        if power == Some(PowerState::Running)
+            && lifecycle::state(rec, self.budget()) == State::Suspended
+            && self.sleepers.woken_at(&d.spec.vm_id).is_some()
+        {
+            pass.narrator(rec, PowerState::Suspended, Phase::Ready)
+                .say("waking: traffic arrived for it");
+        }
         if (rec.asleep, rec.woken) != was {
             self.save_best_effort(rec);
             crate::crash::point("sleep.flags-saved");
