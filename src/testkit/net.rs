@@ -44,6 +44,77 @@ impl Drop for Namespaces {
     }
 }
 
+/// The address of this namespace on a [`remote_host`]'s link, and the
+/// remote host's.
+pub const THIS_SIDE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+pub const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+
+/// A host beyond this one: the namespace `ns` on a veth link of its own
+/// (`link` on this side, [`THIS_SIDE`]; `eth0` there, [`REMOTE`]), with no
+/// route to anywhere else. Removed (the link with it) on drop.
+pub fn remote_host(ns: &str, link: &str) -> Namespaces {
+    let cleanup = Namespaces(vec![ns.to_owned()]);
+    ip(&["netns", "add", ns]);
+    ip(&[
+        "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns,
+    ]);
+    ip(&["addr", "add", &format!("{THIS_SIDE}/24"), "dev", link]);
+    ip(&["link", "set", link, "up"]);
+    ip(&[
+        "-n",
+        ns,
+        "addr",
+        "add",
+        &format!("{REMOTE}/24"),
+        "dev",
+        "eth0",
+    ]);
+    ip(&["-n", ns, "link", "set", "eth0", "up"]);
+    ip(&["-n", ns, "link", "set", "lo", "up"]);
+    cleanup
+}
+
+/// How many segments `stream`'s kernel sent again (TCP_INFO's total): 0
+/// for a connection whose first SYN was answered.
+#[cfg(target_os = "linux")]
+pub fn retransmits(stream: &std::net::TcpStream) -> std::io::Result<u32> {
+    use nix::libc;
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(info.tcpi_total_retrans)
+}
+
+/// Closes `stream` with a reset when it is dropped (SO_LINGER 0): the
+/// stand-in's guest keeps no connection, and a FIN it never answers is
+/// sent again and again, each a frame that wakes a sleeping VM.
+#[cfg(target_os = "linux")]
+pub fn reset_on_close(stream: &std::net::TcpStream) -> std::io::Result<()> {
+    nix::sys::socket::setsockopt(
+        stream,
+        nix::sys::socket::sockopt::Linger,
+        &nix::libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    )
+    .map_err(std::io::Error::from)
+}
+
 /// One lease attempt of busybox udhcpc on `iface` in namespace `ns`, with
 /// `script` run on each event; `extra` arguments are passed on.
 pub fn udhcpc(ns: &str, iface: &str, script: &Path, extra: &[&str]) -> Output {

@@ -29,7 +29,6 @@
 //! guest's sshd on port 22. The last line: `bench=wake …`.
 
 use std::net::{Ipv4Addr, TcpStream};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -63,9 +62,8 @@ fn cost(pid: u32) -> Result<(f64, usize, usize), Error> {
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))?.count();
     Ok((kib / 1024.0, threads, fds))
 }
-/// The host's address on the client's link, and the client's.
-const HOST: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
-const CLIENT: &str = "198.51.100.2/24";
+/// The host's address on the client's link.
+const HOST: Ipv4Addr = eitri_agent::testkit::net::THIS_SIDE;
 
 type Error = Box<dyn std::error::Error>;
 
@@ -77,9 +75,6 @@ struct Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("ip")
-            .args(["netns", "del", &self.netns])
-            .status();
         eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
     }
 }
@@ -129,28 +124,6 @@ fn guest(dir: &Path) -> Result<Guest, Error> {
     })
 }
 
-/// A client namespace behind a veth from this one: the host is `HOST`.
-fn client_host(name: &str) -> Result<(), Error> {
-    let ip = |args: &[&str]| -> Result<(), Error> {
-        let ok = std::process::Command::new("ip")
-            .args(args)
-            .status()?
-            .success();
-        ok.then_some(())
-            .ok_or_else(|| format!("ip {args:?} failed").into())
-    };
-    ip(&["netns", "add", name])?;
-    ip(&[
-        "link", "add", "etwake", "type", "veth", "peer", "name", "eth0", "netns", name,
-    ])?;
-    ip(&["addr", "add", &format!("{HOST}/24"), "dev", "etwake"])?;
-    ip(&["link", "set", "etwake", "up"])?;
-    ip(&["-n", name, "addr", "add", CLIENT, "dev", "eth0"])?;
-    ip(&["-n", name, "link", "set", "eth0", "up"])?;
-    ip(&["-n", name, "link", "set", "lo", "up"])?;
-    Ok(())
-}
-
 /// One connect from the client's namespace to `port` of the host: how
 /// long it took, and how many segments its kernel sent again.
 fn connect(netns: &str, port: u16) -> Result<(Duration, u32), String> {
@@ -159,41 +132,10 @@ fn connect(netns: &str, port: u16) -> Result<(Duration, u32), String> {
         let stream = TcpStream::connect_timeout(&(HOST, port).into(), Duration::from_secs(10))
             .map_err(|e| format!("connect to {port}: {e}"))?;
         let took = started.elapsed();
-        let again = retransmits(&stream).map_err(|e| e.to_string())?;
-        // Closed with a reset, at once: a FIN the guest never answers (the
-        // stand-in's keeps no connection) would be sent again and again,
-        // each a frame that wakes it.
-        let _ = nix::sys::socket::setsockopt(
-            &stream,
-            nix::sys::socket::sockopt::Linger,
-            &nix::libc::linger {
-                l_onoff: 1,
-                l_linger: 0,
-            },
-        );
+        let again = eitri_agent::testkit::net::retransmits(&stream).map_err(|e| e.to_string())?;
+        let _ = eitri_agent::testkit::net::reset_on_close(&stream);
         Ok((took, again))
     })
-}
-
-fn retransmits(stream: &TcpStream) -> std::io::Result<u32> {
-    use nix::libc;
-    // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            std::ptr::from_mut(&mut info).cast(),
-            &mut len,
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(info.tcpi_total_retrans)
 }
 
 /// The figures the agent logged after `from` (a byte offset of its log):
@@ -267,7 +209,7 @@ fn main() -> Result<(), Error> {
         }
         None => agent::base_image(&images)?,
     };
-    client_host(&cleanup.netns)?;
+    let _remote = eitri_agent::testkit::net::remote_host(&cleanup.netns, "etwake");
     let daemon = daemon::Daemon::start(
         &dir.path().join("agent"),
         &daemon::Parts {

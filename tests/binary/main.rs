@@ -1752,30 +1752,8 @@ mod booted {
         assert!(report["agent_pid"].is_u64());
     }
 
-    /// TCP_INFO's count of the segments `stream`'s kernel sent again.
-    fn retransmits(stream: &std::net::TcpStream) -> u32 {
-        use nix::libc;
-        use std::os::fd::AsRawFd;
-        // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
-        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-        // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
-        let rc = unsafe {
-            libc::getsockopt(
-                stream.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_INFO,
-                std::ptr::from_mut(&mut info).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(rc, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
-        info.tcpi_total_retrans
-    }
-
     #[test]
     fn a_vm_asleep_when_the_agent_is_killed_9_wakes_for_a_client_under_the_next_agent() {
-        use eitri_agent::testkit::net::ip;
         eitri_agent::testkit::net::private_network();
         let dir = tempfile::tempdir().expect("tempdir");
         let boot = Booting::with_knobs(dir.path(), &[("STANDIN_GUEST_TCP", "1")]);
@@ -1797,24 +1775,7 @@ mod booted {
         first.wait_report("nap-1 asleep", asleep);
         // A client on a host beyond this one.
         let ns = format!("etbn{:x}", std::process::id() & 0xffff);
-        let _cleanup = eitri_agent::testkit::net::Namespaces(vec![ns.clone()]);
-        ip(&["netns", "add", &ns]);
-        ip(&[
-            "link",
-            "add",
-            "etbremote",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            &ns,
-        ]);
-        ip(&["addr", "add", "198.51.100.1/24", "dev", "etbremote"]);
-        ip(&["link", "set", "etbremote", "up"]);
-        ip(&["-n", &ns, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
-        ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+        let _remote = eitri_agent::testkit::net::remote_host(&ns, "etbremote");
 
         first.stop(Signal::SIGKILL);
         let second = boot.start(dir.path(), &network);
@@ -1830,7 +1791,11 @@ mod booted {
         });
 
         let stream = connected.expect("the client's connect is answered");
-        assert_eq!(retransmits(&stream), 0, "its first SYN was delivered");
+        assert_eq!(
+            eitri_agent::testkit::net::retransmits(&stream).expect("TCP_INFO"),
+            0,
+            "its first SYN was delivered"
+        );
         let report = second.wait_report("nap-1 woken", |r| {
             row_of(r, "nap-1")["last_wake"]
                 .as_str()

@@ -188,22 +188,11 @@ fn a_restarted_agent_forwards_a_vms_ports_again_before_its_first_tick() {
     );
 }
 
-/// A host beyond this one: a namespace on a link of its own to the
-/// host (198.51.100.2, the host 198.51.100.1), with no route to the
-/// guests. Removed on drop.
+/// A host beyond this one (198.51.100.2; the host is 198.51.100.1), with
+/// no route to the guests. Removed on drop.
 pub(crate) fn remote_host() -> (eitri_agent::testkit::net::Namespaces, String) {
-    use eitri_agent::testkit::net::ip;
     let ns = format!("etr{:x}", std::process::id() & 0xffff);
-    let cleanup = eitri_agent::testkit::net::Namespaces(vec![ns.clone()]);
-    ip(&["netns", "add", &ns]);
-    ip(&[
-        "link", "add", "etremote", "type", "veth", "peer", "name", "eth0", "netns", &ns,
-    ]);
-    ip(&["addr", "add", "198.51.100.1/24", "dev", "etremote"]);
-    ip(&["link", "set", "etremote", "up"]);
-    ip(&["-n", &ns, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
-    ip(&["-n", &ns, "link", "set", "eth0", "up"]);
-    (cleanup, ns)
+    (eitri_agent::testkit::net::remote_host(&ns, "etremote"), ns)
 }
 
 /// The SYNs the stand-in's guest read (`STANDIN_GUEST_TCP`), as it logged

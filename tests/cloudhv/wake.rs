@@ -7,7 +7,6 @@ use super::publish::{publishing, remote_host, syns};
 use super::*;
 use eitri_agent::model::{Publish, Sleep};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 
 /// `vm` publishing 30080 → 8080, waking on traffic, wanted `power`, idle
 /// after `idle`.
@@ -42,40 +41,12 @@ fn connect_from(ns: &str) -> std::io::Result<(TcpStream, u32)> {
             &(Ipv4Addr::new(198, 51, 100, 1), 30080).into(),
             Duration::from_secs(10),
         )?;
-        // Closed with a reset: the stand-in's guest keeps no connection,
-        // and a FIN it never answers would be sent again, each time a
-        // frame that wakes it.
-        nix::sys::socket::setsockopt(
-            &stream,
-            nix::sys::socket::sockopt::Linger,
-            &nix::libc::linger {
-                l_onoff: 1,
-                l_linger: 0,
-            },
-        )?;
-        Ok((stream.try_clone()?, total_retransmits(&stream)?))
+        eitri_agent::testkit::net::reset_on_close(&stream)?;
+        Ok((
+            stream.try_clone()?,
+            eitri_agent::testkit::net::retransmits(&stream)?,
+        ))
     })
-}
-
-fn total_retransmits(stream: &TcpStream) -> std::io::Result<u32> {
-    use nix::libc;
-    // SAFETY: tcp_info is plain data; zeroed is a valid value for it.
-    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-    // SAFETY: TCP_INFO fills a tcp_info of at most `len` bytes.
-    let rc = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_INFO,
-            std::ptr::from_mut(&mut info).cast(),
-            &mut len,
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(info.tcpi_total_retrans)
 }
 
 /// Waits (without a step: the wake is the agent's own doing) until the
