@@ -18,7 +18,9 @@
 //!   (`resumed in N ms`), and `wake_ms` the agent's own account, from the
 //!   first frame to the guest running.
 //!
-//! `EITRI_BENCH_VMS` sets how many VMs sleep (default 5); each round
+//! `EITRI_BENCH_FLAGS` adds flags of the agent's (e.g.
+//! `--userfaultfd-device=`, to compare resumes that read the whole
+//! snapshot first). `EITRI_BENCH_VMS` sets how many VMs sleep (default 5); each round
 //! wakes at most 5 of them. Once they are all asleep the agent's own cost
 //! is read from /proc: `agent_rss_mb`, `agent_threads`, `agent_fds`.
 //!
@@ -210,6 +212,18 @@ fn main() -> Result<(), Error> {
         None => agent::base_image(&images)?,
     };
     let _remote = eitri_agent::testkit::net::remote_host(&cleanup.netns, "etwake");
+    // More of the agent's flags, to compare settings in turns (e.g.
+    // `--userfaultfd-device=`: resumes that read the whole snapshot first).
+    let extra: Vec<String> = ["--publish-ports", "30000-39999"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(
+            std::env::var("EITRI_BENCH_FLAGS")
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_owned),
+        )
+        .collect();
     let daemon = daemon::Daemon::start(
         &dir.path().join("agent"),
         &daemon::Parts {
@@ -221,7 +235,7 @@ fn main() -> Result<(), Error> {
             tap_prefix: &format!("ew{tag}"),
             bridge: &format!("ebw{tag}"),
             cmdline: guest.cmdline,
-            extra: &["--publish-ports", "30000-30999"],
+            extra: &extra.iter().map(String::as_str).collect::<Vec<_>>(),
         },
         PATIENCE,
     )?;
