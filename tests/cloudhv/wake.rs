@@ -245,3 +245,26 @@ fn a_vm_woken_again_before_it_slept_its_idle_time_stays_awake_twice_as_long() {
     );
     assert_eq!(h.engine().counts().wake_loops.get(), 1);
 }
+
+#[test]
+fn a_sleeping_vm_destroyed_leaves_no_tap_no_sleeper_element_and_no_neighbour() {
+    let (h, _remote, _ns) = wire_host();
+    h.tick(&sleeper(&h, 1, PowerState::Suspended, None));
+    let tap = h.backend.taps(&id("vm-1")).expect("taps").underlay;
+    let ip = h.backend.address(&id("vm-1")).expect("ip");
+    assert!(h.row("vm-1").asleep);
+
+    h.tick(&snapshot(2, vec![tombstoned("vm-1")]));
+
+    assert!(!link_exists(&tap), "{tap} left");
+    assert!(!nft_set_elements("asleep").contains(&tap));
+    let neigh = std::process::Command::new("ip")
+        .args(["neigh", "show", &ip.to_string()])
+        .output()
+        .expect("ip neigh");
+    assert!(
+        String::from_utf8_lossy(&neigh.stdout).trim().is_empty(),
+        "{}",
+        String::from_utf8_lossy(&neigh.stdout)
+    );
+}
