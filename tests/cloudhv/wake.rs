@@ -268,3 +268,33 @@ fn a_sleeping_vm_destroyed_leaves_no_tap_no_sleeper_element_and_no_neighbour() {
         String::from_utf8_lossy(&neigh.stdout)
     );
 }
+
+#[test]
+fn a_guest_whose_probe_has_not_answered_yet_is_not_idle() {
+    let (h, _remote, _ns) = wire_host();
+    let idle = Duration::from_secs(1);
+    let mut snap = sleeper(&h, 1, PowerState::Running, Some(idle));
+    for vm in &mut snap.vms {
+        if let eitri_agent::model::WantedVm::Present(d) = vm {
+            Arc::make_mut(d).readiness = Some(eitri_agent::model::Readiness {
+                check: eitri_agent::model::Check::Serial("a line it never prints".into()),
+                period: Duration::from_secs(1),
+                timeout: Duration::from_millis(500),
+                grace: Duration::from_secs(60),
+                restart_after: None,
+            });
+        }
+    }
+    h.tick(&snap);
+
+    // Three times its idle time, its guest silent: still booting, as far
+    // as anyone can tell.
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(500));
+        h.tick(&snap);
+    }
+
+    let row = h.row("vm-1");
+    assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
+    assert!(!row.asleep, "{row:?}");
+}
