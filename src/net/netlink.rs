@@ -45,6 +45,15 @@ pub struct LinkError {
     pub source: io::Error,
 }
 
+impl From<LinkError> for super::command::NetError {
+    fn from(e: LinkError) -> Self {
+        super::command::NetError::Netlink {
+            request: e.command,
+            source: e.source,
+        }
+    }
+}
+
 /// Makes `tap` a port of `bridge`, up, and isolated (see [`JOIN`]).
 pub fn join_isolated(tap: &str, bridge: &str) -> Result<(), LinkError> {
     let command = |i: usize| JOIN[i].replace("{tap}", tap).replace("{bridge}", bridge);

@@ -168,15 +168,10 @@ impl Underlay {
     pub fn attach(&self, port: &Port<'_>) -> Result<(), NetError> {
         self.guard(port)?;
         let _span = crate::stages::span("netlink");
-        let netlink = |e: super::netlink::LinkError| NetError::Netlink {
-            request: e.command,
-            source: e.source,
-        };
         if let Some(ip) = port.ip {
-            super::netlink::set_neighbour(&self.cfg.bridge, ip, port.mac.octets())
-                .map_err(netlink)?;
+            super::netlink::set_neighbour(&self.cfg.bridge, ip, port.mac.octets())?;
         }
-        super::netlink::join_isolated(port.tap, &self.cfg.bridge).map_err(netlink)
+        Ok(super::netlink::join_isolated(port.tap, &self.cfg.bridge)?)
     }
 
     /// Makes the guest port `tap` isolated from the bridge's other ports
@@ -193,12 +188,7 @@ impl Underlay {
     /// there is isolated enough.
     pub fn isolate(&self, tap: &str, on: bool) -> Result<(), NetError> {
         let element = format!("bridge {} unisolated {{ \"{tap}\" }}", self.cfg.table);
-        let netlink = |on| {
-            super::netlink::set_isolated(tap, on).map_err(|e| NetError::Netlink {
-                request: e.command,
-                source: e.source,
-            })
-        };
+        let netlink = |on| super::netlink::set_isolated(tap, on).map_err(NetError::from);
         if on {
             match netlink(true) {
                 Err(NetError::Netlink { source, .. })
@@ -293,12 +283,7 @@ impl Underlay {
     /// what the host was told of its address (see [`Underlay::attach`]).
     pub fn unguard(&self, port: &Port<'_>) -> Result<(), NetError> {
         if let Some(ip) = port.ip {
-            super::netlink::forget_neighbour(&self.cfg.bridge, ip).map_err(|e| {
-                NetError::Netlink {
-                    request: e.command,
-                    source: e.source,
-                }
-            })?;
+            super::netlink::forget_neighbour(&self.cfg.bridge, ip)?;
         }
         if !self.nat.guards() {
             return Ok(());

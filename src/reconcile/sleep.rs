@@ -36,9 +36,9 @@
 //! is the site's, and its chatter would wake it for nothing.
 //!
 //! Who woke it is seen on a packet socket on its tap that sees only the
-//! heads of IPv4 and ARP frames sent to the guest: the first frame is
-//! usually the host's ARP for the guest, and the client's SYN follows once
-//! the guest has answered it; both are reported.
+//! heads of IPv4 and ARP frames sent to the guest: the first one with
+//! ports is reported (an ARP before it too, when a sender on the bridge
+//! asked for the guest first).
 
 use std::borrow::Cow;
 
@@ -96,8 +96,7 @@ impl Core {
         if !sleeping {
             rec.asleep = false;
         }
-        let wants_sleep = rec.asleep || (d.power == PowerState::Suspended && !rec.woken);
-        if wants_sleep {
+        if wants_sleep(d, rec) {
             sleepers.unwatch_quiet(vm_id);
             if state == State::Suspended
                 && let Some(at) = sleepers.woken_at(vm_id)
@@ -214,9 +213,8 @@ impl Core {
         {
             self.sleepers.watch_quiet(vm_id, limit);
         }
-        let wants_sleep = rec.asleep || (d.power == PowerState::Suspended && !rec.woken);
         let mut listening = self.sleepers.is_listening(vm_id);
-        if suspended && wants_sleep && !listening && woke_at.is_none() {
+        if suspended && wants_sleep(d, &rec) && !listening && woke_at.is_none() {
             listening = self.listen(d, pass);
         }
         if let Some(row) = pass.res.row.as_mut() {
@@ -256,4 +254,10 @@ impl Core {
             }
         }
     }
+}
+
+/// Whether the VM is to sleep now: suspended by the agent for idleness
+/// (while wanted running), or wanted suspended and not woken since.
+fn wants_sleep(d: &DesiredVm, rec: &Record) -> bool {
+    rec.asleep || (d.power == PowerState::Suspended && !rec.woken)
 }

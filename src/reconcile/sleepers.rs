@@ -159,15 +159,27 @@ impl Sleepers {
     }
 
     /// Watches the running VM's NICs for `limit` of quiet.
+    /// Every pass of a watched VM asks again: the thread is woken only
+    /// for a VM it did not watch yet (its poll then needs a timeout).
     pub(super) fn watch_quiet(&self, vm_id: &Id, limit: Duration) {
         let mut quiet = self.shared.quiet.lock();
-        let entry = quiet.entry(vm_id.clone()).or_insert_with(|| Quiet {
-            limit,
-            frames: None,
-            since: Instant::now(),
-            told: false,
-        });
-        entry.limit = limit;
+        if let Some(q) = quiet.get_mut(vm_id) {
+            if q.limit != limit {
+                // Told at the old limit, it is told again at the new one.
+                q.limit = limit;
+                q.told = false;
+            }
+            return;
+        }
+        quiet.insert(
+            vm_id.clone(),
+            Quiet {
+                limit,
+                frames: None,
+                since: Instant::now(),
+                told: false,
+            },
+        );
         drop(quiet);
         self.ensure_thread();
         self.wake_thread();

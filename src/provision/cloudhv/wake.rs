@@ -8,9 +8,9 @@
 //! the kernel queues what it forwards there, up to the tap's queue, for
 //! whoever reads it next. The agent never reads it: it polls a copy of the
 //! fd, and the resume hands the held taps to the restored VMM (through the
-//! same path a boot's taps take), which reads the frames that waited: the
-//! ARP that asked for the guest, then the SYN that the host's neighbour
-//! table held back until the guest answered.
+//! same path a boot's taps take), which reads the frames that waited (a
+//! client's first SYN among them: the host knows each guest's MAC for
+//! good, see `netlink::set_neighbour`, so it never waits on an ARP).
 //!
 //! What the agent holds dies with it: after a restart, the next pass of a
 //! sleeping VM listens again on taps made afresh (a frame in between is
