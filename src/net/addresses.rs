@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 
 use crate::model::{Cidr, CidrError};
 use crate::model::{Id, Mac};
+use crate::state::atomic::Pending;
 use crate::state::leases::{LeaseError, Leases};
 
 /// The underlay's subnet: a [`Cidr`] written `a.b.c.d/n`, from /8 to /29,
@@ -220,6 +221,26 @@ impl Addresses {
     /// The VM's address: the one it has, or a new one, saved before it is
     /// returned.
     pub fn allocate(&self, vm_id: &Id) -> Result<Ipv4Addr, AddressError> {
+        self.take(vm_id, |key| self.leases.allocate(key, key))
+    }
+
+    /// As [`Addresses::allocate`], the map's name left for the caller to
+    /// make durable (see [`Leases::reserve`]).
+    pub fn reserve(&self, vm_id: &Id) -> Result<(Ipv4Addr, Pending), AddressError> {
+        let mut pending = Pending::none();
+        let ip = self.take(vm_id, |key| {
+            let (ip, name) = self.leases.reserve(key, key)?;
+            pending = name;
+            Ok(ip)
+        })?;
+        Ok((ip, pending))
+    }
+
+    fn take(
+        &self,
+        vm_id: &Id,
+        lease: impl FnOnce(&str) -> Result<Ipv4Addr, LeaseError>,
+    ) -> Result<Ipv4Addr, AddressError> {
         let mut macs = self.macs.lock();
         let mine = macs_of(vm_id);
         for mac in mine {
@@ -233,10 +254,7 @@ impl Addresses {
                 });
             }
         }
-        let ip = self
-            .leases
-            .allocate(vm_id.as_str(), vm_id.as_str())
-            .map_err(|e| from(e, self.subnet))?;
+        let ip = lease(vm_id.as_str()).map_err(|e| from(e, self.subnet))?;
         for mac in mine {
             macs.insert(mac, vm_id.clone());
         }

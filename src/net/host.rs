@@ -12,6 +12,7 @@
 //! two ids that share one.)
 
 use crate::state::Layout;
+use crate::state::atomic::Pending;
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
 
@@ -173,6 +174,14 @@ impl HostNetwork {
     pub fn reserve(&self, vm_id: &Id) -> Result<Taps, BoxFailure> {
         let ip = self.addresses.allocate(vm_id)?;
         Ok(self.taps_of(ip))
+    }
+
+    /// The VM's address taken as by [`HostNetwork::reserve`], the address
+    /// map's name durable once the returned [`Pending`] is synced: before
+    /// the VM's boot hands the address to a guest.
+    pub fn take_address(&self, vm_id: &Id) -> Result<Pending, BoxFailure> {
+        let (_, pending) = self.addresses.reserve(vm_id)?;
+        Ok(pending)
     }
 
     /// The VMs holding an address.

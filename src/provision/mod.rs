@@ -29,6 +29,7 @@ use std::sync::Arc;
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Saved, VmSpec};
+use crate::state::atomic::Pending;
 
 /// Told what a long operation is doing now, for the VM's row.
 pub type Say<'a> = &'a dyn Fn(&str);
@@ -53,23 +54,28 @@ pub trait Lifecycle: Send + Sync {
     /// grow). Root disk only: the rebuild path calls create again, so routing
     /// a volume through here would destroy data meant to outlive the VM.
     /// In place when this returns, durable once the returned
-    /// [`Pending`](crate::state::atomic::Pending) is synced.
+    /// [`Pending`] is synced.
     fn prepare_root_disk(
         &self,
         spec: &VmSpec,
         base_image: &Path,
         deadline: Deadline,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure>;
+    ) -> Result<Pending, BoxFailure>;
 
-    /// Takes, durably, what of the host the VM's boot will hold (its
-    /// addresses, its VMM's user id), so the boot finds it taken. Asked
-    /// beside the save of the create's attempt, which it overlaps, so it
-    /// must touch nothing but the backend's own bookkeeping; a backend
-    /// that implements it gives back, in [`Lifecycle::recover`], what a
-    /// VM with no record and no hypervisor holds (a crash came before
-    /// the save). Idempotent; nothing by default.
-    fn reserve(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
-        Ok(())
+    /// Takes what of the host the VM's boot will hold (its addresses,
+    /// its VMM's user id), so the boot finds it taken: in place and its
+    /// bytes durable when this returns, the rest of its durability (the
+    /// names of what it wrote) in the returned [`Pending`], which the
+    /// engine syncs beside the making of the root disk and always before
+    /// the boot. A crash before that sync forgets a share no VMM ever
+    /// used. Asked beside the save of the create's attempt, which it
+    /// overlaps, so it must touch nothing but the backend's own
+    /// bookkeeping; a backend that implements it gives back, in
+    /// [`Lifecycle::recover`], what a VM with no record and no hypervisor
+    /// holds (a crash came before the save). Idempotent; nothing by
+    /// default.
+    fn reserve(&self, _spec: &VmSpec) -> Result<Pending, BoxFailure> {
+        Ok(Pending::none())
     }
 
     /// Starts the VM and attaches it to the host network. Idempotent: a VM

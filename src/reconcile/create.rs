@@ -19,7 +19,8 @@
 //!    (`Store::save_visible`), so a host that crashes booting the VM finds
 //!    the attempt counted too. Beside the save, the VM's address and VMM
 //!    id are taken (`Core::count_attempt` says why that is no side effect
-//!    the count must precede).
+//!    the count must precede), their tables' names made durable with the
+//!    record's.
 //! 5. Preflight, a create slot (bounded by the deadline), the image, the root
 //!    disk, the seed, and (when desired running) the volumes check and boot.
 //! 6. Success writes the boot id, the create's completion witness.
@@ -111,9 +112,10 @@ impl Core {
         crate::crash::point("create.attempt-saved");
 
         let narrator = pass.narrator(&rec, PowerState::Stopped, Phase::Creating);
-        let built = preflight
-            .and(reserved)
-            .and_then(|()| self.build(d, &mut rec, host_key, unsynced, pass.deadline, &narrator));
+        let built = preflight.and(reserved).and_then(|reserved| {
+            let durable = Durable { unsynced, reserved };
+            self.build(d, &mut rec, host_key, durable, pass.deadline, &narrator)
+        });
         let boots = match built {
             Ok(boots) => boots,
             Err(e) => return attempt.fail(rec, e, pass.res),
@@ -141,8 +143,9 @@ impl Core {
     /// journal commit, where one after the other they were two waits on
     /// the way to the VMM (`make bench-create`, the `record save` and
     /// `reserve` stages). The record is in place and its bytes durable
-    /// when this returns; its name is made durable beside the root disk
-    /// (see [`Core::prepare`]).
+    /// when this returns, and so are the share's tables'; their names are
+    /// made durable beside the root disk (see [`Core::prepare`]): one
+    /// fsync wait before the VMM with nothing beside it.
     ///
     /// The share is bookkeeping of the agent's own, which touches neither
     /// the guest nor the host's devices, so taking it beside the save
@@ -156,14 +159,14 @@ impl Core {
         &self,
         rec: &Record,
         reserve: bool,
-    ) -> (Result<Unsynced, BoxFailure>, Result<(), BoxFailure>) {
+    ) -> (Result<Unsynced, BoxFailure>, Result<Pending, BoxFailure>) {
         let vm_id = &rec.spec.vm_id;
         let take = || {
             if reserve {
                 timed("reserve", || self.prov.reserve(&rec.spec))
-                    .inspect(|()| crate::crash::point("create.reserved"))
+                    .inspect(|_| crate::crash::point("create.reserved"))
             } else {
-                Ok(())
+                Ok(Pending::none())
             }
         };
         let (reserved, saved) =
@@ -263,7 +266,7 @@ impl Core {
         d: &DesiredVm,
         rec: &mut Record,
         host_key: Option<HostKey>,
-        attempt: Unsynced,
+        attempt: Durable,
         deadline: Deadline,
         narrator: &Narrator,
     ) -> Result<bool, BoxFailure> {
@@ -357,11 +360,13 @@ impl Core {
         Ok(())
     }
 
-    /// The root disk and the seed, made while the attempt's record is made
-    /// durable (`make bench-create`, the `root disk`, `seed` and `record
-    /// sync` stages beside `prepare`). The record is durable when this
-    /// returns: a host that crashes booting this VM must find the attempt
-    /// counted, or it would boot it again, and again, without end. The
+    /// The root disk and the seed, made while the attempt's record and
+    /// the host's share are made durable (`make bench-create`, the `root
+    /// disk`, `seed`, `record sync` and `reserve sync` stages beside
+    /// `prepare`). Both are durable when this returns: a host that
+    /// crashes booting this VM must find the attempt counted, or it would
+    /// boot it again, and again, without end, and no other VM may be
+    /// handed the address or id its VMM holds. The
     /// root disk and seed are in place, and durable once the returned
     /// [`Pending`] is synced (see [`Core::boot_syncing`]). The first error,
     /// in that order, is the create's.
@@ -370,7 +375,7 @@ impl Core {
         spec: &crate::model::VmSpec,
         base: &std::path::Path,
         params: &SeedParams,
-        attempt: Unsynced,
+        attempt: Durable,
         deadline: Deadline,
     ) -> Result<Pending, BoxFailure> {
         let vm_id = &spec.vm_id;
@@ -381,15 +386,23 @@ impl Core {
             })
             .inspect(|_| crate::crash::point("create.disk-prepared"))
         };
-        let seed = || {
-            timed("seed", || {
+        // The seed is the quickest to make: the share's names are synced
+        // after it, on its thread.
+        let seed = || -> Result<Pending, BoxFailure> {
+            let seed = timed("seed", || {
                 self.creates
                     .seed
                     .build(&self.store.layout().seed(vm_id), params)
             })
-            .inspect(|_| crate::crash::point("create.seed-built"))
+            .inspect(|_| crate::crash::point("create.seed-built"))?;
+            timed("reserve sync", || attempt.reserved.sync()).map_err(|e| {
+                Simple::transient(format!(
+                    "VM {vm_id}: cannot make its address or VMM id durable: {e}"
+                ))
+            })?;
+            Ok(seed)
         };
-        let durable = || self.store.make_durable(attempt);
+        let durable = || self.store.make_durable(attempt.unsynced);
         let (seed, (durable, disk)) =
             crate::threads::alongside(&format!("seed-{vm_id}"), seed, || {
                 crate::threads::alongside(&format!("record-{vm_id}"), durable, disk)
@@ -415,6 +428,18 @@ fn sync_made(vm_id: &crate::model::Id, made: Pending) -> Result<(), BoxFailure> 
         ))
         .into()
     })
+}
+
+/// What a counted attempt has in place but not yet durable: the
+/// record's name ([`Store::save_visible`]) and the names of the host's
+/// share the backend took beside it ([`Lifecycle::reserve`]), synced
+/// together beside the root disk's making, before the VMM starts.
+///
+/// [`Store::save_visible`]: crate::state::Store::save_visible
+/// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
+struct Durable {
+    unsynced: Unsynced,
+    reserved: Pending,
 }
 
 /// How the host-key stage ends: go on (with the key, when the VM

@@ -56,6 +56,9 @@ pub fn write_remade(path: &Path, bytes: &[u8]) -> io::Result<Pending> {
 #[derive(Debug, Default)]
 pub struct Pending {
     files: Vec<std::path::PathBuf>,
+    /// Files whose bytes are durable already ([`write_then_rename`]'s),
+    /// only their names not yet.
+    renamed: Vec<std::path::PathBuf>,
 }
 
 impl Pending {
@@ -67,21 +70,34 @@ impl Pending {
     pub fn file(path: &Path) -> Pending {
         Pending {
             files: vec![path.to_path_buf()],
+            renamed: Vec::new(),
+        }
+    }
+
+    /// A file [`write_then_rename`] put in place: its name is what is
+    /// left to make durable.
+    pub fn renamed(path: &Path) -> Pending {
+        Pending {
+            files: Vec::new(),
+            renamed: vec![path.to_path_buf()],
         }
     }
 
     /// Both: one sync for what two steps made.
     pub fn and(mut self, other: Pending) -> Pending {
         self.files.extend(other.files);
+        self.renamed.extend(other.renamed);
         self
     }
 
     /// The files' data (fdatasync: their size too), then their
     /// directories, each once.
     pub fn sync(self) -> io::Result<()> {
-        let mut dirs: Vec<&Path> = Vec::new();
         for file in &self.files {
             File::open(file)?.sync_data()?;
+        }
+        let mut dirs: Vec<&Path> = Vec::new();
+        for file in self.files.iter().chain(&self.renamed) {
             let dir = file.parent().unwrap_or(Path::new("."));
             if !dirs.contains(&dir) {
                 dirs.push(dir);

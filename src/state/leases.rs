@@ -5,7 +5,10 @@
 //!    usually gets the same slot on any host and across re-creation.
 //! 2. A taken choice probes linearly to the next free slot.
 //! 3. The map is written (temp → fsync → rename) **before** a slot is
-//!    handed out, so a crash can never hand one out twice.
+//!    handed out, so a crash can never hand one out twice. [`Leases::reserve`]
+//!    leaves the rename's own durability (the directory's fsync) to its
+//!    caller, who makes it durable before anything outside the agent's
+//!    books uses the slot: a crash before that forgets a slot nothing used.
 //! 4. An unreadable map hands out nothing: starting from an empty one could
 //!    give a live VM's slot to another.
 
@@ -18,7 +21,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sha2::{Digest, Sha256};
 
-use super::atomic::write_atomic;
+use super::atomic::{Pending, write_atomic, write_then_rename};
 
 /// What a pool hands out: a value made from a slot number.
 pub trait Slot: Copy + Eq + Hash + Serialize + DeserializeOwned + From<u32> {}
@@ -88,6 +91,25 @@ impl<V: Slot> Leases<V> {
     /// The key's slot: the one it has, or a new one (first choice from
     /// `seed`), saved before it is returned.
     pub fn allocate(&self, key: &str, seed: &str) -> Result<V, LeaseError> {
+        self.take(key, seed, write_atomic)
+    }
+
+    /// As [`Leases::allocate`], the map's bytes durable and in place when
+    /// it returns, its name durable once the returned [`Pending`] is
+    /// synced: for a caller with other durable writes to wait for, which
+    /// syncs them all at once. The pending sync is returned for a slot
+    /// the key had too: an earlier reserve's may never have been made.
+    pub fn reserve(&self, key: &str, seed: &str) -> Result<(V, Pending), LeaseError> {
+        let slot = self.take(key, seed, write_then_rename)?;
+        Ok((slot, Pending::renamed(&self.path)))
+    }
+
+    fn take(
+        &self,
+        key: &str,
+        seed: &str,
+        write: fn(&Path, &[u8]) -> std::io::Result<()>,
+    ) -> Result<V, LeaseError> {
         let mut map = self.map.lock();
         if let Some(v) = map.get(key) {
             return Ok(*v);
@@ -103,7 +125,7 @@ impl<V: Slot> Leases<V> {
             .find(|v| !taken.contains(v))
             .ok_or(LeaseError::Full)?;
         map.insert(key.to_owned(), slot);
-        if let Err(source) = self.save(&map) {
+        if let Err(source) = self.save(&map, write) {
             map.remove(key);
             return Err(LeaseError::Save {
                 path: self.path.clone(),
@@ -117,21 +139,56 @@ impl<V: Slot> Leases<V> {
     pub fn release(&self, key: &str) -> Result<(), LeaseError> {
         let mut map = self.map.lock();
         if map.remove(key).is_some() {
-            self.save(&map).map_err(|source| LeaseError::Save {
-                path: self.path.clone(),
-                source,
-            })?;
+            self.save(&map, write_atomic)
+                .map_err(|source| LeaseError::Save {
+                    path: self.path.clone(),
+                    source,
+                })?;
         }
         Ok(())
     }
 
-    fn save(&self, map: &BTreeMap<String, V>) -> std::io::Result<()> {
+    fn save(
+        &self,
+        map: &BTreeMap<String, V>,
+        write: fn(&Path, &[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         if let Some(dir) = self.path.parent() {
             super::perms::make_dir_in(dir)?;
         }
-        write_atomic(
+        write(
             &self.path,
             &serde_json::to_vec_pretty(map).map_err(std::io::Error::other)?,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reserved_slot_is_in_the_saved_map_before_its_name_is_synced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ids.json");
+        let leases = Leases::<u32>::open(&path, 100, 10).expect("open");
+
+        let (slot, pending) = leases.reserve("vm-1", "vm-1").expect("reserve");
+
+        let reread = Leases::<u32>::open(&path, 100, 10).expect("reopen");
+        assert_eq!(reread.get("vm-1"), Some(slot));
+        pending.sync().expect("the name made durable");
+    }
+
+    #[test]
+    fn a_reserve_gives_the_slot_an_allocate_gave_before() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let leases = Leases::<u32>::open(&dir.path().join("ids.json"), 100, 10).expect("open");
+        let allocated = leases.allocate("vm-1", "vm-1").expect("allocate");
+
+        let (reserved, pending) = leases.reserve("vm-1", "vm-1").expect("reserve");
+
+        assert_eq!(reserved, allocated);
+        pending.sync().expect("sync");
     }
 }

@@ -363,7 +363,11 @@ fn leases_held_with_no_record_and_no_vmm_are_given_back_at_start() {
     eitri_agent::testkit::net::private_network();
     let mut h = Host::new(&[]);
     h.connect();
-    h.backend.reserve(&h.spec("vm-1")).expect("reserve");
+    h.backend
+        .reserve(&h.spec("vm-1"))
+        .expect("reserve")
+        .sync()
+        .expect("durable");
     assert!(h.backend.address(&id("vm-1")).is_some());
     assert_eq!(holding_vmm_ids(&h), ["vm-1"]);
 
@@ -384,7 +388,11 @@ fn leases_of_a_recorded_vm_with_no_vmm_are_kept_at_start() {
     h.store
         .save(&eitri_agent::state::Record::new(spec.clone()))
         .expect("save");
-    h.backend.reserve(&spec).expect("reserve");
+    h.backend
+        .reserve(&spec)
+        .expect("reserve")
+        .sync()
+        .expect("durable");
     let address = h.backend.address(&id("vm-1"));
 
     let restarted = CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone());

@@ -63,6 +63,7 @@ use crate::error::BoxFailure;
 use crate::model::{Id, Mac, Saved, VmSpec};
 use crate::stages;
 use crate::state::Store;
+use crate::state::atomic::Pending;
 
 /// The oldest cloud-hypervisor this backend drives.
 pub const MIN_VERSION: u32 = 51;
@@ -284,12 +285,12 @@ impl Lifecycle for CloudHypervisor {
         spec: &VmSpec,
         base: &Path,
         deadline: Deadline,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+    ) -> Result<Pending, BoxFailure> {
         let in_use = self.find(&spec.vm_id).is_some();
         supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }
 
-    fn reserve(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+    fn reserve(&self, spec: &VmSpec) -> Result<Pending, BoxFailure> {
         self.reserve_host(spec)
     }
 

@@ -35,6 +35,7 @@ use crate::provision::jail::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_ra
 use crate::provision::jail::view::{self, Visible};
 use crate::provision::supervise;
 use crate::stages::timed;
+use crate::state::atomic::Pending;
 
 impl CloudHypervisor {
     /// Starts the VM's VMM (see the module steps) on its opened `taps`,
@@ -151,28 +152,27 @@ impl CloudHypervisor {
             })
     }
 
-    /// Takes the VM's address and its VMM's user id, each saved before it
-    /// is handed out (see [`Lifecycle::reserve`](crate::provision::Lifecycle::reserve)).
-    /// Both at once, for the reason the engine asks for them beside the
+    /// Takes the VM's address and its VMM's user id, each table's bytes
+    /// saved before it is handed out, their names durable once the
+    /// returned [`Pending`] is synced (see
+    /// [`Lifecycle::reserve`](crate::provision::Lifecycle::reserve)). Both
+    /// at once, for the reason the engine asks for them beside the
     /// attempt's save: durable writes made together share a journal commit.
-    pub(super) fn reserve_host(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+    pub(super) fn reserve_host(&self, spec: &VmSpec) -> Result<Pending, BoxFailure> {
         let vm_id = &spec.vm_id;
         let address = || match &self.cfg.network {
-            Some(network) => timed("address lease", || network.reserve(vm_id)).map(drop),
-            None => Ok(()),
+            Some(network) => timed("address lease", || network.take_address(vm_id)),
+            None => Ok(Pending::none()),
         };
-        let id = || {
-            timed("vmm id", || self.confined.vmm_id(vm_id))
-                .map(drop)
-                .map_err(BoxFailure::from)
-        };
+        let id =
+            || timed("vmm id", || self.confined.reserve_vmm_id(vm_id)).map_err(BoxFailure::from);
         let (address, id) = crate::threads::alongside(&format!("lease-{vm_id}"), address, id);
-        address.map_err(|why| CloudHvError::Panicked {
+        let address = address.map_err(|why| CloudHvError::Panicked {
             vm_id: vm_id.clone(),
             doing: "taking its address",
             why,
         })??;
-        id
+        Ok(address.and(id?))
     }
 
     /// The files the VM's VMM sees (see [`view`]): its binary

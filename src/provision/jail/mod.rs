@@ -51,6 +51,7 @@ pub use self::plan::{Plan, Prepared};
 use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::{Confinement, Piece};
 use crate::state::Layout;
+use crate::state::atomic::Pending;
 use crate::state::leases::{LeaseError, Leases};
 
 /// Open files a VMM may hold: its disks, queues, event fds and sockets.
@@ -76,6 +77,12 @@ impl VmmIds {
     /// The VM's own id (user and group): the one it has, or a new one.
     pub fn of(&self, vm_id: &Id) -> Result<u32, LeaseError> {
         self.leases.allocate(vm_id.as_str(), vm_id.as_str())
+    }
+
+    /// As [`VmmIds::of`], its name left for the caller to make durable
+    /// (see [`Leases::reserve`](crate::state::leases::Leases::reserve)).
+    pub fn reserve(&self, vm_id: &Id) -> Result<(u32, Pending), LeaseError> {
+        self.leases.reserve(vm_id.as_str(), vm_id.as_str())
     }
 
     /// The VM's id if it has one.

@@ -15,6 +15,7 @@ use super::{Confined, JailError, VmmIds, acl, cgroup_limits, give, jail_for, lac
 use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::Piece;
 use crate::stages::timed;
+use crate::state::atomic::Pending;
 
 /// What a backend asks of the jail for one VMM.
 pub struct Plan<'a> {
@@ -113,6 +114,17 @@ impl Confined {
         }
     }
 
+    /// As [`Confined::vmm_id`], the id table's name left to sync: the
+    /// returned [`Pending`] is made
+    /// durable before the VMM starts.
+    pub fn reserve_vmm_id(&self, vm_id: &Id) -> Result<Pending, JailError> {
+        let Some(ids) = self.jail()? else {
+            return Ok(Pending::none());
+        };
+        let (_, pending) = ids.reserve(vm_id).map_err(id_error(vm_id))?;
+        Ok(pending)
+    }
+
     /// Whether the planned VMM confines itself with Landlock: the host has
     /// it, or the operator allowed its lack (`Ok(false)`).
     pub fn landlock(&self) -> Result<bool, JailError> {
@@ -149,10 +161,14 @@ impl Confined {
 
 /// The VM's id in `ids`: the one it has, or a new one, saved.
 fn id_of(ids: &VmmIds, vm_id: &Id) -> Result<u32, JailError> {
-    ids.of(vm_id).map_err(|e| JailError::VmmId {
+    ids.of(vm_id).map_err(id_error(vm_id))
+}
+
+fn id_error(vm_id: &Id) -> impl FnOnce(crate::state::leases::LeaseError) -> JailError + '_ {
+    |e| JailError::VmmId {
         vm_id: vm_id.clone(),
         why: lack::describe(&e),
-    })
+    }
 }
 
 #[cfg(test)]
