@@ -182,12 +182,6 @@ pub trait Wake: Send + Sync {
     /// How many frames the VM's guest sent on its NICs, as the kernel
     /// counts them; `None` when it has none.
     fn frames(&self, vm_id: &Id) -> Option<u64>;
-
-    /// Whether the VM's next boot keeps its guest's memory where a resume
-    /// finds it at once (told at every pass, before any boot): a VM that
-    /// wakes on traffic is resumed on the path of a client's first
-    /// packet. A VM booted already keeps what it was booted with.
-    fn keep_memory_ready(&self, vm_id: &Id, ready: bool);
 }
 
 /// What a listening VM's wake is seen by.

@@ -50,18 +50,13 @@ use crate::state::Record;
 impl Core {
     /// What this pass drives the VM to, its sleep taken into account (see
     /// the module's rules); the record's sleep flags set to match, and
-    /// saved when they changed. The backend is told, before any boot,
-    /// whether the VM's resumes are on a client's path (it wakes on
-    /// traffic), for it to keep its memory ready for them.
+    /// saved when they changed.
     pub(crate) fn with_sleep<'d>(
         &self,
         d: &'d DesiredVm,
         rec: Option<&mut Record>,
         pass: &mut Pass<'_>,
     ) -> Cow<'d, DesiredVm> {
-        if let Some(waker) = self.prov.waker() {
-            waker.keep_memory_ready(&d.spec.vm_id, d.sleep.wake_on_traffic);
-        }
         let Some(rec) = rec else {
             return Cow::Borrowed(d);
         };

@@ -113,12 +113,6 @@ impl Layout {
         self.vm_dir(vm_id).join("seed.iso")
     }
 
-    /// The guest's memory, for a VM that keeps it in a file (one that
-    /// wakes on traffic: see the cloud-hypervisor backend's `memory`).
-    pub fn memory(&self, vm_id: &Id) -> PathBuf {
-        self.vm_dir(vm_id).join("memory.raw")
-    }
-
     pub fn host_key(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("ssh_host_ed25519_key")
     }

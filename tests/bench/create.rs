@@ -121,7 +121,6 @@ fn bare_confined_start(
         serial_log: vm.join("serial.log"),
         log: vm.join("hypervisor.log"),
         snapshot_work: vm.join("snapshot.tmp"),
-        memory: None,
     };
     for (path, len) in [
         (&files.root_disk, 1u64 << 20),

@@ -10,7 +10,6 @@ mod boot;
 mod jail;
 mod limits;
 mod logs;
-mod memory;
 mod network;
 mod preflight;
 mod process;
@@ -468,6 +467,4 @@ both!(
     boot::a_serial_probe_for_a_line_the_guest_never_prints_holds_ready_back_on,
     suspend::a_resumed_guest_that_printed_its_probes_line_before_is_ready_again_on,
     suspend::a_cold_boot_does_not_count_the_line_its_last_boot_printed_on,
-    memory::a_vm_that_wakes_on_traffic_keeps_its_memory_in_its_file_through_a_suspend_on,
-    memory::a_memory_file_written_while_suspended_boots_the_vm_from_its_disks_on,
 );

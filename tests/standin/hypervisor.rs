@@ -21,11 +21,6 @@
 //!   (or stays paused without `resume=true`). NICs in `net_fds` must be
 //!   the config's. Each snapshot carries a nonce, logged at each restore
 //!   (`standin-restored nonce=…`), so a snapshot restored twice shows.
-//! - `--memory size=0 --memory-zone id=…,size=…M,shared=on,file=F`: the
-//!   guest's memory in F, which must be there and that long; its guest
-//!   writes a page of it at start (and at a restore that resumes), and a
-//!   snapshot leaves it out: no `memory-ranges`, which a restore on demand
-//!   then fails to open, as the real one does.
 //! - Flags are checked as v53 checks them: an unknown flag or disk option is
 //!   an error (exit 2); a disk without `image_type` logs the deprecation of
 //!   format probing; `image_type` and `backing_files` take only their
@@ -134,7 +129,6 @@ const FLAGS: &[&str] = &[
     "console",
     "cpus",
     "memory",
-    "memory-zone",
     "log-file",
     "v",
     "event-monitor",
@@ -312,32 +306,9 @@ impl Config {
                 .map(|r| json!({"path": field(r, "path="), "access": field(r, "access=")}))
                 .collect::<Vec<_>>()
         });
-        let zones: Vec<serde_json::Value> = list("memory-zone")
-            .iter()
-            .map(|z| {
-                let size = field(z, "size=")
-                    .and_then(|s| s.trim_end_matches(['M', 'm']).parse::<u64>().ok())
-                    .unwrap_or(0)
-                    << 20;
-                json!({
-                    "id": field(z, "id="),
-                    "size": size,
-                    "file": field(z, "file="),
-                    "shared": field(z, "shared=").is_some_and(|v| v == "on"),
-                    "hugepages": false,
-                    "host_numa_node": null,
-                    "hotplug_size": null,
-                    "prefault": false,
-                })
-            })
-            .collect();
         let mut config = json!({
             "cpus": {"boot_vcpus": vcpus, "max_vcpus": vcpus},
-            "memory": {
-                "size": memory_bytes,
-                "shared": args.option("memory", "shared").is_some_and(|v| v == "on"),
-                "zones": if zones.is_empty() { serde_json::Value::Null } else { zones.into() },
-            },
+            "memory": {"size": memory_bytes, "shared": memory.contains("shared=on")},
             "payload": payload,
             "disks": disks,
             "net": nets,
@@ -375,17 +346,6 @@ impl Config {
 
     fn memory_bytes(&self) -> u64 {
         self.0["memory"]["size"].as_u64().unwrap_or(0)
-    }
-
-    /// The file a shared memory zone maps, and its size: the guest's
-    /// memory kept there, which no snapshot copies.
-    fn kept_memory(&self) -> Option<(String, u64)> {
-        let zones = self.0["memory"]["zones"].as_array()?;
-        zones.iter().find_map(|z| {
-            let file = z["file"].as_str()?;
-            (z["shared"] == serde_json::Value::Bool(true))
-                .then(|| (file.to_owned(), z["size"].as_u64().unwrap_or(0)))
-        })
     }
 }
 
@@ -427,14 +387,6 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
         "state.json",
         format!(r#"{{"standin":"device state","nonce":"{nonce}"}}"#).as_bytes(),
     )?;
-    // A zone a shared file holds is left out, as the real one leaves it:
-    // with nothing else, there is no memory-ranges at all.
-    if config.kept_memory().is_some() && config.memory_bytes() == 0 {
-        if let Some(name) = knob("STANDIN_SNAPSHOT_EXTRA") {
-            write(&name, b"planted")?;
-        }
-        return Ok(());
-    }
     // Sparse, as the real one writes a shared memory: the size of the
     // guest's memory, and only the pages it touched (a few) allocated.
     let memory = File::create(dir.join("memory-ranges")).map_err(|e| e.to_string())?;
@@ -463,20 +415,6 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
         std::mem::forget(memory);
     }
     Ok(())
-}
-
-/// Writes a page of the guest's memory kept in `file`, which must be
-/// there and at least `size` long (the real one maps it whole).
-fn touch_memory(file: &str, size: u64) -> std::io::Result<()> {
-    use std::os::unix::fs::FileExt;
-    let memory = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(file)?;
-    if memory.metadata()?.len() < size {
-        return Err(std::io::Error::other("shorter than its zone"));
-    }
-    memory.write_all_at(&[0x5a; 4096], 0)
 }
 
 /// `bytes` of disk taken by `file`, without writing them where the
@@ -663,22 +601,6 @@ fn main() {
         },
         None => None,
     };
-    // The guest touches its memory as it runs: a memory file it is kept
-    // in is written (its mtime moves), as the real guest's first writes
-    // through the shared mapping do.
-    let runs = restored.is_none()
-        || args
-            .option("restore", "resume")
-            .is_some_and(|v| v == "true" || v == "on");
-    let config = restored.clone().unwrap_or_else(|| Config::of(&args));
-    if let Some((file, size)) = config.kept_memory().filter(|_| runs)
-        && let Err(e) = touch_memory(&file, size)
-    {
-        log.line(&format!(
-            "Error: Memory manager error: Failed to create shared file: {e}"
-        ));
-        std::process::exit(1);
-    }
     if let (None, Some(serial)) = (&restored, args.option("serial", "file")) {
         let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
         if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
@@ -865,17 +787,6 @@ fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
     let text = std::fs::read(dir.join("config.json")).map_err(|e| format!("config.json: {e}"))?;
     let config = Config(serde_json::from_slice(&text).map_err(|e| format!("config.json: {e}"))?);
     let state = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
-    // On demand, the real one opens memory-ranges whatever the snapshot
-    // holds (v54).
-    let on_demand = args
-        .option("restore", "memory_restore_mode")
-        .is_none_or(|m| m == "ondemand");
-    if on_demand && !dir.join("memory-ranges").exists() {
-        return Err(
-            "Memory manager error: Error opening snapshot file: No such file or directory (os error 2)"
-                .into(),
-        );
-    }
     let nonce = serde_json::from_slice::<serde_json::Value>(&state)
         .ok()
         .and_then(|v| v.get("nonce")?.as_str().map(str::to_owned))

@@ -11,9 +11,7 @@
 //! `net0`, `net1` (a restore hands each its new tap by that name), serial
 //! output to a file and the virtio console off (it would be the agent's
 //! tty), CPUs, memory shared (a memfd: its snapshot is written sparse,
-//! only the pages the guest touched; or, for a VM that keeps it ready, one
-//! zone mapped from its memory file: see `memory`), the VMM's own log, and
-//! Landlock when
+//! only the pages the guest touched), the VMM's own log, and Landlock when
 //! the host has it (the VMM then confines itself to the files this
 //! command line names, and its snapshot directory).
 //!
@@ -52,9 +50,6 @@ pub struct VmFiles {
     pub log: PathBuf,
     /// Where the VMM writes a snapshot when the VM is suspended.
     pub snapshot_work: PathBuf,
-    /// The file the guest's memory is kept in, for a VM that keeps it
-    /// ready (see `memory`); `None`: anonymous shared memory.
-    pub memory: Option<PathBuf>,
 }
 
 /// Everything a VMM is given to see: what its binary needs to run
@@ -81,9 +76,6 @@ pub fn what_a_vmm_sees(
         runtime.push(Visible::new(rw, Access::Write));
     }
     runtime.push(Visible::new(&files.snapshot_work, Access::Write));
-    if let Some(memory) = &files.memory {
-        runtime.push(Visible::new(memory, Access::Write));
-    }
     runtime.push(Visible::new(kvm, Access::Write));
     runtime.push(Visible::new("/dev/null", Access::Write));
     runtime.push(Visible::new("/dev/urandom", Access::Read));
@@ -109,9 +101,6 @@ pub struct Nic {
     pub fd: i32,
     pub mac: Mac,
 }
-
-/// The id of the one memory zone of a VM whose memory is kept in a file.
-pub const MEMORY_ZONE: &str = "mem0";
 
 /// Every disk is raw, and its format is never probed: a guest owns the
 /// bytes of its disks and could write a QCOW2 header naming a host file as
@@ -216,19 +205,7 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
     arg("--cpus".into());
     arg(format!("boot={}", shape.vcpus).into());
     arg("--memory".into());
-    match &files.memory {
-        // One zone of the whole size, mapped shared from its file.
-        Some(file) => {
-            arg("size=0".into());
-            arg("--memory-zone".into());
-            arg(option(
-                &format!("id={MEMORY_ZONE},size={}M,shared=on,file=", shape.mem_mb),
-                file,
-                "",
-            ));
-        }
-        None => arg(format!("size={}M,shared=on", shape.mem_mb).into()),
-    }
+    arg(format!("size={}M,shared=on", shape.mem_mb).into());
     arg("--log-file".into());
     arg(files.log.clone().into_os_string());
     if shape.landlock {
@@ -260,9 +237,6 @@ pub enum MemoryRestore {
     OnDemand,
     /// The whole snapshot read before the guest runs.
     Copy,
-    /// Nothing read: the guest's memory is the file it was booted with
-    /// (see `memory`), which the restored VMM maps again.
-    Kept,
 }
 
 /// The arguments of a VMM that restores the snapshot at `snapshot` and
@@ -277,9 +251,7 @@ pub fn restore_argv(
     let mut source = option("source_url=file://", snapshot, "");
     source.push(match memory {
         MemoryRestore::OnDemand => ",memory_restore_mode=ondemand",
-        // A snapshot without `memory-ranges` is restored only this way:
-        // on demand, cloud-hypervisor opens that file whatever it holds.
-        MemoryRestore::Copy | MemoryRestore::Kept => ",memory_restore_mode=copy",
+        MemoryRestore::Copy => ",memory_restore_mode=copy",
     });
     if !shape.nics.is_empty() {
         let nets: Vec<String> = shape
@@ -326,7 +298,6 @@ mod tests {
             serial_log: "/var/lib/eitri/vms/web-1/serial.log".into(),
             log: "/var/lib/eitri/vms/web-1/hypervisor.log".into(),
             snapshot_work: "/var/lib/eitri/vms/web-1/snapshot.tmp".into(),
-            memory: None,
         }
     }
 
@@ -394,42 +365,6 @@ mod tests {
                 "path=/var/lib/eitri/vms/web-1/snapshot.tmp,access=rw",
             ]
         );
-    }
-
-    #[test]
-    fn memory_kept_ready_is_one_zone_mapped_shared_from_its_file() {
-        let kept = VmFiles {
-            memory: Some("/var/lib/eitri/vms/web-1/memory.raw".into()),
-            ..files(&[])
-        };
-
-        let args = text(argv(kernel(), &kept, &shape(&[nic(4, 1)], 2, 512)));
-
-        let at = args.iter().position(|a| a == "--memory").expect("--memory");
-        assert_eq!(
-            args[at..at + 4],
-            [
-                "--memory",
-                "size=0",
-                "--memory-zone",
-                "id=mem0,size=512M,shared=on,file=/var/lib/eitri/vms/web-1/memory.raw",
-            ]
-        );
-    }
-
-    #[test]
-    fn a_vmm_sees_the_memory_file_it_keeps_its_guest_in_read_write() {
-        let kept = VmFiles {
-            memory: Some("/var/lib/eitri/vms/web-1/memory.raw".into()),
-            ..files(&[])
-        };
-
-        let seen = what_a_vmm_sees(Vec::new(), Path::new("/ch"), &[], &kept, Path::new("/kvm"));
-
-        assert!(seen.contains(&Visible::new(
-            "/var/lib/eitri/vms/web-1/memory.raw",
-            Access::Write
-        )));
     }
 
     #[test]

@@ -63,13 +63,6 @@ pub enum CloudHvError {
         vm_id: Id,
         source: io::Error,
     },
-    /// The file its guest's memory is kept in could not be made afresh
-    /// (or, for a VM that no longer keeps it there, removed).
-    Memory {
-        vm_id: Id,
-        path: PathBuf,
-        source: io::Error,
-    },
     /// What its previous VMM wrote could not be moved aside.
     KeepLogs {
         vm_id: Id,
@@ -179,11 +172,6 @@ impl fmt::Display for CloudHvError {
             E::ApiSocket { vm_id, path, .. } => {
                 write!(f, "VM {vm_id}: cannot bind its API socket {}", path.display())
             }
-            E::Memory { vm_id, path, .. } => write!(
-                f,
-                "VM {vm_id}: cannot make the file its guest's memory is kept in, {}, afresh",
-                path.display()
-            ),
             E::KeepLogs { vm_id, .. } => write!(
                 f,
                 "VM {vm_id}: cannot move its previous console and hypervisor log aside"
@@ -241,7 +229,6 @@ impl std::error::Error for CloudHvError {
             E::Kvm { source }
             | E::ApiSocket { source, .. }
             | E::KeepLogs { source, .. }
-            | E::Memory { source, .. }
             | E::Needs { source, .. }
             | E::OpenTap { source, .. }
             | E::OpenLog { source, .. }
@@ -291,7 +278,6 @@ impl CloudHvError {
             E::Version { .. }
             | E::ApiSocket { .. }
             | E::KeepLogs { .. }
-            | E::Memory { .. }
             | E::Needs { .. }
             | E::Leftovers { .. }
             | E::OpenTap { .. }

@@ -29,7 +29,6 @@ mod api;
 pub mod argv;
 mod error;
 mod identity;
-mod memory;
 mod preflight;
 mod process;
 mod serial;
@@ -118,9 +117,6 @@ pub struct CloudHypervisor {
     listening: wake::Held,
     /// The last reading of every link's frame counters (see [`wake`]).
     counted: wake::Counted,
-    /// The VMs whose next boot keeps their memory in a file (see
-    /// [`memory`]).
-    memory_ready: memory::Ready,
 }
 
 impl CloudHypervisor {
@@ -176,7 +172,6 @@ impl CloudHypervisor {
             unserved: Mutex::new(std::collections::HashSet::new()),
             listening: Mutex::default(),
             counted: Mutex::default(),
-            memory_ready: Mutex::default(),
         }
     }
 
@@ -259,16 +254,12 @@ impl CloudHypervisor {
         }
         let mut in_argv = disks.clone();
         in_argv.insert(1, layout.seed(vm_id));
-        // Its VMM keeps its guest's memory in the file when there is one:
-        // each boot makes it, or removes one an earlier boot left.
-        let memory_file = Some(layout.memory(vm_id)).filter(|file| file.exists());
         let boot = &self.cfg.hypervisor;
         let expected = vet::Expected {
             disks: in_argv,
             serial: layout.serial_log(vm_id),
             vcpus,
             memory_bytes,
-            memory_file: memory_file.clone(),
             payload: boot.kernel.clone().or_else(|| boot.firmware.clone()),
             landlock_rule: self
                 .confined
@@ -278,7 +269,6 @@ impl CloudHypervisor {
         };
         suspend::Taken {
             disks,
-            memory_file,
             memory_bytes,
             expected,
         }
@@ -349,7 +339,6 @@ impl Lifecycle for CloudHypervisor {
         ];
         supervise::remove_files(vm_id, &files).map_err(CloudHvError::from)?;
         self.children.forget(vm_id);
-        self.memory_ready.lock().remove(vm_id);
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::second_nic(vm_id))?;
         }

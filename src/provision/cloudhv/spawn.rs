@@ -20,7 +20,6 @@ use std::fs::{self, OpenOptions};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
 use std::process::ExitStatus;
 
 use super::argv::{GuestImage, Launch, MemoryRestore, Nic, VmFiles, VmShape, argv, restore_argv};
@@ -54,8 +53,7 @@ impl CloudHypervisor {
             vm_id: vm_id.clone(),
             source,
         })?;
-        let mut files = self.files(spec);
-        files.memory = timed("memory", || self.memory_for(spec, launch))?;
+        let files = self.files(spec);
         let api = timed("api socket", || self.bind_api(vm_id))?;
         // The API socket first, then the taps, from FIRST_OWN_FD.
         let nics: Vec<Nic> = taps
@@ -88,7 +86,6 @@ impl CloudHypervisor {
             owns: [&files.root_disk, &files.seed, &files.serial_log, &files.log]
                 .into_iter()
                 .chain(&files.volumes)
-                .chain(&files.memory)
                 .cloned()
                 .collect(),
             disks: std::iter::once(&files.root_disk)
@@ -199,7 +196,7 @@ impl CloudHypervisor {
         if let Launch::Restore { snapshot, memory } = launch {
             let userfaultfd = match memory {
                 MemoryRestore::OnDemand => self.cfg.confinement.userfaultfd.as_deref(),
-                MemoryRestore::Copy | MemoryRestore::Kept => None,
+                MemoryRestore::Copy => None,
             };
             visible.extend(what_a_restore_sees(snapshot, userfaultfd));
         }
@@ -280,41 +277,6 @@ impl CloudHypervisor {
             serial_log: self.store.layout().serial_log(vm_id),
             log: self.store.layout().hypervisor_log(vm_id),
             snapshot_work: self.store.layout().snapshot_work(vm_id),
-            memory: None,
-        }
-    }
-
-    /// The file the VMM keeps its guest's memory in (see [`memory`]): for
-    /// a boot of a VM that keeps it ready, made afresh (for any other
-    /// boot, one an earlier boot left is removed); for a restore, its
-    /// snapshot's.
-    ///
-    /// [`memory`]: super::memory
-    fn memory_for(
-        &self,
-        spec: &VmSpec,
-        launch: Launch<'_>,
-    ) -> Result<Option<PathBuf>, CloudHvError> {
-        let vm_id = &spec.vm_id;
-        let path = self.store.layout().memory(vm_id);
-        let made = match launch {
-            Launch::Restore {
-                memory: MemoryRestore::Kept,
-                ..
-            } => return Ok(Some(path)),
-            Launch::Restore { .. } => return Ok(None),
-            Launch::Boot if self.memory_ready.lock().contains(vm_id) => {
-                super::memory::make(&path, spec.mem_mb.saturating_mul(1 << 20)).map(|()| true)
-            }
-            Launch::Boot => super::memory::remove(&path).map(|()| false),
-        };
-        match made {
-            Ok(kept) => Ok(kept.then_some(path)),
-            Err(source) => Err(CloudHvError::Memory {
-                vm_id: vm_id.clone(),
-                path,
-                source,
-            }),
         }
     }
 

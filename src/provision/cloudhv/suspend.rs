@@ -19,9 +19,10 @@
 //!    opened without following a link, made root's, its size bounded (the
 //!    memory file by the guest's memory, the rest by 64 MiB),
 //!    synced, and moved to `.snapshot-new/` (root's, out of the VMM's
-//!    sight), checked to be the file that was sealed. The manifest (its
-//!    files' sizes, the disks' identities) is written beside them and the
-//!    directory synced.
+//!    sight), checked to be the file that was sealed. The VM's disks are
+//!    synced (its guest, paused, writes nothing more to them), then the
+//!    manifest (its files' sizes, the disks' identities) is written beside
+//!    them and the directory synced.
 //! 4. Committed: an older snapshot discarded, `.snapshot-new/` renamed to
 //!    `snapshot/`, the VM's directory synced. A crash before leaves a
 //!    paused VMM and no snapshot; after, a whole snapshot. `snapshot.tmp/`
@@ -76,11 +77,8 @@ use crate::provision::{SavedGuest, Say};
 use crate::stages::timed;
 use crate::state::atomic::{sync_dir, write_atomic};
 
-/// The manifest's format: 1, the guest's memory in the snapshot; 2, in
-/// its memory file (an agent before it finds such a snapshot unusable,
-/// and boots the VM from its disks).
+/// The manifest's format.
 const FORMAT: u32 = 1;
-const FORMAT_KEPT: u32 = 2;
 /// What cloud-hypervisor writes into a snapshot, and nothing else may be
 /// there: `memory-ranges` only when the guest has memory to save.
 const FILES: [&str; 3] = ["config.json", "state.json", "memory-ranges"];
@@ -105,10 +103,6 @@ struct Manifest {
     taken_at_ms: u64,
     files: Vec<FileEntry>,
     disks: Vec<DiskIdentity>,
-    /// The file the guest's memory is kept in (see `memory`), held to
-    /// its identity as the disks are.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    memory: Option<DiskIdentity>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,12 +175,10 @@ fn snapshot_to(socket: &Path, work: &Path, bound: Deadline, say: Say<'_>) -> io:
     }
 }
 
-/// What a snapshot is taken with (its disks, and the file its guest's
-/// memory is kept in, if it is) and held to (its guest's memory: the
-/// memory file is no larger).
+/// What a snapshot is taken with (its disks) and held to (its guest's
+/// memory: the memory file is no larger).
 pub(super) struct Taken {
     pub disks: Vec<PathBuf>,
-    pub memory_file: Option<PathBuf>,
     pub memory_bytes: u64,
     /// What its hypervisor was started with, which the snapshot's
     /// configuration must say too (see `vet`).
@@ -348,15 +340,16 @@ impl CloudHypervisor {
         }
         let layout = self.store.layout();
         let snapshot = layout.snapshot(vm_id);
-        let usable = timed("check", || {
+        if let Err(why) = timed("check", || {
             check(&layout.snapshot_manifest(vm_id), &snapshot)
-        })
-        .map_err(|why| failed(vm_id, "restore its snapshot", crate::error::chain(&why)))?;
-        let memory = if usable.memory_kept {
-            MemoryRestore::Kept
-        } else {
-            self.memory_restore()
-        };
+        }) {
+            return Err(failed(
+                vm_id,
+                "restore its snapshot",
+                crate::error::chain(&why),
+            ));
+        }
+        let memory = self.memory_restore();
         let launch = Launch::Restore {
             snapshot: &snapshot,
             memory,
@@ -404,7 +397,7 @@ impl CloudHypervisor {
             return None;
         }
         Some(match check(&layout.snapshot_manifest(vm_id), &snapshot) {
-            Ok(usable) => SavedGuest::Usable(usable.saved),
+            Ok(saved) => SavedGuest::Usable(saved),
             Err(why) => SavedGuest::Unusable(crate::error::chain(&why)),
         })
     }
@@ -552,37 +545,19 @@ fn seal_and_commit(
             return Err(io::Error::other(format!("it has no {required}")));
         }
     }
-    if taken.memory_file.is_some() && files.iter().any(|f| f.name == "memory-ranges") {
-        return Err(io::Error::other(
-            "it holds memory-ranges, and its guest's memory is kept in its memory file",
-        ));
-    }
     vet_config(&incoming.join("config.json"), &taken.expected)?;
     files.sort_by(|a, b| a.name.cmp(&b.name));
-    // What the paused guest wrote, on the disk before the snapshot that
-    // counts on it is: a power cut after the commit must not leave a
-    // snapshot whose disks or memory are older than it.
+    // What the paused guest wrote to its disks, on the disk before the
+    // snapshot that counts on it: a power cut after the commit must not
+    // leave a snapshot whose disks are older than its guest's memory.
     timed("sync disks", || {
         taken
             .disks
             .iter()
-            .chain(&taken.memory_file)
             .try_for_each(|path| File::open(path)?.sync_data())
     })?;
-    let memory = taken
-        .memory_file
-        .as_deref()
-        .map(DiskIdentity::of)
-        .transpose()?;
-    if let Some(memory) = &memory {
-        allocated = allocated.saturating_add(allocated_bytes(&memory.path)?);
-    }
     let manifest = Manifest {
-        format: if memory.is_some() {
-            FORMAT_KEPT
-        } else {
-            FORMAT
-        },
+        format: FORMAT,
         taken_at_ms,
         files,
         disks: taken
@@ -590,7 +565,6 @@ fn seal_and_commit(
             .iter()
             .map(|d| DiskIdentity::of(d))
             .collect::<io::Result<_>>()?,
-        memory,
     };
     let text = serde_json::to_vec_pretty(&manifest).map_err(io::Error::other)?;
     write_atomic(&incoming.join(MANIFEST), &text)?;
@@ -647,24 +621,16 @@ fn open_beneath(dir: &File, name: &str) -> io::Result<File> {
     Ok(unsafe { File::from_raw_fd(fd) })
 }
 
-/// A committed snapshot found usable.
-struct Usable {
-    /// What it holds of the disk.
-    saved: Saved,
-    /// Whether its guest's memory is kept in its memory file.
-    memory_kept: bool,
-}
-
-/// Whether the committed snapshot at `snapshot` is usable, or why not.
-fn check(manifest: &Path, snapshot: &Path) -> Result<Usable, Unusable> {
+/// Whether the committed snapshot at `snapshot` is usable: what it holds
+/// of the disk, or why it is not.
+fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, Unusable> {
     let meta = fs::symlink_metadata(manifest).map_err(Unusable::NoManifest)?;
     if !meta.is_file() || meta.len() > MANIFEST_MAX {
         return Err(Unusable::NotOurs);
     }
     let text = fs::read(manifest).map_err(Unusable::Unreadable)?;
     let manifest: Manifest = serde_json::from_slice(&text).map_err(Unusable::Torn)?;
-    let kept_format = manifest.format == FORMAT_KEPT;
-    if !(manifest.format == FORMAT || kept_format) || kept_format != manifest.memory.is_some() {
+    if manifest.format != FORMAT {
         return Err(Unusable::Format(manifest.format));
     }
     let mut allocated = 0u64;
@@ -683,9 +649,7 @@ fn check(manifest: &Path, snapshot: &Path) -> Result<Usable, Unusable> {
         }
         allocated = allocated.saturating_add(meta.blocks().saturating_mul(512));
     }
-    // A restored guest that ran has written its memory file: that moves
-    // its mtime, and the snapshot is spent.
-    for disk in manifest.disks.iter().chain(&manifest.memory) {
+    for disk in &manifest.disks {
         let now = DiskIdentity::of(&disk.path).map_err(|source| Unusable::DiskGone {
             path: disk.path.clone(),
             source,
@@ -694,22 +658,11 @@ fn check(manifest: &Path, snapshot: &Path) -> Result<Usable, Unusable> {
             return Err(Unusable::OtherDisks(why));
         }
     }
-    if let Some(memory) = &manifest.memory {
-        allocated = allocated.saturating_add(allocated_bytes(&memory.path).unwrap_or(0));
-    }
-    Ok(Usable {
-        saved: Saved {
-            taken_at_ms: manifest.taken_at_ms,
-            bytes: allocated,
-            in_memory: false,
-        },
-        memory_kept: manifest.memory.is_some(),
+    Ok(Saved {
+        taken_at_ms: manifest.taken_at_ms,
+        bytes: allocated,
+        in_memory: false,
     })
-}
-
-/// The bytes of disk the file at `path` takes.
-fn allocated_bytes(path: &Path) -> io::Result<u64> {
-    Ok(fs::symlink_metadata(path)?.blocks().saturating_mul(512))
 }
 
 /// Why a committed snapshot cannot be restored.

@@ -139,15 +139,6 @@ impl Wake for CloudHypervisor {
         }
     }
 
-    fn keep_memory_ready(&self, vm_id: &Id, ready: bool) {
-        let mut kept = self.memory_ready.lock();
-        if ready {
-            kept.insert(vm_id.clone());
-        } else {
-            kept.remove(vm_id);
-        }
-    }
-
     /// Frames its guest sent: every conversation makes a guest answer,
     /// while what the bridge floods to every port (the host's ARP for
     /// another guest, its IPv6 router solicitations) would keep an idle
