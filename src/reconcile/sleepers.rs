@@ -311,13 +311,18 @@ impl Shared {
         #[cfg(target_os = "linux")]
         if let Some(copy) = &listener.copy {
             w.telling = Some((Arc::clone(copy), Instant::now()));
-            tell(vm_id, w);
         }
         drop(last);
+        // The worker first: a client waits on this resume, not on what is
+        // said of it (the log, who sent the frame: told just after).
+        (self.poke)(vm_id);
+        #[cfg(target_os = "linux")]
+        if let Some(w) = self.last.lock().get_mut(vm_id) {
+            tell(vm_id, w);
+        }
         // Its copies of the NIC's fd go: what is polled is only what sleeps.
         drop(listener);
         log::info!("VM {vm_id}: a frame for its guest woke it");
-        (self.poke)(vm_id);
     }
 
     /// Reads the idle VMs' counters; pokes those quiet for their limit.
