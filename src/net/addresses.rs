@@ -221,26 +221,25 @@ impl Addresses {
     /// The VM's address: the one it has, or a new one, saved before it is
     /// returned.
     pub fn allocate(&self, vm_id: &Id) -> Result<Ipv4Addr, AddressError> {
-        self.take(vm_id, |key| self.leases.allocate(key, key))
+        self.take(vm_id, |key| {
+            self.leases.allocate(key, key).map(|ip| (ip, ()))
+        })
+        .map(|(ip, ())| ip)
     }
 
     /// As [`Addresses::allocate`], the map's name left for the caller to
     /// make durable (see [`Leases::reserve`]).
     pub fn reserve(&self, vm_id: &Id) -> Result<(Ipv4Addr, Pending), AddressError> {
-        let mut pending = Pending::none();
-        let ip = self.take(vm_id, |key| {
-            let (ip, name) = self.leases.reserve(key, key)?;
-            pending = name;
-            Ok(ip)
-        })?;
-        Ok((ip, pending))
+        self.take(vm_id, |key| self.leases.reserve(key, key))
     }
 
-    fn take(
+    /// The VM's address from `lease` (with what it returns beside), once
+    /// no other VM holds one of its MACs.
+    fn take<T>(
         &self,
         vm_id: &Id,
-        lease: impl FnOnce(&str) -> Result<Ipv4Addr, LeaseError>,
-    ) -> Result<Ipv4Addr, AddressError> {
+        lease: impl FnOnce(&str) -> Result<(Ipv4Addr, T), LeaseError>,
+    ) -> Result<(Ipv4Addr, T), AddressError> {
         let mut macs = self.macs.lock();
         let mine = macs_of(vm_id);
         for mac in mine {
@@ -254,11 +253,11 @@ impl Addresses {
                 });
             }
         }
-        let ip = lease(vm_id.as_str()).map_err(|e| from(e, self.subnet))?;
+        let taken = lease(vm_id.as_str()).map_err(|e| from(e, self.subnet))?;
         for mac in mine {
             macs.insert(mac, vm_id.clone());
         }
-        Ok(ip)
+        Ok(taken)
     }
 
     /// The VMs holding an address.

@@ -113,8 +113,8 @@ impl Core {
 
         let narrator = pass.narrator(&rec, PowerState::Stopped, Phase::Creating);
         let built = preflight.and(reserved).and_then(|reserved| {
-            let durable = Durable { unsynced, reserved };
-            self.build(d, &mut rec, host_key, durable, pass.deadline, &narrator)
+            let names = NotYetDurable { unsynced, reserved };
+            self.build(d, &mut rec, host_key, names, pass.deadline, &narrator)
         });
         let boots = match built {
             Ok(boots) => boots,
@@ -266,7 +266,7 @@ impl Core {
         d: &DesiredVm,
         rec: &mut Record,
         host_key: Option<HostKey>,
-        attempt: Durable,
+        attempt: NotYetDurable,
         deadline: Deadline,
         narrator: &Narrator,
     ) -> Result<bool, BoxFailure> {
@@ -375,7 +375,7 @@ impl Core {
         spec: &crate::model::VmSpec,
         base: &std::path::Path,
         params: &SeedParams,
-        attempt: Durable,
+        attempt: NotYetDurable,
         deadline: Deadline,
     ) -> Result<Pending, BoxFailure> {
         let vm_id = &spec.vm_id;
@@ -437,7 +437,7 @@ fn sync_made(vm_id: &crate::model::Id, made: Pending) -> Result<(), BoxFailure> 
 ///
 /// [`Store::save_visible`]: crate::state::Store::save_visible
 /// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
-struct Durable {
+struct NotYetDurable {
     unsynced: Unsynced,
     reserved: Pending,
 }

@@ -105,18 +105,10 @@ impl Confined {
         Ok(Some(jail))
     }
 
-    /// The VM's own user and group id, the one it has or a new one,
-    /// saved before it is handed out; `None` when VMMs run unjailed.
-    pub fn vmm_id(&self, vm_id: &Id) -> Result<Option<u32>, JailError> {
-        match self.jail()? {
-            Some(ids) => id_of(ids, vm_id).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    /// As [`Confined::vmm_id`], the id table's name left to sync: the
-    /// returned [`Pending`] is made
-    /// durable before the VMM starts.
+    /// Takes the VM's own user and group id, the one it has or a new one
+    /// (nothing when VMMs run unjailed): the id table's bytes saved, its
+    /// name durable once the returned [`Pending`] is synced, before the
+    /// VMM starts.
     pub fn reserve_vmm_id(&self, vm_id: &Id) -> Result<Pending, JailError> {
         let Some(ids) = self.jail()? else {
             return Ok(Pending::none());
