@@ -32,7 +32,13 @@
 //!   for those creates, and "outside the pass" the daemon's share before
 //!   and after the VM's worker ran. `EITRI_BENCH_REAL_ONLY=1` runs this
 //!   part alone; `EITRI_BENCH_AGENT` names another build of the agent to
-//!   time (two builds run in turns compare on equal terms).
+//!   time. `EITRI_BENCH_AGENT_B` names a second build, run as a second
+//!   daemon beside the first and timed in the same turns (their order
+//!   swapped at each): two builds compared on the same minutes of the
+//!   same disk (`real_b_minus_a_ms_p50`). After each turn, one durable
+//!   save of the size of the agent's record is timed on the same disk
+//!   (`real_durable_save_ms_p50`): the agent's figure read against what
+//!   the disk charged meanwhile.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -486,38 +492,65 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
     let roots = Roots(vec![
         format!("eitri-test-{}", std::process::id()),
         format!("eitri-test-{}-bare", std::process::id()),
+        format!("eitri-test-{}-b", std::process::id()),
     ]);
-    let mut daemon = daemon::Daemon::start(
-        &dir.path().join("agent"),
-        &daemon::Parts {
-            hypervisor: &ch,
-            kernel: &guest,
-            image: (&url, &sha),
-            images: &images,
-            cgroup_root: &roots.0[0],
-            tap_prefix: &format!("ed{tag}"),
-            bridge: &format!("ebd{tag}"),
-            cmdline: "console=ttyS0",
-            extra: &[],
-        },
-        PATIENCE,
-    )?;
+    // Each daemon its own half of this process's VMM ids; the bare start
+    // the last of them, in the first daemon's VMMs' group.
+    let (first, count) = daemon::vmm_ids();
+    let half = count / 2;
+    let start = |name: &str, net: (&str, &str), root: &str, ids, binary: Option<&Path>| {
+        daemon::Daemon::start(
+            &dir.path().join(name),
+            &daemon::Parts {
+                hypervisor: &ch,
+                kernel: &guest,
+                image: (&url, &sha),
+                images: &images,
+                cgroup_root: root,
+                tap_prefix: &format!("{}{tag}", net.0),
+                bridge: &format!("{}{tag}", net.1),
+                cmdline: "console=ttyS0",
+                extra: &[],
+                vmm_ids: ids,
+                binary,
+            },
+            PATIENCE,
+        )
+    };
+    let mut daemon = start("agent", ("ed", "ebd"), &roots.0[0], (first, half), None)?;
+    let other = std::env::var_os("EITRI_BENCH_AGENT_B").map(PathBuf::from);
+    let mut other = match &other {
+        Some(binary) => Some(start(
+            "agent-b",
+            ("ef", "ebf"),
+            &roots.0[2],
+            (first + half, half - 1),
+            Some(binary),
+        )?),
+        None => None,
+    };
     // The image into the cache, and every lazy first (the KVM grant, the
     // cgroup parents) out of the way.
     daemon.create("real-warm", PATIENCE)?;
-    // The bare start's user and group: the last id of the daemon's range
-    // (its VMMs take the first ones), and its VMMs' group.
-    let ids = {
-        let (first, count) = daemon::vmm_ids();
-        (first + count - 1, first)
-    };
+    if let Some(other) = &mut other {
+        other.create("real-warm", PATIENCE)?;
+    }
+    let ids = (first + count - 1, first);
     let bare_dir = dir.path().join("bare");
     std::fs::create_dir_all(&bare_dir)?;
     // One of each in turn, so whatever else this machine does meanwhile
-    // weighs on both alike.
-    let (mut agent, mut bare) = (Vec::new(), Vec::new());
+    // weighs on all alike; the two builds' order swapped at each turn.
+    let (mut agent, mut bare, mut second, mut saves) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for n in 0..REAL_VMS {
-        agent.push(ms(daemon.create(&format!("real-{n:02}"), PATIENCE)?));
+        let name = format!("real-{n:02}");
+        if let Some(other) = other.as_mut().filter(|_| n % 2 == 1) {
+            second.push(ms(other.create(&name, PATIENCE)?));
+        }
+        agent.push(ms(daemon.create(&name, PATIENCE)?));
+        if let Some(other) = other.as_mut().filter(|_| n % 2 == 0) {
+            second.push(ms(other.create(&name, PATIENCE)?));
+        }
         bare.push(ms(bare_confined_start(
             &ch,
             &guest,
@@ -526,6 +559,7 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
             ids,
             &roots.0[1],
         )?));
+        saves.push(ms(durable_save(dir.path())?));
     }
     let passes = daemon.create_passes();
     daemon.destroy_all(PATIENCE)?;
@@ -533,15 +567,49 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
     let overhead: Vec<f64> = agent.iter().zip(&bare).map(|(a, b)| a - b).collect();
     println!("real hypervisor, through the agent binary (a desired file renamed + SIGHUP):");
     print_logged_stages(&passes[1..], percentile(agent.clone(), 0.5));
-    let (agent_p50, bare_p50) = (percentile(agent, 0.5), percentile(bare, 0.5));
+    let (agent_p50, bare_p50) = (percentile(agent.clone(), 0.5), percentile(bare, 0.5));
+    let save_p50 = percentile(saves, 0.5);
     println!(
-        "real: {REAL_VMS} creates through the daemon, p50 {agent_p50:.2} ms; {REAL_VMS} bare confined starts, p50 {bare_p50:.2} ms; paired differences p50 {:.2} ms",
+        "real: {REAL_VMS} creates through the daemon, p50 {agent_p50:.2} ms; {REAL_VMS} bare confined starts, p50 {bare_p50:.2} ms; paired differences p50 {:.2} ms; one durable save (2 KiB: write, fsync, rename, directory fsync) on the same disk meanwhile, p50 {save_p50:.2} ms",
         percentile(overhead.clone(), 0.5)
     );
-    Ok(format!(
-        " real_agent_ms_p50={agent_p50:.2} real_bare_confined_ms_p50={bare_p50:.2} real_overhead_ms_p50={:.2}",
+    let mut figures = format!(
+        " real_agent_ms_p50={agent_p50:.2} real_bare_confined_ms_p50={bare_p50:.2} real_overhead_ms_p50={:.2} real_durable_save_ms_p50={save_p50:.2}",
         agent_p50 - bare_p50
-    ))
+    );
+    if let Some(mut other) = other {
+        let passes = other.create_passes();
+        other.destroy_all(PATIENCE)?;
+        drop(other);
+        println!("the other build (EITRI_BENCH_AGENT_B), in the same turns:");
+        print_logged_stages(&passes[1..], percentile(second.clone(), 0.5));
+        let diff: Vec<f64> = second.iter().zip(&agent).map(|(b, a)| b - a).collect();
+        let second_p50 = percentile(second, 0.5);
+        figures.push_str(&format!(
+            " real_b_agent_ms_p50={second_p50:.2} real_b_overhead_ms_p50={:.2} real_b_minus_a_ms_p50={:.2}",
+            second_p50 - bare_p50,
+            percentile(diff, 0.5)
+        ));
+    }
+    Ok(figures)
+}
+
+/// One small durable save as the agent makes its record's (2 KiB written
+/// to a temporary file and fsynced, renamed into place, its directory
+/// fsynced) in `dir`: what the disk charges for one, taken between the
+/// creates, so the agent's figure is read against the disk of the same
+/// minutes (this host's fsync latency doubles within a quarter hour).
+fn durable_save(dir: &Path) -> Result<Duration, Error> {
+    use std::io::Write;
+    let started = Instant::now();
+    let temp = dir.join(".durable-save.tmp");
+    let mut file = std::fs::File::create(&temp)?;
+    file.write_all(&[b'x'; 2048])?;
+    file.sync_all()?;
+    drop(file);
+    std::fs::rename(&temp, dir.join("durable-save"))?;
+    std::fs::File::open(dir)?.sync_all()?;
+    Ok(started.elapsed())
 }
 
 /// Cgroup roots ended (their processes killed, the roots removed) when the

@@ -37,6 +37,11 @@ pub struct Parts<'a> {
     pub cmdline: &'a str,
     /// More of the agent's flags.
     pub extra: &'a [&'a str],
+    /// Its VMMs' ids (first, count), the first their group: of this
+    /// bench process's range ([`vmm_ids`]), apart from any other daemon's.
+    pub vmm_ids: (u32, u32),
+    /// The agent binary to run; `None`, `EITRI_BENCH_AGENT` or this build.
+    pub binary: Option<&'a Path>,
 }
 
 pub struct Daemon {
@@ -44,6 +49,8 @@ pub struct Daemon {
     child: Child,
     image: (String, String),
     wanted: Vec<String>,
+    /// Its VMMs' group, whose ACL entries it takes back.
+    group: u32,
 }
 
 impl Daemon {
@@ -82,10 +89,7 @@ impl Daemon {
             // The bench process's own range, whose group's ACL entry on
             // the host's devices it gives back at its end (see `Drop`).
             "--vmm-ids".into(),
-            {
-                let (first, count) = vmm_ids();
-                format!("{first}:{count}")
-            },
+            format!("{}:{}", parts.vmm_ids.0, parts.vmm_ids.1),
             "--underlay-bridge".into(),
             parts.bridge.into(),
             "--tap-prefix".into(),
@@ -101,10 +105,13 @@ impl Daemon {
             .collect();
         // Another build of the agent to time instead (two builds compared
         // in turns, on one machine's same afternoon): EITRI_BENCH_AGENT.
-        let binary = std::env::var_os("EITRI_BENCH_AGENT").map_or_else(
-            || PathBuf::from(env!("CARGO_BIN_EXE_eitri-agent")),
-            PathBuf::from,
-        );
+        let binary = match parts.binary {
+            Some(binary) => binary.to_path_buf(),
+            None => std::env::var_os("EITRI_BENCH_AGENT").map_or_else(
+                || PathBuf::from(env!("CARGO_BIN_EXE_eitri-agent")),
+                PathBuf::from,
+            ),
+        };
         let child = Command::new(binary)
             .args(&args)
             .env_clear()
@@ -120,6 +127,7 @@ impl Daemon {
             child,
             image,
             wanted: Vec::new(),
+            group: parts.vmm_ids.0,
         };
         let report = daemon.state().join("report.json");
         let deadline = Instant::now() + patience;
@@ -287,9 +295,8 @@ impl Drop for Daemon {
         );
         let _ = self.child.wait();
         // What the agent gave its VMMs' group on the host's devices.
-        let (group, _) = vmm_ids();
         for device in ["/dev/kvm", "/dev/userfaultfd"] {
-            let _ = eitri_agent::provision::jail::acl::revoke_group(Path::new(device), group);
+            let _ = eitri_agent::provision::jail::acl::revoke_group(Path::new(device), self.group);
         }
     }
 }

@@ -236,6 +236,8 @@ fn main() -> Result<(), Error> {
             bridge: &format!("ebw{tag}"),
             cmdline: guest.cmdline,
             extra: &extra.iter().map(String::as_str).collect::<Vec<_>>(),
+            vmm_ids: daemon::vmm_ids(),
+            binary: None,
         },
         PATIENCE,
     )?;
