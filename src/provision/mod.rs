@@ -34,11 +34,6 @@ use crate::state::atomic::Pending;
 /// Told what a long operation is doing now, for the VM's row.
 pub type Say<'a> = &'a dyn Fn(&str);
 
-/// What a boot waits on before it touches the VM's own files (see
-/// [`Lifecycle::boot_when`]): whether they are made, and as durable as
-/// the boot needs. Asked at most once.
-pub type Ready<'a> = &'a (dyn Fn() -> bool + Sync);
-
 /// Told the id of a VM whose hypervisor process ended, for whatever reason.
 /// Called from the backend's own threads: it must not block.
 pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
@@ -86,25 +81,6 @@ pub trait Lifecycle: Send + Sync {
     /// Starts the VM and attaches it to the host network. Idempotent: a VM
     /// whose hypervisor is alive is never started twice.
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
-
-    /// [`Lifecycle::boot`] begun while the VM's files are still being
-    /// made (a create's root disk and seed, and the durability of its
-    /// record): what the boot needs of the host alone may be made first;
-    /// `ready` is asked before anything of the VM's own files is touched
-    /// and before any hypervisor starts, and `false` ends the boot with
-    /// nothing started. By default `ready` is asked first, then the VM is
-    /// booted.
-    fn boot_when(
-        &self,
-        spec: &VmSpec,
-        deadline: Deadline,
-        ready: Ready<'_>,
-    ) -> Result<(), BoxFailure> {
-        if !ready() {
-            return Err(not_ready(&spec.vm_id));
-        }
-        self.boot(spec, deadline)
-    }
 
     /// Stops the guest (politely first); the VM's files stay. `say` is told
     /// each stage as it starts ("stopping: waiting for the guest to power
@@ -464,15 +440,6 @@ impl Default for GuestLimits {
             serial_log_bytes: 16 << 20,
         }
     }
-}
-
-/// The error of a boot whose VM's files were not made (see
-/// [`Lifecycle::boot_when`]); the engine reports the making's own error.
-pub fn not_ready(vm_id: &Id) -> BoxFailure {
-    crate::error::Simple::transient(format!(
-        "VM {vm_id}: its root disk and seed were not made; no hypervisor was started"
-    ))
-    .into()
 }
 
 /// How much of a hypervisor's log a failure reason is taken from.

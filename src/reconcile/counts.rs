@@ -19,8 +19,7 @@ pub struct Counts {
     pub refunds: Counter,
     /// Booted again after an unasked death, per VM.
     pub lost: CounterVec,
-    /// Successful boots: from asking the hypervisor (for a create, while
-    /// its root disk and seed are made) to its saying running.
+    /// Successful boots: from asking the hypervisor to its saying running.
     pub boots: Histogram,
     /// Successful suspends: from asking the backend to its committed save.
     pub suspends: Histogram,

@@ -21,11 +21,8 @@
 //!    id are taken (`Core::count_attempt` says why that is no side effect
 //!    the count must precede), their tables' names made durable with the
 //!    record's.
-//! 5. Preflight, a create slot (bounded by the deadline), the image, and
-//!    (when desired running) the volumes check; then the root disk and the
-//!    seed, and, beside them, the boot: the backend makes what it needs of
-//!    the host alone meanwhile, and starts the VMM only once they are made
-//!    and the attempt is durable (`Core::boot_beside`).
+//! 5. Preflight, a create slot (bounded by the deadline), the image, the root
+//!    disk, the seed, and (when desired running) the volumes check and boot.
 //! 6. Success writes the boot id, the create's completion witness.
 //!
 //! A failure before the deadline spends the attempt; a permanent one spends
@@ -298,79 +295,58 @@ impl Core {
             )
         })?;
         let boots = d.power != PowerState::Stopped;
-        let params = seed_params(d, host_key);
+        narrator.say("preparing root disk and seed");
+        let made = self.prepare(
+            &rec.spec,
+            &base.path,
+            &seed_params(d, host_key),
+            attempt,
+            deadline,
+        )?;
+        // The root disk is made: the image may be pruned from here.
+        drop(base);
+
         if boots {
             let live = |other: &crate::model::Id| self.prov.running(other);
             volumes::materialized(&self.store, &rec.spec, &live)?;
-        }
-        narrator.say("preparing root disk and seed");
-        if boots {
-            self.boot_beside(&rec.spec, &base.path, &params, attempt, deadline, narrator)?;
+            self.boot_syncing(&rec.spec, made, deadline, narrator)?;
             self.note_address(rec);
         } else {
-            let made = self.prepare(&rec.spec, &base.path, &params, attempt, deadline)?;
             sync_made(&rec.spec.vm_id, made)?;
         }
-        // The root disk is made: the image may be pruned from here.
-        drop(base);
         // The heavy part is over; the record write that follows needs no
         // slot.
         drop(slot);
         Ok(boots)
     }
 
-    /// Makes the root disk and seed (see [`Core::prepare`]) on a thread of
-    /// their own while the backend makes what the boot needs of the host
-    /// alone, then boots the VM while they are made durable.
-    ///
-    /// The backend touches nothing of the VM's files and starts no
-    /// hypervisor before they are made and the attempt's record and the
-    /// host's share are durable ([`Lifecycle::boot_when`]): what it makes
-    /// before (taps, cgroups, the KVM device's grant) is made after the
-    /// attempt is counted, and is what a failed boot leaves and the next
-    /// boot or the VM's destroy takes back. The VMM reads its root disk
-    /// and seed from the page cache, so it need not wait for them to
-    /// reach the disk; the create is recorded done only once they have (a
-    /// power cut before that finds the record still creating, and the
-    /// next attempt makes both again). A sync that fails stops the VMM it
-    /// was for: its VM's disk cannot be trusted to survive the host.
-    ///
-    /// [`Lifecycle::boot_when`]: crate::provision::Lifecycle::boot_when
-    fn boot_beside(
+    /// Boots the VM while what its create made is made durable: the VMM
+    /// reads its root disk and seed from the page cache, so it need not
+    /// wait for them to reach the disk, and the create is recorded done
+    /// only once both have (a power cut before that finds the record
+    /// still creating, and the next attempt makes both again). A sync
+    /// that fails stops the VMM it was for: its VM's disk cannot be
+    /// trusted to survive the host.
+    fn boot_syncing(
         &self,
         spec: &crate::model::VmSpec,
-        base: &std::path::Path,
-        params: &SeedParams,
-        attempt: NotYetDurable,
+        made: Pending,
         deadline: Deadline,
         narrator: &Narrator,
     ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
-        let (made_tx, made_rx) = crossbeam_channel::bounded(1);
-        // The outer error is the making's (no hypervisor started), the
-        // inner one the sync's.
-        let make = move || -> Result<Result<(), BoxFailure>, BoxFailure> {
-            let made = self.prepare(spec, base, params, attempt, deadline);
-            // A boot that has ended without asking hears nothing.
-            let _ = made_tx.send(made.is_ok());
-            let made = made?;
-            Ok(timed("sync made", || sync_made(vm_id, made)))
-        };
-        let ready = move || {
-            // A making that panicked dropped its sender: not made.
-            let made = made_rx.recv().unwrap_or(false);
-            if made {
-                narrator.say("booting");
-            }
-            made
-        };
+        narrator.say("booting");
         let booting = std::time::Instant::now();
-        let (made, booted) = crate::threads::alongside(&format!("make-{vm_id}"), make, || {
-            timed("boot", || self.prov.boot_when(spec, deadline, &ready))
-        });
-        let synced = made.map_err(|why| panicked("making the root disk and seed", why))??;
+        let (synced, booted) = crate::threads::alongside(
+            &format!("sync-{vm_id}"),
+            || timed("sync made", || sync_made(vm_id, made)),
+            || timed("boot", || self.prov.boot(spec, deadline)),
+        );
         booted?;
         self.counts.boots.observe(booting.elapsed());
+        let synced = synced
+            .map_err(|why| panicked("syncing the root disk and seed", why))
+            .and_then(|synced| synced);
         if let Err(e) = synced {
             let say = |_: &str| {};
             if let Err(stop) = self.prov.shutdown(vm_id, deadline, &say) {
@@ -392,7 +368,7 @@ impl Core {
     /// boot it again, and again, without end, and no other VM may be
     /// handed the address or id its VMM holds. The
     /// root disk and seed are in place, and durable once the returned
-    /// [`Pending`] is synced (see [`Core::boot_beside`]). The first error,
+    /// [`Pending`] is synced (see [`Core::boot_syncing`]). The first error,
     /// in that order, is the create's.
     fn prepare(
         &self,
@@ -410,29 +386,26 @@ impl Core {
             })
             .inspect(|_| crate::crash::point("create.disk-prepared"))
         };
-        let seed = || {
-            timed("seed", || {
+        // The seed is the quickest to make: the share's names are synced
+        // after it, on its thread.
+        let seed = || -> Result<Pending, BoxFailure> {
+            let seed = timed("seed", || {
                 self.creates
                     .seed
                     .build(&self.store.layout().seed(vm_id), params)
             })
-            .inspect(|_| crate::crash::point("create.seed-built"))
-        };
-        // The names on a thread of their own, begun first: the journal
-        // commit their first sync starts carries little of the root disk
-        // and seed, and the second finds it done.
-        let durable = || -> Result<(), BoxFailure> {
-            self.store.make_durable(attempt.unsynced)?;
+            .inspect(|_| crate::crash::point("create.seed-built"))?;
             timed("reserve sync", || attempt.reserved.sync()).map_err(|e| {
                 Simple::transient(format!(
                     "VM {vm_id}: cannot make its address or VMM id durable: {e}"
                 ))
             })?;
-            Ok(())
+            Ok(seed)
         };
-        let (durable, (seed, disk)) =
-            crate::threads::alongside(&format!("record-{vm_id}"), durable, || {
-                crate::threads::alongside(&format!("seed-{vm_id}"), seed, disk)
+        let durable = || self.store.make_durable(attempt.unsynced);
+        let (seed, (durable, disk)) =
+            crate::threads::alongside(&format!("seed-{vm_id}"), seed, || {
+                crate::threads::alongside(&format!("record-{vm_id}"), durable, disk)
             });
         let disk = disk?;
         let seed = seed.map_err(|why| panicked("building the seed", why))??;

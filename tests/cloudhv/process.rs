@@ -439,31 +439,3 @@ fn a_vmm_whose_record_never_said_booted_is_adopted_not_started_again() {
         1
     );
 }
-
-#[test]
-fn a_boot_whose_files_are_not_made_starts_nothing_and_touches_none_of_them() {
-    let h = Host::new(&[]);
-    let spec = h.spec("vm-1");
-    let asked = std::sync::atomic::AtomicBool::new(false);
-    let ready = || {
-        asked.store(true, std::sync::atomic::Ordering::Relaxed);
-        false
-    };
-
-    let err = h
-        .backend
-        .boot_when(&spec, Deadline::NONE, &ready)
-        .expect_err("not ready");
-
-    assert!(asked.load(std::sync::atomic::Ordering::Relaxed));
-    assert!(
-        err.to_string().contains("no hypervisor was started"),
-        "{err}"
-    );
-    assert!(h.pid("vm-1").is_none(), "no pidfile");
-    assert!(!h.backend.running(&id("vm-1")));
-    assert!(
-        !h.store.layout().vm_dir(&id("vm-1")).exists(),
-        "nothing of the VM's files was made"
-    );
-}

@@ -56,7 +56,7 @@ use self::watch::ExitWatch;
 use super::jail::{self, netns, view};
 use super::supervise::{self, Children};
 use super::{
-    ExitListener, Holds, HostChecks, HypervisorSettings, Lifecycle, Ready, SavedGuest, Say, Suspend,
+    ExitListener, Holds, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Suspend,
 };
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
@@ -200,7 +200,6 @@ impl CloudHypervisor {
         spec: &VmSpec,
         launch: argv::Launch<'_>,
         deadline: Deadline,
-        ready: Ready<'_>,
         started: impl FnOnce(),
     ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
@@ -215,7 +214,7 @@ impl CloudHypervisor {
                 }
             },
             || {
-                self.spawn(spec, taps, launch, ready).and_then(|tracked| {
+                self.spawn(spec, taps, launch).and_then(|tracked| {
                     started();
                     self.await_running(vm_id, tracked, deadline)
                         .map(|()| tracked)
@@ -304,25 +303,10 @@ impl Lifecycle for CloudHypervisor {
     /// and Running is said only once both are done; a plug that fails
     /// kills the VMM it was for.
     fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
-        self.boot_when(spec, deadline, &|| true)
-    }
-
-    /// [`Lifecycle::boot`], with what it needs of the host alone made
-    /// while `ready` is awaited: its taps opened (and joined, on their
-    /// thread), its cgroups made and the KVM device opened to its group.
-    /// Its directory, logs, API socket, files and view, all on the state
-    /// disk, come after: made while the create's record is synced they
-    /// would join its journal commit and lengthen it.
-    fn boot_when(
-        &self,
-        spec: &VmSpec,
-        deadline: Deadline,
-        ready: Ready<'_>,
-    ) -> Result<(), BoxFailure> {
         if stages::timed("find", || self.find(&spec.vm_id)).is_some() {
             return Ok(());
         }
-        self.start_vmm(spec, argv::Launch::Boot, deadline, ready, || {})
+        self.start_vmm(spec, argv::Launch::Boot, deadline, || {})
     }
 
     fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {

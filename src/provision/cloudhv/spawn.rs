@@ -30,7 +30,6 @@ use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
-use crate::provision::Ready;
 use crate::provision::jail::Plan;
 use crate::provision::jail::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
 use crate::provision::jail::view::{self, Visible};
@@ -46,17 +45,8 @@ impl CloudHypervisor {
         spec: &VmSpec,
         taps: Vec<(OwnedFd, Mac)>,
         launch: Launch<'_>,
-        ready: Ready<'_>,
     ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
-        let limits = spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults);
-        // What it needs of the host alone first; nothing of the VM's own
-        // before its files are made (see `Lifecycle::boot_when`).
-        let staged =
-            timed("stage", || self.confined.stage(spec, &limits)).map_err(CloudHvError::from)?;
-        if !timed("ready", ready) {
-            return Err(crate::provision::not_ready(vm_id));
-        }
         timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
         let boot = matches!(launch, Launch::Boot);
         timed("logs", || self.keep_logs(vm_id, boot)).map_err(|source| CloudHvError::KeepLogs {
@@ -74,6 +64,7 @@ impl CloudHypervisor {
                 mac: *mac,
             })
             .collect();
+        let limits = spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults);
         let lend = |id| {
             // The agent's, closed to the VMM but for its snapshots (see
             // `window`).
@@ -106,7 +97,7 @@ impl CloudHypervisor {
             lend: &lend,
         };
         let prepared =
-            timed("jail", || self.confined.prepare(&plan, staged)).map_err(CloudHvError::from)?;
+            timed("jail", || self.confined.prepare(&plan)).map_err(CloudHvError::from)?;
         let landlock = timed("landlock", || self.confined.landlock())?;
         let shape = VmShape {
             api_fd: FIRST_OWN_FD,

@@ -354,7 +354,7 @@ impl CloudHypervisor {
             snapshot: &snapshot,
             memory,
         };
-        self.start_vmm(spec, launch, deadline, &|| true, || {
+        self.start_vmm(spec, launch, deadline, || {
             crate::crash::point("resume.restore-started");
         })?;
         self.vet_restored(vm_id)?;

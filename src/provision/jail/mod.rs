@@ -47,7 +47,7 @@ use self::cgroup::{Cgroups, Limits};
 pub use self::error::JailError;
 use self::fork::{Jail, Limit};
 pub use self::lack::Lack;
-pub use self::plan::{Plan, Prepared, Staged};
+pub use self::plan::{Plan, Prepared};
 use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::{Confinement, Piece};
 use crate::state::Layout;

@@ -47,27 +47,16 @@ pub struct Prepared {
     pub cgroups: Vec<OwnedFd>,
 }
 
-/// The host's share of a VMM's jail, made before any of its VM's files
-/// is touched (see [`Confined::stage`]).
-pub struct Staged<'a> {
-    /// The VMM ids, `None` when VMMs run unjailed.
-    ids: Option<&'a VmmIds>,
-    cgroups: Vec<OwnedFd>,
-}
-
 impl Confined {
-    /// Makes what the VM's VMM needs of the host alone, touching none of
-    /// the VM's files: a host that lacks what the operator did not allow
-    /// is refused first, then the VM's cgroups are made, limited and
-    /// opened, and the KVM device is opened to the VMMs' group. A create
-    /// stages while it makes the VM's files (see
-    /// [`Lifecycle::boot_when`](crate::provision::Lifecycle::boot_when)).
-    pub fn stage(&self, spec: &VmSpec, limits: &VmLimits) -> Result<Staged<'_>, JailError> {
-        let vm_id = &spec.vm_id;
-        let ids = self.jail()?;
+    /// Makes the host ready for the planned VMM: its own id, the KVM
+    /// device open to its group, its files made its own, its limits, its
+    /// view planned, its cgroups made, limited and opened.
+    pub fn prepare(&self, plan: &Plan<'_>) -> Result<Prepared, JailError> {
+        let vm_id = &plan.spec.vm_id;
+        let jail = self.jail_of(plan)?;
         let cgroups = match timed("cgroups", || self.cgroups())? {
             Some(cgroups) => timed("cgroup", || {
-                cgroups.prepare(vm_id, cgroup_limits(spec, limits))?;
+                cgroups.prepare(vm_id, cgroup_limits(plan.spec, plan.limits))?;
                 cgroups.entry_files(vm_id)
             })
             .map_err(|source| JailError::Cgroup {
@@ -76,32 +65,20 @@ impl Confined {
             })?,
             None => Vec::new(),
         };
-        if let Some(ids) = ids {
-            timed("kvm access", || self.open_kvm(ids.kvm_group))?;
-        }
-        Ok(Staged { ids, cgroups })
+        Ok(Prepared { jail, cgroups })
     }
 
-    /// Makes the host ready for the planned VMM, once [`Confined::stage`]d:
-    /// its own id, its files made its own, its view planned.
-    pub fn prepare(&self, plan: &Plan<'_>, staged: Staged<'_>) -> Result<Prepared, JailError> {
-        let jail = self.jail_of(plan, staged.ids)?;
-        Ok(Prepared {
-            jail,
-            cgroups: staged.cgroups,
-        })
-    }
-
-    fn jail_of(&self, plan: &Plan<'_>, ids: Option<&VmmIds>) -> Result<Option<Jail>, JailError> {
+    fn jail_of(&self, plan: &Plan<'_>) -> Result<Option<Jail>, JailError> {
         let vm_id = &plan.spec.vm_id;
         let give_failed = |source| JailError::GiveFiles {
             vm_id: vm_id.clone(),
             source,
         };
-        let Some(ids) = ids else {
+        let Some(ids) = self.jail()? else {
             (plan.lend)(None).map_err(give_failed)?;
             return Ok(None);
         };
+        timed("kvm access", || self.open_kvm(ids.kvm_group))?;
         let id = id_of(ids, vm_id)?;
         timed("give files", || {
             give(&plan.owns, id)?;
@@ -210,11 +187,6 @@ mod tests {
         }
     }
 
-    fn staged_and_prepared(host: &Confined, plan: &Plan<'_>) -> Result<Prepared, JailError> {
-        let staged = host.stage(plan.spec, plan.limits)?;
-        host.prepare(plan, staged)
-    }
-
     #[test]
     fn an_allowed_unjailed_host_prepares_no_jail_and_lends_unjailed() {
         let host = super::super::tests::lacking(vec![Piece::Jail, Piece::Cgroups]);
@@ -225,7 +197,7 @@ mod tests {
             Ok(())
         };
 
-        let prepared = staged_and_prepared(&host, &plan(&spec, &lend)).expect("prepared");
+        let prepared = host.prepare(&plan(&spec, &lend)).expect("prepared");
 
         assert!(prepared.jail.is_none());
         assert!(prepared.cgroups.is_empty());
@@ -238,9 +210,7 @@ mod tests {
         let spec = spec();
         let lend = |_| Ok(());
 
-        let refused = staged_and_prepared(&host, &plan(&spec, &lend))
-            .err()
-            .expect("refused");
+        let refused = host.prepare(&plan(&spec, &lend)).err().expect("refused");
 
         assert!(matches!(
             refused,
@@ -255,9 +225,7 @@ mod tests {
         let spec = spec();
         let lend = |_| Err(io::Error::from(io::ErrorKind::StorageFull));
 
-        let failed = staged_and_prepared(&host, &plan(&spec, &lend))
-            .err()
-            .expect("failed");
+        let failed = host.prepare(&plan(&spec, &lend)).err().expect("failed");
 
         assert_eq!(
             failed.to_string(),
