@@ -14,6 +14,9 @@
 //!   total), over every wake connect: 0 when the first SYN was delivered;
 //! - `running_connect_ms`: the same connect at once again, to the VM now
 //!   running: the baseline;
+//! - `never_slept_connect_ms` (a real guest only, which boots running
+//!   first): the same connect to each guest before it ever slept, the
+//!   floor a wake adds its resume to;
 //! - `resume_ms`: the resume inside that wake, as the agent logs it
 //!   (`resumed in N ms`), and `wake_ms` the agent's own account, from the
 //!   first frame to the guest running.
@@ -48,6 +51,8 @@ const VMS: usize = 5;
 /// VMs woken in each round.
 const WOKEN: usize = 5;
 const ROUNDS: usize = 4;
+/// Connects to each real guest before it first sleeps.
+const NEVER_SLEPT_CONNECTS: usize = 4;
 const FIRST_PORT: u16 = 30100;
 /// A bound to give up on, not a measurement (per 100 VMs).
 const PATIENCE: Duration = Duration::from_secs(120);
@@ -267,6 +272,7 @@ fn main() -> Result<(), Error> {
             vm
         })
         .collect();
+    let mut never_slept = Vec::new();
     // A real guest first boots, running and never idle, to its sshd
     // answering (a guest suspended mid-boot would wake to a port nobody
     // listens on yet).
@@ -282,6 +288,14 @@ fn main() -> Result<(), Error> {
             .collect();
         daemon.desire(&booting)?;
         wait_sshd(&daemon, vms_n, guest.port, patience * 3)?;
+        // The baseline no wake touched: the same connect to each guest
+        // before it ever slept (the running connect after a wake still
+        // meets pages the restore has not brought in).
+        for _ in 0..NEVER_SLEPT_CONNECTS {
+            for i in 0..vms_n.min(WOKEN) {
+                never_slept.push(connect(&cleanup.netns, FIRST_PORT + i as u16)?.0);
+            }
+        }
     }
     let vms: Vec<serde_json::Value> = vms
         .into_iter()
@@ -326,8 +340,13 @@ fn main() -> Result<(), Error> {
     let agent_wakes = logged(&log, log_from, "its guest ran ");
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
     let (wake_p50, resume_p50) = (p(&wakes, 0.5), p(&resumes, 0.5));
+    let never = if never_slept.is_empty() {
+        String::new()
+    } else {
+        format!(" never_slept_connect_ms_p50={}", p(&never_slept, 0.5))
+    };
     println!(
-        "bench=wake guest={} vms={vms_n} agent_rss_mb={rss_mb:.1} agent_threads={threads} agent_fds={fds} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={}",
+        "bench=wake guest={} vms={vms_n} agent_rss_mb={rss_mb:.1} agent_threads={threads} agent_fds={fds} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={}{never}",
         guest.what,
         wakes.len(),
         wake_p50,
@@ -338,6 +357,7 @@ fn main() -> Result<(), Error> {
         p(&running, 0.5),
         wake_p50 - resume_p50,
     );
+
     drop(daemon);
     drop(cleanup);
     Ok(())
