@@ -594,21 +594,18 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
     Ok(figures)
 }
 
-/// One small durable save as the agent makes its record's (2 KiB written
-/// to a temporary file and fsynced, renamed into place, its directory
-/// fsynced) in `dir`: what the disk charges for one, taken between the
-/// creates, so the agent's figure is read against the disk of the same
-/// minutes (this host's fsync latency doubles within a quarter hour).
+/// One small durable save made the way the agent saves its record (2 KiB:
+/// [`write_then_rename`], then the directory's fsync) in `dir`: what the
+/// disk charges for one, taken between the creates, so the agent's figure
+/// is read against the disk of the same minutes (this host's fsync
+/// latency doubles within a quarter hour).
+///
+/// [`write_then_rename`]: eitri_agent::state::atomic::write_then_rename
 fn durable_save(dir: &Path) -> Result<Duration, Error> {
-    use std::io::Write;
+    use eitri_agent::state::atomic::{sync_dir, write_then_rename};
     let started = Instant::now();
-    let temp = dir.join(".durable-save.tmp");
-    let mut file = std::fs::File::create(&temp)?;
-    file.write_all(&[b'x'; 2048])?;
-    file.sync_all()?;
-    drop(file);
-    std::fs::rename(&temp, dir.join("durable-save"))?;
-    std::fs::File::open(dir)?.sync_all()?;
+    write_then_rename(&dir.join("durable-save"), &[b'x'; 2048])?;
+    sync_dir(dir)?;
     Ok(started.elapsed())
 }
 

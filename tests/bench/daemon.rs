@@ -86,8 +86,9 @@ impl Daemon {
             path(parts.images),
             "--cgroup-root".into(),
             parts.cgroup_root.into(),
-            // The bench process's own range, whose group's ACL entry on
-            // the host's devices it gives back at its end (see `Drop`).
+            // Its part of the bench process's own range, whose group's ACL
+            // entry on the host's devices it gives back at its end (see
+            // `Drop`).
             "--vmm-ids".into(),
             format!("{}:{}", parts.vmm_ids.0, parts.vmm_ids.1),
             "--underlay-bridge".into(),
