@@ -935,6 +935,22 @@ mod tests {
     }
 
     #[test]
+    fn guest_huge_pages_are_yes_or_no_and_off_unless_asked() {
+        let off = run(&["run", "--desired", "/d"], &[]).expect("config");
+        let e = run(
+            &["run", "--desired", "/d", "--guest-hugepages", "maybe"],
+            &[],
+        )
+        .expect_err("bad");
+
+        assert!(!off.guest.hypervisor.hugepages);
+        assert_eq!(
+            e.to_string(),
+            "--guest-hugepages: \"maybe\" is neither yes nor no"
+        );
+    }
+
+    #[test]
     fn bad_environment_value_names_the_flag_too() {
         let e = run(&["run", "--desired", "/d"], &[("EITRI_MAX_MEM_MB", "lots")]).expect_err("bad");
 

@@ -23,6 +23,7 @@ use crate::image::{ImageOptions, Reach};
 use crate::model::{Cidr, IpRange};
 use crate::net::addresses::Subnet;
 use crate::net::underlay::{Egress, UnderlayConfig};
+use crate::provision::hugepages;
 use crate::provision::supervise::StopTimeouts;
 use crate::provision::{Confinement, GuestBoot, GuestLimits, HypervisorSettings, Piece};
 use crate::reconcile::{EngineConfig, HostCaps};
@@ -48,6 +49,7 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
     let (confinement, jail_wish) = confinement(&raw.section(Section::Jail))?;
     let reconcile = &raw.section(Section::Reconcile);
     let reporting = &raw.section(Section::Reporting);
+    let hypervisor = hypervisor(&raw.section(Section::Hypervisor))?;
     Ok(Config {
         wish: crate::state::claim::Wish {
             ids: jail_wish.ids,
@@ -82,14 +84,9 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
         reconcile: super::ReconcileSettings {
             tick: tick(reconcile)?,
             shutdown_grace: reconcile.duration(Key::ShutdownGrace)?,
-            engine: engine(reconcile, host_caps(limits)?)?,
+            engine: engine(reconcile, host_caps(limits, &hypervisor)?)?,
         },
-        guest: guest_boot(
-            &raw.section(Section::Hypervisor),
-            network,
-            confinement,
-            limits,
-        )?,
+        guest: guest_boot(hypervisor, network, confinement, limits)?,
         reporting: super::ReportingSettings {
             notify_fd: notify_fd(reporting)?,
             metrics_file: reporting.optional_path(Key::MetricsFile),
@@ -239,6 +236,17 @@ impl Part<'_> {
         })
     }
 
+    fn yes_no(&self, key: Key) -> Result<bool, ConfigError> {
+        match self.get(key).trim() {
+            "yes" | "true" => Ok(true),
+            "no" | "false" => Ok(false),
+            other => Err(err(format!(
+                "--{}: {other:?} is neither yes nor no",
+                key.setting().flag
+            ))),
+        }
+    }
+
     fn number(&self, key: Key) -> Result<u64, ConfigError> {
         let raw = self.get(key);
         raw.trim().parse().map_err(|_| {
@@ -357,15 +365,7 @@ fn trust(
     raw: &Part<'_>,
     source: &DesiredSource,
 ) -> Result<Option<crate::trust::TrustedKeys>, ConfigError> {
-    let in_clear = match raw.get(Key::TokenInClear).trim() {
-        "yes" | "true" => true,
-        "no" | "false" => false,
-        other => {
-            return Err(err(format!(
-                "--token-in-clear: {other:?} is neither yes nor no"
-            )));
-        }
-    };
+    let in_clear = raw.yes_no(Key::TokenInClear)?;
     let Some(path) = raw.optional_path(Key::TrustedKeys) else {
         return Ok(None);
     };
@@ -611,7 +611,7 @@ fn host_networks(raw: &Part<'_>) -> Result<HashMap<String, String>, ConfigError>
 /// How guests boot: the network, hypervisor, jail and limits sections,
 /// each as built, shared with the backend that uses them.
 fn guest_boot(
-    raw: &Part<'_>,
+    hypervisor: HypervisorSettings,
     network: Network,
     confinement: Confinement,
     limits: &Part<'_>,
@@ -621,7 +621,7 @@ fn guest_boot(
         guest_dns: network.guest_dns,
         host_networks: network.host_networks,
         tap_prefix: network.tap_prefix,
-        hypervisor: Arc::new(hypervisor(raw)?),
+        hypervisor: Arc::new(hypervisor),
         confinement: Arc::new(confinement),
         limits: Arc::new(guest_limits(limits)?),
     })
@@ -647,7 +647,30 @@ fn hypervisor(raw: &Part<'_>) -> Result<HypervisorSettings, ConfigError> {
             power_button: raw.duration(Key::StopGrace)?,
             ..StopTimeouts::default()
         },
+        hugepages: guest_hugepages(raw)?,
     })
+}
+
+/// `--guest-hugepages`: refused where no guest can have them (vfkit), and
+/// where the host sets none aside, since every boot would then fail.
+fn guest_hugepages(raw: &Part<'_>) -> Result<bool, ConfigError> {
+    if !raw.yes_no(Key::GuestHugepages)? {
+        return Ok(false);
+    }
+    if cfg!(target_os = "macos") {
+        return Err(err(
+            "--guest-hugepages: vfkit has no huge pages to back a guest with; leave it at no",
+        ));
+    }
+    match hugepages::Pool::of_host() {
+        Ok(pool) if pool.total > 0 => Ok(true),
+        Ok(_) => Err(err(
+            "--guest-hugepages: this host sets no 2 MiB huge pages aside (nr_hugepages is 0); reserve the guests' memory first, e.g. sysctl vm.nr_hugepages=2048 for 4 GiB, or leave it at no",
+        )),
+        Err(e) => Err(err(format!(
+            "--guest-hugepages: cannot read this host's 2 MiB huge page pool ({e}); the kernel needs CONFIG_HUGETLBFS, or leave it at no"
+        ))),
+    }
 }
 
 /// What the operator asked of the host's shared ids and cgroups, when
@@ -708,16 +731,46 @@ fn confinement(raw: &Part<'_>) -> Result<(Confinement, JailWish), ConfigError> {
 }
 
 /// The host's caps on what it commits to VMs.
-fn host_caps(raw: &Part<'_>) -> Result<HostCaps, ConfigError> {
-    let max_mem_mb = match raw.get(Key::MaxMemMb).trim() {
-        "auto" => auto_memory_cap_mb(&std::fs::read_to_string("/proc/meminfo").unwrap_or_default()),
-        _ => raw.number(Key::MaxMemMb)?,
+fn host_caps(raw: &Part<'_>, hypervisor: &HypervisorSettings) -> Result<HostCaps, ConfigError> {
+    let pool_mb = match hypervisor.hugepages {
+        true => hugepages::Pool::of_host().map(|p| p.total_mb()).ok(),
+        false => None,
     };
+    let max_mem_mb = match raw.get(Key::MaxMemMb).trim() {
+        "auto" => None,
+        _ => Some(raw.number(Key::MaxMemMb)?),
+    };
+    let meminfo = || std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     Ok(HostCaps {
         max_vcpus: raw.number(Key::MaxVcpus)?,
-        max_mem_mb,
+        max_mem_mb: memory_cap_mb(max_mem_mb, pool_mb, meminfo)?,
         max_disk_gb: raw.number(Key::MaxDiskGb)?,
     })
+}
+
+/// `--max-mem-mb`: `asked`, or `None` for auto. With guests on huge
+/// pages (a pool of `pool_mb`), memory is what the pool holds: auto is the
+/// pool, and a cap past it is refused, since the guests it would admit
+/// past the pool could not boot.
+fn memory_cap_mb(
+    asked: Option<u64>,
+    pool_mb: Option<u64>,
+    meminfo: impl FnOnce() -> String,
+) -> Result<u64, ConfigError> {
+    match (asked, pool_mb) {
+        (None, Some(pool_mb)) => Ok(pool_mb),
+        (None, None) => Ok(auto_memory_cap_mb(&meminfo())),
+        (Some(cap), Some(pool_mb)) if cap == 0 || cap > pool_mb => {
+            let asked = match cap {
+                0 => "0 (no cap)".to_owned(),
+                _ => format!("{cap} MiB"),
+            };
+            Err(err(format!(
+                "--max-mem-mb: {asked} is more than the {pool_mb} MiB of huge pages this host sets aside for guests (--guest-hugepages yes); give at most {pool_mb}, or auto"
+            )))
+        }
+        (Some(cap), _) => Ok(cap),
+    }
 }
 
 /// `--max-mem-mb auto`: the host's memory (`meminfo`'s MemTotal) less a
@@ -854,6 +907,30 @@ mod tests {
                 "--image-allow: 2001:db8::1/32 has host bits set; did you mean 2001:db8::/32?"
                     .into()
             )
+        );
+    }
+
+    #[test]
+    fn with_guests_on_huge_pages_the_automatic_memory_cap_is_the_pool() {
+        let cap = memory_cap_mb(None, Some(1200), || unreachable!("the pool is the cap"));
+
+        assert_eq!(cap.expect("cap"), 1200);
+    }
+
+    #[test]
+    fn with_guests_on_huge_pages_a_cap_past_the_pool_or_none_is_refused() {
+        let past = memory_cap_mb(Some(2048), Some(1200), String::new).expect_err("past");
+        let none = memory_cap_mb(Some(0), Some(1200), String::new).expect_err("none");
+
+        assert!(
+            past.to_string()
+                .contains("2048 MiB is more than the 1200 MiB"),
+            "{past}"
+        );
+        assert!(none.to_string().contains("0 (no cap)"), "{none}");
+        assert_eq!(
+            memory_cap_mb(Some(1000), Some(1200), String::new).expect("within"),
+            1000
         );
     }
 

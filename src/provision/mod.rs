@@ -15,6 +15,7 @@
 pub mod checklist;
 #[cfg(target_os = "linux")]
 pub mod cloudhv;
+pub mod hugepages;
 #[cfg(target_os = "linux")]
 pub mod jail;
 pub mod supervise;
@@ -212,6 +213,13 @@ pub trait Suspend: Send + Sync {
     /// rules).
     fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
 
+    /// Whether this host can take the VM's resume now, asked before its
+    /// saved guest is spent: what the host lacks (a device, the
+    /// hypervisor, room in a pool) is a host condition, and the saved
+    /// guest waits for it, where a resume that failed would boot the VM
+    /// from its disks. Cheap: asked before each resume, a wake's too.
+    fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure>;
+
     /// What holds the VM's suspended guest on this host now, as found (a
     /// committed save, checked against the disks it was taken with);
     /// `None` when nothing does.
@@ -299,6 +307,10 @@ impl dyn Lifecycle + '_ {
             ))
             .into()),
         }
+    }
+
+    pub fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+        self.suspender().map_or(Ok(()), |s| s.resumable(spec))
     }
 
     pub fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
@@ -406,6 +418,8 @@ pub struct HypervisorSettings {
     pub run_dir: PathBuf,
     /// The power button's wait is `--stop-grace`; the rest are the agent's.
     pub stop: supervise::StopTimeouts,
+    /// Guest memory on 2 MiB huge pages (see [`hugepages`]).
+    pub hugepages: bool,
 }
 
 impl HypervisorSettings {
@@ -419,6 +433,7 @@ impl HypervisorSettings {
             cmdline: String::new(),
             run_dir,
             stop: supervise::StopTimeouts::default(),
+            hugepages: false,
         }
     }
 }

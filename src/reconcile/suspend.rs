@@ -222,11 +222,11 @@ impl Core {
     fn resume(&self, d: &DesiredVm, mut rec: Record, pass: &mut Pass<'_>) {
         let vm_id = rec.spec.vm_id.clone();
         if let Err(why) = self.ledger.admit(&rec.spec) {
-            self.report_recorded(pass.res, &rec, PowerState::Suspended);
-            if let Some(row) = &mut pass.res.row {
-                row.status_detail = format!("waiting for room on this host to resume it: {why}");
-            }
-            return;
+            return self.resume_waits(
+                &rec,
+                format!("for room on this host to resume it: {why}"),
+                pass,
+            );
         }
         match self.prov.suspension(&vm_id) {
             Some(SavedGuest::Usable(_)) => {}
@@ -235,6 +235,15 @@ impl Core {
                 return self.cold_boot(d, rec, ColdBoot::Unusable, pass);
             }
             None => return self.cold_boot(d, rec, ColdBoot::Gone, pass),
+        }
+        // Asked before the saved guest is spent: a host that cannot take
+        // the resume now keeps it waiting, suspended, rather than booting
+        // the VM from its disks.
+        if let Err(e) = self.prov.resumable(&rec.spec)
+            && e.is_host_condition()
+        {
+            let why = format!("for this host to be able to resume it: {}", chain(&*e));
+            return self.resume_waits(&rec, why, pass);
         }
         rec.resume_intended();
         let Some(narrator) = self.intend(
@@ -262,6 +271,15 @@ impl Core {
                 self.log_failure(&vm_id, "resume failed; booting it from its disks", &why);
                 self.cold_boot(d, rec, ColdBoot::Failed, pass);
             }
+        }
+    }
+
+    /// A resume that cannot start yet: the VM stays suspended, its saved
+    /// guest kept, and its row says what it waits `for`.
+    fn resume_waits(&self, rec: &Record, waits_for: String, pass: &mut Pass<'_>) {
+        self.report_recorded(pass.res, rec, PowerState::Suspended);
+        if let Some(row) = &mut pass.res.row {
+            row.status_detail = format!("waiting {waits_for}");
         }
     }
 

@@ -47,6 +47,7 @@ pub enum Op {
     Destroy,
     Suspend,
     Resume,
+    Resumable,
 }
 
 /// One call a fake received, in order across all seams.
@@ -603,6 +604,11 @@ impl Suspend for Fakes {
             (false, Some(SavedGuest::Unusable(why))) => Err(Simple::transient(why).into()),
             (false, None) => Err(Simple::transient("no saved state to resume").into()),
         }
+    }
+
+    /// What a test scripted for `Op::Resumable` (nothing: it can).
+    fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+        self.act(Op::Resumable, spec.vm_id.as_str(), Deadline::NONE)
     }
 
     fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {

@@ -162,6 +162,7 @@ fn bare_confined_start(
         nics: &nics,
         vcpus: spec.vcpus,
         mem_mb: spec.mem_mb,
+        hugepages: false,
         landlock: true,
         limits: spec.limits,
     };

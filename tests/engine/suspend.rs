@@ -149,6 +149,32 @@ fn a_resume_on_a_full_host_waits_narrated_and_spends_nothing() {
 }
 
 #[test]
+fn a_resume_the_host_cannot_take_now_waits_with_its_saved_guest_then_resumes() {
+    let h = suspended();
+    h.fakes
+        .fail_on_host(Op::Resumable, VM, "the huge page pool has 3 pages left");
+
+    h.tick(&wanted(PowerState::Running));
+    let waiting = (h.row(VM), h.fakes.saved(&id(VM)).is_some());
+    h.fakes.clear(Op::Resumable, VM);
+    h.tick(&wanted(PowerState::Running));
+
+    assert_eq!(waiting.0.power, Some(PowerState::Suspended));
+    assert_eq!(
+        waiting.0.status_detail,
+        "waiting for this host to be able to resume it: the huge page pool has 3 pages left"
+    );
+    assert!(waiting.1, "its saved guest is kept, not booted over");
+    assert_eq!(h.row(VM).power, Some(PowerState::Running));
+    assert_eq!(calls_of(&h, |c| *c == Call::Resume(id(VM))), 1);
+    assert_eq!(
+        calls_of(&h, |c| *c == Call::Boot(id(VM))),
+        1,
+        "booted once, at create"
+    );
+}
+
+#[test]
 fn a_resume_refused_for_room_is_admitted_once_room_is_made() {
     let h = one_vcpu_host();
     h.tick(&only_a_suspended());

@@ -268,12 +268,18 @@ impl Config {
             .option("cpus", "boot")
             .and_then(|n| n.parse().ok())
             .unwrap_or(1);
-        let memory = args.option("memory", "size").unwrap_or_default();
-        let memory_bytes = memory
-            .trim_end_matches(['M', 'm'])
-            .parse::<u64>()
-            .unwrap_or(0)
-            << 20;
+        let memory = list("memory").first().cloned().unwrap_or_default();
+        let megabytes = |v: Option<String>| {
+            v.unwrap_or_default()
+                .trim_end_matches(['M', 'm'])
+                .parse::<u64>()
+                .unwrap_or(0)
+                << 20
+        };
+        let memory_bytes = megabytes(args.option("memory", "size"));
+        // As the real one says it: the page size in bytes, null when not named.
+        let hugepage_size =
+            Some(megabytes(args.option("memory", "hugepage_size"))).filter(|bytes| *bytes > 0);
         let mut payload = serde_json::Map::new();
         for key in ["kernel", "firmware", "cmdline"] {
             if let Some(value) = list(key).first() {
@@ -308,7 +314,13 @@ impl Config {
         });
         let mut config = json!({
             "cpus": {"boot_vcpus": vcpus, "max_vcpus": vcpus},
-            "memory": {"size": memory_bytes, "shared": memory.contains("shared=on")},
+            "memory": {
+                "size": memory_bytes,
+                "shared": memory.contains("shared=on"),
+                "hugepages": memory.contains("hugepages=on"),
+                "hugepage_size": hugepage_size,
+                "reserve": memory.contains("reserve=on"),
+            },
             "payload": payload,
             "disks": disks,
             "net": nets,

@@ -115,6 +115,8 @@ pub struct VmShape<'a> {
     pub nics: &'a [Nic],
     pub vcpus: u32,
     pub mem_mb: u64,
+    /// Its memory on 2 MiB huge pages.
+    pub hugepages: bool,
     pub landlock: bool,
     /// The limits in force (0: none); the VMM holds the disk and NIC ones.
     pub limits: VmLimits,
@@ -205,7 +207,16 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
     arg("--cpus".into());
     arg(format!("boot={}", shape.vcpus).into());
     arg("--memory".into());
-    arg(format!("size={}M,shared=on", shape.mem_mb).into());
+    // The page size is named: without it the VMM asks a hugetlbfs mount
+    // for it, and a host need not have one (the pages come from a memfd).
+    // Reserved at the boot's mapping: a pool run dry then fails a boot,
+    // where unreserved pages would kill the guest at its first touch of
+    // one the pool no longer has.
+    let pages = match shape.hugepages {
+        true => ",hugepages=on,hugepage_size=2M,reserve=on",
+        false => "",
+    };
+    arg(format!("size={}M,shared=on{pages}", shape.mem_mb).into());
     arg("--log-file".into());
     arg(files.log.clone().into_os_string());
     if shape.landlock {
@@ -321,6 +332,7 @@ mod tests {
             nics,
             vcpus,
             mem_mb,
+            hugepages: false,
             landlock: true,
             limits: VmLimits::default(),
         }
@@ -500,6 +512,22 @@ mod tests {
                 "--log-file",
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
             ]
+        );
+    }
+
+    #[test]
+    fn memory_on_huge_pages_names_their_size() {
+        let shape = VmShape {
+            hugepages: true,
+            ..shape(&[], 1, 512)
+        };
+
+        let args = text(argv(kernel(), &files(&[]), &shape));
+
+        let memory = args.iter().position(|a| a == "--memory").expect("--memory");
+        assert_eq!(
+            args[memory + 1],
+            "size=512M,shared=on,hugepages=on,hugepage_size=2M,reserve=on"
         );
     }
 

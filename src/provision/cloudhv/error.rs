@@ -23,6 +23,8 @@ pub enum CloudHvError {
         path: PathBuf,
         banner: String,
         min: u32,
+        /// What the agent needs of that release.
+        why: &'static str,
     },
     /// `--version` could not be asked.
     Version {
@@ -77,6 +79,22 @@ pub enum CloudHvError {
     OpenTap {
         vm_id: Id,
         tap: String,
+        source: io::Error,
+    },
+    /// Its memory is no whole number of the huge pages guests are given
+    /// on this host (`--guest-hugepages`).
+    HugePageSize {
+        vm_id: Id,
+        mem_mb: u64,
+    },
+    /// The host's huge page pool has too few pages left for its memory.
+    HugePages {
+        vm_id: Id,
+        need: u64,
+        available: u64,
+    },
+    /// The host's huge page pool could not be read.
+    HugePagePool {
         source: io::Error,
     },
     /// The spec's second NIC names a network this host does not serve.
@@ -148,9 +166,14 @@ impl fmt::Display for CloudHvError {
                 path.display(),
                 super::MIN_VERSION
             ),
-            E::TooOld { path, banner, min } => write!(
+            E::TooOld {
+                path,
+                banner,
+                min,
+                why,
+            } => write!(
                 f,
-                "{} reports version {banner:?}; this agent needs cloud-hypervisor v{min} or later (it passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it)",
+                "{} reports version {banner:?}; this agent needs cloud-hypervisor v{min} or later ({why})",
                 path.display()
             ),
             E::Version { path, .. } => {
@@ -160,6 +183,23 @@ impl fmt::Display for CloudHvError {
                 "cannot open /dev/kvm read-write; load kvm_intel or kvm_amd and give the agent access to it",
             ),
             E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
+            E::HugePageSize { vm_id, mem_mb } => write!(
+                f,
+                "VM {vm_id}: {mem_mb} MiB of memory is no whole number of the 2 MiB huge pages this host backs guests with (--guest-hugepages); ask for {} or {} MiB",
+                mem_mb - 1,
+                mem_mb + 1
+            ),
+            E::HugePages {
+                vm_id,
+                need,
+                available,
+            } => write!(
+                f,
+                "VM {vm_id}: its memory needs {need} huge pages of 2 MiB and this host's pool has {available} left; raise vm.nr_hugepages, or lower --max-mem-mb if something besides the agent's guests uses the pool"
+            ),
+            E::HugePagePool { .. } => f.write_str(
+                "cannot read this host's 2 MiB huge page pool (/sys/kernel/mm/hugepages/hugepages-2048kB)",
+            ),
             E::Jail(e) => e.fmt(f),
             E::Needs { vm_id, .. } => write!(
                 f,
@@ -235,6 +275,7 @@ impl std::error::Error for CloudHvError {
             | E::Start { source, .. }
             | E::Pidfile { source, .. }
             | E::RemoveTap { source, .. }
+            | E::HugePagePool { source }
             | E::Version { source, .. } => Some(source),
             E::Leftovers { source, .. } => Some(source),
             // Transparent: the wrapped error's own message is this one's.
@@ -247,6 +288,8 @@ impl std::error::Error for CloudHvError {
             | E::Unreachable { .. }
             | E::NoBootFile
             | E::NetworkNotServed { .. }
+            | E::HugePageSize { .. }
+            | E::HugePages { .. }
             // Its message is in this one's words.
             | E::Panicked { .. }
             | E::NotRunning { .. }
@@ -267,13 +310,15 @@ impl CloudHvError {
     fn kind(&self) -> Kind {
         use CloudHvError as E;
         match self {
-            E::NetworkNotServed { .. } => Kind::Permanent,
+            E::NetworkNotServed { .. } | E::HugePageSize { .. } => Kind::Permanent,
             E::NotExecutable { .. }
             | E::TooOld { .. }
             | E::Kvm { .. }
             | E::NoTun
             | E::BootFileMissing { .. }
             | E::NoBootFile
+            | E::HugePages { .. }
+            | E::HugePagePool { .. }
             | E::Unreachable { .. } => Kind::Host,
             E::Version { .. }
             | E::ApiSocket { .. }

@@ -433,6 +433,13 @@ impl Suspend for CloudHypervisor {
         self.resume_vm(spec, deadline)
     }
 
+    /// The host's checks, and the huge page pool's room for the guest's
+    /// memory, as a boot asks them.
+    fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+        self.check_host()?;
+        Ok(self.check_hugepages(spec)?)
+    }
+
     fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
         self.saved_guest(vm_id)
     }

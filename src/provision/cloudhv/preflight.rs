@@ -14,6 +14,15 @@ use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
 use crate::error::BoxFailure;
 use crate::provision::jail::paths::{self, Need};
 
+/// What [`MIN_VERSION`] brings.
+const RAW_DISKS_NEED: &str = "it passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it";
+
+/// The first release that maps huge pages reserved (`reserve=on`):
+/// before it, a guest's pages are taken only as it touches them, and a
+/// pool run dry kills the running guest's VMM instead of failing a boot.
+pub(super) const HUGEPAGES_MIN_VERSION: u32 = 53;
+const HUGEPAGES_NEED: &str = "with --guest-hugepages yes it maps each guest's memory reserved (reserve=on), so a pool run dry fails a boot and never kills a running guest";
+
 impl CloudHypervisor {
     pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
         // Resolved to an absolute path when the backend was made.
@@ -29,15 +38,20 @@ impl CloudHypervisor {
         if binary.is_some() && *self.version_passed.lock() == binary {
             return self.check_devices();
         }
+        let (min, why) = match self.cfg.hypervisor.hugepages {
+            true => (HUGEPAGES_MIN_VERSION, HUGEPAGES_NEED),
+            false => (MIN_VERSION, RAW_DISKS_NEED),
+        };
         match self.version().map(|line| (major_version(&line), line)) {
-            Ok((Some(major), _)) if major >= MIN_VERSION => {
+            Ok((Some(major), _)) if major >= min => {
                 *self.version_passed.lock() = binary;
             }
             Ok((_, banner)) => {
                 return Err(CloudHvError::TooOld {
                     path,
                     banner,
-                    min: MIN_VERSION,
+                    min,
+                    why,
                 }
                 .into());
             }

@@ -30,6 +30,7 @@ use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
+use crate::provision::hugepages;
 use crate::provision::jail::Plan;
 use crate::provision::jail::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
 use crate::provision::jail::view::{self, Visible};
@@ -47,6 +48,7 @@ impl CloudHypervisor {
         launch: Launch<'_>,
     ) -> Result<Tracked, BoxFailure> {
         let vm_id = &spec.vm_id;
+        self.check_hugepages(spec)?;
         timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
         let boot = matches!(launch, Launch::Boot);
         timed("logs", || self.keep_logs(vm_id, boot)).map_err(|source| CloudHvError::KeepLogs {
@@ -104,6 +106,7 @@ impl CloudHypervisor {
             nics: &nics,
             vcpus: spec.vcpus,
             mem_mb: spec.mem_mb,
+            hugepages: self.cfg.hypervisor.hugepages,
             landlock,
             limits,
         };
@@ -173,6 +176,32 @@ impl CloudHypervisor {
             why,
         })??;
         Ok(address.and(id?))
+    }
+
+    /// With guests on huge pages: the VM's memory is whole pages, and the
+    /// pool has them. Asked before each start, since the pool is the
+    /// operator's to change; two starts at once may both pass, and the
+    /// later VMM then fails its boot (its memory is mapped, so reserved,
+    /// before its guest runs), never a running guest.
+    pub(super) fn check_hugepages(&self, spec: &VmSpec) -> Result<(), CloudHvError> {
+        if !self.cfg.hypervisor.hugepages {
+            return Ok(());
+        }
+        let vm_id = &spec.vm_id;
+        let need = hugepages::pages_for(spec.mem_mb).ok_or_else(|| CloudHvError::HugePageSize {
+            vm_id: vm_id.clone(),
+            mem_mb: spec.mem_mb,
+        })?;
+        let pool =
+            hugepages::Pool::of_host().map_err(|source| CloudHvError::HugePagePool { source })?;
+        if pool.available < need {
+            return Err(CloudHvError::HugePages {
+                vm_id: vm_id.clone(),
+                need,
+                available: pool.available,
+            });
+        }
+        Ok(())
     }
 
     /// The files the VM's VMM sees (see [`view`]): its binary

@@ -340,6 +340,11 @@ impl Suspend for Vfkit {
     }
 
     /// A guest paused in place, while its vfkit lives.
+    /// A paused vfkit holds its guest: nothing of the host is asked.
+    fn resumable(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
+        Ok(())
+    }
+
     fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
         self.alive(vm_id)?;
         let state = api::state(&self.socket_path(vm_id), STATE_TIMEOUT).ok()?;
