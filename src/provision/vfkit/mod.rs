@@ -339,12 +339,12 @@ impl Suspend for Vfkit {
         self.await_running(vm_id, pid, deadline)
     }
 
-    /// A guest paused in place, while its vfkit lives.
     /// A paused vfkit holds its guest: nothing of the host is asked.
     fn resumable(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
         Ok(())
     }
 
+    /// A guest paused in place, while its vfkit lives.
     fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
         self.alive(vm_id)?;
         let state = api::state(&self.socket_path(vm_id), STATE_TIMEOUT).ok()?;
