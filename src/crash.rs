@@ -72,12 +72,16 @@ pub const POINTS: &[(&str, &str)] = &[
         "a suspend done but not recorded is recorded: suspended, its snapshot whole",
     ),
     (
-        "resume.intent-saved",
-        "a resume intended but not begun never restores the spent snapshot: the VM boots from its disks",
+        "resume.restore-started",
+        "a restoring VMM found after a restart is stopped if the record still says suspended (its guest never ran; the snapshot is resumed again), else finished; never started twice",
     ),
     (
-        "resume.restore-started",
-        "a restoring VMM found after a restart is finished, never started twice",
+        "resume.restored",
+        "a restored guest held paused, its resume perhaps not yet recorded, is run only if the record says resuming, else its VMM is stopped and the whole snapshot resumed again",
+    ),
+    (
+        "resume.intent-saved",
+        "a resume recorded with its guest restored but not yet run is finished by running that guest, never restored twice",
     ),
     (
         "resume.resumed",

@@ -35,6 +35,13 @@ use crate::state::atomic::Pending;
 /// Told what a long operation is doing now, for the VM's row.
 pub type Say<'a> = &'a dyn Fn(&str);
 
+/// Asked once by a resume, when the VM's saved guest is restored and held
+/// still, right before it runs (see [`Suspend::resume`]). The engine's
+/// `Ok` says the resume is recorded: the saved guest is spent from here.
+/// Its `Err` ends the resume: the restore is undone, the saved guest kept,
+/// and the error is the resume's.
+pub type Spend<'a> = &'a dyn Fn() -> Result<(), BoxFailure>;
+
 /// Told the id of a VM whose hypervisor process ended, for whatever reason.
 /// Called from the backend's own threads: it must not block.
 pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
@@ -207,11 +214,15 @@ pub trait Suspend: Send + Sync {
 
     /// Resumes a suspended VM where it left off: a live VMM of it (a
     /// suspend or resume cut short) is made to run, else its saved state is
-    /// restored into a new VMM, on its own taps, in its own jail. Once the
-    /// guest runs its saved state is discarded: it is stale from then on.
-    /// The engine never asks twice for one saved state (see the lifecycle's
-    /// rules).
-    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
+    /// restored into a new VMM, on its own taps, in its own jail. `spend`
+    /// is asked once, before the guest runs and after all a restore does
+    /// that can be undone; when it refuses, the guest does not run, a VMM
+    /// this call started is ended, and the saved state stays whole. Once
+    /// the guest runs its saved state is discarded: it is stale from then
+    /// on. The engine never asks twice for one saved state (see the
+    /// lifecycle's rules).
+    fn resume(&self, spec: &VmSpec, deadline: Deadline, spend: Spend<'_>)
+    -> Result<(), BoxFailure>;
 
     /// Whether this host can take the VM's resume now, asked before its
     /// saved guest is spent: what the host lacks (a device, the
@@ -298,9 +309,14 @@ impl dyn Lifecycle + '_ {
         }
     }
 
-    pub fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    pub fn resume(
+        &self,
+        spec: &VmSpec,
+        deadline: Deadline,
+        spend: Spend<'_>,
+    ) -> Result<(), BoxFailure> {
         match self.suspender() {
-            Some(s) => s.resume(spec, deadline),
+            Some(s) => s.resume(spec, deadline, spend),
             None => Err(crate::error::Simple::permanent(format!(
                 "VM {}: this host's hypervisor backend cannot resume a VM",
                 spec.vm_id

@@ -564,14 +564,26 @@ impl Core {
         let Err(e) = self.store.save(rec) else {
             return true;
         };
-        let why = crate::error::chain(&e);
+        self.intent_failed(rec, doing, power, &crate::error::chain(&e), pass);
+        false
+    }
+
+    /// An intent that could not be saved, `why`: nothing was done. Logged
+    /// once per change as not `doing` it; the row says so with `power`.
+    pub(crate) fn intent_failed(
+        &self,
+        rec: &Record,
+        doing: &str,
+        power: PowerState,
+        why: &str,
+        pass: &mut Pass<'_>,
+    ) {
         let vm_id = &rec.spec.vm_id;
         self.logs.error(
             &format!("{vm_id}/{doing}"),
             &format!("VM {vm_id}: not {doing} it: {why}"),
         );
         pass.res.report(rec, Some(power), Phase::Failed, why);
-        false
     }
 
     /// Saves a record whose save failing changes nothing this pass decides.

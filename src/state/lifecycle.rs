@@ -119,8 +119,8 @@ pub enum Suspension {
     Suspending,
     /// Its guest's state saved, as the backend made it.
     Suspended(Saved),
-    /// Intended, saved before the VMM that restores it starts: the saved
-    /// state is spent from here.
+    /// Intended, saved beside the restore and always before the restored
+    /// guest runs: the saved state is spent from here.
     Resuming,
 }
 

@@ -28,7 +28,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, DeadlineExpired, Simple};
 use crate::model::{DesiredVm, Id, PowerState, Saved, Snapshot, VmSpec, WantedVm};
-use crate::provision::{ExitListener, Holds, Lifecycle, SavedGuest, Say, Suspend};
+use crate::provision::{ExitListener, Holds, Lifecycle, SavedGuest, Say, Spend, Suspend};
 use crate::reconcile::Seams;
 use crate::reconcile::seams::{
     HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
@@ -47,6 +47,8 @@ pub enum Op {
     Destroy,
     Suspend,
     Resume,
+    /// A resume's guest set running, once its `spend` agreed.
+    Run,
     Resumable,
 }
 
@@ -54,7 +56,9 @@ pub enum Op {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Call {
     Preflight,
-    Resolve { url: String },
+    Resolve {
+        url: String,
+    },
     PrepareRootDisk(Id),
     Seed(Box<SeedParams>),
     HostKey(PathBuf),
@@ -63,6 +67,8 @@ pub enum Call {
     Destroy(Id),
     Suspend(Id),
     Resume(Id),
+    /// A resume whose `spend` refused: its guest never ran.
+    ResumeRefused(Id),
     DiscardSuspension(Id),
     Suspension(Id),
     Running(Id),
@@ -589,21 +595,34 @@ impl Suspend for Fakes {
     }
 
     /// Runs a live hypervisor on, or one restored from a usable saved
-    /// state, which it then takes.
-    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    /// state, which it then takes; either only once `spend` agrees (a
+    /// refusal is recorded as [`Call::ResumeRefused`], the saved state
+    /// kept).
+    fn resume(
+        &self,
+        spec: &VmSpec,
+        deadline: Deadline,
+        spend: Spend<'_>,
+    ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
         self.record(Call::Resume(vm_id.clone()));
         self.act(Op::Resume, vm_id.as_str(), deadline)?;
         let live = self.running.lock().contains(vm_id);
-        let saved = self.saved.lock().remove(vm_id);
-        match (live, saved) {
-            (true, _) | (false, Some(SavedGuest::Usable(_))) => {
-                self.running.lock().insert(vm_id.clone());
-                Ok(())
+        match (live, self.saved.lock().get(vm_id)) {
+            (true, _) | (false, Some(SavedGuest::Usable(_))) => {}
+            (false, Some(SavedGuest::Unusable(why))) => {
+                return Err(Simple::transient(why.clone()).into());
             }
-            (false, Some(SavedGuest::Unusable(why))) => Err(Simple::transient(why).into()),
-            (false, None) => Err(Simple::transient("no saved state to resume").into()),
+            (false, None) => return Err(Simple::transient("no saved state to resume").into()),
         }
+        if let Err(e) = spend() {
+            self.record(Call::ResumeRefused(vm_id.clone()));
+            return Err(e);
+        }
+        self.act(Op::Run, vm_id.as_str(), deadline)?;
+        self.saved.lock().remove(vm_id);
+        self.running.lock().insert(vm_id.clone());
+        Ok(())
     }
 
     /// What a test scripted for `Op::Resumable` (nothing: it can).

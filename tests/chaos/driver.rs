@@ -683,6 +683,7 @@ fn scenario(point: &str) -> (Desired, Desired) {
         ),
         "resume.intent-saved"
         | "resume.restore-started"
+        | "resume.restored"
         | "resume.resumed"
         | "resume.snapshot-discarded" => (
             vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),

@@ -33,11 +33,11 @@ use eitri_agent::deadline::Deadline;
 use eitri_agent::hostkey::LocalHostKeys;
 use eitri_agent::image::{ImageCache, ImageOptions, sha256_file};
 use eitri_agent::model::{Phase, PowerState, Snapshot};
-use eitri_agent::provision::HypervisorSettings;
 use eitri_agent::provision::Lifecycle as Backend;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::jail::cgroup::Cgroups;
 use eitri_agent::provision::supervise::StopTimeouts;
+use eitri_agent::provision::{HypervisorSettings, SavedGuest, Suspend};
 use eitri_agent::reconcile::{Engine, EngineConfig, Seams};
 use eitri_agent::seed::NoCloudSeed;
 use eitri_agent::state::Store;
@@ -460,6 +460,8 @@ both!(
     preflight::preflight_passes_on,
     suspend::suspend_and_resume_twice_keep_the_guest_and_its_console_on,
     suspend::a_suspended_vm_resumes_after_an_agent_restart_on,
+    suspend::a_restore_whose_resume_cannot_be_recorded_is_ended_before_its_guest_runs_on,
+    suspend::a_restore_cut_short_before_its_resume_was_recorded_is_stopped_at_start_on,
     suspend::a_restored_hypervisor_is_jailed_in_namespaces_of_its_own_on,
     suspend::a_disk_changed_while_suspended_boots_the_vm_from_its_disks_on,
     suspend::stopping_a_suspended_vm_discards_its_snapshot_on,

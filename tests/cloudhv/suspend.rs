@@ -106,6 +106,83 @@ pub(crate) fn a_suspended_vm_resumes_after_an_agent_restart_on(h: Host) {
     assert_eq!(h.engine().counts().cold_boots.get("interrupted"), 0);
 }
 
+/// The suspended VM's spec, as its record holds it.
+fn spec_of(h: &Host, vm: &str) -> eitri_agent::model::VmSpec {
+    h.store
+        .get(&id(vm))
+        .expect("read the record")
+        .expect("a record")
+        .spec
+        .clone()
+}
+
+/// How many times the VM's guest booted, by its console's marker.
+fn boots_of(h: &Host, vm: &str) -> usize {
+    console(h, vm)
+        .iter()
+        .filter(|l| l.contains(&h.serial_marker))
+        .count()
+}
+
+pub(crate) fn a_restore_whose_resume_cannot_be_recorded_is_ended_before_its_guest_runs_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    wait_until("the guest's marker", || boots_of(&h, "vm-1") == 1);
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    let spec = spec_of(&h, "vm-1");
+
+    let refused = Suspend::resume(&*h.backend, &spec, Deadline::after(PATIENCE), &|| {
+        Err(eitri_agent::error::Simple::transient("the disk is full").into())
+    });
+
+    let e = refused.expect_err("refused");
+    assert!(e.to_string().contains("the disk is full"), "{e}");
+    assert_eq!(vmms_of(&h, "vm-1"), 0, "the restored VMM is ended");
+    assert!(matches!(
+        Suspend::suspension(&*h.backend, &id("vm-1")),
+        Some(SavedGuest::Usable(_))
+    ));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(
+        boots_of(&h, "vm-1"),
+        1,
+        "resumed, never booted again: {:?}",
+        console(&h, "vm-1")
+    );
+    assert_eq!(h.engine().counts().cold_boots.get("failed"), 0);
+}
+
+pub(crate) fn a_restore_cut_short_before_its_resume_was_recorded_is_stopped_at_start_on(h: Host) {
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    wait_until("the guest's marker", || boots_of(&h, "vm-1") == 1);
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    let spec = spec_of(&h, "vm-1");
+    // The agent dies while the restored guest waits for its record: the
+    // VMM lives on, paused, and the record still says suspended.
+    let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Suspend::resume(&*h.backend, &spec, Deadline::after(PATIENCE), &|| {
+            panic!("the agent dies here")
+        })
+    }));
+    let left = (died.is_err(), vm_state(&h, "vm-1"));
+
+    let h = h.restart();
+    let after_start = vmms_of(&h, "vm-1");
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(left, (true, Some("Paused".into())));
+    assert_eq!(after_start, 0, "stopped at the agent's start");
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(vmms_of(&h, "vm-1"), 1);
+    assert_eq!(
+        boots_of(&h, "vm-1"),
+        1,
+        "resumed, never booted again: {:?}",
+        console(&h, "vm-1")
+    );
+    assert_eq!(h.engine().counts().cold_boots.get("interrupted"), 0);
+}
+
 pub(crate) fn a_restored_hypervisor_is_jailed_in_namespaces_of_its_own_on(h: Host) {
     h.tick(&wanting(&h, "vm-1", PowerState::Running));
     h.tick(&wanting(&h, "vm-1", PowerState::Suspended));

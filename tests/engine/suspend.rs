@@ -74,9 +74,9 @@ fn a_suspend_whose_intent_cannot_be_saved_is_not_asked_for() {
 }
 
 #[test]
-fn the_resume_is_recorded_before_the_backend_is_asked() {
+fn the_resume_is_recorded_before_its_guest_runs() {
     let h = suspended();
-    let gate = h.fakes.block(Op::Resume, VM);
+    let gate = h.fakes.block(Op::Run, VM);
 
     h.engine.step(&wanted(PowerState::Running));
     let asked = gate.wait_entered(1, SETTLE);
@@ -87,6 +87,25 @@ fn the_resume_is_recorded_before_the_backend_is_asked() {
     assert!(asked);
     assert_eq!(saved.lifecycle.suspension(), Suspension::Resuming);
     assert_eq!(h.row(VM).power, Some(PowerState::Running));
+}
+
+#[test]
+fn a_resume_that_cannot_be_recorded_runs_no_guest_and_keeps_its_saved_state() {
+    let h = suspended();
+    h.break_record_dir(VM);
+
+    h.tick(&wanted(PowerState::Running));
+
+    assert_eq!(calls_of(&h, |c| *c == Call::ResumeRefused(id(VM))), 1);
+    assert!(matches!(
+        eitri_agent::provision::Suspend::suspension(&*h.fakes, &id(VM)),
+        Some(SavedGuest::Usable(_))
+    ));
+    assert!(!eitri_agent::provision::Lifecycle::running(
+        &*h.fakes,
+        &id(VM)
+    ));
+    assert_eq!(h.row(VM).power, Some(PowerState::Suspended));
 }
 
 #[test]

@@ -232,8 +232,8 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
 pub enum Launch<'a> {
     /// Boots its guest from the disks ([`argv`]).
     Boot,
-    /// Restores the snapshot at `snapshot` (read-only in its view), and
-    /// resumes it ([`restore_argv`]).
+    /// Restores the snapshot at `snapshot` (read-only in its view), its
+    /// guest held paused ([`restore_argv`]).
     Restore {
         snapshot: &'a Path,
         memory: MemoryRestore,
@@ -250,8 +250,9 @@ pub enum MemoryRestore {
     Copy,
 }
 
-/// The arguments of a VMM that restores the snapshot at `snapshot` and
-/// resumes it: its API socket and NICs as at boot (`shape`; its vCPUs and
+/// The arguments of a VMM that restores the snapshot at `snapshot`, its
+/// guest paused until a `vm.resume` (the engine records the resume
+/// first): its API socket and NICs as at boot (`shape`; its vCPUs and
 /// memory are the snapshot's), its log.
 pub fn restore_argv(
     snapshot: &Path,
@@ -273,7 +274,6 @@ pub fn restore_argv(
             .collect();
         source.push(format!(",net_fds=[{}]", nets.join(",")));
     }
-    source.push(",resume=true");
     vec![
         "--api-socket".into(),
         format!("fd={}", shape.api_fd).into(),
@@ -508,7 +508,7 @@ mod tests {
                 "--api-socket",
                 "fd=3",
                 "--restore",
-                "source_url=file:///var/lib/eitri/vms/web-1/snapshot,memory_restore_mode=ondemand,net_fds=[net0@[4],net1@[5]],resume=true",
+                "source_url=file:///var/lib/eitri/vms/web-1/snapshot,memory_restore_mode=ondemand,net_fds=[net0@[4],net1@[5]]",
                 "--log-file",
                 "/var/lib/eitri/vms/web-1/hypervisor.log",
             ]
@@ -542,7 +542,7 @@ mod tests {
 
         assert_eq!(
             args[3],
-            "source_url=file:///s/vms/a/snapshot,memory_restore_mode=copy,resume=true"
+            "source_url=file:///s/vms/a/snapshot,memory_restore_mode=copy"
         );
     }
 

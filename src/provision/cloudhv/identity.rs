@@ -103,6 +103,19 @@ impl CloudHypervisor {
             if !self.runs_as_ours(tracked, &vm_id) {
                 continue;
             }
+            if known.contains(&vm_id) && self.restore_cut_short(&vm_id) {
+                log::warn!(
+                    "VM {vm_id}: stopping its hypervisor (pid {}): it restored the VM's snapshot, but the resume was never recorded, so its guest never ran; the snapshot is kept",
+                    tracked.pid
+                );
+                self.stop_orphan(tracked, &self.socket_path(&vm_id));
+                let _ = self.end_leftovers(&vm_id, &|_| {});
+                notes.push(format!(
+                    "stopped a hypervisor (pid {}) of VM {vm_id} whose resume a crash cut short before its guest ran; the VM is still suspended",
+                    tracked.pid
+                ));
+                continue;
+            }
             if known.contains(&vm_id) {
                 // An older agent left it the VMM's for its whole life:
                 // the agent's from now on, and what was kept there gone.
@@ -180,6 +193,18 @@ impl CloudHypervisor {
             network.plug_named(vm_id, &rec.spec.network, &taps.site, Mac::second_nic(vm_id))?;
         }
         Ok(())
+    }
+
+    /// Whether the VM's record says suspended, its snapshot committed:
+    /// a live VMM of it can only be one a resume started and a crash cut
+    /// short before the resume was recorded (a suspend stops its VMM
+    /// before it records one; a resume records itself before its guest
+    /// runs), so its guest, restored paused, never ran.
+    fn restore_cut_short(&self, vm_id: &Id) -> bool {
+        matches!(
+            self.store.get(vm_id),
+            Ok(Some(rec)) if rec.lifecycle.suspension().saved().is_some()
+        )
     }
 
     /// Stops a VMM no VM explains: asked to shut down, then killed.

@@ -56,7 +56,7 @@ use self::watch::ExitWatch;
 use super::jail::{self, netns, view};
 use super::supervise::{self, Children};
 use super::{
-    ExitListener, Holds, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Suspend,
+    ExitListener, Holds, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Spend, Suspend,
 };
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
@@ -193,8 +193,9 @@ impl CloudHypervisor {
 impl CloudHypervisor {
     /// Starts the VM's VMM to do what `launch` says, on taps of its own
     /// (opened here, joined to the host's networks alongside, see
-    /// [`Lifecycle::boot`]), and waits for its API to say Running.
-    /// `started` is called once the VMM runs, before the wait.
+    /// [`Lifecycle::boot`]), and waits for its API to say Running (Paused
+    /// for a restore: its guest runs only at `vm.resume`). `started` is
+    /// called once the VMM runs, before the wait.
     fn start_vmm(
         &self,
         spec: &VmSpec,
@@ -216,7 +217,11 @@ impl CloudHypervisor {
             || {
                 self.spawn(spec, taps, launch).and_then(|tracked| {
                     started();
-                    self.await_running(vm_id, tracked, deadline)
+                    let awaited = match launch {
+                        argv::Launch::Boot => supervise::Awaited::Running,
+                        argv::Launch::Restore { .. } => supervise::Awaited::Paused,
+                    };
+                    self.await_state(vm_id, tracked, awaited, deadline)
                         .map(|()| tracked)
                 })
             },
@@ -429,8 +434,13 @@ impl Suspend for CloudHypervisor {
         self.suspend_vm(&self.snapshot_of(vm_id), vm_id, deadline, say)
     }
 
-    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
-        self.resume_vm(spec, deadline)
+    fn resume(
+        &self,
+        spec: &VmSpec,
+        deadline: Deadline,
+        spend: Spend<'_>,
+    ) -> Result<(), BoxFailure> {
+        self.resume_vm(spec, deadline, spend)
     }
 
     /// The host's checks, and the huge page pool's room for the guest's

@@ -14,7 +14,8 @@
 //!    tracked VMM or none.
 //! 6. Its reaper (see [`supervise::Children`]), which tells the engine when
 //!    it exits.
-//! 7. The wait for its API to say Running (see [`supervise::await_running`]).
+//! 7. The wait for its API to say Running, or Paused for a restore (see
+//!    [`supervise::await_state`]).
 
 use std::fs::{self, OpenOptions};
 use std::os::fd::OwnedFd;
@@ -34,7 +35,7 @@ use crate::provision::hugepages;
 use crate::provision::jail::Plan;
 use crate::provision::jail::fork::{self, FIRST_OWN_FD, Jail, StartError, wait_raw};
 use crate::provision::jail::view::{self, Visible};
-use crate::provision::supervise;
+use crate::provision::supervise::{self, Awaited};
 use crate::stages::timed;
 use crate::state::atomic::Pending;
 
@@ -458,9 +459,22 @@ impl CloudHypervisor {
         tracked: Tracked,
         deadline: Deadline,
     ) -> Result<(), BoxFailure> {
-        supervise::await_running(
+        self.await_state(vm_id, tracked, Awaited::Running, deadline)
+    }
+
+    /// Waits until the new VMM's API says `awaited` (see
+    /// [`supervise::await_state`]).
+    pub(super) fn await_state(
+        &self,
+        vm_id: &Id,
+        tracked: Tracked,
+        awaited: Awaited,
+        deadline: Deadline,
+    ) -> Result<(), BoxFailure> {
+        supervise::await_state(
             vm_id,
             &self.vmm(vm_id, tracked),
+            awaited,
             self.cfg.boot_wait,
             deadline,
         )

@@ -35,17 +35,26 @@
 //!
 //! Resume, in order:
 //! 1. A live VMM of the VM (a suspend or a resume cut short) is resumed
-//!    where it stands, and any snapshot discarded.
+//!    where it stands once the engine's `spend` agrees, and any snapshot
+//!    discarded.
 //! 2. Else the console is moved aside (a restoring VMM truncates the
 //!    serial file its snapshot names, and the operator keeps what the
 //!    guest said before); the snapshot is lent to the VM's user (read-only
 //!    in its view); a new VMM is started in the VM's jail and cgroups, on
 //!    its own taps, told to restore it (its memory faulted in on demand
 //!    where the host's userfaultfd device is given, else read whole first)
-//!    and resume.
-//! 3. Once its API says Running, the snapshot is discarded: renamed aside,
-//!    then removed. A VMM faulting pages in on demand keeps reading the
-//!    memory file it holds open; the disk is freed when it closes it.
+//!    with its guest paused, and awaited until its API says Paused; its
+//!    account of the VM is checked (`vet`).
+//! 3. `spend` is asked: the engine saves the resume's intent while the
+//!    steps above run, and this is where it waits for that save. Refused,
+//!    the VMM is killed before its guest ran a single instruction, and
+//!    the snapshot stays whole. A crash before it leaves a paused VMM that
+//!    the next agent ends at its start, the record still saying suspended
+//!    (`identity`).
+//! 4. `vm.resume`; once its API says Running, the snapshot is discarded:
+//!    renamed aside, then removed. A VMM faulting pages in on demand keeps
+//!    reading the memory file it holds open; the disk is freed when it
+//!    closes it.
 //!
 //! Why a snapshot is believed: its manifest is the agent's own, written
 //! after the seal, and checked at every look. A file of another size, a
@@ -67,13 +76,14 @@ use serde::{Deserialize, Serialize};
 
 use super::argv::{Launch, MemoryRestore};
 use super::error::CloudHvError;
+use super::process::Tracked;
 use super::{CloudHypervisor, api, window};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::human::unix_ms;
 use crate::model::{Id, Saved, VmSpec};
-use crate::provision::supervise;
-use crate::provision::{SavedGuest, Say};
+use crate::provision::supervise::{self, Awaited};
+use crate::provision::{SavedGuest, Say, Spend};
 use crate::stages::timed;
 use crate::state::atomic::{sync_dir, write_atomic};
 
@@ -322,18 +332,19 @@ impl CloudHypervisor {
     }
 
     /// Resumes the VM (see the module's steps).
-    pub(super) fn resume_vm(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    pub(super) fn resume_vm(
+        &self,
+        spec: &VmSpec,
+        deadline: Deadline,
+        spend: Spend<'_>,
+    ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
         if let Some(tracked) = self.find(vm_id) {
-            let socket = self.socket_path(vm_id);
-            if api::vm_state(&socket, API_TIMEOUT).as_deref() == Some("Paused") {
-                put(
-                    &socket,
-                    "/api/v1/vm.resume",
-                    None,
-                    deadline.capped(API_TIMEOUT),
-                )
-                .map_err(|e| failed(vm_id, "resume its paused guest", e))?;
+            // One a crash left restoring may not have finished.
+            self.await_state(vm_id, tracked, Awaited::PausedOrRunning, deadline)?;
+            spend()?;
+            if api::vm_state(&self.socket_path(vm_id), API_TIMEOUT).as_deref() == Some("Paused") {
+                self.unpause(vm_id, deadline)?;
             }
             self.await_running(vm_id, tracked, deadline)?;
             return self.discard_saved(vm_id);
@@ -358,10 +369,53 @@ impl CloudHypervisor {
             crate::crash::point("resume.restore-started");
         })?;
         self.vet_restored(vm_id)?;
+        crate::crash::point("resume.restored");
+        let Some(tracked) = self.find(vm_id) else {
+            return Err(failed(
+                vm_id,
+                "run its restored guest",
+                "its hypervisor is gone",
+            ));
+        };
+        if let Err(e) = spend() {
+            log::warn!(
+                "VM {vm_id}: its restored guest is not run ({}); its hypervisor is stopped, its snapshot kept",
+                crate::error::chain(&*e)
+            );
+            self.end_restored(vm_id, tracked);
+            return Err(e);
+        }
+        let ran = self
+            .unpause(vm_id, deadline)
+            .and_then(|()| self.await_running(vm_id, tracked, deadline));
+        if let Err(e) = ran {
+            self.end_restored(vm_id, tracked);
+            return Err(e);
+        }
         crate::crash::point("resume.resumed");
         self.discard_saved(vm_id)?;
         crate::crash::point("resume.snapshot-discarded");
         Ok(())
+    }
+
+    /// Runs the VM's paused guest (`vm.resume`).
+    fn unpause(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+        timed("run", || {
+            put(
+                &self.socket_path(vm_id),
+                "/api/v1/vm.resume",
+                None,
+                deadline.capped(API_TIMEOUT),
+            )
+        })
+        .map_err(|e| failed(vm_id, "resume its paused guest", e))
+    }
+
+    /// Ends a VMM that restored the VM's snapshot, and what it forked;
+    /// the snapshot is left as it is.
+    fn end_restored(&self, vm_id: &Id, tracked: Tracked) {
+        supervise::ladder::kill(&self.vmm(vm_id, tracked));
+        let _ = self.end_leftovers(vm_id, &|_| {});
     }
 
     /// A restored hypervisor's own account of its VM (`vm.info`), held to
@@ -382,10 +436,12 @@ impl CloudHypervisor {
             return Ok(());
         };
         log::error!("VM {vm_id}: its restored hypervisor is not the VM it was: {why}; killing it");
-        if let Some(tracked) = self.find(vm_id) {
-            super::supervise::ladder::kill(&self.vmm(vm_id, tracked));
+        match self.find(vm_id) {
+            Some(tracked) => self.end_restored(vm_id, tracked),
+            None => {
+                let _ = self.end_leftovers(vm_id, &|_| {});
+            }
         }
-        let _ = self.end_leftovers(vm_id, &|_| {});
         Err(failed(vm_id, "check its restored hypervisor", why))
     }
 

@@ -63,6 +63,10 @@ impl supervise::Vmm for Vmm<'_> {
         self.state().as_deref() == Some("Running")
     }
 
+    fn says_paused(&self) -> bool {
+        self.state().as_deref() == Some("Paused")
+    }
+
     /// The guest powered off: cloud-hypervisor's VM is `Shutdown` (or back
     /// to `Created`) while the VMM stays up.
     fn powered_off(&self) -> bool {

@@ -154,8 +154,12 @@ pub fn max_threads(vcpus: u32) -> u64 {
 
 /// Makes `paths` the VMM's own (owner `id`, mode 0600), creating the
 /// files that do not exist yet. Never follows a symlink: a file the VM's
-/// last VMM could write is not trusted to be what its name says.
+/// last VMM could write is not trusted to be what its name says. A file
+/// that is the VMM's already is left untouched, its ctime too: a
+/// snapshot knows its disks by it, and a restore whose guest never ran
+/// must leave them as the snapshot found them.
 pub fn give(paths: &[PathBuf], id: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
     for path in paths {
         let file = std::fs::OpenOptions::new()
             .write(true)
@@ -164,14 +168,19 @@ pub fn give(paths: &[PathBuf], id: u32) -> std::io::Result<()> {
             .mode(crate::state::perms::FILE)
             .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
             .open(path)?;
-        if !file.metadata()?.is_file() {
+        let meta = file.metadata()?;
+        if !meta.is_file() {
             return Err(std::io::Error::other(format!(
                 "{} is not a regular file",
                 path.display()
             )));
         }
-        std::os::unix::fs::fchown(&file, Some(id), Some(id))?;
-        file.set_permissions(std::fs::Permissions::from_mode(crate::state::perms::FILE))?;
+        if (meta.uid(), meta.gid()) != (id, id) {
+            std::os::unix::fs::fchown(&file, Some(id), Some(id))?;
+        }
+        if meta.mode() & 0o7777 != crate::state::perms::FILE {
+            file.set_permissions(std::fs::Permissions::from_mode(crate::state::perms::FILE))?;
+        }
     }
     Ok(())
 }

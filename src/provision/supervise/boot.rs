@@ -1,9 +1,10 @@
-//! Waiting for a new VMM to say Running.
+//! Waiting for a new VMM to say Running (or, for one restoring a saved
+//! guest that is to run only once its resume is recorded, Paused).
 //!
 //! A VMM's API is up a few ms after exec, so the wait polls finely at
 //! first and then backs off, so a slow guest costs no CPU. It ends one of
 //! three ways:
-//! 1. the API says Running: booted;
+//! 1. the API says what was awaited: booted;
 //! 2. the process exits: the boot failed with its own account, read once
 //!    its reaper has kept its exit status;
 //! 3. time runs out: the VMM is killed, and the failure is the pass's
@@ -26,6 +27,36 @@ const COARSE_GAP: Duration = Duration::from_millis(5);
 /// How long an exited VMM's reaper is given to keep its exit status.
 const REAP_WAIT: Duration = Duration::from_secs(1);
 
+/// The state a new VMM's guest is awaited in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Awaited {
+    /// Its guest runs.
+    Running,
+    /// Its guest is restored and held still, to be run by a later call.
+    Paused,
+    /// Either: a VMM found alive, whose restore may still be under way.
+    PausedOrRunning,
+}
+
+impl Awaited {
+    /// The state's word in the VMMs' APIs and in what people read.
+    pub fn word(self) -> &'static str {
+        match self {
+            Awaited::Running => "Running",
+            Awaited::Paused => "Paused",
+            Awaited::PausedOrRunning => "Paused or Running",
+        }
+    }
+
+    fn said_by(self, vmm: &dyn Vmm) -> bool {
+        match self {
+            Awaited::Running => vmm.says_running(),
+            Awaited::Paused => vmm.says_paused(),
+            Awaited::PausedOrRunning => vmm.says_paused() || vmm.says_running(),
+        }
+    }
+}
+
 /// Waits until `vmm` says Running, exits, or `boot_wait` (or the pass's
 /// `deadline`, whichever is first) runs out; see the module steps.
 pub fn await_running(
@@ -34,7 +65,21 @@ pub fn await_running(
     boot_wait: Duration,
     deadline: Deadline,
 ) -> Result<(), BoxFailure> {
-    let _span = span("wait running");
+    await_state(vm_id, vmm, Awaited::Running, boot_wait, deadline)
+}
+
+/// Waits until `vmm` says `awaited`, as [`await_running`] does Running.
+pub fn await_state(
+    vm_id: &Id,
+    vmm: &dyn Vmm,
+    awaited: Awaited,
+    boot_wait: Duration,
+    deadline: Deadline,
+) -> Result<(), BoxFailure> {
+    let _span = span(match awaited {
+        Awaited::Running => "wait running",
+        Awaited::Paused | Awaited::PausedOrRunning => "wait restored",
+    });
     let until = deadline.capped(boot_wait);
     let started = Instant::now();
     loop {
@@ -47,7 +92,7 @@ pub fn await_running(
             }
             .into());
         }
-        if vmm.says_running() {
+        if awaited.said_by(vmm) {
             return Ok(());
         }
         if until.expired() {
@@ -59,7 +104,12 @@ pub fn await_running(
                     vmm.noun()
                 );
                 return Err(DeadlineExpired {
-                    waiting_for: "waiting for the VMM's API to say Running",
+                    waiting_for: match awaited {
+                        Awaited::Running => "waiting for the VMM's API to say Running",
+                        Awaited::Paused | Awaited::PausedOrRunning => {
+                            "waiting for the VMM's API to say Paused"
+                        }
+                    },
                 }
                 .into());
             }
@@ -67,6 +117,7 @@ pub fn await_running(
                 vm_id: vm_id.clone(),
                 noun: vmm.noun(),
                 waited: boot_wait,
+                awaited: awaited.word(),
                 reason,
             }
             .into());

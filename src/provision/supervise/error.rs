@@ -28,11 +28,13 @@ pub enum SuperviseError {
         noun: &'static str,
         reason: String,
     },
-    /// The new VMM's API did not say Running in time; it was killed.
+    /// The new VMM's API did not say what was awaited (Running, or
+    /// Paused for a restore) in time; it was killed.
     BootTimeout {
         vm_id: Id,
         noun: &'static str,
         waited: Duration,
+        awaited: &'static str,
         reason: String,
     },
     /// SIGKILL could not be sent.
@@ -83,10 +85,11 @@ impl fmt::Display for SuperviseError {
                 vm_id,
                 noun,
                 waited,
+                awaited,
                 reason,
             } => write!(
                 f,
-                "VM {vm_id}: {noun} did not say Running within {} s; killed it: {reason}",
+                "VM {vm_id}: {noun} did not say {awaited} within {} s; killed it: {reason}",
                 waited.as_secs()
             ),
             E::Kill {

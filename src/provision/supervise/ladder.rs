@@ -264,6 +264,9 @@ mod tests {
         fn says_running(&self) -> bool {
             !self.gone.get()
         }
+        fn says_paused(&self) -> bool {
+            false
+        }
         fn powered_off(&self) -> bool {
             false
         }

@@ -27,7 +27,7 @@ use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-pub use self::boot::await_running;
+pub use self::boot::{Awaited, await_running, await_state};
 pub use self::children::{Children, Listener};
 pub use self::error::SuperviseError;
 pub use self::ladder::{StopTimeouts, stop};
@@ -50,6 +50,8 @@ pub trait Vmm {
     fn gone(&self) -> bool;
     /// Its API says the guest is running.
     fn says_running(&self) -> bool;
+    /// Its API says the guest is paused (restored, or paused in place).
+    fn says_paused(&self) -> bool;
     /// Its API says the guest has powered off (the VMM may still be up).
     fn powered_off(&self) -> bool;
     /// Asks the VMM, through its API, for `request`; an answer that never

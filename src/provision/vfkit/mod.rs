@@ -45,7 +45,9 @@ use std::time::Duration;
 use self::argv::Files;
 pub use self::error::VfkitError;
 use super::supervise::{self, Children};
-use super::{ExitListener, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Suspend};
+use super::{
+    ExitListener, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Spend, Suspend,
+};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, Saved, VmSpec};
@@ -320,7 +322,14 @@ impl Suspend for Vfkit {
         })
     }
 
-    fn resume(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    /// Its guest, paused in place, runs on once `spend` agrees; refused,
+    /// it stays paused, its vfkit holding it as before.
+    fn resume(
+        &self,
+        spec: &VmSpec,
+        deadline: Deadline,
+        spend: Spend<'_>,
+    ) -> Result<(), BoxFailure> {
         let vm_id = &spec.vm_id;
         let Some(pid) = self.alive(vm_id) else {
             return Err(VfkitError::NotRunning {
@@ -329,6 +338,7 @@ impl Suspend for Vfkit {
             .into());
         };
         let socket = self.socket_path(vm_id);
+        spend()?;
         if api::state(&socket, STATE_TIMEOUT).ok().as_deref() == Some(api::PAUSED) {
             api::change(&socket, "Resume", STATE_TIMEOUT).map_err(|source| VfkitError::State {
                 vm_id: vm_id.clone(),

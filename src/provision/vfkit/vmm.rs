@@ -57,6 +57,10 @@ impl supervise::Vmm for Vmm<'_> {
         api::state(&self.socket, STATE_TIMEOUT).is_ok_and(|s| s == api::RUNNING)
     }
 
+    fn says_paused(&self) -> bool {
+        api::state(&self.socket, STATE_TIMEOUT).is_ok_and(|s| s == api::PAUSED)
+    }
+
     fn powered_off(&self) -> bool {
         api::state(&self.socket, STATE_TIMEOUT).is_ok_and(|s| s == api::STOPPED)
     }
