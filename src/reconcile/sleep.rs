@@ -62,14 +62,19 @@ impl Core {
         };
         let was = (rec.asleep, rec.woken);
         let power = self.sleep_power(d, rec);
-        if power == Some(PowerState::Running)
+        let waking = power == Some(PowerState::Running)
             && lifecycle::state(rec, self.budget()) == State::Suspended
-            && self.sleepers.woken_at(&d.spec.vm_id).is_some()
-        {
+            && self.sleepers.woken_at(&d.spec.vm_id).is_some();
+        if waking {
             pass.narrator(rec, PowerState::Suspended, Phase::Ready)
                 .say("waking: traffic arrived for it");
         }
-        if (rec.asleep, rec.woken) != was {
+        // A wake's flags ride on its resume's own save, made beside the
+        // restore: one durable write fewer before the guest runs. A crash
+        // before that save forgets the wake, not the sleep: the record
+        // still says asleep, the next agent listens again, and the
+        // client's retransmit wakes the VM as the first frame did.
+        if (rec.asleep, rec.woken) != was && !waking {
             self.save_best_effort(rec);
             crate::crash::point("sleep.flags-saved");
         }
