@@ -330,6 +330,14 @@ fn main() -> Result<(), Error> {
         }
         Ok(())
     })();
+    // The last wake's resume is logged once its snapshot is discarded,
+    // after its guest answered: given a moment to land.
+    let until = Instant::now() + Duration::from_secs(5);
+    while logged(&daemon.log(), log_from, ": resumed in ").len() < wakes.len()
+        && Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let log = daemon.log();
     // The agent's log, kept where EITRI_BENCH_LOG says.
     if let Some(keep) = std::env::var_os("EITRI_BENCH_LOG") {
