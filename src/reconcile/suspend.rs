@@ -271,8 +271,9 @@ impl Core {
                 );
                 self.record_resumed(rec, d, pass);
             }
-            // Its guest never ran, and what was restored is gone: still
-            // suspended, its saved guest whole, tried again next pass.
+            // Its guest never ran (the backend runs it only once the save
+            // landed): still suspended, its saved guest whole, tried again
+            // next pass.
             (Err(why), Err(_)) => {
                 self.intent_failed(&rec, "resuming", PowerState::Suspended, &why, pass);
             }

@@ -106,8 +106,12 @@ pub(crate) fn a_suspended_vm_resumes_after_an_agent_restart_on(h: Host) {
     assert_eq!(h.engine().counts().cold_boots.get("interrupted"), 0);
 }
 
-/// The suspended VM's spec, as its record holds it.
-fn spec_of(h: &Host, vm: &str) -> eitri_agent::model::VmSpec {
+/// `vm` booted (its guest's marker seen once), then suspended; its spec,
+/// as its record holds it.
+fn booted_once_then_suspended(h: &Host, vm: &str) -> eitri_agent::model::VmSpec {
+    h.tick(&wanting(h, vm, PowerState::Running));
+    wait_until("the guest's marker", || boots_of(h, vm) == 1);
+    h.tick(&wanting(h, vm, PowerState::Suspended));
     h.store
         .get(&id(vm))
         .expect("read the record")
@@ -125,10 +129,7 @@ fn boots_of(h: &Host, vm: &str) -> usize {
 }
 
 pub(crate) fn a_restore_whose_resume_cannot_be_recorded_is_ended_before_its_guest_runs_on(h: Host) {
-    h.tick(&wanting(&h, "vm-1", PowerState::Running));
-    wait_until("the guest's marker", || boots_of(&h, "vm-1") == 1);
-    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
-    let spec = spec_of(&h, "vm-1");
+    let spec = booted_once_then_suspended(&h, "vm-1");
 
     let refused = Suspend::resume(&*h.backend, &spec, Deadline::after(PATIENCE), &|| {
         Err(eitri_agent::error::Simple::transient("the disk is full").into())
@@ -153,10 +154,7 @@ pub(crate) fn a_restore_whose_resume_cannot_be_recorded_is_ended_before_its_gues
 }
 
 pub(crate) fn a_restore_cut_short_before_its_resume_was_recorded_is_stopped_at_start_on(h: Host) {
-    h.tick(&wanting(&h, "vm-1", PowerState::Running));
-    wait_until("the guest's marker", || boots_of(&h, "vm-1") == 1);
-    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
-    let spec = spec_of(&h, "vm-1");
+    let spec = booted_once_then_suspended(&h, "vm-1");
     // The agent dies while the restored guest waits for its record: the
     // VMM lives on, paused, and the record still says suspended.
     let died = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
