@@ -139,7 +139,7 @@ impl PortRange {
     }
 
     /// `FIRST-LAST` (or one port), or empty for none.
-    pub fn parse(text: &str) -> Result<PortRange, String> {
+    pub fn parse(text: &str) -> Result<PortRange, PortRangeError> {
         let text = text.trim();
         if text.is_empty() {
             return Ok(PortRange::default());
@@ -150,11 +150,10 @@ impl PortRange {
                 .parse::<u16>()
                 .ok()
                 .filter(|p| *p > 0)
-                .ok_or_else(|| format!("{s:?} is not a port (1-65535)"))
+                .ok_or_else(|| PortRangeError::NotAPort(s.to_owned()))
         };
         let (first, last) = (port(first)?, port(last)?);
-        PortRange::new(first, last)
-            .ok_or_else(|| format!("{text:?}: the first port is past the last; write FIRST-LAST"))
+        PortRange::new(first, last).ok_or_else(|| PortRangeError::Backwards(text.to_owned()))
     }
 
     pub fn contains(&self, port: u16) -> bool {
@@ -166,6 +165,31 @@ impl PortRange {
         self.bounds.is_none()
     }
 }
+
+/// Why a `--publish-ports` value is no range of ports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PortRangeError {
+    /// One end is not a port from 1 to 65535.
+    NotAPort(String),
+    /// The first port is past the last.
+    Backwards(String),
+}
+
+impl fmt::Display for PortRangeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PortRangeError::NotAPort(s) => write!(f, "{s:?} is not a port (1-65535)"),
+            PortRangeError::Backwards(s) => {
+                write!(
+                    f,
+                    "{s:?}: the first port is past the last; write FIRST-LAST"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for PortRangeError {}
 
 impl fmt::Display for PortRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -227,8 +251,8 @@ mod tests {
         let backwards = PortRange::parse("30010-30000").expect_err("backwards");
         let zero = PortRange::parse("0-10").expect_err("zero");
 
-        assert!(backwards.contains("FIRST-LAST"), "{backwards}");
-        assert!(zero.contains("not a port"), "{zero}");
+        assert!(backwards.to_string().contains("FIRST-LAST"), "{backwards}");
+        assert!(zero.to_string().contains("not a port"), "{zero}");
     }
 
     #[test]

@@ -274,7 +274,8 @@ impl Core {
             // Its guest never ran (the backend runs it only once the save
             // landed): still suspended, its saved guest whole, tried again
             // next pass.
-            (Err(why), Err(_)) => {
+            (Err(e), Err(_)) => {
+                let why = chain(&*e);
                 self.intent_failed(&rec, "resuming", PowerState::Suspended, &why, pass);
             }
             (Ok(()), Err(e)) => {
@@ -295,13 +296,13 @@ impl Core {
         &self,
         rec: &Record,
         deadline: crate::deadline::Deadline,
-    ) -> (Result<(), String>, Result<(), BoxFailure>) {
+    ) -> (Result<(), BoxFailure>, Result<(), BoxFailure>) {
         let vm_id = &rec.spec.vm_id;
         let (landed, landing) = crossbeam_channel::bounded(1);
         // Moved in, so a second ask finds the channel closed and refuses.
         let save = move || {
-            let saved = self.store.save(rec).map_err(|e| chain(&e));
-            let _ = landed.send(saved.clone());
+            let saved = self.store.save(rec);
+            let _ = landed.send(saved.as_ref().map(|_| ()).map_err(|e| chain(e)));
             saved
         };
         let spend = || -> Result<(), BoxFailure> {
@@ -326,9 +327,12 @@ impl Core {
                 self.prov.resume(&rec.spec, deadline, &spend)
             })
         });
-        let saved = saved
-            .map_err(|why| format!("saving its resume's record panicked: {why}"))
-            .and_then(|saved| saved);
+        let saved = match saved {
+            Ok(saved) => saved.map_err(BoxFailure::from),
+            Err(why) => {
+                Err(Simple::transient(format!("saving its resume's record panicked: {why}")).into())
+            }
+        };
         (saved, resumed)
     }
 
