@@ -415,8 +415,8 @@ impl Core {
 }
 
 /// The error of a step run beside another that panicked: one attempt
-/// spent, the daemon untouched.
-fn panicked(what: &str, why: crate::threads::Panicked) -> BoxFailure {
+/// (or one resume) spent, the daemon untouched.
+pub(super) fn panicked(what: &str, why: crate::threads::Panicked) -> BoxFailure {
     Simple::transient(format!("{what} panicked: {why}")).into()
 }
 

@@ -290,7 +290,7 @@ impl Core {
     /// the resume's intent (`rec`) is saved, and runs the guest only once
     /// that save has landed (its `spend`). A restore spends nothing (the
     /// saved state is read, and the restored guest is held still), so it
-    /// need not wait for the disk; a guest that runs does, and does. The
+    /// need not wait for the disk; a guest that runs must, and does. The
     /// save's result, then the resume's.
     fn restore_while_saving(
         &self,
@@ -327,12 +327,9 @@ impl Core {
                 self.prov.resume(&rec.spec, deadline, &spend)
             })
         });
-        let saved = match saved {
-            Ok(saved) => saved.map_err(BoxFailure::from),
-            Err(why) => {
-                Err(Simple::transient(format!("saving its resume's record panicked: {why}")).into())
-            }
-        };
+        let saved = saved
+            .map_err(|why| super::create::panicked("saving its resume's record", why))
+            .and_then(|saved| saved.map_err(BoxFailure::from));
         (saved, resumed)
     }
 

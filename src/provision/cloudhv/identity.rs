@@ -108,8 +108,7 @@ impl CloudHypervisor {
                     "VM {vm_id}: stopping its hypervisor (pid {}): it restored the VM's snapshot, but the resume was never recorded, so its guest never ran; the snapshot is kept",
                     tracked.pid
                 );
-                self.stop_orphan(tracked, &self.socket_path(&vm_id));
-                let _ = self.end_leftovers(&vm_id, &|_| {});
+                self.end_restored(&vm_id, tracked);
                 notes.push(format!(
                     "stopped a hypervisor (pid {}) of VM {vm_id} whose resume a crash cut short before its guest ran; the VM is still suspended",
                     tracked.pid

@@ -413,7 +413,7 @@ impl CloudHypervisor {
 
     /// Ends a VMM that restored the VM's snapshot, and what it forked;
     /// the snapshot is left as it is.
-    fn end_restored(&self, vm_id: &Id, tracked: Tracked) {
+    pub(super) fn end_restored(&self, vm_id: &Id, tracked: Tracked) {
         supervise::ladder::kill(&self.vmm(vm_id, tracked));
         let _ = self.end_leftovers(vm_id, &|_| {});
     }

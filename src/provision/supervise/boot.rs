@@ -48,6 +48,15 @@ impl Awaited {
         }
     }
 
+    /// What a wait for it is, for a deadline that ran out.
+    fn waiting_for(self) -> &'static str {
+        match self {
+            Awaited::Running => "waiting for the VMM's API to say Running",
+            Awaited::Paused => "waiting for the VMM's API to say Paused",
+            Awaited::PausedOrRunning => "waiting for the VMM's API to say Paused or Running",
+        }
+    }
+
     fn said_by(self, vmm: &dyn Vmm) -> bool {
         match self {
             Awaited::Running => vmm.says_running(),
@@ -104,12 +113,7 @@ pub fn await_state(
                     vmm.noun()
                 );
                 return Err(DeadlineExpired {
-                    waiting_for: match awaited {
-                        Awaited::Running => "waiting for the VMM's API to say Running",
-                        Awaited::Paused | Awaited::PausedOrRunning => {
-                            "waiting for the VMM's API to say Paused"
-                        }
-                    },
+                    waiting_for: awaited.waiting_for(),
                 }
                 .into());
             }
