@@ -19,8 +19,9 @@
 //! 10. no snapshot is restored twice (the stand-in writes a nonce into
 //!     each snapshot and logs it at each restore);
 //! 11. every VM wanted suspended with wake on traffic is asleep (no VMM,
-//!     a whole snapshot) or awake (one VMM, no snapshot), while frames
-//!     sent to it wake it (guest networking is on, in the test's own
+//!     a whole snapshot) or awake (one VMM, no snapshot), or passing
+//!     between the two for no longer than a suspend or a wake takes, while
+//!     frames sent to it wake it (guest networking is on, in the test's own
 //!     network namespace).
 
 // Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
@@ -43,6 +44,12 @@ const CONVERGE: Duration = Duration::from_secs(30);
 /// agent's tick (200 ms), so a restarted agent that undoes what it found at
 /// its first tick is caught.
 const STEADY: Duration = Duration::from_millis(300);
+/// How long a sleeper may be seen passing between asleep and awake (its
+/// VMM alive beside a whole snapshot) before it counts as stuck there.
+/// Every idle suspend passes through that state (its snapshot is committed
+/// before its VMM stops), and so does every wake (the restored VMM runs
+/// before its snapshot is discarded); each lasts tens of milliseconds.
+const PASSING: Duration = Duration::from_secs(5);
 /// How much of the agents' log a violation carries.
 const LOG_LINES: usize = 60;
 
@@ -55,6 +62,10 @@ pub struct Summary {
     /// Random kills after which a VM's row said traffic had woken it
     /// (under that agent): the wakes the random phase reached.
     pub woken: usize,
+    /// Sleepers seen passing between asleep and awake while a host was
+    /// checked, and the longest such passing seen (see [`PASSING`]).
+    pub passings: usize,
+    pub passing_longest: Duration,
 }
 
 /// What a VM should be.
@@ -125,6 +136,9 @@ struct Host {
     /// Each volume's inode once it first converged: a volume made again
     /// is a volume lost (invariant 5).
     volume_inodes: BTreeMap<String, u64>,
+    /// How long each sleeper seen passing between asleep and awake was
+    /// seen so, once it had passed.
+    passings: Vec<Duration>,
 }
 
 impl Host {
@@ -146,6 +160,7 @@ impl Host {
             torn_reports: 0,
             started_ms: 0,
             volume_inodes: BTreeMap::new(),
+            passings: Vec::new(),
         }
     }
 
@@ -415,9 +430,12 @@ impl Host {
     }
 
     /// What is wrong with the host now against `d` (empty: converged and
-    /// every invariant holds but the temp-file one, checked after a stop).
-    fn problems(&self, d: &Desired) -> Vec<String> {
+    /// every invariant holds but the temp-file one, checked after a stop),
+    /// and the sleepers caught passing between asleep and awake (see
+    /// [`PASSING`]): not wrong unless they stay so.
+    fn problems(&self, d: &Desired) -> (Vec<String>, BTreeSet<String>) {
         let mut out = Vec::new();
+        let mut passing = BTreeSet::new();
         let vmms = self.vmms();
         let records = self.records();
         let report = self.report();
@@ -447,7 +465,7 @@ impl Host {
                     out.push(format!("{vm}: asleep with no whole snapshot"))
                 }
                 Want::Sleeping if live == 1 && snapshot => {
-                    out.push(format!("{vm}: awake with a snapshot left"))
+                    passing.insert(vm.clone());
                 }
                 Want::Running | Want::Stopped if snapshot => {
                     out.push(format!("{vm}: {want:?} with a snapshot left"))
@@ -543,22 +561,43 @@ impl Host {
                 }
             }
         }
-        out
+        (out, passing)
     }
 
     /// Waits for the host to converge on `d` and stay so for [`STEADY`];
     /// the time it took to converge, or the problems left at the bound, or
     /// those that appeared after it had converged (a host that flaps is
     /// not converged: a VMM killed and booted again, a row that changes).
+    /// A sleeper passing between asleep and awake is not a problem, but the
+    /// host is not called converged until it has passed, and one that stays
+    /// so past [`PASSING`] is.
     fn converge(&mut self, d: &Desired) -> Result<Duration, Vec<String>> {
         let start = Instant::now();
         let mut converged: Option<Duration> = None;
+        let mut passing_since: BTreeMap<String, Instant> = BTreeMap::new();
         loop {
             self.poll_report();
-            let problems = self.problems(d);
+            let (mut problems, passing) = self.problems(d);
+            passing_since.retain(|vm, since| {
+                let still = passing.contains(vm);
+                if !still {
+                    self.passings.push(since.elapsed());
+                }
+                still
+            });
+            for vm in passing {
+                passing_since.entry(vm).or_insert_with(Instant::now);
+            }
+            for (vm, since) in &passing_since {
+                if since.elapsed() > PASSING {
+                    problems.push(format!(
+                        "{vm}: awake with a snapshot left for over {PASSING:?}"
+                    ));
+                }
+            }
             match (problems.is_empty(), converged) {
                 (true, None) => converged = Some(start.elapsed()),
-                (true, Some(at)) if start.elapsed() - at >= STEADY => {
+                (true, Some(at)) if start.elapsed() - at >= STEADY && passing_since.is_empty() => {
                     for volume in d.volumes.keys() {
                         let path = self.state().join("volumes").join(volume);
                         if let Ok(meta) = std::fs::metadata(path) {
@@ -721,8 +760,16 @@ fn scenario(point: &str) -> (Desired, Desired) {
     }
 }
 
+/// What the runs measured, beside the violations.
+#[derive(Default)]
+struct Tally {
+    converge_s: Vec<f64>,
+    woken: usize,
+    passings: Vec<Duration>,
+}
+
 /// Runs one crash point; the problems found.
-fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
+fn run_point(point: &str, tally: &mut Tally) -> Vec<String> {
     let mut host = Host::new();
     let (first, then) = scenario(point);
     host.want(&first);
@@ -742,12 +789,13 @@ fn run_point(point: &str, converge_s: &mut Vec<f64>) -> Vec<String> {
     host.start(None);
     let mut problems: Vec<String> = match host.converge(&then) {
         Ok(took) => {
-            converge_s.push(took.as_secs_f64());
+            tally.converge_s.push(took.as_secs_f64());
             Vec::new()
         }
         Err(p) => p,
     };
     problems.extend(host.finish());
+    tally.passings.append(&mut host.passings);
     with_log(&host, problems)
         .into_iter()
         .map(|p| format!("{point}: {p}"))
@@ -805,7 +853,7 @@ fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
 }
 
 /// `n` kills at random moments of random traffic; the problems found.
-fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>, woken: &mut usize) -> Vec<String> {
+fn random_kills(n: usize, seed: u64, tally: &mut Tally) -> Vec<String> {
     let mut rng = XorShift::from_seed(seed);
     let mut host = Host::new();
     let mut problems = Vec::new();
@@ -826,7 +874,7 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>, woken: &mut usiz
         host.start(None);
         match host.converge(&desired) {
             Ok(took) => {
-                converge_s.push(took.as_secs_f64());
+                tally.converge_s.push(took.as_secs_f64());
                 // Frames for this agent's sleepers, once they sleep (one
                 // woken before runs its idle second first, and the idle watch
                 // reads once a second): the next kill
@@ -842,7 +890,7 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>, woken: &mut usiz
                     .iter()
                     .any(|r| r["last_wake"].as_str().is_some_and(|w| !w.is_empty()))
                 {
-                    *woken += 1;
+                    tally.woken += 1;
                 }
             }
             Err(p) => {
@@ -857,12 +905,13 @@ fn random_kills(n: usize, seed: u64, converge_s: &mut Vec<f64>, woken: &mut usiz
         }
     }
     problems.extend(host.finish());
+    tally.passings.append(&mut host.passings);
     with_log(&host, problems)
 }
 
 /// Every crash point, then `kills` random kills.
 pub fn run(kills: usize) -> Summary {
-    let mut converge_s = Vec::new();
+    let mut tally = Tally::default();
     let mut violations = Vec::new();
     // `EITRI_CHAOS_POINT` runs only the points it names (comma-separated):
     // for chasing one violation.
@@ -876,23 +925,19 @@ pub fn run(kills: usize) -> Summary {
         })
         .collect();
     for point in &chosen {
-        violations.extend(run_point(point, &mut converge_s));
+        violations.extend(run_point(point, &mut tally));
     }
-    let mut woken = 0;
-    violations.extend(random_kills(
-        kills,
-        0x000c_4a05,
-        &mut converge_s,
-        &mut woken,
-    ));
-    converge_s.sort_by(f64::total_cmp);
+    violations.extend(random_kills(kills, 0x000c_4a05, &mut tally));
+    tally.converge_s.sort_by(f64::total_cmp);
     Summary {
         points: eitri_agent::crash::POINTS.len(),
         point_runs: chosen.len(),
         random_kills: kills,
         violations,
-        converge_s,
-        woken,
+        converge_s: tally.converge_s,
+        woken: tally.woken,
+        passings: tally.passings.len(),
+        passing_longest: tally.passings.into_iter().max().unwrap_or_default(),
     }
 }
 
@@ -906,11 +951,13 @@ impl Summary {
             self.converge_s[i]
         };
         format!(
-            "bench=chaos points={} point_runs={} random_kills={} woken={} violations={} converge_s_p50={:.3} converge_s_p99={:.3}",
+            "bench=chaos points={} point_runs={} random_kills={} woken={} passings={} passing_ms_max={} violations={} converge_s_p50={:.3} converge_s_p99={:.3}",
             self.points,
             self.point_runs,
             self.random_kills,
             self.woken,
+            self.passings,
+            self.passing_longest.as_millis(),
             self.violations.len(),
             pct(0.5),
             pct(0.99)
