@@ -149,7 +149,7 @@ pub fn point(name: &'static str) {
 pub fn point(_name: &'static str) {}
 
 /// A crash point named where a step is asked for and hit where the step
-/// is done: the pass protocol (`Core::intend`) hits the one its caller
+/// is done: the pass protocol (`Context::intend`) hits the one its caller
 /// names once the intent is saved. Named with [`at`] and a literal name,
 /// so every crash point is found in the source where it is named, by a
 /// call of [`point`] or of [`at`].

@@ -25,7 +25,7 @@
 //! | 2 | [`provision`] | the hypervisor seam: the shared [`supervise`](provision::supervise) layer, and the `cloudhv` and [`vfkit`](provision::vfkit) backends |
 //! | 2 | [`net`] | the underlay: addresses, the port guard, DHCP, the second NIC's snooper |
 //! | 2 | [`image`], [`seed`], [`disk`], [`hostkey`] | the artifacts of a create: base images, the NoCloud seed, root disks, guest host keys |
-//! | 3 | [`reconcile`] | the engine: `Engine::step` routes a snapshot to one worker thread per VM and collects their rows |
+//! | 3 | [`reconcile`] | the engine: `Engine::step` routes a snapshot to one worker thread per VM and collects their rows; a VM's pass is the spine's numbered steps (`reconcile/step.rs`), each verb a file of its own |
 //! | 4 | [`source`], [`config`], [`status`], [`console`] | desired state in, flags in, the report file and its rendering, a VM's console |
 //! | 5 | [`daemon`] | the main loop, and the one place the real parts are wired |
 //! | 6 | [`cli`], `testkit` | the subcommands `main` dispatches to; the fakes of every seam (built only with the `testkit` feature) |
@@ -45,6 +45,9 @@
 //! | `image-hash` | hashes a download's blocks beside it, joined by it | nothing |
 //! | `reserve-<id>`, `lease-<id>` | a create's host share (address, VMM id) beside its attempt's save: durable writes made at once share journal commits; joined by the pass | the save |
 //! | `seed-<id>`, `record-<id>` | a create's seed and its record's fsync, beside its root disk; joined by the pass | the disk |
+//! | `sync-<id>` | makes a create's root disk and seed durable while its VMM boots; joined by the pass | the disk |
+//! | `intent-<id>` | saves a resume's record while its guest is restored, held paused; joined by the pass | the disk |
+//! | `sleepers` | polls sleeping VMs' NICs for the frame that wakes them, and running ones' frame counters for idleness | the kernel |
 //! | `vmm-record` | records a VMM held before its exec (its pidfile) while it enters its jail; joined by the start | the disk |
 //! | `netns-spare` | makes network namespaces ahead, one per VMM to come | nothing (two kept ready) |
 //! | `plug-<id>` | joins a new VM's taps to the host's networks while its VMM starts, joined by the boot | netlink, `nft` |

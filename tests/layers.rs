@@ -15,7 +15,15 @@
 //!
 //! And folders that must never name another: the VMM jail
 //! (`provision/jail`) knows no hypervisor backend, so a second Linux
-//! hypervisor takes it whole.
+//! hypervisor takes it whole; the engine (`reconcile`) reads no frame of a
+//! guest's (no packet socket: who woke a VM is the backend's to tell).
+//!
+//! And files of one folder that must never import one another: the
+//! engine's verbs (create, converge, suspension, reap) never import each
+//! other (each returns what should happen next, and only the spine,
+//! `reconcile/step.rs`, knows them all), and the pass context
+//! (`reconcile/context.rs`, `reconcile/pass.rs`) imports no verb, no
+//! concern (sleepers, probes, holds) and not the spine.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -56,7 +64,52 @@ const LAYERS: &[(&str, u8)] = &[
 ];
 
 /// Folders whose code must never name the modules listed.
-const NEVERS: &[(&str, &[&str])] = &[("provision/jail", &["cloudhv", "vfkit"])];
+const NEVERS: &[(&str, &[&str])] = &[
+    ("provision/jail", &["cloudhv", "vfkit"]),
+    ("reconcile", &["packet"]),
+];
+
+/// The engine's verbs.
+const VERBS: &[&str] = &[
+    "reconcile/create",
+    "reconcile/converge",
+    "reconcile/suspension",
+    "reconcile/reap",
+];
+
+/// Members of a folder that must never import the siblings listed (by
+/// `super::` or by the folder's full path), as [`sibling_edges`] reads
+/// them.
+fn sibling_nevers() -> Vec<(&'static str, Vec<&'static str>)> {
+    let mut out: Vec<(&str, Vec<&str>)> = VERBS.iter().map(|v| (*v, VERBS.to_vec())).collect();
+    let context_may_not: Vec<&str> = VERBS
+        .iter()
+        .copied()
+        .chain([
+            "reconcile/sleepers",
+            "reconcile/probes",
+            "reconcile/holds",
+            "reconcile/step",
+        ])
+        .collect();
+    out.push(("reconcile/context", context_may_not.clone()));
+    out.push(("reconcile/pass", context_may_not));
+    out
+}
+
+/// Each sibling import [`sibling_nevers`] forbids: "reconcile/create
+/// imports reconcile/converge".
+fn sibling_nevers_broken(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    let mut out = Vec::new();
+    for (member, never) in sibling_nevers() {
+        for to in edges.get(member).into_iter().flatten() {
+            if to != member && never.contains(&to.as_str()) {
+                out.push(format!("{member} imports {to}"));
+            }
+        }
+    }
+    out
+}
 
 /// Each file under a `NEVERS` folder that names, in code, a module it must
 /// not: "provision/jail/fork.rs names cloudhv".
@@ -345,7 +398,45 @@ fn a_files_unit_tests_are_not_its_imports() {
 }
 
 #[test]
-fn the_jail_names_no_hypervisor_backend() {
+fn no_verb_imports_another_and_the_pass_context_imports_no_verb_or_concern() {
+    let edges = sibling_edges();
+    assert!(
+        edges.contains_key("reconcile/step") && edges.contains_key("reconcile/create"),
+        "the engine's files were not read"
+    );
+
+    let found = sibling_nevers_broken(&edges);
+
+    assert!(found.is_empty(), "{}", found.join("\n"));
+}
+
+#[test]
+fn the_sibling_never_check_catches_a_verb_importing_a_verb() {
+    let edges: BTreeMap<String, BTreeSet<String>> = [
+        (
+            "reconcile/create",
+            &["reconcile/suspension", "reconcile/context"][..],
+        ),
+        ("reconcile/context", &["reconcile/counts"][..]),
+        ("reconcile/pass", &["reconcile/probes"][..]),
+    ]
+    .into_iter()
+    .map(|(m, ts)| (m.to_owned(), ts.iter().map(|t| t.to_string()).collect()))
+    .collect();
+
+    let found = sibling_nevers_broken(&edges);
+
+    assert_eq!(
+        found,
+        [
+            "reconcile/create imports reconcile/suspension",
+            "reconcile/pass imports reconcile/probes"
+        ]
+    );
+}
+
+#[test]
+fn the_jail_names_no_hypervisor_backend_and_the_engine_no_packet_socket() {
     let sources: Vec<_> = eitri_agent::testkit::sources::rust_sources()
         .into_iter()
         .map(|s| (s.relative, s.text))
@@ -359,7 +450,7 @@ fn the_jail_names_no_hypervisor_backend() {
 
     assert!(
         found.is_empty(),
-        "the jail knows a backend:\n{}",
+        "a folder names what it must not:\n{}",
         found.join("\n")
     );
 }

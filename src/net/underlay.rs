@@ -214,7 +214,7 @@ impl Underlay {
         netlink(false)
     }
 
-    /// Whether the tap `tap` of a sleeping VM (see `reconcile::sleep`) is
+    /// Whether the tap `tap` of a sleeping VM (see `reconcile::sleepers`) is
     /// passed only what is for its guest: frames to its MAC and ARP for
     /// its address. Flooded frames (broadcasts, multicast, unicast to a
     /// MAC the bridge has not learned) would wake it for nothing.

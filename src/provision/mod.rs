@@ -49,11 +49,12 @@ pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
 /// What every backend does: a VM's whole life on this host, from its
 /// root disk to its destruction, and what the engine observes of it. What
 /// only some backends can do is a capability of its own ([`Suspend`],
-/// [`Holds`], [`HostChecks`]), reached through [`Lifecycle::suspender`],
-/// [`Lifecycle::holds`] and [`Lifecycle::host_checks`]: "this backend
+/// [`Holds`], [`HostChecks`], [`Wake`]), reached through
+/// [`Lifecycle::suspender`], [`Lifecycle::holds`],
+/// [`Lifecycle::host_checks`] and [`Lifecycle::waker`]: "this backend
 /// cannot suspend" is a `None`, and a new capability widens no backend
-/// that lacks it. The engine asks through `impl dyn Lifecycle`, which
-/// answers for a missing capability.
+/// that lacks it. The engine asks for a capability once where it needs
+/// it, and says itself what a backend without it does.
 pub trait Lifecycle: Send + Sync {
     /// Whether this backend can run a guest on this host at all.
     fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure>;
@@ -197,8 +198,24 @@ pub struct Listening {
     /// Readable once a frame for the guest waits on its NIC: polled, never
     /// read (the frames are the guest's).
     pub ready: Vec<std::os::fd::OwnedFd>,
-    /// The NIC a copy of the waking frame is seen on, to say who woke it.
-    pub nic: Option<String>,
+    /// What tells who sent the frames that woke it; `None` where the
+    /// backend cannot tell.
+    pub witness: Option<Box<dyn Witness>>,
+}
+
+/// Who woke a sleeping VM, as its backend sees the frames sent to its
+/// guest: a copy of their heads, never the frames themselves (those wait
+/// for the guest). Polled by the engine's sleepers' thread from the wake
+/// on, for a moment.
+pub trait Witness: Send + Sync {
+    /// Readable when a frame waits to be told.
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_>;
+
+    /// The frames waiting now, first the first, each in words (`tcp from
+    /// 10.0.0.5:41234 to port 22`, `arp from 10.0.0.5`), without waiting;
+    /// a frame it has no words for is passed over. Bounded: a flood of
+    /// frames costs one call a bounded number of reads.
+    fn heard(&self) -> Vec<String>;
 }
 
 /// Suspending a VM to its saved state and resuming it: a capability of
@@ -288,107 +305,6 @@ pub trait HostChecks: Send + Sync {
     /// [`Failure`](crate::error::Failure)), for `status`: `None` when it
     /// can run guests. Cheap and bounded: asked with every report.
     fn host_condition(&self) -> Option<String>;
-}
-
-/// What the engine asks of any backend, whatever it can: each capability
-/// it lacks answers as a backend without it must (cannot suspend, holds
-/// nothing, knows of no host condition).
-impl dyn Lifecycle + '_ {
-    pub fn suspend(
-        &self,
-        vm_id: &Id,
-        deadline: Deadline,
-        say: Say<'_>,
-    ) -> Result<Saved, BoxFailure> {
-        match self.suspender() {
-            Some(s) => s.suspend(vm_id, deadline, say),
-            None => Err(crate::error::Simple::permanent(format!(
-                "VM {vm_id}: this host's hypervisor backend cannot suspend a VM"
-            ))
-            .into()),
-        }
-    }
-
-    pub fn resume(
-        &self,
-        spec: &VmSpec,
-        deadline: Deadline,
-        spend: Spend<'_>,
-    ) -> Result<(), BoxFailure> {
-        match self.suspender() {
-            Some(s) => s.resume(spec, deadline, spend),
-            None => Err(crate::error::Simple::permanent(format!(
-                "VM {}: this host's hypervisor backend cannot resume a VM",
-                spec.vm_id
-            ))
-            .into()),
-        }
-    }
-
-    pub fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
-        self.suspender().map_or(Ok(()), |s| s.resumable(spec))
-    }
-
-    pub fn suspension(&self, vm_id: &Id) -> Option<SavedGuest> {
-        self.suspender()?.suspension(vm_id)
-    }
-
-    pub fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
-        self.suspender()
-            .map_or(Ok(()), |s| s.discard_suspension(vm_id, deadline))
-    }
-
-    /// An open egress needs no holding; any other is refused, as a host
-    /// condition, by a backend that cannot hold it.
-    pub fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
-        match self.holds() {
-            Some(h) => h.set_egress(vm_id, egress),
-            None if egress.is_open() => Ok(()),
-            None => Err(crate::error::Simple::host(
-                "this host's hypervisor backend cannot hold a VM's own egress rules",
-            )
-            .into()),
-        }
-    }
-
-    /// No port to publish needs holding; any is refused, as a host
-    /// condition, by a backend that cannot hold it.
-    pub fn set_published(
-        &self,
-        vm_id: &Id,
-        wanted: &[crate::model::Publish],
-    ) -> Result<(), BoxFailure> {
-        match self.holds() {
-            Some(h) => h.set_published(vm_id, wanted),
-            None if wanted.is_empty() => Ok(()),
-            None => Err(crate::error::Simple::host(
-                "this host's hypervisor backend cannot publish a VM's ports",
-            )
-            .into()),
-        }
-    }
-
-    pub fn published(&self, vm_id: &Id) -> Vec<crate::model::Publish> {
-        self.holds().map(|h| h.published(vm_id)).unwrap_or_default()
-    }
-
-    /// See [`Holds::network_served`]; a backend that holds nothing serves
-    /// no network to lose.
-    pub fn network_served(&self, vm_id: &Id) -> Result<(), BoxFailure> {
-        self.holds().map_or(Ok(()), |h| h.network_served(vm_id))
-    }
-
-    pub fn egress_in_force(&self, vm_id: &Id) -> Option<crate::model::Egress> {
-        self.holds()?.egress_in_force(vm_id)
-    }
-
-    pub fn limits_in_force(&self, spec: &VmSpec) -> Option<crate::model::VmLimits> {
-        self.holds()?.limits_in_force(spec)
-    }
-
-    pub fn host_condition(&self) -> Option<String> {
-        self.host_checks()?.host_condition()
-    }
 }
 
 /// A suspended guest's saved state as the backend finds it.
@@ -630,86 +546,4 @@ pub fn for_host(
             leases: vfkit::leases::LEASE_FILE.into(),
         },
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::Egress;
-
-    /// A backend with no capability but its lifecycle: nothing it is asked
-    /// touches a host.
-    struct Plain;
-
-    impl Lifecycle for Plain {
-        fn preflight(&self, _: Deadline) -> Result<(), BoxFailure> {
-            Ok(())
-        }
-        fn prepare_root_disk(
-            &self,
-            _: &VmSpec,
-            _: &Path,
-            _: Deadline,
-        ) -> Result<crate::state::atomic::Pending, BoxFailure> {
-            Ok(crate::state::atomic::Pending::none())
-        }
-        fn boot(&self, _: &VmSpec, _: Deadline) -> Result<(), BoxFailure> {
-            Ok(())
-        }
-        fn shutdown(&self, _: &Id, _: Deadline, _: Say<'_>) -> Result<(), BoxFailure> {
-            Ok(())
-        }
-        fn destroy(&self, _: &Id, _: Deadline) -> Result<(), BoxFailure> {
-            Ok(())
-        }
-        fn running(&self, _: &Id) -> bool {
-            true
-        }
-        fn failure_reason(&self, _: &Id) -> Option<String> {
-            None
-        }
-        fn address(&self, _: &Id) -> Option<Ipv4Addr> {
-            None
-        }
-        fn network_address(&self, _: &Id) -> Option<Ipv4Addr> {
-            None
-        }
-    }
-
-    fn vm() -> Id {
-        Id::parse("vm-1").expect("id")
-    }
-
-    #[test]
-    fn a_backend_that_cannot_suspend_refuses_for_good_and_holds_no_saved_guest() {
-        let backend: &dyn Lifecycle = &Plain;
-
-        let refused = backend
-            .suspend(&vm(), Deadline::NONE, &|_| {})
-            .expect_err("cannot suspend");
-
-        assert!(refused.is_permanent());
-        assert_eq!(
-            refused.to_string(),
-            "VM vm-1: this host's hypervisor backend cannot suspend a VM"
-        );
-        assert_eq!(backend.suspension(&vm()), None);
-        assert!(backend.discard_suspension(&vm(), Deadline::NONE).is_ok());
-    }
-
-    #[test]
-    fn a_backend_that_holds_nothing_takes_an_open_egress_and_refuses_any_other_as_the_hosts() {
-        let backend: &dyn Lifecycle = &Plain;
-        let closed = Egress {
-            deny: vec![crate::model::Cidr::parse("0.0.0.0/0").expect("cidr")],
-            allow: Vec::new(),
-        };
-
-        let open = backend.set_egress(&vm(), &Egress::default());
-        let refused = backend.set_egress(&vm(), &closed).expect_err("refused");
-
-        assert!(open.is_ok());
-        assert!(refused.is_host_condition());
-        assert_eq!(backend.egress_in_force(&vm()), None);
-    }
 }

@@ -18,12 +18,14 @@
 //!    durable beside the root disk, before the VMM starts
 //!    (`Store::save_visible`), so a host that crashes booting the VM finds
 //!    the attempt counted too. Beside the save, the VM's address and VMM
-//!    id are taken (`Core::count_attempt` says why that is no side effect
-//!    the count must precede), their tables' names made durable with the
-//!    record's.
+//!    id are taken (`Create::count_attempt` says why that is no side
+//!    effect the count must precede), their tables' names made durable
+//!    with the record's.
 //! 5. Preflight, a create slot (bounded by the deadline), the image, the root
 //!    disk, the seed, and (when desired running) the volumes check and boot.
-//! 6. Success writes the boot id, the create's completion witness.
+//! 6. Success writes the boot id, the create's completion witness; the
+//!    row is said before the record follows (the spine's
+//!    [`Next::Announce`]), and a VM wanted suspended is suspended next.
 //!
 //! A failure before the deadline spends the attempt; a permanent one spends
 //! the whole budget; a failure after the deadline refunds the attempt (the
@@ -31,42 +33,113 @@
 //! over permanence: the next pass, with a fresh deadline, meets the
 //! permanent error again and ends it properly.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::admission::CreateSlots;
+use super::context::{Context, panicked};
 use super::lifecycle::{self, Attempts, State};
-use super::pass::{CREATE_STAGE, Core, Narrator, Pass, VmResult, Waiting};
-use super::seams::{HostKey, Progress, SeedParams};
+use super::pass::{CREATE_STAGE, Narrator, Next, Pass, VmResult};
+use super::seams::{HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams};
 use super::volumes;
 use crate::deadline::Deadline;
 use crate::error::{BoxFailure, Simple, chain};
-use crate::model::{DesiredVm, Mac, Phase, PowerState};
+use crate::model::{DesiredVm, Id, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
 use crate::state::atomic::Pending;
 use crate::state::{Record, Unsynced};
 
-impl Core {
+/// What only a create uses: where its image, seed and host key come from,
+/// the slots that bound creates at once, and the creates that wait for
+/// the host.
+pub(crate) struct Create {
+    pub images: Arc<dyn Images>,
+    pub seed: Arc<dyn SeedBuilder>,
+    pub host_keys: Arc<dyn HostKeys>,
+    pub slots: CreateSlots,
+    /// The VMs whose create waits for the host to be fixed (a full
+    /// filesystem, an image server out of reach, what the backend lacks),
+    /// with what the row of each says: the host's condition while any waits.
+    waiting: parking_lot::Mutex<BTreeMap<Id, Waiting>>,
+}
+
+/// A VM whose create waits for the host to be fixed.
+#[derive(Clone, Debug)]
+struct Waiting {
+    /// What its row says.
+    said: String,
+    /// For a full filesystem: how many bytes it had free when the create
+    /// met it, and when. The create is tried again only once there is
+    /// more room, or a while later (a quota, which the free bytes do not
+    /// show, may have been raised): an attempt on an unchanged full disk
+    /// would only fail again, and write its record twice doing so.
+    full: Option<(u64, std::time::SystemTime)>,
+}
+
+impl Create {
+    pub(crate) fn new(
+        images: Arc<dyn Images>,
+        seed: Arc<dyn SeedBuilder>,
+        host_keys: Arc<dyn HostKeys>,
+        slots: CreateSlots,
+    ) -> Create {
+        Create {
+            images,
+            seed,
+            host_keys,
+            slots,
+            waiting: parking_lot::Mutex::default(),
+        }
+    }
+
+    /// What the host lacks for the creates that wait for it, as the
+    /// host's status says it: the first VM's, and how many more wait.
+    pub(crate) fn host_condition(&self) -> Option<String> {
+        let waiting = self.waiting.lock();
+        let (vm_id, Waiting { said, .. }) = waiting.first_key_value()?;
+        let others = match waiting.len() - 1 {
+            0 => String::new(),
+            n => format!(" (and {n} more VMs wait)"),
+        };
+        Some(format!("VM {vm_id} cannot be created: {said}{others}"))
+    }
+
+    /// The VM is gone: its create waits for nothing.
+    pub(crate) fn forget(&self, vm_id: &Id) {
+        self.waiting.lock().remove(vm_id);
+    }
+
     /// One create pass for `d` (the steps in the module's header), each
     /// stage a function below.
-    pub(crate) fn create(&self, d: &DesiredVm, prior: Option<&Record>, pass: &mut Pass<'_>) {
+    pub(crate) fn run(
+        &self,
+        ctx: &Context,
+        d: &DesiredVm,
+        prior: Option<&Record>,
+        pass: &mut Pass<'_>,
+    ) -> Next {
         let vm_id = &d.spec.vm_id;
-        let now = self.host.now();
+        let now = ctx.host.now();
         let mut rec = wanted_record(d, prior);
         // A hypervisor of this VM already running, provably its own (left
         // by a crash between its start and the record saying so, or a
         // record deleted under it): the create happened; it is recorded as
         // done, no attempt spent, no disk touched, never started twice. The
         // backend says so; the engine never guesses.
-        if self.prov.adopt(vm_id) {
-            rec.created(self.host.boot_id(), true);
-            self.save_best_effort(&rec);
+        if ctx.backend.adopt(vm_id) {
+            rec.created(ctx.host.boot_id(), true);
+            ctx.save_best_effort(&rec);
             log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
-            return self.report_recorded(pass.res, &rec, PowerState::Running);
+            ctx.report_recorded(pass.res, &rec, PowerState::Running);
+            return Next::Done;
         }
-        if !self.attempt_due(&mut rec, now) || self.still_full(vm_id, now) {
-            return self.report_recorded(pass.res, &rec, PowerState::Stopped);
+        if !attempt_due(ctx, &mut rec, now) || self.still_full(ctx, vm_id, now) {
+            ctx.report_recorded(pass.res, &rec, PowerState::Stopped);
+            return Next::Done;
         }
         let mut attempt = Attempt {
-            core: self,
+            ctx,
+            create: self,
             deadline: pass.deadline,
             counted: false,
             waited: rec
@@ -74,22 +147,22 @@ impl Core {
                 .waiting_for_host()
                 .then(|| rec.lifecycle.last_error().to_owned()),
         };
-        let host_key = match self.host_key(d, &mut rec, pass.res) {
+        let host_key = match self.host_key(ctx, d, &mut rec, pass.res) {
             Ok(HostKeyStage::Go(key)) => key,
-            Ok(HostKeyStage::AwaitingCertificate) => return,
+            Ok(HostKeyStage::AwaitingCertificate) => return Next::Done,
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
         // A refusal is no attempt and no record of one: reported failed,
         // as the reference does, and retried at the next tick.
-        if let Err(why) = timed("admission", || self.ledger.admit(&rec.spec)) {
+        if let Err(why) = timed("admission", || ctx.ledger.admit(&rec.spec)) {
             let why = why.to_string();
-            return pass
-                .res
+            pass.res
                 .report(&rec, Some(PowerState::Stopped), Phase::Failed, why);
+            return Next::Done;
         }
         // Whether this host can run a guest at all, before an attempt is
         // counted: what the host lacks spends none (see `Attempt::fail`).
-        let preflight = timed("preflight", || self.prov.preflight(pass.deadline));
+        let preflight = timed("preflight", || ctx.backend.preflight(pass.deadline));
         if let Err(e) = &preflight
             && e.is_host_condition()
         {
@@ -102,117 +175,40 @@ impl Core {
         // A VM wanted suspended is booted, then suspended: a guest that
         // never ran has no state to save.
         let boots = d.power != PowerState::Stopped;
-        let (unsynced, reserved) = self.count_attempt(&rec, boots && preflight.is_ok());
+        let (unsynced, reserved) = count_attempt(ctx, &rec, boots && preflight.is_ok());
         let unsynced = match unsynced {
             Ok(unsynced) => unsynced,
             Err(e) => return attempt.fail(before, e, pass.res),
         };
         attempt.counted = true;
-        self.counts.create_attempts.inc();
+        ctx.counts.create_attempts.inc();
         crate::crash::point("create.attempt-saved");
 
         let narrator = pass.narrator(&rec, PowerState::Stopped, Phase::Creating);
         let built = preflight.and(reserved).and_then(|reserved| {
             let names = NotYetDurable { unsynced, reserved };
-            self.build(d, &mut rec, host_key, names, pass.deadline, &narrator)
+            self.build(ctx, d, &mut rec, host_key, names, &narrator)
         });
         let boots = match built {
             Ok(boots) => boots,
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
-        rec.created(self.host.boot_id(), boots);
-        self.creates.waiting.lock().remove(vm_id);
-        self.counts.lost.touch(vm_id.as_str());
+        rec.created(ctx.host.boot_id(), boots);
+        self.forget(vm_id);
+        ctx.counts.lost.touch(vm_id.as_str());
         pass.res
             .report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
-        // What the host has is said before the record follows it: the VMM
-        // runs whether or not the save below lands, and a crash before it
-        // is adopted as this create's (step 0), never started twice.
-        self.say_started(d, pass);
-        self.save_best_effort(&rec);
-        crate::crash::point("create.booted-saved");
-        self.forget_logs(vm_id);
-        if d.power == PowerState::Suspended {
-            self.suspend(rec, pass);
-        }
-    }
-
-    /// Saves the attempt (step 4) and, for a VM about to boot, takes the
-    /// host's share of it ([`Lifecycle::reserve`]: its address and its
-    /// VMM's id), at once: two durable writes made together wait for one
-    /// journal commit, where one after the other they were two waits on
-    /// the way to the VMM (`make bench-create`, the `record save` and
-    /// `reserve` stages). The record is in place and its bytes durable
-    /// when this returns, and so are the share's tables'; their names are
-    /// made durable beside the root disk (see [`Core::prepare`]): one
-    /// fsync wait before the VMM with nothing beside it.
-    ///
-    /// The share is bookkeeping of the agent's own, which touches neither
-    /// the guest nor the host's devices, so taking it beside the save
-    /// breaks no "counted before any side effect": a crash between the
-    /// two leaves a share held by a VM with no record, which the next
-    /// agent gives back at its start (the backend's `recover`), and the
-    /// create that runs again takes it again (the leases are sticky).
-    ///
-    /// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
-    fn count_attempt(
-        &self,
-        rec: &Record,
-        reserve: bool,
-    ) -> (Result<Unsynced, BoxFailure>, Result<Pending, BoxFailure>) {
-        let vm_id = &rec.spec.vm_id;
-        let take = || {
-            if reserve {
-                timed("reserve", || self.prov.reserve(&rec.spec))
-                    .inspect(|_| crate::crash::point("create.reserved"))
-            } else {
-                Ok(Pending::none())
-            }
-        };
-        let (reserved, saved) =
-            crate::threads::alongside(&format!("reserve-{vm_id}"), take, || {
-                self.store.save_visible(rec)
-            });
-        let reserved = reserved
-            .map_err(|why| panicked("reserving the host's share", why))
-            .and_then(|reserved| reserved);
-        (saved.map_err(BoxFailure::from), reserved)
-    }
-
-    /// Whether the lifecycle says an attempt is due now (step 1): a budget
-    /// spent on errors that may pass is re-armed once its time has come.
-    fn attempt_due(&self, rec: &mut Record, now: std::time::SystemTime) -> bool {
-        match lifecycle::state(rec, self.budget()) {
-            State::Creating(Attempts::Open { due: None } | Attempts::WaitingForHost) => true,
-            State::Creating(Attempts::Open { due: Some(due) }) => due <= now,
-            State::Creating(Attempts::Spent { rearm_at }) if rearm_at <= now => {
-                log::info!(
-                    "VM {}: its create budget, spent on errors that may pass, is re-armed",
-                    rec.spec.vm_id
-                );
-                rec.rearm();
-                true
-            }
-            // Not yet: the record says why and when.
-            State::Creating(Attempts::Spent { .. } | Attempts::Permanent)
-            | State::Up
-            | State::Down
-            | State::Suspending
-            | State::Suspended
-            | State::Resuming
-            | State::Quarantined { .. } => false,
-        }
+        Next::Announce(rec, Some(crate::crash::at("create.booted-saved")))
     }
 
     /// Whether the VM waits for room on a filesystem that has no more of
     /// it than when its create last met it full (and not for long: see
-    /// [`Waiting::full`](super::pass::Waiting)).
-    fn still_full(&self, vm_id: &crate::model::Id, now: std::time::SystemTime) -> bool {
-        let Some((free, since)) = self.creates.waiting.lock().get(vm_id).and_then(|w| w.full)
-        else {
+    /// [`Waiting::full`]).
+    fn still_full(&self, ctx: &Context, vm_id: &Id, now: std::time::SystemTime) -> bool {
+        let Some((free, since)) = self.waiting.lock().get(vm_id).and_then(|w| w.full) else {
             return false;
         };
-        let grown = crate::state::Room::at(self.store.root())
+        let grown = crate::state::Room::at(ctx.store.root())
             .is_none_or(|room| room.free > free.saturating_add(ROOM_GROWN));
         !grown && now < since + ROOM_RECHECK
     }
@@ -223,6 +219,7 @@ impl Core {
     /// state.
     fn host_key(
         &self,
+        ctx: &Context,
         d: &DesiredVm,
         rec: &mut Record,
         res: &mut VmResult,
@@ -231,9 +228,8 @@ impl Core {
             return Ok(HostKeyStage::Go(None));
         }
         let key = timed("host key", || {
-            self.creates
-                .host_keys
-                .load_or_create(&self.store.layout().host_key(&d.spec.vm_id))
+            self.host_keys
+                .load_or_create(&ctx.store.layout().host_key(&d.spec.vm_id))
         })?;
         let awaiting = d.ssh_host_cert.is_empty();
         if rec.host_pubkey != key.public_line {
@@ -242,7 +238,7 @@ impl Core {
             // certificate; otherwise the attempt's own save, before any
             // side effect, carries it (one fsync pair fewer per create).
             if awaiting {
-                self.store.save(rec)?;
+                ctx.store.save(rec)?;
             }
         }
         res.host_pubkey = rec.host_pubkey.clone();
@@ -263,20 +259,21 @@ impl Core {
     /// volumes and its boot. Whether it booted.
     fn build(
         &self,
+        ctx: &Context,
         d: &DesiredVm,
         rec: &mut Record,
         host_key: Option<HostKey>,
         attempt: NotYetDurable,
-        deadline: Deadline,
         narrator: &Narrator,
     ) -> Result<bool, BoxFailure> {
+        let deadline = narrator.deadline();
         // Bounds how much create concurrency reaches the disk: N parallel
         // creates are N downloads and N multi-GB copies on one device, which
         // can starve the state dir and fill the disk with temporaries. A
         // queued VM says so and waits, at most until its deadline, and a
         // deadline failure is refunded: waiting costs it no attempt.
         narrator.say("waiting for a create slot on this host");
-        let slot = timed("create slot", || self.creates.slots.acquire(deadline))?;
+        let slot = timed("create slot", || self.slots.acquire(deadline))?;
 
         narrator.say("downloading image");
         let progress: Progress = {
@@ -286,7 +283,7 @@ impl Core {
         // The image becomes the root disk: it may be no larger.
         let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
         let base = timed("image", || {
-            self.creates.images.resolve(
+            self.images.resolve(
                 &d.spec.image_url,
                 &d.spec.image_sha256,
                 max_bytes,
@@ -297,6 +294,7 @@ impl Core {
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
         let made = self.prepare(
+            ctx,
             &rec.spec,
             &base.path,
             &seed_params(d, host_key),
@@ -307,10 +305,10 @@ impl Core {
         drop(base);
 
         if boots {
-            let live = |other: &crate::model::Id| self.prov.running(other);
-            volumes::materialized(&self.store, &rec.spec, &live)?;
-            self.boot_syncing(&rec.spec, made, deadline, narrator)?;
-            self.note_address(rec);
+            let live = |other: &Id| ctx.backend.running(other);
+            volumes::materialized(&ctx.store, &rec.spec, &live)?;
+            boot_syncing(ctx, &rec.spec, made, deadline, narrator)?;
+            ctx.note_address(rec);
         } else {
             sync_made(&rec.spec.vm_id, made)?;
         }
@@ -318,46 +316,6 @@ impl Core {
         // slot.
         drop(slot);
         Ok(boots)
-    }
-
-    /// Boots the VM while what its create made is made durable: the VMM
-    /// reads its root disk and seed from the page cache, so it need not
-    /// wait for them to reach the disk, and the create is recorded done
-    /// only once both have (a power cut before that finds the record
-    /// still creating, and the next attempt makes both again). A sync
-    /// that fails stops the VMM it was for: its VM's disk cannot be
-    /// trusted to survive the host.
-    fn boot_syncing(
-        &self,
-        spec: &crate::model::VmSpec,
-        made: Pending,
-        deadline: Deadline,
-        narrator: &Narrator,
-    ) -> Result<(), BoxFailure> {
-        let vm_id = &spec.vm_id;
-        narrator.say("booting");
-        let booting = std::time::Instant::now();
-        let (synced, booted) = crate::threads::alongside(
-            &format!("sync-{vm_id}"),
-            || timed("sync made", || sync_made(vm_id, made)),
-            || timed("boot", || self.prov.boot(spec, deadline)),
-        );
-        booted?;
-        self.counts.boots.observe(booting.elapsed());
-        let synced = synced
-            .map_err(|why| panicked("syncing the root disk and seed", why))
-            .and_then(|synced| synced);
-        if let Err(e) = synced {
-            let say = |_: &str| {};
-            if let Err(stop) = self.prov.shutdown(vm_id, deadline, &say) {
-                log::error!(
-                    "VM {vm_id}: cannot stop the hypervisor after its disk failed to sync: {}",
-                    chain(&*stop)
-                );
-            }
-            return Err(e);
-        }
-        Ok(())
     }
 
     /// The root disk and the seed, made while the attempt's record and
@@ -368,10 +326,11 @@ impl Core {
     /// boot it again, and again, without end, and no other VM may be
     /// handed the address or id its VMM holds. The
     /// root disk and seed are in place, and durable once the returned
-    /// [`Pending`] is synced (see [`Core::boot_syncing`]). The first error,
+    /// [`Pending`] is synced (see [`boot_syncing`]). The first error,
     /// in that order, is the create's.
     fn prepare(
         &self,
+        ctx: &Context,
         spec: &crate::model::VmSpec,
         base: &std::path::Path,
         params: &SeedParams,
@@ -382,7 +341,7 @@ impl Core {
         let _prepare = span("prepare");
         let disk = || {
             timed("root disk", || {
-                self.prov.prepare_root_disk(spec, base, deadline)
+                ctx.backend.prepare_root_disk(spec, base, deadline)
             })
             .inspect(|_| crate::crash::point("create.disk-prepared"))
         };
@@ -390,9 +349,7 @@ impl Core {
         // after it, on its thread.
         let seed = || -> Result<Pending, BoxFailure> {
             let seed = timed("seed", || {
-                self.creates
-                    .seed
-                    .build(&self.store.layout().seed(vm_id), params)
+                self.seed.build(&ctx.store.layout().seed(vm_id), params)
             })
             .inspect(|_| crate::crash::point("create.seed-built"))?;
             timed("reserve sync", || attempt.reserved.sync()).map_err(|e| {
@@ -402,7 +359,7 @@ impl Core {
             })?;
             Ok(seed)
         };
-        let durable = || self.store.make_durable(attempt.unsynced);
+        let durable = || ctx.store.make_durable(attempt.unsynced);
         let (seed, (durable, disk)) =
             crate::threads::alongside(&format!("seed-{vm_id}"), seed, || {
                 crate::threads::alongside(&format!("record-{vm_id}"), durable, disk)
@@ -414,14 +371,108 @@ impl Core {
     }
 }
 
-/// The error of a step run beside another that panicked: one attempt
-/// (or one resume) spent, the daemon untouched.
-pub(super) fn panicked(what: &str, why: crate::threads::Panicked) -> BoxFailure {
-    Simple::transient(format!("{what} panicked: {why}")).into()
+/// Saves the attempt (step 4) and, for a VM about to boot, takes the
+/// host's share of it ([`Lifecycle::reserve`]: its address and its
+/// VMM's id), at once: two durable writes made together wait for one
+/// journal commit, where one after the other they were two waits on
+/// the way to the VMM (`make bench-create`, the `record save` and
+/// `reserve` stages). The record is in place and its bytes durable
+/// when this returns, and so are the share's tables'; their names are
+/// made durable beside the root disk (see [`Create::prepare`]): one
+/// fsync wait before the VMM with nothing beside it.
+///
+/// The share is bookkeeping of the agent's own, which touches neither
+/// the guest nor the host's devices, so taking it beside the save
+/// breaks no "counted before any side effect": a crash between the
+/// two leaves a share held by a VM with no record, which the next
+/// agent gives back at its start (the backend's `recover`), and the
+/// create that runs again takes it again (the leases are sticky).
+///
+/// [`Lifecycle::reserve`]: crate::provision::Lifecycle::reserve
+fn count_attempt(
+    ctx: &Context,
+    rec: &Record,
+    reserve: bool,
+) -> (Result<Unsynced, BoxFailure>, Result<Pending, BoxFailure>) {
+    let take = || {
+        if reserve {
+            timed("reserve", || ctx.backend.reserve(&rec.spec))
+                .inspect(|_| crate::crash::point("create.reserved"))
+        } else {
+            Ok(Pending::none())
+        }
+    };
+    let thread = format!("reserve-{}", rec.spec.vm_id);
+    ctx.save_beside(rec, (&thread, "reserving the host's share"), take)
+}
+
+/// Whether the lifecycle says an attempt is due now (step 1): a budget
+/// spent on errors that may pass is re-armed once its time has come.
+fn attempt_due(ctx: &Context, rec: &mut Record, now: std::time::SystemTime) -> bool {
+    match lifecycle::state(rec, ctx.budget()) {
+        State::Creating(Attempts::Open { due: None } | Attempts::WaitingForHost) => true,
+        State::Creating(Attempts::Open { due: Some(due) }) => due <= now,
+        State::Creating(Attempts::Spent { rearm_at }) if rearm_at <= now => {
+            log::info!(
+                "VM {}: its create budget, spent on errors that may pass, is re-armed",
+                rec.spec.vm_id
+            );
+            rec.rearm();
+            true
+        }
+        // Not yet: the record says why and when.
+        State::Creating(Attempts::Spent { .. } | Attempts::Permanent)
+        | State::Up
+        | State::Down
+        | State::Suspending
+        | State::Suspended
+        | State::Resuming
+        | State::Quarantined { .. } => false,
+    }
+}
+
+/// Boots the VM while what its create made is made durable: the VMM
+/// reads its root disk and seed from the page cache, so it need not
+/// wait for them to reach the disk, and the create is recorded done
+/// only once both have (a power cut before that finds the record
+/// still creating, and the next attempt makes both again). A sync
+/// that fails stops the VMM it was for: its VM's disk cannot be
+/// trusted to survive the host.
+fn boot_syncing(
+    ctx: &Context,
+    spec: &crate::model::VmSpec,
+    made: Pending,
+    deadline: Deadline,
+    narrator: &Narrator,
+) -> Result<(), BoxFailure> {
+    let vm_id = &spec.vm_id;
+    narrator.say("booting");
+    let booting = std::time::Instant::now();
+    let (synced, booted) = crate::threads::alongside(
+        &format!("sync-{vm_id}"),
+        || timed("sync made", || sync_made(vm_id, made)),
+        || timed("boot", || ctx.backend.boot(spec, deadline)),
+    );
+    booted?;
+    ctx.counts.boots.observe(booting.elapsed());
+    let synced = synced
+        .map_err(|why| panicked("syncing the root disk and seed", why))
+        .and_then(|synced| synced);
+    if let Err(e) = synced {
+        let say = |_: &str| {};
+        if let Err(stop) = ctx.backend.shutdown(vm_id, deadline, &say) {
+            log::error!(
+                "VM {vm_id}: cannot stop the hypervisor after its disk failed to sync: {}",
+                chain(&*stop)
+            );
+        }
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// Makes what a create made durable (see [`Pending`]).
-fn sync_made(vm_id: &crate::model::Id, made: Pending) -> Result<(), BoxFailure> {
+fn sync_made(vm_id: &Id, made: Pending) -> Result<(), BoxFailure> {
     made.sync().map_err(|e| {
         Simple::transient(format!(
             "VM {vm_id}: cannot make its root disk and seed durable: {e}"
@@ -499,7 +550,8 @@ const ROOM_RECHECK: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The budget bookkeeping of one create attempt.
 struct Attempt<'a> {
-    core: &'a Core,
+    ctx: &'a Context,
+    create: &'a Create,
     deadline: Deadline,
     /// Whether this pass counted an attempt; only a counted one is refunded.
     counted: bool,
@@ -513,22 +565,22 @@ impl Attempt<'_> {
     /// status says it once for all the VMs that wait, and the next pass
     /// checks again. Saved only when the account changes, so a VM
     /// waiting for a fixed host costs no write per tick.
-    fn wait_for_host(&self, rec: Record, error: String, res: &mut VmResult) {
-        self.wait(rec, error, String::new(), None, res);
+    fn wait_for_host(&self, rec: Record, error: String, res: &mut VmResult) -> Next {
+        self.wait(rec, error, String::new(), None, res)
     }
 
     /// A full filesystem (or a spent quota) met on the way: the host must
     /// make room, as for any host condition. The row adds how much room
     /// the state dir's filesystem has left.
-    fn wait_for_room(&self, rec: Record, error: String, res: &mut VmResult) {
-        let core = self.core;
-        let room = crate::state::Room::at(core.store.root());
+    fn wait_for_room(&self, rec: Record, error: String, res: &mut VmResult) -> Next {
+        let ctx = self.ctx;
+        let room = crate::state::Room::at(ctx.store.root());
         let said = room
             .as_ref()
             .map(|room| format!("; {room}: make room there, and it is created again by itself"))
             .unwrap_or_default();
-        let full = room.map(|room| (room.free, core.host.now()));
-        self.wait(rec, error, said, full, res);
+        let full = room.map(|room| (room.free, ctx.host.now()));
+        self.wait(rec, error, said, full, res)
     }
 
     /// `error` is what failed, `said` what the row adds to it (the free
@@ -542,14 +594,14 @@ impl Attempt<'_> {
         said: String,
         full: Option<(u64, std::time::SystemTime)>,
         res: &mut VmResult,
-    ) {
-        let core = self.core;
+    ) -> Next {
+        let ctx = self.ctx;
         let unchanged = self
             .waited
             .as_deref()
             .is_some_and(|waited| waited.starts_with(&error));
         let error = error + &said;
-        core.creates.waiting.lock().insert(
+        self.create.waiting.lock().insert(
             rec.spec.vm_id.clone(),
             Waiting {
                 said: error.clone(),
@@ -558,22 +610,23 @@ impl Attempt<'_> {
         );
         rec.host_not_ready(error, self.counted);
         if !unchanged {
-            core.counts.create_failures.inc("host");
-            core.log_failure(
+            ctx.counts.create_failures.inc("host");
+            ctx.log_failure(
                 &rec.spec.vm_id,
                 "cannot create it until the host is fixed",
                 rec.lifecycle.last_error(),
             );
         }
         if !unchanged || self.counted {
-            core.save_best_effort(&rec);
+            ctx.save_best_effort(&rec);
         }
-        core.report_recorded(res, &rec, PowerState::Stopped);
+        ctx.report_recorded(res, &rec, PowerState::Stopped);
+        Next::Done
     }
 
-    fn fail(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) {
-        let core = self.core;
-        let budget = core.budget();
+    fn fail(&self, mut rec: Record, err: BoxFailure, res: &mut VmResult) -> Next {
+        let ctx = self.ctx;
+        let budget = ctx.budget();
         let permanent = err.is_permanent();
         if !self.deadline.expired() {
             if err.is_host_condition() {
@@ -583,10 +636,10 @@ impl Attempt<'_> {
                 return self.wait_for_room(rec, chain(&*err), res);
             }
         }
-        core.creates.waiting.lock().remove(&rec.spec.vm_id);
+        self.create.forget(&rec.spec.vm_id);
         let err: &dyn std::error::Error = &*err;
         let error = chain(err);
-        let counts = &core.counts;
+        let counts = &ctx.counts;
         match (self.deadline.expired(), self.counted, permanent) {
             (true, true, _) => {
                 counts.refunds.inc();
@@ -600,7 +653,7 @@ impl Attempt<'_> {
                 counts
                     .create_failures
                     .inc(if permanent { "permanent" } else { "transient" });
-                rec.attempt_failed(error, permanent, core.host.now());
+                rec.attempt_failed(error, permanent, ctx.host.now());
             }
         }
         let said = if rec.lifecycle.failure_permanent() {
@@ -612,9 +665,10 @@ impl Attempt<'_> {
                 budget.max_attempts
             )
         };
-        core.log_failure(&rec.spec.vm_id, &said, rec.lifecycle.last_error());
-        core.save_best_effort(&rec);
-        core.report_recorded(res, &rec, PowerState::Stopped);
+        ctx.log_failure(&rec.spec.vm_id, &said, rec.lifecycle.last_error());
+        ctx.save_best_effort(&rec);
+        ctx.report_recorded(res, &rec, PowerState::Stopped);
+        Next::Done
     }
 }
 

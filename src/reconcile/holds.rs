@@ -1,69 +1,165 @@
 //! What a VM is held to beyond its lifecycle, as a pass records and says
 //! it: its own egress rules (recorded before they are held, and a VM never
-//! started where they cannot be), its limits and size (a change waits for
-//! its next boot, and its row says so, as it says what a created VM keeps
-//! for good) and its probe's answer, in its row and for the metrics file.
+//! started where they cannot be), its published ports, its limits and size
+//! (a change waits for its next boot, and its row says so, as it says what
+//! a created VM keeps for good), whether its network is served, and its
+//! probe's answer, in its row and for the metrics file.
+//!
+//! The backend's [`Holds`] capability is taken once a pass
+//! ([`Holding::of`]); a backend without it holds nothing, takes an open
+//! egress and no published port, and refuses any other as what the host
+//! lacks.
 
+use super::context::Context;
 use super::counts::Held;
-use super::pass::{Core, Pass, VmResult};
-use crate::error::{BoxFailure, Failure};
-use crate::model::{DesiredVm, Id, PowerState, Publish, VmSpec};
+use super::pass::VmResult;
+use crate::error::{BoxFailure, Failure, Simple};
+use crate::model::{DesiredVm, Egress, Id, Phase, PowerState, Publish, VmSpec};
+use crate::provision::Holds;
 use crate::state::Record;
 
-impl Core {
-    /// The row of a VM not started because its egress rules cannot be
-    /// held here.
-    pub(super) fn refuse_unfenced(
-        &self,
-        vm_id: &Id,
-        e: &dyn Failure,
-        rec: Option<&Record>,
-        res: &mut VmResult,
-    ) {
-        let why = format!(
-            "its own egress rules cannot be held on this host, so it is not started: {}",
-            crate::error::chain(e)
+/// The row of a VM not started because its egress rules cannot be held
+/// here.
+pub(crate) fn refuse_unfenced(
+    ctx: &Context,
+    vm_id: &Id,
+    e: &dyn Failure,
+    rec: Option<&Record>,
+    res: &mut VmResult,
+) {
+    let why = format!(
+        "its own egress rules cannot be held on this host, so it is not started: {}",
+        crate::error::chain(e)
+    );
+    ctx.logs
+        .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
+    match rec {
+        Some(rec) => ctx.report_recorded(res, rec, PowerState::Stopped),
+        None => *res = VmResult::queued(vm_id),
+    }
+    if let Some(row) = res.row.as_mut() {
+        row.status_detail = "waiting for the host".into();
+        row.last_error = why;
+    }
+}
+
+/// Records the VM's own egress rules when they change, before they are
+/// held: an agent's start holds the recorded ones again for a running VM
+/// before any pass (a save that fails is retried next pass).
+pub(crate) fn note_egress(ctx: &Context, desired: &DesiredVm, mut rec: Record) -> Record {
+    if rec.egress != desired.egress {
+        rec.egress = desired.egress.clone();
+        ctx.save_best_effort(&rec);
+    }
+    rec
+}
+
+/// Takes what a created VM takes from a changed spec at its next boot from
+/// cold (call it while no VMM runs for it): its limits, vCPUs and memory,
+/// the VMM's command line and cgroups. They are recorded before the boot,
+/// so the record says what it runs with. A size the host's caps have no
+/// room for is not taken: the VM boots as it was, and its row says why.
+pub(crate) fn take_next_boot_changes(ctx: &Context, desired: &DesiredVm, rec: &mut Record) {
+    let mut next = at_next_boot(&rec.spec, &desired.spec);
+    if resized(&rec.spec, &next)
+        && let Err(why) = ctx.ledger.admit(&next)
+    {
+        let vm_id = &rec.spec.vm_id;
+        ctx.logs.warn(
+            &format!("{vm_id}/resize"),
+            &format!("VM {vm_id}: keeps {} at its boot: {why}", size(&rec.spec)),
         );
-        self.logs
-            .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
-        match rec {
-            Some(rec) => self.report_recorded(res, rec, PowerState::Stopped),
-            None => *res = VmResult::queued(vm_id),
+        (next.vcpus, next.mem_mb) = (rec.spec.vcpus, rec.spec.mem_mb);
+    }
+    if next != rec.spec {
+        rec.spec = next;
+        ctx.save_best_effort(rec);
+    }
+}
+
+/// One pass's view of what the host holds for its VMs: the context, and
+/// the backend's [`Holds`], asked once.
+pub(crate) struct Holding<'a> {
+    ctx: &'a Context,
+    holds: Option<&'a dyn Holds>,
+}
+
+impl<'a> Holding<'a> {
+    pub(crate) fn of(ctx: &'a Context) -> Holding<'a> {
+        Holding {
+            ctx,
+            holds: ctx.backend.holds(),
         }
-        if let Some(row) = res.row.as_mut() {
-            row.status_detail = "waiting for the host".into();
-            row.last_error = why;
+    }
+
+    /// Holds `egress` as the VM's own rules (see [`Holds::set_egress`]).
+    /// An open egress needs no holding; any other is refused, as a host
+    /// condition, by a backend that cannot hold it.
+    pub(crate) fn set_egress(&self, vm_id: &Id, egress: &Egress) -> Result<(), BoxFailure> {
+        match self.holds {
+            Some(h) => h.set_egress(vm_id, egress),
+            None if egress.is_open() => Ok(()),
+            None => Err(Simple::host(
+                "this host's hypervisor backend cannot hold a VM's own egress rules",
+            )
+            .into()),
+        }
+    }
+
+    /// A running VM whose network is not served (adopted while it could
+    /// not be plugged, or its tap gone) is not ready, whatever its guest
+    /// says: it cannot be reached. Its row says why; serving it is tried
+    /// again at its every pass. A backend that holds nothing serves no
+    /// network to lose.
+    pub(crate) fn say_unserved(&self, vm_id: &Id, res: &mut VmResult) {
+        let Some(row) = res.row.as_mut() else {
+            return;
+        };
+        if row.power != Some(PowerState::Running) {
+            return;
+        }
+        let served = self.holds.map_or(Ok(()), |h| h.network_served(vm_id));
+        let subject = format!("{vm_id}/unserved");
+        if let Err(e) = served {
+            let why = crate::error::chain(&*e as &dyn std::error::Error);
+            self.ctx.logs.warn(
+                &subject,
+                &format!("VM {vm_id}: its network is not served: {why}"),
+            );
+            row.phase = Some(Phase::Failed);
+            row.last_error = format!("its network is not served: {why}");
+        } else {
+            self.ctx.logs.clear(&subject);
         }
     }
 
     /// What the VM is held to, in its row and for the metrics file: its
     /// egress rules (and why a change of them is not held, when it is
-    /// not), its limits (and that a change waits for the next boot), its
-    /// probe's answer.
-    pub(super) fn say_what_it_is_held_to(
+    /// not), its limits (and that a change waits for the next boot), and
+    /// whether its probe answers (`answering`, see [`Held::answering`]).
+    pub(crate) fn say_what_it_is_held_to(
         &self,
         desired: &DesiredVm,
         egress_held: Result<(), BoxFailure>,
+        answering: Option<bool>,
         res: &mut VmResult,
     ) {
+        let ctx = self.ctx;
         let vm_id = &desired.spec.vm_id;
-        let mut holds = Held::default();
-        if let Some(egress) = self.prov.egress_in_force(vm_id) {
+        let mut holds = Held {
+            answering,
+            ..Held::default()
+        };
+        if let Some(egress) = self.holds.and_then(|h| h.egress_in_force(vm_id)) {
             (holds.deny, holds.allow) = (egress.deny.len(), egress.allow.len());
             if let Some(row) = res.row.as_mut() {
                 row.egress = egress.to_string();
             }
         }
-        holds.answering = self
-            .probes
-            .lock()
-            .get(vm_id)
-            .filter(|p| p.answered.is_some() || p.failing_since.is_some())
-            .map(|p| p.failing_since.is_none());
         if let Some(row) = res.row.as_mut()
-            && let Ok(Some(now)) = self.store.get(vm_id)
+            && let Ok(Some(now)) = ctx.store.get(vm_id)
         {
-            if let Some(limits) = self.prov.limits_in_force(&now.spec) {
+            if let Some(limits) = self.holds.and_then(|h| h.limits_in_force(&now.spec)) {
                 row.limits = limits.to_string();
                 holds.limits = Some(limits);
             }
@@ -79,13 +175,13 @@ impl Core {
                 };
             }
         }
-        self.counts.held.lock().insert(vm_id.to_string(), holds);
+        ctx.counts.held.lock().insert(vm_id.to_string(), holds);
         if let Err(e) = egress_held {
             let why = format!(
                 "its own egress rules are not held: {}",
                 crate::error::chain(&*e)
             );
-            self.logs
+            ctx.logs
                 .warn(&format!("{vm_id}/egress"), &format!("VM {vm_id}: {why}"));
             if let Some(row) = res.row.as_mut() {
                 row.last_error = if row.last_error.is_empty() {
@@ -97,42 +193,46 @@ impl Core {
         }
     }
 
-    /// Records the VM's own egress rules when they change, before they are
-    /// held: an agent's start holds the recorded ones again for a running
-    /// VM before any pass (a save that fails is retried next pass).
-    pub(super) fn note_egress(&self, desired: &DesiredVm, mut rec: Record) -> Record {
-        if rec.egress != desired.egress {
-            rec.egress = desired.egress.clone();
-            self.save_best_effort(&rec);
-        }
-        rec
-    }
-
     /// Holds the VM's published ports as its entry says, once it has a
-    /// record (after its lifecycle's step: a create's record comes first,
-    /// and a VM that never had one holds nothing a destroy would not give
-    /// back), and records what is held when that changed: an agent's
-    /// start holds the recorded ones again before any pass. A port
-    /// refused stays refused to this VM only; it runs whatever its ports.
-    /// What is held, and the refusals.
-    pub(super) fn publish(&self, desired: &DesiredVm) -> (Vec<Publish>, Result<(), BoxFailure>) {
+    /// record `saved` (after its lifecycle's step: a create's record comes
+    /// first, and a VM that never had one holds nothing a destroy would not
+    /// give back), and records what is held when that changed: an agent's
+    /// start holds the recorded ones again before any pass. A port refused
+    /// stays refused to this VM only; it runs whatever its ports. What is
+    /// held, and the refusals. No port to publish needs holding; any is
+    /// refused, as a host condition, by a backend that cannot hold it.
+    pub(crate) fn publish(
+        &self,
+        desired: &DesiredVm,
+        saved: Option<&Record>,
+    ) -> (Vec<Publish>, Result<(), BoxFailure>) {
         let vm_id = &desired.spec.vm_id;
-        let Ok(Some(rec)) = self.store.get(vm_id) else {
+        let Some(rec) = saved else {
             return (Vec::new(), Ok(()));
         };
-        let result = self.prov.set_published(vm_id, &desired.published);
-        let held = self.prov.published(vm_id);
+        let wanted = &desired.published;
+        let (result, held) = match self.holds {
+            Some(h) => (h.set_published(vm_id, wanted), h.published(vm_id)),
+            None if wanted.is_empty() => (Ok(()), Vec::new()),
+            None => (
+                Err(
+                    Simple::host("this host's hypervisor backend cannot publish a VM's ports")
+                        .into(),
+                ),
+                Vec::new(),
+            ),
+        };
         if rec.published != held {
-            let mut rec = (*rec).clone();
+            let mut rec = rec.clone();
             rec.published.clone_from(&held);
-            self.save_best_effort(&rec);
+            self.ctx.save_best_effort(&rec);
         }
         (held, result)
     }
 
     /// The ports held for the VM in its row, and why the others its entry
     /// asks for are not.
-    pub(super) fn say_published(
+    pub(crate) fn say_published(
         &self,
         vm_id: &Id,
         (held, published): (Vec<Publish>, Result<(), BoxFailure>),
@@ -144,7 +244,8 @@ impl Core {
         row.published = held;
         if let Err(e) = published {
             let why = crate::error::chain(&*e);
-            self.logs
+            self.ctx
+                .logs
                 .warn(&format!("{vm_id}/publish"), &format!("VM {vm_id}: {why}"));
             row.last_error = if row.last_error.is_empty() {
                 why
@@ -154,49 +255,12 @@ impl Core {
         }
     }
 
-    /// Publishes the row of a VM whose hypervisor just started, mid-pass,
-    /// as the end of the pass will say it: with a probe in its spec it is
-    /// not ready before its guest answers, and what it is held to is in it.
-    pub(super) fn say_started(&self, desired: &DesiredVm, pass: &mut Pass<'_>) {
-        let Some(publisher) = pass.publisher.filter(|_| !pass.deadline.expired()) else {
-            return;
-        };
-        let mut said = pass.res.clone();
-        self.hold_for_probe(desired, &mut said);
-        self.say_what_it_is_held_to(desired, Ok(()), &mut said);
-        publisher.publish(said);
-    }
-
-    /// Takes what a created VM takes from a changed spec at its next boot
-    /// from cold (call it while no VMM runs for it): its limits, vCPUs and
-    /// memory, the VMM's command line and cgroups. They are recorded before
-    /// the boot, so the record says what it runs with. A size the host's
-    /// caps have no room for is not taken: the VM boots as it was, and its
-    /// row says why.
-    pub(super) fn take_next_boot_changes(&self, desired: &DesiredVm, rec: &mut Record) {
-        let mut next = at_next_boot(&rec.spec, &desired.spec);
-        if resized(&rec.spec, &next)
-            && let Err(why) = self.ledger.admit(&next)
-        {
-            let vm_id = &rec.spec.vm_id;
-            self.logs.warn(
-                &format!("{vm_id}/resize"),
-                &format!("VM {vm_id}: keeps {} at its boot: {why}", size(&rec.spec)),
-            );
-            (next.vcpus, next.mem_mb) = (rec.spec.vcpus, rec.spec.mem_mb);
-        }
-        if next != rec.spec {
-            rec.spec = next;
-            self.save_best_effort(rec);
-        }
-    }
-
     /// What of `desired` the VM recorded as `now` does not run with yet,
     /// and when it will: at its next boot, or once the host has room.
     fn what_waits_for_boot(&self, now: &VmSpec, desired: &VmSpec) -> Option<String> {
         let next = at_next_boot(now, desired);
         let no_room = resized(now, &next)
-            .then(|| self.ledger.fits(&next).err())
+            .then(|| self.ctx.ledger.fits(&next).err())
             .flatten();
         let mut waiting = Vec::new();
         if next.limits != now.limits {
@@ -209,7 +273,7 @@ impl Core {
             waiting.push("memory");
         }
         let mut said = Vec::new();
-        if !waiting.is_empty() && self.prov.running(&now.vm_id) {
+        if !waiting.is_empty() && self.ctx.backend.running(&now.vm_id) {
             said.push(format!(
                 "{} change at the next boot (stop and start it to apply them now)",
                 listed(&waiting)
@@ -221,7 +285,6 @@ impl Core {
         (!said.is_empty()).then(|| said.join("; "))
     }
 }
-
 /// `now` with what a boot from cold takes of `desired`.
 fn at_next_boot(now: &VmSpec, desired: &VmSpec) -> VmSpec {
     VmSpec {

@@ -26,6 +26,7 @@
 //! report it through [`Engine::report`] without dispatching anything.
 
 mod admission;
+mod context;
 mod converge;
 pub mod counts;
 mod create;
@@ -33,13 +34,12 @@ mod holds;
 /// The lifecycle lives beside the record it writes (see its header).
 pub use crate::state::lifecycle;
 mod pass;
-mod probe;
-mod probing;
+mod probes;
 mod reap;
 pub mod seams;
-mod sleep;
 mod sleepers;
-mod suspend;
+mod step;
+mod suspension;
 pub mod volumes;
 mod workers;
 
@@ -52,8 +52,11 @@ use parking_lot::Mutex;
 
 pub use admission::HostCaps;
 use admission::{CreateSlots, Ledger};
-use pass::{Assignment, Core, Waiting};
+use context::Context;
+use create::Create;
+use pass::{Assignment, VmResult};
 use seams::{HostFacts, HostKeys, Images, SeedBuilder};
+use step::Spine;
 use workers::{Pokes, Workers};
 
 use crate::deadline::Deadline;
@@ -122,7 +125,7 @@ pub struct Seams {
 }
 
 pub struct Engine {
-    core: Arc<Core>,
+    spine: Arc<Spine>,
     workers: Mutex<Workers>,
     /// Rung whenever a VM's published result changes.
     changes: Receiver<()>,
@@ -215,26 +218,22 @@ impl Engine {
                 }
             }),
         );
-        let core = Core {
-            store,
-            prov: seams.provisioner,
-            host: seams.host,
-            config,
-            ledger,
-            logs: LogOnce::new(),
-            counts: counts::Counts::default(),
-            create_watch: parking_lot::RwLock::new(None),
-            creates: pass::Creates {
-                images: seams.images,
-                seed: seams.seed,
-                host_keys: seams.host_keys,
-                slots,
-                waiting: parking_lot::Mutex::default(),
+        let spine = Spine {
+            ctx: Context {
+                store,
+                backend: seams.provisioner,
+                host: seams.host,
+                config,
+                ledger,
+                logs: LogOnce::new(),
+                counts: counts::Counts::default(),
             },
-            probes: parking_lot::Mutex::default(),
+            create: Create::new(seams.images, seams.seed, seams.host_keys, slots),
+            probes: probes::Probes::default(),
             sleepers,
+            watch: parking_lot::RwLock::new(None),
         };
-        core.prov.watch_exits(Arc::new(move |vm_id: &Id| {
+        spine.ctx.backend.watch_exits(Arc::new(move |vm_id: &Id| {
             if let Some(pokes) = pokes.upgrade()
                 && pokes.poke(vm_id)
             {
@@ -242,7 +241,7 @@ impl Engine {
             }
         }));
         Engine {
-            core: Arc::new(core),
+            spine: Arc::new(spine),
             workers: Mutex::new(workers),
             changes,
             volumes: Mutex::new(Vec::new()),
@@ -260,11 +259,11 @@ impl Engine {
     }
 
     fn verdict(&self, snap: &Snapshot) -> Verdict {
-        let current = self.core.store.epoch();
+        let current = self.spine.ctx.store.epoch();
         if snap.epoch < current {
             return Verdict::Fenced { current };
         }
-        let version = &self.core.config.agent_version;
+        let version = &self.spine.ctx.config.agent_version;
         match check_floor(version, &snap.min_agent_version) {
             FloorVerdict::Allowed => Verdict::Accepted,
             FloorVerdict::Below => Verdict::Refused(format!(
@@ -299,19 +298,19 @@ impl Engine {
     fn step_as(&self, snap: &Snapshot, trigger: Trigger) -> Report {
         let started = std::time::Instant::now();
         let report = self.step_timed(snap, trigger);
-        self.core.counts.steps.observe(started.elapsed());
+        self.spine.ctx.counts.steps.observe(started.elapsed());
         report
     }
 
     /// What the engine counted (see [`counts::Counts`]).
     pub fn counts(&self) -> &counts::Counts {
-        &self.core.counts
+        &self.spine.ctx.counts
     }
 
     /// Compute committed to live VMs and the host's caps (0 = none):
     /// vCPUs, memory in MB, disk in GB.
     pub fn quota(&self) -> crate::model::Quota {
-        self.core.ledger.usage()
+        self.spine.ctx.ledger.usage()
     }
 
     /// What the host lacks to run guests right now, if anything: what the
@@ -320,20 +319,16 @@ impl Engine {
     /// else what a VM's create waits for (room on a full filesystem, an
     /// image server out of reach).
     pub fn host_condition(&self) -> Option<String> {
-        self.core.prov.host_condition().or_else(|| {
-            let waiting = self.core.creates.waiting.lock();
-            let (vm_id, Waiting { said, .. }) = waiting.first_key_value()?;
-            let others = match waiting.len() - 1 {
-                0 => String::new(),
-                n => format!(" (and {n} more VMs wait)"),
-            };
-            Some(format!("VM {vm_id} cannot be created: {said}{others}"))
-        })
+        let backend = &self.spine.ctx.backend;
+        backend
+            .host_checks()
+            .and_then(|checks| checks.host_condition())
+            .or_else(|| self.spine.create.host_condition())
     }
 
     /// The VM's live hypervisor's pid, if the backend can say.
     pub fn hypervisor_pid(&self, vm_id: &Id) -> Option<u32> {
-        self.core.prov.pid(vm_id)
+        self.spine.ctx.backend.pid(vm_id)
     }
 
     /// Tells `watch` the stages of every create attempt, suspend and
@@ -341,12 +336,12 @@ impl Engine {
     /// short). Each is logged with its stages too; this is for what
     /// measures them.
     pub fn watch_stages(&self, watch: impl Fn(&Id, &Stages) + Send + Sync + 'static) {
-        *self.core.create_watch.write() = Some(Arc::new(watch));
+        *self.spine.watch.write() = Some(Arc::new(watch));
     }
 
     /// Create attempts a VM is given before its create is failed.
     pub fn max_attempts(&self) -> u32 {
-        self.core.budget().max_attempts
+        self.spine.ctx.budget().max_attempts
     }
 
     /// VM workers alive now.
@@ -355,19 +350,19 @@ impl Engine {
     }
 
     fn step_timed(&self, snap: &Snapshot, trigger: Trigger) -> Report {
-        let store = &self.core.store;
+        let store = &self.spine.ctx.store;
         match self.verdict(snap) {
             Verdict::Fenced { current } => return self.fence_report(current),
             Verdict::Refused(reason) => {
                 if let Err(e) = store.save_epoch(snap.epoch) {
-                    self.core.logs.error("epoch", &crate::error::chain(&e));
+                    self.spine.ctx.logs.error("epoch", &crate::error::chain(&e));
                 }
                 return self.refuse(snap, reason);
             }
             Verdict::Accepted => {}
         }
         if let Err(e) = store.save_epoch(snap.epoch) {
-            self.core.logs.error("epoch", &crate::error::chain(&e));
+            self.spine.ctx.logs.error("epoch", &crate::error::chain(&e));
         }
         if self.refusing.lock().take().is_some() {
             log::info!("snapshot {} is within this agent's floor again", snap.epoch);
@@ -397,11 +392,8 @@ impl Engine {
             workers.full_delivery_begins();
             let assignments = assignments(snap, &records, &claimed);
             for (vm_id, assignment) in &assignments {
-                let initial = || {
-                    self.core
-                        .initial_result(vm_id, assignment, records.get(*vm_id))
-                };
-                workers.deliver(vm_id, assignment.clone(), trigger, &self.core, initial);
+                let initial = || self.initial_result(vm_id, assignment, records.get(*vm_id));
+                workers.deliver(vm_id, assignment.clone(), trigger, &self.spine, initial);
             }
             // A refused entry still claims its id: its worker (if any) is
             // kept, and the VM is neither created nor reaped.
@@ -428,7 +420,7 @@ impl Engine {
             Verdict::Fenced { current } => self.fence_report(current),
             Verdict::Refused(reason) => self.refuse(snap, reason),
             Verdict::Accepted => {
-                let records = self.core.store.load_all();
+                let records = self.spine.ctx.store.load_all();
                 let volumes = self.volumes.lock().clone();
                 let claimed = claimed_ids(snap);
                 let workers = self.workers.lock();
@@ -471,7 +463,7 @@ impl Engine {
             {
                 report
                     .quarantined
-                    .push(pass::quarantined_entry(rec, self.core.grace_for(rec)));
+                    .push(pass::quarantined_entry(rec, self.spine.ctx.grace_for(rec)));
             }
         }
         report.destroyed = destroyed_ack(snap, records);
@@ -510,7 +502,7 @@ impl Engine {
     /// The read-only report for a snapshot older than the stored epoch:
     /// the host as the records say, flagged as fenced.
     pub fn fenced(&self) -> Report {
-        self.fence_report(self.core.store.epoch())
+        self.fence_report(self.spine.ctx.store.epoch())
     }
 
     fn fence_report(&self, current: u64) -> Report {
@@ -528,12 +520,12 @@ impl Engine {
     /// VM as vanished and start reaping the host.
     pub fn observe(&self) -> Report {
         let mut report = Report {
-            last_seen_epoch: self.core.store.epoch(),
-            volumes: volumes::sweep(&self.core.store),
+            last_seen_epoch: self.spine.ctx.store.epoch(),
+            volumes: volumes::sweep(&self.spine.ctx.store),
             ..Report::default()
         };
-        for (vm_id, slot) in self.core.store.load_all().iter() {
-            self.core.observed(vm_id, slot).merge_into(&mut report);
+        for (vm_id, slot) in self.spine.ctx.store.load_all().iter() {
+            self.spine.ctx.observed(vm_id, slot).merge_into(&mut report);
         }
         sort(&mut report, (0, 0));
         report
@@ -631,7 +623,7 @@ impl Engine {
             None => VmStatus {
                 vm_id: rejected.raw_id.clone(),
                 power: Some(PowerState::observed(
-                    self.core.prov.running(&rec.spec.vm_id),
+                    self.spine.ctx.backend.running(&rec.spec.vm_id),
                 )),
                 ip: rec.ip.clone(),
                 network_ip: rec.network_ip.clone(),
@@ -641,6 +633,24 @@ impl Engine {
         };
         row.spec_rejected = why;
         row
+    }
+}
+
+impl Engine {
+    /// The row a VM starts with when its worker is made, before its first
+    /// pass has said anything: what its record says, or `queued` for a VM
+    /// the host has never had. A VM to reap with no record has no row.
+    fn initial_result(
+        &self,
+        vm_id: &Id,
+        assignment: &Assignment,
+        slot: Option<&RecordSlot>,
+    ) -> Option<VmResult> {
+        match (slot, assignment) {
+            (Some(slot), _) => Some(self.spine.ctx.observed(vm_id, slot)),
+            (None, Assignment::Desired(_)) => Some(VmResult::queued(vm_id)),
+            (None, Assignment::Reap { .. }) => None,
+        }
     }
 }
 

@@ -8,6 +8,7 @@
 //! the engine through [`Fakes::seams`]; nothing in the agent switches on
 //! them.
 
+pub mod bare;
 pub mod control_plane;
 pub mod image_server;
 pub mod logs;

@@ -118,7 +118,7 @@ impl Daemon {
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             // Where each create's time went is said at debug.
-            .env("EITRI_LOG", "info,eitri_agent::reconcile::pass=debug")
+            .env("EITRI_LOG", "info,eitri_agent::reconcile::step=debug")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -52,9 +52,34 @@ impl Harness {
         Harness::open(tempfile::tempdir().expect("tempdir"), Fakes::new(), config)
     }
 
+    /// Over a backend with no capability but its lifecycle (see
+    /// [`eitri_agent::testkit::bare`]).
+    pub fn bare() -> Harness {
+        Harness::open_as(
+            tempfile::tempdir().expect("tempdir"),
+            Fakes::new(),
+            config(),
+            true,
+        )
+    }
+
     fn open(dir: tempfile::TempDir, fakes: Arc<Fakes>, config: EngineConfig) -> Harness {
+        Harness::open_as(dir, fakes, config, false)
+    }
+
+    fn open_as(
+        dir: tempfile::TempDir,
+        fakes: Arc<Fakes>,
+        config: EngineConfig,
+        bare: bool,
+    ) -> Harness {
         let store = Arc::new(Store::open(dir.path()).expect("store"));
-        let engine = Engine::new(Arc::clone(&store), fakes.seams(), config.clone());
+        let seams = if bare {
+            fakes.bare_seams()
+        } else {
+            fakes.seams()
+        };
+        let engine = Engine::new(Arc::clone(&store), seams, config.clone());
         Harness {
             dir,
             store,
@@ -77,6 +102,20 @@ impl Harness {
         drop(engine);
         drop(store);
         Harness::open(dir, fakes, config)
+    }
+
+    /// As [`Harness::restart`], the new agent's backend [`Harness::bare`].
+    pub fn restart_bare(self) -> Harness {
+        let Harness {
+            dir,
+            store,
+            fakes,
+            engine,
+            config,
+        } = self;
+        drop(engine);
+        drop(store);
+        Harness::open_as(dir, fakes, config, true)
     }
 
     /// One tick: step, then wait until every pass it started has ended.

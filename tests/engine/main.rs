@@ -5,6 +5,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod capabilities;
 mod create;
 mod daemon;
 mod lifecycle;

@@ -15,9 +15,14 @@
 //! What the agent holds dies with it: after a restart, the next pass of a
 //! sleeping VM listens again on taps made afresh (a frame in between is
 //! lost, and its sender's retransmit is the one that wakes the guest).
+//!
+//! Who woke it is told by a packet socket on its underlay tap that sees
+//! only the heads of IPv4 and ARP frames sent to the guest
+//! ([`TapWitness`]): opened with the listening, read only once a frame
+//! woke it, and gone when the engine has heard enough.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::time::Duration;
 
 use super::error::CloudHvError;
@@ -25,7 +30,8 @@ use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, Mac, VmSpec};
-use crate::provision::{Listening, Wake};
+use crate::net::packet::{self, PacketSocket};
+use crate::provision::{Listening, Wake, Witness};
 
 /// The taps of sleeping VMs, held by the agent until their resume.
 pub(super) type Held = parking_lot::Mutex<HashMap<Id, Vec<(OwnedFd, Mac)>>>;
@@ -85,15 +91,58 @@ impl CloudHypervisor {
     }
 }
 
+/// The frames a sleeping VM's underlay tap passes to its guest, as a
+/// packet socket copies their heads (see [`PacketSocket::open_to_guest_heads`]).
+struct TapWitness(PacketSocket);
+
+/// The most frames one look at a witness reads: a flood of them costs the
+/// sleepers' thread no more.
+const HEARD_AT_ONCE: usize = 16;
+
+impl TapWitness {
+    /// A witness on `nic`, or `None`, logged, when it cannot be opened:
+    /// the VM still wakes, its row only cannot say who woke it.
+    fn on(vm_id: &Id, nic: &str) -> Option<Box<dyn Witness>> {
+        match PacketSocket::open_to_guest_heads(nic) {
+            Ok(socket) => Some(Box::new(TapWitness(socket))),
+            Err(e) => {
+                log::warn!("VM {vm_id}: cannot watch who wakes it on {nic}: {e}");
+                None
+            }
+        }
+    }
+}
+
+impl Witness for TapWitness {
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+
+    fn heard(&self) -> Vec<String> {
+        let mut buf = [0u8; 128];
+        let mut heard = Vec::new();
+        for _ in 0..HEARD_AT_ONCE {
+            let Ok(Some(n)) = self.0.recv_now(&mut buf) else {
+                break;
+            };
+            heard.extend(packet::describe(&buf[..n]));
+        }
+        heard
+    }
+}
+
 impl Wake for CloudHypervisor {
     fn listen(&self, spec: &VmSpec) -> Result<Listening, BoxFailure> {
         let vm_id = &spec.vm_id;
-        let nic = self.taps(vm_id).map(|t| t.underlay);
+        let witness = || {
+            self.taps(vm_id)
+                .and_then(|t| TapWitness::on(vm_id, &t.underlay))
+        };
         let mut listening = self.listening.lock();
         if let Some(held) = listening.get(vm_id) {
             return Ok(Listening {
                 ready: Self::dup_all(vm_id, &held[..1.min(held.len())])?,
-                nic,
+                witness: witness(),
             });
         }
         if self.find(vm_id).is_some() {
@@ -128,7 +177,10 @@ impl Wake for CloudHypervisor {
         self.plug_nics(spec)?;
         let ready = Self::dup_all(vm_id, &held[..1.min(held.len())])?;
         listening.insert(vm_id.clone(), held);
-        Ok(Listening { ready, nic })
+        Ok(Listening {
+            ready,
+            witness: witness(),
+        })
     }
 
     fn stop_listening(&self, vm_id: &Id) {

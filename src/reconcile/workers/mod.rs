@@ -72,7 +72,8 @@ use self::rows::Collected;
 use self::shared::Signals;
 use self::thread::WorkerHandle;
 use super::Trigger;
-use super::pass::{Assignment, Core, VmResult};
+use super::pass::{Assignment, VmResult};
+use super::step::Spine;
 use crate::deadline::Deadline;
 use crate::model::Id;
 
@@ -152,18 +153,18 @@ impl Workers {
         vm_id: &Id,
         assignment: Assignment,
         trigger: Trigger,
-        core: &Arc<Core>,
+        spine: &Arc<Spine>,
         initial: impl FnOnce() -> Option<VmResult>,
     ) {
         let dead = self.live.get(vm_id).map(WorkerHandle::is_dead);
         match dead {
             None => {
                 let predecessor = self.retiring.remove(vm_id);
-                let handle = self.spawn(vm_id, core, initial(), predecessor);
+                let handle = self.spawn(vm_id, spine, initial(), predecessor);
                 self.live.insert(vm_id.clone(), handle);
                 self.changed_workers();
             }
-            Some(true) => self.restart(vm_id, core),
+            Some(true) => self.restart(vm_id, spine),
             Some(false) => {}
         }
         let Some(handle) = self.live.get(vm_id) else {
@@ -256,7 +257,7 @@ impl Workers {
 
     /// Replaces a worker whose thread is gone. If the new thread cannot
     /// start either, the VM's row says so and the next delivery tries again.
-    fn restart(&mut self, vm_id: &Id, core: &Arc<Core>) {
+    fn restart(&mut self, vm_id: &Id, spine: &Arc<Spine>) {
         let mut last = None;
         let mut predecessor = None;
         if let Some(old) = self.live.remove(vm_id) {
@@ -264,7 +265,7 @@ impl Workers {
             last = old.shared.result();
             predecessor = old.thread;
         }
-        let new = self.spawn(vm_id, core, last, predecessor);
+        let new = self.spawn(vm_id, spine, last, predecessor);
         self.live.insert(vm_id.clone(), new);
         self.changed_workers();
     }
@@ -272,13 +273,13 @@ impl Workers {
     fn spawn(
         &self,
         vm_id: &Id,
-        core: &Arc<Core>,
+        spine: &Arc<Spine>,
         initial: Option<VmResult>,
         predecessor: Option<JoinHandle<()>>,
     ) -> WorkerHandle {
         let handle = thread::spawn(
             vm_id,
-            core,
+            spine,
             self.stack_bytes,
             Arc::clone(&self.signals),
             initial,

@@ -12,7 +12,8 @@ use crossbeam_channel::{Receiver, Sender, bounded};
 use super::router::Doorbell;
 use super::shared::{PassPublisher, Signals, WorkerShared};
 use crate::model::Id;
-use crate::reconcile::pass::{Core, PassOutcome, Publisher, VmResult};
+use crate::reconcile::pass::{PassOutcome, Publisher, VmResult};
+use crate::reconcile::step::Spine;
 use crate::stages;
 
 pub(super) struct WorkerHandle {
@@ -38,7 +39,7 @@ impl WorkerHandle {
 
 pub(super) fn spawn(
     vm_id: &Id,
-    core: &Arc<Core>,
+    spine: &Arc<Spine>,
     stack_bytes: usize,
     signals: Arc<Signals>,
     initial: Option<VmResult>,
@@ -47,7 +48,7 @@ pub(super) fn spawn(
     let (doorbell, rings) = bounded(1);
     let shared = Arc::new(WorkerShared::new(signals, initial));
     let thread = {
-        let (vm_id, core, shared) = (vm_id.clone(), Arc::clone(core), Arc::clone(&shared));
+        let (vm_id, spine, shared) = (vm_id.clone(), Arc::clone(spine), Arc::clone(&shared));
         std::thread::Builder::new()
             .name(format!("vm-{vm_id}"))
             .stack_size(stack_bytes)
@@ -58,7 +59,7 @@ pub(super) fn spawn(
                 if let Some(predecessor) = predecessor {
                     let _ = predecessor.join();
                 }
-                run(&vm_id, &core, &shared, &rings);
+                run(&vm_id, &spine, &shared, &rings);
             })
     };
     let thread = match thread {
@@ -91,7 +92,7 @@ impl Drop for Ended<'_> {
 }
 
 /// The worker's loop: one pass per ring, on the newest assignment.
-fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>) {
+fn run(vm_id: &Id, spine: &Spine, shared: &Arc<WorkerShared>, rings: &Receiver<()>) {
     // A VM skipped every tick for the same reason is logged once, not once a
     // tick; a new reason, or recovery, is logged again.
     let mut skipping: Option<String> = None;
@@ -113,7 +114,7 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
             generation,
         });
         let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-            core.reconcile_one(vm_id, &assignment, Some(&publisher))
+            spine.run(vm_id, &assignment, Some(&publisher))
         }))
         .unwrap_or_else(|payload| {
             let what = crate::threads::panic_message(payload.as_ref());
@@ -136,7 +137,7 @@ fn run(vm_id: &Id, core: &Core, shared: &Arc<WorkerShared>, rings: &Receiver<()>
         shared.end_pass(generation, outcome);
         // Most passes time nothing: only one that did is looked at.
         if recording.saw_any() {
-            core.timed_pass(vm_id, recording.finish());
+            spine.timed(vm_id, recording.finish());
         }
     }
 }

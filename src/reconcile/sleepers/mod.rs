@@ -13,9 +13,10 @@
 //!   sleeper wanted running is resumed).
 //!
 //! Asleep is suspended, through the same crash-proof steps as any
-//! suspend (`suspend.rs`), and listening: the backend holds the VM's NICs
-//! open ([`Wake`](crate::provision::Wake)) and this module's one thread
-//! polls a copy of each (never reading it) with every other sleeper's.
+//! suspend (`suspension.rs`), and listening: the backend holds the VM's
+//! NICs open ([`Wake`](crate::provision::Wake)) and this module's one
+//! thread (`watch.rs`) polls a copy of each (never reading it) with every
+//! other sleeper's.
 //! The first frame pokes the VM's worker, whose pass resumes it like any
 //! resume (admitted first: a full host keeps it asleep, its row says why,
 //! the tick tries again, and the client's retransmits wait meanwhile) on
@@ -35,36 +36,69 @@
 //! (what arrives waits for the guest) but not polled: a site's network
 //! is the site's, and its chatter would wake it for nothing.
 //!
-//! Who woke it is seen on a packet socket on its tap that sees only the
-//! heads of IPv4 and ARP frames sent to the guest: the first one with
+//! Who woke it is told by the backend's witness of the frames sent to the
+//! guest ([`Witness`](crate::provision::Witness)): the first one with
 //! ports is reported (an ARP before it too, when a sender on the bridge
-//! asked for the guest first).
+//! asked for the guest first). The engine reads no frame itself.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
+use super::context::Context;
 use super::lifecycle::{self, State};
-use super::pass::{Core, Pass};
+use super::pass::Pass;
 use crate::model::{DesiredVm, Id, Phase, PowerState};
+use crate::provision::Lifecycle;
 use crate::state::Record;
 
-impl Core {
+mod watch;
+
+pub(crate) use watch::Poke;
+use watch::Watch;
+
+/// The sleepers' rules and their watch (its one thread), with the
+/// backend's [`Wake`](crate::provision::Wake) asked of when they need it.
+pub(crate) struct Sleepers {
+    watch: Watch,
+    backend: Arc<dyn Lifecycle>,
+}
+
+impl Sleepers {
+    /// `poke` runs a pass of a VM now: a woken one, or one quiet for its
+    /// idle time.
+    pub(crate) fn new(backend: Arc<dyn Lifecycle>, poke: Poke) -> Sleepers {
+        Sleepers {
+            watch: Watch::new(Arc::clone(&backend), poke),
+            backend,
+        }
+    }
+
+    /// Everything about the VM, gone with it.
+    pub(crate) fn forget(&self, vm_id: &Id) {
+        self.watch.forget(vm_id);
+    }
+
     /// What this pass drives the VM to, its sleep taken into account (see
     /// the module's rules); the record's sleep flags set to match, and
-    /// saved when they changed.
-    pub(crate) fn with_sleep<'d>(
+    /// saved when they changed. `answered`: whether its guest is up as its
+    /// entry says (see [`Probes::answered`](super::probes::Probes::answered)).
+    pub(crate) fn rules<'d>(
         &self,
+        ctx: &Context,
         d: &'d DesiredVm,
         rec: Option<&mut Record>,
+        answered: bool,
         pass: &mut Pass<'_>,
     ) -> Cow<'d, DesiredVm> {
         let Some(rec) = rec else {
             return Cow::Borrowed(d);
         };
         let was = (rec.asleep, rec.woken);
-        let power = self.sleep_power(d, rec);
+        let state = lifecycle::state(rec, ctx.budget());
+        let power = self.sleep_power(ctx, d, rec, state, answered);
         let waking = power == Some(PowerState::Running)
-            && lifecycle::state(rec, self.budget()) == State::Suspended
-            && self.sleepers.woken_at(&d.spec.vm_id).is_some();
+            && state == State::Suspended
+            && self.watch.woken_at(&d.spec.vm_id).is_some();
         if waking {
             pass.narrator(rec, PowerState::Suspended, Phase::Ready)
                 .say("waking: traffic arrived for it");
@@ -75,7 +109,7 @@ impl Core {
         // still says asleep, the next agent listens again, and the
         // client's retransmit wakes the VM as the first frame did.
         if (rec.asleep, rec.woken) != was && !waking {
-            self.save_best_effort(rec);
+            ctx.save_best_effort(rec);
             crate::crash::point("sleep.flags-saved");
         }
         match power {
@@ -84,9 +118,16 @@ impl Core {
         }
     }
 
-    fn sleep_power(&self, d: &DesiredVm, rec: &mut Record) -> Option<PowerState> {
+    fn sleep_power(
+        &self,
+        ctx: &Context,
+        d: &DesiredVm,
+        rec: &mut Record,
+        state: State,
+        answered: bool,
+    ) -> Option<PowerState> {
         let vm_id = &d.spec.vm_id;
-        let sleepers = &self.sleepers;
+        let sleepers = &self.watch;
         if !d.sleep.wake_on_traffic || d.power == PowerState::Stopped {
             rec.asleep = false;
             rec.woken = false;
@@ -96,7 +137,6 @@ impl Core {
         if d.power == PowerState::Running {
             rec.woken = false;
         }
-        let state = lifecycle::state(rec, self.budget());
         let sleeping = matches!(state, State::Suspended | State::Suspending);
         if !sleeping {
             rec.asleep = false;
@@ -119,7 +159,7 @@ impl Core {
         // Wanted running, or awake by a wake: quiet for its idle time, it
         // sleeps.
         let limit = self.idle_limit(d, rec);
-        let running = state == State::Up && self.prov.running(vm_id) && self.answered(d);
+        let running = state == State::Up && self.backend.running(vm_id) && answered;
         match limit {
             Some(limit) if running => {
                 sleepers.watch_quiet(vm_id, limit);
@@ -128,7 +168,7 @@ impl Core {
                         "VM {vm_id}: its guest sent nothing for {} s: suspending it until traffic wakes it",
                         limit.as_secs()
                     );
-                    self.counts.idle_suspends.inc();
+                    ctx.counts.idle_suspends.inc();
                     sleepers.unwatch_quiet(vm_id);
                     sleepers.slept(vm_id);
                     rec.asleep = d.power == PowerState::Running;
@@ -143,61 +183,58 @@ impl Core {
 
     /// How long the running VM may be idle before it sleeps: its entry's
     /// idle time, stretched while it wakes and sleeps in a loop (see
-    /// `Sleepers::stretched`); `None`: it never sleeps for idleness.
+    /// `Watch::stretched`); `None`: it never sleeps for idleness.
     fn idle_limit(&self, d: &DesiredVm, rec: &Record) -> Option<std::time::Duration> {
         let base = d.sleep.idle_limit(d.power, rec.woken)?;
-        Some(self.sleepers.stretched(&d.spec.vm_id, base))
-    }
-
-    /// Whether the running VM's guest is up as its entry says: its
-    /// readiness probe answered its hypervisor, or it has none. A guest
-    /// still booting sends nothing for seconds, and is not idle.
-    fn answered(&self, d: &DesiredVm) -> bool {
-        d.readiness.is_none()
-            || self
-                .probes
-                .lock()
-                .get(&d.spec.vm_id)
-                .is_some_and(|p| p.answered.is_some())
+        Some(self.watch.stretched(&d.spec.vm_id, base))
     }
 
     fn quit_listening(&self, vm_id: &Id) {
-        if self.sleepers.is_listening(vm_id) {
-            self.sleepers.quit(vm_id);
+        if self.watch.is_listening(vm_id) {
+            self.watch.quit(vm_id);
         }
-        if let Some(waker) = self.prov.waker() {
+        if let Some(waker) = self.backend.waker() {
             waker.stop_listening(vm_id);
         }
     }
 
     /// After the lifecycle's pass: a VM that sleeps now listens for its
     /// first frame, and one a frame woke says how soon it ran; its row
-    /// says both.
-    pub(crate) fn after_sleep(&self, d: &DesiredVm, pass: &mut Pass<'_>) {
+    /// says both. `saved` is its record as the lifecycle left it, in
+    /// `state`.
+    pub(crate) fn after(
+        &self,
+        ctx: &Context,
+        d: &DesiredVm,
+        saved: Option<&Record>,
+        state: Option<State>,
+        answered: bool,
+        pass: &mut Pass<'_>,
+    ) {
         let vm_id = &d.spec.vm_id;
-        let woke_at = self.sleepers.take_woken(vm_id);
+        let woke_at = self.watch.take_woken(vm_id);
         if !d.sleep.wake_on_traffic {
             return;
         }
-        let rec = match self.store.get(vm_id) {
-            Ok(Some(rec)) => rec,
-            _ => return,
+        let Some(rec) = saved else {
+            return;
         };
-        let suspended = lifecycle::state(&rec, self.budget()) == State::Suspended;
-        let running = !suspended && self.prov.running(vm_id);
+        let suspended = state == Some(State::Suspended);
+        let running = !suspended && self.backend.running(vm_id);
+        let sleepers = &self.watch;
         if let Some(at) = woke_at {
             if running {
                 let took = at.elapsed();
-                self.counts.wakes.observe(took);
-                self.sleepers.ran(vm_id, took);
+                ctx.counts.wakes.observe(took);
+                sleepers.ran(vm_id, took);
                 if let Some(base) = d.sleep.idle_limit(d.power, rec.woken)
-                    && self.sleepers.woke(vm_id, base)
+                    && sleepers.woke(vm_id, base)
                 {
-                    self.counts.wake_loops.inc();
+                    ctx.counts.wake_loops.inc();
                     log::info!(
                         "VM {vm_id}: woken again before it slept its idle time ({} s); it stays awake {} s idle before it sleeps again",
                         base.as_secs(),
-                        self.sleepers.stretched(vm_id, base).as_secs()
+                        sleepers.stretched(vm_id, base).as_secs()
                     );
                 }
                 log::info!(
@@ -207,32 +244,32 @@ impl Core {
             } else if suspended {
                 // Not resumed (no room on the host yet): still woken, for
                 // the tick to try again; the frame waits on its NIC.
-                self.sleepers.rewake(vm_id, at);
+                sleepers.rewake(vm_id, at);
             }
         }
         // Its idle watch from now: no pass may come before its idle time
         // is up (a daemon's tick can be an hour).
         if running
-            && self.answered(d)
-            && let Some(limit) = self.idle_limit(d, &rec)
+            && answered
+            && let Some(limit) = self.idle_limit(d, rec)
         {
-            self.sleepers.watch_quiet(vm_id, limit);
+            sleepers.watch_quiet(vm_id, limit);
         }
-        let mut listening = self.sleepers.is_listening(vm_id);
-        if suspended && wants_sleep(d, &rec) && !listening && woke_at.is_none() {
-            listening = self.listen(d, pass);
+        let mut listening = sleepers.is_listening(vm_id);
+        if suspended && wants_sleep(d, rec) && !listening && woke_at.is_none() {
+            listening = self.listen(ctx, d, pass);
         }
         if let Some(row) = pass.res.row.as_mut() {
             row.asleep = suspended && listening;
-            row.last_wake = self.sleepers.last_wake(vm_id);
+            row.last_wake = sleepers.last_wake(vm_id);
         }
     }
 
     /// Holds the sleeping VM's NICs and polls them; its row says why not
     /// when it cannot.
-    fn listen(&self, d: &DesiredVm, pass: &mut Pass<'_>) -> bool {
+    fn listen(&self, ctx: &Context, d: &DesiredVm, pass: &mut Pass<'_>) -> bool {
         let vm_id = &d.spec.vm_id;
-        let Some(waker) = self.prov.waker() else {
+        let Some(waker) = self.backend.waker() else {
             if let Some(row) = pass.res.row.as_mut() {
                 row.last_error =
                     "wake_on_traffic: this host's hypervisor cannot wake a VM on traffic".into();
@@ -241,14 +278,14 @@ impl Core {
         };
         match waker.listen(&d.spec) {
             Ok(listening) => {
-                self.sleepers.listen(vm_id, listening);
+                self.watch.listen(vm_id, listening);
                 crate::crash::point("wake.listening");
                 log::info!("VM {vm_id}: asleep; its next frame wakes it");
                 true
             }
             Err(e) => {
                 let why = crate::error::chain(&*e);
-                self.logs.warn(
+                ctx.logs.warn(
                     &format!("{vm_id}/listen"),
                     &format!("VM {vm_id}: cannot listen for traffic to wake it: {why}"),
                 );

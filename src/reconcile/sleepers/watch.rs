@@ -1,7 +1,8 @@
-//! The sleepers' state and their one thread, kept by the engine's core
-//! (what a pass does with them is `sleep.rs`'s, whose module says the
-//! rules): the VMs asleep and what is polled for each, the running ones
-//! watched for quiet, the wakes not yet acted on, and each VM's last wake.
+//! The sleepers' state and their one thread (what a pass does with them
+//! is the rules', in this folder's `mod.rs`): the VMs asleep and what is
+//! polled for each, the running ones watched for quiet, the wakes not yet
+//! acted on, and each VM's last wake, with who sent the frames that woke
+//! it as the backend's witness tells them.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -12,7 +13,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use parking_lot::Mutex;
 
 use crate::model::Id;
-use crate::provision::{Lifecycle, Listening};
+use crate::provision::{Lifecycle, Listening, Witness};
 use crate::threads::{OwnedThread, StopFlag, Wakeup};
 
 /// How often the idle VMs' counters are read.
@@ -20,7 +21,6 @@ const SAMPLE_EVERY: Duration = Duration::from_secs(1);
 /// How often the thread looks at what it polls when nothing can wake it.
 const RELOOK: Duration = Duration::from_millis(200);
 /// How long after a wake its frames are looked at to say who woke it.
-#[cfg(target_os = "linux")]
 const TELLING: Duration = Duration::from_secs(2);
 
 /// Runs a pass of a VM now (the engine's poke, without its spacing: a
@@ -29,7 +29,7 @@ pub(crate) type Poke = Arc<dyn Fn(&Id) + Send + Sync>;
 
 /// The sleepers and the idle watch, and their thread (started with the
 /// first VM that needs it).
-pub(crate) struct Sleepers {
+pub(super) struct Watch {
     shared: Arc<Shared>,
     thread: Mutex<Option<OwnedThread>>,
 }
@@ -43,7 +43,7 @@ struct Shared {
     woken: Mutex<HashMap<Id, Instant>>,
     /// The last wake of each VM, for its row.
     last: Mutex<HashMap<Id, LastWake>>,
-    /// How each VM's sleeps went (see [`Sleepers::stretched`]).
+    /// How each VM's sleeps went (see [`Watch::stretched`]).
     loops: Mutex<HashMap<Id, Loop>>,
     /// Wakes the thread when what it polls changed; `None` if the pipe
     /// could not be made (then it looks again every [`RELOOK`]).
@@ -54,8 +54,7 @@ struct Shared {
 
 struct Listener {
     ready: Vec<Arc<OwnedFd>>,
-    #[cfg(target_os = "linux")]
-    copy: Option<Arc<crate::net::packet::PacketSocket>>,
+    witness: Option<Arc<dyn Witness>>,
 }
 
 /// A VM's sleeps, to bound a wake loop.
@@ -83,19 +82,18 @@ struct LastWake {
     /// What was seen of the frames that woke it, first the first.
     by: Vec<String>,
     running_in: Option<Duration>,
-    #[cfg(target_os = "linux")]
-    telling: Option<(Arc<crate::net::packet::PacketSocket>, Instant)>,
+    telling: Option<(Arc<dyn Witness>, Instant)>,
 }
 
-impl Sleepers {
-    pub(crate) fn new(prov: Arc<dyn Lifecycle>, poke: Poke) -> Sleepers {
+impl Watch {
+    pub(super) fn new(prov: Arc<dyn Lifecycle>, poke: Poke) -> Watch {
         let wakeup = Wakeup::new()
             .map(Arc::new)
             .inspect_err(|e| {
                 log::error!("cannot make the pipe that wakes the sleepers' thread ({e}); what it polls is looked at every {RELOOK:?}");
             })
             .ok();
-        Sleepers {
+        Watch {
             shared: Arc::new(Shared {
                 listening: Mutex::default(),
                 quiet: Mutex::default(),
@@ -133,25 +131,15 @@ impl Sleepers {
         }
     }
 
-    pub(crate) fn is_listening(&self, vm_id: &Id) -> bool {
+    pub(super) fn is_listening(&self, vm_id: &Id) -> bool {
         self.shared.listening.lock().contains_key(vm_id)
     }
 
     /// Polls what `listening` gives for the VM's first frame.
     pub(super) fn listen(&self, vm_id: &Id, listening: Listening) {
-        #[cfg(target_os = "linux")]
-        let copy = listening.nic.as_deref().and_then(|nic| {
-            crate::net::packet::PacketSocket::open_to_guest_heads(nic)
-                .inspect_err(|e| {
-                    log::warn!("VM {vm_id}: cannot watch who wakes it on {nic}: {e}");
-                })
-                .ok()
-                .map(Arc::new)
-        });
         let listener = Listener {
             ready: listening.ready.into_iter().map(Arc::new).collect(),
-            #[cfg(target_os = "linux")]
-            copy,
+            witness: listening.witness.map(Arc::from),
         };
         self.shared.listening.lock().insert(vm_id.clone(), listener);
         self.ensure_thread();
@@ -207,7 +195,7 @@ impl Sleepers {
     }
 
     /// Stops listening for the VM and watching it; what it was woken by
-    /// is kept for its row (a destroyed VM's goes with [`Sleepers::forget`]).
+    /// is kept for its row (a destroyed VM's goes with [`Watch::forget`]).
     pub(super) fn quit(&self, vm_id: &Id) {
         self.shared.listening.lock().remove(vm_id);
         self.shared.woken.lock().remove(vm_id);
@@ -215,7 +203,7 @@ impl Sleepers {
     }
 
     /// Everything about the VM, gone with it.
-    pub(crate) fn forget(&self, vm_id: &Id) {
+    pub(super) fn forget(&self, vm_id: &Id) {
         self.quit(vm_id);
         self.shared.last.lock().remove(vm_id);
         self.shared.loops.lock().remove(vm_id);
@@ -270,7 +258,7 @@ impl Sleepers {
     }
 
     /// Its last wake, in words (see `VMStatus.last_wake`).
-    pub(crate) fn last_wake(&self, vm_id: &Id) -> String {
+    pub(super) fn last_wake(&self, vm_id: &Id) -> String {
         let last = self.shared.last.lock();
         let Some(w) = last.get(vm_id) else {
             return String::new();
@@ -308,15 +296,13 @@ impl Shared {
             at: Some(SystemTime::now()),
             ..LastWake::default()
         };
-        #[cfg(target_os = "linux")]
-        if let Some(copy) = &listener.copy {
-            w.telling = Some((Arc::clone(copy), Instant::now()));
+        if let Some(witness) = &listener.witness {
+            w.telling = Some((Arc::clone(witness), Instant::now()));
         }
         drop(last);
         // The worker first: a client waits on this resume, not on what is
         // said of it (the log, who sent the frame: told just after).
         (self.poke)(vm_id);
-        #[cfg(target_os = "linux")]
         if let Some(w) = self.last.lock().get_mut(vm_id) {
             tell(vm_id, w);
         }
@@ -354,19 +340,15 @@ impl Shared {
     }
 }
 
-/// Reads what the copy of a woken VM's frames has, into its last wake;
-/// done once a frame with ports (or any but ARP) was seen.
-#[cfg(target_os = "linux")]
+/// Takes what the witness of a woken VM's frames heard, into its last
+/// wake; done once a frame with ports (or any but ARP) was heard, or
+/// [`TELLING`] after the wake.
 fn tell(vm_id: &Id, w: &mut LastWake) {
-    let Some((copy, since)) = &w.telling else {
+    let Some((witness, since)) = &w.telling else {
         return;
     };
-    let mut buf = [0u8; 128];
     let mut done = since.elapsed() >= TELLING;
-    while let Ok(Some(n)) = copy.recv_now(&mut buf) {
-        let Some(seen) = crate::net::packet::describe(&buf[..n]) else {
-            continue;
-        };
+    for seen in witness.heard() {
         let arp = seen.starts_with("arp");
         if w.by.len() < 2 && !w.by.contains(&seen) {
             log::info!("VM {vm_id}: woken by {seen}");
@@ -391,15 +373,12 @@ fn run(shared: &Shared, stop: &StopFlag) {
             .iter()
             .flat_map(|(id, l)| l.ready.iter().map(|fd| (id.clone(), Arc::clone(fd))))
             .collect();
-        #[cfg(target_os = "linux")]
-        let copies: Vec<(Id, Arc<crate::net::packet::PacketSocket>)> = shared
+        let copies: Vec<(Id, Arc<dyn Witness>)> = shared
             .last
             .lock()
             .iter()
             .filter_map(|(id, w)| w.telling.as_ref().map(|(c, _)| (id.clone(), Arc::clone(c))))
             .collect();
-        #[cfg(not(target_os = "linux"))]
-        let copies: Vec<(Id, ())> = Vec::new();
         let mut set = Vec::with_capacity(fds.len() + copies.len() + 1);
         // Without a wakeup pipe, a placeholder that never fires: the
         // thread then looks again every RELOOK.
@@ -411,11 +390,10 @@ fn run(shared: &Shared, stop: &StopFlag) {
             fds.iter()
                 .map(|(_, fd)| PollFd::new(fd.as_fd(), PollFlags::POLLIN)),
         );
-        #[cfg(target_os = "linux")]
         set.extend(
             copies
                 .iter()
-                .map(|(_, c)| PollFd::new(c.as_fd(), PollFlags::POLLIN)),
+                .map(|(_, c)| PollFd::new(c.fd(), PollFlags::POLLIN)),
         );
         let timeout = if copies.is_empty() && shared.quiet.lock().is_empty() && !placeholder {
             PollTimeout::NONE
@@ -446,7 +424,6 @@ fn run(shared: &Shared, stop: &StopFlag) {
         for vm_id in fired {
             shared.fire(&vm_id);
         }
-        #[cfg(target_os = "linux")]
         for (vm_id, _) in &copies {
             if let Some(w) = shared.last.lock().get_mut(vm_id) {
                 tell(vm_id, w);
