@@ -408,6 +408,12 @@ fn enable_forwarding() -> Result<(), NetError> {
 /// other ethertype are dropped: no site policy here serves IPv6, and an
 /// IPv6 fragment hides its header from any rule that would inspect it.
 pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
+    ip_table(cfg) + &bridge_table(cfg)
+}
+
+/// The ip table: the guests' NAT, the published ports' DNAT, what a guest
+/// may reach of this host, and what it may reach beyond it.
+fn ip_table(cfg: &UnderlayConfig) -> String {
     let (t, b, s) = (&cfg.table, &cfg.bridge, cfg.subnet);
     let gateway = s.gateway();
     let set = |name: &str, ranges: &[Cidr]| {
@@ -489,8 +495,19 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \t\tiifname \"{b}\" accept\n\
          \t\toifname \"{b}\" counter drop comment \"a connection opened from outside\"\n\
          \t}}\n\
-         }}\n\
-         table bridge {t} {{}}\n\
+         }}\n",
+        deny_set = set("deny", &deny),
+        allow_set = set("allow", &cfg.egress.allow),
+    )
+}
+
+/// The bridge table: every guest tap's guard (see [`nft_ruleset`]), what
+/// reaches a sleeping guest, and the isolation of the taps the kernel
+/// does not isolate.
+fn bridge_table(cfg: &UnderlayConfig) -> String {
+    let t = &cfg.table;
+    format!(
+        "table bridge {t} {{}}\n\
          delete table bridge {t}\n\
          table bridge {t} {{\n\
          \tset macs {{\n\
@@ -540,8 +557,6 @@ pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
          \t}}\n\
          }}\n",
         unmark = !PUBLISHED_MARK,
-        deny_set = set("deny", &deny),
-        allow_set = set("allow", &cfg.egress.allow),
         prefix = cfg.tap_prefix,
     )
 }

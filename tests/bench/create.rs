@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 
 use eitri_agent::deadline::Deadline;
 use eitri_agent::model::{Id, Phase, PowerState, Snapshot, WantedVm};
+use eitri_agent::provision::cloudhv::argv::VmFiles;
 use eitri_agent::provision::cloudhv::{CloudHvConfig, CloudHypervisor};
 use eitri_agent::provision::supervise::StopTimeouts;
 use eitri_agent::reconcile::{Engine, EngineConfig};
@@ -99,27 +100,11 @@ impl Drop for Bench {
     }
 }
 
-/// One bare start of the real hypervisor `ch` booting `kernel`, confined
-/// as the agent confines a VMM (see the module header), in `dir`: the time
-/// from starting it to its API saying Running. The VMM is killed after.
-fn bare_confined_start(
-    ch: &Path,
-    kernel: &Path,
-    dir: &Path,
-    n: usize,
-    ids: (u32, u32),
-    cgroup_root: &str,
-) -> Result<Duration, Error> {
-    use eitri_agent::provision::cloudhv::argv::{
-        GuestImage, Nic, VmFiles, VmShape, argv, what_a_vmm_sees,
-    };
-    use eitri_agent::provision::jail::{self, fork, view};
-    use std::os::fd::OwnedFd;
-    let (uid, kvm_group) = ids;
-    let vm_id = Id::parse(&format!("bare-{n}"))?;
-    let vm = dir.join(vm_id.as_str());
-    std::fs::create_dir_all(&vm)?;
-    std::fs::set_permissions(&vm, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
+/// The files of a VM the bare start boots from, in `vm`, owned by `uid`
+/// as the agent gives them to its VMM.
+fn vm_files(vm: &Path, uid: u32) -> Result<VmFiles, Error> {
+    std::fs::create_dir_all(vm)?;
+    std::fs::set_permissions(vm, std::os::unix::fs::PermissionsExt::from_mode(0o711))?;
     let files = VmFiles {
         root_disk: vm.join("disk.raw"),
         seed: vm.join("seed.iso"),
@@ -139,6 +124,27 @@ fn bare_confined_start(
     }
     std::fs::create_dir_all(&files.snapshot_work)?;
     std::os::unix::fs::chown(&files.snapshot_work, Some(uid), Some(uid))?;
+    Ok(files)
+}
+
+/// One bare start of the real hypervisor `ch` booting `kernel`, confined
+/// as the agent confines a VMM (see the module header), in `dir`: the time
+/// from starting it to its API saying Running. The VMM is killed after.
+fn bare_confined_start(
+    ch: &Path,
+    kernel: &Path,
+    dir: &Path,
+    n: usize,
+    ids: (u32, u32),
+    cgroup_root: &str,
+) -> Result<Duration, Error> {
+    use eitri_agent::provision::cloudhv::argv::{GuestImage, Nic, VmShape, argv, what_a_vmm_sees};
+    use eitri_agent::provision::jail::{self, fork, view};
+    use std::os::fd::OwnedFd;
+    let (uid, kvm_group) = ids;
+    let vm_id = Id::parse(&format!("bare-{n}"))?;
+    let vm = dir.join(vm_id.as_str());
+    let files = vm_files(&vm, uid)?;
     let socket = vm.join("api.sock");
     let api = OwnedFd::from(std::os::unix::net::UnixListener::bind(&socket)?);
     let tap_name = format!("eb{:04x}{n:02}", std::process::id() & 0xffff);
@@ -578,21 +584,33 @@ fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
         " real_agent_ms_p50={agent_p50:.2} real_bare_confined_ms_p50={bare_p50:.2} real_overhead_ms_p50={:.2} real_durable_save_ms_p50={save_p50:.2}",
         agent_p50 - bare_p50
     );
-    if let Some(mut other) = other {
-        let passes = other.create_passes();
-        other.destroy_all(PATIENCE)?;
-        drop(other);
-        println!("the other build (EITRI_BENCH_AGENT_B), in the same turns:");
-        print_logged_stages(&passes[1..], percentile(second.clone(), 0.5));
-        let diff: Vec<f64> = second.iter().zip(&agent).map(|(b, a)| b - a).collect();
-        let second_p50 = percentile(second, 0.5);
-        figures.push_str(&format!(
-            " real_b_agent_ms_p50={second_p50:.2} real_b_overhead_ms_p50={:.2} real_b_minus_a_ms_p50={:.2}",
-            second_p50 - bare_p50,
-            percentile(diff, 0.5)
-        ));
+    if let Some(other) = other {
+        figures.push_str(&second_build(other, &second, &agent, bare_p50)?);
     }
     Ok(figures)
+}
+
+/// The other build's figures (`EITRI_BENCH_AGENT_B`), made in the same
+/// turns as the first's `agent`: its creates `second` against them and
+/// against the bare starts' p50, as the tail of the `bench=create` line.
+fn second_build(
+    mut other: daemon::Daemon,
+    second: &[f64],
+    agent: &[f64],
+    bare_p50: f64,
+) -> Result<String, Error> {
+    let passes = other.create_passes();
+    other.destroy_all(PATIENCE)?;
+    drop(other);
+    println!("the other build (EITRI_BENCH_AGENT_B), in the same turns:");
+    print_logged_stages(&passes[1..], percentile(second.to_vec(), 0.5));
+    let diff: Vec<f64> = second.iter().zip(agent).map(|(b, a)| b - a).collect();
+    let second_p50 = percentile(second.to_vec(), 0.5);
+    Ok(format!(
+        " real_b_agent_ms_p50={second_p50:.2} real_b_overhead_ms_p50={:.2} real_b_minus_a_ms_p50={:.2}",
+        second_p50 - bare_p50,
+        percentile(diff, 0.5)
+    ))
 }
 
 /// One small durable save made the way the agent saves its record (2 KiB:

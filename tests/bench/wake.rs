@@ -189,6 +189,135 @@ fn wait_sshd(
     Ok(())
 }
 
+/// The image the VMs are created from, as the desired file names it: the
+/// real guest's, copied into `images`, or the stand-in's base image.
+fn image(guest: &Guest, images: &Path) -> Result<(String, String), Error> {
+    Ok(match &guest.image {
+        Some(image) => {
+            let to = images.join("guest.raw");
+            std::fs::copy(image, &to)?;
+            (
+                format!("file://{}", to.display()),
+                eitri_agent::image::sha256_file(&to)?,
+            )
+        }
+        None => agent::base_image(images)?,
+    })
+}
+
+/// The `n` VMs' entries: each woken on traffic, asleep after 1 s idle,
+/// its guest's port published on a host port of its own.
+fn wake_vms(daemon: &daemon::Daemon, n: usize, guest: &Guest) -> Vec<serde_json::Value> {
+    (0..n)
+        .map(|i| {
+            let mut vm = daemon.vm(&format!("wake-{i}"));
+            vm["wake_on_traffic"] = true.into();
+            vm["idle_suspend_after_s"] = 1.into();
+            vm["published_ports"] = serde_json::json!([{
+                "host_port": FIRST_PORT + i as u16, "guest_port": guest.port,
+            }]);
+            // The stand-in's guest holds no memory: a thousand of them are
+            // admitted on a small host.
+            vm["mem_mb"] = 16.into();
+            if guest.image.is_some() {
+                vm["disk_gb"] = 2.into();
+                vm["mem_mb"] = 512.into();
+            }
+            vm
+        })
+        .collect()
+}
+
+/// A real guest first boots, running and never idle, to its sshd
+/// answering (a guest suspended mid-boot would wake to a port nobody
+/// listens on yet). Then the baseline no wake touched: the same connect
+/// to each guest before it ever slept (the running connect after a wake
+/// still meets pages the restore has not brought in), each timed.
+fn boot_first(
+    daemon: &daemon::Daemon,
+    vms: &[serde_json::Value],
+    guest: &Guest,
+    netns: &str,
+    patience: Duration,
+) -> Result<Vec<Duration>, Error> {
+    let booting: Vec<serde_json::Value> = vms
+        .iter()
+        .map(|vm| {
+            let mut vm = vm.clone();
+            vm["wake_on_traffic"] = false.into();
+            vm["idle_suspend_after_s"] = 0.into();
+            vm
+        })
+        .collect();
+    daemon.desire(&booting)?;
+    wait_sshd(daemon, vms.len(), guest.port, patience * 3)?;
+    let mut never_slept = Vec::new();
+    for _ in 0..NEVER_SLEPT_CONNECTS {
+        for i in 0..vms.len().min(WOKEN) {
+            never_slept.push(connect(netns, FIRST_PORT + i as u16)?.0);
+        }
+    }
+    Ok(never_slept)
+}
+
+/// What the rounds of wakes measured.
+struct Woken {
+    /// Each first connect, which wakes its VM.
+    wakes: Vec<Duration>,
+    /// Each connect right after, to the VM it woke.
+    running: Vec<Duration>,
+    /// The first connects' SYNs sent again.
+    retransmitted: u32,
+}
+
+/// [`ROUNDS`] rounds: once every VM is asleep, a connect to each of the
+/// first [`WOKEN`], which wakes it, and one more to it awake. The agent's
+/// log is kept where `EITRI_BENCH_LOG` says, rounds cut short or not.
+fn wake_rounds(
+    daemon: &daemon::Daemon,
+    vms_n: usize,
+    netns: &str,
+    patience: Duration,
+    all_asleep: &dyn Fn(&[serde_json::Value]) -> bool,
+) -> Result<Woken, Error> {
+    let mut woken = Woken {
+        wakes: Vec::new(),
+        running: Vec::new(),
+        retransmitted: 0,
+    };
+    let log_from = daemon.log().len();
+    let rounds = (|| -> Result<(), Error> {
+        for round in 0..ROUNDS {
+            daemon.wait_rows(
+                &format!("round {round}: every VM asleep"),
+                patience,
+                all_asleep,
+            )?;
+            for i in 0..vms_n.min(WOKEN) {
+                let port = FIRST_PORT + i as u16;
+                let (took, again) = connect(netns, port)?;
+                woken.wakes.push(took);
+                woken.retransmitted += again;
+                let (took, _) = connect(netns, port)?;
+                woken.running.push(took);
+            }
+        }
+        Ok(())
+    })();
+    // The last wake's resume is logged once its snapshot is discarded,
+    // after its guest answered: given a moment to land.
+    let until = Instant::now() + Duration::from_secs(5);
+    while logged(&daemon.log(), log_from, ": resumed in ").len() < woken.wakes.len()
+        && Instant::now() < until
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if let Some(keep) = std::env::var_os("EITRI_BENCH_LOG") {
+        std::fs::write(keep, daemon.log())?;
+    }
+    rounds.map(|()| woken)
+}
+
 fn main() -> Result<(), Error> {
     eitri_agent::testkit::net::private_network();
     let dir = tempfile::tempdir()?;
@@ -205,17 +334,7 @@ fn main() -> Result<(), Error> {
     let guest = guest(dir.path())?;
     let images = dir.path().join("images");
     std::fs::create_dir_all(&images)?;
-    let (url, sha) = match &guest.image {
-        Some(image) => {
-            let to = images.join("guest.raw");
-            std::fs::copy(image, &to)?;
-            (
-                format!("file://{}", to.display()),
-                eitri_agent::image::sha256_file(&to)?,
-            )
-        }
-        None => agent::base_image(&images)?,
-    };
+    let (url, sha) = image(&guest, &images)?;
     let _remote = eitri_agent::testkit::net::remote_host(&cleanup.netns, "etwake");
     // More of the agent's flags, to compare settings in turns (e.g.
     // `--userfaultfd-device=`: resumes that read the whole snapshot first).
@@ -251,52 +370,12 @@ fn main() -> Result<(), Error> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(VMS);
     let patience = PATIENCE * u32::try_from(vms_n.div_ceil(100)).unwrap_or(1);
-    let names: Vec<String> = (0..vms_n).map(|i| format!("wake-{i}")).collect();
-    let vms: Vec<serde_json::Value> = names
-        .iter()
-        .enumerate()
-        .map(|(i, name)| {
-            let mut vm = daemon.vm(name);
-            vm["wake_on_traffic"] = true.into();
-            vm["idle_suspend_after_s"] = 1.into();
-            vm["published_ports"] = serde_json::json!([{
-                "host_port": FIRST_PORT + i as u16, "guest_port": guest.port,
-            }]);
-            // The stand-in's guest holds no memory: a thousand of them are
-            // admitted on a small host.
-            vm["mem_mb"] = 16.into();
-            if guest.image.is_some() {
-                vm["disk_gb"] = 2.into();
-                vm["mem_mb"] = 512.into();
-            }
-            vm
-        })
-        .collect();
-    let mut never_slept = Vec::new();
-    // A real guest first boots, running and never idle, to its sshd
-    // answering (a guest suspended mid-boot would wake to a port nobody
-    // listens on yet).
-    if guest.image.is_some() {
-        let booting: Vec<serde_json::Value> = vms
-            .iter()
-            .map(|vm| {
-                let mut vm = vm.clone();
-                vm["wake_on_traffic"] = false.into();
-                vm["idle_suspend_after_s"] = 0.into();
-                vm
-            })
-            .collect();
-        daemon.desire(&booting)?;
-        wait_sshd(&daemon, vms_n, guest.port, patience * 3)?;
-        // The baseline no wake touched: the same connect to each guest
-        // before it ever slept (the running connect after a wake still
-        // meets pages the restore has not brought in).
-        for _ in 0..NEVER_SLEPT_CONNECTS {
-            for i in 0..vms_n.min(WOKEN) {
-                never_slept.push(connect(&cleanup.netns, FIRST_PORT + i as u16)?.0);
-            }
-        }
-    }
+    let vms = wake_vms(&daemon, vms_n, &guest);
+    let never_slept = if guest.image.is_some() {
+        boot_first(&daemon, &vms, &guest, &cleanup.netns, patience)?
+    } else {
+        Vec::new()
+    };
     let vms: Vec<serde_json::Value> = vms
         .into_iter()
         .map(|mut vm| {
@@ -310,40 +389,13 @@ fn main() -> Result<(), Error> {
     };
     daemon.wait_rows("every VM asleep", patience, all_asleep)?;
     let (rss_mb, threads, fds) = cost(daemon.pid())?;
-    let (mut wakes, mut running, mut retransmitted) = (Vec::new(), Vec::new(), 0u32);
     let log_from = daemon.log().len();
-    let rounds = (|| -> Result<(), Error> {
-        for round in 0..ROUNDS {
-            daemon.wait_rows(
-                &format!("round {round}: every VM asleep"),
-                patience,
-                all_asleep,
-            )?;
-            for i in 0..vms_n.min(WOKEN) {
-                let port = FIRST_PORT + i as u16;
-                let (took, again) = connect(&cleanup.netns, port)?;
-                wakes.push(took);
-                retransmitted += again;
-                let (took, _) = connect(&cleanup.netns, port)?;
-                running.push(took);
-            }
-        }
-        Ok(())
-    })();
-    // The last wake's resume is logged once its snapshot is discarded,
-    // after its guest answered: given a moment to land.
-    let until = Instant::now() + Duration::from_secs(5);
-    while logged(&daemon.log(), log_from, ": resumed in ").len() < wakes.len()
-        && Instant::now() < until
-    {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let Woken {
+        wakes,
+        running,
+        retransmitted,
+    } = wake_rounds(&daemon, vms_n, &cleanup.netns, patience, &all_asleep)?;
     let log = daemon.log();
-    // The agent's log, kept where EITRI_BENCH_LOG says.
-    if let Some(keep) = std::env::var_os("EITRI_BENCH_LOG") {
-        std::fs::write(keep, &log)?;
-    }
-    rounds?;
     let resumes = logged(&log, log_from, ": resumed in ");
     let agent_wakes = logged(&log, log_from, "its guest ran ");
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);

@@ -438,7 +438,6 @@ impl Host {
         let mut passing = BTreeSet::new();
         let vmms = self.vmms();
         let records = self.records();
-        let report = self.report();
         for (vm, want) in &d.vms {
             let live = vmms.get(vm).map_or(0, Vec::len);
             let snapshot = self
@@ -522,7 +521,19 @@ impl Host {
                 ));
             }
         }
-        match report {
+        self.report_problems(d, &vmms, &mut out);
+        (out, passing)
+    }
+
+    /// What the report says wrong of the host against `d`, whose VMMs
+    /// are `vmms`, into `out`.
+    fn report_problems(
+        &self,
+        d: &Desired,
+        vmms: &BTreeMap<String, Vec<(i32, u64)>>,
+        out: &mut Vec<String>,
+    ) {
+        match self.report() {
             None => out.push("no report.json".into()),
             Some(r) if r["written_at_unix_ms"].as_u64().unwrap_or(0) < self.started_ms => {
                 out.push("report.json not yet written by the restarted agent".into())
@@ -561,7 +572,6 @@ impl Host {
                 }
             }
         }
-        (out, passing)
     }
 
     /// Waits for the host to converge on `d` and stay so for [`STEADY`];

@@ -562,63 +562,9 @@ fn unix_ns() -> u128 {
         .map_or(0, |d| d.as_nanos())
 }
 
-fn main() {
-    let started_ns = unix_ns();
-    let args = Args::parse();
-    if args.has("standin-sleep") {
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        }
-    }
-    if args.has("version") {
-        println!("cloud-hypervisor v53.0");
-        return;
-    }
-    let log = Arc::new(Log(args
-        .flags
-        .get("log-file")
-        .and_then(|v| v.first())
-        // Truncated, as cloud-hypervisor's own `File::create` does: a VMM's
-        // log holds only what it said (seen on v54: a restarted VMM's log
-        // began with its own first line).
-        .and_then(|p| File::create(p).ok())
-        .map(Mutex::new)));
-    if let Err(e) = check(&args, &log) {
-        log.line(&format!("Error: {e}"));
-        eprintln!("error: {e}");
-        std::process::exit(2);
-    }
-    if let Some(msg) = knob("STANDIN_FAIL_START") {
-        log.line(&format!("Error: {msg}"));
-        std::process::exit(1);
-    }
-    if knob("STANDIN_IGNORE_SHUTDOWN").is_some() {
-        // SAFETY: setting SIGTERM's disposition to ignore installs no
-        // handler code; it is done before any other thread exists.
-        unsafe {
-            let _ = nix::sys::signal::signal(
-                nix::sys::signal::Signal::SIGTERM,
-                nix::sys::signal::SigHandler::SigIgn,
-            );
-        }
-    }
-    // A restore takes its VM from the snapshot's config instead.
-    let restored = match args.option("restore", "source_url") {
-        Some(url) => match restore(&args, &url, &log) {
-            Ok(config) => Some(config),
-            Err(e) => {
-                log.line(&format!("Error restoring VM: {e}"));
-                std::process::exit(1);
-            }
-        },
-        None => None,
-    };
-    if let (None, Some(serial)) = (&restored, args.option("serial", "file")) {
-        let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
-        if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
-            std::thread::spawn(move || flood(&serial, rate, false));
-        }
-    }
+/// What the knobs ask of this VMM's load: its log flooded, its vCPUs
+/// spinning for a CPU cap to hold back.
+fn load(args: &Args) {
     if let (Some(path), Some(rate)) = (
         args.flags.get("log-file").and_then(|v| v.first()).cloned(),
         knob("STANDIN_LOG_FLOOD").and_then(|v| v.parse::<u64>().ok()),
@@ -637,17 +583,13 @@ fn main() {
             });
         }
     }
-    // The NIC's fd is held for the process's life, like a real VMM holds its
-    // tap: the tap exists exactly as long as this process does.
-    let _net_fd = args.option("net", "fd");
-    if knob("STANDIN_GUEST_TCP").is_some()
-        && let Some((fd, mac)) = first_nic(&args, restored.as_ref())
-    {
-        let log = Arc::clone(&log);
-        std::thread::spawn(move || wire::answer(fd, mac, |said| log.line(said)));
-    }
+}
+
+/// What the knobs ask it to try as a VMM its guest took over (or one that
+/// crashes), each tried and its outcome logged.
+fn tried_by_a_guest(log: &Arc<Log>) {
     if let Some(ms) = knob("STANDIN_CRASH_AFTER_MS").and_then(|v| v.parse::<u64>().ok()) {
-        let log = Arc::clone(&log);
+        let log = Arc::clone(log);
         std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(ms));
             log.line("Error running VM: vCPU error: KVM internal error (emulation failure)");
@@ -713,11 +655,88 @@ fn main() {
             Err(e) => log.line(&format!("standin-child not started: {e}")),
         }
     }
+}
+
+fn main() {
+    let started_ns = unix_ns();
+    let args = Args::parse();
+    if args.has("standin-sleep") {
+        loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        }
+    }
+    if args.has("version") {
+        println!("cloud-hypervisor v53.0");
+        return;
+    }
+    let log = Arc::new(Log(args
+        .flags
+        .get("log-file")
+        .and_then(|v| v.first())
+        // Truncated, as cloud-hypervisor's own `File::create` does: a VMM's
+        // log holds only what it said (seen on v54: a restarted VMM's log
+        // began with its own first line).
+        .and_then(|p| File::create(p).ok())
+        .map(Mutex::new)));
+    if let Err(e) = check(&args, &log) {
+        log.line(&format!("Error: {e}"));
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
+    if let Some(msg) = knob("STANDIN_FAIL_START") {
+        log.line(&format!("Error: {msg}"));
+        std::process::exit(1);
+    }
+    if knob("STANDIN_IGNORE_SHUTDOWN").is_some() {
+        // SAFETY: setting SIGTERM's disposition to ignore installs no
+        // handler code; it is done before any other thread exists.
+        unsafe {
+            let _ = nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGTERM,
+                nix::sys::signal::SigHandler::SigIgn,
+            );
+        }
+    }
+    // A restore takes its VM from the snapshot's config instead.
+    let restored = match args.option("restore", "source_url") {
+        Some(url) => match restore(&args, &url, &log) {
+            Ok(config) => Some(config),
+            Err(e) => {
+                log.line(&format!("Error restoring VM: {e}"));
+                std::process::exit(1);
+            }
+        },
+        None => None,
+    };
+    if let (None, Some(serial)) = (&restored, args.option("serial", "file")) {
+        let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
+        if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
+            std::thread::spawn(move || flood(&serial, rate, false));
+        }
+    }
+    load(&args);
+    // The NIC's fd is held for the process's life, like a real VMM holds its
+    // tap: the tap exists exactly as long as this process does.
+    let _net_fd = args.option("net", "fd");
+    if knob("STANDIN_GUEST_TCP").is_some()
+        && let Some((fd, mac)) = first_nic(&args, restored.as_ref())
+    {
+        let log = Arc::clone(&log);
+        std::thread::spawn(move || wire::answer(fd, mac, |said| log.line(said)));
+    }
+    tried_by_a_guest(&log);
     if knob("STANDIN_NO_SOCKET").is_some() {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
+    listen(&args, &log, started_ns, restored);
+}
+
+/// Serves the API on the agent's socket: passed in listening (nothing to
+/// bind or lock), or a path bound here, as cloud-hypervisor does, refused
+/// while another instance holds it.
+fn listen(args: &Args, log: &Arc<Log>, started_ns: u128, restored: Option<Config>) {
     // The agent's socket, passed in listening: nothing to bind or lock.
     if let Some(fd) = args.option("api-socket", "fd") {
         let Some(fd) = fd.parse::<i32>().ok().filter(|fd| *fd > 2) else {
@@ -730,7 +749,7 @@ fn main() {
         // SAFETY: the fd was inherited for this purpose and nothing else in
         // this process owns it.
         let listener = unsafe { UnixListener::from_raw_fd(fd) };
-        serve_all(listener, &args, &log, started_ns, None, restored);
+        serve_all(listener, args, log, started_ns, None, restored);
         return;
     }
     let Some(socket) = args.option("api-socket", "path").map(PathBuf::from) else {
@@ -759,7 +778,7 @@ fn main() {
             std::process::exit(1);
         }
     };
-    serve_all(listener, &args, &log, started_ns, Some(socket), restored);
+    serve_all(listener, args, log, started_ns, Some(socket), restored);
 }
 
 /// A restore from `url` (`file://DIR`, as `--restore source_url=` gives
@@ -900,125 +919,16 @@ fn serve(
     let mut reader = BufReader::new(conn);
     let mut out = write_half;
     loop {
-        let mut line = String::new();
-        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+        let Some((method, path, body)) = read_request(&mut reader) else {
             return;
-        }
-        let mut parts = line.split_whitespace();
-        let (method, path) = (
-            parts.next().unwrap_or("").to_owned(),
-            parts.next().unwrap_or("").to_owned(),
-        );
-        let mut len = 0usize;
-        loop {
-            let mut h = String::new();
-            if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                return;
-            }
-            if h == "\r\n" {
-                break;
-            }
-            if let Some((n, v)) = h.split_once(':')
-                && n.eq_ignore_ascii_case("content-length")
-            {
-                len = v.trim().parse().unwrap_or(0);
-            }
-        }
-        let mut body = vec![0u8; len];
-        if reader.read_exact(&mut body).is_err() {
-            return;
-        }
+        };
         if knob("STANDIN_FLOOD_ANSWERS").is_some() {
             // A status line that never ends, for as long as the peer reads.
             let chunk = [b'A'; 64 << 10];
             while out.write_all(&chunk).is_ok() {}
             return;
         }
-        let ignore = knob("STANDIN_IGNORE_SHUTDOWN").is_some();
-        let (code, reply, then_exit) = {
-            let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
-            match (method.as_str(), path.as_str()) {
-                ("GET", "/api/v1/vmm.ping") => (
-                    200,
-                    format!(
-                        r#"{{"build_version":"v53.0-standin","version":"53.0.0","pid":{},"features":[]}}"#,
-                        std::process::id()
-                    ),
-                    false,
-                ),
-                ("GET", "/api/v1/vm.info") if *s == "Deleted" => (
-                    404,
-                    r#"["Error from API","The VM info is not available","VM is not created"]"#
-                        .to_owned(),
-                    false,
-                ),
-                ("GET", "/api/v1/vm.info") => {
-                    let mut config = config.0.clone();
-                    if let Some(forged) = knob("STANDIN_INFO_FORGE") {
-                        forge(&mut config, &forged);
-                    }
-                    let info = serde_json::json!({"state": *s, "config": config, "memory_actual_size": 0});
-                    (200, info.to_string(), false)
-                }
-                ("PUT", "/api/v1/vm.boot") | ("PUT", "/api/v1/vm.resume") => {
-                    *s = "Running".into();
-                    (204, String::new(), false)
-                }
-                ("PUT", "/api/v1/vm.shutdown") => {
-                    *s = "Created".into();
-                    (204, String::new(), false)
-                }
-                ("PUT", "/api/v1/vm.power-button") => {
-                    if !ignore {
-                        // The guest hears the button and powers off, and
-                        // a real VMM exits 0 when its guest does.
-                        *s = "Shutdown".into();
-                    }
-                    (204, String::new(), !ignore)
-                }
-                ("PUT", "/api/v1/vm.pause") => {
-                    *s = "Paused".into();
-                    (204, String::new(), false)
-                }
-                ("PUT", "/api/v1/vm.snapshot") if *s != "Paused" => (
-                    500,
-                    r#"["Error from API","The VM could not be snapshotted","VM is not paused"]"#
-                        .to_owned(),
-                    false,
-                ),
-                ("PUT", "/api/v1/vm.snapshot") if knob("STANDIN_SNAPSHOT_FAIL").is_some() => (
-                    500,
-                    r#"["Error from API","The VM could not be snapshotted","STANDIN_SNAPSHOT_FAIL"]"#
-                        .to_owned(),
-                    false,
-                ),
-                ("PUT", "/api/v1/vm.snapshot") => {
-                    let dir = serde_json::from_slice::<serde_json::Value>(&body)
-                        .ok()
-                        .and_then(|v| v.get("destination_url")?.as_str().map(str::to_owned))
-                        .and_then(|url| url.strip_prefix("file://").map(PathBuf::from));
-                    match dir.map(|d| write_snapshot(&d, config)) {
-                        Some(Ok(())) => (204, String::new(), false),
-                        Some(Err(e)) => (
-                            500,
-                            format!(r#"["Error from API","The VM could not be snapshotted","{}"]"#, e.replace('"', "'")),
-                            false,
-                        ),
-                        None => (400, r#"["Error from API","no destination_url"]"#.to_owned(), false),
-                    }
-                }
-                ("PUT", "/api/v1/vm.delete") => {
-                    *s = "Deleted".into();
-                    (204, String::new(), false)
-                }
-                ("PUT", "/api/v1/vmm.shutdown") => (200, String::new(), !ignore),
-                _ => (
-                    404,
-                    r#"["Error from API","unknown endpoint"]"#.to_owned(),
-                    false,
-                ),
-            }
-        };
+        let (code, reply, then_exit) = answer(&method, &path, &body, state, config);
         let head = format!(
             "HTTP/1.1 {code} \r\nServer: Cloud Hypervisor API\r\nConnection: keep-alive\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             reply.len()
@@ -1038,5 +948,137 @@ fn serve(
             }
             std::process::exit(0);
         }
+    }
+}
+
+/// One request off the connection: its method, path and body; `None`
+/// once the peer is gone.
+fn read_request(reader: &mut BufReader<UnixStream>) -> Option<(String, String, Vec<u8>)> {
+    let mut line = String::new();
+    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+        return None;
+    }
+    let mut parts = line.split_whitespace();
+    let (method, path) = (
+        parts.next().unwrap_or("").to_owned(),
+        parts.next().unwrap_or("").to_owned(),
+    );
+    let mut len = 0usize;
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h).unwrap_or(0) == 0 {
+            return None;
+        }
+        if h == "\r\n" {
+            break;
+        }
+        if let Some((n, v)) = h.split_once(':')
+            && n.eq_ignore_ascii_case("content-length")
+        {
+            len = v.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0u8; len];
+    reader.read_exact(&mut body).ok()?;
+    Some((method, path, body))
+}
+
+/// What the VMM answers `method` on `path`: the status code, the body,
+/// and whether it exits once the answer is sent (as cloud-hypervisor does
+/// on `vmm.shutdown`, and when its guest powers off).
+fn answer(
+    method: &str,
+    path: &str,
+    body: &[u8],
+    state: &Mutex<String>,
+    config: &Config,
+) -> (u16, String, bool) {
+    let ignore = knob("STANDIN_IGNORE_SHUTDOWN").is_some();
+    let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+    match (method, path) {
+        ("GET", "/api/v1/vmm.ping") => (
+            200,
+            format!(
+                r#"{{"build_version":"v53.0-standin","version":"53.0.0","pid":{},"features":[]}}"#,
+                std::process::id()
+            ),
+            false,
+        ),
+        ("GET", "/api/v1/vm.info") if *s == "Deleted" => (
+            404,
+            r#"["Error from API","The VM info is not available","VM is not created"]"#.to_owned(),
+            false,
+        ),
+        ("GET", "/api/v1/vm.info") => {
+            let mut config = config.0.clone();
+            if let Some(forged) = knob("STANDIN_INFO_FORGE") {
+                forge(&mut config, &forged);
+            }
+            let info = serde_json::json!({"state": *s, "config": config, "memory_actual_size": 0});
+            (200, info.to_string(), false)
+        }
+        ("PUT", "/api/v1/vm.boot") | ("PUT", "/api/v1/vm.resume") => {
+            *s = "Running".into();
+            (204, String::new(), false)
+        }
+        ("PUT", "/api/v1/vm.shutdown") => {
+            *s = "Created".into();
+            (204, String::new(), false)
+        }
+        ("PUT", "/api/v1/vm.power-button") => {
+            if !ignore {
+                // The guest hears the button and powers off, and
+                // a real VMM exits 0 when its guest does.
+                *s = "Shutdown".into();
+            }
+            (204, String::new(), !ignore)
+        }
+        ("PUT", "/api/v1/vm.pause") => {
+            *s = "Paused".into();
+            (204, String::new(), false)
+        }
+        ("PUT", "/api/v1/vm.snapshot") if *s != "Paused" => (
+            500,
+            r#"["Error from API","The VM could not be snapshotted","VM is not paused"]"#.to_owned(),
+            false,
+        ),
+        ("PUT", "/api/v1/vm.snapshot") if knob("STANDIN_SNAPSHOT_FAIL").is_some() => (
+            500,
+            r#"["Error from API","The VM could not be snapshotted","STANDIN_SNAPSHOT_FAIL"]"#
+                .to_owned(),
+            false,
+        ),
+        ("PUT", "/api/v1/vm.snapshot") => {
+            let dir = serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("destination_url")?.as_str().map(str::to_owned))
+                .and_then(|url| url.strip_prefix("file://").map(PathBuf::from));
+            match dir.map(|d| write_snapshot(&d, config)) {
+                Some(Ok(())) => (204, String::new(), false),
+                Some(Err(e)) => (
+                    500,
+                    format!(
+                        r#"["Error from API","The VM could not be snapshotted","{}"]"#,
+                        e.replace('"', "'")
+                    ),
+                    false,
+                ),
+                None => (
+                    400,
+                    r#"["Error from API","no destination_url"]"#.to_owned(),
+                    false,
+                ),
+            }
+        }
+        ("PUT", "/api/v1/vm.delete") => {
+            *s = "Deleted".into();
+            (204, String::new(), false)
+        }
+        ("PUT", "/api/v1/vmm.shutdown") => (200, String::new(), !ignore),
+        _ => (
+            404,
+            r#"["Error from API","unknown endpoint"]"#.to_owned(),
+            false,
+        ),
     }
 }

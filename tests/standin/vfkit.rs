@@ -116,21 +116,7 @@ fn main() {
             "EFI variable store {store} does not exist (add ,create)"
         ));
     }
-    let mut console = None;
-    for device in flags.get("device").into_iter().flatten() {
-        let (kind, opts) = options(device);
-        match kind.as_str() {
-            "virtio-blk" => check_disk(opts.get("path").map_or("", String::as_str)),
-            "virtio-net" => {
-                if !opts.contains_key("nat") || !opts.contains_key("mac") {
-                    fail("virtio-net: only nat,mac=… is imitated");
-                }
-            }
-            "virtio-serial" => console = opts.get("logFilePath").cloned(),
-            "virtio-rng" => {}
-            other => fail(&format!("unknown device type {other:?}")),
-        }
-    }
+    let console = check_devices(&flags);
     let uri = one(&flags, "restful-uri");
     let Some(socket) = uri.strip_prefix("unix://") else {
         fail(&format!("--restful-uri {uri:?}: only unix:// is imitated"));
@@ -146,6 +132,33 @@ fn main() {
         let _ = std::fs::write(path, b"[    0.000000] Linux version 6.1 (stand-in guest)\n");
     }
     eprintln!("time=\"now\" level=info msg=\"virtual machine is running\"");
+    serve(&listener);
+}
+
+/// Its devices checked as vfkit would (a disk raw, a NIC nat with a MAC);
+/// where its console goes, if it has one.
+fn check_devices(flags: &HashMap<String, Vec<String>>) -> Option<String> {
+    let mut console = None;
+    for device in flags.get("device").into_iter().flatten() {
+        let (kind, opts) = options(device);
+        match kind.as_str() {
+            "virtio-blk" => check_disk(opts.get("path").map_or("", String::as_str)),
+            "virtio-net" => {
+                if !opts.contains_key("nat") || !opts.contains_key("mac") {
+                    fail("virtio-net: only nat,mac=… is imitated");
+                }
+            }
+            "virtio-serial" => console = opts.get("logFilePath").cloned(),
+            "virtio-rng" => {}
+            other => fail(&format!("unknown device type {other:?}")),
+        }
+    }
+    console
+}
+
+/// The RESTful API on `listener`, a request at a time, until a stop ends
+/// the process.
+fn serve(listener: &UnixListener) {
     let ignore_stop = std::env::var_os("STANDIN_VFKIT_IGNORE_STOP").is_some();
     let mut paused = false;
     for conn in listener.incoming() {

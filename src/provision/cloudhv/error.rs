@@ -183,20 +183,12 @@ impl fmt::Display for CloudHvError {
                 "cannot open /dev/kvm read-write; load kvm_intel or kvm_amd and give the agent access to it",
             ),
             E::NoTun => f.write_str("/dev/net/tun is missing; load the tun module (modprobe tun)"),
-            E::HugePageSize { vm_id, mem_mb } => write!(
-                f,
-                "VM {vm_id}: {mem_mb} MiB of memory is no whole number of the 2 MiB huge pages this host backs guests with (--guest-hugepages); ask for {} or {} MiB",
-                mem_mb - 1,
-                mem_mb + 1
-            ),
+            E::HugePageSize { vm_id, mem_mb } => odd_huge_page_size(f, vm_id, *mem_mb),
             E::HugePages {
                 vm_id,
                 need,
                 available,
-            } => write!(
-                f,
-                "VM {vm_id}: its memory needs {need} huge pages of 2 MiB and this host's pool has {available} left; raise vm.nr_hugepages, or lower --max-mem-mb if something besides the agent's guests uses the pool"
-            ),
+            } => pool_short(f, vm_id, *need, *available),
             E::HugePagePool { .. } => f.write_str(
                 "cannot read this host's 2 MiB huge page pool (/sys/kernel/mm/hugepages/hugepages-2048kB)",
             ),
@@ -260,6 +252,24 @@ impl fmt::Display for CloudHvError {
             E::Supervise(e) => e.fmt(f),
         }
     }
+}
+
+/// [`CloudHvError::HugePageSize`]'s words.
+fn odd_huge_page_size(f: &mut fmt::Formatter<'_>, vm_id: &Id, mem_mb: u64) -> fmt::Result {
+    write!(
+        f,
+        "VM {vm_id}: {mem_mb} MiB of memory is no whole number of the 2 MiB huge pages this host backs guests with (--guest-hugepages); ask for {} or {} MiB",
+        mem_mb - 1,
+        mem_mb + 1
+    )
+}
+
+/// [`CloudHvError::HugePages`]'s words.
+fn pool_short(f: &mut fmt::Formatter<'_>, vm_id: &Id, need: u64, available: u64) -> fmt::Result {
+    write!(
+        f,
+        "VM {vm_id}: its memory needs {need} huge pages of 2 MiB and this host's pool has {available} left; raise vm.nr_hugepages, or lower --max-mem-mb if something besides the agent's guests uses the pool"
+    )
 }
 
 impl std::error::Error for CloudHvError {
