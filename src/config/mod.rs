@@ -16,10 +16,22 @@ use crate::reconcile::EngineConfig;
 use crate::source::ControlPlane;
 
 mod file;
+mod guests;
+mod read;
 mod run;
 mod settings;
+mod usage;
+mod verbs;
 
-use settings::{Key, Section};
+pub use usage::usage;
+use usage::{
+    check_usage, config_usage, epoch_usage, host_key_usage, images_usage, keygen_usage, logs_usage,
+    release_usage, run_usage, sign_usage, status_usage,
+};
+use verbs::{
+    parse_epoch, parse_images, parse_keygen, parse_logs, parse_release, parse_sign, parse_status,
+    show_config, state_dir_of,
+};
 
 /// What the binary was asked to do.
 #[derive(Debug, Clone, PartialEq)]
@@ -245,277 +257,6 @@ pub fn log_filter(raw: Option<&str>) -> Result<String, ConfigError> {
     }
 }
 
-/// The synopsis of every command, the top of `--help`.
-const SYNOPSIS: &str = "\
-usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (the daemon)
-       eitri-agent config [--config FILE] [FLAGS]   the settings run would use, and where each came from
-       eitri-agent check [--config FILE] [FLAGS]    whether this host has all run needs, one line each
-       eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
-       eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
-       eitri-agent images list|prune [--state-dir DIR]   the cached images and their VMs, or delete those no VM uses
-       eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
-       eitri-agent epoch [--state-dir DIR] [--set N]   the epoch fence a stopped agent holds, or move it
-       eitri-agent keygen --id KEY-ID --out KEY-FILE  make a key that signs desired state; prints its public line
-       eitri-agent sign --key KEY-FILE [--embed] FILE   sign a desired file: FILE.sig beside it, or its first line
-       eitri-agent host-key [--state-dir DIR]         the key this host signs its reports with, to pin
-       eitri-agent --version | --help
-       eitri-agent COMMAND --help         one command's flags (run --help-all: in full)
-";
-
-/// The `--help` text: every command, then `run`'s flags by section,
-/// generated from the settings table.
-pub fn usage() -> String {
-    let mut out = String::from(SYNOPSIS);
-    out.push_str(
-        "\nThe host agent of the eitri microVM platform. Give --desired FILE (standalone)\n\
-         or --control-plane URL. A setting is taken from its flag, else its environment\n\
-         variable, else the config file (--config FILE, $EITRI_CONFIG), else its default.\n\n",
-    );
-    out.push_str(&run_usage(false));
-    out
-}
-
-/// `run --help` (`all`: `--help-all`): its flags section by section; in
-/// full, each with its default, environment variable and config-file key.
-fn run_usage(all: bool) -> String {
-    let mut out = String::from(if all {
-        "Flags of `run`, by section (default in brackets):\n"
-    } else {
-        "Flags of `run`, by section (run --help-all: each in full, with its default,\n\
-         environment variable and config-file key):\n"
-    });
-    for section in Section::ALL {
-        let (title, about) = section.title();
-        out.push_str(&format!("\n{title}: {about}\n"));
-        for s in Key::ALL
-            .iter()
-            .map(|k| k.setting())
-            .filter(|s| s.section == *section)
-        {
-            if all {
-                out.push_str(&flag_line(s.flag, s.help, s.default, Some(s.env)));
-                out.push_str(&format!(
-                    "  {:<26} file: {}.{}\n",
-                    "",
-                    section.name(),
-                    s.flag
-                ));
-            } else {
-                out.push_str(&format!("  --{:<26} {}\n", s.flag, s.help));
-            }
-        }
-    }
-    out.push_str(&format!(
-        "\n  --{:<26} {}\n",
-        run::CONFIG_FLAG,
-        "a JSON file of these settings by section, e.g. {\"hypervisor\": {\"kernel\": \"/boot/vmlinux\"}} (or $EITRI_CONFIG)"
-    ));
-    out.push_str("\nDurations take a unit: 500ms, 30s, 15m, 24h.\n");
-    out
-}
-
-/// One flag of `--help`: the flag and what it does, then its default and
-/// its environment variable, if it has one.
-fn flag_line(flag: &str, help: &str, default: &str, env: Option<&str>) -> String {
-    let default = if default.is_empty() { "none" } else { default };
-    let env = env.map(|e| format!(" ${e}")).unwrap_or_default();
-    format!("  --{flag:<24} {help}\n  {:<26} [{default}]{env}\n", "")
-}
-
-/// `eitri-agent config`: every setting of `run` by section, its value and
-/// where the value came from, as `run` would read them with these flags,
-/// this environment and this file.
-fn show_config(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let raw = run::Raw::read(args, env)?;
-    let mut text =
-        String::from("# the settings `eitri-agent run` would use, and where each came from\n");
-    match &raw.file_path {
-        Some(path) => text.push_str(&format!(
-            "# (flag, else env, else the file {}, else default)\n",
-            crate::quote::path(path)
-        )),
-        None => text.push_str("# (flag, else env, else default; no --config file)\n"),
-    }
-    for section in Section::ALL {
-        text.push_str(&format!("\n[{}]\n", section.name()));
-        for key in Key::ALL.iter().filter(|k| k.setting().section == *section) {
-            let (value, origin) = raw.value(*key);
-            let shown = if value.is_empty() {
-                "-".to_owned()
-            } else {
-                value
-            };
-            text.push_str(&format!(
-                "{:<28} {:<40} {}\n",
-                key.setting().flag,
-                shown,
-                origin.name()
-            ));
-        }
-    }
-    let problem = run::build(&raw).err();
-    Ok(Command::Config { text, problem })
-}
-
-fn check_usage() -> String {
-    format!(
-        "usage: eitri-agent check [--config FILE] [FLAGS]\n\n\
-         Checks, all at once, what `run` with these settings needs of this host: the\n\
-         hypervisor and its version, the boot file, /dev/kvm, /dev/net/tun, the\n\
-         userfaultfd device, root, cgroups, Landlock, ip and nft, the image root,\n\
-         room in the state dir. One line each: ok, warn (it runs, with less) or\n\
-         FAIL (no VM can be created), with what was found or what to do. Exits 1\n\
-         when a check fails, 2 when the settings are refused; changes nothing. The\n\
-         agent runs the same checks when it starts, and logs what is not ok. It\n\
-         takes every flag of `run`.\n\n{}",
-        run_usage(false)
-    )
-}
-
-fn config_usage() -> String {
-    format!(
-        "usage: eitri-agent config [--config FILE] [FLAGS]\n\n\
-         The settings `run` would use with these flags, this environment and this\n\
-         file, section by section, and where each came from (flag, env, file or\n\
-         default); then whether `run` would accept them. It takes every flag of\n\
-         `run`.\n\n{}",
-        run_usage(false)
-    )
-}
-
-/// The help of a command that reads the state dir: its synopsis, then its
-/// flags (`--state-dir` first, as `run` has it).
-fn verb_usage(synopsis: &str, flags: &[(&str, &str)]) -> String {
-    let dir = Key::StateDir.setting();
-    let mut out = format!("usage: eitri-agent {synopsis}\n\nFlags:\n");
-    out.push_str(&flag_line(dir.flag, dir.help, dir.default, Some(dir.env)));
-    for (flag, help) in flags {
-        out.push_str(&flag_line(flag, help, "", None));
-    }
-    out
-}
-
-fn status_usage() -> String {
-    verb_usage(
-        "status [VM] [--state-dir DIR] [--json] [--watch]\n\n\
-         The last report the agent wrote, or VM in detail. Reads the state dir\n\
-         without its lock: works beside a running agent.",
-        &[
-            ("json", "the report as JSON, as the agent wrote it"),
-            ("watch", "redraw every tick of the agent"),
-        ],
-    )
-}
-
-fn logs_usage() -> String {
-    verb_usage(
-        "logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]\n\n\
-         A VM's serial console, or its hypervisor's own log.",
-        &[
-            ("lines N", "how many of the last lines to print [50]"),
-            ("follow", "keep printing what is added"),
-            ("hypervisor", "the hypervisor's log instead of the console"),
-        ],
-    )
-}
-
-fn images_usage() -> String {
-    verb_usage(
-        "images list [--state-dir DIR] | images prune [--state-dir DIR]\n\n\
-         list: each cached base image, its size, what it holds of the disk, how\n\
-         long ago it was cached and which VMs name it; it reads, so it works\n\
-         beside a running agent. prune: deletes cached base images no VM record\n\
-         names and the last desired state does not, beside a running agent or\n\
-         not: it waits (at most 30 s) for the VMs being created to make their\n\
-         root disks. A running agent also prunes by itself with --image-cache-max.",
-        &[],
-    )
-}
-
-fn host_key_usage() -> String {
-    verb_usage(
-        "host-key [--state-dir DIR]\n\n\
-         Prints the line a control plane pins to check this host's reports\n\
-         (`ed25519 KEY-ID BASE64`): an agent with --trusted-keys signs each report\n\
-         it sends with this key, kept secret in the state dir. The key is made\n\
-         the first time it is asked for, here or by the agent, and kept.",
-        &[],
-    )
-}
-
-fn keygen_usage() -> String {
-    verb_usage(
-        "keygen --id KEY-ID --out KEY-FILE\n\n\
-         Makes an ed25519 key for signing desired state: its secret is written to\n\
-         KEY-FILE (0600, never over an existing file), and the line each host pins\n\
-         in its --trusted-keys file is printed.",
-        &[
-            (
-                "id",
-                "the key's name, as hosts pin it and signatures carry it",
-            ),
-            ("out", "where the secret key is written"),
-        ],
-    )
-}
-
-fn sign_usage() -> String {
-    verb_usage(
-        "sign --key KEY-FILE [--embed] FILE\n\n\
-         Signs a desired-state file with the secret key from `keygen`, writing\n\
-         FILE.sig beside it, or with --embed, into FILE itself (its first line),\n\
-         replaced in one rename: an agent never reads the file with a signature\n\
-         that is not its own. The file must name the host it is for (`host_id`):\n\
-         a host refuses a signed snapshot that names no host or another, so that\n\
-         one host's cannot be replayed to another.",
-        &[
-            ("key", "the secret key file `keygen` wrote"),
-            (
-                "embed",
-                "the signature as FILE's own first line (signing again replaces it)",
-            ),
-        ],
-    )
-}
-
-fn epoch_usage() -> String {
-    verb_usage(
-        "epoch [--state-dir DIR] [--set N]\n\n\
-         Prints the epoch fence the state dir holds: the highest epoch of desired\n\
-         state its agent accepted, below which a control plane's snapshots are\n\
-         refused as stale. With --set, moves it to N: the way back when an answer\n\
-         the agent should not have trusted (unsigned, without --trusted-keys)\n\
-         raised it past the real control plane's. Refused while the agent runs (it\n\
-         takes the state dir's lock); the agent accepts epoch N or later once\n\
-         started again.",
-        &[("set", "the epoch to move the fence to")],
-    )
-}
-
-fn release_usage() -> String {
-    let [agents, kvm, userfaultfd] =
-        [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice].map(|k| k.setting());
-    verb_usage(
-        "release [--state-dir DIR] [--agents-dir DIR] [--kvm-device PATH] [--force]\n\n\
-         Ends the state dir's claim on this host: takes its VMM group off the\n\
-         devices' ACLs, removes its cgroup roots, frees its VMM ids and removes its\n\
-         record from the agents' registry. Refused while its agent runs (it takes\n\
-         the state dir's lock), while processes are in its cgroups, and while it has\n\
-         VMs or volumes. The state dir itself is kept; an agent started on it again\n\
-         claims anew. A state dir that is deleted needs none of this: the next\n\
-         agent to start on the host takes its claim back.",
-        &[
-            (agents.flag, agents.help),
-            (kvm.flag, kvm.help),
-            (userfaultfd.flag, userfaultfd.help),
-            (
-                "force",
-                "release it with VMs or volumes left in it (their files stay; they are said)",
-            ),
-        ],
-    )
-}
-
 /// Whether `--help` (or `-h`) is among a command's arguments: it wins over
 /// every other argument, right or wrong.
 fn asks_help(args: &[String]) -> bool {
@@ -565,84 +306,6 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
     }
 }
 
-fn parse_keygen(rest: &[String]) -> Result<Command, ConfigError> {
-    let flags = flag_values(rest, &["id", "out"], &[])?;
-    match (flags.get("id"), flags.get("out")) {
-        (Some(id), Some(out)) => Ok(Command::Keygen {
-            id: (*id).to_owned(),
-            out: PathBuf::from(out),
-        }),
-        _ => Err(err("usage: eitri-agent keygen --id KEY-ID --out KEY-FILE")),
-    }
-}
-
-fn parse_sign(rest: &[String]) -> Result<Command, ConfigError> {
-    let usage = "usage: eitri-agent sign --key KEY-FILE [--embed] FILE";
-    let Some((file, flags)) = rest.split_last() else {
-        return Err(err(usage));
-    };
-    let flags = flag_values(flags, &["key"], &["embed"])?;
-    match flags.get("key") {
-        Some(key) if !file.starts_with("--") => Ok(Command::Sign {
-            key: PathBuf::from(key),
-            file: PathBuf::from(file),
-            embed: flags.contains_key("embed"),
-        }),
-        _ => Err(err(usage)),
-    }
-}
-
-fn parse_epoch(rest: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let flags = flag_values(rest, &["state-dir", "set"], &[])?;
-    let set = match flags.get("set") {
-        None => None,
-        Some(n) => Some(n.parse::<u64>().map_err(|_| {
-            err(format!(
-                "--set {n:?}: not an epoch; give a whole number (0 to 18446744073709551615)"
-            ))
-        })?),
-    };
-    Ok(Command::Epoch {
-        state_dir: state_dir_of(&flags, env),
-        set,
-    })
-}
-
-fn parse_release(rest: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let keys = [Key::AgentsDir, Key::KvmDevice, Key::UserfaultfdDevice];
-    let mut known = vec!["state-dir"];
-    known.extend(keys.iter().map(|k| k.setting().flag));
-    let flags = flag_values(rest, &known, &["force"])?;
-    Ok(Command::Release {
-        state_dir: state_dir_of(&flags, env),
-        agents_dir: path_of(Key::AgentsDir, &flags, env),
-        devices: [Key::KvmDevice, Key::UserfaultfdDevice]
-            .into_iter()
-            .map(|k| path_of(k, &flags, env))
-            .filter(|p| !p.as_os_str().is_empty())
-            .collect(),
-        force: flags.contains_key("force"),
-    })
-}
-
-fn parse_images(rest: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let state_dir = |flags: &[String]| -> Result<PathBuf, ConfigError> {
-        let flags = flag_values(flags, &["state-dir"], &[])?;
-        Ok(state_dir_of(&flags, env))
-    };
-    match rest.split_first() {
-        Some((sub, flags)) if sub == "prune" => Ok(Command::ImagesPrune {
-            state_dir: state_dir(flags)?,
-        }),
-        Some((sub, flags)) if sub == "list" => Ok(Command::ImagesList {
-            state_dir: state_dir(flags)?,
-        }),
-        _ => Err(err(
-            "usage: eitri-agent images list [--state-dir DIR] | images prune [--state-dir DIR]",
-        )),
-    }
-}
-
 /// Splits `--flag value` and `--flag=value` pairs, refusing unknown flags
 /// and flags given twice.
 pub(super) fn flag_values<'a>(
@@ -683,68 +346,6 @@ pub(super) fn flag_values<'a>(
     Ok(out)
 }
 
-/// The VM a command names first, if it names one.
-fn vm_arg(args: &[String]) -> Result<(Option<crate::model::Id>, &[String]), ConfigError> {
-    match args.split_first() {
-        Some((first, rest)) if !first.starts_with("--") => crate::model::Id::parse(first)
-            .map(|id| (Some(id), rest))
-            .map_err(|e| err(format!("VM id {e}"))),
-        _ => Ok((None, args)),
-    }
-}
-
-fn parse_status(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let (vm_id, args) = vm_arg(args)?;
-    let flags = flag_values(args, &["state-dir"], &["json", "watch"])?;
-    Ok(Command::Status {
-        state_dir: state_dir_of(&flags, env),
-        json: flags.contains_key("json"),
-        vm_id,
-        watch: flags.contains_key("watch"),
-    })
-}
-
-fn parse_logs(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
-    let usage =
-        "usage: eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]";
-    let (Some(vm_id), args) = vm_arg(args)? else {
-        return Err(err(usage));
-    };
-    let flags = flag_values(args, &["state-dir", "lines"], &["follow", "hypervisor"])?;
-    let lines = match flags.get("lines") {
-        None => 50,
-        Some(n) => n
-            .parse()
-            .map_err(|_| err(format!("--lines: {n:?} is not a number of lines")))?,
-    };
-    Ok(Command::Logs {
-        state_dir: state_dir_of(&flags, env),
-        vm_id,
-        lines,
-        follow: flags.contains_key("follow"),
-        hypervisor: flags.contains_key("hypervisor"),
-    })
-}
-
-/// `--state-dir` of a command other than `run`, read as `run` reads it:
-/// the flag, else its environment variable, else its default.
-fn state_dir_of(flags: &HashMap<String, &str>, env: &HashMap<String, String>) -> PathBuf {
-    path_of(Key::StateDir, flags, env)
-}
-
-/// A path setting of `run` given to another command, read as `run` reads
-/// it (the flag, else its environment variable, else its default).
-fn path_of(key: Key, flags: &HashMap<String, &str>, env: &HashMap<String, String>) -> PathBuf {
-    let setting = key.setting();
-    PathBuf::from(
-        flags
-            .get(setting.flag)
-            .map(|s| s.to_string())
-            .or_else(|| env.get(setting.env).cloned())
-            .unwrap_or_else(|| setting.default.into()),
-    )
-}
-
 /// `200G`, `500M`, `64K` or bytes; `None` for anything else.
 pub fn parse_size(raw: &str) -> Option<u64> {
     let raw = raw.trim();
@@ -783,6 +384,7 @@ pub fn parse_duration(raw: &str) -> Option<Duration> {
 
 #[cfg(test)]
 mod tests {
+    use super::settings::Key;
     use super::*;
 
     fn args(list: &[&str]) -> Vec<String> {
