@@ -21,6 +21,7 @@ pub mod packet;
 pub mod port;
 #[cfg(target_os = "linux")]
 pub mod publish;
+pub mod rules;
 #[cfg(target_os = "linux")]
 pub mod snoop;
 pub mod underlay;

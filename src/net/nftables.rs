@@ -3,11 +3,11 @@
 //! parses the same text (3.5 ms of every create and of every VM re-guarded
 //! at a restart, measured with `make bench-create`; the batch takes tens of
 //! microseconds). What a batch does is exactly the `nft` text of
-//! [`port_ruleset`](super::underlay::port_ruleset) and
-//! [`unport_ruleset`](super::underlay::unport_ruleset), which the caller
+//! [`port_ruleset`](super::rules::port_ruleset) and
+//! [`unport_ruleset`](super::rules::unport_ruleset), which the caller
 //! runs with `nft` when this fails and names in its errors.
 //!
-//! The sets are the ones [`nft_ruleset`](super::underlay::nft_ruleset)
+//! The sets are the ones [`nft_ruleset`](super::rules::nft_ruleset)
 //! declares: `macs` (ifname . ether_addr) and `addrs` (ifname .
 //! ipv4_addr), and `asleep` (ifname: a sleeping VM's tap, on its wake's
 //! path). A concatenated key is each field padded to

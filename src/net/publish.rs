@@ -1,6 +1,6 @@
 //! Published ports: a port of the host forwarded to a guest's port on its
 //! underlay address (nft DNAT, in the agent's own table; see
-//! [`nft_ruleset`](super::underlay::nft_ruleset) for the rules that read
+//! [`nft_ruleset`](super::rules::nft_ruleset) for the rules that read
 //! the maps this fills).
 //!
 //! A host port is one VM's at a time: the VM that holds it keeps it, and

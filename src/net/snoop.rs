@@ -21,7 +21,7 @@
 //!   static address on a site network has no IPv4 there.
 //!
 //! The snooper keeps the site guard in step with what is learned (see
-//! [`crate::net::underlay::nft_ruleset`]): the address a lease grants is
+//! [`crate::net::rules::nft_ruleset`]): the address a lease grants is
 //! the one the tap may send from, until the lease ends, a NAK or the
 //! guest's RELEASE forgets it, or the VM is destroyed.
 //!

@@ -223,12 +223,12 @@ fn rules(setup: Setup) -> Res<()> {
     let mut text = match setup {
         Setup::Bare => "flush ruleset\ntable ip bare {\n\tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n\t\tip saddr 100.77.0.0/16 oifname != \"etbr0\" masquerade\n\t}\n}\n".to_owned(),
         Setup::Guarded | Setup::OwnRules => {
-            eitri_agent::net::underlay::nft_ruleset(&underlay_config())
-                + &eitri_agent::net::underlay::port_ruleset("eitri_test", &port)
+            eitri_agent::net::rules::nft_ruleset(&underlay_config())
+                + &eitri_agent::net::rules::port_ruleset("eitri_test", &port)
         }
     };
     if setup == Setup::OwnRules {
-        text += &eitri_agent::net::underlay::egress_ruleset(
+        text += &eitri_agent::net::rules::egress_ruleset(
             "eitri_test",
             GUEST,
             &Egress::default(),

@@ -34,7 +34,6 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -42,6 +41,13 @@ use sha2::{Digest, Sha256};
 
 use super::atomic::write_atomic;
 use crate::model::Cidr;
+
+mod accounts;
+mod registry;
+
+pub use accounts::{Accounts, accounts_overlap, check_host_accounts};
+pub use registry::{Holding, Listed, list};
+use registry::{end, lock_registry, read_own, record_name, records, slot_of};
 
 /// The historic defaults, slot 0: the default state dir's, and any state
 /// dir an agent used before claims existed.
@@ -444,222 +450,6 @@ pub fn release(
     Ok(reclaimed)
 }
 
-/// One claim of the host, as `status` lists it: whose it is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Listed {
-    pub claim: Claim,
-    pub agent: Holding,
-}
-
-/// Whether a claim's agent runs.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Holding {
-    /// Its state dir's lock is held, by these processes.
-    Running(Vec<super::holders::Holder>),
-    /// Its state dir is there, and no agent holds it.
-    Stopped,
-    /// Its state dir is gone: the next agent to start takes the claim back.
-    Gone,
-}
-
-/// Every claim recorded in `registry`, by state dir. Read without the
-/// registry's lock: a look, not a change.
-pub fn list(registry: &Path) -> io::Result<Vec<Listed>> {
-    let (live, ended) = records(registry)?;
-    let mut out: Vec<Listed> = live
-        .into_iter()
-        .map(|(_, claim)| {
-            let lock = super::Layout::new(&claim.state_dir).lock();
-            let holders = super::holders::holders(&lock);
-            let agent = if holders.is_empty() {
-                Holding::Stopped
-            } else {
-                Holding::Running(holders)
-            };
-            Listed { claim, agent }
-        })
-        .chain(ended.into_iter().map(|(_, claim)| Listed {
-            claim,
-            agent: Holding::Gone,
-        }))
-        .collect();
-    out.sort_by(|a, b| a.claim.state_dir.cmp(&b.claim.state_dir));
-    Ok(out)
-}
-
-/// Takes the registry's lock (made, with the registry, when missing). The
-/// lock file is never followed through a symlink: root would create or
-/// lock whatever file it pointed at.
-fn lock_registry(registry: &Path) -> io::Result<fs::File> {
-    fs::create_dir_all(registry)?;
-    only_its_owner_writes(registry)?;
-    let lock = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(registry.join(".lock"))?;
-    lock.lock()?;
-    Ok(lock)
-}
-
-/// The registry decides which ids, cgroup roots and bridges an agent may
-/// take, and what the reaper takes back from the host: a registry others
-/// can write is one where anybody plants a claim that blocks every agent,
-/// or points the reaper at what is not its. Refused, naming the fix.
-fn only_its_owner_writes(registry: &Path) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = fs::metadata(registry)?;
-    let me = nix::unistd::geteuid().as_raw();
-    if meta.uid() == me && meta.mode() & 0o022 == 0 {
-        return Ok(());
-    }
-    Err(io::Error::other(format!(
-        "it is owned by uid {} with mode {:o}, so others could plant or change claims in it; make it this agent's user's ({me}) and not writable by group or others (chown {me} DIR; chmod go-w DIR)",
-        meta.uid(),
-        meta.mode() & 0o7777
-    )))
-}
-
-/// Ends the claim recorded in `record`, whose state dir is gone: what it
-/// left is taken back and its record removed; what could not be taken is
-/// said, and the record kept to be tried at the next start.
-fn end(record: &Path, claim: &Claim, reclaim: &dyn Reclaim) {
-    let dir = claim.state_dir.display();
-    let reclaimed = reclaim.take_back(claim);
-    if !reclaimed.taken.is_empty() {
-        log::info!(
-            "the state dir {dir} is gone: took back what its agent left ({})",
-            reclaimed.taken.join(", ")
-        );
-    }
-    if reclaimed.left.is_empty() {
-        if let Err(e) = fs::remove_file(record) {
-            log::warn!("could not remove {}: {e}", record.display());
-        }
-    } else {
-        log::warn!(
-            "the state dir {dir} is gone, but what its agent left could not all be taken back: {} (tried again at the next start)",
-            reclaimed.left.join("; ")
-        );
-    }
-}
-
-/// The host's account files a VMM id range must stay clear of, and how
-/// each is read.
-const ACCOUNTS: [(&str, Accounts); 4] = [
-    ("/etc/passwd", Accounts::Ids),
-    ("/etc/group", Accounts::Ids),
-    ("/etc/subuid", Accounts::Ranges),
-    ("/etc/subgid", Accounts::Ranges),
-];
-
-#[derive(Clone, Copy, Debug)]
-pub enum Accounts {
-    /// `name:x:ID:...`: one id a line (passwd, group).
-    Ids,
-    /// `name:START:COUNT`: a range a line (subuid, subgid).
-    Ranges,
-}
-
-/// Why `first:count` may not be VMM ids on this host: an existing user or
-/// group, or a subordinate id range, inside it. Unreadable files are
-/// skipped (a host without subuid has none).
-pub fn check_host_accounts(first: u32, count: u32) -> Result<(), ClaimError> {
-    for (path, kind) in ACCOUNTS {
-        let Ok(text) = fs::read_to_string(path) else {
-            continue;
-        };
-        if let Some(what) = accounts_overlap(&text, kind, first, count) {
-            return Err(ClaimError::Accounts {
-                first,
-                count,
-                what,
-                path,
-            });
-        }
-    }
-    Ok(())
-}
-
-/// The first line of `text` whose id or range meets `first:count`.
-pub fn accounts_overlap(text: &str, kind: Accounts, first: u32, count: u32) -> Option<String> {
-    let (lo, hi) = (u64::from(first), u64::from(first) + u64::from(count));
-    text.lines().find_map(|line| {
-        let fields: Vec<&str> = line.split(':').collect();
-        let (start, len) = match kind {
-            Accounts::Ids => (fields.get(2)?.parse::<u64>().ok()?, 1),
-            Accounts::Ranges => (
-                fields.get(1)?.parse::<u64>().ok()?,
-                fields.get(2)?.parse::<u64>().ok()?,
-            ),
-        };
-        let meets = start < hi && lo < start + len;
-        meets.then(|| match kind {
-            Accounts::Ids => format!("{} (id {start})", fields[0]),
-            Accounts::Ranges => format!("{}'s range {start}:{len}", fields[0]),
-        })
-    })
-}
-
-fn read_own(path: &Path) -> Result<Option<Claim>, ClaimError> {
-    match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| ClaimError::Own {
-                path: path.to_path_buf(),
-                problem: e.to_string(),
-            }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(ClaimError::Own {
-            path: path.to_path_buf(),
-            problem: e.to_string(),
-        }),
-    }
-}
-
-/// Every agent's record in the registry (with its path), apart: those
-/// whose state dir is there, and those whose state dir is gone (a test's
-/// temp dir, a decommissioned agent), whose claims have ended. Unreadable
-/// records are skipped.
-type Records = Vec<(PathBuf, Claim)>;
-
-fn records(registry: &Path) -> io::Result<(Records, Records)> {
-    let (mut live, mut ended) = (Vec::new(), Vec::new());
-    for entry in fs::read_dir(registry)? {
-        let path = entry?.path();
-        if path.extension().is_none_or(|e| e != "json") {
-            continue;
-        }
-        let Some(claim) = fs::read(&path)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Claim>(&b).ok())
-        else {
-            continue;
-        };
-        if claim.state_dir.is_dir() {
-            live.push((path, claim));
-        } else {
-            ended.push((path, claim));
-        }
-    }
-    Ok((live, ended))
-}
-
-fn digest(state_dir: &Path) -> [u8; 32] {
-    Sha256::digest(state_dir.as_os_str().as_encoded_bytes()).into()
-}
-
-fn slot_of(state_dir: &Path) -> u32 {
-    let d = digest(state_dir);
-    u32::from_be_bytes([d[0], d[1], d[2], d[3]]) % SLOTS
-}
-
-fn record_name(state_dir: &Path) -> String {
-    format!("{}.json", crate::hex::encode(&digest(state_dir)[..8]))
-}
-
 #[cfg(test)]
 mod tests {
     #[test]
@@ -988,31 +778,6 @@ mod tests {
             .expect_err("nested");
 
         assert!(err.to_string().contains("--cgroup-root"), "{err}");
-    }
-
-    #[test]
-    fn a_user_inside_the_range_is_found() {
-        let passwd = "root:x:0:0::/root:/bin/sh\nsvc:x:1900000005:1900000005::/:/bin/false\n";
-
-        let found = accounts_overlap(passwd, Accounts::Ids, LEGACY_FIRST_ID, 65_536);
-
-        assert_eq!(found.as_deref(), Some("svc (id 1900000005)"));
-    }
-
-    #[test]
-    fn a_subordinate_range_meeting_the_range_is_found_and_one_clear_of_it_is_not() {
-        let subuid = "alice:100000:65536\nbob:1899990000:20000\n";
-
-        let found = accounts_overlap(subuid, Accounts::Ranges, LEGACY_FIRST_ID, 65_536);
-        let clear = accounts_overlap(
-            "alice:100000:65536\n",
-            Accounts::Ranges,
-            LEGACY_FIRST_ID,
-            65_536,
-        );
-
-        assert_eq!(found.as_deref(), Some("bob's range 1899990000:20000"));
-        assert_eq!(clear, None);
     }
 
     #[test]
