@@ -5,10 +5,45 @@
 
 use std::net::Ipv4Addr;
 
+use super::addresses::Subnet;
 use super::port::Port;
-use super::underlay::{LINK_LOCAL, UnderlayConfig};
 use crate::model::Egress as VmEgress;
-use crate::model::{Cidr, Publish};
+use crate::model::{Cidr, PortRange, Publish};
+
+/// What the agent's rules are made for: its bridge and guests' subnet,
+/// the nft tables it owns, its taps' names, where guests may go and which
+/// host ports may be published.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnderlayConfig {
+    pub bridge: String,
+    pub subnet: Subnet,
+    /// The nft tables (ip and bridge) and iptables chain prefix the agent owns.
+    pub table: String,
+    /// Every guest tap's name starts with it: one without a guard is dropped.
+    pub tap_prefix: String,
+    pub egress: Egress,
+    /// The host ports guests may be published on (`--publish-ports`).
+    pub publish: PortRange,
+}
+
+/// Where guests may not go, beyond what is always refused (the host
+/// itself, link-local, other guests).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Egress {
+    /// Ranges guests never reach: the operator's, and the control plane's
+    /// address.
+    pub deny: Vec<Cidr>,
+    /// Exceptions to every refusal but guest to guest, the host included.
+    pub allow: Vec<Cidr>,
+    /// The DNS servers guests are told: port 53 on them is always open.
+    pub dns: Vec<Ipv4Addr>,
+}
+
+/// Link-local: where clouds serve instance metadata (169.254.169.254).
+pub const LINK_LOCAL: Cidr = Cidr {
+    network: Ipv4Addr::new(169, 254, 0, 0),
+    prefix: 16,
+};
 
 /// The agent's nft tables, as one transaction: make sure each exists,
 /// delete it, define it afresh (so every VM's port chain is gone until its

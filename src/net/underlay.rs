@@ -61,43 +61,12 @@ pub use super::command::NetError;
 #[cfg(target_os = "linux")]
 use super::command::{have, run};
 pub use super::port::Port;
+pub use super::rules::{Egress, LINK_LOCAL, UnderlayConfig};
 use super::rules::{
     address_element, egress_ruleset, nft_ruleset, port_ruleset, publish_ruleset, unport_ruleset,
 };
 use crate::model::Egress as VmEgress;
-use crate::model::{Cidr, PortRange, Publish};
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct UnderlayConfig {
-    pub bridge: String,
-    pub subnet: Subnet,
-    /// The nft tables (ip and bridge) and iptables chain prefix the agent owns.
-    pub table: String,
-    /// Every guest tap's name starts with it: one without a guard is dropped.
-    pub tap_prefix: String,
-    pub egress: Egress,
-    /// The host ports guests may be published on (`--publish-ports`).
-    pub publish: PortRange,
-}
-
-/// Where guests may not go, beyond what is always refused (the host
-/// itself, link-local, other guests).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Egress {
-    /// Ranges guests never reach: the operator's, and the control plane's
-    /// address.
-    pub deny: Vec<Cidr>,
-    /// Exceptions to every refusal but guest to guest, the host included.
-    pub allow: Vec<Cidr>,
-    /// The DNS servers guests are told: port 53 on them is always open.
-    pub dns: Vec<Ipv4Addr>,
-}
-
-/// Link-local: where clouds serve instance metadata (169.254.169.254).
-pub const LINK_LOCAL: Cidr = Cidr {
-    network: Ipv4Addr::new(169, 254, 0, 0),
-    prefix: 16,
-};
+use crate::model::Publish;
 
 /// How guests reach beyond the host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
