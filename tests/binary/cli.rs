@@ -1,0 +1,246 @@
+//! The binary's words: `--help` and each verb's, `--version`, a flag or
+//! value it does not take, and `check`'s account of what the host lacks.
+
+use super::*;
+
+#[test]
+fn help_lists_every_flag_of_run_by_section() {
+    let out = eitri(&["--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    let state = text.find("State: ").expect("a State section");
+    let reporting = text.find("Reporting: ").expect("a Reporting section");
+    let in_state = &text[state..reporting];
+    let in_reporting = &text[reporting..];
+    assert!(in_state.contains("\n  --state-dir "), "{text}");
+    assert!(in_reporting.contains("\n  --notify-fd "), "{text}");
+}
+
+#[test]
+fn every_verbs_help_is_its_own() {
+    for verb in [
+        "config", "check", "status", "logs", "images", "release", "epoch", "keygen", "sign",
+        "host-key",
+    ] {
+        let out = eitri(&[verb, "--help"]);
+
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{verb}: {out:?}");
+        assert!(
+            text.starts_with(&format!("usage: eitri-agent {verb} ")),
+            "{verb}: {text}"
+        );
+    }
+}
+
+#[test]
+fn run_help_exits_0_with_runs_flags() {
+    let out = eitri(&["run", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("Flags of `run`") && text.contains("--notify-fd") && text.contains("--tick"),
+        "{text}"
+    );
+}
+
+#[test]
+fn run_help_all_gives_each_flags_default_environment_variable_and_file_key() {
+    let out = eitri(&["run", "--help-all"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    let tick = text.find("--tick ").expect("--tick");
+    let rest = &text[tick..];
+    let entry = &rest[..rest.find("\n  --").unwrap_or(rest.len())];
+    assert!(
+        entry.contains("[5s]")
+            && entry.contains("$EITRI_TICK")
+            && entry.contains("file: reconcile.tick"),
+        "{entry}"
+    );
+}
+
+#[test]
+fn status_help_exits_0_with_its_flags_even_beside_others() {
+    let out = eitri(&["status", "--json", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.starts_with("usage: eitri-agent status"), "{text}");
+    assert!(
+        text.contains("--json") && text.contains("--watch") && text.contains("--state-dir"),
+        "{text}"
+    );
+}
+
+#[test]
+fn logs_help_exits_0_with_its_flags_and_needs_no_vm() {
+    let out = eitri(&["logs", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(text.starts_with("usage: eitri-agent logs VM"), "{text}");
+    assert!(
+        text.contains("--lines") && text.contains("--follow") && text.contains("--hypervisor"),
+        "{text}"
+    );
+}
+
+#[test]
+fn version_prints_the_release() {
+    let out = eitri(&["--version"]);
+
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("eitri-agent "));
+}
+
+#[test]
+fn bad_flag_value_exits_2_naming_the_flag() {
+    let out = eitri(&["run", "--desired", "/nonexistent", "--tick", "soon"]);
+
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tick"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn check_on_a_host_missing_its_pieces_fails_naming_each_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state").display().to_string();
+    let kvm = dir.path().join("no-kvm").display().to_string();
+
+    let out = eitri(&[
+        "check",
+        "--desired",
+        "/d.json",
+        "--state-dir",
+        &state,
+        "--hypervisor",
+        "/nonexistent/cloud-hypervisor",
+        "--kvm-device",
+        &kvm,
+        "--underlay-bridge=",
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    let table = String::from_utf8_lossy(&out.stdout);
+    let failed: Vec<&str> = table.lines().filter(|l| l.starts_with("FAIL")).collect();
+    for what in ["hypervisor", "boot file", "kvm"] {
+        assert!(
+            failed.iter().any(|l| l.contains(what)),
+            "{what} not failed:\n{table}"
+        );
+    }
+    assert!(table.contains("install cloud-hypervisor"), "{table}");
+    assert!(
+        !dir.path().join("state").exists(),
+        "a check changes nothing"
+    );
+}
+
+#[test]
+fn check_on_a_host_with_all_it_needs_exits_0() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hypervisor = dir.path().join("cloud-hypervisor");
+    eitri_agent::testkit::standin_hypervisor(
+        Path::new(env!("CARGO_BIN_EXE_eitri-standin-hypervisor")),
+        &hypervisor,
+        &[],
+    );
+    let kernel = dir.path().join("vmlinux");
+    std::fs::write(&kernel, b"a kernel").expect("kernel");
+    let (kvm, uffd) = (dir.path().join("kvm"), dir.path().join("userfaultfd"));
+    std::fs::write(&kvm, b"").expect("kvm");
+    std::fs::write(&uffd, b"").expect("userfaultfd");
+    let path = |p: &Path| p.display().to_string();
+
+    let out = eitri(&[
+        "check",
+        "--desired",
+        "/d.json",
+        "--state-dir",
+        &path(&dir.path().join("state")),
+        "--hypervisor",
+        &path(&hypervisor),
+        "--kernel",
+        &path(&kernel),
+        "--kvm-device",
+        &path(&kvm),
+        "--userfaultfd-device",
+        &path(&uffd),
+        "--image-root",
+        &path(dir.path()),
+        "--underlay-bridge=",
+        // Whatever the machine running the test lacks of confinement
+        // warns instead.
+        "--allow-without",
+        "jail,cgroups,landlock",
+    ]);
+
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{table}");
+    assert!(!table.contains("FAIL"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("ok") && l.contains("hypervisor") && l.contains("v53")),
+        "{table}"
+    );
+}
+
+#[test]
+fn an_agent_started_on_a_host_missing_pieces_logs_each_and_notes_them() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), r#"{"vms":[]}"#);
+
+    let agent = Agent::start(dir.path(), &[]);
+    let report = agent.wait_report("a report", |_| true);
+
+    let log = agent.log_text();
+    for what in ["host check: hypervisor", "host check: boot file"] {
+        assert!(
+            log.lines().any(|l| l.contains("ERROR") && l.contains(what)),
+            "{what}:\n{log}"
+        );
+    }
+    let notes = report["notes"].to_string();
+    assert!(notes.contains("at start, host check: boot file"), "{notes}");
+}
+
+#[test]
+fn a_mistyped_eitri_log_refuses_the_start_naming_the_levels() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    desired(dir.path(), r#"{"vms":[]}"#);
+
+    let out = Command::new(BIN)
+        .args(["run", "--desired"])
+        .arg(dir.path().join("desired.json"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .env_clear()
+        .env("EITRI_LOG", "verbose")
+        .output()
+        .expect("run");
+
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("\"verbose\" is not a log level")
+            && said.contains("off, error, warn, info, debug, trace"),
+        "{said}"
+    );
+    assert!(!dir.path().join("state").exists(), "nothing was started");
+}
+
+#[test]
+fn unknown_flag_exits_2() {
+    let out = eitri(&["run", "--turbo"]);
+
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--turbo"));
+}
