@@ -41,7 +41,8 @@ use super::pass::{
 };
 use super::probes::Probes;
 use super::sleepers::Sleepers;
-use super::{converge, reap, suspension};
+use super::suspension::{self, Suspension};
+use super::{converge, reap};
 use crate::deadline::Deadline;
 use crate::model::{DesiredVm, Id, PowerState};
 use crate::stages::Stages;
@@ -180,8 +181,8 @@ impl Spine {
             next = match next {
                 Next::Done => return,
                 Next::Drive(rec) => self.dispatch(wanted, rec, pass),
-                Next::Suspend(rec) => match ctx.backend.suspender() {
-                    Some(s) => suspension::suspend(ctx, s, rec, pass),
+                Next::Suspend(rec) => match self.suspension(wanted) {
+                    Some(verb) => verb.suspend(rec, pass),
                     None => suspension::cannot(ctx, rec, pass),
                 },
                 Next::Announce(rec, point) => self.announce(wanted, rec, point, pass),
@@ -202,8 +203,8 @@ impl Spine {
     /// now, for what is wanted of it.
     fn dispatch(&self, wanted: Wanted<'_>, rec: Record, pass: &mut Pass<'_>) -> Next {
         let ctx = &self.ctx;
-        let suspender = ctx.backend.suspender();
-        match (wanted, lifecycle::state(&rec, ctx.budget()), suspender) {
+        let suspension = self.suspension(wanted);
+        match (wanted, lifecycle::state(&rec, ctx.budget()), suspension) {
             (Wanted::Gone { tombstoned }, State::Quarantined { tombstoned: was }, _) => {
                 reap::when_due(ctx, rec, tombstoned && !was, pass)
             }
@@ -217,16 +218,25 @@ impl Spine {
             (Wanted::Vm(_), State::Suspending | State::Suspended | State::Resuming, None) => {
                 suspension::cannot_continue(ctx, rec)
             }
-            (Wanted::Vm(d), State::Suspending, Some(s)) => {
-                suspension::finish_suspend(ctx, s, d, rec, pass)
-            }
-            (Wanted::Vm(d), State::Suspended, Some(s)) => {
-                suspension::suspended(ctx, s, d, rec, pass)
-            }
-            (Wanted::Vm(d), State::Resuming, Some(s)) => {
-                suspension::finish_resume(ctx, s, d, rec, pass)
-            }
+            (Wanted::Vm(_), State::Suspending, Some(verb)) => verb.finish_suspend(rec, pass),
+            (Wanted::Vm(_), State::Suspended, Some(verb)) => verb.suspended(rec, pass),
+            (Wanted::Vm(_), State::Resuming, Some(verb)) => verb.finish_resume(rec, pass),
         }
+    }
+
+    /// The suspension verb for a VM wanted in desired state, with the
+    /// backend's [`Suspend`](crate::provision::Suspend), asked for here
+    /// only; `None` when this backend cannot suspend.
+    fn suspension<'a>(&'a self, wanted: Wanted<'a>) -> Option<Suspension<'a>> {
+        let Wanted::Vm(desired) = wanted else {
+            return None;
+        };
+        let ctx = &self.ctx;
+        ctx.backend.suspender().map(|backend| Suspension {
+            ctx,
+            backend,
+            desired,
+        })
     }
 
     /// [`Next::Announce`]: the row published as the pass will end it (with
