@@ -48,13 +48,11 @@ pub(super) fn run(
         );
         return ExitCode::FAILURE;
     }
-    let released = claim::release(
+    let files = claim::Files {
         state_dir,
-        &layout.claim(),
-        &layout.vmm_ids(),
-        agents_dir,
-        &crate::provision::reclaimer(devices),
-    );
+        registry: agents_dir,
+    };
+    let released = claim::release(files, &crate::provision::reclaimer(devices));
     match released {
         Ok(reclaimed) => {
             for taken in &reclaimed.taken {

@@ -134,14 +134,14 @@ fn host_network(
 
 /// How guests boot, with the VMM ids and cgroup root this state dir holds
 /// (step 1).
-fn claimed(config: &Config, store: &Store) -> Result<crate::provision::GuestBoot, DaemonError> {
+fn claimed(config: &Config) -> Result<crate::provision::GuestBoot, DaemonError> {
     use crate::state::claim;
-    let layout = store.layout();
+    let files = claim::Files {
+        state_dir: &config.state.dir,
+        registry: &config.state.agents_dir,
+    };
     let claim = claim::settle(
-        &config.state.dir,
-        &layout.claim(),
-        &layout.vmm_ids(),
-        &config.state.agents_dir,
+        files,
         &config.wish,
         &crate::provision::reclaimer(&config.guest.confinement.devices()),
     )
@@ -183,7 +183,7 @@ pub fn recover(
     // 1.
     let store =
         Arc::new(Store::open_within(&config.state.dir, LOCK_PATIENCE).map_err(DaemonError::Store)?);
-    let guest = claimed(config, &store)?;
+    let guest = claimed(config)?;
     // 2.
     let images = Arc::new(ImageCache::with(
         store.layout().images(),

@@ -583,21 +583,27 @@ mod tests {
         assert_eq!(got, None);
     }
 
-    #[test]
-    fn an_entry_without_a_lease_end_is_not_believed() {
-        // What an older agent learned from traffic.
+    /// The address granted until `expires` (unix seconds), learned for
+    /// MAC "m", read back.
+    fn learned_and_read_back(expires: Option<u64>) -> Option<Ipv4Addr> {
         let dir = tempfile::tempdir().expect("tempdir");
         let learned = Learned::open(&dir.path().join("l.json"));
-
         learned.set(
             "m",
             Entry {
                 ip: GRANTED,
-                expires: None,
+                expires,
             },
         );
+        learned.get("m")
+    }
 
-        assert_eq!(learned.get("m"), None);
+    #[test]
+    fn an_entry_without_a_lease_end_is_not_believed() {
+        // What an older agent learned from traffic.
+        let read = learned_and_read_back(None);
+
+        assert_eq!(read, None);
     }
 
     #[test]
@@ -617,18 +623,9 @@ mod tests {
 
     #[test]
     fn an_expired_lease_reads_as_nothing() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let learned = Learned::open(&dir.path().join("l.json"));
+        let read = learned_and_read_back(Some(1));
 
-        learned.set(
-            "m",
-            Entry {
-                ip: GRANTED,
-                expires: Some(1),
-            },
-        );
-
-        assert_eq!(learned.get("m"), None);
+        assert_eq!(read, None);
     }
 
     #[test]

@@ -66,29 +66,48 @@ fn count_ids<'a>(ids: impl Iterator<Item = &'a str>) -> HashMap<&'a str, usize> 
     counts
 }
 
-fn duplicate_error(count: Option<usize>) -> Result<(), SpecError> {
+/// An entry's id, checked (as its `field`, sent `raw_id`) and seen once
+/// in its snapshot (`count` times, where counted), with how the entry is
+/// refused from then on.
+fn entry_id(raw_id: &str, field: &'static str, count: Option<usize>) -> Result<Entry, Rejected> {
+    let id = Id::parse(raw_id).map_err(|e| Rejected {
+        id: None,
+        raw_id: raw_id.to_owned(),
+        error: SpecError::new(field, e.to_string()),
+    })?;
+    let entry = Entry {
+        id,
+        raw_id: raw_id.to_owned(),
+    };
     match count {
-        Some(n) if n > 1 => Err(SpecError::new(
-            "vm_id",
+        Some(n) if n > 1 => Err(entry.reject(SpecError::new(
+            field,
             format!("the id appears {n} times in one snapshot"),
-        )),
-        _ => Ok(()),
+        ))),
+        _ => Ok(entry),
+    }
+}
+
+/// An entry whose id is good: what refuses it for another field.
+struct Entry {
+    id: Id,
+    raw_id: String,
+}
+
+impl Entry {
+    fn reject(&self, error: SpecError) -> Rejected {
+        Rejected {
+            id: Some(self.id.clone()),
+            raw_id: self.raw_id.clone(),
+            error,
+        }
     }
 }
 
 /// Checks one VM entry. `count` is how often its id appears in the snapshot.
 fn vm_from_wire(raw: &pb::VmSpec, count: Option<usize>) -> Result<WantedVm, Rejected> {
-    let id = Id::parse(&raw.vm_id).map_err(|e| Rejected {
-        id: None,
-        raw_id: raw.vm_id.clone(),
-        error: SpecError::new("vm_id", e.to_string()),
-    })?;
-    let reject = |error: SpecError| Rejected {
-        id: Some(id.clone()),
-        raw_id: raw.vm_id.clone(),
-        error,
-    };
-    duplicate_error(count).map_err(reject)?;
+    let entry = entry_id(&raw.vm_id, "vm_id", count)?;
+    let (id, reject) = (entry.id.clone(), |e| entry.reject(e));
     if raw.tombstoned {
         return Ok(WantedVm::Tombstoned(id));
     }
@@ -225,20 +244,8 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
 }
 
 fn volume_from_wire(raw: &pb::VolumeSpec, count: Option<usize>) -> Result<WantedVolume, Rejected> {
-    let id = Id::parse(&raw.volume_id).map_err(|e| Rejected {
-        id: None,
-        raw_id: raw.volume_id.clone(),
-        error: SpecError::new("volume_id", e.to_string()),
-    })?;
-    let reject = |error: SpecError| Rejected {
-        id: Some(id.clone()),
-        raw_id: raw.volume_id.clone(),
-        error,
-    };
-    duplicate_error(count).map_err(|mut e| {
-        e.field = "volume_id";
-        reject(e)
-    })?;
+    let entry = entry_id(&raw.volume_id, "volume_id", count)?;
+    let (id, reject) = (entry.id.clone(), |e| entry.reject(e));
     if raw.tombstoned {
         return Ok(WantedVolume::Tombstoned(id));
     }

@@ -183,15 +183,17 @@ mod tests {
 
         for n in 0..70 {
             let state = host.path().join(format!("state-{n}"));
-            let (own, leases) = (state.join("jail/claim.json"), state.join("jail/ids.json"));
             fs::create_dir_all(&state).expect("state dir");
-            let c =
-                claim::settle(&state, &own, &leases, &registry, &wish, &reclaim).expect("claimed");
+            let files = claim::Files {
+                state_dir: &state,
+                registry: &registry,
+            };
+            let c = claim::settle(files, &wish, &reclaim).expect("claimed");
             // What its agent does at a boot: its group on the device, its
             // VM's cgroup under its root.
             acl::give_group_read_write(&device, c.first_id).expect("granted");
             fs::create_dir_all(mount.join(&c.cgroup_root).join("vm-1")).expect("cgroup");
-            claim::release(&state, &own, &leases, &registry, &reclaim).expect("released");
+            claim::release(files, &reclaim).expect("released");
         }
 
         assert_eq!(acl::named_groups(&device).expect("acl"), Vec::<u32>::new());

@@ -324,24 +324,51 @@ impl std::error::Error for ClaimError {
     }
 }
 
+/// Where a state dir's claim is kept: in the state dir (its claim file,
+/// and the VMM id leases an older agent may have left there), and in the
+/// host-wide registry.
+#[derive(Clone, Copy, Debug)]
+pub struct Files<'a> {
+    pub state_dir: &'a Path,
+    pub registry: &'a Path,
+}
+
+impl Files<'_> {
+    /// The state dir's own claim file.
+    fn own(&self) -> PathBuf {
+        super::Layout::new(self.state_dir).claim()
+    }
+
+    /// The state dir's VMM id leases.
+    fn leases(&self) -> PathBuf {
+        super::Layout::new(self.state_dir).vmm_ids()
+    }
+
+    /// A failure of the registry's.
+    fn registry_error(&self, source: io::Error) -> ClaimError {
+        ClaimError::Registry {
+            path: self.registry.to_path_buf(),
+            source,
+        }
+    }
+
+    /// The state dir as its claim names it, and the registry's lock, held
+    /// until dropped.
+    fn locked(&self) -> Result<(PathBuf, fs::File), ClaimError> {
+        let reg_err = |e| self.registry_error(e);
+        let state_dir = fs::canonicalize(self.state_dir).map_err(reg_err)?;
+        let lock = lock_registry(self.registry).map_err(reg_err)?;
+        Ok((state_dir, lock))
+    }
+}
+
 /// Settles this state dir's claim (see the module steps), after taking
-/// back what the claims of state dirs that are gone left. `own` is its
-/// claim file, `leases` its VMM id leases, `registry` the host-wide dir.
-pub fn settle(
-    state_dir: &Path,
-    own: &Path,
-    leases: &Path,
-    registry: &Path,
-    wish: &Wish,
-    reclaim: &dyn Reclaim,
-) -> Result<Claim, ClaimError> {
-    let reg_err = |source| ClaimError::Registry {
-        path: registry.to_path_buf(),
-        source,
-    };
-    let state_dir = fs::canonicalize(state_dir).map_err(reg_err)?;
-    let recorded = read_own(own)?;
-    let _lock = lock_registry(registry).map_err(reg_err)?;
+/// back what the claims of state dirs that are gone left.
+pub fn settle(files: Files<'_>, wish: &Wish, reclaim: &dyn Reclaim) -> Result<Claim, ClaimError> {
+    let (own, registry) = (files.own(), files.registry);
+    let reg_err = |e| files.registry_error(e);
+    let recorded = read_own(&own)?;
+    let (state_dir, _lock) = files.locked()?;
     let (live, ended) = records(registry).map_err(reg_err)?;
     for (record, claim) in ended {
         end(&record, &claim, reclaim);
@@ -369,7 +396,9 @@ pub fn settle(
     let first_conflict = |claim: &Claim| others.iter().find_map(|o| claim.conflict(o));
     let claim = match recorded {
         Some(claim) => shaped(claim),
-        None if wish.default_state_dir || leases.exists() => shaped(Claim::slot(&state_dir, 0)),
+        None if wish.default_state_dir || files.leases().exists() => {
+            shaped(Claim::slot(&state_dir, 0))
+        }
         None => {
             // A new state dir: its path's slot, or the next one free.
             let start = slot_of(&state_dir);
@@ -384,13 +413,13 @@ pub fn settle(
     }
     let text = serde_json::to_vec_pretty(&claim).map_err(|e| reg_err(io::Error::other(e)))?;
     let own_err = |source| ClaimError::Write {
-        path: own.to_path_buf(),
+        path: own.clone(),
         source,
     };
     if let Some(dir) = own.parent() {
         super::perms::make_dir(dir).map_err(own_err)?;
     }
-    write_atomic(own, &text).map_err(own_err)?;
+    write_atomic(&own, &text).map_err(own_err)?;
     write_atomic(&registry.join(record_name(&state_dir)), &text).map_err(reg_err)?;
     Ok(claim)
 }
@@ -400,21 +429,12 @@ pub fn settle(
 /// are free for other agents now), so a later start there claims anew.
 /// The caller makes sure its agent is not running and says what VMs it
 /// leaves. Kept whole when anything could not be taken back.
-pub fn release(
-    state_dir: &Path,
-    own: &Path,
-    leases: &Path,
-    registry: &Path,
-    reclaim: &dyn Reclaim,
-) -> Result<Reclaimed, ClaimError> {
-    let reg_err = |source| ClaimError::Registry {
-        path: registry.to_path_buf(),
-        source,
-    };
-    let state_dir = fs::canonicalize(state_dir).map_err(reg_err)?;
-    let _lock = lock_registry(registry).map_err(reg_err)?;
-    let record = registry.join(record_name(&state_dir));
-    let claim = match read_own(own)? {
+pub fn release(files: Files<'_>, reclaim: &dyn Reclaim) -> Result<Reclaimed, ClaimError> {
+    let (own, leases) = (files.own(), files.leases());
+    let reg_err = |e| files.registry_error(e);
+    let (state_dir, _lock) = files.locked()?;
+    let record = files.registry.join(record_name(&state_dir));
+    let claim = match read_own(&own)? {
         Some(claim) => claim,
         None => match fs::read(&record) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| ClaimError::Own {
@@ -434,7 +454,7 @@ pub fn release(
             left: reclaimed.left,
         });
     }
-    for path in [&record, own, leases] {
+    for path in [&record, &own, &leases] {
         match fs::remove_file(path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -511,13 +531,12 @@ mod tests {
 
         fn release(&self, name: &str) -> Result<Reclaimed, ClaimError> {
             let state = self.dir.path().join(name);
-            release(
-                &state,
-                &state.join("jail/claim.json"),
-                &state.join("jail/ids.json"),
-                &self.registry(),
-                &self.reclaim,
-            )
+            let registry = self.registry();
+            let files = Files {
+                state_dir: &state,
+                registry: &registry,
+            };
+            release(files, &self.reclaim)
         }
 
         fn registry(&self) -> PathBuf {
@@ -527,14 +546,12 @@ mod tests {
         fn settle(&self, name: &str, wish: &Wish) -> Result<Claim, ClaimError> {
             let state = self.dir.path().join(name);
             fs::create_dir_all(&state).expect("state dir");
-            settle(
-                &state,
-                &state.join("jail/claim.json"),
-                &state.join("jail/ids.json"),
-                &self.registry(),
-                wish,
-                &self.reclaim,
-            )
+            let registry = self.registry();
+            let files = Files {
+                state_dir: &state,
+                registry: &registry,
+            };
+            settle(files, wish, &self.reclaim)
         }
     }
 
