@@ -257,23 +257,12 @@ impl Socket {
         let socket = Socket(unsafe { OwnedFd::from_raw_fd(fd) });
         // The kernel answers at once; a bound, not a wait.
         let limit = Duration::from_secs(5);
-        let tv = libc::timeval {
-            tv_sec: limit.as_secs() as _,
-            tv_usec: 0,
-        };
-        // SAFETY: SO_RCVTIMEO takes a timeval, passed with its size.
-        let rc = unsafe {
-            libc::setsockopt(
-                socket.0.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVTIMEO,
-                std::ptr::from_ref(&tv).cast(),
-                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let timeout = nix::sys::time::TimeVal::new(limit.as_secs() as _, 0);
+        nix::sys::socket::setsockopt(
+            &socket.0,
+            nix::sys::socket::sockopt::ReceiveTimeout,
+            &timeout,
+        )?;
         Ok(socket)
     }
 

@@ -115,20 +115,8 @@ impl PacketSocket {
     /// guest's.
     pub fn open_to_guest_heads(iface: &str) -> io::Result<PacketSocket> {
         let socket = PacketSocket::open_with(iface, None, Some(&TO_GUEST_HEADS))?;
-        let bytes: libc::c_int = 4096;
-        // SAFETY: SO_RCVBUF takes an int, passed with its size.
-        let rc = unsafe {
-            libc::setsockopt(
-                socket.fd.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUF,
-                std::ptr::from_ref(&bytes).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        // Heads of a wake's first frames only: 4 KiB holds dozens.
+        nix::sys::socket::setsockopt(&socket.fd, nix::sys::socket::sockopt::RcvBuf, &4096)?;
         Ok(socket)
     }
 
@@ -174,25 +162,8 @@ impl PacketSocket {
     ) -> io::Result<PacketSocket> {
         let fd = packet_socket(iface, filter)?;
         if let Some(t) = timeout {
-            // Cast to whatever the platform's libc declares (musl and glibc
-            // differ in these fields' types).
-            let tv = libc::timeval {
-                tv_sec: t.as_secs() as _,
-                tv_usec: t.subsec_micros() as _,
-            };
-            // SAFETY: SO_RCVTIMEO takes a timeval, passed with its size.
-            let rc = unsafe {
-                libc::setsockopt(
-                    fd.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVTIMEO,
-                    std::ptr::from_ref(&tv).cast(),
-                    std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-                )
-            };
-            if rc < 0 {
-                return Err(io::Error::last_os_error());
-            }
+            let timeout = nix::sys::time::TimeVal::new(t.as_secs() as _, t.subsec_micros() as _);
+            nix::sys::socket::setsockopt(&fd, nix::sys::socket::sockopt::ReceiveTimeout, &timeout)?;
         }
         let mac = interface_mac(iface)?;
         Ok(PacketSocket { fd, mac })

@@ -54,18 +54,23 @@
 //! messages (see [`netlink`](super::netlink)) that stand for two `ip`
 //! commands and are named as them in errors.
 
+#[cfg(target_os = "linux")]
 use std::net::Ipv4Addr;
 
+#[cfg(target_os = "linux")]
 use super::addresses::Subnet;
 pub use super::command::NetError;
 #[cfg(target_os = "linux")]
 use super::command::{have, run};
 pub use super::port::Port;
 pub use super::rules::{Egress, LINK_LOCAL, UnderlayConfig};
+#[cfg(target_os = "linux")]
 use super::rules::{
     address_element, egress_ruleset, nft_ruleset, port_ruleset, publish_ruleset, unport_ruleset,
 };
+#[cfg(target_os = "linux")]
 use crate::model::Egress as VmEgress;
+#[cfg(target_os = "linux")]
 use crate::model::Publish;
 
 /// How guests reach beyond the host.

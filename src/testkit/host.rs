@@ -3,8 +3,10 @@
 //! signal or a crash of the test leaves behind, taken back.
 
 use std::path::{Path, PathBuf};
+#[cfg(target_os = "linux")]
 use std::time::Duration;
 
+#[cfg(target_os = "linux")]
 use crate::model::Id;
 
 /// Confinement for tests that start hypervisors: every piece on, with a

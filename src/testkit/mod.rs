@@ -39,10 +39,11 @@ use crate::reconcile::seams::{HostFacts, HostKeys, Images, Progress, SeedBuilder
 pub use desired::{
     STANDIN_KNOBS, desired, id, image_url, present, snapshot, standin_hypervisor, tombstoned,
 };
+#[cfg(target_os = "linux")]
 pub use host::{
-    cgroup_file, confinement, end_cgroup_root, end_when_signalled, remove_cgroup_root,
-    remove_on_signal, sweep_stale_test_roots, test_vmm_ids,
+    cgroup_file, end_cgroup_root, end_when_signalled, remove_cgroup_root, sweep_stale_test_roots,
 };
+pub use host::{confinement, remove_on_signal, test_vmm_ids};
 
 /// An operation a fake can be told how to behave in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,6 +1,7 @@
 //! The README's own promises: its Quick start run verbatim, and its
 //! contents naming every section in order.
 
+#[cfg(target_os = "linux")]
 use super::*;
 
 /// The README's Quick start: the shell block between its markers, as it

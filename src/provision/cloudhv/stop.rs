@@ -11,7 +11,7 @@ use crate::error::BoxFailure;
 use crate::model::Id;
 use crate::provision::Say;
 use crate::provision::jail::cgroup;
-use crate::provision::supervise::{self, ladder};
+use crate::provision::supervise::{self, Guest, ladder};
 
 /// How long a VMM found dead is given for its reaper to finish.
 const REAP_WAIT: Duration = Duration::from_secs(2);
@@ -25,13 +25,11 @@ impl CloudHypervisor {
         say: Say<'_>,
     ) -> Result<(), BoxFailure> {
         match self.find(vm_id) {
-            Some(tracked) => supervise::stop(
-                vm_id,
-                &self.vmm(vm_id, tracked),
-                self.cfg.hypervisor.stop,
-                deadline,
-                say,
-            )?,
+            Some(tracked) => {
+                let vmm = self.vmm(vm_id, tracked);
+                let bounds = (self.cfg.hypervisor.stop, deadline);
+                supervise::stop(vm_id, &vmm, bounds, Guest::Running, say)?;
+            }
             // Already dead; if it was this agent's child, let its reaper
             // finish, so no zombie outlives the stop.
             None => {

@@ -53,44 +53,31 @@ impl Default for StopTimeouts {
     }
 }
 
-/// Stops `vmm` (see the module steps), telling `say` each rung and, while
-/// one waits, how long it has waited, once a second.
+/// What the guest of a VMM to stop is doing: where the ladder starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Guest {
+    /// Running: the power button first.
+    Running,
+    /// Paused (a suspend's last step): from the second rung, since a
+    /// paused guest hears no power button.
+    Paused,
+}
+
+/// Stops `vmm` (see the module steps), its guest `guest`, telling `say`
+/// each rung and, while one waits, how long it has waited, once a second.
 pub fn stop(
     vm_id: &Id,
     vmm: &dyn Vmm,
-    timeouts: StopTimeouts,
-    deadline: Deadline,
+    (timeouts, deadline): (StopTimeouts, Deadline),
+    guest: Guest,
     say: Say<'_>,
-) -> Result<(), SuperviseError> {
-    stop_from(vm_id, vmm, timeouts, deadline, say, true)
-}
-
-/// Stops a `vmm` whose guest is paused (a suspend's last step): from the
-/// second rung, since a paused guest hears no power button.
-pub fn stop_paused(
-    vm_id: &Id,
-    vmm: &dyn Vmm,
-    timeouts: StopTimeouts,
-    deadline: Deadline,
-    say: Say<'_>,
-) -> Result<(), SuperviseError> {
-    stop_from(vm_id, vmm, timeouts, deadline, say, false)
-}
-
-fn stop_from(
-    vm_id: &Id,
-    vmm: &dyn Vmm,
-    timeouts: StopTimeouts,
-    deadline: Deadline,
-    say: Say<'_>,
-    power_button: bool,
 ) -> Result<(), SuperviseError> {
     let noun = vmm.noun();
     // Whether the guest shut itself down: what an operator needs to know
     // of a stop, since every later rung ends a guest that did not (its
     // unwritten data lost, as when a plug is pulled).
     let mut powered_off = false;
-    if power_button && !deadline.expired() {
+    if guest == Guest::Running && !deadline.expired() {
         say("stopping: pressing the power button");
         let pressed = Instant::now();
         vmm.ask(Request::PowerButton);
@@ -302,7 +289,14 @@ mod tests {
     fn each_rung_is_climbed_only_while_the_vmm_stays() {
         let vmm = Scripted::new("SIGTERM");
 
-        stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect("stopped");
+        stop(
+            &vm(),
+            &vmm,
+            (quick(), Deadline::NONE),
+            Guest::Running,
+            &|_| {},
+        )
+        .expect("stopped");
 
         assert_eq!(*vmm.seen.borrow(), ["PowerButton", "Shutdown", "SIGTERM"]);
     }
@@ -312,7 +306,7 @@ mod tests {
         let vmm = Scripted::new("SIGKILL");
         let expired = Deadline::after(Duration::ZERO);
 
-        stop(&vm(), &vmm, quick(), expired, &|_| {}).expect("stopped");
+        stop(&vm(), &vmm, (quick(), expired), Guest::Running, &|_| {}).expect("stopped");
 
         assert_eq!(*vmm.seen.borrow(), ["SIGKILL"]);
     }
@@ -321,7 +315,14 @@ mod tests {
     fn a_vmm_that_survives_sigkill_is_an_error_naming_it() {
         let vmm = Scripted::new("nothing");
 
-        let err = stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect_err("survived");
+        let err = stop(
+            &vm(),
+            &vmm,
+            (quick(), Deadline::NONE),
+            Guest::Running,
+            &|_| {},
+        )
+        .expect_err("survived");
 
         assert_eq!(
             err.to_string(),
@@ -335,7 +336,14 @@ mod tests {
         let log = crate::testkit::logs::capture();
         let vmm = Scripted::new("PowerButton");
 
-        stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect("stopped");
+        stop(
+            &vm(),
+            &vmm,
+            (quick(), Deadline::NONE),
+            Guest::Running,
+            &|_| {},
+        )
+        .expect("stopped");
 
         assert_eq!(
             log.count(log::Level::Info, "VM vm-1: the guest powered off"),
@@ -350,7 +358,14 @@ mod tests {
         let log = crate::testkit::logs::capture();
         let vmm = Scripted::new("Shutdown");
 
-        stop(&vm(), &vmm, quick(), Deadline::NONE, &|_| {}).expect("stopped");
+        stop(
+            &vm(),
+            &vmm,
+            (quick(), Deadline::NONE),
+            Guest::Running,
+            &|_| {},
+        )
+        .expect("stopped");
 
         let warning = "VM vm-1: the guest did not power off within 0 s of the power button; \
                        stopping the test VMM under it";
@@ -363,9 +378,13 @@ mod tests {
         let vmm = Scripted::new("Shutdown");
         let said = RefCell::new(Vec::new());
 
-        stop(&vm(), &vmm, quick(), Deadline::NONE, &|s| {
-            said.borrow_mut().push(s.to_owned())
-        })
+        stop(
+            &vm(),
+            &vmm,
+            (quick(), Deadline::NONE),
+            Guest::Running,
+            &|s| said.borrow_mut().push(s.to_owned()),
+        )
         .expect("stopped");
 
         assert_eq!(

@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 pub use self::boot::{Awaited, await_running, await_state};
 pub use self::children::{Children, Listener};
 pub use self::error::SuperviseError;
-pub use self::ladder::{StopTimeouts, stop};
+pub use self::ladder::{Guest, StopTimeouts, stop};
 use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::{Id, VmSpec};

@@ -7,7 +7,7 @@ use crate::deadline::Deadline;
 use crate::error::BoxFailure;
 use crate::model::Id;
 use crate::provision::Say;
-use crate::provision::supervise;
+use crate::provision::supervise::{self, Guest};
 
 impl Vfkit {
     /// Stops the VM's vfkit, telling `say` each rung of the ladder.
@@ -20,14 +20,9 @@ impl Vfkit {
         let Some(pid) = self.alive(vm_id) else {
             return Ok(());
         };
-        supervise::stop(
-            vm_id,
-            &self.vmm(vm_id, pid),
-            self.cfg.hypervisor.stop,
-            deadline,
-            say,
-        )
-        .map_err(Into::into)
+        let vmm = self.vmm(vm_id, pid);
+        let bounds = (self.cfg.hypervisor.stop, deadline);
+        supervise::stop(vm_id, &vmm, bounds, Guest::Running, say).map_err(Into::into)
     }
 
     /// Stops the VM's vfkit whose guest is paused: from `HardStop`, since
@@ -37,13 +32,8 @@ impl Vfkit {
             return Ok(());
         };
         let say = |what: &str| log::info!("VM {vm_id}: {what}");
-        supervise::ladder::stop_paused(
-            vm_id,
-            &self.vmm(vm_id, pid),
-            self.cfg.hypervisor.stop,
-            deadline,
-            &say,
-        )
-        .map_err(Into::into)
+        let vmm = self.vmm(vm_id, pid);
+        let bounds = (self.cfg.hypervisor.stop, deadline);
+        supervise::stop(vm_id, &vmm, bounds, Guest::Paused, &say).map_err(Into::into)
     }
 }

@@ -19,7 +19,7 @@ use crate::model::{Id, Saved};
 use crate::provision::Say;
 use crate::provision::cloudhv::error::CloudHvError;
 use crate::provision::cloudhv::{CloudHypervisor, window};
-use crate::provision::supervise::{self};
+use crate::provision::supervise::{self, Guest};
 use crate::stages::timed;
 use crate::state::atomic::{sync_dir, write_atomic};
 
@@ -85,13 +85,9 @@ impl CloudHypervisor {
         crate::crash::point("suspend.committed");
         say("suspending: stopping its hypervisor");
         timed("stop", || {
-            supervise::ladder::stop_paused(
-                vm_id,
-                &self.vmm(vm_id, tracked),
-                self.cfg.hypervisor.stop,
-                deadline,
-                say,
-            )
+            let vmm = self.vmm(vm_id, tracked);
+            let bounds = (self.cfg.hypervisor.stop, deadline);
+            supervise::stop(vm_id, &vmm, bounds, Guest::Paused, say)
         })?;
         timed("leftovers", || self.end_leftovers(vm_id, say))?;
         crate::crash::point("suspend.vmm-stopped");
