@@ -41,6 +41,9 @@ const GIB: u64 = 1 << 30;
 /// pass stops within a second or so on a slow disk.
 #[cfg(target_os = "linux")]
 const CHUNK: u64 = 256 << 20;
+/// Elsewhere a chunk goes through a buffer of this process's: 1 MiB.
+#[cfg(not(target_os = "linux"))]
+const CHUNK: u64 = 1 << 20;
 
 // FICLONE = _IOW(0x94, 9, int): clone all of the source fd's extents.
 #[cfg(target_os = "linux")]
@@ -277,42 +280,8 @@ fn sparse_copy(src: &File, out: &File, len: u64, deadline: Deadline) -> Result<(
     Ok(())
 }
 
-/// Copies `len` bytes at `offset` from `src` to the same offset of `out`.
-#[cfg(target_os = "linux")]
-fn copy_range(
-    src: &File,
-    out: &File,
-    offset: i64,
-    len: u64,
-    deadline: Deadline,
-) -> Result<(), CopyError> {
-    let (mut off_in, mut off_out) = (offset, offset);
-    let mut left = len;
-    while left > 0 {
-        if deadline.expired() {
-            return Err(CopyError::Deadline);
-        }
-        let n = nix::fcntl::copy_file_range(
-            src.as_fd(),
-            Some(&mut off_in),
-            out.as_fd(),
-            Some(&mut off_out),
-            left.min(CHUNK) as usize,
-        )?;
-        if n == 0 {
-            return Err(CopyError::Io(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the base image ended early",
-            )));
-        }
-        left -= n as u64;
-    }
-    Ok(())
-}
-
 /// Copies `len` bytes at `offset` from `src` to the same offset of `out`,
-/// through a buffer (no copy_file_range here).
-#[cfg(not(target_os = "linux"))]
+/// a chunk at a time, giving up at `deadline`.
 fn copy_range(
     src: &File,
     out: &File,
@@ -320,26 +289,54 @@ fn copy_range(
     len: u64,
     deadline: Deadline,
 ) -> Result<(), CopyError> {
-    use std::os::unix::fs::FileExt;
-    let mut buf = vec![0u8; 1 << 20];
     let (mut at, end) = (offset as u64, offset as u64 + len);
+    let mut buf = Vec::new();
     while at < end {
         if deadline.expired() {
             return Err(CopyError::Deadline);
         }
-        let want = ((end - at) as usize).min(buf.len());
-        let n = src.read_at(&mut buf[..want], at).map_err(CopyError::Io)?;
+        let want = (end - at).min(CHUNK) as usize;
+        let n = copy_chunk(src, out, at, want, &mut buf)?;
         if n == 0 {
             return Err(CopyError::Io(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
                 "the base image ended early",
             )));
         }
-        out.write_all_at(&buf[..n], at).map_err(CopyError::Io)?;
         at += n as u64;
     }
     Ok(())
 }
+
+/// Copies up to `want` bytes at `at` from `src` to `out`, in the kernel
+/// (copy_file_range: no byte through this process, and a reflink or a
+/// server-side copy where the filesystem has one); how many it copied.
+#[cfg(target_os = "linux")]
+fn copy_chunk(src: &File, out: &File, at: u64, want: usize, _: &mut Vec<u8>) -> CopyResult {
+    let (mut off_in, mut off_out) = (at as i64, at as i64);
+    let copied = nix::fcntl::copy_file_range(
+        src.as_fd(),
+        Some(&mut off_in),
+        out.as_fd(),
+        Some(&mut off_out),
+        want,
+    )?;
+    Ok(copied)
+}
+
+/// Copies up to `want` bytes at `at` from `src` to `out` through `buf`
+/// (no copy_file_range here); how many it copied.
+#[cfg(not(target_os = "linux"))]
+fn copy_chunk(src: &File, out: &File, at: u64, want: usize, buf: &mut Vec<u8>) -> CopyResult {
+    use std::os::unix::fs::FileExt;
+    buf.resize(want, 0);
+    let n = src.read_at(&mut buf[..want], at).map_err(CopyError::Io)?;
+    out.write_all_at(&buf[..n], at).map_err(CopyError::Io)?;
+    Ok(n)
+}
+
+/// What a chunk's copy gives: the bytes copied.
+type CopyResult = Result<usize, CopyError>;
 
 #[cfg(test)]
 mod tests {

@@ -28,6 +28,10 @@ pub trait Failure: Error + Send + Sync + 'static {
 
 pub type BoxFailure = Box<dyn Failure>;
 
+/// What a fallible step of a VM's life returns: its value, or a failure
+/// that says whether it is permanent (see [`Failure`]).
+pub type Outcome<T = ()> = Result<T, BoxFailure>;
+
 impl<F: Failure> From<F> for BoxFailure {
     fn from(f: F) -> BoxFailure {
         Box::new(f)

@@ -13,7 +13,7 @@ use std::path::Path;
 use ed25519_dalek::SigningKey;
 
 use crate::base64;
-use crate::error::{BoxFailure, Simple};
+use crate::error::{BoxFailure, Outcome, Simple};
 use crate::state::atomic::write_atomic;
 
 const KEY_TYPE: &str = "ssh-ed25519";
@@ -34,7 +34,7 @@ pub struct LocalHostKeys;
 
 impl LocalHostKeys {
     /// The key stored at `path`, or a new one made and stored there.
-    pub fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
+    pub fn load_or_create(&self, path: &Path) -> Outcome<HostKey> {
         match fs::read_to_string(path) {
             Ok(pem) => parse(&pem).ok_or_else(|| {
                 Simple::permanent(format!(
@@ -49,7 +49,7 @@ impl LocalHostKeys {
     }
 }
 
-fn create(path: &Path) -> Result<HostKey, BoxFailure> {
+fn create(path: &Path) -> Outcome<HostKey> {
     let io = |what: &str, e: std::io::Error| -> BoxFailure {
         Simple::transient(format!("cannot {what} {}: {e}", path.display())).into()
     };

@@ -43,13 +43,24 @@ pub use fetch::sha256_file;
 pub use prune::{Base, Cached, Hold, PruneError, Pruned, cached, prune, prune_to};
 
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, DeadlineExpired, Failure};
+use crate::error::{DeadlineExpired, Failure, Outcome};
 use crate::threads::{Outlives, detached};
 
 /// Called as an image download advances: (bytes done, total when known).
 /// It may be called from a shared download thread after the pass that asked
 /// gave up; the engine's generation check makes such late calls harmless.
 pub type Progress = Arc<dyn Fn(u64, Option<u64>) + Send + Sync>;
+
+/// A base image a create asks for: where it is, its digest, the most it
+/// may be (the VM's disk), the pass's deadline, and who is told how far
+/// its download has come.
+pub struct Request<'a> {
+    pub url: &'a str,
+    pub sha256: &'a str,
+    pub max_bytes: u64,
+    pub deadline: Deadline,
+    pub progress: Progress,
+}
 
 #[derive(Debug, Clone)]
 pub enum ImageError {
@@ -446,14 +457,14 @@ impl ImageCache {
     /// [`ImageCache::resolve`], the image then held against a prune until
     /// the returned [`Base`] is dropped. An image pruned between its find
     /// and the hold is found again (fetched).
-    pub fn resolve_held(
-        &self,
-        url: &str,
-        sha256: &str,
-        max_bytes: u64,
-        deadline: Deadline,
-        progress: Progress,
-    ) -> Result<Base, BoxFailure> {
+    pub fn resolve_held(&self, wanted: Request<'_>) -> Outcome<Base> {
+        let Request {
+            url,
+            sha256,
+            max_bytes,
+            deadline,
+            progress,
+        } = wanted;
         let lock = crate::state::Layout::images_lock_in(&self.dir);
         loop {
             let path = self.resolve(url, sha256, max_bytes, deadline, Arc::clone(&progress))?;
@@ -482,7 +493,7 @@ impl ImageCache {
         max_bytes: u64,
         deadline: Deadline,
         progress: Progress,
-    ) -> Result<PathBuf, BoxFailure> {
+    ) -> Outcome<PathBuf> {
         if !valid_digest(sha256) {
             return Err(ImageError::BadDigest {
                 sha256: sha256.into(),
@@ -526,7 +537,7 @@ impl ImageCache {
 impl Download {
     /// The download's result, once it has one; a deadline passing first
     /// leaves the download running, to land for a later pass.
-    fn wait(&self, deadline: Deadline) -> Result<Result<PathBuf, ImageError>, BoxFailure> {
+    fn wait(&self, deadline: Deadline) -> Outcome<Result<PathBuf, ImageError>> {
         let mut state = self.state.lock();
         loop {
             if let Some(result) = &state.result {
@@ -551,7 +562,7 @@ impl Download {
 /// A verified image, for a requester whose disk must hold it: one that
 /// joined a download another VM with a larger disk started is held to its
 /// own disk.
-fn own_bound(path: PathBuf, url: &str, max_bytes: u64) -> Result<PathBuf, BoxFailure> {
+fn own_bound(path: PathBuf, url: &str, max_bytes: u64) -> Outcome<PathBuf> {
     let size = fs::metadata(&path)
         .map_err(|e| ImageError::store(path.clone(), e))?
         .len();

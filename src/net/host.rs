@@ -25,7 +25,7 @@ use super::dhcp::{Lease, Responder};
 use super::publish::{Change, Ports};
 use super::snoop::{Learned, Snooper, Writer};
 use super::underlay::{Port, Underlay, UnderlayConfig};
-use crate::error::{BoxFailure, Failure};
+use crate::error::{BoxFailure, Failure, Outcome};
 use crate::model::{Egress, Id, Mac, Publish};
 
 /// What can go wrong plugging a VM into the host's networks, beyond the
@@ -138,7 +138,7 @@ impl HostNetwork {
         layout: &Layout,
         dns: Vec<Ipv4Addr>,
         named: HashMap<String, String>,
-    ) -> Result<HostNetwork, BoxFailure> {
+    ) -> Outcome<HostNetwork> {
         let addresses = Addresses::open(&layout.addresses(), cfg.subnet)
             .map_err(|e: AddressError| -> BoxFailure { e.into() })?;
         // Guests may always reach the DNS servers they are told.
@@ -171,7 +171,7 @@ impl HostNetwork {
 
     /// The VM's address (allocated and saved if it has none) and the names
     /// of its taps, which follow from it.
-    pub fn reserve(&self, vm_id: &Id) -> Result<Taps, BoxFailure> {
+    pub fn reserve(&self, vm_id: &Id) -> Outcome<Taps> {
         let ip = self.addresses.allocate(vm_id)?;
         Ok(self.taps_of(ip))
     }
@@ -179,7 +179,7 @@ impl HostNetwork {
     /// The VM's address taken as by [`HostNetwork::reserve`], the address
     /// map's name durable once the returned [`Pending`] is synced: before
     /// the VM's boot hands the address to a guest.
-    pub fn take_address(&self, vm_id: &Id) -> Result<Pending, BoxFailure> {
+    pub fn take_address(&self, vm_id: &Id) -> Outcome<Pending> {
         let (_, pending) = self.addresses.reserve(vm_id)?;
         Ok(pending)
     }
@@ -210,7 +210,7 @@ impl HostNetwork {
     /// guard, bridge port, responder.
     ///
     /// [`reserve`]: HostNetwork::reserve
-    pub fn plug(&self, vm_id: &Id, mac: Mac) -> Result<Ipv4Addr, BoxFailure> {
+    pub fn plug(&self, vm_id: &Id, mac: Mac) -> Outcome<Ipv4Addr> {
         let ip = crate::stages::timed("address", || self.addresses.allocate(vm_id))?;
         let tap = &self.taps_of(ip).underlay;
         // Before the tap is guarded, so before the guest sends a frame.
@@ -251,7 +251,7 @@ impl HostNetwork {
     /// Makes `egress` the VM's own egress rules: held at once while it has
     /// an address, else from its plug, before its guest sends anything.
     /// Its hypervisor is not involved.
-    pub fn set_egress(&self, vm_id: &Id, egress: &Egress) -> Result<(), BoxFailure> {
+    pub fn set_egress(&self, vm_id: &Id, egress: &Egress) -> Outcome {
         {
             let mut all = self.egress.lock();
             let held = all.entry(vm_id.clone()).or_default();
@@ -265,7 +265,7 @@ impl HostNetwork {
 
     /// Whether the VM sleeps: its underlay tap then passes only what is
     /// for its guest (see [`Underlay::sleep`]).
-    pub fn set_asleep(&self, vm_id: &Id, on: bool) -> Result<(), BoxFailure> {
+    pub fn set_asleep(&self, vm_id: &Id, on: bool) -> Outcome {
         let Some(ip) = self.addresses.get(vm_id) else {
             return Ok(());
         };
@@ -277,7 +277,7 @@ impl HostNetwork {
     /// it (see [`publish`](super::publish)): forwarded at once while it has
     /// an address, else from its plug. The ports refused are the error;
     /// the rest are held. Its hypervisor is not involved.
-    pub fn set_published(&self, vm_id: &Id, wanted: &[Publish]) -> Result<(), BoxFailure> {
+    pub fn set_published(&self, vm_id: &Id, wanted: &[Publish]) -> Outcome {
         let mut ports = self.ports.lock();
         let had = ports.holds_any(vm_id);
         // Every pass asks; a VM that publishes nothing costs a lookup.
@@ -308,7 +308,7 @@ impl HostNetwork {
 
     /// Moves the ruleset's published ports for the VM as `change` says,
     /// and notes what it says now.
-    fn forward(&self, ports: &mut Ports, vm_id: &Id, change: Change) -> Result<(), BoxFailure> {
+    fn forward(&self, ports: &mut Ports, vm_id: &Id, change: Change) -> Outcome {
         if change.old == change.new {
             return Ok(());
         }
@@ -326,7 +326,7 @@ impl HostNetwork {
 
     /// Moves the ruleset's elements for the VM from what it holds to what
     /// is wanted, for the guest at `ip` (none: nothing can be held yet).
-    fn hold_egress(&self, vm_id: &Id, ip: Option<Ipv4Addr>) -> Result<(), BoxFailure> {
+    fn hold_egress(&self, vm_id: &Id, ip: Option<Ipv4Addr>) -> Outcome {
         let Some(ip) = ip else {
             return Ok(());
         };
@@ -354,13 +354,7 @@ impl HostNetwork {
     /// Connects a VM's second tap to the named host network's bridge,
     /// guarded to its MAC, and starts learning the address the site's DHCP
     /// server grants it.
-    pub fn plug_named(
-        &self,
-        vm_id: &Id,
-        network: &str,
-        tap: &str,
-        mac: Mac,
-    ) -> Result<(), BoxFailure> {
+    pub fn plug_named(&self, vm_id: &Id, network: &str, tap: &str, mac: Mac) -> Outcome {
         let Some(bridge) = self.named.get(network) else {
             let mut served: Vec<String> = self.named.keys().cloned().collect();
             served.sort_unstable();
@@ -416,7 +410,7 @@ impl HostNetwork {
 
     /// Disconnects a destroyed VM: its guards deleted, its address freed,
     /// what was learned of its second NIC forgotten.
-    pub fn release(&self, vm_id: &Id, second_mac: Mac) -> Result<(), BoxFailure> {
+    pub fn release(&self, vm_id: &Id, second_mac: Mac) -> Outcome {
         self.responders.lock().remove(vm_id);
         // Stopped first, so nothing binds the address again after this.
         let snooper = self.snoopers.lock().remove(vm_id);

@@ -410,6 +410,16 @@ mod tests {
     use super::*;
     use crate::net::dhcp::codec::build_frame;
 
+    /// What `frame`, on its way to the guest, teaches.
+    fn to_guest(frame: &[u8], talk: &mut Conversation) -> Option<Lesson> {
+        lesson(frame, true, MAC, talk, NOW)
+    }
+
+    /// What `frame`, from the guest, teaches.
+    fn from_guest(frame: &[u8], talk: &mut Conversation) -> Option<Lesson> {
+        lesson(frame, false, MAC, talk, NOW)
+    }
+
     const MAC: [u8; 6] = [2, 0, 0, 0, 0, 5];
     const SERVER: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);
     const GRANTED: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 7);
@@ -456,10 +466,7 @@ mod tests {
     /// A conversation in which the guest asked `SERVER` in transaction 7.
     fn asked() -> Conversation {
         let mut talk = Conversation::default();
-        assert_eq!(
-            lesson(&request(7, SERVER), false, MAC, &mut talk, NOW),
-            None
-        );
+        assert_eq!(from_guest(&request(7, SERVER), &mut talk), None);
         talk
     }
 
@@ -476,7 +483,7 @@ mod tests {
     fn the_servers_ack_to_the_guests_request_teaches_the_address_and_lease() {
         let mut talk = asked();
 
-        let got = lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
+        let got = to_guest(&reply(Kind::Ack, 7, SERVER, 600), &mut talk);
 
         assert_eq!(got, Some(Lesson::Learn(GRANTED, NOW + 600)));
     }
@@ -485,13 +492,7 @@ mod tests {
     fn an_ack_the_guest_sends_teaches_nothing() {
         let mut talk = asked();
 
-        let got = lesson(
-            &reply(Kind::Ack, 7, SERVER, 600),
-            false,
-            MAC,
-            &mut talk,
-            NOW,
-        );
+        let got = from_guest(&reply(Kind::Ack, 7, SERVER, 600), &mut talk);
 
         assert_eq!(got, None);
     }
@@ -500,7 +501,7 @@ mod tests {
     fn an_ack_to_no_request_of_the_guests_teaches_nothing() {
         let mut talk = asked();
 
-        let got = lesson(&reply(Kind::Ack, 8, SERVER, 600), true, MAC, &mut talk, NOW);
+        let got = to_guest(&reply(Kind::Ack, 8, SERVER, 600), &mut talk);
 
         assert_eq!(got, None);
     }
@@ -510,7 +511,7 @@ mod tests {
         let mut talk = asked();
         let other = Ipv4Addr::new(192, 0, 2, 66);
 
-        let got = lesson(&reply(Kind::Ack, 7, other, 600), true, MAC, &mut talk, NOW);
+        let got = to_guest(&reply(Kind::Ack, 7, other, 600), &mut talk);
 
         assert_eq!(got, None);
     }
@@ -519,13 +520,7 @@ mod tests {
     fn a_lease_of_forever_is_believed_for_a_day() {
         let mut talk = asked();
 
-        let got = lesson(
-            &reply(Kind::Ack, 7, SERVER, u32::MAX),
-            true,
-            MAC,
-            &mut talk,
-            NOW,
-        );
+        let got = to_guest(&reply(Kind::Ack, 7, SERVER, u32::MAX), &mut talk);
 
         assert_eq!(got, Some(Lesson::Learn(GRANTED, NOW + MAX_LEASE_SECS)));
     }
@@ -533,10 +528,10 @@ mod tests {
     #[test]
     fn a_nak_from_the_granting_server_forgets() {
         let mut talk = asked();
-        lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
-        lesson(&request(9, SERVER), false, MAC, &mut talk, NOW);
+        to_guest(&reply(Kind::Ack, 7, SERVER, 600), &mut talk);
+        from_guest(&request(9, SERVER), &mut talk);
 
-        let got = lesson(&reply(Kind::Nak, 9, SERVER, 0), true, MAC, &mut talk, NOW);
+        let got = to_guest(&reply(Kind::Nak, 9, SERVER, 0), &mut talk);
 
         assert_eq!(got, Some(Lesson::Forget));
     }
@@ -544,12 +539,12 @@ mod tests {
     #[test]
     fn a_nak_from_a_third_party_changes_nothing() {
         let mut talk = asked();
-        lesson(&reply(Kind::Ack, 7, SERVER, 600), true, MAC, &mut talk, NOW);
+        to_guest(&reply(Kind::Ack, 7, SERVER, 600), &mut talk);
         let rogue = Ipv4Addr::new(192, 0, 2, 66);
         // Even one that names the guest's current transaction.
-        lesson(&request(9, rogue), false, MAC, &mut talk, NOW);
+        from_guest(&request(9, rogue), &mut talk);
 
-        let got = lesson(&reply(Kind::Nak, 9, rogue, 0), true, MAC, &mut talk, NOW);
+        let got = to_guest(&reply(Kind::Nak, 9, rogue, 0), &mut talk);
 
         assert_eq!(got, None);
     }
@@ -558,7 +553,7 @@ mod tests {
     fn arp_from_the_site_claiming_the_vms_mac_teaches_nothing() {
         let mut talk = Conversation::default();
 
-        let got = lesson(&arp(MAC, GRANTED), true, MAC, &mut talk, NOW);
+        let got = to_guest(&arp(MAC, GRANTED), &mut talk);
 
         assert_eq!(got, None);
     }
@@ -568,7 +563,7 @@ mod tests {
         // Else a guest picks the address the site guard lets it send from.
         let mut talk = Conversation::default();
 
-        let got = lesson(&arp(MAC, GRANTED), false, MAC, &mut talk, NOW);
+        let got = from_guest(&arp(MAC, GRANTED), &mut talk);
 
         assert_eq!(got, None);
     }
@@ -578,7 +573,7 @@ mod tests {
         let mut talk = Conversation::default();
         let frame = build_frame(MAC, [0xff; 6], (SERVER, 5000), (GRANTED, 5000), b"x");
 
-        let got = lesson(&frame, false, MAC, &mut talk, NOW);
+        let got = from_guest(&frame, &mut talk);
 
         assert_eq!(got, None);
     }
@@ -610,13 +605,7 @@ mod tests {
     fn arp_whose_frame_and_sender_macs_differ_teaches_nothing() {
         let mut talk = Conversation::default();
 
-        let got = lesson(
-            &arp([2, 0, 0, 0, 0, 6], GRANTED),
-            false,
-            MAC,
-            &mut talk,
-            NOW,
-        );
+        let got = from_guest(&arp([2, 0, 0, 0, 0, 6], GRANTED), &mut talk);
 
         assert_eq!(got, None);
     }

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::{Id, Saved, VmSpec};
 use crate::state::atomic::Pending;
 
@@ -40,7 +40,7 @@ pub type Say<'a> = &'a dyn Fn(&str);
 /// `Ok` says the resume is recorded: the saved guest is spent from here.
 /// Its `Err` ends the resume: the restore is undone, the saved guest kept,
 /// and the error is the resume's.
-pub type Spend<'a> = &'a dyn Fn() -> Result<(), BoxFailure>;
+pub type Spend<'a> = &'a dyn Fn() -> Outcome;
 
 /// Told the id of a VM whose hypervisor process ended, for whatever reason.
 /// Called from the backend's own threads: it must not block.
@@ -57,7 +57,7 @@ pub type ExitListener = Arc<dyn Fn(&Id) + Send + Sync>;
 /// it, and says itself what a backend without it does.
 pub trait Lifecycle: Send + Sync {
     /// Whether this backend can run a guest on this host at all.
-    fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure>;
+    fn preflight(&self, deadline: Deadline) -> Outcome;
 
     /// Materialises the VM's root disk from a verified base image (clone and
     /// grow). Root disk only: the rebuild path calls create again, so routing
@@ -69,7 +69,7 @@ pub trait Lifecycle: Send + Sync {
         spec: &VmSpec,
         base_image: &Path,
         deadline: Deadline,
-    ) -> Result<Pending, BoxFailure>;
+    ) -> Outcome<Pending>;
 
     /// Takes what of the host the VM's boot will hold (its addresses,
     /// its VMM's user id), so the boot finds it taken: in place and its
@@ -83,22 +83,22 @@ pub trait Lifecycle: Send + Sync {
     /// [`Lifecycle::recover`], what a VM with no record and no hypervisor
     /// holds (a crash came before the save). Idempotent; nothing by
     /// default.
-    fn reserve(&self, _spec: &VmSpec) -> Result<Pending, BoxFailure> {
+    fn reserve(&self, _spec: &VmSpec) -> Outcome<Pending> {
         Ok(Pending::none())
     }
 
     /// Starts the VM and attaches it to the host network. Idempotent: a VM
     /// whose hypervisor is alive is never started twice.
-    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure>;
+    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Outcome;
 
     /// Stops the guest (politely first); the VM's files stay. `say` is told
     /// each stage as it starts ("stopping: waiting for the guest to power
     /// off, 12 s of 30"), for the VM's row: a polite stop can take minutes.
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure>;
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome;
 
     /// Stops the VM and releases every host resource it holds: its process,
     /// its network attachment, its address reservation.
-    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure>;
+    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Outcome;
 
     /// Whether the VM's hypervisor is alive. Cheap: called on report paths.
     fn running(&self, vm_id: &Id) -> bool;
@@ -182,7 +182,7 @@ pub trait Wake: Send + Sync {
     /// host's networks when they are not held yet; held already, they are
     /// kept) and returns what to poll. The next resume hands them to its
     /// VMM, which reads what waited.
-    fn listen(&self, spec: &VmSpec) -> Result<Listening, BoxFailure>;
+    fn listen(&self, spec: &VmSpec) -> Outcome<Listening>;
 
     /// Lets go of what [`Wake::listen`] held: the VM is not to wake (its
     /// wake turned off, stopped, destroyed).
@@ -227,7 +227,7 @@ pub trait Suspend: Send + Sync {
     /// committed save is `Ok`; on an error the VM is left running where the
     /// backend can. Idempotent: a suspend cut short is done again from the
     /// start.
-    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure>;
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome<Saved>;
 
     /// Resumes a suspended VM where it left off: a live VMM of it (a
     /// suspend or resume cut short) is made to run, else its saved state is
@@ -238,15 +238,14 @@ pub trait Suspend: Send + Sync {
     /// the guest runs its saved state is discarded: it is stale from then
     /// on. The engine never asks twice for one saved state (see the
     /// lifecycle's rules).
-    fn resume(&self, spec: &VmSpec, deadline: Deadline, spend: Spend<'_>)
-    -> Result<(), BoxFailure>;
+    fn resume(&self, spec: &VmSpec, deadline: Deadline, spend: Spend<'_>) -> Outcome;
 
     /// Whether this host can take the VM's resume now, asked before its
     /// saved guest is spent: what the host lacks (a device, the
     /// hypervisor, room in a pool) is a host condition, and the saved
     /// guest waits for it, where a resume that failed would boot the VM
     /// from its disks. Cheap: asked before each resume, a wake's too.
-    fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure>;
+    fn resumable(&self, spec: &VmSpec) -> Outcome;
 
     /// What holds the VM's suspended guest on this host now, as found (a
     /// committed save, checked against the disks it was taken with);
@@ -255,7 +254,7 @@ pub trait Suspend: Send + Sync {
 
     /// Removes whatever holds the VM's suspended guest; nothing there is
     /// success.
-    fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure>;
+    fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Outcome;
 }
 
 /// Holding a tenant's own limits and egress rules on the host: a
@@ -266,7 +265,7 @@ pub trait Holds: Send + Sync {
     /// has its network, and from its next plug otherwise, before its guest
     /// sends anything; its hypervisor untouched. Cheap when unchanged:
     /// called on every pass. A backend that cannot hold them says so.
-    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure>;
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Outcome;
 
     /// The VM's own egress rules held on the host now; `None` when none
     /// are (the host's policy alone).
@@ -278,8 +277,7 @@ pub trait Holds: Send + Sync {
     /// refused are the error (permanent: another VM holds one, or the
     /// host's range lacks it; a host condition: a host process holds
     /// one); the rest are held. Cheap when unchanged: called on every pass.
-    fn set_published(&self, vm_id: &Id, wanted: &[crate::model::Publish])
-    -> Result<(), BoxFailure>;
+    fn set_published(&self, vm_id: &Id, wanted: &[crate::model::Publish]) -> Outcome;
 
     /// The ports the VM holds on the host now (forwarded or, before its
     /// network is plugged, kept for it).
@@ -293,7 +291,7 @@ pub trait Holds: Send + Sync {
     /// plugged. A network that could not be served when the VM was
     /// adopted is tried again here. Called on every pass of a running VM:
     /// cheap when all is well.
-    fn network_served(&self, _vm_id: &Id) -> Result<(), BoxFailure> {
+    fn network_served(&self, _vm_id: &Id) -> Outcome {
         Ok(())
     }
 }

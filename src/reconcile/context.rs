@@ -34,7 +34,7 @@ use super::counts::Counts;
 use super::lifecycle::{self, Budget};
 use super::pass::{Narrator, Pass, VmResult, quarantined_entry};
 use super::seams::HostFacts;
-use crate::error::{BoxFailure, Simple, chain};
+use crate::error::{BoxFailure, Outcome, Simple, chain};
 use crate::logonce::LogOnce;
 use crate::model::{Id, Phase, PowerState};
 use crate::provision::Lifecycle;
@@ -223,8 +223,8 @@ impl Context {
         &self,
         rec: &Record,
         (thread, doing): (&str, &str),
-        beside: impl FnOnce() -> Result<T, BoxFailure> + Send,
-    ) -> (Result<Unsynced, BoxFailure>, Result<T, BoxFailure>) {
+        beside: impl FnOnce() -> Outcome<T> + Send,
+    ) -> (Outcome<Unsynced>, Outcome<T>) {
         let (done, saved) =
             crate::threads::alongside(thread, beside, || self.store.save_visible(rec));
         let done = done
@@ -241,8 +241,8 @@ impl Context {
     pub(crate) fn save_before_spend(
         &self,
         rec: &Record,
-        restore: impl FnOnce(crate::provision::Spend<'_>) -> Result<(), BoxFailure>,
-    ) -> (Result<(), BoxFailure>, Result<(), BoxFailure>) {
+        restore: impl FnOnce(crate::provision::Spend<'_>) -> Outcome,
+    ) -> (Outcome, Outcome) {
         let vm_id = &rec.spec.vm_id;
         let (landed, landing) = crossbeam_channel::bounded(1);
         // Moved in, so a second ask finds the channel closed and refuses.
@@ -251,7 +251,7 @@ impl Context {
             let _ = landed.send(saved.as_ref().map(|_| ()).map_err(|e| chain(e)));
             saved
         };
-        let spend = || -> Result<(), BoxFailure> {
+        let spend = || -> Outcome {
             let landed = crate::stages::timed("record wait", || landing.recv());
             match landed {
                 Ok(Ok(())) => {

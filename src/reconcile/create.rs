@@ -40,10 +40,10 @@ use super::admission::CreateSlots;
 use super::context::{Context, panicked};
 use super::lifecycle::{self, Attempts, State};
 use super::pass::{CREATE_STAGE, Narrator, Next, Pass, VmResult};
-use super::seams::{HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams};
+use super::seams::{HostKey, HostKeys, ImageRequest, Images, Progress, SeedBuilder, SeedParams};
 use super::volumes;
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, Simple, chain};
+use crate::error::{BoxFailure, Outcome, Simple, chain};
 use crate::model::{DesiredVm, Id, Mac, Phase, PowerState};
 use crate::stages::{span, timed};
 use crate::state::atomic::Pending;
@@ -223,7 +223,7 @@ impl Create {
         d: &DesiredVm,
         rec: &mut Record,
         res: &mut VmResult,
-    ) -> Result<HostKeyStage, BoxFailure> {
+    ) -> Outcome<HostKeyStage> {
         if !d.host_cert_required {
             return Ok(HostKeyStage::Go(None));
         }
@@ -265,7 +265,7 @@ impl Create {
         host_key: Option<HostKey>,
         attempt: NotYetDurable,
         narrator: &Narrator,
-    ) -> Result<bool, BoxFailure> {
+    ) -> Outcome<bool> {
         let deadline = narrator.deadline();
         // Bounds how much create concurrency reaches the disk: N parallel
         // creates are N downloads and N multi-GB copies on one device, which
@@ -283,13 +283,13 @@ impl Create {
         // The image becomes the root disk: it may be no larger.
         let max_bytes = d.spec.disk_gb.saturating_mul(1 << 30);
         let base = timed("image", || {
-            self.images.resolve(
-                &d.spec.image_url,
-                &d.spec.image_sha256,
+            self.images.resolve(ImageRequest {
+                url: &d.spec.image_url,
+                sha256: &d.spec.image_sha256,
                 max_bytes,
                 deadline,
                 progress,
-            )
+            })
         })?;
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
@@ -336,7 +336,7 @@ impl Create {
         params: &SeedParams,
         attempt: NotYetDurable,
         deadline: Deadline,
-    ) -> Result<Pending, BoxFailure> {
+    ) -> Outcome<Pending> {
         let vm_id = &spec.vm_id;
         let _prepare = span("prepare");
         let disk = || {
@@ -347,7 +347,7 @@ impl Create {
         };
         // The seed is the quickest to make: the share's names are synced
         // after it, on its thread.
-        let seed = || -> Result<Pending, BoxFailure> {
+        let seed = || -> Outcome<Pending> {
             let seed = timed("seed", || {
                 self.seed.build(&ctx.store.layout().seed(vm_id), params)
             })
@@ -393,7 +393,7 @@ fn count_attempt(
     ctx: &Context,
     rec: &Record,
     reserve: bool,
-) -> (Result<Unsynced, BoxFailure>, Result<Pending, BoxFailure>) {
+) -> (Outcome<Unsynced>, Outcome<Pending>) {
     let take = || {
         if reserve {
             timed("reserve", || ctx.backend.reserve(&rec.spec))
@@ -444,7 +444,7 @@ fn boot_syncing(
     made: Pending,
     deadline: Deadline,
     narrator: &Narrator,
-) -> Result<(), BoxFailure> {
+) -> Outcome {
     let vm_id = &spec.vm_id;
     narrator.say("booting");
     let booting = std::time::Instant::now();
@@ -472,7 +472,7 @@ fn boot_syncing(
 }
 
 /// Makes what a create made durable (see [`Pending`]).
-fn sync_made(vm_id: &Id, made: Pending) -> Result<(), BoxFailure> {
+fn sync_made(vm_id: &Id, made: Pending) -> Outcome {
     made.sync().map_err(|e| {
         Simple::transient(format!(
             "VM {vm_id}: cannot make its root disk and seed durable: {e}"

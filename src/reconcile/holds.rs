@@ -13,7 +13,7 @@
 use super::context::Context;
 use super::counts::Held;
 use super::pass::VmResult;
-use crate::error::{BoxFailure, Failure, Simple};
+use crate::error::{Failure, Outcome, Simple};
 use crate::model::{DesiredVm, Egress, Id, Phase, PowerState, Publish, VmSpec};
 use crate::provision::Holds;
 use crate::state::Record;
@@ -95,7 +95,7 @@ impl<'a> Holding<'a> {
     /// Holds `egress` as the VM's own rules (see [`Holds::set_egress`]).
     /// An open egress needs no holding; any other is refused, as a host
     /// condition, by a backend that cannot hold it.
-    pub(crate) fn set_egress(&self, vm_id: &Id, egress: &Egress) -> Result<(), BoxFailure> {
+    pub(crate) fn set_egress(&self, vm_id: &Id, egress: &Egress) -> Outcome {
         match self.holds {
             Some(h) => h.set_egress(vm_id, egress),
             None if egress.is_open() => Ok(()),
@@ -140,7 +140,7 @@ impl<'a> Holding<'a> {
     pub(crate) fn say_what_it_is_held_to(
         &self,
         desired: &DesiredVm,
-        egress_held: Result<(), BoxFailure>,
+        egress_held: Outcome,
         answering: Option<bool>,
         res: &mut VmResult,
     ) {
@@ -205,7 +205,7 @@ impl<'a> Holding<'a> {
         &self,
         desired: &DesiredVm,
         saved: Option<&Record>,
-    ) -> (Vec<Publish>, Result<(), BoxFailure>) {
+    ) -> (Vec<Publish>, Outcome) {
         let vm_id = &desired.spec.vm_id;
         let Some(rec) = saved else {
             return (Vec::new(), Ok(()));
@@ -235,7 +235,7 @@ impl<'a> Holding<'a> {
     pub(crate) fn say_published(
         &self,
         vm_id: &Id,
-        (held, published): (Vec<Publish>, Result<(), BoxFailure>),
+        (held, published): (Vec<Publish>, Outcome),
         res: &mut VmResult,
     ) {
         let Some(row) = res.row.as_mut() else {

@@ -8,13 +8,13 @@
 use std::path::Path;
 use std::time::SystemTime;
 
-use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 pub use crate::hostkey::HostKey;
 use crate::hostkey::LocalHostKeys;
 pub use crate::image::Base;
 use crate::image::ImageCache;
 pub use crate::image::Progress;
+pub use crate::image::Request as ImageRequest;
 use crate::seed::NoCloudSeed;
 pub use crate::seed::SeedParams;
 
@@ -22,32 +22,21 @@ pub use crate::seed::SeedParams;
 /// most `max_bytes`, fetching it when needed, and held against a prune
 /// while the returned [`Base`] lives.
 pub trait Images: Send + Sync {
-    fn resolve(
-        &self,
-        url: &str,
-        sha256: &str,
-        max_bytes: u64,
-        deadline: Deadline,
-        progress: Progress,
-    ) -> Result<Base, BoxFailure>;
+    fn resolve(&self, wanted: ImageRequest<'_>) -> Outcome<Base>;
 }
 
 /// Builds the cloud-init NoCloud seed image at a path, atomically.
 pub trait SeedBuilder: Send + Sync {
     /// The seed in place at `out`; durable once the returned
     /// [`Pending`](crate::state::atomic::Pending) is synced.
-    fn build(
-        &self,
-        out: &Path,
-        params: &SeedParams,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure>;
+    fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending>;
 }
 
 /// Loads the host key stored at a path, creating and persisting one when
 /// there is none. Load-or-create, not create: a VM waiting for its
 /// certificate must present the same key after an agent restart.
 pub trait HostKeys: Send + Sync {
-    fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure>;
+    fn load_or_create(&self, path: &Path) -> Outcome<HostKey>;
 }
 
 /// Facts about the host that tests need to control.
@@ -85,30 +74,19 @@ impl HostFacts for SystemHost {
 }
 
 impl Images for ImageCache {
-    fn resolve(
-        &self,
-        url: &str,
-        sha256: &str,
-        max_bytes: u64,
-        deadline: Deadline,
-        progress: Progress,
-    ) -> Result<Base, BoxFailure> {
-        ImageCache::resolve_held(self, url, sha256, max_bytes, deadline, progress)
+    fn resolve(&self, wanted: ImageRequest<'_>) -> Outcome<Base> {
+        ImageCache::resolve_held(self, wanted)
     }
 }
 
 impl SeedBuilder for NoCloudSeed {
-    fn build(
-        &self,
-        out: &Path,
-        params: &SeedParams,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+    fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending> {
         NoCloudSeed::build(self, out, params)
     }
 }
 
 impl HostKeys for LocalHostKeys {
-    fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
+    fn load_or_create(&self, path: &Path) -> Outcome<HostKey> {
         LocalHostKeys::load_or_create(self, path)
     }
 }

@@ -13,7 +13,7 @@ use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use crate::error::{BoxFailure, Simple};
+use crate::error::{Outcome, Simple};
 use crate::model::{
     Id, Rejected, Snapshot, VmSpec, VolumeSpec, VolumeState, VolumeStatus, WantedVolume,
 };
@@ -100,11 +100,7 @@ pub fn sweep(store: &Store) -> Vec<VolumeStatus> {
 /// file would become the VMM's that booted last while the first still
 /// holds it open). Either is permanent for the VM until its spec, or the
 /// other VM's, changes.
-pub fn materialized(
-    store: &Store,
-    spec: &VmSpec,
-    live: &dyn Fn(&Id) -> bool,
-) -> Result<(), BoxFailure> {
+pub fn materialized(store: &Store, spec: &VmSpec, live: &dyn Fn(&Id) -> bool) -> Outcome {
     for id in &spec.volume_ids {
         let path = store.layout().volume(id);
         if !path.is_file() {

@@ -28,7 +28,7 @@ use std::time::SystemTime;
 
 use serde_json::{Map, Value, json};
 
-use crate::error::{BoxFailure, Simple};
+use crate::error::{Outcome, Simple};
 use crate::model::is_hostname;
 use crate::state::atomic::write_remade;
 
@@ -60,11 +60,7 @@ pub struct NoCloudSeed;
 
 impl NoCloudSeed {
     /// Builds the seed image for `params` at `out`, atomically.
-    pub fn build(
-        &self,
-        out: &Path,
-        params: &SeedParams,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+    pub fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending> {
         check(params)?;
         let meta = meta_data(params);
         let vendor = vendor_data(params);
@@ -102,7 +98,7 @@ impl NoCloudSeed {
 
 /// Refuses what must never reach a guest's configuration, even though the
 /// wire conversion already checked it: this is the last line before YAML.
-fn check(p: &SeedParams) -> Result<(), BoxFailure> {
+fn check(p: &SeedParams) -> Outcome {
     let hostname_ok = p.hostname.is_empty() || is_hostname(&p.hostname);
     if !hostname_ok {
         return Err(Simple::permanent(format!(

@@ -10,15 +10,15 @@ use std::time::SystemTime;
 
 use super::{Call, Fakes, Op};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, Simple};
+use crate::error::{BoxFailure, Outcome, Simple};
 use crate::model::{Id, Saved, VmSpec};
 use crate::provision::{ExitListener, Holds, Lifecycle, SavedGuest, Say, Spend, Suspend};
 use crate::reconcile::seams::{
-    HostFacts, HostKey, HostKeys, Images, Progress, SeedBuilder, SeedParams,
+    HostFacts, HostKey, HostKeys, ImageRequest, Images, SeedBuilder, SeedParams,
 };
 
 impl Lifecycle for Fakes {
-    fn preflight(&self, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn preflight(&self, deadline: Deadline) -> Outcome {
         self.record(Call::Preflight);
         self.act(Op::Preflight, "", deadline)
     }
@@ -28,7 +28,7 @@ impl Lifecycle for Fakes {
         spec: &VmSpec,
         _base: &Path,
         deadline: Deadline,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+    ) -> Outcome<crate::state::atomic::Pending> {
         self.record(Call::PrepareRootDisk(spec.vm_id.clone()));
         self.act(Op::PrepareRootDisk, spec.vm_id.as_str(), deadline)?;
         Ok(match self.made.lock().get(&spec.vm_id) {
@@ -37,14 +37,14 @@ impl Lifecycle for Fakes {
         })
     }
 
-    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Outcome {
         self.record(Call::Boot(spec.vm_id.clone()));
         self.act(Op::Boot, spec.vm_id.as_str(), deadline)?;
         self.running.lock().insert(spec.vm_id.clone());
         Ok(())
     }
 
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome {
         self.record(Call::Shutdown(vm_id.clone()));
         say("stopping: pressing the power button");
         self.act(Op::Shutdown, vm_id.as_str(), deadline)?;
@@ -52,7 +52,7 @@ impl Lifecycle for Fakes {
         Ok(())
     }
 
-    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         self.record(Call::Destroy(vm_id.clone()));
         self.act(Op::Destroy, vm_id.as_str(), deadline)?;
         self.running.lock().remove(vm_id);
@@ -84,18 +84,18 @@ impl Lifecycle for Fakes {
     }
 
     fn suspender(&self) -> Option<&dyn Suspend> {
-        Some(self)
+        (!self.is_bare()).then_some(self as &dyn Suspend)
     }
 
     fn holds(&self) -> Option<&dyn Holds> {
-        Some(self)
+        (!self.is_bare()).then_some(self as &dyn Holds)
     }
 }
 
 impl Suspend for Fakes {
     /// Saves 64 MiB "taken" now and stops the VM's hypervisor, as the
     /// cloud-hypervisor backend does.
-    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome<Saved> {
         self.record(Call::Suspend(vm_id.clone()));
         say("suspending: saving the guest's state");
         self.act(Op::Suspend, vm_id.as_str(), deadline)?;
@@ -120,12 +120,7 @@ impl Suspend for Fakes {
     /// state, which it then takes; either only once `spend` agrees (a
     /// refusal is recorded as [`Call::ResumeRefused`], the saved state
     /// kept).
-    fn resume(
-        &self,
-        spec: &VmSpec,
-        deadline: Deadline,
-        spend: Spend<'_>,
-    ) -> Result<(), BoxFailure> {
+    fn resume(&self, spec: &VmSpec, deadline: Deadline, spend: Spend<'_>) -> Outcome {
         let vm_id = &spec.vm_id;
         self.record(Call::Resume(vm_id.clone()));
         self.act(Op::Resume, vm_id.as_str(), deadline)?;
@@ -148,7 +143,7 @@ impl Suspend for Fakes {
     }
 
     /// What a test scripted for `Op::Resumable` (nothing: it can).
-    fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+    fn resumable(&self, spec: &VmSpec) -> Outcome {
         self.act(Op::Resumable, spec.vm_id.as_str(), Deadline::NONE)
     }
 
@@ -157,7 +152,7 @@ impl Suspend for Fakes {
         self.saved.lock().get(vm_id).cloned()
     }
 
-    fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
+    fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Outcome {
         self.record(Call::DiscardSuspension(vm_id.clone()));
         self.saved.lock().remove(vm_id);
         Ok(())
@@ -165,7 +160,7 @@ impl Suspend for Fakes {
 }
 
 impl Holds for Fakes {
-    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Outcome {
         if self.egress_refused.load(Ordering::SeqCst) && !egress.is_open() {
             return Err(crate::error::Simple::host("the fake host holds no egress rules").into());
         }
@@ -188,11 +183,7 @@ impl Holds for Fakes {
 
     /// Every port is granted, unless `ports_refused` names it: refused as
     /// another VM's (a permanent error).
-    fn set_published(
-        &self,
-        vm_id: &Id,
-        wanted: &[crate::model::Publish],
-    ) -> Result<(), BoxFailure> {
+    fn set_published(&self, vm_id: &Id, wanted: &[crate::model::Publish]) -> Outcome {
         let refused = self.ports_refused.lock().clone();
         let (granted, denied): (Vec<_>, Vec<_>) =
             wanted.iter().partition(|p| !refused.contains(&p.host_port));
@@ -217,14 +208,9 @@ impl Holds for Fakes {
 }
 
 impl Images for Fakes {
-    fn resolve(
-        &self,
-        url: &str,
-        sha256: &str,
-        _max_bytes: u64,
-        deadline: Deadline,
-        progress: Progress,
-    ) -> Result<crate::reconcile::seams::Base, BoxFailure> {
+    fn resolve(&self, wanted: ImageRequest<'_>) -> Outcome<crate::reconcile::seams::Base> {
+        let (url, sha256, deadline) = (wanted.url, wanted.sha256, wanted.deadline);
+        let progress = wanted.progress;
         self.record(Call::Resolve {
             url: url.to_owned(),
         });
@@ -243,11 +229,7 @@ impl Images for Fakes {
 }
 
 impl SeedBuilder for Fakes {
-    fn build(
-        &self,
-        _out: &Path,
-        params: &SeedParams,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+    fn build(&self, _out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending> {
         self.record(Call::Seed(Box::new(params.clone())));
         self.act(Op::Seed, &params.instance_id, Deadline::NONE)
             .map(|()| crate::state::atomic::Pending::none())
@@ -257,7 +239,7 @@ impl SeedBuilder for Fakes {
 impl HostKeys for Fakes {
     /// Persists a made-up key at `path` (creating its directory), so the
     /// same key comes back after an engine restart, as with the real one.
-    fn load_or_create(&self, path: &Path) -> Result<HostKey, BoxFailure> {
+    fn load_or_create(&self, path: &Path) -> Outcome<HostKey> {
         self.record(Call::HostKey(path.to_path_buf()));
         let vm = path
             .parent()

@@ -9,7 +9,6 @@
 //! them.
 
 mod backend;
-pub mod bare;
 pub mod control_plane;
 mod desired;
 mod host;
@@ -30,7 +29,7 @@ use std::time::{Duration, Instant, SystemTime};
 use parking_lot::{Condvar, Mutex};
 
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, DeadlineExpired, Simple};
+use crate::error::{DeadlineExpired, Outcome, Simple};
 use crate::model::Id;
 use crate::provision::{ExitListener, Lifecycle, SavedGuest};
 use crate::reconcile::Seams;
@@ -212,6 +211,8 @@ pub struct Fakes {
     /// every pass, they would crowd every test's list of calls).
     egress: Mutex<HashMap<Id, crate::model::Egress>>,
     egress_refused: std::sync::atomic::AtomicBool,
+    /// Told to be a backend with no capability but its lifecycle.
+    bare: std::sync::atomic::AtomicBool,
     /// Each VM's published ports as granted (not a [`Call`], as egress).
     published: Mutex<HashMap<Id, Vec<crate::model::Publish>>>,
     /// Host ports refused to any VM that asks (see [`Fakes::refuse_port`]).
@@ -242,6 +243,7 @@ impl Fakes {
             exits: Mutex::new(None),
             egress: Mutex::new(HashMap::new()),
             egress_refused: std::sync::atomic::AtomicBool::new(false),
+            bare: std::sync::atomic::AtomicBool::new(false),
             published: Mutex::new(HashMap::new()),
             ports_refused: Mutex::new(Vec::new()),
             made: Mutex::new(HashMap::new()),
@@ -403,6 +405,18 @@ impl Fakes {
         self.calls.lock().clone()
     }
 
+    /// From now on, a backend with no capability but its lifecycle: it
+    /// cannot suspend, holds no limits, egress rules or ports, and wakes
+    /// nothing (what the engine does for such a backend is shown with it).
+    pub fn lack_capabilities(&self) {
+        self.bare.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Fakes::lack_capabilities`] was asked.
+    fn is_bare(&self) -> bool {
+        self.bare.load(Ordering::SeqCst)
+    }
+
     /// From now on, like a host without nft: egress rules are refused as
     /// a host condition.
     pub fn refuse_egress(&self) {
@@ -453,7 +467,7 @@ impl Fakes {
         }
     }
 
-    fn act(&self, op: Op, key: &str, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn act(&self, op: Op, key: &str, deadline: Deadline) -> Outcome {
         {
             let mut flight = self.in_flight.lock();
             let entry = flight.entry(op).or_default();
@@ -469,7 +483,7 @@ impl Fakes {
         result
     }
 
-    fn behave(&self, op: Op, key: &str, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn behave(&self, op: Op, key: &str, deadline: Deadline) -> Outcome {
         let delay = *self.delay.lock();
         if !delay.is_zero() {
             precise_sleep(delay);

@@ -972,7 +972,7 @@ fn an_image_a_create_holds_is_kept_from_a_prune_until_its_root_disk_is_made() {
     let url = format!("file://{}", f.image.display());
     let base = f
         .cache()
-        .resolve_held(&url, &f.sha, DISK, Deadline::NONE, quiet())
+        .resolve_held(request(&url, &f.sha))
         .expect("found");
     let layout = eitri_agent::state::Layout::new(f.dir.path());
     let lock = std::fs::File::open(layout.images_lock()).expect("lock file");
@@ -993,17 +993,27 @@ fn an_image_pruned_before_a_create_holds_it_is_fetched_again() {
     let f = Fixture::new();
     let url = format!("file://{}", f.image.display());
     let cache = f.cache();
-    let first = cache
-        .resolve_held(&url, &f.sha, DISK, Deadline::NONE, quiet())
-        .expect("found");
+    let first = cache.resolve_held(request(&url, &f.sha)).expect("found");
     drop(first);
     let layout = eitri_agent::state::Layout::new(f.dir.path());
     let pruned = eitri_agent::image::prune(&layout, &Default::default()).expect("pruned");
 
     let again = cache
-        .resolve_held(&url, &f.sha, DISK, Deadline::NONE, quiet())
+        .resolve_held(request(&url, &f.sha))
         .expect("found again");
 
     assert_eq!(pruned.removed, vec![f.sha.clone()]);
     assert_eq!(sha256_file(&again.path).expect("hash"), f.sha);
+}
+
+/// A request for the image at `url` of digest `sha`, of at most [`DISK`]
+/// bytes, with no deadline, telling nobody of its progress.
+fn request<'a>(url: &'a str, sha: &'a str) -> eitri_agent::image::Request<'a> {
+    eitri_agent::image::Request {
+        url,
+        sha256: sha,
+        max_bytes: DISK,
+        deadline: Deadline::NONE,
+        progress: quiet(),
+    }
 }

@@ -53,33 +53,16 @@ impl Harness {
     }
 
     /// Over a backend with no capability but its lifecycle (see
-    /// [`eitri_agent::testkit::bare`]).
+    /// [`Fakes::lack_capabilities`]).
     pub fn bare() -> Harness {
-        Harness::open_as(
-            tempfile::tempdir().expect("tempdir"),
-            Fakes::new(),
-            config(),
-            true,
-        )
+        let fakes = Fakes::new();
+        fakes.lack_capabilities();
+        Harness::open(tempfile::tempdir().expect("tempdir"), fakes, config())
     }
 
     fn open(dir: tempfile::TempDir, fakes: Arc<Fakes>, config: EngineConfig) -> Harness {
-        Harness::open_as(dir, fakes, config, false)
-    }
-
-    fn open_as(
-        dir: tempfile::TempDir,
-        fakes: Arc<Fakes>,
-        config: EngineConfig,
-        bare: bool,
-    ) -> Harness {
         let store = Arc::new(Store::open(dir.path()).expect("store"));
-        let seams = if bare {
-            fakes.bare_seams()
-        } else {
-            fakes.seams()
-        };
-        let engine = Engine::new(Arc::clone(&store), seams, config.clone());
+        let engine = Engine::new(Arc::clone(&store), fakes.seams(), config.clone());
         Harness {
             dir,
             store,
@@ -115,7 +98,8 @@ impl Harness {
         } = self;
         drop(engine);
         drop(store);
-        Harness::open_as(dir, fakes, config, true)
+        fakes.lack_capabilities();
+        Harness::open(dir, fakes, config)
     }
 
     /// One tick: step, then wait until every pass it started has ended.

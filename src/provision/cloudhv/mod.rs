@@ -59,7 +59,7 @@ use super::{
     ExitListener, Holds, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Spend, Suspend,
 };
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::{Id, Mac, Saved, VmSpec};
 use crate::stages;
 use crate::state::Store;
@@ -202,7 +202,7 @@ impl CloudHypervisor {
         launch: argv::Launch<'_>,
         deadline: Deadline,
         started: impl FnOnce(),
-    ) -> Result<(), BoxFailure> {
+    ) -> Outcome {
         let vm_id = &spec.vm_id;
         let (taps, joined) = stages::timed("tap open", || self.taps_for_start(spec))?;
         let (plugged, booted) = crate::threads::alongside(
@@ -281,7 +281,7 @@ impl CloudHypervisor {
 }
 
 impl Lifecycle for CloudHypervisor {
-    fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
+    fn preflight(&self, _deadline: Deadline) -> Outcome {
         self.check_host()
     }
 
@@ -290,12 +290,12 @@ impl Lifecycle for CloudHypervisor {
         spec: &VmSpec,
         base: &Path,
         deadline: Deadline,
-    ) -> Result<Pending, BoxFailure> {
+    ) -> Outcome<Pending> {
         let in_use = self.find(&spec.vm_id).is_some();
         supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }
 
-    fn reserve(&self, spec: &VmSpec) -> Result<Pending, BoxFailure> {
+    fn reserve(&self, spec: &VmSpec) -> Outcome<Pending> {
         self.reserve_host(spec)
     }
 
@@ -307,18 +307,18 @@ impl Lifecycle for CloudHypervisor {
     /// first frames meet the guard's fail-closed rule, never an open port,
     /// and Running is said only once both are done; a plug that fails
     /// kills the VMM it was for.
-    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Outcome {
         if stages::timed("find", || self.find(&spec.vm_id)).is_some() {
             return Ok(());
         }
         self.start_vmm(spec, argv::Launch::Boot, deadline, || {})
     }
 
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome {
         self.stop(vm_id, deadline, say)
     }
 
-    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         self.stop(vm_id, deadline, &|what| log::info!("VM {vm_id}: {what}"))?;
         super::Wake::stop_listening(self, vm_id);
         let taps = self.taps(vm_id).map(|t| [t.underlay, t.site]);
@@ -430,22 +430,17 @@ impl Lifecycle for CloudHypervisor {
 }
 
 impl Suspend for CloudHypervisor {
-    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome<Saved> {
         self.suspend_vm(&self.snapshot_of(vm_id), vm_id, deadline, say)
     }
 
-    fn resume(
-        &self,
-        spec: &VmSpec,
-        deadline: Deadline,
-        spend: Spend<'_>,
-    ) -> Result<(), BoxFailure> {
+    fn resume(&self, spec: &VmSpec, deadline: Deadline, spend: Spend<'_>) -> Outcome {
         self.resume_vm(spec, deadline, spend)
     }
 
     /// The host's checks, and the huge page pool's room for the guest's
     /// memory, as a boot asks them.
-    fn resumable(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+    fn resumable(&self, spec: &VmSpec) -> Outcome {
         self.check_host()?;
         Ok(self.check_hugepages(spec)?)
     }
@@ -454,13 +449,13 @@ impl Suspend for CloudHypervisor {
         self.saved_guest(vm_id)
     }
 
-    fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Result<(), BoxFailure> {
+    fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Outcome {
         self.discard_saved(vm_id)
     }
 }
 
 impl Holds for CloudHypervisor {
-    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Result<(), BoxFailure> {
+    fn set_egress(&self, vm_id: &Id, egress: &crate::model::Egress) -> Outcome {
         match &self.cfg.network {
             Some(network) => network.set_egress(vm_id, egress),
             // With the host network off a VM has no NIC: it reaches
@@ -473,11 +468,7 @@ impl Holds for CloudHypervisor {
         Some(spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults))
     }
 
-    fn set_published(
-        &self,
-        vm_id: &Id,
-        wanted: &[crate::model::Publish],
-    ) -> Result<(), BoxFailure> {
+    fn set_published(&self, vm_id: &Id, wanted: &[crate::model::Publish]) -> Outcome {
         match &self.cfg.network {
             Some(network) => network.set_published(vm_id, wanted),
             // With the host network off a VM has no NIC to forward to.
@@ -502,7 +493,7 @@ impl Holds for CloudHypervisor {
         (!held.is_open()).then_some(held)
     }
 
-    fn network_served(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+    fn network_served(&self, vm_id: &Id) -> Outcome {
         let Some(network) = &self.cfg.network else {
             return Ok(());
         };

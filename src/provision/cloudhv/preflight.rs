@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::{CloudHvError, CloudHypervisor, MIN_VERSION};
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::provision::jail::paths::{self, Need};
 
 /// What [`MIN_VERSION`] brings.
@@ -24,7 +24,7 @@ pub(super) const HUGEPAGES_MIN_VERSION: u32 = 53;
 const HUGEPAGES_NEED: &str = "with --guest-hugepages yes it maps each guest's memory reserved (reserve=on), so a pool run dry fails a boot and never kills a running guest";
 
 impl CloudHypervisor {
-    pub(super) fn check_host(&self) -> Result<(), BoxFailure> {
+    pub(super) fn check_host(&self) -> Outcome {
         // Resolved to an absolute path when the backend was made.
         let path = self.cfg.hypervisor.binary.clone();
         if !path.is_absolute() || crate::programs::find(&path.to_string_lossy()).is_none() {
@@ -62,7 +62,7 @@ impl CloudHypervisor {
 
     /// What every create needs of the host besides the hypervisor: the KVM
     /// device, the tun device and the guest's boot file.
-    fn check_devices(&self) -> Result<(), BoxFailure> {
+    fn check_devices(&self) -> Outcome {
         let kvm = &self.cfg.confinement.kvm;
         if let Err(source) = OpenOptions::new().read(true).write(true).open(kvm) {
             return Err(CloudHvError::Kvm { source }.into());
@@ -84,7 +84,7 @@ impl CloudHypervisor {
     /// (see [`paths`]): its binary, its boot file, and the
     /// directories its VM's files and volumes are in. Any VMM's user
     /// stands for all: none owns a directory above its own VM's.
-    fn check_reach(&self) -> Result<(), BoxFailure> {
+    fn check_reach(&self) -> Outcome {
         let Ok(ids) = &self.confined.ids else {
             // Unjailed (allowed): the VMM runs as root and reaches all.
             return Ok(());

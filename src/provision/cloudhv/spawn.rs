@@ -29,7 +29,7 @@ use super::error::CloudHvError;
 use super::process::Tracked;
 use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::{BoxFailure, Outcome};
 use crate::model::{Id, Mac, VmSpec};
 use crate::provision::hugepages;
 use crate::provision::jail::Plan;
@@ -47,7 +47,7 @@ impl CloudHypervisor {
         spec: &VmSpec,
         taps: Vec<(OwnedFd, Mac)>,
         launch: Launch<'_>,
-    ) -> Result<Tracked, BoxFailure> {
+    ) -> Outcome<Tracked> {
         let vm_id = &spec.vm_id;
         self.check_hugepages(spec)?;
         timed("vm dir", || supervise::vm_dir(&self.store, vm_id)).map_err(CloudHvError::from)?;
@@ -141,7 +141,7 @@ impl CloudHypervisor {
     /// The VM's API socket, bound afresh (a stale one, of a VMM that died,
     /// replaced): the agent's, 0600, in its own run dir; the VMM gets the
     /// listening fd.
-    fn bind_api(&self, vm_id: &Id) -> Result<OwnedFd, BoxFailure> {
+    fn bind_api(&self, vm_id: &Id) -> Outcome<OwnedFd> {
         let path = self.socket_path(vm_id);
         let _ = fs::remove_file(&path);
         std::os::unix::net::UnixListener::bind(&path)
@@ -162,7 +162,7 @@ impl CloudHypervisor {
     /// [`Lifecycle::reserve`](crate::provision::Lifecycle::reserve)). Both
     /// at once, for the reason the engine asks for them beside the
     /// attempt's save: durable writes made together share a journal commit.
-    pub(super) fn reserve_host(&self, spec: &VmSpec) -> Result<Pending, BoxFailure> {
+    pub(super) fn reserve_host(&self, spec: &VmSpec) -> Outcome<Pending> {
         let vm_id = &spec.vm_id;
         let address = || match &self.cfg.network {
             Some(network) => timed("address lease", || network.take_address(vm_id)),
@@ -327,7 +327,7 @@ impl CloudHypervisor {
     /// the site's own DHCP. With networking off a VM gets no NIC at all: a
     /// tap joined to nothing would only be a link for the guest to write
     /// into.
-    pub(super) fn open_nics(&self, spec: &VmSpec) -> Result<Vec<(OwnedFd, Mac)>, BoxFailure> {
+    pub(super) fn open_nics(&self, spec: &VmSpec) -> Outcome<Vec<(OwnedFd, Mac)>> {
         let vm_id = &spec.vm_id;
         let not_served = || CloudHvError::NetworkNotServed {
             vm_id: vm_id.clone(),
@@ -360,7 +360,7 @@ impl CloudHypervisor {
     /// Joins the VM's open taps to the host's networks: the underlay one
     /// guarded, on the bridge, with its DHCP responder; the second one
     /// guarded on the named network's bridge, its lease learned.
-    pub(super) fn plug_nics(&self, spec: &VmSpec) -> Result<(), BoxFailure> {
+    pub(super) fn plug_nics(&self, spec: &VmSpec) -> Outcome {
         let vm_id = &spec.vm_id;
         let Some(network) = &self.cfg.network else {
             return Ok(());
@@ -391,7 +391,7 @@ impl CloudHypervisor {
         cgroups: &[OwnedFd],
         log_path: &std::path::Path,
         jail: Option<&Jail>,
-    ) -> Result<Tracked, BoxFailure> {
+    ) -> Outcome<Tracked> {
         let log = OpenOptions::new()
             .create(true)
             .append(true)
@@ -458,7 +458,7 @@ impl CloudHypervisor {
         vm_id: &Id,
         tracked: Tracked,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    ) -> Outcome {
         self.await_state(vm_id, tracked, Awaited::Running, deadline)
     }
 
@@ -470,7 +470,7 @@ impl CloudHypervisor {
         tracked: Tracked,
         awaited: Awaited,
         deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    ) -> Outcome {
         supervise::await_state(
             vm_id,
             &self.vmm(vm_id, tracked),

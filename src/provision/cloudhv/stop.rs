@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::CloudHypervisor;
 use super::error::CloudHvError;
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::Id;
 use crate::provision::Say;
 use crate::provision::jail::cgroup;
@@ -18,12 +18,7 @@ const REAP_WAIT: Duration = Duration::from_secs(2);
 
 impl CloudHypervisor {
     /// Stops the VM's VMM, telling `say` each rung of the ladder.
-    pub(super) fn stop(
-        &self,
-        vm_id: &Id,
-        deadline: Deadline,
-        say: Say<'_>,
-    ) -> Result<(), BoxFailure> {
+    pub(super) fn stop(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome {
         match self.find(vm_id) {
             Some(tracked) => {
                 let vmm = self.vmm(vm_id, tracked);
@@ -46,7 +41,7 @@ impl CloudHypervisor {
     /// running: every process of its cgroups, or, without cgroups, every
     /// process of its uid. A stopped VM holds nothing; a destroyed one
     /// releases its cgroups and uid only after this.
-    pub(super) fn end_leftovers(&self, vm_id: &Id, say: Say<'_>) -> Result<(), BoxFailure> {
+    pub(super) fn end_leftovers(&self, vm_id: &Id, say: Say<'_>) -> Outcome {
         let deadline = Deadline::after(LEFTOVER_KILL);
         let ended = match (&self.confined.cgroups, &self.confined.ids) {
             (Ok(cgroups), _) => cgroups.kill(vm_id, LEFTOVER_KILL),

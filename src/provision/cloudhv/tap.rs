@@ -7,11 +7,7 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 
-const TUNSETIFF: u64 = 0x4004_54ca;
-const TUNSETPERSIST: u64 = 0x4004_54cb;
-const IFF_TAP: i16 = 0x0002;
-const IFF_NO_PI: i16 = 0x1000;
-const IFF_VNET_HDR: i16 = 0x4000;
+use nix::libc::{IFF_NO_PI, IFF_TAP, IFF_VNET_HDR, TUNSETIFF, TUNSETPERSIST};
 
 /// `struct ifreq` as TUNSETIFF reads it: a name and the flags.
 #[repr(C)]
@@ -24,7 +20,7 @@ struct IfReq {
 nix::ioctl_write_ptr_bad!(tunsetiff, TUNSETIFF, IfReq);
 nix::ioctl_write_int_bad!(tunsetpersist, TUNSETPERSIST);
 
-fn ifreq(name: &str, flags: i16) -> io::Result<IfReq> {
+fn ifreq(name: &str, flags: nix::libc::c_int) -> io::Result<IfReq> {
     if name.is_empty() || name.len() > 15 {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -33,7 +29,8 @@ fn ifreq(name: &str, flags: i16) -> io::Result<IfReq> {
     }
     let mut req = IfReq {
         name: [0; 16],
-        flags,
+        // A short in `struct ifreq`: the tun flags are all below 2^15.
+        flags: flags as i16,
         _pad: [0; 22],
     };
     req.name[..name.len()].copy_from_slice(name.as_bytes());

@@ -28,7 +28,7 @@ use std::time::Duration;
 use super::error::CloudHvError;
 use super::{CloudHypervisor, tap};
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::{BoxFailure, Outcome};
 use crate::model::{Id, Mac, VmSpec};
 use crate::net::packet::{self, PacketSocket};
 use crate::provision::{Listening, Wake, Witness};
@@ -68,14 +68,14 @@ impl CloudHypervisor {
     /// Its underlay tap passes whatever the bridge sends it again. Done
     /// beside a woken VM's start: until then the filter passes all that is
     /// for the guest, so nothing for it waits on this.
-    pub(super) fn awake(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+    pub(super) fn awake(&self, vm_id: &Id) -> Outcome {
         match &self.cfg.network {
             Some(network) => network.set_asleep(vm_id, false),
             None => Ok(()),
         }
     }
 
-    fn dup_all(vm_id: &Id, held: &[(OwnedFd, Mac)]) -> Result<Vec<OwnedFd>, BoxFailure> {
+    fn dup_all(vm_id: &Id, held: &[(OwnedFd, Mac)]) -> Outcome<Vec<OwnedFd>> {
         held.iter()
             .map(|(fd, _)| {
                 fd.try_clone().map_err(|source| {
@@ -132,7 +132,7 @@ impl Witness for TapWitness {
 }
 
 impl Wake for CloudHypervisor {
-    fn listen(&self, spec: &VmSpec) -> Result<Listening, BoxFailure> {
+    fn listen(&self, spec: &VmSpec) -> Outcome<Listening> {
         let vm_id = &spec.vm_id;
         let witness = || {
             self.taps(vm_id)

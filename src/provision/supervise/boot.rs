@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::{SuperviseError, Vmm, ladder};
 use crate::deadline::Deadline;
-use crate::error::{BoxFailure, DeadlineExpired};
+use crate::error::{DeadlineExpired, Outcome};
 use crate::model::Id;
 use crate::stages::span;
 
@@ -73,7 +73,7 @@ pub fn await_running(
     vmm: &dyn Vmm,
     boot_wait: Duration,
     deadline: Deadline,
-) -> Result<(), BoxFailure> {
+) -> Outcome {
     await_state(vm_id, vmm, Awaited::Running, boot_wait, deadline)
 }
 
@@ -84,7 +84,7 @@ pub fn await_state(
     awaited: Awaited,
     boot_wait: Duration,
     deadline: Deadline,
-) -> Result<(), BoxFailure> {
+) -> Outcome {
     let _span = span(match awaited {
         Awaited::Running => "wait running",
         Awaited::Paused | Awaited::PausedOrRunning => "wait restored",

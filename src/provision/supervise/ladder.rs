@@ -281,6 +281,18 @@ mod tests {
         }
     }
 
+    /// Stops `vmm`, its guest running, with [`quick`] timeouts and no
+    /// deadline, saying nothing.
+    fn stop_running(vmm: &dyn Vmm) -> Result<(), SuperviseError> {
+        stop(
+            &vm(),
+            vmm,
+            (quick(), Deadline::NONE),
+            Guest::Running,
+            &|_| {},
+        )
+    }
+
     fn vm() -> Id {
         Id::parse("vm-1").expect("id")
     }
@@ -289,14 +301,7 @@ mod tests {
     fn each_rung_is_climbed_only_while_the_vmm_stays() {
         let vmm = Scripted::new("SIGTERM");
 
-        stop(
-            &vm(),
-            &vmm,
-            (quick(), Deadline::NONE),
-            Guest::Running,
-            &|_| {},
-        )
-        .expect("stopped");
+        stop_running(&vmm).expect("stopped");
 
         assert_eq!(*vmm.seen.borrow(), ["PowerButton", "Shutdown", "SIGTERM"]);
     }
@@ -315,14 +320,7 @@ mod tests {
     fn a_vmm_that_survives_sigkill_is_an_error_naming_it() {
         let vmm = Scripted::new("nothing");
 
-        let err = stop(
-            &vm(),
-            &vmm,
-            (quick(), Deadline::NONE),
-            Guest::Running,
-            &|_| {},
-        )
-        .expect_err("survived");
+        let err = stop_running(&vmm).expect_err("survived");
 
         assert_eq!(
             err.to_string(),
@@ -336,14 +334,7 @@ mod tests {
         let log = crate::testkit::logs::capture();
         let vmm = Scripted::new("PowerButton");
 
-        stop(
-            &vm(),
-            &vmm,
-            (quick(), Deadline::NONE),
-            Guest::Running,
-            &|_| {},
-        )
-        .expect("stopped");
+        stop_running(&vmm).expect("stopped");
 
         assert_eq!(
             log.count(log::Level::Info, "VM vm-1: the guest powered off"),
@@ -358,14 +349,7 @@ mod tests {
         let log = crate::testkit::logs::capture();
         let vmm = Scripted::new("Shutdown");
 
-        stop(
-            &vm(),
-            &vmm,
-            (quick(), Deadline::NONE),
-            Guest::Running,
-            &|_| {},
-        )
-        .expect("stopped");
+        stop_running(&vmm).expect("stopped");
 
         let warning = "VM vm-1: the guest did not power off within 0 s of the power button; \
                        stopping the test VMM under it";

@@ -32,7 +32,7 @@ pub use self::children::{Children, Listener};
 pub use self::error::SuperviseError;
 pub use self::ladder::{Guest, StopTimeouts, stop};
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::{Id, VmSpec};
 use crate::state::Store;
 use crate::state::atomic::Pending;
@@ -108,7 +108,7 @@ pub fn prepare_root_disk(
     base: &Path,
     in_use: bool,
     deadline: Deadline,
-) -> Result<Pending, BoxFailure> {
+) -> Outcome<Pending> {
     let vm_id = &spec.vm_id;
     if in_use {
         return Err(SuperviseError::DiskInUse {

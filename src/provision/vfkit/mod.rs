@@ -49,7 +49,7 @@ use super::{
     ExitListener, HostChecks, HypervisorSettings, Lifecycle, SavedGuest, Say, Spend, Suspend,
 };
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::{Id, Mac, Saved, VmSpec};
 use crate::state::Store;
 
@@ -133,7 +133,7 @@ const STATE_WAIT: Duration = Duration::from_secs(10);
 impl Vfkit {
     /// Waits until the VM's vfkit says `want`, within `deadline` and
     /// [`STATE_WAIT`].
-    fn await_state(&self, vm_id: &Id, want: &str, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn await_state(&self, vm_id: &Id, want: &str, deadline: Deadline) -> Outcome {
         let socket = self.socket_path(vm_id);
         let until = deadline.capped(STATE_WAIT);
         loop {
@@ -181,7 +181,7 @@ fn error_line(log: &Path) -> String {
 }
 
 impl Lifecycle for Vfkit {
-    fn preflight(&self, _deadline: Deadline) -> Result<(), BoxFailure> {
+    fn preflight(&self, _deadline: Deadline) -> Outcome {
         use std::os::unix::fs::PermissionsExt;
         let program = &self.cfg.hypervisor.binary;
         let meta = fs::metadata(program).map_err(|e| VfkitError::NotInstalled {
@@ -203,12 +203,12 @@ impl Lifecycle for Vfkit {
         spec: &VmSpec,
         base: &Path,
         deadline: Deadline,
-    ) -> Result<crate::state::atomic::Pending, BoxFailure> {
+    ) -> Outcome<crate::state::atomic::Pending> {
         let in_use = self.alive(&spec.vm_id).is_some();
         supervise::prepare_root_disk(&self.store, spec, base, in_use, deadline)
     }
 
-    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn boot(&self, spec: &VmSpec, deadline: Deadline) -> Outcome {
         if self.alive(&spec.vm_id).is_some() {
             return Ok(());
         }
@@ -223,11 +223,11 @@ impl Lifecycle for Vfkit {
         self.await_running(&spec.vm_id, pid, deadline)
     }
 
-    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<(), BoxFailure> {
+    fn shutdown(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome {
         self.stop(vm_id, deadline, say)
     }
 
-    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn destroy(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         self.stop(vm_id, deadline, &|what| log::info!("VM {vm_id}: {what}"))?;
         supervise::remove_files(vm_id, &[self.socket_path(vm_id), self.pidfile_path(vm_id)])
             .map_err(VfkitError::from)?;
@@ -300,7 +300,7 @@ impl Suspend for Vfkit {
     /// them), the rest are stopped through the ladder, and said.
     /// vfkit cannot save a guest to disk: its guest is paused in place
     /// (`Pause`), and the paused vfkit holds it, memory and all.
-    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Result<Saved, BoxFailure> {
+    fn suspend(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome<Saved> {
         if self.alive(vm_id).is_none() {
             return Err(VfkitError::NotRunning {
                 vm_id: vm_id.clone(),
@@ -324,12 +324,7 @@ impl Suspend for Vfkit {
 
     /// Its guest, paused in place, runs on once `spend` agrees; refused,
     /// it stays paused, its vfkit holding it as before.
-    fn resume(
-        &self,
-        spec: &VmSpec,
-        deadline: Deadline,
-        spend: Spend<'_>,
-    ) -> Result<(), BoxFailure> {
+    fn resume(&self, spec: &VmSpec, deadline: Deadline, spend: Spend<'_>) -> Outcome {
         let vm_id = &spec.vm_id;
         let Some(pid) = self.alive(vm_id) else {
             return Err(VfkitError::NotRunning {
@@ -350,7 +345,7 @@ impl Suspend for Vfkit {
     }
 
     /// A paused vfkit holds its guest: nothing of the host is asked.
-    fn resumable(&self, _spec: &VmSpec) -> Result<(), BoxFailure> {
+    fn resumable(&self, _spec: &VmSpec) -> Outcome {
         Ok(())
     }
 
@@ -367,7 +362,7 @@ impl Suspend for Vfkit {
 
     /// A paused guest's vfkit is stopped (a paused guest hears no power
     /// button); a running one is not suspended, and is left alone.
-    fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         if self.suspension(vm_id).is_none() {
             return Ok(());
         }

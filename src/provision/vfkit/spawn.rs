@@ -21,13 +21,13 @@ use std::process::{Command, Stdio};
 use super::argv::{self, Shape};
 use super::{Vfkit, VfkitError};
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::{Id, Mac, VmSpec};
 use crate::provision::supervise;
 
 impl Vfkit {
     /// Starts the VM's vfkit (see the module steps) and returns its pid.
-    pub(super) fn spawn(&self, spec: &VmSpec) -> Result<u32, BoxFailure> {
+    pub(super) fn spawn(&self, spec: &VmSpec) -> Outcome<u32> {
         let vm_id = &spec.vm_id;
         let files_err = |what: &'static str, path: &Path| {
             let (vm_id, path) = (vm_id.clone(), path.to_path_buf());
@@ -85,12 +85,7 @@ impl Vfkit {
 
     /// Waits until the new vfkit says Running (see
     /// [`supervise::await_running`]).
-    pub(super) fn await_running(
-        &self,
-        vm_id: &Id,
-        pid: u32,
-        deadline: Deadline,
-    ) -> Result<(), BoxFailure> {
+    pub(super) fn await_running(&self, vm_id: &Id, pid: u32, deadline: Deadline) -> Outcome {
         supervise::await_running(vm_id, &self.vmm(vm_id, pid), self.cfg.boot_wait, deadline)
     }
 }

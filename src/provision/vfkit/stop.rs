@@ -4,19 +4,14 @@
 
 use super::Vfkit;
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::Id;
 use crate::provision::Say;
 use crate::provision::supervise::{self, Guest};
 
 impl Vfkit {
     /// Stops the VM's vfkit, telling `say` each rung of the ladder.
-    pub(super) fn stop(
-        &self,
-        vm_id: &Id,
-        deadline: Deadline,
-        say: Say<'_>,
-    ) -> Result<(), BoxFailure> {
+    pub(super) fn stop(&self, vm_id: &Id, deadline: Deadline, say: Say<'_>) -> Outcome {
         let Some(pid) = self.alive(vm_id) else {
             return Ok(());
         };
@@ -27,7 +22,7 @@ impl Vfkit {
 
     /// Stops the VM's vfkit whose guest is paused: from `HardStop`, since
     /// a paused guest hears no power button.
-    pub(super) fn stop_paused(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    pub(super) fn stop_paused(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         let Some(pid) = self.alive(vm_id) else {
             return Ok(());
         };

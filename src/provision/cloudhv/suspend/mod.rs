@@ -77,7 +77,7 @@ use serde::{Deserialize, Serialize};
 use super::error::CloudHvError;
 use super::{CloudHypervisor, window};
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::{BoxFailure, Outcome};
 use crate::model::{Id, Saved};
 use crate::provision::SavedGuest;
 
@@ -182,7 +182,7 @@ impl CloudHypervisor {
 
     /// Removes the VM's snapshot, whole or not: renamed aside first, so a
     /// crash never leaves part of one under the committed name.
-    pub(super) fn discard_saved(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+    pub(super) fn discard_saved(&self, vm_id: &Id) -> Outcome {
         let layout = self.store.layout();
         discard(&layout.snapshot(vm_id), &layout.snapshot_discarded(vm_id))
             .map_err(|e| failed(vm_id, "discard its snapshot", e))

@@ -4,7 +4,7 @@
 
 use super::{API_TIMEOUT, check, failed, put};
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::model::{Id, VmSpec};
 use crate::provision::Spend;
 use crate::provision::cloudhv::argv::{Launch, MemoryRestore};
@@ -20,7 +20,7 @@ impl CloudHypervisor {
         spec: &VmSpec,
         deadline: Deadline,
         spend: Spend<'_>,
-    ) -> Result<(), BoxFailure> {
+    ) -> Outcome {
         let vm_id = &spec.vm_id;
         if let Some(tracked) = self.find(vm_id) {
             // One a crash left restoring may not have finished.
@@ -82,7 +82,7 @@ impl CloudHypervisor {
     }
 
     /// Runs the VM's paused guest (`vm.resume`).
-    fn unpause(&self, vm_id: &Id, deadline: Deadline) -> Result<(), BoxFailure> {
+    fn unpause(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         timed("run", || {
             put(
                 &self.socket_path(vm_id),
@@ -104,7 +104,7 @@ impl CloudHypervisor {
     /// A restored hypervisor's own account of its VM (`vm.info`), held to
     /// what the agent started the VM with (see `vet`); one that differs,
     /// or says nothing, is killed.
-    fn vet_restored(&self, vm_id: &Id) -> Result<(), BoxFailure> {
+    fn vet_restored(&self, vm_id: &Id) -> Outcome {
         let expected = crate::provision::cloudhv::vet::Expected {
             // Its guest runs from its memory, not the file it booted.
             payload: None,

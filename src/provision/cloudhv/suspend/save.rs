@@ -13,7 +13,7 @@ use super::{
     RESTORE_IN_PROGRESS, SMALL_FILE_MAX, discard, empty_dir, failed, open_beneath, put,
 };
 use crate::deadline::Deadline;
-use crate::error::BoxFailure;
+use crate::error::Outcome;
 use crate::human::unix_ms;
 use crate::model::{Id, Saved};
 use crate::provision::Say;
@@ -59,7 +59,7 @@ impl CloudHypervisor {
         vm_id: &Id,
         deadline: Deadline,
         say: Say<'_>,
-    ) -> Result<Saved, BoxFailure> {
+    ) -> Outcome<Saved> {
         let Some(tracked) = self.find(vm_id) else {
             return Err(CloudHvError::NotRunning {
                 vm_id: vm_id.clone(),
@@ -102,7 +102,7 @@ impl CloudHypervisor {
         vm_id: &Id,
         deadline: Deadline,
         say: Say<'_>,
-    ) -> Result<Saved, BoxFailure> {
+    ) -> Outcome<Saved> {
         let layout = self.store.layout();
         let socket = self.socket_path(vm_id);
         let work = layout.snapshot_work(vm_id);
