@@ -226,6 +226,94 @@ pub fn alongside<A: Send, B>(
     })
 }
 
+/// The part of a long-lived thread's stack a deep call left resident,
+/// given back to the kernel once the thread is shallow again.
+///
+/// A VM's worker lives as long as its VM and runs one pass at a time: a
+/// create goes deep (an image download, a copy, a boot, each beside a
+/// helper), a pass at a tick stays shallow. Pages a thread's stack once
+/// touched stay resident for its life, so a thousand workers kept what
+/// their creates touched (`make bench-engine`'s `worker stacks` figure).
+/// [`StackTrim::trim`], called where the thread is shallow, drops every
+/// page below it with `MADV_DONTNEED`: the kernel gives zeroed pages back
+/// on the next touch, which is what an unused stack page holds anyway.
+pub struct StackTrim {
+    /// The lowest address of this thread's stack; `None` where it cannot
+    /// be known (then nothing is trimmed).
+    low: Option<usize>,
+}
+
+/// How much of the stack below the trimming call is kept: the frames of
+/// `trim` and `madvise` themselves, and the red zone below them.
+const KEPT_BELOW: usize = 4 << 10;
+
+impl StackTrim {
+    /// For the calling thread.
+    pub fn of_this_thread() -> StackTrim {
+        StackTrim { low: stack_low() }
+    }
+
+    /// Gives back what lies more than [`KEPT_BELOW`] below the caller's
+    /// frame. Call it where nothing deeper is live (between passes).
+    #[inline(never)]
+    pub fn trim(&self) {
+        let Some(low) = self.low else {
+            return;
+        };
+        let here = std::ptr::addr_of!(low) as usize;
+        let page = page_size();
+        let high = here.saturating_sub(KEPT_BELOW) & !(page - 1);
+        // The guard page at the bottom is the kernel's: left alone.
+        let start = (low + page).next_multiple_of(page);
+        if high > start {
+            // SAFETY: [start, high) lies inside this thread's own stack,
+            // below every live frame (the caller's and this one's are
+            // within KEPT_BELOW of `here`); MADV_DONTNEED on private
+            // anonymous memory only drops pages, which read as zeroes
+            // when next touched.
+            unsafe {
+                nix::libc::madvise(
+                    start as *mut nix::libc::c_void,
+                    high - start,
+                    nix::libc::MADV_DONTNEED,
+                );
+            }
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn stack_low() -> Option<usize> {
+    use nix::libc;
+    let mut attr = std::mem::MaybeUninit::<libc::pthread_attr_t>::uninit();
+    // SAFETY: pthread_getattr_np fills `attr` for the calling thread; it
+    // is read only if that succeeded, and destroyed once read.
+    unsafe {
+        if libc::pthread_getattr_np(libc::pthread_self(), attr.as_mut_ptr()) != 0 {
+            return None;
+        }
+        let mut addr: *mut libc::c_void = std::ptr::null_mut();
+        let mut size: libc::size_t = 0;
+        let got = libc::pthread_attr_getstack(attr.as_ptr(), &mut addr, &mut size);
+        libc::pthread_attr_destroy(attr.as_mut_ptr());
+        (got == 0 && !addr.is_null()).then_some(addr as usize)
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn stack_low() -> Option<usize> {
+    None
+}
+
+fn page_size() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|p| usize::try_from(p).ok())
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
+
 /// Why the side of [`alongside`] brought no result: what its panic said.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Panicked(pub String);
@@ -258,6 +346,62 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Resident pages of this thread's stack below `below`, by mincore(2).
+    #[cfg(target_os = "linux")]
+    fn resident_below(low: usize, below: usize) -> usize {
+        let page = page_size();
+        let start = (low + page).next_multiple_of(page);
+        let end = below & !(page - 1);
+        let mut vec = vec![0u8; (end - start) / page];
+        // SAFETY: [start, end) is inside this thread's stack mapping, and
+        // `vec` has one byte for each of its pages.
+        let rc = unsafe {
+            nix::libc::mincore(
+                start as *mut nix::libc::c_void,
+                end - start,
+                vec.as_mut_ptr(),
+            )
+        };
+        assert_eq!(rc, 0, "mincore: {}", io::Error::last_os_error());
+        vec.iter().filter(|b| **b & 1 == 1).count()
+    }
+
+    /// Touches `depth` KiB of stack below the caller.
+    #[cfg(target_os = "linux")]
+    #[inline(never)]
+    fn go_deep(depth: usize) -> u8 {
+        let mut page = [0u8; 1024];
+        page[0] = std::hint::black_box(1);
+        if depth == 0 {
+            return page[0];
+        }
+        page[0].wrapping_add(std::hint::black_box(go_deep(depth - 1)))
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_trim_gives_back_what_a_deep_call_left_on_the_stack() {
+        let (before, after) = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| {
+                let trim = StackTrim::of_this_thread();
+                let low = trim.low.expect("this thread's stack");
+                let here = std::ptr::addr_of!(trim) as usize;
+                std::hint::black_box(go_deep(512));
+                let before = resident_below(low, here - KEPT_BELOW);
+
+                trim.trim();
+
+                (before, resident_below(low, here - KEPT_BELOW))
+            })
+            .expect("thread")
+            .join()
+            .expect("joined");
+
+        assert!(before >= 100, "the deep call left {before} pages");
+        assert!(after <= 2, "{after} pages left of {before}");
+    }
     use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 
     fn readable(w: &Wakeup) -> bool {

@@ -80,7 +80,9 @@ pub(crate) struct Spine {
 impl Spine {
     /// One pass of `vm_id` for `assignment`: its record loaded (a record
     /// that cannot be read skips the pass), then the steps of the module's
-    /// header.
+    /// header. Never inlined: its frames are the worker's to give back
+    /// between passes (see `StackTrim`), not part of the worker's loop.
+    #[inline(never)]
     pub(crate) fn run(
         &self,
         vm_id: &Id,

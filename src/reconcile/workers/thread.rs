@@ -96,6 +96,9 @@ fn run(vm_id: &Id, spine: &Spine, shared: &Arc<WorkerShared>, rings: &Receiver<(
     // A VM skipped every tick for the same reason is logged once, not once a
     // tick; a new reason, or recovery, is logged again.
     let mut skipping: Option<String> = None;
+    // A create goes deep, a tick's pass does not: what a pass left below
+    // this loop is given back after it (see `StackTrim`).
+    let stack = crate::threads::StackTrim::of_this_thread();
     while rings.recv().is_ok() {
         // Taken and begun under the mailbox's lock: never a moment where
         // the mailbox is empty and no pass is live while one is about to
@@ -135,9 +138,13 @@ fn run(vm_id: &Id, spine: &Spine, shared: &Arc<WorkerShared>, rings: &Receiver<(
             _ => {}
         }
         shared.end_pass(generation, outcome);
-        // Most passes time nothing: only one that did is looked at.
+        // Most passes time nothing: only one that did is looked at. Those
+        // (a create, a suspend, a resume) are the deep ones, whose stack
+        // is given back; a tick's pass leaves little, and faulting it in
+        // again at every tick would cost more than it holds.
         if recording.saw_any() {
             spine.timed(vm_id, recording.finish());
+            stack.trim();
         }
     }
 }
