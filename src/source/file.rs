@@ -324,19 +324,27 @@ fn entry<T: DeserializeOwned>(
         .unwrap_or_default()
         .to_owned();
     let id = Id::parse(&raw_id).ok();
-    for (key, value) in &map {
-        let alone = Value::Object(Map::from_iter([(key.clone(), value.clone())]));
-        if let Err(e) = serde_json::from_value::<T>(alone) {
-            let key_line = line + line_at(body, body.find(&format!("\"{key}\"")).unwrap_or(0)) - 1;
-            return Err(refuse(
-                id,
-                raw_id,
-                format!("{key:?} at line {key_line}: {e}"),
-            ));
+    // Read from the entry's text with its keys made unique (the last of
+    // a repeated key counts, as in the object above): one deserializer
+    // for every entry type, the one the rest of the file uses, where
+    // reading from a `Value` took one more of its own.
+    let whole = |map: &Map<String, Value>| {
+        serde_json::to_string(map)
+            .map_err(|e| e.to_string())
+            .and_then(|text| serde_json::from_str::<T>(&text).map_err(|e| e.to_string()))
+    };
+    whole(&map).map_err(|e| {
+        // Which key is wrong: the first that cannot be read alone.
+        for (key, value) in &map {
+            let alone = Map::from_iter([(key.clone(), value.clone())]);
+            if let Err(e) = whole(&alone) {
+                let key_line =
+                    line + line_at(body, body.find(&format!("\"{key}\"")).unwrap_or(0)) - 1;
+                return refuse(id.clone(), raw_id.clone(), format!("{key:?} at line {key_line}: {e}"));
+            }
         }
-    }
-    serde_json::from_value(Value::Object(map))
-        .map_err(|e| refuse(id, raw_id.clone(), format!("the entry at line {line}: {e}")))
+        refuse(id.clone(), raw_id.clone(), format!("the entry at line {line}: {e}"))
+    })
 }
 
 /// Where `part` (a slice of `text`) starts in it.
