@@ -340,10 +340,18 @@ fn entry<T: DeserializeOwned>(
             if let Err(e) = whole(&alone) {
                 let key_line =
                     line + line_at(body, body.find(&format!("\"{key}\"")).unwrap_or(0)) - 1;
-                return refuse(id.clone(), raw_id.clone(), format!("{key:?} at line {key_line}: {e}"));
+                return refuse(
+                    id.clone(),
+                    raw_id.clone(),
+                    format!("{key:?} at line {key_line}: {e}"),
+                );
             }
         }
-        refuse(id.clone(), raw_id.clone(), format!("the entry at line {line}: {e}"))
+        refuse(
+            id.clone(),
+            raw_id.clone(),
+            format!("the entry at line {line}: {e}"),
+        )
     })
 }
 
