@@ -2,7 +2,7 @@
 //! APIs (cloud-hypervisor's `--api-socket`, vfkit's `--restful-uri`).
 //!
 //! The peer is a VMM, and a VMM is as hostile as the guest that may have
-//! taken it over (DESIGN.md, "Threat model"), so nothing it sends is
+//! taken it over (the threat model in `lib.rs`), so nothing it sends is
 //! trusted to end:
 //! - the whole request (connect, write, every read) runs under one
 //!   deadline: each blocking call's timeout is the time left, so a peer

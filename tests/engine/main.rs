@@ -1,4 +1,4 @@
-//! The engine against the fake provisioner (DESIGN.md, layer 2), and the
+//! The engine against the fake provisioner (the README's "Test", layer 2), and the
 //! daemon's main loop over it, one module per concern, in one test crate:
 //! one link instead of ten.
 

@@ -1,7 +1,8 @@
 //! A stand-in for cloud-hypervisor, for tests only (built with the
 //! `standin` feature, never installed). It takes the real CLI, serves the
 //! real API on the real socket, leaves the same files behind, and misbehaves
-//! on request. See `shared/cloud-hypervisor.md` for what it imitates:
+//! on request. What it imitates, observed of the real one (the README's
+//! "The cloud-hypervisor backend"):
 //!
 //! - `--version` prints `cloud-hypervisor v53.0`.
 //! - A live socket makes a second instance exit 1 ("already in use"); a
