@@ -25,6 +25,7 @@ all: build
 # The crash-consistency proof at length (1,000 random kills; CI runs 50).
 chaos:
 	$(CARGO) bench --locked --features standin,crashpoints --bench chaos
+	contrib/leftovers
 
 # Rounds of churn on one agent (VMs, suspends, VMM and agent kills, state
 # dirs released and abandoned); every host resource counted before and
@@ -100,6 +101,7 @@ tls-check:
 
 unit-tests: static
 	$(CARGO) nextest run --locked --no-fail-fast --features standin,crashpoints
+	contrib/leftovers
 
 proto:
 	$(CARGO) run --quiet --locked --manifest-path $(PROTOGEN)/Cargo.toml -- proto src/pb
@@ -129,5 +131,8 @@ bench-scale:
 	  END { printf "bench=scale target=$(SCALE_TARGET) step_p99_us_100=%s step_p99_us_1000=%s step_p99_us_10000=%s growth_10k_over_1k=%.2f rss_mb_1000=%s rss_mb_10000=%s converge_ratio_10000=%s\n", \
 	    p99[100], p99[1000], p99[10000], p99[10000] / p99[1000], rss[1000], rss[10000], conv[10000] }'
 
+# Each benchmark ends what it started (its harness's drop); contrib/leftovers
+# checks that it did.
 $(addprefix bench-,$(BENCHES)): bench-%:
 	$(CARGO) bench --locked --features standin --bench $*
+	contrib/leftovers

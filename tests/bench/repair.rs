@@ -50,6 +50,26 @@ fn wait<T>(what: &str, mut probe: impl FnMut() -> Option<T>) -> Res<T> {
 
 struct Agent(Child);
 
+/// The cgroup root every VMM of the bench runs under: ended (every
+/// process in it killed, every cgroup removed) when the bench ends, ^C
+/// included. The VMMs outlive their agent by design, so the agent's own
+/// stop leaves them running.
+struct Root(String);
+
+impl Root {
+    fn new() -> Root {
+        let root = format!("eitri-test-{}", std::process::id());
+        eitri_agent::testkit::end_when_signalled(root.clone());
+        Root(root)
+    }
+}
+
+impl Drop for Root {
+    fn drop(&mut self) {
+        eitri_agent::testkit::end_cgroup_root(&self.0);
+    }
+}
+
 impl Drop for Agent {
     fn drop(&mut self) {
         let _ = nix::sys::signal::kill(
@@ -133,7 +153,7 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v
 }
 
-fn start(b: &Bench) -> Res<Agent> {
+fn start(b: &Bench, root: &Root) -> Res<Agent> {
     let kernel = b.dir.path().join("vmlinux");
     std::fs::write(&kernel, b"not really a kernel")?;
     let child = Command::new(AGENT)
@@ -155,6 +175,7 @@ fn start(b: &Bench) -> Res<Agent> {
         .args(["--underlay-bridge=", "--tap-prefix", "etrep"])
         .arg("--agents-dir")
         .arg(b.dir.path().join("agents"))
+        .args(["--cgroup-root", &root.0])
         .env_clear()
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -194,7 +215,8 @@ fn main() -> Res<()> {
         dir,
     };
     b.desired(0)?;
-    let _agent = start(&b)?;
+    let root = Root::new();
+    let _agent = start(&b, &root)?;
     wait("the first report", || b.report())?;
 
     let mut to_boot = Vec::new();
