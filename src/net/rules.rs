@@ -60,6 +60,15 @@ pub const LINK_LOCAL: Cidr = Cidr {
 /// (see [`crate::net::snoop`]); until then it can only ask. IPv6 and every
 /// other ethertype are dropped: no site policy here serves IPv6, and an
 /// IPv6 fragment hides its header from any rule that would inspect it.
+///
+/// Guests are isolated from each other in every state: two guest ports
+/// the kernel isolates (`isolated on`) pass nothing to each other, and
+/// every other pair meets the bridge table's forward chain, which passes
+/// only a connection to a published port (the ip table's mark) and drops
+/// the rest, every ethertype, whether the receiving guest runs or
+/// sleeps, and whether or not bridged frames also pass the ip and arp
+/// tables (`bridge-nf-call-*`). A sleeping guest's tap is passed, from the
+/// host, only frames to its MAC and ARP for its address.
 pub fn nft_ruleset(cfg: &UnderlayConfig) -> String {
     ip_table(cfg) + &bridge_table(cfg)
 }
@@ -202,9 +211,9 @@ fn bridge_table(cfg: &UnderlayConfig) -> String {
          \t}}\n\
          \tchain forward {{\n\
          \t\ttype filter hook forward priority 100; policy accept;\n\
-         \t\toifname @asleep jump to_sleeper\n\
          \t\tiifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"a published port's answer\"\n\
-         \t\toifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"to a published port\"\n\
+         \t\toifname @unisolated meta mark and {PUBLISHED_MARK:#010x} == {PUBLISHED_MARK:#010x} meta mark set meta mark and {unmark:#010x} accept comment \"to a published port: it wakes a sleeping guest\"\n\
+         \t\toifname @asleep counter drop comment \"another guest to a sleeping one: what it is not sent awake, it is not sent asleep\"\n\
          \t\tiifname @unisolated counter drop comment \"guest to guest, from a port the kernel does not isolate\"\n\
          \t\toifname @unisolated counter drop comment \"guest to guest, to a port the kernel does not isolate\"\n\
          \t}}\n\

@@ -63,6 +63,7 @@ pub fn check(host: &Host<'_>) -> Vec<Item> {
     items.extend(devices(host.guest));
     items.extend(confinement(host.guest));
     items.push(network_tools(host.guest));
+    items.extend(routing(host.guest));
     items.push(image_root(host.image_root));
     items.push(state_dir(host.state_dir));
     items
@@ -311,6 +312,43 @@ fn network_tools(guest: &GuestBoot) -> Item {
             )
         }
     }
+}
+
+/// What the host's kernel does with guests' traffic: whether it forwards
+/// IPv4 (the agent turns it on: the host becomes its guests' router), and
+/// whether bridged frames also pass the ip and arp tables
+/// (`br_netfilter`'s `bridge-nf-call-*`). Neither is a failure; both are
+/// said, since an operator's other firewall rules see guest traffic by
+/// them.
+fn routing(guest: &GuestBoot) -> Vec<Item> {
+    if guest.underlay.is_none() {
+        return Vec::new();
+    }
+    let read = |path: &str| std::fs::read_to_string(path).ok().map(|v| v.trim() == "1");
+    let forwarding = match read("/proc/sys/net/ipv4/ip_forward") {
+        Some(true) => "on: this host routes its guests' traffic to the outside".to_owned(),
+        Some(false) => {
+            "off: the agent turns it on at its start, and this host becomes a router for its guests"
+                .to_owned()
+        }
+        None => "cannot read /proc/sys/net/ipv4/ip_forward".to_owned(),
+    };
+    let bridged = match (
+        read("/proc/sys/net/bridge/bridge-nf-call-iptables"),
+        read("/proc/sys/net/bridge/bridge-nf-call-arptables"),
+    ) {
+        (None, None) => "br_netfilter is not loaded: bridged frames pass the agent's bridge table only, which holds guests apart alone".to_owned(),
+        (ip, arp) => format!(
+            "bridge-nf-call-iptables={}, bridge-nf-call-arptables={}: bridged frames {}also pass the ip and arp tables; guests are held apart by the agent's bridge table either way",
+            u8::from(ip == Some(true)),
+            u8::from(arp == Some(true)),
+            if ip == Some(true) || arp == Some(true) { "" } else { "do not " }
+        ),
+    };
+    vec![
+        Item::new("ip forwarding", Verdict::Ok, forwarding),
+        Item::new("bridged netfilter", Verdict::Ok, bridged),
+    ]
 }
 
 fn image_root(root: Option<&Path>) -> Item {

@@ -3,5 +3,6 @@
 
 mod dhcp;
 mod publish;
+mod sleepers;
 mod snoop;
 mod underlay;

@@ -17,11 +17,11 @@ use eitri_agent::testkit::net::{nft_counter, private_network, underlay_config, w
 use super::underlay::{GATEWAY, GUEST_IP, REMOTE, Topology, configure, connects, listen_in};
 
 /// The host's address on the remote's link.
-const HOST_ON_REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+pub(crate) const HOST_ON_REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 
 /// The underlay with the guest configured, listening; its port published
 /// as host port 30080.
-fn published() -> (Underlay, Topology, TcpListener) {
+pub(crate) fn published() -> (Underlay, Topology, TcpListener) {
     private_network();
     let underlay = Underlay::setup(underlay_config()).expect("setup");
     let topology = Topology::new(&underlay);
@@ -42,7 +42,11 @@ fn published() -> (Underlay, Topology, TcpListener) {
 /// Connects from namespace `ns` (or the host, with `None`) to `to`, and
 /// returns the client address the guest's listener saw, or `None` when
 /// the connection did not open within 1 s.
-fn seen_by_guest(ns: Option<&str>, to: SocketAddr, listener: &TcpListener) -> Option<Ipv4Addr> {
+pub(crate) fn seen_by_guest(
+    ns: Option<&str>,
+    to: SocketAddr,
+    listener: &TcpListener,
+) -> Option<Ipv4Addr> {
     let connect = || {
         let mut stream = TcpStream::connect_timeout(&to, Duration::from_secs(1)).ok()?;
         stream.write_all(b"hi").ok()?;

@@ -22,7 +22,7 @@ use eitri_agent::testkit::net::{
 };
 use eitri_agent::testkit::tools::{require, tool, without};
 
-const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x07];
+pub(crate) const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0, 0, 0, 0x07];
 
 fn nft_table() -> String {
     eitri_agent::testkit::net::nft_table("ip", "eitri_test").unwrap_or_default()
@@ -417,7 +417,7 @@ fn without_nft_and_iptables_guests_reach_the_host_only() {
 
 // ── what a hostile guest tries ──────────────────────────────────────────
 
-const PEER_MAC: &str = "02:e1:00:00:00:08";
+pub(crate) const PEER_MAC: &str = "02:e1:00:00:00:08";
 pub(crate) const PEER_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 5, 6);
 pub(crate) const REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 pub(crate) const GATEWAY: Ipv4Addr = Ipv4Addr::new(100, 77, 0, 1);
@@ -441,7 +441,7 @@ fn bridge_mac() -> [u8; 6] {
 }
 
 /// Sends whole frames out of a guest's NIC, as its kernel never would.
-fn send_from(ns: &str, frames: &[Vec<u8>]) {
+pub(crate) fn send_from(ns: &str, frames: &[Vec<u8>]) {
     within(ns, || {
         let nic = PacketSocket::open("eth0", None).expect("packet socket");
         for f in frames {
