@@ -43,8 +43,15 @@ pub(super) fn keygen(id: &str, out: &Path) -> ExitCode {
 
 /// Signs `file`'s exact bytes with the key in `key_file`, writing the
 /// signature beside it (`FILE.sig`), or with `embed` as the file's own
-/// first line; either replaced atomically.
-pub(super) fn sign(key_file: &Path, file: &Path, embed: bool) -> ExitCode {
+/// first line; either replaced atomically. With `valid_for`, the file's
+/// top-level `not_after_unix_ms` is set (or replaced) to now and that
+/// first, in its text, and the file written back with it.
+pub(super) fn sign(
+    key_file: &Path,
+    file: &Path,
+    embed: bool,
+    valid_for: Option<std::time::Duration>,
+) -> ExitCode {
     let key = match SecretKey::load(key_file) {
         Ok(key) => key,
         Err(e) => return refuse(&e.to_string()),
@@ -63,6 +70,21 @@ pub(super) fn sign(key_file: &Path, file: &Path, embed: bool) -> ExitCode {
     if let Err(why) = names_its_host(body.as_bytes()) {
         return refuse(&format!("will not sign {}: {why}", file.display()));
     }
+    let stamped;
+    let body = match valid_for {
+        Some(valid_for) => {
+            let until = crate::human::unix_ms(std::time::SystemTime::now() + valid_for);
+            stamped = match with_expiry(body, until) {
+                Ok(stamped) => stamped,
+                Err(why) => return refuse(&format!("will not sign {}: {why}", file.display())),
+            };
+            if !embed && let Err(e) = crate::state::atomic::write_atomic(file, stamped.as_bytes()) {
+                return refuse(&format!("cannot write {}: {e}", file.display()));
+            }
+            stamped.as_str()
+        }
+        None => body,
+    };
     let line = key.signature_line(body.as_bytes());
     let (written, into) = if embed {
         let signed = format!("{line}{body}");
@@ -91,6 +113,35 @@ pub(super) fn sign(key_file: &Path, file: &Path, embed: bool) -> ExitCode {
         }
     );
     ExitCode::SUCCESS
+}
+
+/// `body` (a desired file's JSON) with its top-level `not_after_unix_ms`
+/// set to `until`: its value replaced where it has one, else the key put
+/// first in the object, on its first line, so every other line keeps its
+/// number (errors in a desired file name lines).
+fn with_expiry(body: &str, until: u64) -> Result<String, String> {
+    use serde_json::value::RawValue;
+    const KEY: &str = "not_after_unix_ms";
+    let top: std::collections::BTreeMap<&str, &RawValue> =
+        serde_json::from_str(body).map_err(|e| format!("it is not a JSON object: {e}"))?;
+    if let Some(value) = top.get(KEY) {
+        // The value is a slice of `body`: where it lies in it.
+        let text = value.get();
+        let at = (text.as_ptr() as usize)
+            .checked_sub(body.as_ptr() as usize)
+            .filter(|at| at + text.len() <= body.len())
+            .ok_or("its not_after_unix_ms could not be found in its text")?;
+        return Ok(format!(
+            "{}{until}{}",
+            &body[..at],
+            &body[at + text.len()..]
+        ));
+    }
+    let open = body.find('{').ok_or("it is not a JSON object")?;
+    let empty = top.is_empty();
+    let (head, tail) = body.split_at(open + 1);
+    let sep = if empty { "" } else { ", " };
+    Ok(format!("{head}\"{KEY}\": {until}{sep}{tail}"))
 }
 
 /// Prints the public line of the host's own key in `state_dir` (see
@@ -149,4 +200,42 @@ impl std::error::Error for Unsignable {}
 fn refuse(why: &str) -> ExitCode {
     eprintln!("eitri-agent: error: {why}");
     ExitCode::FAILURE
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_expiry_goes_first_in_the_object_keeping_every_line() {
+        let body = "{\n  \"epoch\": 3,\n  \"host_id\": \"h\"\n}\n";
+
+        let stamped = with_expiry(body, 1234).expect("stamped");
+
+        assert_eq!(
+            stamped,
+            "{\"not_after_unix_ms\": 1234, \n  \"epoch\": 3,\n  \"host_id\": \"h\"\n}\n"
+        );
+        assert_eq!(stamped.lines().count(), body.lines().count());
+    }
+
+    #[test]
+    fn an_expiry_already_there_is_replaced() {
+        let body = "{\"epoch\": 3, \"not_after_unix_ms\": 99, \"host_id\": \"h\"}";
+
+        let stamped = with_expiry(body, 1234).expect("stamped");
+
+        assert_eq!(
+            stamped,
+            "{\"epoch\": 3, \"not_after_unix_ms\": 1234, \"host_id\": \"h\"}"
+        );
+    }
+
+    #[test]
+    fn an_empty_object_takes_the_expiry_alone() {
+        assert_eq!(
+            with_expiry("{}", 7).expect("stamped"),
+            "{\"not_after_unix_ms\": 7}"
+        );
+    }
 }

@@ -72,7 +72,12 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
         Command::Epoch { state_dir, set } => epoch::run(&state_dir, set),
         Command::Keygen { id, out } => keys::keygen(&id, &out),
         Command::HostKey { state_dir } => keys::host_key(&state_dir),
-        Command::Sign { key, file, embed } => keys::sign(&key, &file, embed),
+        Command::Sign {
+            key,
+            file,
+            embed,
+            valid_for,
+        } => keys::sign(&key, &file, embed, valid_for),
         Command::Run(config) => {
             init_logging();
             let Some(signals) = signals else {

@@ -94,6 +94,9 @@ pub enum Command {
         file: PathBuf,
         /// The signature as the file's own first line, not `FILE.sig`.
         embed: bool,
+        /// How long the signed file is obeyed from now (its
+        /// `not_after_unix_ms`); `None`: it never expires.
+        valid_for: Option<Duration>,
     },
     /// The settings `run` would use and where each came from; `problem`:
     /// why `run` would refuse them.

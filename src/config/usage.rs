@@ -185,18 +185,23 @@ pub(super) fn keygen_usage() -> String {
 
 pub(super) fn sign_usage() -> String {
     verb_usage(
-        "sign --key KEY-FILE [--embed] FILE\n\n\
+        "sign --key KEY-FILE [--embed] [--valid-for DURATION] FILE\n\n\
          Signs a desired-state file with the secret key from `keygen`, writing\n\
          FILE.sig beside it, or with --embed, into FILE itself (its first line),\n\
          replaced in one rename: an agent never reads the file with a signature\n\
          that is not its own. The file must name the host it is for (`host_id`):\n\
          a host refuses a signed snapshot that names no host or another, so that\n\
-         one host's cannot be replayed to another.",
+         one host's cannot be replayed to another. The file is obeyed until its\n\
+         `not_after_unix_ms`, which sign sets (or replaces) before signing.",
         &[
             ("key", "the secret key file `keygen` wrote"),
             (
                 "embed",
                 "the signature as FILE's own first line (signing again replaces it)",
+            ),
+            (
+                "valid-for",
+                "how long from now the file is obeyed [168h: a week]; 0: it keeps the expiry it has, or none (an epoch_reset then is refused)",
             ),
         ],
     )

@@ -18,17 +18,30 @@ pub(super) fn parse_keygen(rest: &[String]) -> Result<Command, ConfigError> {
     }
 }
 
+/// How long a signed file is obeyed when `sign` is not told: a week.
+/// Long enough for a file signed by hand to carry a week of changes; short
+/// enough that an old file found later (a backup, a copy in a ticket) is
+/// refused rather than obeyed. A control plane signs every answer afresh.
+pub(super) const VALID_FOR: &str = "168h";
+
 pub(super) fn parse_sign(rest: &[String]) -> Result<Command, ConfigError> {
-    let usage = "usage: eitri-agent sign --key KEY-FILE [--embed] FILE";
+    let usage = "usage: eitri-agent sign --key KEY-FILE [--embed] [--valid-for DURATION] FILE";
     let Some((file, flags)) = rest.split_last() else {
         return Err(err(usage));
     };
-    let flags = flag_values(flags, &["key"], &["embed"])?;
+    let flags = flag_values(flags, &["key", "valid-for"], &["embed"])?;
+    let raw = flags.get("valid-for").copied().unwrap_or(VALID_FOR);
+    let valid_for = super::parse_duration(raw).ok_or_else(|| {
+        err(format!(
+            "--valid-for {raw:?} is not a duration: give one with its unit (12h, 168h), or 0 for a file that never expires"
+        ))
+    })?;
     match flags.get("key") {
         Some(key) if !file.starts_with("--") => Ok(Command::Sign {
             key: PathBuf::from(key),
             file: PathBuf::from(file),
             embed: flags.contains_key("embed"),
+            valid_for: (!valid_for.is_zero()).then_some(valid_for),
         }),
         _ => Err(err(usage)),
     }

@@ -95,6 +95,12 @@ pub const MAX_UNSIGNED_STEP: u64 = 1 << 32;
 pub(super) enum EpochRefusal {
     /// A signed reset names another fence than the host's.
     ResetFromElsewhere { to: u64, from: u64, current: u64 },
+    /// A signed reset this host obeyed once already: replayed after the
+    /// fence counted back up to where it was made.
+    ResetObeyed { to: u64, current: u64 },
+    /// A signed reset that never expires: one found years later would be
+    /// obeyed whenever the fence came back to where it was made.
+    ResetWithoutExpiry { to: u64 },
     /// An unsigned epoch more than [`MAX_UNSIGNED_STEP`] above the fence.
     TooFar { epoch: u64, current: u64 },
     /// An unsigned snapshot asks to lower the fence.
@@ -107,6 +113,14 @@ impl std::fmt::Display for EpochRefusal {
             EpochRefusal::ResetFromElsewhere { to, from, current } => write!(
                 f,
                 "refusing a signed epoch reset to {to} from epoch {from}: this host's fence is {current}. A reset is obeyed only at the fence it names (epoch_reset_from), so one signed before the fence moved on cannot move it back; have the control plane sign a reset from {current}"
+            ),
+            EpochRefusal::ResetObeyed { to, current } => write!(
+                f,
+                "refusing a signed epoch reset to {to} from epoch {current}: this host obeyed that very reset before (a reset is obeyed once; this one is replayed). Have the control plane sign a new reset if the fence must move back again"
+            ),
+            EpochRefusal::ResetWithoutExpiry { to } => write!(
+                f,
+                "refusing a signed epoch reset to {to} that never expires (no not_after_unix_ms): a reset must carry its expiry, so that it cannot be replayed later; sign it again with an expiry (eitri-agent sign sets one: --valid-for)"
             ),
             EpochRefusal::TooFar { epoch, current } => write!(
                 f,
@@ -301,7 +315,7 @@ impl Daemon {
     /// to their workers, not before: its two fsync waits would otherwise
     /// lie before every create it asks for. The persisted snapshot is only
     /// what an agent restarted during an outage converges to; the fence is
-    /// the epoch file, saved before any pass starts. A crash in between
+    /// `fence.json`, saved before any pass starts. A crash in between
     /// leaves the previous snapshot on disk: a VM created meanwhile is then
     /// one it no longer names, held for `--vanish-grace` (a day), never
     /// destroyed, until the control plane is heard again.
@@ -313,7 +327,7 @@ impl Daemon {
             refused_volumes,
             digest,
         } = desired;
-        if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref()) {
+        if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref(), digest) {
             let why = why.to_string();
             self.logs.warn("epoch", &why);
             self.refused_epoch = Some(why);
@@ -332,7 +346,12 @@ impl Daemon {
                 wire.epoch,
                 crate::quote::text(key_id)
             );
-            if let Err(e) = self.store.reset_epoch(wire.epoch) {
+            // What an earlier agent persisted has no digest, and never
+            // moves the fence: its reset, if it had one, moved it then.
+            let Some(reset) = digest else {
+                return false;
+            };
+            if let Err(e) = self.store.obey_reset(wire.epoch, &reset) {
                 self.logs.error("epoch-reset", &crate::error::chain(&e));
                 return false;
             }
@@ -393,16 +412,35 @@ impl Daemon {
     /// at once, so one forged answer with epoch 2^64-1 cannot fence the
     /// real control plane out for good; and `epoch_reset` is obeyed only
     /// when signed, and then only at the fence it names (a reset replayed
-    /// after the fence moved on moves nothing).
+    /// after the fence moved on moves nothing), only with an expiry, and
+    /// only once (its `digest` remembered with the fence it set: one
+    /// replayed once the fence counted back up to where it was made moves
+    /// nothing either).
     /// Signed desired state moves the fence as it says.
-    fn epoch_rule(&self, wire: &pb::Snapshot, signed_by: Option<&str>) -> Result<(), EpochRefusal> {
+    fn epoch_rule(
+        &self,
+        wire: &pb::Snapshot,
+        signed_by: Option<&str>,
+        digest: Option<[u8; 32]>,
+    ) -> Result<(), EpochRefusal> {
         let current = self.store.epoch();
-        if signed_by.is_some() && wire.epoch_reset && wire.epoch_reset_from != current {
-            return Err(EpochRefusal::ResetFromElsewhere {
-                to: wire.epoch,
-                from: wire.epoch_reset_from,
-                current,
-            });
+        if signed_by.is_some() && wire.epoch_reset {
+            if wire.epoch_reset_from != current {
+                return Err(EpochRefusal::ResetFromElsewhere {
+                    to: wire.epoch,
+                    from: wire.epoch_reset_from,
+                    current,
+                });
+            }
+            if wire.not_after_unix_ms == 0 {
+                return Err(EpochRefusal::ResetWithoutExpiry { to: wire.epoch });
+            }
+            if digest.is_some_and(|d| self.store.reset_obeyed(&d)) {
+                return Err(EpochRefusal::ResetObeyed {
+                    to: wire.epoch,
+                    current,
+                });
+            }
         }
         if signed_by.is_some() || !self.remote {
             return Ok(());

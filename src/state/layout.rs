@@ -5,7 +5,8 @@
 //! ```text
 //! STATE_DIR/                                   0711: a jailed VMM reaches its own files by name
 //!   lock                                       flock: one agent per state dir
-//!   epoch                                      highest accepted snapshot epoch
+//!   fence.json                                 highest accepted snapshot epoch, and the signed epoch resets obeyed
+//!   epoch                                      the same epoch alone, for agents older than fence.json and for people
 //!   host-signing-key                           the host's own key, which signs its reports (with --trusted-keys)
 //!   snapshot.pb                                the last accepted desired state
 //!   report.json                                the last report, for `status`
@@ -77,6 +78,10 @@ impl Layout {
 
     pub fn epoch(&self) -> PathBuf {
         self.state.join("epoch")
+    }
+
+    pub fn fence(&self) -> PathBuf {
+        self.state.join("fence.json")
     }
 
     /// The host's own signing key (secret, 0600): it signs the reports.
@@ -347,6 +352,7 @@ mod tests {
         let paths = [
             layout.state_dir().to_path_buf(),
             layout.lock(),
+            layout.fence(),
             layout.epoch(),
             layout.last_snapshot(),
             layout.report(),

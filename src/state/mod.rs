@@ -11,6 +11,7 @@
 pub mod atomic;
 pub mod claim;
 mod error;
+mod fence;
 pub mod holders;
 mod layout;
 pub mod leases;

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-use super::atomic::{is_temp_name, remove_stray_temps, sync_dir, write_atomic, write_then_rename};
+use super::atomic::{is_temp_name, remove_stray_temps, sync_dir, write_then_rename};
+use super::fence::Fence;
 use super::record::Envelope;
 use super::{Layout, RECORD_FILE, RECORD_FORMAT, Record, StoreError};
 use crate::model::Id;
@@ -30,7 +31,8 @@ pub struct Store {
     layout: Layout,
     /// Held for its flock; released when the store is dropped.
     _lock: File,
-    epoch: Mutex<u64>,
+    /// The epoch fence (see [`Fence`]).
+    fence: Mutex<Fence>,
     /// Copy-on-write: readers take the current map for the price of an
     /// `Arc` clone, and a save copies it only while a reader still holds
     /// the old one.
@@ -102,12 +104,12 @@ impl Store {
                 source,
             })?;
         take_lock(&lock, root, &lock_path, patience)?;
-        let epoch = read_epoch(&layout.epoch());
+        let fence = Fence::read(&layout);
         let records = scan_records(&layout.vms())?;
         Ok(Store {
             layout,
             _lock: lock,
-            epoch: Mutex::new(epoch),
+            fence: Mutex::new(fence),
             unreadable: AtomicUsize::new(count_unreadable(&records)),
             records: RwLock::new(Records {
                 map: Arc::new(records),
@@ -130,32 +132,48 @@ impl Store {
     /// open counts as 0 (and was logged): failing open means the next
     /// snapshot is accepted rather than the host refusing all work.
     pub fn epoch(&self) -> u64 {
-        *self.epoch.lock()
+        self.fence.lock().epoch
     }
 
-    /// Sets the fence to `epoch`, lower or not: only for desired state
-    /// signed by a pinned key that asks for it (`epoch_reset`), as a
-    /// control plane restored from a backup does.
+    /// Sets the fence to `epoch`, lower or not: the operator's own move
+    /// (`eitri-agent epoch --set`), of a stopped agent's state dir.
     pub fn reset_epoch(&self, epoch: u64) -> Result<(), StoreError> {
-        let mut current = self.epoch.lock();
-        let path = self.layout.epoch();
-        write_atomic(&path, format!("{epoch}\n").as_bytes())
-            .map_err(|source| StoreError::WriteEpoch { path, source })?;
-        *current = epoch;
-        Ok(())
+        self.move_fence(|fence| fence.at(epoch))
     }
 
     /// Records `epoch` as accepted. Only ever raises it; an equal epoch (the
     /// same snapshot repeated every tick) costs no write.
     pub fn save_epoch(&self, epoch: u64) -> Result<(), StoreError> {
-        let mut current = self.epoch.lock();
-        if epoch <= *current {
+        if epoch <= self.epoch() {
             return Ok(());
         }
-        let path = self.layout.epoch();
-        write_atomic(&path, format!("{epoch}\n").as_bytes())
-            .map_err(|source| StoreError::WriteEpoch { path, source })?;
-        *current = epoch;
+        self.move_fence(|fence| fence.at(epoch.max(fence.epoch)))
+    }
+
+    /// Whether the signed reset whose signed bytes have `digest` was
+    /// obeyed (see [`Fence`]).
+    pub fn reset_obeyed(&self, digest: &[u8; 32]) -> bool {
+        self.fence.lock().obeyed(digest)
+    }
+
+    /// Sets the fence to `epoch`, lower or not, for desired state signed
+    /// by a pinned key that asks for it (`epoch_reset`, as a control plane
+    /// restored from a backup does), remembering that reset (`digest`) in
+    /// the same write, so it is obeyed once.
+    pub fn obey_reset(&self, epoch: u64, digest: &[u8; 32]) -> Result<(), StoreError> {
+        self.move_fence(|fence| fence.reset_by(epoch, digest))
+    }
+
+    fn move_fence(&self, to: impl FnOnce(&Fence) -> Fence) -> Result<(), StoreError> {
+        let mut fence = self.fence.lock();
+        let moved = to(&fence);
+        moved
+            .write(&self.layout)
+            .map_err(|source| StoreError::WriteEpoch {
+                path: self.layout.fence(),
+                source,
+            })?;
+        *fence = moved;
         Ok(())
     }
 
@@ -478,27 +496,6 @@ fn take_lock(
                     source,
                 });
             }
-        }
-    }
-}
-
-fn read_epoch(path: &Path) -> u64 {
-    match fs::read_to_string(path) {
-        Ok(text) => text.trim().parse().unwrap_or_else(|e| {
-            log::warn!(
-                "epoch file {} holds {:?} ({e}); starting from epoch 0",
-                path.display(),
-                text.trim()
-            );
-            0
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
-        Err(e) => {
-            log::warn!(
-                "cannot read epoch file {} ({e}); starting from epoch 0",
-                path.display()
-            );
-            0
         }
     }
 }

@@ -123,6 +123,19 @@ fn snapshot(epoch: u64, host: &str, volume: &str) -> pb::Snapshot {
     }
 }
 
+/// A snapshot of `epoch` that resets the fence from `from`, expiring in
+/// an hour (a reset must expire).
+fn reset(epoch: u64, from: u64, volume: &str) -> pb::Snapshot {
+    pb::Snapshot {
+        epoch_reset: true,
+        epoch_reset_from: from,
+        not_after_unix_ms: eitri_agent::human::unix_ms(
+            std::time::SystemTime::now() + Duration::from_secs(3600),
+        ),
+        ..snapshot(epoch, HOST, volume)
+    }
+}
+
 fn signed(key: &SecretKey, snap: &pb::Snapshot) -> Vec<u8> {
     let bytes = snap.encode_to_vec();
     pb::SignedSnapshot {
@@ -518,11 +531,7 @@ fn a_signed_epoch_reset_lowers_the_fence() {
     let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
     a.wait_report("epoch 50", |r| has_volume(r, "data-1"));
 
-    let restored = pb::Snapshot {
-        epoch_reset: true,
-        epoch_reset_from: 50,
-        ..snapshot(2, HOST, "data-2")
-    };
+    let restored = reset(2, 50, "data-2");
     cp.answer_snapshots(Answer::Raw(signed(&k, &restored)));
 
     a.wait_report("the reset", |r| has_volume(r, "data-2"));
@@ -539,14 +548,7 @@ fn a_signed_epoch_reset_replayed_after_the_fence_moved_on_moves_nothing() {
     let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
     a.wait_report("epoch 200", |r| has_volume(r, "data-1"));
     // Made once, after a restore: from 200 back to 100.
-    let reset = signed(
-        &k,
-        &pb::Snapshot {
-            epoch_reset: true,
-            epoch_reset_from: 200,
-            ..snapshot(100, HOST, "data-2")
-        },
-    );
+    let reset = signed(&k, &reset(100, 200, "data-2"));
     cp.answer_snapshots(Answer::Raw(reset.clone()));
     a.wait_report("the reset", |r| has_volume(r, "data-2"));
     cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(150, HOST, "data-3"))));
@@ -563,6 +565,56 @@ fn a_signed_epoch_reset_replayed_after_the_fence_moved_on_moves_nothing() {
     assert!(has_volume(&report, "data-3"), "{report}");
     let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
     assert_eq!(epoch.trim(), "150");
+}
+
+#[test]
+fn a_signed_epoch_reset_replayed_once_the_fence_counted_back_to_its_start_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(200, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    a.wait_report("epoch 200", |r| has_volume(r, "data-1"));
+    let reset = signed(&k, &reset(100, 200, "data-2"));
+    cp.answer_snapshots(Answer::Raw(reset.clone()));
+    a.wait_report("the reset", |r| has_volume(r, "data-2"));
+    // The signer counts up again, past where the reset was made.
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(200, HOST, "data-3"))));
+    a.wait_report("epoch 200 again", |r| has_volume(r, "data-3"));
+
+    cp.answer_snapshots(Answer::Raw(reset));
+
+    a.wait_report("the replay refused", |r| {
+        r["notes"]
+            .to_string()
+            .contains("this host obeyed that very reset before")
+    });
+    let report = a.report();
+    assert!(has_volume(&report, "data-3"), "{report}");
+    let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
+    assert_eq!(epoch.trim(), "200");
+}
+
+#[test]
+fn a_signed_epoch_reset_that_never_expires_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cp = FakeControlPlane::start().expect("cp");
+    let k = key("cp", 1);
+    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(50, HOST, "data-1"))));
+    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
+    a.wait_report("epoch 50", |r| has_volume(r, "data-1"));
+
+    let forever = pb::Snapshot {
+        not_after_unix_ms: 0,
+        ..reset(2, 50, "data-2")
+    };
+    cp.answer_snapshots(Answer::Raw(signed(&k, &forever)));
+
+    a.wait_report("the reset refused", |r| {
+        r["notes"].to_string().contains("that never expires")
+    });
+    let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
+    assert_eq!(epoch.trim(), "50");
 }
 
 #[test]
@@ -751,6 +803,73 @@ fn standalone(dir: &Path, desired: &Path, pinned: &Path) -> Agent {
             pinned.to_str().expect("path"),
         ],
     )
+}
+
+#[test]
+fn sign_stamps_a_week_of_validity_into_the_file_it_signs() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, _) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(&desired, &format!(r#"{{"epoch":1,"host_id":"{HOST}"}}"#));
+    let before = eitri_agent::human::unix_ms(std::time::SystemTime::now());
+
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        desired.to_str().expect("path"),
+    ]);
+
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&desired).expect("desired");
+    let file: serde_json::Value = serde_json::from_str(&text).expect("json");
+    let week = 7 * 24 * 3600 * 1000;
+    let until = file["not_after_unix_ms"].as_u64().expect("stamped");
+    assert!(
+        (before + week..before + week + 60_000).contains(&until),
+        "{text}"
+    );
+}
+
+#[test]
+fn sign_with_valid_for_0_keeps_the_files_own_expiry_which_the_agent_holds_it_to() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (key, pinned) = keygen(dir.path(), "pipeline");
+    let desired = dir.path().join("desired.json");
+    write_desired(
+        &desired,
+        &format!(
+            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
+        ),
+    );
+    // Older than the skew the agent allows, once signed.
+    let stale = format!(
+        "{{\"not_after_unix_ms\": {}, \"epoch\":1,\"host_id\":\"{HOST}\",\"volumes\":[{{\"volume_id\":\"data-1\",\"size_gb\":1}}]}}",
+        eitri_agent::human::unix_ms(std::time::SystemTime::now()) - 3_600_000
+    );
+    write_desired(&desired, &stale);
+    let out = eitri(&[
+        "sign",
+        "--key",
+        key.to_str().expect("path"),
+        "--valid-for",
+        "0",
+        desired.to_str().expect("path"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let a = standalone(dir.path(), &desired, &pinned);
+
+    a.wait_refusal("expired");
+    assert!(!a.volume_exists("data-1"));
 }
 
 #[test]
