@@ -281,9 +281,12 @@ impl Exchange {
             Some(e) => {
                 self.link.failures.inc(e.kind());
                 let error = chain(&e);
-                // A refused answer is no outage: the control plane is there
-                // and was told; it is asked again at the tick.
-                let retry_in = if self.source.is_remote() && e.refusal().is_none() {
+                // A refused answer (not a snapshot, a bad signature,
+                // another host's, expired) is backed off like no answer:
+                // the control plane was told (its report says so), and a
+                // thousand hosts behind one broken proxy must not ask it
+                // again at every tick.
+                let retry_in = if self.source.is_remote() {
                     self.backoff.fail((self.jitter)())
                 } else {
                     self.backoff.reset();
