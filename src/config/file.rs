@@ -27,6 +27,30 @@ use serde::de::{self, DeserializeSeed, MapAccess, Visitor};
 use super::settings::{Key, Section};
 use super::{ConfigError, err};
 
+/// The most a config file may be: its settings are a few kilobytes.
+const MAX_BYTES: u64 = 1 << 20;
+
+/// Whether a config file may be believed, held to the trusted keys file's
+/// rule: it names the keys that sign desired state, the hypervisor root
+/// runs and where root writes, so one that another user owns or may write
+/// hands them root. Why not, and how to fix it.
+fn trusted(meta: &std::fs::Metadata) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let me = nix::unistd::geteuid().as_raw();
+    let (owner, mode) = (meta.uid(), meta.mode() & 0o7777);
+    if owner != 0 && owner != me {
+        return Err(format!(
+            "it is owned by uid {owner}, and may only be root's or this agent's user's ({me}), since it decides what root runs and writes; chown {me} FILE"
+        ));
+    }
+    if mode & 0o022 != 0 {
+        return Err(format!(
+            "it may be written by group or others (mode {mode:04o}), and it decides what root runs and writes; chmod go-w FILE"
+        ));
+    }
+    Ok(())
+}
+
 /// The settings a file gives, by key, as text.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct FileSettings {
@@ -37,9 +61,17 @@ impl FileSettings {
     /// Reads and checks the file at `path`; the error names the file, what
     /// was wrong and on which line.
     pub fn read(path: &Path) -> Result<FileSettings, ConfigError> {
+        use std::io::Read;
         let named = |what: String| err(format!("--config {}: {what}", crate::quote::path(path)));
-        let text =
-            std::fs::read_to_string(path).map_err(|e| named(format!("cannot be read: {e}")))?;
+        let file = std::fs::File::open(path).map_err(|e| named(format!("cannot be read: {e}")))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| named(format!("cannot be read: {e}")))?;
+        trusted(&meta).map_err(named)?;
+        let mut text = String::new();
+        file.take(MAX_BYTES)
+            .read_to_string(&mut text)
+            .map_err(|e| named(format!("cannot be read: {e}")))?;
         FileSettings::parse(&text).map_err(|e| named(e.to_string()))
     }
 

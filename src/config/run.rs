@@ -490,4 +490,45 @@ mod tests {
 
         assert!(e.to_string().starts_with("--tick:"), "{e}");
     }
+
+    /// A config file of `mode`, owned by `owner`, that sets the desired
+    /// file; what reading `run`'s settings with it says.
+    fn read_config_of(mode: u32, owner: Option<u32>) -> Result<(), String> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("agent.json");
+        std::fs::write(&file, r#"{"source": {"desired": "/d"}}"#).expect("write");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).expect("mode");
+        if let Some(uid) = owner {
+            std::os::unix::fs::chown(&file, Some(uid), None).expect("chown");
+        }
+        let config = file.display().to_string();
+        Raw::read(&args(&["--config", &config]), &env(&[]))
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_config_file_others_may_write_is_refused_saying_how_to_fix_it() {
+        let refused = read_config_of(0o666, None).expect_err("refused");
+
+        assert!(
+            refused.contains("may be written by group or others (mode 0666)"),
+            "{refused}"
+        );
+        assert!(refused.contains("chmod go-w"), "{refused}");
+    }
+
+    #[test]
+    fn a_config_file_another_user_owns_is_refused_saying_how_to_fix_it() {
+        let refused = read_config_of(0o644, Some(65534)).expect_err("refused");
+
+        assert!(refused.contains("owned by uid 65534"), "{refused}");
+        assert!(refused.contains("chown"), "{refused}");
+    }
+
+    #[test]
+    fn a_config_file_only_its_owner_may_write_is_read() {
+        assert_eq!(read_config_of(0o644, None), Ok(()));
+    }
 }
