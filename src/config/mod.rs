@@ -165,6 +165,8 @@ pub struct SourceSettings {
     pub backoff_max: Duration,
     /// Bounds on one snapshot, from either source.
     pub limits: crate::source::SnapshotLimits,
+    /// `--max-epoch-step`: how far one unsigned answer may raise the fence.
+    pub max_epoch_step: u64,
     /// `--trusted-keys`, read: the keys desired state must be signed by;
     /// `None`: desired state is taken unsigned.
     pub trust: Option<crate::trust::TrustedKeys>,

@@ -71,6 +71,7 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
             host_id: desired.optional(Key::HostId).map(|h| h.trim().to_owned()),
             backoff_max: desired.duration(Key::BackoffMax)?,
             limits: snapshot_limits(desired)?,
+            max_epoch_step: max_epoch_step(desired)?,
             trust,
             proxy,
         },
@@ -275,6 +276,17 @@ fn snapshot_limits(raw: &Part<'_>) -> Result<SnapshotLimits, ConfigError> {
         max_vms: count(Key::MaxVms)?,
         max_volumes: count(Key::MaxVolumes)?,
     })
+}
+
+/// `--max-epoch-step`: at least 1, or no unsigned answer could move the
+/// fence at all.
+fn max_epoch_step(raw: &Part<'_>) -> Result<u64, ConfigError> {
+    match raw.number(Key::MaxEpochStep)? {
+        0 => Err(err(
+            "--max-epoch-step must be at least 1: at 0 no unsigned answer could move the epoch",
+        )),
+        n => Ok(n),
+    }
 }
 
 // ── the guests' network ─────────────────────────────────────────────────

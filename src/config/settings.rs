@@ -114,6 +114,8 @@ settings! {
             "most VM entries one snapshot may hold; counted before it is decoded";
         MaxVolumes => "max-volumes", "EITRI_MAX_VOLUMES", "10000",
             "most volume entries one snapshot may hold; counted before it is decoded";
+        MaxEpochStep => "max-epoch-step", "EITRI_MAX_EPOCH_STEP", "4294967296",
+            "most an unsigned control plane's answer may raise the epoch by at once (a further one is refused, so a forged answer fences the real control plane out by no more than this); signed desired state moves it as it says";
     ]
     State { "state", "State", "where the agent keeps what it knows" } [
         StateDir => "state-dir", "EITRI_STATE_DIR", "/var/lib/eitri",

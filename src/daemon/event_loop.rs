@@ -83,12 +83,9 @@ pub struct Parts {
     pub image_cache_max: Option<u64>,
     /// `--agents-dir`, for `status` to list the host's claims.
     pub agents_dir: Option<std::path::PathBuf>,
+    /// `--max-epoch-step`: how far one unsigned answer may raise the fence.
+    pub max_epoch_step: u64,
 }
-
-/// How far one unsigned snapshot may raise the epoch: four billion, room
-/// for a control plane that counts seconds since 1970 from a first epoch
-/// of 0; one that counts milliseconds signs its snapshots.
-pub const MAX_UNSIGNED_STEP: u64 = 1 << 32;
 
 /// Why a snapshot's epoch may not move the fence (see `epoch_rule`).
 #[derive(Debug)]
@@ -101,8 +98,8 @@ pub(super) enum EpochRefusal {
     /// A signed reset that never expires: one found years later would be
     /// obeyed whenever the fence came back to where it was made.
     ResetWithoutExpiry { to: u64 },
-    /// An unsigned epoch more than [`MAX_UNSIGNED_STEP`] above the fence.
-    TooFar { epoch: u64, current: u64 },
+    /// An unsigned epoch more than `--max-epoch-step` above the fence.
+    TooFar { epoch: u64, current: u64, step: u64 },
     /// An unsigned snapshot asks to lower the fence.
     UnsignedReset { to: u64, current: u64 },
 }
@@ -122,14 +119,31 @@ impl std::fmt::Display for EpochRefusal {
                 f,
                 "refusing a signed epoch reset to {to} that never expires (no not_after_unix_ms): a reset must carry its expiry, so that it cannot be replayed later; sign it again with an expiry (eitri-agent sign sets one: --valid-for)"
             ),
-            EpochRefusal::TooFar { epoch, current } => write!(
+            EpochRefusal::TooFar {
+                epoch,
+                current,
+                step,
+            } => write!(
                 f,
-                "refusing a snapshot whose epoch {epoch} is more than {MAX_UNSIGNED_STEP} above the accepted epoch {current}: unsigned desired state may not move the fence that far (a forged answer could fence the real control plane out for good). Keeping the last accepted desired state; pin the control plane's keys with --trusted-keys to let signed snapshots move it"
+                "refusing a snapshot whose epoch {epoch} is more than {step} (--max-epoch-step) above the accepted epoch {current}: unsigned desired state may not move the fence that far (a forged answer could fence the real control plane out for good). Keeping the last accepted desired state; pin the control plane's keys with --trusted-keys to let signed snapshots move it, or raise --max-epoch-step if the control plane's epochs really leap so"
             ),
             EpochRefusal::UnsignedReset { to, current } => write!(
                 f,
                 "refusing an unsigned snapshot that asks to reset the epoch from {current} to {to}: only desired state signed by a key in --trusted-keys may lower the fence"
             ),
+        }
+    }
+}
+
+impl EpochRefusal {
+    /// Its label in `eitri_epoch_refusals_total{kind}`.
+    pub(super) fn kind(&self) -> &'static str {
+        match self {
+            EpochRefusal::ResetFromElsewhere { .. } => "reset_elsewhere",
+            EpochRefusal::ResetObeyed { .. } => "reset_obeyed",
+            EpochRefusal::ResetWithoutExpiry { .. } => "reset_without_expiry",
+            EpochRefusal::TooFar { .. } => "too_far",
+            EpochRefusal::UnsignedReset { .. } => "unsigned_reset",
         }
     }
 }
@@ -157,6 +171,9 @@ pub struct Daemon {
     /// Why the last snapshot's epoch was refused outright (see
     /// `epoch_rule`), while snapshots keep being refused so.
     pub(super) refused_epoch: Option<String>,
+    /// Snapshots refused for their epoch, by [`EpochRefusal::kind`].
+    pub(super) epoch_refusals: crate::metrics::CounterVec,
+    pub(super) max_epoch_step: u64,
     pub(super) logs: LogOnce,
     /// When `report.json` was last written, and whether a change waits.
     pub(super) written: Option<Instant>,
@@ -196,6 +213,8 @@ impl Daemon {
             last,
             fenced: None,
             refused_epoch: None,
+            epoch_refusals: crate::metrics::CounterVec::default(),
+            max_epoch_step: parts.max_epoch_step,
             logs: LogOnce::new(),
             written: None,
             dirty: false,
@@ -328,6 +347,7 @@ impl Daemon {
             digest,
         } = desired;
         if let Err(why) = self.epoch_rule(&wire, signed_by.as_deref(), digest) {
+            self.epoch_refusals.inc(why.kind());
             let why = why.to_string();
             self.logs.warn("epoch", &why);
             self.refused_epoch = Some(why);
@@ -408,7 +428,7 @@ impl Daemon {
     }
 
     /// What the fence may not be moved by: an unsigned snapshot from a
-    /// control plane may raise the epoch by at most [`MAX_UNSIGNED_STEP`]
+    /// control plane may raise the epoch by at most `--max-epoch-step`
     /// at once, so one forged answer with epoch 2^64-1 cannot fence the
     /// real control plane out for good; and `epoch_reset` is obeyed only
     /// when signed, and then only at the fence it names (a reset replayed
@@ -445,10 +465,11 @@ impl Daemon {
         if signed_by.is_some() || !self.remote {
             return Ok(());
         }
-        if wire.epoch > current.saturating_add(MAX_UNSIGNED_STEP) {
+        if wire.epoch > current.saturating_add(self.max_epoch_step) {
             return Err(EpochRefusal::TooFar {
                 epoch: wire.epoch,
                 current,
+                step: self.max_epoch_step,
             });
         }
         if wire.epoch_reset && wire.epoch < current {

@@ -10,6 +10,7 @@
 //! | `eitri_step_duration_seconds` | histogram | `Engine::step` |
 //! | `eitri_snapshot_epoch` | gauge | the accepted epoch |
 //! | `eitri_contact_failures_total{kind}` | counter | failed contacts with the source, by kind |
+//! | `eitri_epoch_refusals_total{kind}` | counter | snapshots refused for their epoch: `too_far` (unsigned, past `--max-epoch-step`), `unsigned_reset`, `reset_elsewhere`, `reset_obeyed`, `reset_without_expiry` |
 //! | `eitri_vms{power,phase}` | gauge | VMs in the last report |
 //! | `eitri_vms_spec_rejected` | gauge | VMs the host has whose desired entry was refused (they run on) |
 //! | `eitri_vms_unhealthy` | gauge | VMs running whose readiness probe fails (past its grace, or after it answered) |
@@ -79,6 +80,7 @@ impl MetricsFile {
         report: &Report,
         epoch: u64,
         contact_failures: &crate::metrics::CounterVec,
+        epoch_refusals: &crate::metrics::CounterVec,
     ) -> String {
         let from = Sources {
             file: self,
@@ -88,6 +90,7 @@ impl MetricsFile {
             report,
             epoch,
             contact_failures,
+            epoch_refusals,
         };
         let mut e = Exposition::new();
         for write in WRITERS {
@@ -112,6 +115,7 @@ struct Sources<'a> {
     report: &'a Report,
     epoch: u64,
     contact_failures: &'a crate::metrics::CounterVec,
+    epoch_refusals: &'a crate::metrics::CounterVec,
 }
 
 /// The file's family groups, in the order they are written.
@@ -156,6 +160,12 @@ fn agent(from: &Sources<'_>, e: &mut Exposition) {
         "Failed contacts with the desired-state source, by kind.",
         "kind",
         from.contact_failures,
+    );
+    e.counter_vec(
+        "eitri_epoch_refusals_total",
+        "Snapshots refused for their epoch, by why.",
+        "kind",
+        from.epoch_refusals,
     );
 }
 

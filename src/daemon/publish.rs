@@ -112,6 +112,7 @@ impl Daemon {
             report,
             self.store.epoch(),
             self.link.failures(),
+            &self.epoch_refusals,
         );
         match m.write(&text) {
             Ok(()) => {

@@ -130,6 +130,7 @@ pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
             notes,
             image_cache_max: image_cache_bytes(&config),
             agents_dir: Some(config.state.agents_dir.clone()),
+            max_epoch_step: config.source.max_epoch_step,
             metrics: config
                 .reporting
                 .metrics_file

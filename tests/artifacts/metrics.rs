@@ -103,6 +103,7 @@ impl Host {
             &self.engine.published(),
             snap.epoch,
             &failures,
+            &CounterVec::default(),
         )
     }
 }

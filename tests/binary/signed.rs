@@ -773,6 +773,45 @@ fn without_keys_an_unsigned_epoch_of_2_pow_64_minus_1_is_refused() {
     a.wait_report("the real snapshot", |r| has_volume(r, "data-2"));
 }
 
+#[test]
+fn without_keys_an_unsigned_jump_past_max_epoch_step_is_refused_and_counted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let metrics = dir.path().join("eitri.prom");
+    let cp = FakeControlPlane::start().expect("cp");
+    cp.answer_snapshots(Answer::Snapshot(snapshot(10, HOST, "data-1")));
+    let a = Agent::start(
+        dir.path(),
+        &[
+            "--control-plane",
+            &cp.url(),
+            "--max-epoch-step",
+            "100",
+            "--metrics-file",
+            metrics.to_str().expect("path"),
+        ],
+    );
+    a.wait_report("the first snapshot", |r| has_volume(r, "data-1"));
+
+    cp.answer_snapshots(Answer::Snapshot(snapshot(111, HOST, "data-2")));
+
+    a.wait_report("the refusal note", |r| {
+        r["notes"].as_array().is_some_and(|n| {
+            n.iter().any(|n| {
+                n.as_str()
+                    .is_some_and(|n| n.contains("more than 100 (--max-epoch-step) above"))
+            })
+        })
+    });
+    assert!(!a.volume_exists("data-2"));
+    wait_for("the refusal counted", || {
+        std::fs::read_to_string(&metrics)
+            .is_ok_and(|m| m.contains("eitri_epoch_refusals_total{kind=\"too_far\"} "))
+    });
+    // A step within the bound is taken.
+    cp.answer_snapshots(Answer::Snapshot(snapshot(110, HOST, "data-3")));
+    a.wait_report("the next snapshot", |r| has_volume(r, "data-3"));
+}
+
 fn eitri(args: &[&str]) -> Output {
     Command::new(BIN)
         .args(args)

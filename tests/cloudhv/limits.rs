@@ -203,6 +203,7 @@ fn a_killed_vmm_raises_its_lost_counter_by_one() {
             &h.engine().published(),
             1,
             &eitri_agent::metrics::CounterVec::default(),
+            &eitri_agent::metrics::CounterVec::default(),
         );
         text.lines()
             .find_map(|l| l.strip_prefix("eitri_vm_lost_total{vm_id=\"vm-1\"} "))

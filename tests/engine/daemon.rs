@@ -121,6 +121,7 @@ fn agent_in(
             metrics: None,
             image_cache_max: None,
             agents_dir: None,
+            max_epoch_step: 1 << 32,
         },
     );
     let generation = link.generation();
@@ -875,6 +876,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
             metrics: None,
             image_cache_max: None,
             agents_dir: None,
+            max_epoch_step: 1 << 32,
         },
     );
     let mut exchange = Exchange::new(
