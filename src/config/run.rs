@@ -63,7 +63,12 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
             agents_dir: state.agents_dir,
         },
         images: super::ImageSettings {
-            fetch: image_options(images, proxy.clone(), &network.deny)?,
+            fetch: image_options(
+                images,
+                proxy.clone(),
+                &network.deny,
+                network.underlay.as_ref().map(|u| u.subnet.cidr()),
+            )?,
             cache_max: image_cache_max(images)?,
         },
         source: super::SourceSettings {
@@ -207,11 +212,13 @@ fn proxy(raw: &Part<'_>) -> Result<Option<String>, ConfigError> {
 }
 
 /// How images are fetched: the proxy is the control plane's, and what
-/// guests may not reach, downloads may not either (unless `--image-allow`).
+/// guests may not reach, downloads may not either (unless `--image-allow`);
+/// the guests themselves never, whatever it says.
 fn image_options(
     raw: &Part<'_>,
     proxy: Option<String>,
     guest_deny: &[IpRange],
+    guests: Option<crate::model::Cidr>,
 ) -> Result<ImageOptions, ConfigError> {
     let file_root = raw.optional_path(Key::ImageRoot);
     let stall = raw.duration(Key::ImageStallTimeout)?;
@@ -235,6 +242,7 @@ fn image_options(
         reach: Reach {
             deny: guest_deny.to_vec(),
             allow: raw.ip_ranges(Key::ImageAllow)?,
+            guests,
         },
     })
 }
@@ -360,6 +368,20 @@ mod tests {
         assert_eq!(
             reach.allow,
             IpRange::parse_list("2001:db8::/32").expect("ranges")
+        );
+    }
+
+    #[test]
+    fn image_downloads_refuse_the_guests_subnet() {
+        let args = args(&["--desired", "/d.json", "--underlay-subnet", "10.9.0.0/16"]);
+        let env = env(&[]);
+        let raw = Raw::read(&args, &env).expect("flags");
+
+        let built = build(&raw).expect("valid");
+
+        assert_eq!(
+            built.images.fetch.reach.guests,
+            Some(crate::model::Cidr::parse("10.9.0.0/16").expect("subnet"))
         );
     }
 

@@ -235,6 +235,12 @@ fn what_the_operator_should_know(config: &Config) -> Vec<String> {
         log::warn!("{note}");
         out.push(note);
     }
+    // The images' deny list is --guest-deny as given (see config::run).
+    if config.guest.underlay.is_some() && config.images.fetch.reach.deny.is_empty() {
+        let note = "--guest-deny is empty: guests may reach every private network this host routes to (its management LAN included) but its own addresses, link-local and the control plane; list what they must not reach";
+        log::warn!("{note}");
+        out.push(note.into());
+    }
     match &config.source.trust {
         None => out.push(
             "desired state is unauthenticated: whoever can answer for the control plane (or write the desired file) decides what this host runs; pin the signer's keys with --trusted-keys".into(),
@@ -281,5 +287,30 @@ fn source_of(config: &Config) -> Box<dyn Source> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> Config {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        match crate::config::parse(&args, &Default::default()) {
+            Ok(crate::config::Command::Run(c)) => *c,
+            _ => panic!("not a run: {args:?}"),
+        }
+    }
+
+    #[test]
+    fn networked_guests_without_a_guest_deny_list_are_named() {
+        let open = config(&["run", "--desired", "/d"]);
+        let listed = config(&["run", "--desired", "/d", "--guest-deny", "10.0.0.0/8"]);
+
+        let said = what_the_operator_should_know(&open).join("\n");
+        let quiet = what_the_operator_should_know(&listed).join("\n");
+
+        assert!(said.contains("--guest-deny is empty"), "{said}");
+        assert!(!quiet.contains("--guest-deny"), "{quiet}");
     }
 }

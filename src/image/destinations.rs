@@ -7,6 +7,10 @@
 //!   unspecified and multicast addresses, every address of this host (asked
 //!   of the kernel at each connection, so an address added since start
 //!   counts), and the operator's `--guest-deny` ranges.
+//! - Refused always, whatever `--image-allow` says: the guests' underlay
+//!   subnet. A guest is untrusted; the agent fetching from one as root
+//!   would let it feed the host what it likes and learn when and what the
+//!   host downloads.
 //! - The check sits in the HTTP client's resolver: a name is resolved once,
 //!   its addresses are checked, and only the checked ones are handed to the
 //!   connector. A name that answers differently the second time (DNS
@@ -26,7 +30,7 @@ use ureq::http::Uri;
 use ureq::unversioned::resolver::{DefaultResolver, ResolvedSocketAddrs, Resolver};
 use ureq::unversioned::transport::NextTimeout;
 
-use crate::model::IpRange;
+use crate::model::{Cidr, IpRange};
 
 /// The operator's ranges: what to refuse besides the host, and what to
 /// allow although refused.
@@ -36,6 +40,9 @@ pub struct Reach {
     pub deny: Vec<IpRange>,
     /// `--image-allow`: an image mirror on one of the refused ranges.
     pub allow: Vec<IpRange>,
+    /// `--underlay-subnet`, where the guests live: refused whatever
+    /// `allow` says.
+    pub guests: Option<Cidr>,
 }
 
 /// Why an address is refused.
@@ -47,6 +54,8 @@ pub enum Refused {
     Multicast,
     ThisHost,
     Denied(IpRange),
+    /// In the guests' underlay subnet: another guest (or the bridge).
+    Guests(Cidr),
     /// fc00::/7 and the old site-local fec0::/10: IPv6's private ranges,
     /// where clouds put their metadata services (fd00:ec2::254).
     UniqueLocal,
@@ -66,6 +75,10 @@ impl fmt::Display for Refused {
             Refused::Multicast => f.write_str("a multicast or broadcast address"),
             Refused::ThisHost => f.write_str("an address of this host"),
             Refused::Denied(range) => write!(f, "in --guest-deny's {range}"),
+            Refused::Guests(subnet) => write!(
+                f,
+                "in the guests' subnet {subnet} (--underlay-subnet): a guest never serves the host's images, whatever --image-allow says"
+            ),
             Refused::UniqueLocal => f.write_str(
                 "an IPv6 unique-local or site-local address (metadata services live there); serve the image from a global IPv6 or an IPv4 address",
             ),
@@ -97,9 +110,14 @@ impl Reach {
                 .find(|r| r.contains(ip))
                 .map(|r| Refused::Denied(*r))
         })
-        .or_else(|| own.contains(&ip).then_some(Refused::ThisHost))?;
+        .or_else(|| own.contains(&ip).then_some(Refused::ThisHost));
+        if let (Some(subnet), IpAddr::V4(v4)) = (self.guests, ip)
+            && subnet.contains(v4)
+        {
+            return Some(Refused::Guests(subnet));
+        }
         let allowed = self.allow.iter().any(|r| r.contains(ip));
-        (!allowed).then_some(refused)
+        refused.filter(|_| !allowed)
     }
 }
 
@@ -322,6 +340,7 @@ mod tests {
         let reach = Reach {
             deny: vec![lan],
             allow: Vec::new(),
+            guests: None,
         };
 
         // NAT64 (well-known prefix), 6to4 and IPv4-compatible forms.
@@ -371,15 +390,37 @@ mod tests {
     }
 
     #[test]
+    fn the_guests_subnet_is_refused_even_where_image_allow_names_it() {
+        let guests = Cidr::parse("100.77.0.0/16").expect("subnet");
+        let reach = Reach {
+            deny: Vec::new(),
+            allow: vec![IpRange::parse("100.77.0.0/24").expect("range")],
+            guests: Some(guests),
+        };
+
+        assert_eq!(
+            reach.refusal(v4("100.77.0.9"), &[]),
+            Some(Refused::Guests(guests))
+        );
+        assert_eq!(
+            reach.refusal(v6("::ffff:100.77.3.4"), &[]),
+            Some(Refused::Guests(guests))
+        );
+        assert_eq!(reach.refusal(v4("100.78.0.9"), &[]), None);
+    }
+
+    #[test]
     fn guest_deny_is_refused_and_image_allow_overrides_it() {
         let lan = IpRange::parse("10.1.0.0/16").expect("range");
         let denied = Reach {
             deny: vec![lan],
             allow: Vec::new(),
+            guests: None,
         };
         let allowed = Reach {
             deny: vec![lan],
             allow: vec![IpRange::parse("10.1.2.0/24").expect("range")],
+            guests: None,
         };
 
         assert_eq!(
@@ -399,10 +440,12 @@ mod tests {
         let denied = Reach {
             deny: vec![lan],
             allow: Vec::new(),
+            guests: None,
         };
         let mirror = Reach {
             deny: vec![lan],
             allow: vec![IpRange::parse("2001:db8:1:2::/64").expect("range")],
+            guests: None,
         };
 
         assert_eq!(
@@ -418,6 +461,7 @@ mod tests {
         let reach = Reach {
             deny: Vec::new(),
             allow: vec![IpRange::parse("fd12:3456::/32").expect("range")],
+            guests: None,
         };
 
         assert_eq!(reach.refusal(v6("fd12:3456::80"), &[]), None);
