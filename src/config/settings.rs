@@ -195,7 +195,7 @@ settings! {
         KvmDevice => "kvm-device", "EITRI_KVM_DEVICE", "/dev/kvm",
             "the KVM device the hypervisors' group is given read-write access to (an ACL entry when it lacks it)";
         UserfaultfdDevice => "userfaultfd-device", "EITRI_USERFAULTFD_DEVICE", "/dev/userfaultfd",
-            "the device a resuming hypervisor faults its guest's memory in through, given to the hypervisors' group like the KVM device and seen only by a hypervisor that resumes (empty: resumes read the whole snapshot first)";
+            "the device a resuming hypervisor faults its guest's memory in through, given to the hypervisors' group like the KVM device at the first resume and seen only by a hypervisor that resumes (empty: resumes read the whole snapshot first)";
         CgroupRoot => "cgroup-root", "EITRI_CGROUP_ROOT", "eitri",
             "cgroup (in each hierarchy) under which each VM's hypervisor gets its own (default: eitri for the default state dir, else one of its own, eitri-N)";
         AllowWithout => "allow-without", "EITRI_ALLOW_WITHOUT", "",

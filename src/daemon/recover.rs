@@ -109,6 +109,9 @@ fn host_network(
             guest.host_networks.clone(),
         ) {
             Ok(n) => {
+                if n.turned_on_forwarding() {
+                    note_forwarding(config, notes);
+                }
                 if n.nat() == crate::net::underlay::Nat::HostOnly {
                     notes.push(
                         "guest networking is host-only: neither nft nor iptables is installed"
@@ -129,6 +132,24 @@ fn host_network(
                 None
             }
         },
+    }
+}
+
+/// Notes in the agents' registry that this agent turned the host's IPv4
+/// forwarding on, so the last `release` turns it off again; a note that
+/// cannot be written is said (forwarding then stays on after release).
+#[cfg(target_os = "linux")]
+fn note_forwarding(config: &Config, notes: &mut Vec<String>) {
+    let files = crate::state::claim::Files {
+        state_dir: &config.state.dir,
+        registry: &config.state.agents_dir,
+    };
+    if let Err(e) = crate::state::claim::note_forwarding_turned_on(files) {
+        let note = format!(
+            "this agent turned IPv4 forwarding on but cannot note it in the agents' registry ({e}): release will leave it on"
+        );
+        log::warn!("{note}");
+        notes.push(note);
     }
 }
 

@@ -393,6 +393,11 @@ impl HostNetwork {
         self.underlay.nat()
     }
 
+    /// Whether this start turned the host's IPv4 forwarding on.
+    pub fn turned_on_forwarding(&self) -> bool {
+        self.underlay.turned_on_forwarding()
+    }
+
     /// Whether this host serves the named network.
     pub fn serves(&self, network: &str) -> bool {
         self.named.contains_key(network)

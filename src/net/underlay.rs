@@ -4,7 +4,9 @@
 //!
 //! At every start:
 //! 1. The bridge exists, is up and holds the gateway address.
-//! 2. IPv4 forwarding is on (logged when the agent turns it on).
+//! 2. IPv4 forwarding is on (logged when the agent turns it on; the
+//!    agents' registry notes it, so the last agent's `release` turns it
+//!    off again: see `state::claim`).
 //! 3. The NAT is applied in one `nft -f` transaction that creates, deletes
 //!    and redefines the agent's table, so applying it twice leaves exactly
 //!    what applying it once did, and nothing is ever half-applied. Without
@@ -86,6 +88,8 @@ pub enum Nat {
 pub struct Underlay {
     cfg: UnderlayConfig,
     nat: Nat,
+    /// This start found IPv4 forwarding off and turned it on.
+    turned_on_forwarding: bool,
 }
 
 impl Nat {
@@ -111,7 +115,7 @@ impl Underlay {
         let gateway = format!("{}/{}", cfg.subnet.gateway(), cfg.subnet.prefix());
         run("ip", &["addr", "replace", &gateway, "dev", bridge], None)?;
         run("ip", &["link", "set", bridge, "up"], None)?;
-        enable_forwarding()?;
+        let turned_on_forwarding = enable_forwarding()?;
         let nat = if have("nft") {
             run("nft", &["-f", "-"], Some(&nft_ruleset(&cfg)))?;
             remove_legacy_tables(&cfg);
@@ -129,11 +133,20 @@ impl Underlay {
             log::warn!("{UNGUARDED}");
         }
         accept_through_drop_policy(&cfg);
-        Ok(Underlay { cfg, nat })
+        Ok(Underlay {
+            cfg,
+            nat,
+            turned_on_forwarding,
+        })
     }
 
     pub fn nat(&self) -> Nat {
         self.nat
+    }
+
+    /// Whether this start turned the host's IPv4 forwarding on.
+    pub fn turned_on_forwarding(&self) -> bool {
+        self.turned_on_forwarding
     }
 
     pub fn subnet(&self) -> Subnet {
@@ -361,15 +374,23 @@ fn pin_address(bridge: &str) -> Result<(), NetError> {
     Ok(())
 }
 
+/// Where the kernel keeps whether this network namespace forwards IPv4.
+pub const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+/// Turns IPv4 forwarding on; whether it was off.
 #[cfg(target_os = "linux")]
-fn enable_forwarding() -> Result<(), NetError> {
-    let path = "/proc/sys/net/ipv4/ip_forward";
+fn enable_forwarding() -> Result<bool, NetError> {
+    let path = IP_FORWARD;
     let now = std::fs::read_to_string(path).unwrap_or_default();
-    if now.trim() != "1" {
-        std::fs::write(path, "1").map_err(|source| NetError::Forwarding { path, source })?;
-        log::info!("enabled IPv4 forwarding ({path} was {:?})", now.trim());
+    if now.trim() == "1" {
+        return Ok(false);
     }
-    Ok(())
+    std::fs::write(path, "1").map_err(|source| NetError::Forwarding { path, source })?;
+    log::warn!(
+        "turned IPv4 forwarding on ({path} was {:?}): this host is now its guests' router; `eitri-agent release` of the last agent with guests turns it off again",
+        now.trim()
+    );
+    Ok(true)
 }
 
 /// What every agent's tables were named before each agent's were its own.

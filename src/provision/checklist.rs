@@ -328,7 +328,7 @@ fn routing(guest: &GuestBoot) -> Vec<Item> {
     let forwarding = match read("/proc/sys/net/ipv4/ip_forward") {
         Some(true) => "on: this host routes its guests' traffic to the outside".to_owned(),
         Some(false) => {
-            "off: the agent turns it on at its start, and this host becomes a router for its guests"
+            "off: the agent turns it on at its start, and this host becomes a router for its guests (the release of the last agent with guests turns it off again)"
                 .to_owned()
         }
         None => "cannot read /proc/sys/net/ipv4/ip_forward".to_owned(),

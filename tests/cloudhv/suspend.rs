@@ -326,6 +326,43 @@ fn a_restored_hypervisor_that_runs_another_vm_is_killed_and_the_vm_booted_from_i
     assert_eq!(vmms_of(&h, "vm-1"), 1);
 }
 
+/// The groups the test's userfaultfd device's ACL names.
+fn userfaultfd_groups(h: &Host) -> Vec<u32> {
+    let device = h.cfg.confinement.userfaultfd.clone().expect("a device");
+    eitri_agent::provision::jail::acl::named_groups(&device).expect("acl")
+}
+
+#[test]
+fn an_agents_start_gives_no_group_the_userfaultfd_device() {
+    let h = Host::new(&[]);
+
+    h.backend.recover(&[]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert!(
+        !userfaultfd_groups(&h).contains(&h.cfg.confinement.first_id),
+        "{:?}",
+        userfaultfd_groups(&h)
+    );
+}
+
+#[test]
+fn the_first_resume_gives_the_hypervisors_group_the_userfaultfd_device() {
+    let h = Host::new(&[]);
+    h.backend.recover(&[]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert!(
+        userfaultfd_groups(&h).contains(&h.cfg.confinement.first_id),
+        "{:?}",
+        userfaultfd_groups(&h)
+    );
+}
+
 /// A host whose VMMs cannot be given a userfaultfd device.
 pub(crate) fn without_userfaultfd() -> Host {
     let mut h = Host::new(&[]);

@@ -1,7 +1,9 @@
 //! Taking back what an ended claim put on the host: its VMM group's entry on
 //! the devices' ACLs ([`super::acl`]), its cgroup root in each hierarchy
 //! ([`super::cgroup`]), and its guests' bridge and firewall tables
-//! ([`crate::net::underlay::take_back`]). Without it a host that saw many state dirs came to
+//! ([`crate::net::underlay::take_back`]), and the host's IPv4 forwarding
+//! when the last agent with guests goes and an agent had turned it on
+//! (`state::claim`'s forwarding note). Without it a host that saw many state dirs came to
 //! a device ACL of dozens of groups and dozens of empty cgroup roots: what
 //! a host keeps after a year should be what its live agents need.
 //!
@@ -102,6 +104,20 @@ impl Reclaim for HostReclaim {
             crate::net::underlay::take_back(network, &mut out.taken, &mut out.left);
         }
         out
+    }
+
+    fn stop_forwarding(&self) -> Option<Result<(), String>> {
+        // A reclaimer of test mounts leaves the host's network, as it
+        // leaves its bridges and tables.
+        if self.mounts.is_some() {
+            return None;
+        }
+        let path = crate::net::underlay::IP_FORWARD;
+        Some(
+            fs::write(path, "0")
+                .map(|()| log::info!("turned IPv4 forwarding off again ({path})"))
+                .map_err(|e| format!("cannot write 0 to {path}: {e}")),
+        )
     }
 }
 

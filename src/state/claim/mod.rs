@@ -43,9 +43,11 @@ use super::atomic::write_atomic;
 use crate::model::Cidr;
 
 mod accounts;
+mod forwarding;
 mod registry;
 
 pub use accounts::{Accounts, accounts_overlap, check_host_accounts};
+pub use forwarding::{note_turned_on as note_forwarding_turned_on, noted as forwarding_noted};
 pub use registry::{Holding, Listed, list};
 use registry::{end, lock_registry, read_own, record_name, records, slot_of};
 
@@ -227,6 +229,13 @@ mod as_pair {
 /// registry's lock, so no agent settles the same ids or root meanwhile.
 pub trait Reclaim {
     fn take_back(&self, ended: &Claim) -> Reclaimed;
+
+    /// Turns the host's IPv4 forwarding off (the last agent with guests is
+    /// released, and an agent had turned it on); `None`: this reclaimer
+    /// leaves the host's network as it is.
+    fn stop_forwarding(&self) -> Option<Result<(), String>> {
+        None
+    }
 }
 
 /// What [`Reclaim::take_back`] took, and what it had to leave (each with
@@ -447,7 +456,11 @@ pub fn release(files: Files<'_>, reclaim: &dyn Reclaim) -> Result<Reclaimed, Cla
             Err(e) => return Err(reg_err(e)),
         },
     };
-    let reclaimed = reclaim.take_back(&claim);
+    let mut reclaimed = reclaim.take_back(&claim);
+    if reclaimed.left.is_empty() {
+        forwarding::after_release(files.registry, &claim, reclaim, &mut reclaimed)
+            .map_err(reg_err)?;
+    }
     if !reclaimed.left.is_empty() {
         return Err(ClaimError::Left {
             state_dir,
@@ -496,6 +509,8 @@ mod tests {
     struct Taking {
         asked: std::sync::Mutex<Vec<Claim>>,
         leave: Vec<String>,
+        /// How often it was told to turn forwarding off.
+        stopped: std::sync::atomic::AtomicUsize,
     }
 
     impl Reclaim for Taking {
@@ -505,6 +520,12 @@ mod tests {
                 taken: vec![format!("group {}", ended.first_id)],
                 left: self.leave.clone(),
             }
+        }
+
+        fn stop_forwarding(&self) -> Option<Result<(), String>> {
+            self.stopped
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Some(Ok(()))
         }
     }
 
@@ -541,6 +562,22 @@ mod tests {
 
         fn registry(&self) -> PathBuf {
             self.dir.path().join("agents")
+        }
+
+        fn note_forwarding(&self, name: &str) {
+            let state = self.dir.path().join(name);
+            let registry = self.registry();
+            let files = Files {
+                state_dir: &state,
+                registry: &registry,
+            };
+            note_forwarding_turned_on(files).expect("noted");
+        }
+
+        fn stopped(&self) -> usize {
+            self.reclaim
+                .stopped
+                .load(std::sync::atomic::Ordering::SeqCst)
         }
 
         fn settle(&self, name: &str, wish: &Wish) -> Result<Claim, ClaimError> {
@@ -836,6 +873,52 @@ mod tests {
         assert_eq!(host.records(), 0);
         assert!(!jail.join("claim.json").exists(), "its claim file is left");
         assert!(!jail.join("ids.json").exists(), "its id leases are left");
+    }
+
+    #[test]
+    fn the_last_networked_claim_released_turns_off_the_forwarding_an_agent_turned_on() {
+        let host = Host::new();
+        host.settle("a", &networked("etf0", [100, 77, 0, 0], "etfa"))
+            .expect("a");
+        host.note_forwarding("a");
+
+        let released = host.release("a").expect("released");
+
+        assert_eq!(host.stopped(), 1);
+        assert!(!forwarding_noted(&host.registry()), "the note is left");
+        assert!(
+            released.taken.iter().any(|t| t.contains("IPv4 forwarding")),
+            "{:?}",
+            released.taken
+        );
+    }
+
+    #[test]
+    fn forwarding_stays_on_while_another_agent_has_guests() {
+        let host = Host::new();
+        host.settle("a", &networked("etf0", [100, 77, 0, 0], "etfa"))
+            .expect("a");
+        host.settle("b", &networked("etf1", [100, 78, 0, 0], "etfb"))
+            .expect("b");
+        host.note_forwarding("a");
+
+        host.release("a").expect("released");
+
+        assert_eq!(host.stopped(), 0);
+        assert!(forwarding_noted(&host.registry()), "the note is gone");
+        host.release("b").expect("released");
+        assert_eq!(host.stopped(), 1);
+    }
+
+    #[test]
+    fn forwarding_no_agent_turned_on_is_left_on() {
+        let host = Host::new();
+        host.settle("a", &networked("etf0", [100, 77, 0, 0], "etfa"))
+            .expect("a");
+
+        host.release("a").expect("released");
+
+        assert_eq!(host.stopped(), 0);
     }
 
     #[test]

@@ -104,6 +104,55 @@ fn a_released_state_dir_leaves_no_bridge_and_no_firewall_table() {
     assert!(!bridge.status.success(), "its bridge is left");
 }
 
+const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
+
+/// An agent's start and release in this test's network namespace, whose
+/// IPv4 forwarding is `before`; what forwarding is while it runs and
+/// after its release.
+fn forwarding_around_an_agent(before: &str) -> (String, String) {
+    eitri_agent::testkit::net::private_network();
+    std::fs::write(IP_FORWARD, before).expect("set forwarding");
+    let host = tempfile::tempdir().expect("tempdir");
+    let registry = host.path().join("agents").display().to_string();
+    let mut agent = networked(
+        &host.path().join("one"),
+        &registry,
+        ("etbinf", "100.77.0.0/16", "etbf"),
+    );
+    agent.wait_report("the agent", |r| volumes(r).len() == 1);
+    let running = std::fs::read_to_string(IP_FORWARD).expect("forwarding");
+    assert!(agent.stop(Signal::SIGTERM).success());
+
+    let out = Command::new(BIN)
+        .args(["release", "--state-dir"])
+        .arg(&agent.state)
+        .args(["--agents-dir", &registry, "--force"])
+        .output()
+        .expect("release");
+
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = std::fs::read_to_string(IP_FORWARD).expect("forwarding");
+    (running.trim().to_owned(), after.trim().to_owned())
+}
+
+#[test]
+fn release_turns_off_the_forwarding_the_agent_turned_on() {
+    let (running, after) = forwarding_around_an_agent("0");
+
+    assert_eq!((running.as_str(), after.as_str()), ("1", "0"));
+}
+
+#[test]
+fn release_leaves_on_the_forwarding_the_host_had() {
+    let (running, after) = forwarding_around_an_agent("1");
+
+    assert_eq!((running.as_str(), after.as_str()), ("1", "1"));
+}
+
 #[test]
 fn a_second_agent_on_the_first_agents_bridge_stops_naming_the_first() {
     eitri_agent::testkit::net::private_network();

@@ -131,37 +131,44 @@ impl CloudHypervisor {
     /// How a restoring VMM fills its guest's memory: on demand where the
     /// host's userfaultfd device can be given to the VMMs' group (or the
     /// VMMs are not jailed, and run as root), else by reading it whole.
+    /// The group is given the device here, at a resume, not at the agent's
+    /// start: a host whose agent never resumes a VM keeps its ACL as it
+    /// was (the claim's release takes the entry back).
     pub(in crate::provision::cloudhv) fn memory_restore(&self) -> MemoryRestore {
-        self.memory_restore_why()
-            .map_or(MemoryRestore::OnDemand, |why| {
-                log::warn!("resumes read the whole snapshot first: {why}");
-                MemoryRestore::Copy
-            })
+        let why = self.memory_restore_why().or_else(|| {
+            let device = self.cfg.confinement.userfaultfd.as_deref()?;
+            let Ok(Some(ids)) = self.confined.jail() else {
+                return None;
+            };
+            crate::provision::jail::acl::give_group_read_write(device, ids.kvm_group)
+                .err()
+                .map(|e| {
+                    format!(
+                        "cannot give the hypervisors' group {} {}: {e}",
+                        ids.kvm_group,
+                        device.display()
+                    )
+                })
+        });
+        why.map_or(MemoryRestore::OnDemand, |why| {
+            log::warn!("resumes read the whole snapshot first: {why}");
+            MemoryRestore::Copy
+        })
     }
 
-    /// Why a resume here reads the whole snapshot before its guest runs;
-    /// `None` when it faults its memory in on demand. For `status` too.
+    /// Why a resume here reads the whole snapshot before its guest runs,
+    /// as far as the settings and the host say without touching the
+    /// device; `None` when it faults its memory in on demand. For
+    /// `status` too.
     pub(in crate::provision::cloudhv) fn memory_restore_why(&self) -> Option<String> {
         let Some(device) = &self.cfg.confinement.userfaultfd else {
             return Some("--userfaultfd-device is empty".into());
         };
-        if !device.exists() {
-            return Some(format!(
+        (!device.exists()).then(|| {
+            format!(
                 "{} is missing (Linux 6.1 or later has it)",
                 device.display()
-            ));
-        }
-        let Ok(Some(ids)) = self.confined.jail() else {
-            return None;
-        };
-        crate::provision::jail::acl::give_group_read_write(device, ids.kvm_group)
-            .err()
-            .map(|e| {
-                format!(
-                    "cannot give the hypervisors' group {} {}: {e}",
-                    ids.kvm_group,
-                    device.display()
-                )
-            })
+            )
+        })
     }
 }
