@@ -21,6 +21,8 @@ pub mod packet;
 pub mod port;
 #[cfg(target_os = "linux")]
 pub mod publish;
+#[cfg(target_os = "linux")]
+pub mod rivals;
 pub mod rules;
 #[cfg(target_os = "linux")]
 pub mod snoop;

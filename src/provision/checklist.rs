@@ -348,7 +348,41 @@ fn routing(guest: &GuestBoot) -> Vec<Item> {
     vec![
         Item::new("ip forwarding", Verdict::Ok, forwarding),
         Item::new("bridged netfilter", Verdict::Ok, bridged),
+        guest_subnet(guest),
     ]
+}
+
+/// Whether another link holds the guests' subnet (see `net::rivals`): not
+/// a failure (VMs are created), but their traffic may go astray. (macOS:
+/// vfkit's guests share the host's network, and no underlay is built.)
+#[cfg(target_os = "linux")]
+fn guest_subnet(guest: &GuestBoot) -> Item {
+    const WHAT: &str = "guest subnet";
+    let Some(underlay) = &guest.underlay else {
+        return Item::new(WHAT, Verdict::Ok, "no guest networking");
+    };
+    let subnet = underlay.subnet.cidr();
+    match crate::net::rivals::rivals(subnet, &underlay.bridge) {
+        Ok(rivals) if rivals.is_empty() => Item::new(
+            WHAT,
+            Verdict::Ok,
+            format!(
+                "{subnet}: no link but {} holds or is routed any of it",
+                underlay.bridge
+            ),
+        ),
+        Ok(rivals) => Item::new(WHAT, Verdict::Warn, rivals.join("; ")),
+        Err(e) => Item::new(
+            WHAT,
+            Verdict::Warn,
+            format!("cannot ask which links hold {subnet}: {e}"),
+        ),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn guest_subnet(_: &GuestBoot) -> Item {
+    Item::new("guest subnet", Verdict::Ok, "no underlay on this platform")
 }
 
 fn image_root(root: Option<&Path>) -> Item {

@@ -12,6 +12,11 @@ fn main() {
         .and_then(|k| k.parse().ok())
         .unwrap_or(1000);
 
+    // In a network namespace of its own, as the test's: the bridge, nft
+    // tables and routes the agents make go with it, and none the host
+    // already has (a stale bridge with the guests' subnet) takes their
+    // frames.
+    eitri_agent::testkit::net::private_network();
     let summary = driver::run(kills);
 
     for v in &summary.violations {

@@ -938,6 +938,14 @@ pub fn run(kills: usize) -> Summary {
         violations.extend(run_point(point, &mut tally));
     }
     violations.extend(random_kills(kills, 0x000c_4a05, &mut tally));
+    // Every random kill is followed by frames for the sleepers: a run in
+    // which none woke proved nothing of a kill in a wake, and says the
+    // frames went elsewhere (another link with the guests' subnet).
+    if kills > 0 && tally.woken == 0 {
+        violations.push(format!(
+            "no sleeper woke after any of the {kills} random kills: the frames sent to wake them reached none (is another link routed the guests' subnet?)"
+        ));
+    }
     tally.converge_s.sort_by(f64::total_cmp);
     Summary {
         points: eitri_agent::crash::POINTS.len(),

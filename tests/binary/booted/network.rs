@@ -104,6 +104,30 @@ fn a_released_state_dir_leaves_no_bridge_and_no_firewall_table() {
     assert!(!bridge.status.success(), "its bridge is left");
 }
 
+#[test]
+fn a_stale_bridge_holding_the_guests_subnet_is_named_at_start() {
+    eitri_agent::testkit::net::private_network();
+    let ip = eitri_agent::testkit::net::ip;
+    ip(&["link", "add", "etbstale", "type", "bridge"]);
+    ip(&["addr", "add", "100.77.0.1/16", "dev", "etbstale"]);
+    ip(&["link", "set", "etbstale", "up"]);
+    let host = tempfile::tempdir().expect("tempdir");
+    let registry = host.path().join("agents").display().to_string();
+
+    let agent = networked(
+        &host.path().join("one"),
+        &registry,
+        ("etbinq", "100.77.0.0/16", "etbq"),
+    );
+
+    let report = agent.wait_report("the agent", |r| volumes(r).len() == 1);
+    let notes = report["notes"].to_string();
+    assert!(
+        notes.contains("link etbstale holds 100.77.0.1/16, in the guests' subnet 100.77.0.0/16"),
+        "{notes}"
+    );
+}
+
 const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
 
 /// An agent's start and release in this test's network namespace, whose
