@@ -55,9 +55,9 @@
 //! - `STANDIN_SNAPSHOT_FAIL=1`: `vm.snapshot` answers 500.
 //! - `STANDIN_SNAPSHOT_EXTRA=name`: `vm.snapshot` also writes a file
 //!   called `name`, as a VMM its guest took over could.
-//! - `STANDIN_SNAPSHOT_FORGE=landlock-off|rule|disk|vcpus`: `vm.snapshot`
-//!   writes a `config.json` that turns Landlock off, adds a rule for `/`,
-//!   gives the VM a host disk, or 64 vCPUs.
+//! - `STANDIN_SNAPSHOT_FORGE=landlock-off|rule|disk|vcpus|/POINTER=JSON`:
+//!   `vm.snapshot` writes a `config.json` that turns Landlock off, adds a
+//!   rule for `/`, gives the VM a host disk or 64 vCPUs, or sets any field.
 //! - `STANDIN_INFO_FORGE=…` (the same words): `vm.info` says so of the VM
 //!   this VMM runs.
 //! - `STANDIN_RESTORE_FAIL=1`: a restore logs an error and exits 1.
@@ -253,7 +253,8 @@ fn check(args: &Args, log: &Log) -> Result<(), String> {
 
 /// What a snapshot's `config.json` holds, and `vm.info` answers as
 /// `config`: what the VM was started with, in cloud-hypervisor's own shape
-/// (v54; the fields the agent reads).
+/// (v54's, whole, as it wrote it for a VM the agent started: its defaults
+/// written out, an option not set left out).
 #[derive(Clone, Debug)]
 struct Config(serde_json::Value);
 
@@ -261,76 +262,59 @@ impl Config {
     fn of(args: &Args) -> Config {
         use serde_json::json;
         let list = |flag: &str| args.flags.get(flag).cloned().unwrap_or_default();
-        let field = |text: &str, key: &str| {
-            text.split(',')
-                .find_map(|kv| kv.strip_prefix(key).map(str::to_owned))
-        };
         let vcpus: u64 = args
             .option("cpus", "boot")
             .and_then(|n| n.parse().ok())
             .unwrap_or(1);
         let memory = list("memory").first().cloned().unwrap_or_default();
-        let megabytes = |v: Option<String>| {
-            v.unwrap_or_default()
-                .trim_end_matches(['M', 'm'])
-                .parse::<u64>()
-                .unwrap_or(0)
-                << 20
-        };
-        let memory_bytes = megabytes(args.option("memory", "size"));
-        // As the real one says it: the page size in bytes, null when not named.
-        let hugepage_size =
-            Some(megabytes(args.option("memory", "hugepage_size"))).filter(|bytes| *bytes > 0);
         let mut payload = serde_json::Map::new();
         for key in ["kernel", "firmware", "cmdline"] {
             if let Some(value) = list(key).first() {
                 payload.insert(key.into(), value.clone().into());
             }
         }
-        let disks: Vec<serde_json::Value> = list("disk")
+        let disks: Vec<_> = list("disk")
             .iter()
-            .map(|d| {
-                json!({
-                    "path": field(d, "path="),
-                    "readonly": field(d, "readonly=").is_some_and(|v| v == "on" || v == "true"),
-                    "image_type": match field(d, "image_type=").as_deref() {
-                        Some("raw") => "Raw",
-                        Some("qcow2") => "Qcow2",
-                        _ => "Unknown",
-                    },
-                    "backing_files": field(d, "backing_files=").is_some_and(|v| v == "on"),
-                    "vhost_user": false,
-                })
-            })
+            .enumerate()
+            .map(|(i, d)| disk(i, d))
             .collect();
-        let nets: Vec<serde_json::Value> = list("net")
-            .iter()
-            .map(|n| json!({"id": field(n, "id="), "mac": field(n, "mac="), "vhost_user": false}))
-            .collect();
-        let rules = args.flags.get("landlock-rules").map(|rules| {
-            rules
-                .iter()
-                .map(|r| json!({"path": field(r, "path="), "access": field(r, "access=")}))
-                .collect::<Vec<_>>()
-        });
+        let nets: Vec<_> = list("net").iter().map(|n| net(n)).collect();
         let mut config = json!({
-            "cpus": {"boot_vcpus": vcpus, "max_vcpus": vcpus},
-            "memory": {
-                "size": memory_bytes,
-                "shared": memory.contains("shared=on"),
-                "hugepages": memory.contains("hugepages=on"),
-                "hugepage_size": hugepage_size,
-                "reserve": memory.contains("reserve=on"),
-            },
+            "cpus": {"boot_vcpus": vcpus, "max_vcpus": vcpus, "kvm_hyperv": false, "max_phys_bits": 46,
+                     "features": {"amx": false}, "nested": true, "core_scheduling": "Vm", "profile": "Host"},
+            "memory": memory_of(&memory),
             "payload": payload,
             "disks": disks,
-            "net": nets,
-            "console": {"mode": if list("console").first().is_some_and(|c| c == "off") { "Off" } else { "Tty" }},
+            "rng": {"pci_segment": 0, "src": "/dev/urandom"},
+            "serial": match args.option("serial", "file") {
+                Some(file) => json!({"file": file, "mode": "File"}),
+                None => json!({"mode": "Null"}),
+            },
+            "console": {
+                "mode": if list("console").first().is_some_and(|c| c == "off") { "Off" } else { "Tty" },
+                "pci_segment": 0,
+            },
+            "debug_console": {"mode": "Off", "iobase": 233},
+            "pvpanic": false,
+            "iommu": false,
+            "watchdog": false,
             "landlock_enable": args.has("landlock"),
-            "landlock_rules": rules,
         });
-        if let Some(file) = args.option("serial", "file") {
-            config["serial"] = json!({"file": file, "mode": "File"});
+        if !nets.is_empty() {
+            config["net"] = nets.into();
+        }
+        if let Some(group) = list("rate-limit-group").first() {
+            config["rate_limit_groups"] = json!([{
+                "id": field(group, "id=").unwrap_or_default(),
+                "rate_limiter_config": limiter(group),
+            }]);
+        }
+        if let Some(rules) = args.flags.get("landlock-rules") {
+            let rules: Vec<_> = rules
+                .iter()
+                .map(|r| json!({"path": field(r, "path="), "access": field(r, "access=")}))
+                .collect();
+            config["landlock_rules"] = rules.into();
         }
         Config(config)
     }
@@ -362,10 +346,123 @@ impl Config {
     }
 }
 
+/// The `key` value of an option list (`path=/x,readonly=on`).
+fn field(text: &str, key: &str) -> Option<String> {
+    text.split(',')
+        .find_map(|kv| kv.strip_prefix(key).map(str::to_owned))
+}
+
+/// `--memory`'s options as v54 writes them.
+fn memory_of(memory: &str) -> serde_json::Value {
+    let megabytes = |v: Option<String>| {
+        v.unwrap_or_default()
+            .trim_end_matches(['M', 'm'])
+            .parse::<u64>()
+            .unwrap_or(0)
+            << 20
+    };
+    let on = |key: &str| field(memory, key).is_some_and(|v| v == "on");
+    let mut out = serde_json::json!({
+        "size": megabytes(field(memory, "size=")),
+        "mergeable": false,
+        "hotplug_method": "Acpi",
+        "shared": on("shared="),
+        "hugepages": on("hugepages="),
+        "prefault": false,
+        "reserve": on("reserve="),
+        "thp": true,
+    });
+    // The page size in bytes, left out when not named.
+    let size = megabytes(field(memory, "hugepage_size="));
+    if size > 0 {
+        out["hugepage_size"] = size.into();
+    }
+    out
+}
+
+/// One `--disk` as v54 writes it.
+fn disk(i: usize, d: &str) -> serde_json::Value {
+    let mut out = serde_json::json!({
+        "id": format!("_disk{i}"),
+        "pci_segment": 0,
+        "path": field(d, "path="),
+        "readonly": field(d, "readonly=").is_some_and(|v| v == "on" || v == "true"),
+        "direct": false,
+        "num_queues": 1,
+        "queue_size": 128,
+        "vhost_user": false,
+        "disable_io_uring": false,
+        "disable_aio": false,
+        "backing_files": field(d, "backing_files=").is_some_and(|v| v == "on"),
+        "sparse": true,
+        "image_type": match field(d, "image_type=").as_deref() {
+            Some("raw") => "Raw",
+            Some("qcow2") => "Qcow2",
+            _ => "Unknown",
+        },
+        "lock_granularity": "ByteRange",
+    });
+    if let Some(group) = field(d, "rate_limit_group=") {
+        out["rate_limit_group"] = group.into();
+    }
+    out
+}
+
+/// One `--net` as v54 writes it.
+fn net(n: &str) -> serde_json::Value {
+    let fds: Vec<i64> = field(n, "fd=")
+        .and_then(|fd| fd.parse().ok())
+        .into_iter()
+        .collect();
+    let mut out = serde_json::json!({
+        "id": field(n, "id="),
+        "pci_segment": 0,
+        "mac": field(n, "mac="),
+        "num_queues": 2,
+        "queue_size": 256,
+        "vhost_user": false,
+        "vhost_mode": "Client",
+        "fds": fds,
+        "offload_tso": true,
+        "offload_ufo": true,
+        "offload_csum": true,
+    });
+    if n.contains("bw_size=") || n.contains("ops_size=") {
+        out["rate_limiter_config"] = limiter(n);
+    }
+    out
+}
+
+/// A limiter's `bw_*` and `ops_*` options as v54 writes them (a bucket not
+/// asked for null, and no one-time burst).
+fn limiter(text: &str) -> serde_json::Value {
+    let bucket = |kind: &str| {
+        let number =
+            |key: &str| field(text, &format!("{kind}_{key}=")).and_then(|v| v.parse::<u64>().ok());
+        match (number("size"), number("refill_time")) {
+            (Some(size), Some(refill)) => {
+                serde_json::json!({"size": size, "one_time_burst": null, "refill_time": refill})
+            }
+            _ => serde_json::Value::Null,
+        }
+    };
+    serde_json::json!({"bandwidth": bucket("bw"), "ops": bucket("ops")})
+}
+
 /// What a hypervisor its guest took over could write for its successor
 /// (`STANDIN_SNAPSHOT_FORGE`) or say of itself (`STANDIN_INFO_FORGE`):
-/// Landlock off, a rule of its own, a host disk, more vCPUs.
+/// Landlock off, a rule of its own, a host disk, more vCPUs, or any field
+/// set as `/json/pointer=JSON` (its parent must be there).
 fn forge(config: &mut serde_json::Value, how: &str) {
+    if let Some((pointer, value)) = how.split_once('=')
+        && let Some((parent, key)) = pointer.rsplit_once('/')
+    {
+        let value = serde_json::from_str(value).unwrap_or(serde_json::Value::Null);
+        if let Some(at) = config.pointer_mut(parent).and_then(|p| p.as_object_mut()) {
+            at.insert(key.to_owned(), value);
+        }
+        return;
+    }
     match how {
         "landlock-off" => config["landlock_enable"] = false.into(),
         "disk" => {
@@ -373,7 +470,10 @@ fn forge(config: &mut serde_json::Value, how: &str) {
                 disks.push(serde_json::json!({"path": "/dev/sda", "image_type": "Raw"}));
             }
         }
-        "vcpus" => config["cpus"] = serde_json::json!({"boot_vcpus": 64, "max_vcpus": 64}),
+        "vcpus" => {
+            config["cpus"]["boot_vcpus"] = 64.into();
+            config["cpus"]["max_vcpus"] = 64.into();
+        }
         _ => config["landlock_rules"] = serde_json::json!([{"path": "/", "access": "rw"}]),
     }
 }

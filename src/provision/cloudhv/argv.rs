@@ -127,27 +127,43 @@ pub struct VmShape<'a> {
 /// that wait a tenth of the refill or less and the rate over any second
 /// within the set one (after a first bucket's burst, which a refill this
 /// long makes one second's worth).
-const REFILL_MS: u64 = 1000;
+pub(super) const REFILL_MS: u64 = 1000;
 
 /// The rate-limit group every disk but the seed is in: one budget for the
 /// VM's disks together.
-const DISK_GROUP: &str = "disks";
+pub(super) const DISK_GROUP: &str = "disks";
+
+/// The sizes of the VMM's token buckets for `limits`, each refilled every
+/// [`REFILL_MS`] (0: no bucket): the disks' bytes and operations, and each
+/// NIC's bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Buckets {
+    pub disk_bytes: u64,
+    pub disk_ops: u64,
+    pub net_bytes: u64,
+}
+
+impl Buckets {
+    pub(super) fn of(l: VmLimits) -> Buckets {
+        let per_refill = |per_second: u64| per_second * REFILL_MS / 1000;
+        Buckets {
+            disk_bytes: per_refill(u64::from(l.disk_mbps) * 1_000_000),
+            disk_ops: per_refill(u64::from(l.disk_iops)),
+            // Mbit/s to bytes a second.
+            net_bytes: per_refill(u64::from(l.net_mbps) * 125_000),
+        }
+    }
+}
 
 /// `bw_size=…,bw_refill_time=…` and `ops_size=…,ops_refill_time=…` for
-/// `bytes` and `ops` a second (0: none), each with a leading comma.
+/// buckets of `bytes` and `ops` (0: none), each with a leading comma.
 fn buckets(bytes: u64, ops: u64) -> String {
     let mut text = String::new();
     if bytes != 0 {
-        text.push_str(&format!(
-            ",bw_size={},bw_refill_time={REFILL_MS}",
-            bytes * REFILL_MS / 1000
-        ));
+        text.push_str(&format!(",bw_size={bytes},bw_refill_time={REFILL_MS}"));
     }
     if ops != 0 {
-        text.push_str(&format!(
-            ",ops_size={},ops_refill_time={REFILL_MS}",
-            ops * REFILL_MS / 1000
-        ));
+        text.push_str(&format!(",ops_size={ops},ops_refill_time={REFILL_MS}"));
     }
     text
 }
@@ -171,8 +187,8 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
         }
         None => {}
     }
-    let l = shape.limits;
-    let disk_buckets = buckets(u64::from(l.disk_mbps) * 1_000_000, u64::from(l.disk_iops));
+    let sizes = Buckets::of(shape.limits);
+    let disk_buckets = buckets(sizes.disk_bytes, sizes.disk_ops);
     let grouped = if disk_buckets.is_empty() {
         RAW.to_owned()
     } else {
@@ -187,17 +203,10 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
         arg(option("path=", volume, &grouped));
     }
     if !shape.nics.is_empty() {
-        // Mbit/s to bytes a second.
-        let nic_buckets = buckets(u64::from(l.net_mbps) * 125_000, 0);
+        let nic_buckets = buckets(sizes.net_bytes, 0);
         arg("--net".into());
         for (i, nic) in shape.nics.iter().enumerate() {
-            arg(format!(
-                "fd={},mac={},id={}{nic_buckets}",
-                nic.fd,
-                nic.mac,
-                nic_id(i)
-            )
-            .into());
+            arg(format!("fd={},mac={},id={}{nic_buckets}", nic.fd, nic.mac, NicId(i)).into());
         }
     }
     arg("--serial".into());
@@ -270,7 +279,7 @@ pub fn restore_argv(
             .nics
             .iter()
             .enumerate()
-            .map(|(i, nic)| format!("{}@[{}]", nic_id(i), nic.fd))
+            .map(|(i, nic)| format!("{}@[{}]", NicId(i), nic.fd))
             .collect();
         source.push(format!(",net_fds=[{}]", nets.join(",")));
     }
@@ -285,8 +294,12 @@ pub fn restore_argv(
 }
 
 /// The name of the VM's `i`-th NIC, as its VMM knows it.
-fn nic_id(i: usize) -> String {
-    format!("net{i}")
+pub(super) struct NicId(pub usize);
+
+impl std::fmt::Display for NicId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "net{}", self.0)
+    }
 }
 
 /// `key` + the path + `rest`, as one argument, whatever bytes the path has.

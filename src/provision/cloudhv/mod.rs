@@ -246,17 +246,20 @@ impl CloudHypervisor {
     }
 
     /// What a snapshot of the VM is taken with and held to: its disks (its
-    /// root disk and volumes, as its record's spec names them) and its
-    /// guest's memory in bytes (0 when its record cannot be read).
+    /// root disk and volumes, as its record's spec names them), its
+    /// guest's memory in bytes (0 when its record cannot be read), and the
+    /// whole of what its VMM was started with. The record's spec is the
+    /// running boot's: a change to its size or limits waits for the next.
     fn snapshot_of(&self, vm_id: &Id) -> suspend::Taken {
         let layout = self.store.layout();
         let mut disks = vec![layout.root_disk(vm_id)];
-        let (mut memory_bytes, mut vcpus) = (0, 0);
-        if let Ok(Some(rec)) = self.store.get(vm_id) {
-            disks.extend(layout.volumes_of(&rec.spec));
-            memory_bytes = rec.spec.mem_mb.saturating_mul(1 << 20);
-            vcpus = rec.spec.vcpus;
+        let rec = self.store.get(vm_id).ok().flatten();
+        let spec = rec.as_ref().map(|rec| &rec.spec);
+        if let Some(spec) = spec {
+            disks.extend(layout.volumes_of(spec));
         }
+        let (vcpus, mem_mb) = spec.map_or((0, 0), |s| (s.vcpus, s.mem_mb));
+        let memory_bytes = mem_mb.saturating_mul(1 << 20);
         let mut in_argv = disks.clone();
         in_argv.insert(1, layout.seed(vm_id));
         let boot = &self.cfg.hypervisor;
@@ -265,7 +268,20 @@ impl CloudHypervisor {
             serial: layout.serial_log(vm_id),
             vcpus,
             memory_bytes,
-            payload: boot.kernel.clone().or_else(|| boot.firmware.clone()),
+            hugepages: boot.hugepages,
+            payload: self.guest_image().map(|image| match image {
+                argv::GuestImage::Kernel { kernel, cmdline } => vet::Payload::Kernel {
+                    kernel: kernel.to_path_buf(),
+                    cmdline: cmdline.to_owned(),
+                },
+                argv::GuestImage::Firmware(firmware) => {
+                    vet::Payload::Firmware(firmware.to_path_buf())
+                }
+            }),
+            macs: spec.map(|s| self.macs(s)).unwrap_or_default(),
+            buckets: spec.map_or_else(argv::Buckets::default, |s| {
+                argv::Buckets::of(s.limits.in_force(s.vcpus, &self.cfg.limits.defaults))
+            }),
             landlock_rule: self
                 .confined
                 .landlock()

@@ -310,7 +310,7 @@ impl CloudHypervisor {
         }
     }
 
-    fn guest_image(&self) -> Option<GuestImage<'_>> {
+    pub(super) fn guest_image(&self) -> Option<GuestImage<'_>> {
         match (&self.cfg.hypervisor.kernel, &self.cfg.hypervisor.firmware) {
             (Some(kernel), _) => Some(GuestImage::Kernel {
                 kernel,
@@ -355,6 +355,19 @@ impl CloudHypervisor {
             taps.push((open(&names.site)?, Mac::second_nic(vm_id)));
         }
         Ok(taps)
+    }
+
+    /// The MACs of the NICs [`CloudHypervisor::open_nics`] gives the VM,
+    /// in order.
+    pub(super) fn macs(&self, spec: &VmSpec) -> Vec<Mac> {
+        if self.cfg.network.is_none() {
+            return Vec::new();
+        }
+        let mut macs = vec![Mac::underlay(&spec.vm_id)];
+        if !spec.network.is_empty() {
+            macs.push(Mac::second_nic(&spec.vm_id));
+        }
+        macs
     }
 
     /// Joins the VM's open taps to the host's networks: the underlay one
