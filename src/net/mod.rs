@@ -9,6 +9,8 @@
 
 pub mod addresses;
 mod command;
+#[cfg(target_os = "linux")]
+pub mod conntrack;
 pub mod dhcp;
 #[cfg(target_os = "linux")]
 pub mod host;

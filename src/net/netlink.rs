@@ -266,16 +266,8 @@ impl Socket {
         Ok(socket)
     }
 
-    /// Sends `request` and waits for the kernel's acknowledgement of it.
-    fn ask(&self, request: &[u8]) -> io::Result<()> {
-        let seq = u32::from_ne_bytes([request[8], request[9], request[10], request[11]]);
-        self.ask_all(request, &[seq])
-    }
-
-    /// Sends `datagram` (one request, or a batch of them) and waits until
-    /// the kernel has acknowledged each of `seqs`; its first refusal is the
-    /// error.
-    pub(super) fn ask_all(&self, datagram: &[u8], seqs: &[u32]) -> io::Result<()> {
+    /// Sends one datagram whole.
+    pub(super) fn send(&self, datagram: &[u8]) -> io::Result<()> {
         // SAFETY: `datagram` is valid for reads of its length.
         let sent = unsafe {
             libc::send(
@@ -288,16 +280,35 @@ impl Socket {
         if sent < 0 {
             return Err(io::Error::last_os_error());
         }
+        Ok(())
+    }
+
+    /// Receives one datagram of the kernel's into `buf`: its length.
+    pub(super) fn receive(&self, buf: &mut [u8]) -> io::Result<usize> {
+        // SAFETY: `buf` is valid for writes of its length.
+        let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
+    /// Sends `request` and waits for the kernel's acknowledgement of it.
+    pub(super) fn ask(&self, request: &[u8]) -> io::Result<()> {
+        let seq = u32::from_ne_bytes([request[8], request[9], request[10], request[11]]);
+        self.ask_all(request, &[seq])
+    }
+
+    /// Sends `datagram` (one request, or a batch of them) and waits until
+    /// the kernel has acknowledged each of `seqs`; its first refusal is the
+    /// error.
+    pub(super) fn ask_all(&self, datagram: &[u8], seqs: &[u32]) -> io::Result<()> {
+        self.send(datagram)?;
         let mut buf = [0u8; 8192];
         let mut waiting: Vec<u32> = seqs.to_vec();
         while !waiting.is_empty() {
-            // SAFETY: `buf` is valid for writes of its length.
-            let n =
-                unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            if n < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            let answers = &buf[..n as usize];
+            let n = self.receive(&mut buf)?;
+            let answers = &buf[..n];
             let mut acknowledged = Vec::new();
             for seq in &waiting {
                 match acknowledgement(answers, *seq) {

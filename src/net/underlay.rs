@@ -333,7 +333,9 @@ impl Underlay {
         if text.is_empty() {
             return Ok(());
         }
-        run("nft", &["-f", "-"], Some(&text)).map(drop)
+        run("nft", &["-f", "-"], Some(&text))?;
+        forget_moved_flows(old, new);
+        Ok(())
     }
 
     /// A guard change by netlink (see [`nftables`](super::nftables)); if
@@ -391,6 +393,34 @@ fn enable_forwarding() -> Result<bool, NetError> {
         now.trim()
     );
     Ok(true)
+}
+
+/// Deletes the tracked connections of the ports the ruleset no longer
+/// forwards to `old`'s guest as it did (moved to another guest or guest
+/// port, or given back): a flow the kernel already translates is not asked
+/// the new rules again, so without this it would go on reaching the old
+/// guest. Said, not failed: the ports are already where they should be.
+#[cfg(target_os = "linux")]
+fn forget_moved_flows(
+    old: Option<&(Ipv4Addr, Vec<Publish>)>,
+    new: Option<&(Ipv4Addr, Vec<Publish>)>,
+) {
+    let Some((ip, list)) = old else {
+        return;
+    };
+    let kept = |p: &Publish| new.is_some_and(|(at, now)| at == ip && now.contains(p));
+    let stale: Vec<super::conntrack::Forwarded> = list
+        .iter()
+        .filter(|p| !kept(p))
+        .map(|p| super::conntrack::Forwarded::of(p, *ip))
+        .collect();
+    match super::conntrack::forget(&stale) {
+        Ok(0) => {}
+        Ok(n) => log::info!("forgot {n} connection(s) published ports no longer forward to {ip}"),
+        Err(e) => log::warn!(
+            "cannot forget the connections published ports forwarded to {ip} before they moved (they reach it until they end): {e}"
+        ),
+    }
 }
 
 /// What every agent's tables were named before each agent's were its own.

@@ -7,14 +7,16 @@
 #![cfg(target_os = "linux")]
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::time::Duration;
 
-use eitri_agent::model::Publish;
+use eitri_agent::model::{Publish, Transport};
 use eitri_agent::net::underlay::Underlay;
 use eitri_agent::testkit::net::{nft_counter, private_network, underlay_config, within};
 
-use super::underlay::{GATEWAY, GUEST_IP, REMOTE, Topology, configure, connects, listen_in};
+use super::underlay::{
+    GATEWAY, GUEST_IP, PEER_IP, REMOTE, Topology, configure, connects, listen_in,
+};
 
 /// The host's address on the remote's link.
 pub(crate) const HOST_ON_REMOTE: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
@@ -168,4 +170,63 @@ fn publishing_leaves_guests_unreachable_on_their_own_ports() {
         !direct,
         "a remote reached the guest's port without a published one"
     );
+}
+
+/// A UDP socket bound in namespace `ns` at `at:port`, its reads bounded.
+fn udp_in(ns: &str, at: Ipv4Addr, port: u16) -> UdpSocket {
+    let socket = within(ns, || UdpSocket::bind((at, port)).expect("bind"));
+    socket
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .expect("timeout");
+    socket
+}
+
+/// What `socket` received within a second, if anything.
+fn received(socket: &UdpSocket) -> Option<Vec<u8>> {
+    let mut buf = [0u8; 64];
+    let (n, _) = socket.recv_from(&mut buf).ok()?;
+    Some(buf[..n].to_vec())
+}
+
+#[test]
+fn a_udp_flow_follows_a_port_moved_to_another_guest() {
+    private_network();
+    let underlay = Underlay::setup(underlay_config()).expect("setup");
+    let topology = Topology::new(&underlay);
+    configure(&topology.guest, GUEST_IP);
+    topology.add_peer(&underlay);
+    let (a, b) = (
+        udp_in(&topology.guest, GUEST_IP, 5353),
+        udp_in(&topology.peer, PEER_IP, 5353),
+    );
+    let port = vec![Publish {
+        transport: Transport::Udp,
+        host_port: 30053,
+        guest_port: 5353,
+        host_address: None,
+    }];
+    underlay
+        .publish(None, Some(&(GUEST_IP, port.clone())))
+        .expect("publish to A");
+    underlay.isolate("etgport", false).expect("isolation off");
+    // One flow: the same source port throughout, as a DNS or game client.
+    let client = udp_in(&topology.remote, REMOTE, 40053);
+    client
+        .send_to(b"one", (HOST_ON_REMOTE, 30053))
+        .expect("send");
+    assert_eq!(received(&a).as_deref(), Some(&b"one"[..]), "A first");
+
+    underlay
+        .publish(Some(&(GUEST_IP, port.clone())), None)
+        .expect("take it from A");
+    underlay
+        .publish(None, Some(&(PEER_IP, port)))
+        .expect("give it to B");
+    underlay.isolate("etgpeer", false).expect("isolation off");
+    client
+        .send_to(b"two", (HOST_ON_REMOTE, 30053))
+        .expect("send");
+
+    assert_eq!(received(&b).as_deref(), Some(&b"two"[..]), "B now");
+    assert_eq!(received(&a), None, "A still got the flow");
 }
