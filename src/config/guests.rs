@@ -275,6 +275,9 @@ pub(super) fn host_caps(
         max_vcpus: raw.number(Key::MaxVcpus)?,
         max_mem_mb: memory_cap_mb(max_mem_mb, pool_mb, meminfo)?,
         max_disk_gb: raw.number(Key::MaxDiskGb)?,
+        // Set at start, from the limit the agent runs under (see
+        // `daemon::wire::open_file_budget`).
+        fds: crate::reconcile::FdBudget::default(),
     })
 }
 

@@ -54,8 +54,9 @@ fn systemd_readiness() -> Option<Readiness> {
 /// Runs the daemon with the host's real parts until SIGTERM or SIGINT.
 /// `signals` were installed first thing in `main`, so a signal that came
 /// while the agent was starting is acted on, not fatal.
-pub fn run(config: Config, signals: Signals) -> Result<(), DaemonError> {
+pub fn run(mut config: Config, signals: Signals) -> Result<(), DaemonError> {
     crate::events::keep_in(crate::state::Layout::new(&config.state.dir));
+    config.reconcile.engine.caps.fds = open_file_budget();
     let readiness = before_anything_runs(&config)?;
     let (events, rx) = crossbeam_channel::unbounded();
     let signal_thread = signals
@@ -166,6 +167,38 @@ fn before_anything_runs(config: &Config) -> Result<Option<Readiness>, DaemonErro
         }
     }
     Ok(readiness)
+}
+
+/// The agent's open-file limit raised to what the host lets it have (its
+/// hard limit), logged, and the budget its VMs are held to under it (see
+/// [`crate::reconcile::FdBudget`]): each published port holds a socket, so
+/// a tenant with many could otherwise spend the descriptors another VM's
+/// create needs.
+fn open_file_budget() -> crate::reconcile::FdBudget {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        log::warn!("cannot read the open-file limit: VMs are not held to a descriptor budget");
+        return crate::reconcile::FdBudget::default();
+    };
+    // macOS refuses a soft limit past OPEN_MAX however high the hard one.
+    let want = if cfg!(target_os = "macos") {
+        hard.min(10_240)
+    } else {
+        hard
+    };
+    let limit = if want > soft && setrlimit(Resource::RLIMIT_NOFILE, want, hard).is_ok() {
+        log::info!("open-file limit raised from {soft} to {want} (the hard limit)");
+        want
+    } else {
+        soft
+    };
+    let budget = crate::reconcile::FdBudget::under(limit);
+    log::info!(
+        "open files: VMs and their published ports may hold {} of {limit} ({} kept for creates, probes and downloads in flight)",
+        limit.saturating_sub(budget.reserve),
+        budget.reserve
+    );
+    budget
 }
 
 /// `--image-cache-max` in bytes: a share is of the state dir's filesystem,

@@ -18,7 +18,88 @@ pub struct HostCaps {
     pub max_vcpus: u64,
     pub max_mem_mb: u64,
     pub max_disk_gb: u64,
+    /// The agent's own open files (see [`FdBudget`]).
+    pub fds: FdBudget,
 }
+
+/// Descriptors counted for a VM at its create, besides one each published
+/// port holds: what a sleeper holds, the most a VM holds (its held tap,
+/// that tap's polled copy, a packet socket, its DHCP responder's socket);
+/// a running VM holds one (an agent with 1 booted VM held 19 descriptors,
+/// with 11 held 29), and the difference is the margin a VM's sleep needs.
+pub const FDS_PER_VM: u64 = 5;
+
+/// The agent's own open files, held to a budget: its soft `RLIMIT_NOFILE`
+/// (raised to the hard limit at start) less a reserve for what it opens
+/// for a while — creates in flight, probes, downloads, the control plane.
+/// What a VM would hold past it waits, as a host condition, so a tenant's
+/// ports can never take the descriptors another VM's create needs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FdBudget {
+    /// The soft limit; 0: no budget (not counted).
+    pub limit: u64,
+    pub reserve: u64,
+}
+
+impl FdBudget {
+    /// The budget under `limit`: a quarter of it kept back, at most 1,024
+    /// and at least 64 (a create holds a dozen files for a while, a probe
+    /// one, and four creates and every VM's probe may run at once).
+    pub fn under(limit: u64) -> FdBudget {
+        FdBudget {
+            limit,
+            reserve: (limit / 4).clamp(64.min(limit), 1024),
+        }
+    }
+
+    /// Whether `more` descriptors fit beside what the agent holds now
+    /// (asked of the kernel: everything it really holds counts).
+    pub fn check(&self, more: u64) -> Result<(), FdShort> {
+        if self.limit == 0 {
+            return Ok(());
+        }
+        let open = open_files();
+        if open + more + self.reserve <= self.limit {
+            return Ok(());
+        }
+        Err(FdShort {
+            open,
+            more,
+            budget: *self,
+        })
+    }
+}
+
+/// How many files this process holds open.
+fn open_files() -> u64 {
+    let dir = if cfg!(target_os = "linux") {
+        "/proc/self/fd"
+    } else {
+        "/dev/fd"
+    };
+    std::fs::read_dir(dir).map_or(0, |d| d.count() as u64)
+}
+
+/// More descriptors than the agent's budget has left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FdShort {
+    pub open: u64,
+    pub more: u64,
+    pub budget: FdBudget,
+}
+
+impl std::fmt::Display for FdShort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let FdShort { open, more, budget } = self;
+        write!(
+            f,
+            "the agent holds {open} open files of its limit {} ({} kept for creates, probes and downloads in flight), and this needs {more} more; raise the agent's open-file limit (ulimit -n, LimitNOFILE=, s6-softlimit -o) or publish fewer ports",
+            budget.limit, budget.reserve
+        )
+    }
+}
+
+impl std::error::Error for FdShort {}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct Compute {
@@ -125,6 +206,12 @@ impl Ledger {
 
     pub fn release(&self, vm_id: &Id) {
         self.committed.lock().remove(vm_id);
+    }
+
+    /// Whether the agent may open `more` descriptors for a VM (see
+    /// [`FdBudget`]).
+    pub fn descriptors(&self, more: u64) -> Result<(), FdShort> {
+        self.caps.fds.check(more)
     }
 
     /// Committed vCPUs, MB and GB, and the caps on each (0 = none).
@@ -235,6 +322,27 @@ mod tests {
             max_vcpus,
             ..HostCaps::default()
         }
+    }
+
+    #[test]
+    fn a_quarter_of_the_open_file_limit_is_kept_back_within_bounds() {
+        assert_eq!(FdBudget::under(1024).reserve, 256);
+        assert_eq!(FdBudget::under(192).reserve, 64);
+        assert_eq!(FdBudget::under(1 << 20).reserve, 1024);
+    }
+
+    #[test]
+    fn descriptors_past_the_budget_are_refused_saying_what_to_raise() {
+        let budget = FdBudget {
+            limit: 100,
+            reserve: 64,
+        };
+
+        let short = budget.check(100).expect_err("over");
+
+        assert!(short.open > 0, "{short:?}");
+        assert!(short.to_string().contains("ulimit -n"), "{short}");
+        assert!(FdBudget::default().check(u64::MAX / 2).is_ok());
     }
 
     #[test]

@@ -212,7 +212,11 @@ impl<'a> Holding<'a> {
         };
         let wanted = &desired.published;
         let (result, held) = match self.holds {
-            Some(h) => (h.set_published(vm_id, wanted), h.published(vm_id)),
+            Some(h) => {
+                let (within, short) = self.within_budget(wanted, &h.published(vm_id));
+                let result = h.set_published(vm_id, &within);
+                (short.map_or(result, Err), h.published(vm_id))
+            }
             None if wanted.is_empty() => (Ok(()), Vec::new()),
             None => (
                 Err(
@@ -228,6 +232,34 @@ impl<'a> Holding<'a> {
             self.ctx.save_best_effort(&rec);
         }
         (held, result)
+    }
+
+    /// Of `wanted`, what the agent's descriptor budget lets the VM hold:
+    /// everything when the ports it does not hold yet fit (each holds a
+    /// socket), else only what it holds already, and the shortage as a
+    /// host condition (the ports wait; the VM runs on).
+    fn within_budget(
+        &self,
+        wanted: &[Publish],
+        held: &[Publish],
+    ) -> (Vec<Publish>, Option<crate::error::BoxFailure>) {
+        let holds = |p: &Publish| held.iter().any(|h| h.host_side() == p.host_side());
+        let new = wanted.iter().filter(|p| !holds(p)).count() as u64;
+        if new == 0 {
+            return (wanted.to_vec(), None);
+        }
+        match self.ctx.ledger.descriptors(new) {
+            Ok(()) => (wanted.to_vec(), None),
+            Err(short) => (
+                wanted.iter().filter(|p| holds(p)).copied().collect(),
+                Some(
+                    Simple::host(format!(
+                        "{new} published port(s) wait for file descriptors: {short}"
+                    ))
+                    .into(),
+                ),
+            ),
+        }
     }
 
     /// The ports held for the VM in its row, and why the others its entry

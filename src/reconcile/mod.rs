@@ -50,8 +50,8 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, bounded};
 use parking_lot::Mutex;
 
-pub use admission::HostCaps;
 use admission::{CreateSlots, Ledger};
+pub use admission::{FDS_PER_VM, FdBudget, FdShort, HostCaps};
 use context::Context;
 use create::Create;
 use pass::{Assignment, VmResult};

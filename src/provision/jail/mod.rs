@@ -57,6 +57,14 @@ use crate::state::leases::{LeaseError, Leases};
 /// Open files a VMM may hold: its disks, queues, event fds and sockets.
 const FILES: u64 = 4096;
 
+/// [`FILES`], or the agent's own hard limit when lower: the VMM's child
+/// sets both its limits without the right to raise the hard one, and an
+/// agent run under a hard limit below it would start no VMM at all.
+fn files() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit};
+    getrlimit(Resource::RLIMIT_NOFILE).map_or(FILES, |(_, hard)| FILES.min(hard))
+}
+
 /// The VMM ids of this host, persisted.
 pub struct VmmIds {
     /// The group that may open /dev/kvm; no VM's id.
@@ -115,7 +123,7 @@ pub fn jail_for(spec: &VmSpec, id: u32, kvm_group: u32, largest_disk: u64) -> Ja
         gid: id,
         groups: vec![kvm_group],
         limits: vec![
-            (Limit::Files, FILES),
+            (Limit::Files, files()),
             (Limit::Processes, max_threads(spec.vcpus)),
             (Limit::Core, 0),
             (Limit::FileSize, largest_disk.max(MIN_FILE_SIZE)),

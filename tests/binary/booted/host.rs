@@ -222,3 +222,58 @@ fn images_list_works_beside_a_running_agent_and_names_each_images_vms() {
         "{text}"
     );
 }
+
+/// `n` published ports from `first`, as a VM's entry holds them.
+fn ports_json(first: u16, n: u16) -> String {
+    let ports: Vec<String> = (0..n)
+        .map(|i| format!(r#"{{"host_port":{},"guest_port":{}}}"#, first + i, 8000 + i))
+        .collect();
+    format!(r#","published_ports":[{}]"#, ports.join(","))
+}
+
+#[test]
+fn five_vms_ports_under_a_low_open_file_limit_leave_a_bystander_booting() {
+    use nix::sys::resource::{Resource, setrlimit};
+    eitri_agent::testkit::net::private_network();
+    // The agent inherits this test process's limit, hard and soft: room
+    // for the agent, the bystander and a few publishers, not all five.
+    const LIMIT: u64 = 192;
+    setrlimit(Resource::RLIMIT_NOFILE, LIMIT, LIMIT).expect("setrlimit");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let boot = Booting::new(dir.path());
+    let mut vms: Vec<String> = (0..5u16)
+        .map(|i| boot.vm_json(&format!("pub-{i}"), &ports_json(31000 + 32 * i, 32)))
+        .collect();
+    desired(dir.path(), &format!(r#"{{"vms":[{}]}}"#, vms.join(",")));
+    let agent = boot.start(
+        dir.path(),
+        &[
+            "--underlay-bridge",
+            "etbinfd0",
+            "--publish-ports",
+            "31000-31999",
+        ],
+    );
+    agent.wait_report("the publishers running", |r| {
+        (0..5).all(|i| row_of(r, &format!("pub-{i}"))["power_state"] == "running")
+    });
+
+    vms.push(boot.vm_json("bystander", ""));
+    desired(dir.path(), &format!(r#"{{"vms":[{}]}}"#, vms.join(",")));
+
+    let report = agent.wait_report("the bystander running", |r| {
+        row_of(r, "bystander")["power_state"] == "running"
+    });
+    assert_eq!(row_of(&report, "bystander")["last_error"], "", "{report}");
+    let waiting = (0..5).any(|i| {
+        row_of(&report, &format!("pub-{i}"))["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("wait for file descriptors"))
+    });
+    assert!(waiting, "no publisher's ports wait: {report}");
+    assert!(
+        !agent.log_text().contains("Too many open files"),
+        "{}",
+        agent.log_text()
+    );
+}
