@@ -14,16 +14,13 @@ use std::net::Ipv4Addr;
 
 use nix::libc;
 
-use super::netlink::{Message, Socket};
+use super::netlink::{Message, NETLINK_NETFILTER, NLM_F_ACK, NLMSG_ERROR, Socket};
 use crate::model::{Publish, Transport};
 
-const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_GET: u16 = 1;
 const IPCTNL_MSG_CT_DELETE: u16 = 2;
-const NLM_F_ACK: u16 = 0x4;
 const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 const CTA_TUPLE_ORIG: u16 = 1;
 const CTA_TUPLE_REPLY: u16 = 2;

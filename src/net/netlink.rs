@@ -23,9 +23,11 @@ pub const JOIN: [&str; 2] = [
 ];
 
 const RTM_NEWLINK: u16 = 16;
-const NLMSG_ERROR: u16 = 2;
+pub(super) const NLMSG_ERROR: u16 = 2;
 const NLM_F_REQUEST: u16 = 0x1;
 pub(super) const NLM_F_ACK: u16 = 0x4;
+/// The netfilter family's netlink protocol (nftables, conntrack).
+pub(super) const NETLINK_NETFILTER: libc::c_int = 12;
 const NLA_F_NESTED: u16 = 0x8000;
 const IFLA_MASTER: u16 = 10;
 const IFLA_LINKINFO: u16 = 18;

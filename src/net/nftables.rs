@@ -17,12 +17,9 @@
 use std::io;
 use std::net::Ipv4Addr;
 
-use nix::libc;
-
-use super::netlink::{Message, NLM_F_ACK, Socket};
+use super::netlink::{Message, NETLINK_NETFILTER, NLM_F_ACK, Socket};
 use super::port::Port;
 
-const NETLINK_NETFILTER: libc::c_int = 12;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFNL_SUBSYS_NFTABLES: u16 = 10;

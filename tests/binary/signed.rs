@@ -547,8 +547,10 @@ fn a_signed_epoch_reset_lowers_the_fence() {
     assert_eq!(epoch.trim(), "2");
 }
 
-#[test]
-fn a_signed_epoch_reset_replayed_after_the_fence_moved_on_moves_nothing() {
+/// A signed reset from 200 to 100 obeyed, the signer counted up to
+/// `counted_to` since, then the same reset replayed: refused, `refusal` in
+/// the notes, the fence and what the last snapshot named kept.
+fn reset_replayed_at(counted_to: u64, refusal: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     let cp = FakeControlPlane::start().expect("cp");
     let k = key("cp", 1);
@@ -559,48 +561,30 @@ fn a_signed_epoch_reset_replayed_after_the_fence_moved_on_moves_nothing() {
     let reset = signed(&k, &reset(100, 200, "data-2"));
     cp.answer_snapshots(Answer::Raw(reset.clone()));
     a.wait_report("the reset", |r| has_volume(r, "data-2"));
-    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(150, HOST, "data-3"))));
-    a.wait_report("epoch 150", |r| has_volume(r, "data-3"));
+    let counted = snapshot(counted_to, HOST, "data-3");
+    cp.answer_snapshots(Answer::Raw(signed(&k, &counted)));
+    a.wait_report("the signer's count", |r| has_volume(r, "data-3"));
 
     cp.answer_snapshots(Answer::Raw(reset));
 
     a.wait_report("the replay refused", |r| {
-        r["notes"]
-            .to_string()
-            .contains("refusing a signed epoch reset to 100 from epoch 200")
+        r["notes"].to_string().contains(refusal)
     });
     let report = a.report();
     assert!(has_volume(&report, "data-3"), "{report}");
     let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
-    assert_eq!(epoch.trim(), "150");
+    assert_eq!(epoch.trim(), counted_to.to_string());
+}
+
+#[test]
+fn a_signed_epoch_reset_replayed_after_the_fence_moved_on_moves_nothing() {
+    reset_replayed_at(150, "refusing a signed epoch reset to 100 from epoch 200");
 }
 
 #[test]
 fn a_signed_epoch_reset_replayed_once_the_fence_counted_back_to_its_start_is_refused() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let cp = FakeControlPlane::start().expect("cp");
-    let k = key("cp", 1);
-    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(200, HOST, "data-1"))));
-    let a = agent(dir.path(), &cp, &pin(dir.path(), &[&k]));
-    a.wait_report("epoch 200", |r| has_volume(r, "data-1"));
-    let reset = signed(&k, &reset(100, 200, "data-2"));
-    cp.answer_snapshots(Answer::Raw(reset.clone()));
-    a.wait_report("the reset", |r| has_volume(r, "data-2"));
-    // The signer counts up again, past where the reset was made.
-    cp.answer_snapshots(Answer::Raw(signed(&k, &snapshot(200, HOST, "data-3"))));
-    a.wait_report("epoch 200 again", |r| has_volume(r, "data-3"));
-
-    cp.answer_snapshots(Answer::Raw(reset));
-
-    a.wait_report("the replay refused", |r| {
-        r["notes"]
-            .to_string()
-            .contains("this host obeyed that very reset before")
-    });
-    let report = a.report();
-    assert!(has_volume(&report, "data-3"), "{report}");
-    let epoch = std::fs::read_to_string(a.state.join("epoch")).expect("epoch");
-    assert_eq!(epoch.trim(), "200");
+    // Past where the reset was made, the reset's own check would pass it.
+    reset_replayed_at(200, "this host obeyed that very reset before");
 }
 
 #[test]
@@ -727,13 +711,7 @@ fn standalone_a_file_refused_is_taken_once_its_key_is_pinned_and_sighup_sent() {
     let pipeline = std::fs::read_to_string(&pinned).expect("its pin line");
     let other = key("other", 3).public_line();
     std::fs::write(&pinned, &other).expect("pin another key only");
-    let desired = dir.path().join("desired.json");
-    write_desired(
-        &desired,
-        &format!(
-            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
-        ),
-    );
+    let desired = one_volume_desired(dir.path());
     let out = eitri(&[
         "sign",
         "--key",
@@ -812,6 +790,19 @@ fn without_keys_an_unsigned_jump_past_max_epoch_step_is_refused_and_counted() {
     a.wait_report("the next snapshot", |r| has_volume(r, "data-3"));
 }
 
+/// `eitri-agent sign --key KEY [EXTRA…] DESIRED`, which must succeed.
+fn sign(key: &Path, desired: &Path, extra: &[&str]) {
+    let mut args = vec!["sign", "--key", key.to_str().expect("path")];
+    args.extend_from_slice(extra);
+    args.push(desired.to_str().expect("path"));
+    let out = eitri(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn eitri(args: &[&str]) -> Output {
     Command::new(BIN)
         .args(args)
@@ -832,6 +823,18 @@ fn keygen(dir: &Path, id: &str) -> (PathBuf, PathBuf) {
     let pinned = dir.join("trusted");
     std::fs::write(&pinned, &out.stdout).expect("pin");
     (key, pinned)
+}
+
+/// `dir/desired.json`, unsigned, naming the volume `data-1` at epoch 1.
+fn one_volume_desired(dir: &Path) -> PathBuf {
+    let desired = dir.join("desired.json");
+    write_desired(
+        &desired,
+        &format!(
+            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
+        ),
+    );
+    desired
 }
 
 fn write_desired(path: &Path, json: &str) {
@@ -860,18 +863,8 @@ fn sign_stamps_a_week_of_validity_into_the_file_it_signs() {
     write_desired(&desired, &format!(r#"{{"epoch":1,"host_id":"{HOST}"}}"#));
     let before = eitri_agent::human::unix_ms(std::time::SystemTime::now());
 
-    let out = eitri(&[
-        "sign",
-        "--key",
-        key.to_str().expect("path"),
-        desired.to_str().expect("path"),
-    ]);
+    sign(&key, &desired, &[]);
 
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let text = std::fs::read_to_string(&desired).expect("desired");
     let file: serde_json::Value = serde_json::from_str(&text).expect("json");
     let week = 7 * 24 * 3600 * 1000;
@@ -886,32 +879,14 @@ fn sign_stamps_a_week_of_validity_into_the_file_it_signs() {
 fn sign_with_valid_for_0_keeps_the_files_own_expiry_which_the_agent_holds_it_to() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (key, pinned) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(
-        &desired,
-        &format!(
-            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
-        ),
-    );
+    let desired = one_volume_desired(dir.path());
     // Older than the skew the agent allows, once signed.
     let stale = format!(
         "{{\"not_after_unix_ms\": {}, \"epoch\":1,\"host_id\":\"{HOST}\",\"volumes\":[{{\"volume_id\":\"data-1\",\"size_gb\":1}}]}}",
         eitri_agent::human::unix_ms(std::time::SystemTime::now()) - 3_600_000
     );
     write_desired(&desired, &stale);
-    let out = eitri(&[
-        "sign",
-        "--key",
-        key.to_str().expect("path"),
-        "--valid-for",
-        "0",
-        desired.to_str().expect("path"),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    sign(&key, &desired, &["--valid-for", "0"]);
 
     let a = standalone(dir.path(), &desired, &pinned);
 
@@ -923,25 +898,9 @@ fn sign_with_valid_for_0_keeps_the_files_own_expiry_which_the_agent_holds_it_to(
 fn standalone_a_file_signed_with_sign_is_acted_on() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (key, pinned) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(
-        &desired,
-        &format!(
-            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
-        ),
-    );
+    let desired = one_volume_desired(dir.path());
 
-    let out = eitri(&[
-        "sign",
-        "--key",
-        key.to_str().expect("path"),
-        desired.to_str().expect("path"),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    sign(&key, &desired, &[]);
     let a = standalone(dir.path(), &desired, &pinned);
 
     a.wait_report("the volume", |r| has_volume(r, "data-1"));
@@ -951,13 +910,7 @@ fn standalone_a_file_signed_with_sign_is_acted_on() {
 fn standalone_an_unsigned_file_is_refused_naming_sign() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_, pinned) = keygen(dir.path(), "pipeline");
-    let desired = dir.path().join("desired.json");
-    write_desired(
-        &desired,
-        &format!(
-            r#"{{"epoch":1,"host_id":"{HOST}","volumes":[{{"volume_id":"data-1","size_gb":1}}]}}"#
-        ),
-    );
+    let desired = one_volume_desired(dir.path());
 
     let a = standalone(dir.path(), &desired, &pinned);
 

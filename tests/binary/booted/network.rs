@@ -24,6 +24,43 @@ fn networked(dir: &Path, registry: &str, (bridge, subnet, prefix): (&str, &str, 
     )
 }
 
+/// A host of the test's own: a network namespace, a temp dir, and the
+/// agents' registry in it.
+struct NetHost {
+    dir: tempfile::TempDir,
+    registry: String,
+}
+
+impl NetHost {
+    fn new() -> NetHost {
+        eitri_agent::testkit::net::private_network();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let registry = dir.path().join("agents").display().to_string();
+        NetHost { dir, registry }
+    }
+
+    /// An agent over the dir `name` with guest networking on `network`.
+    fn agent(&self, name: &str, network: (&str, &str, &str)) -> Agent {
+        networked(&self.dir.path().join(name), &self.registry, network)
+    }
+
+    /// `eitri-agent release --force` of a stopped agent's state dir, as
+    /// an operator runs it: from a shell, with ip and nft on PATH.
+    fn release(&self, agent: &Agent) {
+        let out = Command::new(BIN)
+            .args(["release", "--state-dir"])
+            .arg(&agent.state)
+            .args(["--agents-dir", &self.registry, "--force"])
+            .output()
+            .expect("release");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// The name of the agent's firewall tables, as its claim records it.
 fn tables_of(agent: &Agent) -> String {
     let text = std::fs::read(agent.state.join("jail/claim.json")).expect("claim");
@@ -41,21 +78,11 @@ fn ip_table(name: &str) -> String {
 
 #[test]
 fn a_second_agents_start_leaves_the_first_agents_firewall_tables_alone() {
-    eitri_agent::testkit::net::private_network();
-    let host = tempfile::tempdir().expect("tempdir");
-    let registry = host.path().join("agents").display().to_string();
-    let a = networked(
-        &host.path().join("one"),
-        &registry,
-        ("etbina", "100.77.0.0/16", "etba"),
-    );
+    let host = NetHost::new();
+    let a = host.agent("one", ("etbina", "100.77.0.0/16", "etba"));
     a.wait_report("the first agent", |r| volumes(r).len() == 1);
 
-    let b = networked(
-        &host.path().join("two"),
-        &registry,
-        ("etbinb", "100.78.0.0/16", "etbb"),
-    );
+    let b = host.agent("two", ("etbinb", "100.78.0.0/16", "etbb"));
     b.wait_report("the second agent", |r| volumes(r).len() == 1);
 
     let (table_a, table_b) = (tables_of(&a), tables_of(&b));
@@ -70,32 +97,14 @@ fn a_second_agents_start_leaves_the_first_agents_firewall_tables_alone() {
 
 #[test]
 fn a_released_state_dir_leaves_no_bridge_and_no_firewall_table() {
-    eitri_agent::testkit::net::private_network();
-    let host = tempfile::tempdir().expect("tempdir");
-    let registry = host.path().join("agents").display().to_string();
-    let mut agent = networked(
-        &host.path().join("one"),
-        &registry,
-        ("etbinr", "100.77.0.0/16", "etbr"),
-    );
+    let host = NetHost::new();
+    let mut agent = host.agent("one", ("etbinr", "100.77.0.0/16", "etbr"));
     agent.wait_report("the agent", |r| volumes(r).len() == 1);
     let table = tables_of(&agent);
     assert!(agent.stop(Signal::SIGTERM).success());
     assert!(!ip_table(&table).is_empty(), "the agent made its table");
 
-    // As an operator runs it: from a shell, with ip and nft on PATH.
-    let out = Command::new(BIN)
-        .args(["release", "--state-dir"])
-        .arg(&agent.state)
-        .args(["--agents-dir", &registry, "--force"])
-        .output()
-        .expect("release");
-
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    host.release(&agent);
     assert_eq!(ip_table(&table), "", "its ip table is left");
     let bridge = eitri_agent::testkit::tools::tool("ip")
         .args(["link", "show", "dev", "etbinr"])
@@ -106,19 +115,13 @@ fn a_released_state_dir_leaves_no_bridge_and_no_firewall_table() {
 
 #[test]
 fn a_stale_bridge_holding_the_guests_subnet_is_named_at_start() {
-    eitri_agent::testkit::net::private_network();
+    let host = NetHost::new();
     let ip = eitri_agent::testkit::net::ip;
     ip(&["link", "add", "etbstale", "type", "bridge"]);
     ip(&["addr", "add", "100.77.0.1/16", "dev", "etbstale"]);
     ip(&["link", "set", "etbstale", "up"]);
-    let host = tempfile::tempdir().expect("tempdir");
-    let registry = host.path().join("agents").display().to_string();
 
-    let agent = networked(
-        &host.path().join("one"),
-        &registry,
-        ("etbinq", "100.77.0.0/16", "etbq"),
-    );
+    let agent = host.agent("one", ("etbinq", "100.77.0.0/16", "etbq"));
 
     let report = agent.wait_report("the agent", |r| volumes(r).len() == 1);
     let notes = report["notes"].to_string();
@@ -134,31 +137,14 @@ const IP_FORWARD: &str = "/proc/sys/net/ipv4/ip_forward";
 /// IPv4 forwarding is `before`; what forwarding is while it runs and
 /// after its release.
 fn forwarding_around_an_agent(before: &str) -> (String, String) {
-    eitri_agent::testkit::net::private_network();
+    let host = NetHost::new();
     std::fs::write(IP_FORWARD, before).expect("set forwarding");
-    let host = tempfile::tempdir().expect("tempdir");
-    let registry = host.path().join("agents").display().to_string();
-    let mut agent = networked(
-        &host.path().join("one"),
-        &registry,
-        ("etbinf", "100.77.0.0/16", "etbf"),
-    );
+    let mut agent = host.agent("one", ("etbinf", "100.77.0.0/16", "etbf"));
     agent.wait_report("the agent", |r| volumes(r).len() == 1);
     let running = std::fs::read_to_string(IP_FORWARD).expect("forwarding");
     assert!(agent.stop(Signal::SIGTERM).success());
 
-    let out = Command::new(BIN)
-        .args(["release", "--state-dir"])
-        .arg(&agent.state)
-        .args(["--agents-dir", &registry, "--force"])
-        .output()
-        .expect("release");
-
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    host.release(&agent);
     let after = std::fs::read_to_string(IP_FORWARD).expect("forwarding");
     (running.trim().to_owned(), after.trim().to_owned())
 }
@@ -179,22 +165,12 @@ fn release_leaves_on_the_forwarding_the_host_had() {
 
 #[test]
 fn a_second_agent_on_the_first_agents_bridge_stops_naming_the_first() {
-    eitri_agent::testkit::net::private_network();
-    let host = tempfile::tempdir().expect("tempdir");
-    let registry = host.path().join("agents").display().to_string();
-    let a = networked(
-        &host.path().join("one"),
-        &registry,
-        ("etbina", "100.77.0.0/16", "etba"),
-    );
+    let host = NetHost::new();
+    let a = host.agent("one", ("etbina", "100.77.0.0/16", "etba"));
     a.wait_report("the first agent", |r| volumes(r).len() == 1);
     let rules_before = ip_table(&tables_of(&a));
 
-    let mut b = networked(
-        &host.path().join("two"),
-        &registry,
-        ("etbina", "100.78.0.0/16", "etbb"),
-    );
+    let mut b = host.agent("two", ("etbina", "100.78.0.0/16", "etbb"));
 
     let status = b.child.take().expect("child").wait().expect("exit");
     assert_eq!(status.code(), Some(1));
