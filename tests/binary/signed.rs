@@ -377,11 +377,13 @@ fn a_signed_snapshot_within_the_skew_allowance_of_its_not_after_is_taken() {
     a.wait_report("the volume", |r| has_volume(r, "data-1"));
 }
 
-#[test]
-fn a_refused_answer_is_backed_off_like_no_answer_and_each_refusal_reported() {
+/// The control plane answering `answer` for 3 s to an agent pinning a key
+/// (a tick of 100 ms): how many snapshots it was asked for, and the
+/// refusals the reports carried.
+fn fetched_in_3_s(answer: Answer) -> (usize, Vec<Option<pb::DesiredRefused>>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let cp = FakeControlPlane::start().expect("cp");
-    cp.answer_snapshots(Answer::Snapshot(snapshot(1, HOST, "data-1")));
+    cp.answer_snapshots(answer);
     let a = Agent::start(
         dir.path(),
         &[
@@ -394,8 +396,6 @@ fn a_refused_answer_is_backed_off_like_no_answer_and_each_refusal_reported() {
         ],
     );
 
-    // At the tick of 100 ms, 30 contacts in 3 s; backed off from it
-    // (0.1, 0.2, 0.4, 0.8, 1.6 s, each with up to a tenth of jitter), 6.
     std::thread::sleep(Duration::from_secs(3));
 
     let fetched = cp
@@ -403,15 +403,36 @@ fn a_refused_answer_is_backed_off_like_no_answer_and_each_refusal_reported() {
         .iter()
         .filter(|r| r.path == "/v1/agent/snapshot")
         .count();
-    assert!((2..=8).contains(&fetched), "{fetched} fetches in 3 s");
     let refused = refusals(&cp);
+    drop(a);
+    (fetched, refused)
+}
+
+#[test]
+fn a_refused_answer_is_backed_off_like_no_answer_and_each_refusal_reported() {
+    let (fetched, refused) = fetched_in_3_s(Answer::Snapshot(snapshot(1, HOST, "data-1")));
+
+    // At the tick of 100 ms, 30 contacts in 3 s; backed off from it
+    // (0.1, 0.2, 0.4, 0.8, 1.6 s, each with up to a tenth of jitter), 6.
+    assert!((2..=8).contains(&fetched), "{fetched} fetches in 3 s");
     assert!(!refused.is_empty());
     assert!(
         refused
             .iter()
             .all(|r| r.as_ref().is_some_and(|r| r.kind == "unsigned"))
     );
-    drop(a);
+}
+
+#[test]
+fn garbage_from_the_control_plane_is_backed_off_and_each_refusal_reported() {
+    // A misconfigured proxy's page where a snapshot should be.
+    let page = b"<html><body>502 Bad Gateway</body></html>".to_vec();
+
+    let (fetched, refused) = fetched_in_3_s(Answer::Raw(page));
+
+    assert!((2..=8).contains(&fetched), "{fetched} fetches in 3 s");
+    assert!(!refused.is_empty());
+    assert!(refused.iter().all(Option::is_some), "{refused:?}");
 }
 
 #[test]
