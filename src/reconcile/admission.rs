@@ -53,12 +53,13 @@ impl FdBudget {
     }
 
     /// Whether `more` descriptors fit beside what the agent holds now
-    /// (asked of the kernel: everything it really holds counts).
-    pub fn check(&self, more: u64) -> Result<(), FdShort> {
+    /// (asked of the kernel: everything it really holds counts) and what
+    /// other VMs' claims are about to open (`claimed`).
+    pub fn check(&self, more: u64, claimed: u64) -> Result<(), FdShort> {
         if self.limit == 0 {
             return Ok(());
         }
-        let open = open_files();
+        let open = open_files() + claimed;
         if open + more + self.reserve <= self.limit {
             return Ok(());
         }
@@ -128,6 +129,24 @@ impl Compute {
 pub struct Ledger {
     caps: HostCaps,
     committed: Mutex<HashMap<Id, Compute>>,
+    /// Descriptors claimed and not opened yet (see [`FdClaim`]).
+    fds_claimed: Mutex<u64>,
+}
+
+/// Descriptors a VM may open: counted against the budget until dropped,
+/// once they are open (and `/proc/self/fd` counts them) or were not
+/// needed. Without it two VMs' workers could each find room for their
+/// ports at once, and both open them.
+pub struct FdClaim<'a> {
+    claimed: &'a Mutex<u64>,
+    more: u64,
+}
+
+impl Drop for FdClaim<'_> {
+    fn drop(&mut self) {
+        let mut claimed = self.claimed.lock();
+        *claimed = claimed.saturating_sub(self.more);
+    }
 }
 
 impl Ledger {
@@ -135,6 +154,7 @@ impl Ledger {
         Ledger {
             caps,
             committed: Mutex::new(HashMap::new()),
+            fds_claimed: Mutex::new(0),
         }
     }
 
@@ -208,10 +228,16 @@ impl Ledger {
         self.committed.lock().remove(vm_id);
     }
 
-    /// Whether the agent may open `more` descriptors for a VM (see
-    /// [`FdBudget`]).
-    pub fn descriptors(&self, more: u64) -> Result<(), FdShort> {
-        self.caps.fds.check(more)
+    /// Claims `more` descriptors for a VM to open, if they fit (see
+    /// [`FdBudget`]); hold the claim until they are open.
+    pub fn descriptors(&self, more: u64) -> Result<FdClaim<'_>, FdShort> {
+        let mut claimed = self.fds_claimed.lock();
+        self.caps.fds.check(more, *claimed)?;
+        *claimed += more;
+        Ok(FdClaim {
+            claimed: &self.fds_claimed,
+            more,
+        })
     }
 
     /// Committed vCPUs, MB and GB, and the caps on each (0 = none).
@@ -338,11 +364,36 @@ mod tests {
             reserve: 64,
         };
 
-        let short = budget.check(100).expect_err("over");
+        let short = budget.check(100, 0).expect_err("over");
 
         assert!(short.open > 0, "{short:?}");
         assert!(short.to_string().contains("ulimit -n"), "{short}");
-        assert!(FdBudget::default().check(u64::MAX / 2).is_ok());
+        assert!(FdBudget::default().check(u64::MAX / 2, 0).is_ok());
+    }
+
+    /// Room for `more` descriptors beside what this process holds now.
+    fn room_for(more: u64) -> HostCaps {
+        let budget = FdBudget::under(4096);
+        HostCaps {
+            fds: FdBudget {
+                limit: open_files() + more + budget.reserve,
+                reserve: budget.reserve,
+            },
+            ..HostCaps::default()
+        }
+    }
+
+    #[test]
+    fn a_claim_counts_until_it_is_dropped() {
+        let ledger = Ledger::new(room_for(40));
+
+        let first = ledger.descriptors(32).expect("room for the first");
+        let second = ledger.descriptors(32).err();
+        drop(first);
+        let third = ledger.descriptors(32).map(drop);
+
+        assert!(second.is_some(), "two claims of 32 in room for 40");
+        assert!(third.is_ok(), "the first claim was given back");
     }
 
     #[test]

@@ -154,11 +154,15 @@ impl Create {
         };
         // Descriptors the agent would hold for it (its ports' sockets are
         // asked for as they are held): short, it waits as the host's to
-        // fix, and no create of another VM runs out of them.
-        if let Err(short) = ctx.ledger.descriptors(super::FDS_PER_VM) {
-            let why = format!("waits for file descriptors: {short}");
-            return attempt.wait_for_host(rec, why, pass.res);
-        }
+        // fix, and no create of another VM runs out of them. Claimed for
+        // the rest of the attempt, which opens them.
+        let _fds = match ctx.ledger.descriptors(super::FDS_PER_VM) {
+            Ok(claim) => claim,
+            Err(short) => {
+                let why = format!("waits for file descriptors: {short}");
+                return attempt.wait_for_host(rec, why, pass.res);
+            }
+        };
         // A refusal is no attempt and no record of one: reported failed,
         // as the reference does, and retried at the next tick.
         if let Err(why) = timed("admission", || ctx.ledger.admit(&rec.spec)) {

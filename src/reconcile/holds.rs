@@ -213,8 +213,10 @@ impl<'a> Holding<'a> {
         let wanted = &desired.published;
         let (result, held) = match self.holds {
             Some(h) => {
-                let (within, short) = self.within_budget(wanted, &h.published(vm_id));
+                let (within, short, claim) = self.within_budget(wanted, &h.published(vm_id));
                 let result = h.set_published(vm_id, &within);
+                // Its sockets are open now: counted by the kernel.
+                drop(claim);
                 (short.map_or(result, Err), h.published(vm_id))
             }
             None if wanted.is_empty() => (Ok(()), Vec::new()),
@@ -237,19 +239,24 @@ impl<'a> Holding<'a> {
     /// Of `wanted`, what the agent's descriptor budget lets the VM hold:
     /// everything when the ports it does not hold yet fit (each holds a
     /// socket), else only what it holds already, and the shortage as a
-    /// host condition (the ports wait; the VM runs on).
+    /// host condition (the ports wait; the VM runs on). The claim is held
+    /// until the sockets are open.
     fn within_budget(
         &self,
         wanted: &[Publish],
         held: &[Publish],
-    ) -> (Vec<Publish>, Option<crate::error::BoxFailure>) {
+    ) -> (
+        Vec<Publish>,
+        Option<crate::error::BoxFailure>,
+        Option<super::admission::FdClaim<'a>>,
+    ) {
         let holds = |p: &Publish| held.iter().any(|h| h.host_side() == p.host_side());
         let new = wanted.iter().filter(|p| !holds(p)).count() as u64;
         if new == 0 {
-            return (wanted.to_vec(), None);
+            return (wanted.to_vec(), None, None);
         }
         match self.ctx.ledger.descriptors(new) {
-            Ok(()) => (wanted.to_vec(), None),
+            Ok(claim) => (wanted.to_vec(), None, Some(claim)),
             Err(short) => (
                 wanted.iter().filter(|p| holds(p)).copied().collect(),
                 Some(
@@ -258,6 +265,7 @@ impl<'a> Holding<'a> {
                     ))
                     .into(),
                 ),
+                None,
             ),
         }
     }
