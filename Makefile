@@ -12,7 +12,7 @@
 
 CARGO    ?= cargo
 PROTOGEN := contrib/protogen
-GENERATED := src/pb/eitri.agent.v1.rs
+GENERATED := src/pb/eitri.agent.v1.rs src/pb/eitri.guest.v1.rs
 BENCHES  := store engine storage boot create suspend wake probe intake net repair limits
 
 MUSL     := x86_64-unknown-linux-musl
@@ -112,8 +112,8 @@ proto:
 proto-check:
 	@tmp=$$(mktemp -d) && \
 	$(CARGO) run --quiet --locked --manifest-path $(PROTOGEN)/Cargo.toml -- proto $$tmp && \
-	rustfmt --edition 2024 $$tmp/eitri.agent.v1.rs && \
-	if diff -u $(GENERATED) $$tmp/eitri.agent.v1.rs; then rm -rf $$tmp; \
+	rustfmt --edition 2024 $$tmp/*.rs && \
+	if for f in $(GENERATED); do diff -u $$f $$tmp/$$(basename $$f) || exit 1; done; then rm -rf $$tmp; \
 	else rm -rf $$tmp; echo "$(GENERATED) is stale: run make proto and commit it" >&2; exit 1; fi
 
 bench: $(addprefix bench-,$(BENCHES)) bench-scale

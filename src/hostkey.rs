@@ -132,7 +132,7 @@ fn encode(seed: &[u8; 32], check: u32, comment: &str) -> HostKey {
 
 /// Reads a key written by [`encode`] (or by ssh-keygen, unencrypted), and
 /// checks that its public half matches its secret.
-fn parse(pem: &str) -> Option<HostKey> {
+pub fn parse(pem: &str) -> Option<HostKey> {
     let body: String = pem
         .lines()
         .skip_while(|l| l.trim() != BEGIN)
@@ -169,6 +169,16 @@ fn parse(pem: &str) -> Option<HostKey> {
             .to_owned(),
         private_pem: pem.to_owned(),
     })
+}
+
+/// A public key line's fingerprint as OpenSSH prints it: `SHA256:` and the
+/// unpadded base64 of the SHA-256 of its blob; `None` if the line is not
+/// `<type> <base64> [comment]`.
+pub fn fingerprint(public_line: &str) -> Option<String> {
+    use sha2::{Digest, Sha256};
+    let blob = base64::decode(public_line.split_whitespace().nth(1)?)?;
+    let digest = base64::encode(&Sha256::digest(&blob));
+    Some(format!("SHA256:{}", digest.trim_end_matches('=')))
 }
 
 struct Reader<'a>(&'a [u8]);

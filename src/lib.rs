@@ -24,6 +24,7 @@
 //! | 1 | [`pb`] | wire types generated from `proto/`, and their validating conversion to [`model`] |
 //! | 2 | [`provision`] | the hypervisor seam: the shared [`supervise`](provision::supervise) layer, and the `cloudhv` and [`vfkit`](provision::vfkit) backends |
 //! | 2 | [`net`] | the underlay: addresses, the port guard, DHCP, the second NIC's snooper |
+//! | 2 | [`guest`] | the guest agent's exchange over vsock: its framing, the host's questions, the checks every answer passes, and the guest's side (`eitri-guest`) |
 //! | 2 | [`image`], [`seed`], [`disk`], [`hostkey`] | the artifacts of a create: base images, the NoCloud seed, root disks, guest host keys |
 //! | 3 | [`reconcile`] | the engine: `Engine::step` routes a snapshot to one worker thread per VM and collects their rows; a VM's pass is the spine's numbered steps (`reconcile/step.rs`), each verb a file of its own |
 //! | 4 | [`source`], [`config`], [`status`], [`console`] | desired state in, flags in, the report file and its rendering, a VM's console |
@@ -87,6 +88,7 @@ pub mod deadline;
 pub mod disk;
 pub mod error;
 pub mod events;
+pub mod guest;
 pub mod hex;
 pub mod hostkey;
 pub mod human;

@@ -23,7 +23,7 @@
 //! other (each returns what should happen next, and only the spine,
 //! `reconcile/step.rs`, knows them all), and the pass context
 //! (`reconcile/context.rs`, `reconcile/pass.rs`) imports no verb, no
-//! concern (sleepers, probes, holds) and not the spine.
+//! concern (sleepers, probes, holds, guests) and not the spine.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -52,6 +52,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("disk", 2),
     ("events", 2),
     ("hostkey", 2),
+    ("guest", 2),
     ("reconcile", 3),
     ("source", 4),
     ("config", 4),
@@ -61,6 +62,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("testkit", 6),
     ("cli", 6),
     ("main", 6),
+    ("guest_main", 6),
 ];
 
 /// Folders whose code must never name the modules listed.
@@ -89,6 +91,7 @@ fn sibling_nevers() -> Vec<(&'static str, Vec<&'static str>)> {
             "reconcile/sleepers",
             "reconcile/probes",
             "reconcile/holds",
+            "reconcile/guests",
             "reconcile/step",
         ])
         .collect();

@@ -27,6 +27,8 @@
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |
 //! | `eitri_suspend_duration_seconds` | histogram | suspend asked → snapshot committed and VMM gone (its `_count`: suspends) |
 //! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
+//! | `eitri_guest_made_whole_total{how}` | counter | resumed guests sent fresh entropy and the host's clock by their guest agent: `done`, `no_agent`, `failed` |
+//! | `eitri_guest_answer_after_resume_seconds` | histogram | restored guest running → its guest agent's answer to the reseed |
 //! | `eitri_wake_duration_seconds` | histogram | first frame for a sleeping guest → guest running (its `_count`: wakes) |
 //! | `eitri_idle_suspends_total` | counter | running VMs suspended for idleness |
 //! | `eitri_wake_loops_total` | counter | wakes that ended a sleep shorter than the idle time |
@@ -323,6 +325,17 @@ fn lifecycle(from: &Sources<'_>, e: &mut Exposition) {
         "Suspended VMs booted from their disks instead of resumed, by why.",
         "why",
         &counts.cold_boots,
+    );
+    e.counter_vec(
+        "eitri_guest_made_whole_total",
+        "Resumed guests sent fresh entropy and the host's clock by their guest agent, by how it went.",
+        "how",
+        &counts.made_whole,
+    );
+    e.histogram(
+        "eitri_guest_answer_after_resume_seconds",
+        "A restored guest running until its guest agent answered the reseed.",
+        &counts.guest_after_resume,
     );
     e.histogram(
         "eitri_wake_duration_seconds",

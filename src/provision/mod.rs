@@ -172,6 +172,27 @@ pub trait Lifecycle: Send + Sync {
     fn waker(&self) -> Option<&dyn Wake> {
         None
     }
+
+    /// The way to each VM's guest agent, where this backend gives its VMs
+    /// a vsock device.
+    fn guest_doors(&self) -> Option<&dyn GuestDoors> {
+        None
+    }
+}
+
+/// Where each VM's guest agent is reached (see [`crate::guest`]).
+pub trait GuestDoors: Send + Sync {
+    /// The VM's door now; `None` while no VMM of it runs.
+    fn guest_door(&self, vm_id: &Id) -> Option<GuestDoor>;
+}
+
+/// A running VM's way in to its guest agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestDoor {
+    /// Its VMM's vsock socket.
+    pub socket: std::path::PathBuf,
+    /// Its VMM, the one process that may be listening there.
+    pub vmm_pid: u32,
 }
 
 /// Scale to zero: a suspended VM's NICs held open with no VMM behind

@@ -1,7 +1,8 @@
 //! What the engine counts, for the metrics file: steps, create attempts
 //! and how they ended, boots, VMs lost (their hypervisor gone without a
 //! stop asked), suspends and resumes (and the resumes that had to boot
-//! from the disks instead), VMs destroyed, and probes failed and the
+//! from the disks instead, and what their guest agents made of them), VMs
+//! destroyed, and probes failed and the
 //! restarts they caused. A VM's own series are dropped when it is
 //! destroyed.
 
@@ -39,6 +40,11 @@ pub struct Counts {
     /// Wakes that ended a sleep shorter than the VM's idle time: a wake
     /// loop, which stretches its next idle time.
     pub wake_loops: Counter,
+    /// Resumed guests made whole by their guest agent (entropy, clock), by
+    /// how it went: `done`, `no_agent`, `failed`.
+    pub made_whole: CounterVec,
+    /// From a resumed guest running to its guest agent's answer.
+    pub guest_after_resume: Histogram,
     /// Probes failed by a VM past its grace or after it was ready, per VM.
     pub unhealthy: CounterVec,
     /// VMs booted again by their probe's `restart_after`, per VM.
@@ -70,6 +76,10 @@ impl Default for Counts {
         for why in ["gone", "unusable", "failed", "interrupted"] {
             cold_boots.touch(why);
         }
+        let made_whole = CounterVec::default();
+        for how in ["done", "no_agent", "failed"] {
+            made_whole.touch(how);
+        }
         Counts {
             steps: Histogram::new(FAST_BUCKETS),
             create_attempts: Counter::default(),
@@ -84,6 +94,8 @@ impl Default for Counts {
             wakes: Histogram::new(BOOT_BUCKETS),
             idle_suspends: Counter::default(),
             wake_loops: Counter::default(),
+            made_whole,
+            guest_after_resume: Histogram::new(FAST_BUCKETS),
             unhealthy: CounterVec::default(),
             probe_restarts: CounterVec::default(),
             held: parking_lot::Mutex::default(),

@@ -30,6 +30,7 @@ mod context;
 mod converge;
 pub mod counts;
 mod create;
+mod guests;
 mod holds;
 /// The lifecycle lives beside the record it writes (see its header).
 pub use crate::state::lifecycle;

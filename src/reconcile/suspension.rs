@@ -56,9 +56,10 @@
 use std::time::Instant;
 
 use super::context::Context;
+use super::guests;
 use super::pass::{Next, Pass, RESUME_STAGE, SUSPEND_STAGE};
 use crate::error::{Simple, chain};
-use crate::model::{DesiredVm, Phase, PowerState, Saved};
+use crate::model::{DesiredVm, Id, Phase, PowerState, Saved};
 use crate::provision::{SavedGuest, Suspend};
 use crate::stages::timed;
 use crate::state::{Record, lifecycle};
@@ -280,11 +281,13 @@ impl Suspension<'_> {
         });
         match (saved, resumed) {
             (_, Ok(())) => {
+                let ran = Instant::now();
                 ctx.counts.resumes.observe(started.elapsed());
                 log::info!(
                     "VM {vm_id}: resumed in {} ms",
                     started.elapsed().as_millis()
                 );
+                self.made_whole(&vm_id, ran, pass);
                 self.resumed_now(rec, pass)
             }
             // Its guest never ran (the backend runs it only once the save
@@ -330,6 +333,7 @@ impl Suspension<'_> {
         match s.resume(&rec.spec, pass.deadline, &|| Ok(())) {
             Ok(()) => {
                 log::info!("VM {vm_id}: a suspend or resume cut short is finished: it runs");
+                self.made_whole(&vm_id, Instant::now(), pass);
                 self.resumed_now(rec, pass)
             }
             Err(e) => {
@@ -350,6 +354,24 @@ impl Suspension<'_> {
     /// A guest running again: said (and recorded after) if it is wanted
     /// running, else recorded and driven on to what is wanted now (a suspend
     /// cut short while the wish changed).
+    /// The resumed guest made to stop being a copy of its snapshot, by its
+    /// guest agent where it has one (see [`guests`]); `ran` is when it
+    /// began to run.
+    fn made_whole(&self, vm_id: &Id, ran: Instant, pass: &Pass<'_>) {
+        let counts = &self.ctx.counts;
+        let whole = guests::make_whole(&*self.ctx.backend, vm_id, ran, pass.deadline);
+        guests::say(vm_id, &whole);
+        match &whole {
+            guests::Whole::NoDoor => {}
+            guests::Whole::NoAgent => counts.made_whole.inc("no_agent"),
+            guests::Whole::Done { after, .. } => {
+                counts.made_whole.inc("done");
+                counts.guest_after_resume.observe(*after);
+            }
+            guests::Whole::Failed(_) => counts.made_whole.inc("failed"),
+        }
+    }
+
     fn resumed_now(&self, mut rec: Record, pass: &mut Pass<'_>) -> Next {
         let (ctx, d) = (self.ctx, self.desired);
         rec.resumed(ctx.host.boot_id());

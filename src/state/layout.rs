@@ -315,6 +315,24 @@ impl Layout {
         run_dir.join(format!("{}.sock", &crate::hex::encode(&digest)[..16]))
     }
 
+    /// The directory of the VM's vsock socket (cloud-hypervisor), in
+    /// `run_dir` for the same reason as [`Layout::api_socket`], named the
+    /// same way: a directory of its own, the VMM's, made afresh before
+    /// each of its starts, because cloud-hypervisor's Landlock rules give
+    /// the VMM write access to the socket's parent, and no other file may
+    /// be in it.
+    pub fn vsock_dir(&self, run_dir: &Path, vm_id: &Id) -> PathBuf {
+        self.api_socket(run_dir, vm_id).with_extension("vsock")
+    }
+
+    /// The VMM's vsock socket, through which the host reaches the guest
+    /// agent. A guest that connects out to host port P makes the VMM
+    /// connect to `guest.sock_P` beside it; nothing ever listens there, so
+    /// the guest reaches nothing.
+    pub fn guest_socket(&self, run_dir: &Path, vm_id: &Id) -> PathBuf {
+        self.vsock_dir(run_dir, vm_id).join("guest.sock")
+    }
+
     /// The lock cloud-hypervisor keeps beside its API socket.
     pub fn api_socket_lock(&self, run_dir: &Path, vm_id: &Id) -> PathBuf {
         let mut name = self.api_socket(run_dir, vm_id).into_os_string();

@@ -112,6 +112,7 @@ fn vm_files(vm: &Path, uid: u32) -> Result<VmFiles, Error> {
         serial_log: vm.join("serial.log"),
         log: vm.join("hypervisor.log"),
         snapshot_work: vm.join("snapshot.tmp"),
+        guest_socket: vm.join("vsock/guest.sock"),
     };
     for (path, len) in [
         (&files.root_disk, 1u64 << 20),
@@ -124,6 +125,9 @@ fn vm_files(vm: &Path, uid: u32) -> Result<VmFiles, Error> {
     }
     std::fs::create_dir_all(&files.snapshot_work)?;
     std::os::unix::fs::chown(&files.snapshot_work, Some(uid), Some(uid))?;
+    let vsock = vm.join("vsock");
+    std::fs::create_dir_all(&vsock)?;
+    std::os::unix::fs::chown(&vsock, Some(uid), Some(uid))?;
     Ok(files)
 }
 

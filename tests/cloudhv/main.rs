@@ -7,6 +7,7 @@
 #![cfg(target_os = "linux")]
 
 mod boot;
+mod guest;
 mod hugepages;
 mod jail;
 mod limits;

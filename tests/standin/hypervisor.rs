@@ -74,7 +74,13 @@
 //!   why`).
 //! - `STANDIN_GUEST_TCP=1`: the guest answers ARP and TCP SYNs on its first
 //!   NIC, and logs each SYN (see `wire`).
+//! - `STANDIN_GUEST_AGENT=…`, `STANDIN_GUEST_UP_AFTER_MS=n`: how the guest
+//!   agent behind `--vsock` answers (see `guest`). `--vsock
+//!   cid=…,socket=PATH` binds PATH (failing where a file is left, as the
+//!   real one does), is written into a snapshot's config and bound again
+//!   at its restore; the guest's boot id is kept in the snapshot.
 
+mod guest;
 mod wire;
 
 use std::collections::HashMap;
@@ -120,6 +126,7 @@ impl Args {
 
 const FLAGS: &[&str] = &[
     "api-socket",
+    "vsock",
     "kernel",
     "firmware",
     "cmdline",
@@ -302,6 +309,14 @@ impl Config {
         });
         if !nets.is_empty() {
             config["net"] = nets.into();
+        }
+        if let Some(socket) = args.option("vsock", "socket") {
+            let cid: u64 = args
+                .option("vsock", "cid")
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            config["vsock"] =
+                json!({"id": "_vsock0", "pci_segment": 0, "cid": cid, "socket": socket});
         }
         if let Some(group) = list("rate-limit-group").first() {
             config["rate_limit_groups"] = json!([{
@@ -496,10 +511,9 @@ fn write_snapshot(dir: &Path, config: &Config) -> Result<(), String> {
     // A nonce for the chaos harness: a snapshot restored twice logs one
     // nonce twice.
     let nonce = format!("{}-{}", std::process::id(), unix_ns());
-    write(
-        "state.json",
-        format!(r#"{{"standin":"device state","nonce":"{nonce}"}}"#).as_bytes(),
-    )?;
+    let state =
+        serde_json::json!({"standin": "device state", "nonce": nonce, "boot_id": boot_id()});
+    write("state.json", state.to_string().as_bytes())?;
     // Sparse, as the real one writes a shared memory: the size of the
     // guest's memory, and only the pages it touched (a few) allocated.
     let memory = File::create(dir.join("memory-ranges")).map_err(|e| e.to_string())?;
@@ -655,6 +669,19 @@ impl Log {
             None => eprintln!("cloud-hypervisor: {text}"),
         }
     }
+}
+
+static BOOT_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The guest's boot id: new at a boot, the snapshot's at a restore.
+fn boot_id() -> String {
+    BOOT_ID
+        .get_or_init(|| {
+            std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+                .map(|u| u.trim().to_owned())
+                .unwrap_or_else(|_| format!("{:032x}", unix_ns()))
+        })
+        .clone()
 }
 
 fn unix_ns() -> u128 {
@@ -826,6 +853,23 @@ fn main() {
         std::thread::spawn(move || wire::answer(fd, mac, |said| log.line(said)));
     }
     tried_by_a_guest(&log);
+    let vsock = match &restored {
+        Some(config) => config.0["vsock"]["socket"].as_str().map(str::to_owned),
+        None => args.option("vsock", "socket"),
+    };
+    if let Some(socket) = vsock {
+        let say = Arc::clone(&log);
+        let up_after = knob("STANDIN_GUEST_UP_AFTER_MS")
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::ZERO, Duration::from_millis);
+        let scripted =
+            guest::Scripted::new(boot_id(), up_after, Arc::new(move |l: &str| say.line(l)));
+        guest::listen(
+            Path::new(&socket),
+            Arc::new(scripted),
+            knob("STANDIN_GUEST_AGENT"),
+        );
+    }
     if knob("STANDIN_NO_SOCKET").is_some() {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
@@ -919,10 +963,12 @@ fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
     let text = std::fs::read(dir.join("config.json")).map_err(|e| format!("config.json: {e}"))?;
     let config = Config(serde_json::from_slice(&text).map_err(|e| format!("config.json: {e}"))?);
     let state = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
-    let nonce = serde_json::from_slice::<serde_json::Value>(&state)
-        .ok()
-        .and_then(|v| v.get("nonce")?.as_str().map(str::to_owned))
-        .unwrap_or_default();
+    let state = serde_json::from_slice::<serde_json::Value>(&state).unwrap_or_default();
+    let nonce = state["nonce"].as_str().unwrap_or_default().to_owned();
+    // The guest goes on with the boot it had.
+    if let Some(boot) = state["boot_id"].as_str() {
+        let _ = BOOT_ID.set(boot.to_owned());
+    }
     // `net_fds=[net0@[4],net1@[5]]`: each id must be one of the config's.
     let restore_arg = args
         .flags

@@ -46,5 +46,10 @@ fn generate(proto_dir: &Path, out_dir: &Path) -> Result<(), Box<dyn std::error::
         .type_attribute(".eitri.agent.v1.VMSpec", "#[serde(deny_unknown_fields)]")
         .type_attribute(".eitri.agent.v1.VolumeSpec", "#[serde(deny_unknown_fields)]")
         .compile_fds(descriptors)?;
+    // The guest agent's exchange: binary only, never JSON, so no serde.
+    let descriptors = protox::compile(["eitri/guest/v1/guest.proto"], [proto_dir])?;
+    prost_build::Config::new()
+        .out_dir(out_dir)
+        .compile_fds(descriptors)?;
     Ok(())
 }

@@ -10,7 +10,9 @@
 //! the spec's order), one `--net` per NIC as an inherited tap fd named
 //! `net0`, `net1` (a restore hands each its new tap by that name), serial
 //! output to a file and the virtio console off (it would be the agent's
-//! tty), CPUs, memory shared (a memfd: its snapshot is written sparse,
+//! tty), a vsock device whose socket the VMM binds in a directory of its
+//! own (the host reaches the guest agent through it, see [`crate::guest`]),
+//! CPUs, memory shared (a memfd: its snapshot is written sparse,
 //! only the pages the guest touched), the VMM's own log, and Landlock when
 //! the host has it (the VMM then confines itself to the files this
 //! command line names, and its snapshot directory).
@@ -50,13 +52,17 @@ pub struct VmFiles {
     pub log: PathBuf,
     /// Where the VMM writes a snapshot when the VM is suspended.
     pub snapshot_work: PathBuf,
+    /// The vsock socket the VMM binds for the host to reach the guest
+    /// agent; its directory is the VMM's.
+    pub guest_socket: PathBuf,
 }
 
 /// Everything a VMM is given to see: what its binary needs to run
 /// (`runtime`, see [`runtime_of`](crate::provision::jail::view::runtime_of)), the binary, its kernel or firmware
 /// (`boot`) and its seed read-only (it reads them, and must not grow or
-/// change them), its disks, volumes, serial and log files, and the devices
-/// it opens (`kvm`, `/dev/null`, `/dev/urandom`).
+/// change them), its disks, volumes, serial and log files, its vsock
+/// socket's directory, and the devices it opens (`kvm`, `/dev/null`,
+/// `/dev/urandom`).
 pub fn what_a_vmm_sees(
     mut runtime: Vec<Visible>,
     hypervisor: &Path,
@@ -76,6 +82,9 @@ pub fn what_a_vmm_sees(
         runtime.push(Visible::new(rw, Access::Write));
     }
     runtime.push(Visible::new(&files.snapshot_work, Access::Write));
+    if let Some(vsock) = files.guest_socket.parent() {
+        runtime.push(Visible::new(vsock, Access::Write));
+    }
     runtime.push(Visible::new(kvm, Access::Write));
     runtime.push(Visible::new("/dev/null", Access::Write));
     runtime.push(Visible::new("/dev/urandom", Access::Read));
@@ -101,6 +110,11 @@ pub struct Nic {
     pub fd: i32,
     pub mac: Mac,
 }
+
+/// The guest's vsock address. Each VM has a vsock device of its own,
+/// served by its VMM over a unix socket (no host vsock is involved), so
+/// every guest can be 3, the first a guest may have.
+pub(super) const GUEST_CID: u32 = 3;
 
 /// Every disk is raw, and its format is never probed: a guest owns the
 /// bytes of its disks and could write a QCOW2 header naming a host file as
@@ -213,6 +227,12 @@ pub fn argv(image: Option<GuestImage<'_>>, files: &VmFiles, shape: &VmShape<'_>)
     arg(option("file=", &files.serial_log, ""));
     arg("--console".into());
     arg("off".into());
+    arg("--vsock".into());
+    arg(option(
+        &format!("cid={GUEST_CID},socket="),
+        &files.guest_socket,
+        "",
+    ));
     arg("--cpus".into());
     arg(format!("boot={}", shape.vcpus).into());
     arg("--memory".into());
@@ -322,6 +342,7 @@ mod tests {
             serial_log: "/var/lib/eitri/vms/web-1/serial.log".into(),
             log: "/var/lib/eitri/vms/web-1/hypervisor.log".into(),
             snapshot_work: "/var/lib/eitri/vms/web-1/snapshot.tmp".into(),
+            guest_socket: "/run/eitri/0123456789abcdef.vsock/guest.sock".into(),
         }
     }
 
@@ -379,6 +400,8 @@ mod tests {
                 "file=/var/lib/eitri/vms/web-1/serial.log",
                 "--console",
                 "off",
+                "--vsock",
+                "cid=3,socket=/run/eitri/0123456789abcdef.vsock/guest.sock",
                 "--cpus",
                 "boot=2",
                 "--memory",
@@ -473,6 +496,8 @@ mod tests {
                 "file=/var/lib/eitri/vms/web-1/serial.log",
                 "--console",
                 "off",
+                "--vsock",
+                "cid=3,socket=/run/eitri/0123456789abcdef.vsock/guest.sock",
                 "--cpus",
                 "boot=1",
                 "--memory",

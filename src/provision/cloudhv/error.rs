@@ -140,6 +140,11 @@ pub enum CloudHvError {
         tap: String,
         source: io::Error,
     },
+    RemoveVsock {
+        vm_id: Id,
+        dir: std::path::PathBuf,
+        source: io::Error,
+    },
     /// What every backend's supervision can fail at.
     Supervise(SuperviseError),
 }
@@ -249,6 +254,11 @@ impl fmt::Display for CloudHvError {
                 "VM {vm_id}: {doing} failed inside the agent (a bug: {why}; see the agent's log)"
             ),
             E::RemoveTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot remove tap {tap}"),
+            E::RemoveVsock { vm_id, dir, .. } => write!(
+                f,
+                "VM {vm_id}: cannot remove its vsock directory {}",
+                crate::quote::path(dir)
+            ),
             E::Supervise(e) => e.fmt(f),
         }
     }
@@ -285,6 +295,7 @@ impl std::error::Error for CloudHvError {
             | E::Start { source, .. }
             | E::Pidfile { source, .. }
             | E::RemoveTap { source, .. }
+            | E::RemoveVsock { source, .. }
             | E::HugePagePool { source }
             | E::Version { source, .. } => Some(source),
             E::Leftovers { source, .. } => Some(source),
@@ -342,7 +353,8 @@ impl CloudHvError {
             | E::Panicked { .. }
             | E::NotRunning { .. }
             | E::Suspension { .. }
-            | E::RemoveTap { .. } => Kind::Transient,
+            | E::RemoveTap { .. }
+            | E::RemoveVsock { .. } => Kind::Transient,
             // What the host lacks is the host's; the rest (a full disk
             // under the VM's files, a busy cgroup) is about a moment.
             E::Jail(e) if e.is_host_condition() => Kind::Host,

@@ -227,6 +227,13 @@ impl CloudHypervisor {
             .api_socket(&self.cfg.hypervisor.run_dir, vm_id)
     }
 
+    /// The VMM's vsock socket, behind which the guest agent answers.
+    pub fn guest_socket(&self, vm_id: &Id) -> PathBuf {
+        self.store
+            .layout()
+            .guest_socket(&self.cfg.hypervisor.run_dir, vm_id)
+    }
+
     /// The VM's tap names, while networking is on and it holds an address.
     pub fn taps(&self, vm_id: &Id) -> Option<crate::net::host::Taps> {
         self.cfg.network.as_ref().and_then(|n| n.taps(vm_id))

@@ -287,6 +287,7 @@ impl CloudHypervisor {
                 .landlock()
                 .unwrap_or(false)
                 .then(|| layout.snapshot_work(vm_id)),
+            guest_socket: self.guest_socket(vm_id),
         };
         suspend::Taken {
             disks,
@@ -359,6 +360,18 @@ impl Lifecycle for CloudHypervisor {
             layout.pidfile(vm_id),
         ];
         supervise::remove_files(vm_id, &files).map_err(CloudHvError::from)?;
+        let vsock = layout.vsock_dir(&self.cfg.hypervisor.run_dir, vm_id);
+        match std::fs::remove_dir_all(&vsock) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(CloudHvError::RemoveVsock {
+                    vm_id: vm_id.clone(),
+                    dir: vsock,
+                    source: e,
+                }
+                .into());
+            }
+            _ => {}
+        }
         self.children.forget(vm_id);
         if let Some(network) = &self.cfg.network {
             network.release(vm_id, Mac::second_nic(vm_id))?;
@@ -442,6 +455,20 @@ impl Lifecycle for CloudHypervisor {
 
     fn waker(&self) -> Option<&dyn super::Wake> {
         Some(self)
+    }
+
+    fn guest_doors(&self) -> Option<&dyn super::GuestDoors> {
+        Some(self)
+    }
+}
+
+impl super::GuestDoors for CloudHypervisor {
+    fn guest_door(&self, vm_id: &Id) -> Option<super::GuestDoor> {
+        let vmm_pid = self.pid(vm_id)?;
+        Some(super::GuestDoor {
+            socket: self.guest_socket(vm_id),
+            vmm_pid,
+        })
     }
 }
 

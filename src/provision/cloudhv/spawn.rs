@@ -72,6 +72,7 @@ impl CloudHypervisor {
             // The agent's, closed to the VMM but for its snapshots (see
             // `window`).
             super::suspend::fresh_work_dir(&files.snapshot_work)?;
+            fresh_vsock_dir(&files.guest_socket, id)?;
             match (launch, id) {
                 (Launch::Restore { snapshot, .. }, Some(id)) => super::suspend::lend(snapshot, id),
                 _ => Ok(()),
@@ -307,6 +308,7 @@ impl CloudHypervisor {
             serial_log: self.store.layout().serial_log(vm_id),
             log: self.store.layout().hypervisor_log(vm_id),
             snapshot_work: self.store.layout().snapshot_work(vm_id),
+            guest_socket: self.guest_socket(vm_id),
         }
     }
 
@@ -492,4 +494,24 @@ impl CloudHypervisor {
             deadline,
         )
     }
+}
+
+/// The vsock socket's directory, made afresh for a new VMM (which binds
+/// the socket there, and fails to where one is left) and given to it
+/// (`id`, when it is jailed). What its last VMM left in it, whatever that
+/// was, goes: `remove_dir_all` follows no link.
+fn fresh_vsock_dir(socket: &std::path::Path, id: Option<u32>) -> std::io::Result<()> {
+    let Some(dir) = socket.parent() else {
+        return Ok(());
+    };
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    crate::state::perms::make_dir_in(dir)?;
+    if let Some(id) = id {
+        std::os::unix::fs::chown(dir, Some(id), Some(id))?;
+    }
+    Ok(())
 }

@@ -51,6 +51,9 @@ pub(super) struct Expected {
     /// The one Landlock rule, the snapshot's work dir, when it runs under
     /// Landlock.
     pub landlock_rule: Option<PathBuf>,
+    /// Its vsock socket. A VM booted before the agent gave VMs one has no
+    /// vsock device, so none is as good.
+    pub guest_socket: PathBuf,
 }
 
 /// What a VM boots.
@@ -75,9 +78,13 @@ enum Rule {
     Object(Vec<(&'static str, Rule)>),
     /// A list of exactly these, in order.
     List(Vec<Rule>),
+    /// This, or nothing at all: a device a VM started by an older agent
+    /// lacks, which is no reach for a forger (a guest without it only
+    /// loses what the agent asks of it).
+    Either(Box<Rule>),
 }
 
-use Rule::{Default, Filled, Is, List, Object};
+use Rule::{Default, Either, Filled, Is, List, Object};
 
 /// Why `config` is not what `expected` says; `None` when it is.
 pub(super) fn difference(config: &Value, expected: &Expected) -> Option<String> {
@@ -120,6 +127,15 @@ fn shape(e: &Expected) -> Rule {
     if !e.macs.is_empty() {
         fields.push(("net", nets(&e.macs, e.buckets.net_bytes)));
     }
+    fields.push((
+        "vsock",
+        Either(Box::new(Object(pci_common([
+            // The VMM names its devices.
+            ("id", Filled),
+            ("cid", Is(json!(super::argv::GUEST_CID))),
+            ("socket", Is(path(&e.guest_socket))),
+        ])))),
+    ));
     if e.buckets.disk_bytes != 0 || e.buckets.disk_ops != 0 {
         fields.push((
             "rate_limit_groups",
@@ -320,6 +336,8 @@ fn check(rule: &Rule, value: &Value, at: &str) -> Option<String> {
     let name = || if at.is_empty() { "the document" } else { at };
     match rule {
         Filled => None,
+        Either(_) if value.is_null() => None,
+        Either(rule) => check(rule, value, at),
         Is(want) | Default(want) if value == want => None,
         Default(_) if value.is_null() => None,
         Is(want) | Default(want) => Some(format!(
@@ -416,6 +434,7 @@ mod tests {
             macs: vec![Mac::parse("26:1c:bc:6b:7e:4b").expect("mac")],
             buckets: Buckets::default(),
             landlock_rule: Some("/tmp/.tmpwCiMiF/state/vms/nap-1/snapshot.tmp".into()),
+            guest_socket: "/tmp/.tmpwCiMiF/state/vms/nap-1/vsock/guest.sock".into(),
         }
     }
 

@@ -1,0 +1,123 @@
+//! The guest agent's part in a VM's life, as the engine asks it (the
+//! exchange itself is [`crate::guest`]'s): after every resume the guest is
+//! a copy of its snapshot, and is made to stop being one before the pass
+//! goes on: fresh entropy from the host credited and its generator
+//! reseeded, its clock checked against the host's and set when off.
+//!
+//! A VM without a guest agent (nothing listens on its vsock port) is left
+//! as it is, said once at debug. One whose agent answers badly, late or not
+//! at all once reached is the tenant's problem, not the VM's failure: it
+//! runs on, the failure logged. Either way the exchange is bounded by
+//! [`ASK_WITHIN`] and the pass's deadline, whichever comes first, so a
+//! hostile guest costs its own worker that long and no other VM anything.
+
+use std::io::Read;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::deadline::Deadline;
+use crate::guest::{AskError, Reseeded, Said};
+use crate::model::Id;
+use crate::pb::guest::{Resumed, request};
+use crate::provision::Lifecycle;
+
+/// The longest an exchange with a guest agent may take.
+pub(super) const ASK_WITHIN: Duration = Duration::from_secs(2);
+
+/// Entropy sent at each resume: 512 bits, the kernel's pool's size.
+const ENTROPY: usize = 64;
+
+/// The guest's clock is set when it is off the host's by more than this.
+const CLOCK_SLACK_MS: u32 = 100;
+
+/// What came of making a resumed guest whole.
+#[derive(Debug)]
+pub(super) enum Whole {
+    /// The backend gives VMs no guest agent, or its VMM is gone.
+    NoDoor,
+    /// No guest agent listens in the guest.
+    NoAgent,
+    /// It did, `after` the guest ran.
+    Done {
+        said: Reseeded,
+        after: Duration,
+    },
+    Failed(AskError),
+}
+
+/// `ENTROPY` bytes of the host's CRNG.
+fn entropy() -> std::io::Result<Vec<u8>> {
+    let mut bytes = vec![0u8; ENTROPY];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// Sends a resumed guest what it needs to stop being a copy; `ran` is when
+/// its guest began to run.
+pub(super) fn make_whole(
+    backend: &dyn Lifecycle,
+    vm_id: &Id,
+    ran: Instant,
+    deadline: Deadline,
+) -> Whole {
+    let Some(door) = backend.guest_doors().and_then(|d| d.guest_door(vm_id)) else {
+        return Whole::NoDoor;
+    };
+    let entropy = match entropy() {
+        Ok(bytes) => bytes,
+        Err(e) => return Whole::Failed(AskError::NoSocket(e)),
+    };
+    let host_unix_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+    let ask = request::Ask::Resumed(Resumed {
+        entropy,
+        host_unix_ns,
+        clock_slack_ms: CLOCK_SLACK_MS,
+        renew_lease: false,
+    });
+    let within = Deadline::after(ASK_WITHIN);
+    let deadline = match (deadline.instant(), within.instant()) {
+        (Some(a), Some(b)) if a < b => deadline,
+        _ => within,
+    };
+    match crate::guest::ask(&door.socket, door.vmm_pid, 1, ask, deadline) {
+        Ok(asked) => match asked.said {
+            Said::Reseeded(said) => Whole::Done {
+                said,
+                after: ran.elapsed(),
+            },
+            other => Whole::Failed(AskError::Said(crate::guest::SaidError::OtherKind {
+                asked: "a reseed",
+                said: match other {
+                    Said::Status(_) => "a status",
+                    _ => "another answer",
+                },
+            })),
+        },
+        Err(e) if !e.reached() => Whole::NoAgent,
+        Err(e) => Whole::Failed(e),
+    }
+}
+
+/// Says what came of it, once, in the VM's log and events.
+pub(super) fn say(vm_id: &Id, whole: &Whole) {
+    match whole {
+        Whole::NoDoor => {}
+        Whole::NoAgent => log::debug!(
+            "VM {vm_id}: no guest agent answers; its resumed guest keeps the entropy and clock of its snapshot"
+        ),
+        Whole::Done { said, after } => log::info!(
+            "VM {vm_id}: its guest agent answered {:.1} ms after its guest ran: {} bytes of entropy credited{}, its clock {} ms off the host's{}",
+            after.as_secs_f64() * 1000.0,
+            said.credited_bytes,
+            if said.crng_reseeded {
+                " and its generator reseeded"
+            } else {
+                " (its generator not reseeded)"
+            },
+            said.clock_offset_ms,
+            if said.clock_set { " (set)" } else { "" },
+        ),
+        Whole::Failed(e) => log::warn!("VM {vm_id}: its resumed guest was not made whole: {e}"),
+    }
+}

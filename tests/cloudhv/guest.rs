@@ -1,0 +1,265 @@
+//! The guest agent through the VMM's vsock socket: the stand-in's
+//! scripted guest answers as `eitri-guest` does, or misbehaves as a
+//! hostile tenant's agent would.
+
+use super::*;
+
+use eitri_agent::guest::{AskError, Said, SystemState, ask};
+use eitri_agent::pb::guest::{StatusAsk, request};
+
+/// A bound for one exchange in these tests: a hostile guest must cost no
+/// more than this.
+const EXCHANGE: Duration = Duration::from_secs(1);
+
+fn status_of(h: &Host, vm: &str) -> Result<eitri_agent::guest::Asked, AskError> {
+    let pid = h.pid(vm).expect("the VM's hypervisor runs") as u32;
+    ask(
+        &h.backend.guest_socket(&id(vm)),
+        pid,
+        1,
+        request::Ask::Status(StatusAsk {}),
+        Deadline::after(EXCHANGE),
+    )
+}
+
+/// A host whose guests' agent behaves as `how`, with vm-1 running on it;
+/// then what a status request to it came to and how long it took.
+fn asked_of_a_guest_that(how: &str) -> (Result<eitri_agent::guest::Asked, AskError>, Duration) {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", how)]);
+    h.tick(&h.vm("vm-1"));
+    let started = Instant::now();
+    let asked = status_of(&h, "vm-1");
+    (asked, started.elapsed())
+}
+
+#[test]
+fn the_guest_agent_answers_its_status_through_the_vmms_vsock_socket() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+
+    let asked = status_of(&h, "vm-1").expect("answered");
+
+    let Said::Status(status) = asked.said else {
+        panic!("{:?}", asked.said)
+    };
+    assert_eq!(status.system, SystemState::Up);
+    assert!(!status.boot_id.is_empty());
+}
+
+#[test]
+fn a_guest_still_starting_says_so() {
+    let h = Host::new(&[("STANDIN_GUEST_UP_AFTER_MS", "60000")]);
+    h.tick(&h.vm("vm-1"));
+
+    let asked = status_of(&h, "vm-1").expect("answered");
+
+    let Said::Status(status) = asked.said else {
+        panic!("{:?}", asked.said)
+    };
+    assert_eq!(status.system, SystemState::Starting);
+}
+
+#[test]
+fn a_resumed_guest_answers_on_a_socket_bound_again_with_the_boot_it_had() {
+    let h = Host::new(&[]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let Said::Status(before) = status_of(&h, "vm-1").expect("answered").said else {
+        panic!("not a status")
+    };
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let after = status_of(&h, "vm-1").expect("answered after the resume");
+
+    let Said::Status(after) = after.said else {
+        panic!("not a status")
+    };
+    assert_eq!(after.boot_id, before.boot_id, "resumed, not booted again");
+}
+
+#[test]
+fn a_guest_without_an_agent_is_told_apart_from_one_that_misbehaves() {
+    let (asked, _) = asked_of_a_guest_that("none");
+
+    let err = asked.expect_err("no agent answers");
+    assert!(matches!(err, AskError::NotListening(_)), "{err}");
+    assert!(!err.reached());
+}
+
+#[test]
+fn a_guest_agent_that_stalls_costs_one_deadline() {
+    let (asked, took) = asked_of_a_guest_that("stall");
+
+    let err = asked.expect_err("a stall is no answer");
+    assert!(
+        err.reached() && err.to_string().contains("deadline"),
+        "{err}"
+    );
+    // Bounded by the exchange's deadline, not by the guest.
+    assert!(took < EXCHANGE * 3, "took {took:?}");
+}
+
+#[test]
+fn a_guest_agent_that_floods_is_read_no_further_than_its_limit() {
+    let (asked, took) = asked_of_a_guest_that("flood");
+
+    // 0x41414141 bytes said: over the limit, refused before the body.
+    let err = asked.expect_err("a flood is no answer");
+    assert!(err.to_string().contains("over the"), "{err}");
+    assert!(took < EXCHANGE * 3, "took {took:?}");
+}
+
+#[test]
+fn a_guest_agent_that_says_a_huge_length_is_refused_before_reading_it() {
+    let (asked, _) = asked_of_a_guest_that("oversize");
+
+    let err = asked.expect_err("oversize is no answer");
+    assert!(err.to_string().contains("4294967295 bytes"), "{err}");
+}
+
+#[test]
+fn a_guest_agent_of_another_version_is_refused_naming_both() {
+    let (asked, _) = asked_of_a_guest_that("old-version");
+
+    let err = asked.expect_err("another version is no answer");
+    assert!(
+        err.to_string().contains("version 2; this agent speaks 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_guest_agent_answering_another_request_is_refused() {
+    let (asked, _) = asked_of_a_guest_that("wrong-id");
+
+    let err = asked.expect_err("another request's answer is no answer");
+    assert!(
+        err.to_string()
+            .contains("answered request 2 when asked request 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_guest_agent_answering_garbage_is_refused() {
+    let (asked, _) = asked_of_a_guest_that("garbage");
+
+    let err = asked.expect_err("garbage is no answer");
+    assert!(err.to_string().contains("not an answer"), "{err}");
+}
+
+#[test]
+fn a_guest_agent_that_closes_mid_answer_is_named() {
+    let (asked, _) = asked_of_a_guest_that("close");
+
+    let err = asked.expect_err("half an answer is no answer");
+    assert!(
+        err.to_string()
+            .contains("closed the connection 7 bytes into"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_link_in_the_vsock_directory_to_another_socket_is_refused_unwritten() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    // A host service's socket, and the VMM (which owns the directory)
+    // putting a link to it where its own socket was.
+    let service = h.dir.path().join("service.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&service).expect("bind");
+    let socket = h.backend.guest_socket(&id("vm-1"));
+    std::fs::remove_file(&socket).expect("remove the VMM's socket");
+    std::os::unix::fs::symlink(&service, &socket).expect("link");
+
+    let asked = status_of(&h, "vm-1");
+
+    let err = asked.expect_err("not its VMM");
+    assert!(matches!(err, AskError::NotItsVmm { .. }), "{err}");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let (mut conn, _) = listener.accept().expect("the agent connected");
+    conn.set_nonblocking(true).expect("nonblocking");
+    let mut got = [0u8; 64];
+    let read = std::io::Read::read(&mut conn, &mut got);
+    assert!(
+        matches!(read, Ok(0)),
+        "the service was sent nothing: {read:?}"
+    );
+}
+
+/// What the VM's current VMM logged.
+fn vmm_log(h: &Host, vm: &str) -> String {
+    std::fs::read_to_string(h.store.layout().hypervisor_log(&id(vm))).unwrap_or_default()
+}
+
+/// The digests of the entropy its guest agent was sent, as the stand-in
+/// logged them.
+fn reseeds(log: &str) -> Vec<String> {
+    log.lines()
+        .filter_map(|l| l.split("standin-guest reseeded bytes=64 sha256=").nth(1))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// vm-1 booted, suspended and resumed on `h`.
+fn resumed_once(h: &Host) {
+    h.tick(&wanting(h, "vm-1", PowerState::Running));
+    h.tick(&wanting(h, "vm-1", PowerState::Suspended));
+    h.tick(&wanting(h, "vm-1", PowerState::Running));
+}
+
+#[test]
+fn a_resumed_guest_is_sent_fresh_entropy_by_its_guest_agent() {
+    let h = Host::new(&[]);
+
+    resumed_once(&h);
+
+    assert_eq!(
+        reseeds(&vmm_log(&h, "vm-1")).len(),
+        1,
+        "{}",
+        vmm_log(&h, "vm-1")
+    );
+    let counts = h.engine().counts();
+    assert_eq!(
+        (
+            counts.made_whole.get("done"),
+            counts.guest_after_resume.count()
+        ),
+        (1, 1)
+    );
+}
+
+#[test]
+fn each_resume_sends_entropy_of_its_own() {
+    let h = Host::new(&[]);
+    resumed_once(&h);
+    let first = reseeds(&vmm_log(&h, "vm-1"));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    let second = reseeds(&vmm_log(&h, "vm-1"));
+
+    assert_eq!((first.len(), second.len()), (1, 1));
+    assert_ne!(first, second);
+}
+
+#[test]
+fn a_guest_without_an_agent_resumes_and_is_counted_so() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]);
+
+    resumed_once(&h);
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().made_whole.get("no_agent"), 1);
+}
+
+#[test]
+fn a_guest_agent_that_stalls_after_a_resume_leaves_the_vm_running() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "stall")]);
+
+    resumed_once(&h);
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
+    assert_eq!(h.engine().counts().made_whole.get("failed"), 1);
+}
