@@ -441,6 +441,9 @@ fn a_sealed_config_with_any_field_the_agent_never_wrote_is_refused() {
         ("/net/0/mac=\"02:00:00:00:00:01\"", "net[0].mac is"),
         ("/balloon={\"size\":1048576}", "it sets balloon"),
         ("/memory/prefault=true", "memory.prefault is"),
+        // The agent would talk to whatever listens there as the guest.
+        ("/vsock/socket=\"/run/docker.sock\"", "vsock.socket is"),
+        ("/vsock/cid=2", "vsock.cid is"),
     ];
     for (forge, said) in forged {
         let why = suspend_limited_forged(forge);
