@@ -341,6 +341,14 @@ pub enum Check {
     Http { port: u16, path: String },
 }
 
+impl Check {
+    /// Whether it asks the guest over its network (which makes the guest
+    /// send frames), not its console.
+    pub fn is_network(&self) -> bool {
+        matches!(self, Check::Tcp(_) | Check::Http { .. })
+    }
+}
+
 impl fmt::Display for Check {
     /// "tcp 22", "console line \"login:\"", as the row says it.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

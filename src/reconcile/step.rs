@@ -161,10 +161,17 @@ impl Spine {
             .after(ctx, desired, saved.as_deref(), state, answered, pass);
         // 6.
         let published = holding.publish(desired, saved.as_deref());
-        // 7. (A VM with no record has nothing to boot again.)
+        // 7. (A VM with no record has nothing to boot again.) What its
+        // guest answers a probe over the network is not its own traffic.
+        let own = desired
+            .readiness
+            .as_ref()
+            .is_some_and(|r| r.check.is_network())
+            .then(|| self.sleepers.own_exchange(vm_id));
         let restart = self
             .probes
             .probe(ctx, pass.deadline, desired, saved.is_some(), pass.res);
+        drop(own);
         if let Some(why) = restart {
             converge::restart(ctx, desired, &why, pass);
         }

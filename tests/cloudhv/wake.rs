@@ -298,3 +298,43 @@ fn a_guest_whose_probe_has_not_answered_yet_is_not_idle() {
     assert_eq!(row.power, Some(PowerState::Running), "{row:?}");
     assert!(!row.asleep, "{row:?}");
 }
+
+#[test]
+fn a_guest_answering_its_tcp_probe_every_period_still_sleeps_after_its_idle_time() {
+    let (h, _remote, _ns) = wire_host();
+    let idle = Duration::from_secs(2);
+    let mut snap = sleeper(&h, 1, PowerState::Running, Some(idle));
+    for vm in &mut snap.vms {
+        if let eitri_agent::model::WantedVm::Present(d) = vm {
+            Arc::make_mut(d).readiness = Some(eitri_agent::model::Readiness {
+                check: eitri_agent::model::Check::Tcp(8080),
+                period: Duration::from_secs(1),
+                timeout: Duration::from_millis(500),
+                grace: Duration::from_secs(60),
+                restart_after: None,
+            });
+        }
+    }
+    h.tick(&snap);
+
+    // The daemon's ticks, a probe at each one due (the probes' clock is
+    // the engine's: moved as the wall clock): twice a period, for up to
+    // four idle times.
+    let started = Instant::now();
+    while started.elapsed() < idle * 4 && !h.row("vm-1").asleep {
+        h.tick(&snap);
+        std::thread::sleep(Duration::from_millis(500));
+        h.fakes.advance_clock(Duration::from_millis(500));
+    }
+
+    let row = h.row("vm-1");
+    let log =
+        std::fs::read_to_string(h.store.layout().hypervisor_log(&id("vm-1"))).unwrap_or_default();
+    let probes = log.matches("to port 8080").count();
+    assert!(probes >= 2, "its guest answered {probes} probes: {log}");
+    assert!(
+        row.asleep,
+        "still awake after {:?}: {row:?}",
+        started.elapsed()
+    );
+}

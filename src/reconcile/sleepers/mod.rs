@@ -26,7 +26,11 @@
 //! idle time, once a second, and pokes its worker once they have not
 //! moved for that long. The frames its guest sent count: every
 //! conversation makes a guest answer, while what the bridge floods to
-//! every port would keep it awake for ever. A connection that is open and
+//! every port would keep it awake for ever. The frames it sent while the
+//! agent's own readiness probe was open to it (a TCP or HTTP check: the
+//! guest's SYN-ACK, its answer) do not: they are the agent's traffic, and
+//! a probe every period would keep a guest awake for ever. The probe ends
+//! its connection with a reset, so the guest sends nothing for it after. A connection that is open and
 //! silent is no reason to stay awake (its next segment wakes the guest,
 //! whose TCP state slept with it); one that keeps alive is.
 //!
@@ -56,6 +60,19 @@ mod watch;
 pub(crate) use watch::Poke;
 use watch::Watch;
 
+/// An exchange of the agent's own with a guest, open (see
+/// [`Sleepers::own_exchange`]).
+pub(crate) struct OwnExchange<'s> {
+    watch: &'s Watch,
+    vm_id: &'s Id,
+}
+
+impl Drop for OwnExchange<'_> {
+    fn drop(&mut self) {
+        self.watch.own_closed(self.vm_id);
+    }
+}
+
 /// The sleepers' rules and their watch (its one thread), with the
 /// backend's [`Wake`](crate::provision::Wake) asked of when they need it.
 pub(crate) struct Sleepers {
@@ -76,6 +93,18 @@ impl Sleepers {
     /// Everything about the VM, gone with it.
     pub(crate) fn forget(&self, vm_id: &Id) {
         self.watch.forget(vm_id);
+    }
+
+    /// The agent's own exchange with the VM's guest (its readiness probe
+    /// over the network), open until the value is dropped: what the guest
+    /// sends meanwhile (the probe's answer) is not the traffic that keeps
+    /// it awake.
+    pub(crate) fn own_exchange<'s>(&'s self, vm_id: &'s Id) -> OwnExchange<'s> {
+        self.watch.own_opened(vm_id);
+        OwnExchange {
+            watch: &self.watch,
+            vm_id,
+        }
     }
 
     /// What this pass drives the VM to, its sleep taken into account (see

@@ -71,9 +71,16 @@ const MAX_STRETCH: u32 = 6;
 
 struct Quiet {
     limit: Duration,
+    /// Its guest's frames, less those of the agent's own exchanges.
     frames: Option<u64>,
     since: Instant,
     told: bool,
+    /// Frames the guest sent while the agent's own exchanges with it were
+    /// open (its readiness probes): the agent's, not the tenant's.
+    own: u64,
+    /// The guest's frame count when an exchange of the agent's opened,
+    /// while one is open: no sample is taken meanwhile.
+    open: Option<Option<u64>>,
 }
 
 #[derive(Default)]
@@ -166,6 +173,8 @@ impl Watch {
                 frames: None,
                 since: Instant::now(),
                 told: false,
+                own: 0,
+                open: None,
             },
         );
         drop(quiet);
@@ -183,6 +192,28 @@ impl Watch {
 
     pub(super) fn unwatch_quiet(&self, vm_id: &Id) {
         self.shared.quiet.lock().remove(vm_id);
+    }
+
+    /// An exchange of the agent's own with the watched VM's guest opens
+    /// (a readiness probe): what the guest sends until it closes
+    /// ([`Watch::own_closed`]) is not its own traffic.
+    pub(super) fn own_opened(&self, vm_id: &Id) {
+        let frames = self.shared.prov.waker().and_then(|w| w.frames_now(vm_id));
+        if let Some(q) = self.shared.quiet.lock().get_mut(vm_id) {
+            q.open = Some(frames);
+        }
+    }
+
+    /// The exchange closed: the frames the guest sent while it was open
+    /// are taken off what it sent.
+    pub(super) fn own_closed(&self, vm_id: &Id) {
+        let frames = self.shared.prov.waker().and_then(|w| w.frames_now(vm_id));
+        if let Some(q) = self.shared.quiet.lock().get_mut(vm_id)
+            && let Some(before) = q.open.take()
+            && let (Some(before), Some(after)) = (before, frames)
+        {
+            q.own += after.saturating_sub(before);
+        }
     }
 
     /// When a frame woke the VM, until its pass has acted on it.
@@ -324,6 +355,11 @@ impl Shared {
             let Some(q) = quiet.get_mut(&vm_id) else {
                 continue;
             };
+            // Looked at again once the agent's own exchange is over.
+            if q.open.is_some() {
+                continue;
+            }
+            let frames = frames.map(|f| f.saturating_sub(q.own));
             if frames != q.frames {
                 q.frames = frames;
                 q.since = Instant::now();
