@@ -92,6 +92,7 @@ fn sibling_nevers() -> Vec<(&'static str, Vec<&'static str>)> {
             "reconcile/probes",
             "reconcile/holds",
             "reconcile/guests",
+            "reconcile/panics",
             "reconcile/step",
         ])
         .collect();

@@ -21,6 +21,7 @@
 //! | `eitri_vm_lost_total{vm_id}` | counter | booted again after its hypervisor died unasked (series gone at destroy) |
 //! | `eitri_vm_unhealthy_probes_total{vm_id}` | counter | readiness probes failed past the grace or after ready |
 //! | `eitri_vm_probe_restarts_total{vm_id}` | counter | boots again by a probe's `restart_after` |
+//! | `eitri_vm_guest_panics_total{vm_id}` | counter | kernel panics seen on a VM's console (series gone at destroy) |
 //! | `eitri_vm_limit{vm_id,limit}` | gauge | the limits a VM runs with: `cpu_max_millis`, `cpu_burst_ms`, `disk_mbps`, `disk_iops`, `net_mbps` (0: none) |
 //! | `eitri_vm_egress_ranges{vm_id,list}` | gauge | ranges in its own `deny` and `allow` lists held on the host |
 //! | `eitri_vm_probe_answering{vm_id}` | gauge | 1 while its readiness probe answers, 0 while it fails |
@@ -253,6 +254,12 @@ fn per_vm(from: &Sources<'_>, e: &mut Exposition) {
         "Times a VM was booted again because its readiness probe failed for its restart_after.",
         "vm_id",
         &counts.probe_restarts,
+    );
+    e.counter_vec(
+        "eitri_vm_guest_panics_total",
+        "Kernel panics seen on a VM's console.",
+        "vm_id",
+        &counts.guest_panics,
     );
     let held = counts.held.lock().clone();
     let limit_series: Vec<(Vec<(&str, &str)>, f64)> = held

@@ -25,6 +25,7 @@ pub use report::{
 };
 pub use saved::Saved;
 pub use spec::{
-    Check, DesiredVm, Egress, LimitDefaults, Limits, Phase, PowerState, Readiness, Rejected, Sleep,
-    Snapshot, SpecError, VmLimits, VmSpec, VolumeSpec, WantedVm, WantedVolume, is_hostname,
+    Check, DesiredVm, Egress, LimitDefaults, Limits, OnPanic, Phase, PowerState, Readiness,
+    Rejected, Sleep, Snapshot, SpecError, VmLimits, VmSpec, VolumeSpec, WantedVm, WantedVolume,
+    is_hostname,
 };

@@ -284,6 +284,28 @@ pub struct DesiredVm {
     /// When it sleeps and what wakes it. Not in [`VmSpec`]: it applies to
     /// a running VM.
     pub sleep: Sleep,
+    /// What is done when its guest's kernel panics. Not in [`VmSpec`]: it
+    /// applies to a running VM.
+    pub on_panic: OnPanic,
+}
+
+/// What the agent does with a guest whose kernel panicked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OnPanic {
+    /// Left as it is, for someone to look at: its row failed, saying why.
+    #[default]
+    Stay,
+    /// Booted again from its disks.
+    Reboot,
+}
+
+impl OnPanic {
+    pub fn as_wire(self) -> &'static str {
+        match self {
+            OnPanic::Stay => "stay",
+            OnPanic::Reboot => "reboot",
+        }
+    }
 }
 
 /// Scale to zero: a VM suspended with `wake_on_traffic` is woken by the

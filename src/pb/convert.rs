@@ -10,7 +10,8 @@
 use std::collections::HashMap;
 
 use super::tenant::{
-    egress_list, published_ports, published_to_wire, readiness, readiness_to_wire, sleep, vm_limits,
+    egress_list, on_panic, published_ports, published_to_wire, readiness, readiness_to_wire, sleep,
+    vm_limits,
 };
 use crate::model::is_hostname;
 use crate::model::{
@@ -195,6 +196,7 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         readiness: raw.readiness.as_ref().map(readiness).transpose()?,
         published: published_ports(&raw.published_ports)?,
         sleep: sleep(raw.wake_on_traffic, raw.idle_suspend_after_s)?,
+        on_panic: on_panic(&raw.on_panic)?,
     })
 }
 
@@ -238,6 +240,10 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                     .sleep
                     .idle_after
                     .map_or(0, |t| u32::try_from(t.as_secs()).unwrap_or(u32::MAX)),
+                on_panic: match d.on_panic {
+                    crate::model::OnPanic::Stay => String::new(),
+                    other => other.as_wire().to_owned(),
+                },
             }
         }
     }

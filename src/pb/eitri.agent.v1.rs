@@ -205,6 +205,12 @@ pub struct VmSpec {
     /// asleep set, and the next frame for it makes it run again.
     #[prost(uint32, tag = "27")]
     pub idle_suspend_after_s: u32,
+    /// What the agent does when the guest's kernel panics (its console says
+    /// "Kernel panic - not syncing"): "stay" (empty: the default) leaves it
+    /// as it is for someone to look at, its row failed and saying why;
+    /// "reboot" boots it again from its disks.
+    #[prost(string, tag = "28")]
+    pub on_panic: ::prost::alloc::string::String,
 }
 /// One port published to the world: host_port of the host forwarded to
 /// guest_port of the guest.

@@ -110,6 +110,23 @@ pub(super) fn published_ports(raw: &[pb::PublishedPort]) -> Result<Vec<Publish>,
     Ok(list)
 }
 
+/// What is done when the guest's kernel panics: `stay` (or empty) or
+/// `reboot`.
+pub(super) fn on_panic(raw: &str) -> Result<crate::model::OnPanic, SpecError> {
+    use crate::model::OnPanic;
+    match raw {
+        "" | "stay" => Ok(OnPanic::Stay),
+        "reboot" => Ok(OnPanic::Reboot),
+        other => Err(SpecError::new(
+            "on_panic",
+            format!(
+                "{} is neither \"stay\" nor \"reboot\"",
+                crate::quote::text(other)
+            ),
+        )),
+    }
+}
+
 /// When a VM sleeps and what wakes it. An idle time needs wake on
 /// traffic: a VM suspended for idleness while wanted running would
 /// otherwise be resumed by the next pass, and suspended again.

@@ -49,6 +49,8 @@ pub struct Counts {
     pub unhealthy: CounterVec,
     /// VMs booted again by their probe's `restart_after`, per VM.
     pub probe_restarts: CounterVec,
+    /// Kernel panics seen on a VM's console, per VM.
+    pub guest_panics: CounterVec,
     /// What each VM is held to now, by its id: its pass's last word.
     pub held: parking_lot::Mutex<std::collections::BTreeMap<String, Held>>,
 }
@@ -98,6 +100,7 @@ impl Default for Counts {
             guest_after_resume: Histogram::new(FAST_BUCKETS),
             unhealthy: CounterVec::default(),
             probe_restarts: CounterVec::default(),
+            guest_panics: CounterVec::default(),
             held: parking_lot::Mutex::default(),
         }
     }

@@ -34,6 +34,7 @@ mod guests;
 mod holds;
 /// The lifecycle lives beside the record it writes (see its header).
 pub use crate::state::lifecycle;
+mod panics;
 mod pass;
 mod probes;
 mod reap;
@@ -231,6 +232,7 @@ impl Engine {
             },
             create: Create::new(seams.images, seams.seed, seams.host_keys, slots),
             probes: probes::Probes::default(),
+            panics: panics::Panics::default(),
             sleepers,
             watch: parking_lot::RwLock::new(None),
         };

@@ -104,6 +104,7 @@ fn destroy(ctx: &Context, rec: &Record, pass: &Pass<'_>) -> bool {
             counts.lost.remove(vm_id.as_str());
             counts.unhealthy.remove(vm_id.as_str());
             counts.probe_restarts.remove(vm_id.as_str());
+            counts.guest_panics.remove(vm_id.as_str());
             counts.held.lock().remove(vm_id.as_str());
             ctx.forget_logs(vm_id);
             true

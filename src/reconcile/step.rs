@@ -35,6 +35,7 @@ use super::context::Context;
 use super::create::Create;
 use super::holds::{self, Holding};
 use super::lifecycle::{self, State};
+use super::panics::Panics;
 use super::pass::{
     Assignment, CREATE_STAGE, Next, Pass, PassOutcome, Publisher, RESUME_STAGE, SUSPEND_STAGE,
     VmResult,
@@ -73,6 +74,7 @@ pub(crate) struct Spine {
     pub ctx: Context,
     pub create: Create,
     pub probes: Probes,
+    pub panics: Panics,
     pub sleepers: Sleepers,
     pub watch: parking_lot::RwLock<Option<StageWatch>>,
 }
@@ -172,6 +174,7 @@ impl Spine {
             .probes
             .probe(ctx, pass.deadline, desired, saved.is_some(), pass.res);
         drop(own);
+        let restart = restart.or_else(|| self.panics.look(ctx, desired, pass.res));
         if let Some(why) = restart {
             converge::restart(ctx, desired, &why, pass);
         }
@@ -197,6 +200,7 @@ impl Spine {
                 Next::Announce(rec, point) => self.announce(wanted, rec, point, pass),
                 Next::Destroyed(vm_id) => {
                     self.probes.forget(&vm_id);
+                    self.panics.forget(&vm_id);
                     self.sleepers.forget(&vm_id);
                     self.create.forget(&vm_id);
                     Next::Done

@@ -64,6 +64,7 @@ pub fn desired(vm: &str) -> DesiredVm {
         readiness: None,
         published: Vec::new(),
         sleep: crate::model::Sleep::default(),
+        on_panic: crate::model::OnPanic::default(),
     }
 }
 

@@ -50,6 +50,7 @@ fn full_vm(id: &str) -> pb::VmSpec {
         }],
         wake_on_traffic: true,
         idle_suspend_after_s: 300,
+        on_panic: "reboot".into(),
     }
 }
 

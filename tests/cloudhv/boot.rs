@@ -167,3 +167,42 @@ fn a_crashed_hypervisors_last_words_reach_the_row() {
         row.last_error
     );
 }
+
+#[test]
+fn a_guest_whose_kernel_panicked_is_never_ready_and_its_row_says_why() {
+    let h = Host::new(&[("STANDIN_SERIAL_PANIC", "1")]);
+
+    h.tick(&h.vm("vm-1"));
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Failed)),
+        "{row:?}"
+    );
+    assert!(
+        row.last_error.contains(
+            "the guest panicked: Kernel panic - not syncing: VFS: Unable to mount root fs"
+        ),
+        "{row:?}"
+    );
+    assert_eq!(h.engine().counts().guest_panics.get("vm-1"), 1);
+    assert!(h.pid("vm-1").is_some_and(alive), "left as it is");
+}
+
+#[test]
+fn a_guest_whose_kernel_panicked_is_booted_again_when_its_spec_says_reboot() {
+    let h = Host::new(&[("STANDIN_SERIAL_PANIC", "1")]);
+    let mut d = h.desired("vm-1");
+    d.on_panic = eitri_agent::model::OnPanic::Reboot;
+    let snap = snapshot(1, vec![present(d)]);
+    h.tick(&snap);
+    let first = h.pid("vm-1").expect("booted");
+
+    h.tick(&snap);
+
+    let again = h.pid("vm-1").expect("booted again");
+    assert_ne!(first, again);
+    assert!(h.engine().counts().guest_panics.get("vm-1") >= 1);
+}

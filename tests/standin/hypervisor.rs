@@ -37,6 +37,8 @@
 //! - `STANDIN_SERIAL_FLOOD=n`: a guest printing n bytes a second to its
 //!   serial port forever, numbered lines, as the real VMM writes them (one
 //!   file opened once, its offset only growing).
+//! - `STANDIN_SERIAL_PANIC=1`: the boot's console has a kernel panic's
+//!   line, as a guest with a wrong root device prints it.
 //! - `STANDIN_BURN_CPUS=n`: n threads spinning for ever, as a guest whose
 //!   vCPUs never idle.
 //! - `STANDIN_LOG_FLOOD=n`: n bytes a second into its own log file, for
@@ -837,7 +839,13 @@ fn main() {
         None => None,
     };
     if let (None, Some(serial)) = (&restored, args.option("serial", "file")) {
-        let _ = std::fs::write(&serial, "eitri standin: booting\nlogin: \n");
+        let panic = match knob("STANDIN_SERIAL_PANIC") {
+            Some(_) => {
+                "[    0.912345] Kernel panic - not syncing: VFS: Unable to mount root fs on unknown-block(0,0)\n"
+            }
+            None => "",
+        };
+        let _ = std::fs::write(&serial, format!("eitri standin: booting\n{panic}login: \n"));
         if let Some(rate) = knob("STANDIN_SERIAL_FLOOD").and_then(|v| v.parse::<u64>().ok()) {
             std::thread::spawn(move || flood(&serial, rate, false));
         }
