@@ -688,3 +688,60 @@ fn a_guest_cannot_claim_another_address_on_its_site_nic() {
     assert!(!arp.from(lease).is_empty(), "its own ARP never arrived");
     assert_eq!(udp.from(lease), ["LEGIT"; 3], "{:?}", udp.all());
 }
+
+#[test]
+fn a_guest_whose_kernel_panics_is_never_ready_and_its_row_says_why() {
+    let mut lab = lab!("a_guest_whose_kernel_panics_is_never_ready_and_its_row_says_why");
+    // No such disk: the kernel cannot mount its root and panics (and,
+    // with panic=0, stays so).
+    lab.start(&["--cmdline", "console=ttyS0 root=/dev/vdz rw panic=0"]);
+    let vm = lab.vm("oops-1");
+    lab.desire(std::slice::from_ref(&vm));
+    let was_ready = std::cell::Cell::new(false);
+
+    let (report, took) =
+        lab.wait_report("oops-1", "its row to say the guest panicked", SOON, |r| {
+            was_ready.set(was_ready.get() || ready(r));
+            r["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("the guest panicked"))
+        });
+
+    let row = lab::row_of(&report, "oops-1");
+    timing("desired -> the panic in the row", took);
+    timing(
+        "hypervisor start -> the panic in the row",
+        lab::since_hypervisor_start(&report, "oops-1"),
+    );
+    assert!(!was_ready.get(), "it read ready before: {row}");
+    assert_eq!(row["phase"], "failed", "{row}");
+    assert!(
+        row["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("Kernel panic - not syncing: VFS: Unable to mount root fs")),
+        "{row}"
+    );
+}
+
+#[test]
+fn a_guest_probed_over_tcp_sleeps_after_its_idle_time() {
+    let mut lab = lab!("a_guest_probed_over_tcp_sleeps_after_its_idle_time");
+    lab.start(&[]);
+    const IDLE_S: u64 = 20;
+    let vm = with(
+        with(lab.vm("doze-1"), "wake_on_traffic", json!(true)),
+        "idle_suspend_after_s",
+        json!(IDLE_S),
+    );
+    lab.boot(std::slice::from_ref(&vm), "doze-1");
+
+    // Its probe (tcp 22, every 2 s) answered all the while.
+    let (row, took) = lab.wait_row("doze-1", "asleep", SOON * 2, |r| r["asleep"] == true);
+
+    timing("ready -> asleep", took);
+    assert_eq!(row["power_state"], "suspended", "{row}");
+    assert!(
+        took < Duration::from_secs(IDLE_S * 3),
+        "asleep {took:?} after ready, its idle time {IDLE_S} s"
+    );
+}

@@ -194,6 +194,14 @@ impl Lab {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        // A test's own command line replaces the lab's.
+        if extra.contains(&"--cmdline") {
+            let at = args
+                .iter()
+                .position(|a| a == "--cmdline")
+                .expect("the lab's");
+            args.drain(at..at + 2);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         if !self.dir.path().join("desired.json").exists() {
             self.desire(&[]);
