@@ -19,7 +19,12 @@
 //!   floor a wake adds its resume to;
 //! - `resume_ms`: the resume inside that wake, as the agent logs it
 //!   (`resumed in N ms`), and `wake_ms` the agent's own account, from the
-//!   first frame to the guest running.
+//!   first frame to the guest running;
+//! - `guest_agent_ms`: from the restored guest running to its guest
+//!   agent's answer to the reseed the agent sends after every resume, as
+//!   the agent logs it (`its guest agent answered N ms after its guest
+//!   ran`), over `guest_agents_answered` resumes (the stand-in's scripted
+//!   guest agent answers; a real guest without one answers none).
 //!
 //! `EITRI_BENCH_FLAGS` adds flags of the agent's (e.g.
 //! `--userfaultfd-device=`, to compare resumes that read the whole
@@ -155,6 +160,29 @@ fn logged(log: &str, from: usize, marker: &str) -> Vec<Duration> {
             let (_, rest) = l.split_once(marker)?;
             let n: u64 = rest.split_whitespace().next()?.parse().ok()?;
             Some(Duration::from_millis(n))
+        })
+        .collect()
+}
+
+/// The `q` quantile of `v` in milliseconds, with its fraction (0 for none).
+fn fine(v: &[Duration], q: f64) -> f64 {
+    let mut ms: Vec<f64> = v.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    ms.sort_by(f64::total_cmp);
+    match ms.len() {
+        0 => 0.0,
+        n => ms[((n - 1) as f64 * q).round() as usize],
+    }
+}
+
+/// As [`logged`], for figures with a fraction (`marker 1.2 ms`).
+fn logged_fine(log: &str, from: usize, marker: &str) -> Vec<Duration> {
+    log.get(from..)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(marker)?;
+            let n: f64 = rest.split_whitespace().next()?.parse().ok()?;
+            Some(Duration::from_secs_f64(n / 1000.0))
         })
         .collect()
 }
@@ -318,6 +346,22 @@ fn wake_rounds(
     rounds.map(|()| woken)
 }
 
+/// The agent's flags beside the harness's: its published ports, and
+/// `EITRI_BENCH_FLAGS`, to compare settings in turns (e.g.
+/// `--userfaultfd-device=`: resumes that read the whole snapshot first).
+fn agent_flags() -> Vec<String> {
+    ["--publish-ports", "30000-39999"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(
+            std::env::var("EITRI_BENCH_FLAGS")
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(str::to_owned),
+        )
+        .collect()
+}
+
 fn main() -> Result<(), Error> {
     eitri_agent::testkit::net::private_network();
     let dir = tempfile::tempdir()?;
@@ -336,18 +380,7 @@ fn main() -> Result<(), Error> {
     std::fs::create_dir_all(&images)?;
     let (url, sha) = image(&guest, &images)?;
     let _remote = eitri_agent::testkit::net::remote_host(&cleanup.netns, "etwake");
-    // More of the agent's flags, to compare settings in turns (e.g.
-    // `--userfaultfd-device=`: resumes that read the whole snapshot first).
-    let extra: Vec<String> = ["--publish-ports", "30000-39999"]
-        .into_iter()
-        .map(str::to_owned)
-        .chain(
-            std::env::var("EITRI_BENCH_FLAGS")
-                .unwrap_or_default()
-                .split_whitespace()
-                .map(str::to_owned),
-        )
-        .collect();
+    let extra = agent_flags();
     let daemon = daemon::Daemon::start(
         &dir.path().join("agent"),
         &daemon::Parts {
@@ -398,6 +431,7 @@ fn main() -> Result<(), Error> {
     let log = daemon.log();
     let resumes = logged(&log, log_from, ": resumed in ");
     let agent_wakes = logged(&log, log_from, "its guest ran ");
+    let guest_agents = logged_fine(&log, log_from, "its guest agent answered ");
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
     let (wake_p50, resume_p50) = (p(&wakes, 0.5), p(&resumes, 0.5));
     let never = if never_slept.is_empty() {
@@ -406,7 +440,7 @@ fn main() -> Result<(), Error> {
         format!(" never_slept_connect_ms_p50={}", p(&never_slept, 0.5))
     };
     println!(
-        "bench=wake guest={} vms={vms_n} agent_rss_mb={rss_mb:.1} agent_threads={threads} agent_fds={fds} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={}{never}",
+        "bench=wake guest={} vms={vms_n} agent_rss_mb={rss_mb:.1} agent_threads={threads} agent_fds={fds} rounds={ROUNDS} wakes={} wake_connect_ms_p50={} wake_connect_ms_p90={} syn_retransmits={retransmitted} resume_ms_p50={} resumes_logged={} wake_ms_p50={} running_connect_ms_p50={} wake_over_resume_ms={} guest_agent_ms_p50={:.2} guest_agent_ms_p90={:.2} guest_agents_answered={}{never}",
         guest.what,
         wakes.len(),
         wake_p50,
@@ -416,6 +450,9 @@ fn main() -> Result<(), Error> {
         p(&agent_wakes, 0.5),
         p(&running, 0.5),
         wake_p50 - resume_p50,
+        fine(&guest_agents, 0.5),
+        fine(&guest_agents, 0.9),
+        guest_agents.len(),
     );
 
     drop(daemon);
