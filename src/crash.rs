@@ -92,6 +92,10 @@ pub const POINTS: &[(&str, &str)] = &[
         "a resumed VM whose snapshot is gone is recorded running",
     ),
     (
+        "resume.guest-reseeded",
+        "a resumed guest sent its entropy and clock but not yet recorded running is recorded running (and sent them again: fresh entropy twice is no harm)",
+    ),
+    (
         "stop.snapshot-discarded",
         "a suspended VM stopped, its snapshot gone but not recorded, is recorded stopped and never resumed",
     ),

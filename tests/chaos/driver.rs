@@ -734,7 +734,8 @@ fn scenario(point: &str) -> (Desired, Desired) {
         | "resume.restore-started"
         | "resume.restored"
         | "resume.resumed"
-        | "resume.snapshot-discarded" => (
+        | "resume.snapshot-discarded"
+        | "resume.guest-reseeded" => (
             vms(&[("vm-a", Suspended), ("vm-b", Running), ("vm-c", Stopped)]),
             three.clone(),
         ),
