@@ -19,7 +19,7 @@
 //! | 0 | [`error`], [`deadline`] | what every fallible, blocking call shares: permanence, error chains, pass deadlines |
 //! | 0 | [`threads`] | the one thread-ownership idiom (owned and joined within a bound, or detached by reason) |
 //! | 0 | [`crash`], [`stages`], [`metrics`] | named crash points (`make chaos`), a create's timed stages, counters |
-//! | 0 | [`human`], [`quote`], [`hex`], [`base64`], [`logonce`], [`version`], [`programs`], [`trust`] | words for people, untrusted text made printable, encoders, log-once, release order, host programs found once, the keys that sign desired state |
+//! | 0 | [`human`], [`quote`], [`hex`], [`base64`], [`logonce`], [`version`], [`programs`], [`trust`], [`rng`] | words for people, untrusted text made printable, encoders, log-once, release order, host programs found once, the keys that sign desired state, a reproducible generator for jitter and tests |
 //! | 1 | [`state`] | the crash-safe state directory: its [`Layout`](state::Layout), the record store, leases, and the VM [`lifecycle`](state::lifecycle) whose fields only its transitions write |
 //! | 1 | [`pb`] | wire types generated from `proto/`, and their validating conversion to [`model`] |
 //! | 2 | [`provision`] | the hypervisor seam: the shared [`supervise`](provision::supervise) layer, and the `cloudhv` and [`vfkit`](provision::vfkit) backends |
@@ -102,6 +102,7 @@ pub mod programs;
 pub mod provision;
 pub mod quote;
 pub mod reconcile;
+pub mod rng;
 pub mod seed;
 pub mod source;
 pub mod stages;

@@ -39,6 +39,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("version", 0),
     ("threads", 0),
     ("quote", 0),
+    ("rng", 0),
     ("trust", 0),
     ("human", 0),
     ("programs", 0),

@@ -47,34 +47,6 @@ impl Backoff {
     }
 }
 
-/// A small xorshift generator for jitter: the card has no rand crate, and
-/// jitter needs spread, not cryptographic quality.
-pub struct XorShift(u64);
-
-impl XorShift {
-    pub fn seeded() -> XorShift {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        XorShift((nanos ^ u64::from(std::process::id()).rotate_left(32)) | 1)
-    }
-
-    /// A generator from a fixed seed: the same draws every run.
-    pub fn from_seed(seed: u64) -> XorShift {
-        XorShift(seed | 1)
-    }
-
-    /// A draw in `[0, 1)`.
-    pub fn next_unit(&mut self) -> f64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        (x >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,15 +79,5 @@ mod tests {
         b.reset();
 
         assert_eq!(b.fail(1.0), S(1));
-    }
-
-    #[test]
-    fn xorshift_draws_are_units() {
-        let mut r = XorShift::seeded();
-
-        let draws: Vec<f64> = (0..1000).map(|_| r.next_unit()).collect();
-
-        assert!(draws.iter().all(|d| (0.0..1.0).contains(d)));
-        assert!(draws.iter().any(|d| *d < 0.5) && draws.iter().any(|d| *d >= 0.5));
     }
 }

@@ -45,7 +45,8 @@ pub mod recover;
 mod signals;
 mod wire;
 
-pub use backoff::{Backoff, XorShift};
+pub use crate::rng::XorShift;
+pub use backoff::Backoff;
 pub use error::DaemonError;
 pub use event_loop::{Clock, Daemon, Event, Parts, SystemClock};
 pub use exchange::{Contact, Exchange, ExchangeThread, Link};

@@ -8,21 +8,6 @@ use std::net::Ipv4Addr;
 use eitri_agent::net::dhcp::codec::{Frame, Kind, Message, build_frame, option};
 use eitri_agent::net::dhcp::{Lease, respond};
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-}
-
 fn seed_frames() -> Vec<Vec<u8>> {
     let kinds = [
         Kind::Discover,
@@ -70,11 +55,11 @@ fn random_and_mutated_packets_never_panic() {
         lease_secs: 60,
     };
     let seeds = seed_frames();
-    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut rng = eitri_agent::rng::XorShift::from_seed(0x2545_f491_4f6c_dd1d);
     let mut parsed = 0usize;
     for i in 0..iterations {
         let mut packet = if i % 4 == 0 {
-            (0..rng.below(600)).map(|_| rng.next() as u8).collect()
+            (0..rng.below(600)).map(|_| rng.next_u64() as u8).collect()
         } else {
             seeds[rng.below(seeds.len())].clone()
         };
@@ -82,10 +67,10 @@ fn random_and_mutated_packets_never_panic() {
             match rng.below(4) {
                 0 if !packet.is_empty() => {
                     let at = rng.below(packet.len());
-                    packet[at] = rng.next() as u8;
+                    packet[at] = rng.next_u64() as u8;
                 }
                 1 => packet.truncate(rng.below(packet.len() + 1)),
-                2 => packet.extend((0..rng.below(64)).map(|_| rng.next() as u8)),
+                2 => packet.extend((0..rng.below(64)).map(|_| rng.next_u64() as u8)),
                 _ => {}
             }
         }
