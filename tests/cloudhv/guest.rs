@@ -263,3 +263,87 @@ fn a_guest_agent_that_stalls_after_a_resume_leaves_the_vm_running() {
     assert_eq!(h.row("vm-1").power, Some(PowerState::Running));
     assert_eq!(h.engine().counts().made_whole.get("failed"), 1);
 }
+
+/// One request of `ask` to vm-1's guest agent on `h`, answered.
+fn asked(h: &Host, ask: request::Ask) -> Said {
+    let pid = h.pid("vm-1").expect("the VM's hypervisor runs") as u32;
+    eitri_agent::guest::ask(
+        &h.backend.guest_socket(&id("vm-1")),
+        pid,
+        7,
+        ask,
+        Deadline::after(EXCHANGE),
+    )
+    .expect("answered")
+    .said
+}
+
+#[test]
+fn an_identity_is_applied_and_confirmed_back() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let identity = eitri_agent::pb::guest::Identity {
+        hostname: "clone-7".into(),
+        user: "debian".into(),
+        authorized_keys: vec!["ssh-ed25519 AAAAkey a@b".into()],
+        ..Default::default()
+    };
+
+    let said = asked(&h, request::Ask::Identity(identity));
+
+    let Said::Identity {
+        hostname,
+        authorized_keys,
+        ..
+    } = said
+    else {
+        panic!("{said:?}")
+    };
+    assert_eq!((hostname.as_str(), authorized_keys), ("clone-7", 1));
+    assert!(vmm_log(&h, "vm-1").contains("standin-guest identity hostname=clone-7"));
+}
+
+#[test]
+fn a_freeze_is_confirmed_with_its_thaw_deadline_and_a_thaw_undoes_it() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+
+    let frozen = asked(
+        &h,
+        request::Ask::Freeze(eitri_agent::pb::guest::Freeze {
+            thaw_after_ms: 30_000,
+        }),
+    );
+    let thawed = asked(&h, request::Ask::Thaw(eitri_agent::pb::guest::Thaw {}));
+
+    assert!(
+        matches!(&frozen, Said::Frozen { mounts, thaw_after_ms: 30_000 } if mounts == &["/"]),
+        "{frozen:?}"
+    );
+    assert!(matches!(thawed, Said::Thawed { .. }), "{thawed:?}");
+    let log = vmm_log(&h, "vm-1");
+    assert!(
+        log.contains("standin-guest frozen thaw_after_ms=30000"),
+        "{log}"
+    );
+    assert!(log.contains("standin-guest thawed"), "{log}");
+}
+
+#[test]
+fn a_power_off_is_answered_before_the_guest_goes() {
+    let h = Host::new(&[]);
+    h.tick(&h.vm("vm-1"));
+    let pid = h.pid("vm-1").expect("running");
+
+    let said = asked(
+        &h,
+        request::Ask::PowerOff(eitri_agent::pb::guest::PowerOff {}),
+    );
+
+    assert_eq!(said, Said::PoweringOff);
+    let gone = Instant::now();
+    while alive(pid) && gone.elapsed() < PATIENCE {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(pid), "its VMM exited with its guest");
+}
