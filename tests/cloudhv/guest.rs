@@ -347,3 +347,27 @@ fn a_power_off_is_answered_before_the_guest_goes() {
     }
     assert!(!alive(pid), "its VMM exited with its guest");
 }
+
+#[test]
+fn the_vsock_directory_is_taken_back_once_the_vmm_bound_its_socket() {
+    use std::os::unix::fs::MetadataExt;
+    let h = Host::new(&[]);
+
+    h.tick(&h.vm("vm-1"));
+
+    let socket = h.backend.guest_socket(&id("vm-1"));
+    let dir = socket.parent().expect("its directory");
+    let meta = std::fs::metadata(dir).expect("the directory");
+    assert_eq!(
+        (meta.uid(), meta.mode() & 0o777),
+        (nix::unistd::geteuid().as_raw(), 0o700),
+        "the VMM's user can create nothing there"
+    );
+    let names: Vec<String> = std::fs::read_dir(dir)
+        .expect("read")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["guest.sock"]);
+    assert!(status_of(&h, "vm-1").is_ok(), "the agent still reaches it");
+}

@@ -145,6 +145,13 @@ pub enum CloudHvError {
         dir: std::path::PathBuf,
         source: io::Error,
     },
+    /// The vsock directory could not be taken back from its VMM once it
+    /// bound its socket (the VMM was stopped).
+    CloseVsock {
+        vm_id: Id,
+        dir: std::path::PathBuf,
+        source: io::Error,
+    },
     /// What every backend's supervision can fail at.
     Supervise(SuperviseError),
 }
@@ -254,14 +261,30 @@ impl fmt::Display for CloudHvError {
                 "VM {vm_id}: {doing} failed inside the agent (a bug: {why}; see the agent's log)"
             ),
             E::RemoveTap { vm_id, tap, .. } => write!(f, "VM {vm_id}: cannot remove tap {tap}"),
-            E::RemoveVsock { vm_id, dir, .. } => write!(
-                f,
-                "VM {vm_id}: cannot remove its vsock directory {}",
-                crate::quote::path(dir)
-            ),
+            E::RemoveVsock { vm_id, dir, .. } => vsock_dir(f, vm_id, dir, "remove", ""),
+            E::CloseVsock { vm_id, dir, .. } => vsock_dir(f, vm_id, dir, "take back", STOPPED),
             E::Supervise(e) => e.fmt(f),
         }
     }
+}
+
+/// What [`CloudHvError::CloseVsock`] did about it.
+const STOPPED: &str = " from its hypervisor (it was stopped)";
+
+/// [`CloudHvError::RemoveVsock`]'s and [`CloudHvError::CloseVsock`]'s
+/// words: what could not be `done` to the directory, and what came of it.
+fn vsock_dir(
+    f: &mut fmt::Formatter<'_>,
+    vm_id: &Id,
+    dir: &std::path::Path,
+    done: &str,
+    then: &str,
+) -> fmt::Result {
+    write!(
+        f,
+        "VM {vm_id}: cannot {done} its vsock directory {}{then}",
+        crate::quote::path(dir)
+    )
 }
 
 /// [`CloudHvError::HugePageSize`]'s words.
@@ -296,6 +319,7 @@ impl std::error::Error for CloudHvError {
             | E::Pidfile { source, .. }
             | E::RemoveTap { source, .. }
             | E::RemoveVsock { source, .. }
+            | E::CloseVsock { source, .. }
             | E::HugePagePool { source }
             | E::Version { source, .. } => Some(source),
             E::Leftovers { source, .. } => Some(source),
@@ -354,7 +378,8 @@ impl CloudHvError {
             | E::NotRunning { .. }
             | E::Suspension { .. }
             | E::RemoveTap { .. }
-            | E::RemoveVsock { .. } => Kind::Transient,
+            | E::RemoveVsock { .. }
+            | E::CloseVsock { .. } => Kind::Transient,
             // What the host lacks is the host's; the rest (a full disk
             // under the VM's files, a busy cgroup) is about a moment.
             E::Jail(e) if e.is_host_condition() => Kind::Host,

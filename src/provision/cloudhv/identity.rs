@@ -127,6 +127,17 @@ impl CloudHypervisor {
                         work.display()
                     );
                 }
+                // A crash between its start and the agent taking its vsock
+                // directory back left it the VMM's.
+                let socket = self.guest_socket(&vm_id);
+                if socket.parent().is_some_and(Path::is_dir)
+                    && let Err(e) = super::spawn::close_vsock_dir(&socket)
+                {
+                    log::warn!(
+                        "VM {vm_id}: cannot close {} to its hypervisor: {e}",
+                        socket.display()
+                    );
+                }
                 if Tracked::read(&self.store.layout().pidfile(&vm_id)) != Some(tracked) {
                     self.take_over(&vm_id, tracked);
                 } else if let Some(watch) = &self.watch {

@@ -221,8 +221,18 @@ impl CloudHypervisor {
                         argv::Launch::Boot => supervise::Awaited::Running,
                         argv::Launch::Restore { .. } => supervise::Awaited::Paused,
                     };
-                    self.await_state(vm_id, tracked, awaited, deadline)
-                        .map(|()| tracked)
+                    self.await_state(vm_id, tracked, awaited, deadline)?;
+                    let socket = self.guest_socket(vm_id);
+                    if let Err(source) = spawn::close_vsock_dir(&socket) {
+                        supervise::ladder::kill(&self.vmm(vm_id, tracked));
+                        return Err(CloudHvError::CloseVsock {
+                            vm_id: vm_id.clone(),
+                            dir: socket.parent().map(Path::to_path_buf).unwrap_or_default(),
+                            source,
+                        }
+                        .into());
+                    }
+                    Ok(tracked)
                 })
             },
         );

@@ -496,6 +496,34 @@ impl CloudHypervisor {
     }
 }
 
+/// Takes the vsock socket's directory back from the VMM once it has bound
+/// its socket there (cloud-hypervisor binds it while it makes the VM's
+/// devices, before the guest runs): the agent's again, 0700, and anything
+/// but the socket in it removed. It cannot be storage of the VMM's (it is
+/// on the run dir's tmpfs, every agent's), and a guest that connects out
+/// to a host port makes the VMM connect beside the socket, where it may
+/// not even look.
+pub(super) fn close_vsock_dir(socket: &std::path::Path) -> std::io::Result<()> {
+    let Some(dir) = socket.parent() else {
+        return Ok(());
+    };
+    let handle = super::window::open_dir(dir)?;
+    super::window::close(&handle)?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if Some(entry.file_name().as_os_str()) == socket.file_name() {
+            continue;
+        }
+        // Whatever it is; remove_dir_all follows no link.
+        let path = entry.path();
+        match entry.file_type()?.is_dir() {
+            true => std::fs::remove_dir_all(&path)?,
+            false => std::fs::remove_file(&path)?,
+        }
+    }
+    Ok(())
+}
+
 /// The vsock socket's directory, made afresh for a new VMM (which binds
 /// the socket there, and fails to where one is left) and given to it
 /// (`id`, when it is jailed). What its last VMM left in it, whatever that
