@@ -418,7 +418,15 @@ fn the_power_button_powers_the_guest_off_inside_the_stop_grace() {
     let mut lab = lab!("the_power_button_powers_the_guest_off_inside_the_stop_grace");
     lab.start(&[]);
     let vm = lab.vm("pwr-1");
-    lab.boot(std::slice::from_ref(&vm), "pwr-1");
+    let (row, _) = lab.boot(std::slice::from_ref(&vm), "pwr-1");
+    // Its boot finished (sshd answers before cloud-init's last stage has
+    // run, and systemd waits for that stage to end before it powers off:
+    // a slow boot under load once spent the whole grace there).
+    lab.guest(
+        USER,
+        &address(&row),
+        "systemctl is-system-running --wait > /dev/null; true",
+    );
 
     lab.desire(&[with(vm, "power_state", json!("stopped"))]);
     let (_, took) = lab.wait_row("pwr-1", "stopped", SOON * 2, |r| {
