@@ -225,21 +225,57 @@ fn hostname_ok(name: &str) -> bool {
         })
 }
 
-/// `text` written to `path` whole or not at all, with `mode`.
-fn write_whole(path: &Path, text: &str, mode: u32) -> Result<(), String> {
-    let tmp = path.with_extension("eitri-new");
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+/// A directory opened without following a link in its last component.
+fn open_dir(path: &Path) -> Result<fs::File, String> {
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| format!("cannot open the directory {}: {e}", path.display()))
+}
+
+/// `text` written as `name` in `dir`, whole or not at all, with `mode`
+/// (and `owner`'s): a new file beside it, created where nothing is (a link
+/// a guest user planted there is removed, never followed), written, synced,
+/// renamed over `name`. Every step by the directory's descriptor, so a
+/// user who owns the directory cannot send the write elsewhere.
+fn write_in(
+    dir: &fs::File,
+    name: &str,
+    text: &str,
+    mode: u32,
+    owner: Option<(nix::unistd::Uid, nix::unistd::Gid)>,
+) -> Result<(), String> {
+    use nix::fcntl::{OFlag, openat, renameat};
+    use nix::sys::stat::Mode;
+    let tmp = format!(".{name}.eitri-new");
+    let fail = |e: &dyn std::fmt::Display| format!("cannot write {name}: {e}");
+    let _ = nix::unistd::unlinkat(dir, tmp.as_str(), nix::unistd::UnlinkatFlags::NoRemoveDir);
+    let fd = openat(
+        dir,
+        tmp.as_str(),
+        OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::from_bits_truncate(mode),
+    )
+    .map_err(|e| fail(&e))?;
+    let mut f = fs::File::from(fd);
     f.write_all(text.as_bytes())
         .and_then(|()| f.set_permissions(fs::Permissions::from_mode(mode)))
-        .and_then(|()| f.sync_all())
-        .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
-    fs::rename(&tmp, path).map_err(|e| format!("cannot write {}: {e}", path.display()))
+        .map_err(|e| fail(&e))?;
+    if let Some((uid, gid)) = owner {
+        nix::unistd::fchown(&f, Some(uid), Some(gid)).map_err(|e| fail(&e))?;
+    }
+    f.sync_all().map_err(|e| fail(&e))?;
+    renameat(dir, tmp.as_str(), dir, name).map_err(|e| fail(&e))
+}
+
+/// `text` written to `path` (a root-owned directory's file) as
+/// [`write_in`] does.
+fn write_whole(path: &Path, text: &str, mode: u32) -> Result<(), String> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return Err(format!("{} is no file's path", path.display()));
+    };
+    write_in(&open_dir(dir)?, name, text, mode, None)
 }
 
 const HOST_KEY: &str = "/etc/ssh/ssh_host_ed25519_key";
@@ -305,17 +341,42 @@ fn authorized_keys(user: &str, keys: &[String]) -> Result<u32, String> {
     if keys.iter().any(|k| k.contains('\n') || k.trim().is_empty()) {
         return Err("an authorized key is empty or more than one line".into());
     }
-    let dir = account.dir.join(".ssh");
-    fs::create_dir_all(&dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
-    let _ = fs::set_permissions(&dir, fs::Permissions::from_mode(0o700));
-    let file = dir.join("authorized_keys");
+    // The home and its .ssh are the user's: each step by descriptor, and
+    // a .ssh that is not a directory (a link to /etc, say) refused.
+    let home = open_dir(&account.dir)?;
+    match nix::sys::stat::mkdirat(
+        &home,
+        ".ssh",
+        nix::sys::stat::Mode::from_bits_truncate(0o700),
+    ) {
+        Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+        Err(e) => return Err(format!("cannot make {user}'s .ssh: {e}")),
+    }
+    let ssh = nix::fcntl::openat(
+        &home,
+        ".ssh",
+        nix::fcntl::OFlag::O_RDONLY
+            | nix::fcntl::OFlag::O_DIRECTORY
+            | nix::fcntl::OFlag::O_NOFOLLOW
+            | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map(fs::File::from)
+    .map_err(|e| format!("{user}'s .ssh is not a directory of its own: {e}"))?;
+    nix::unistd::fchown(&ssh, Some(account.uid), Some(account.gid))
+        .and_then(|()| {
+            nix::sys::stat::fchmod(&ssh, nix::sys::stat::Mode::from_bits_truncate(0o700))
+        })
+        .map_err(|e| format!("cannot give {user} its .ssh: {e}"))?;
     let mut text = keys.join("\n");
     text.push('\n');
-    write_whole(&file, &text, 0o600)?;
-    for path in [&dir, &file] {
-        nix::unistd::chown(path, Some(account.uid), Some(account.gid))
-            .map_err(|e| format!("cannot give {} to {user}: {e}", path.display()))?;
-    }
+    write_in(
+        &ssh,
+        "authorized_keys",
+        &text,
+        0o600,
+        Some((account.uid, account.gid)),
+    )?;
     u32::try_from(keys.len()).map_err(|_| "too many keys".into())
 }
 
@@ -521,6 +582,43 @@ mod tests {
             (meminfo(text, "MemTotal"), meminfo(text, "MemAvailable")),
             (2000, 1500)
         );
+    }
+
+    #[test]
+    fn a_link_planted_where_the_new_file_goes_is_not_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let elsewhere = dir.path().join("shadow");
+        fs::write(&elsewhere, "root:secret\n").expect("write");
+        let ssh = dir.path().join("ssh");
+        fs::create_dir(&ssh).expect("mkdir");
+        std::os::unix::fs::symlink(&elsewhere, ssh.join(".authorized_keys.eitri-new"))
+            .expect("link");
+
+        write_in(
+            &open_dir(&ssh).expect("open"),
+            "authorized_keys",
+            "key\n",
+            0o600,
+            None,
+        )
+        .expect("written");
+
+        assert_eq!(
+            fs::read_to_string(&elsewhere).expect("read"),
+            "root:secret\n"
+        );
+        assert_eq!(
+            fs::read_to_string(ssh.join("authorized_keys")).expect("read"),
+            "key\n"
+        );
+    }
+
+    #[test]
+    fn a_directory_that_is_a_link_is_not_opened() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::os::unix::fs::symlink("/etc", dir.path().join(".ssh")).expect("link");
+
+        assert!(open_dir(&dir.path().join(".ssh")).is_err());
     }
 
     #[test]
