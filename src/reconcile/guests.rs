@@ -42,6 +42,8 @@ pub(super) enum Whole {
         after: Duration,
     },
     Failed(AskError),
+    /// The host's own random source could not be read (nothing was sent).
+    NoEntropy(std::io::Error),
 }
 
 /// `ENTROPY` bytes of the host's CRNG.
@@ -64,7 +66,7 @@ pub(super) fn make_whole(
     };
     let entropy = match entropy() {
         Ok(bytes) => bytes,
-        Err(e) => return Whole::Failed(AskError::NoSocket(e)),
+        Err(e) => return Whole::NoEntropy(e),
     };
     let host_unix_ns = SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -119,5 +121,8 @@ pub(super) fn say(vm_id: &Id, whole: &Whole) {
             if said.clock_set { " (set)" } else { "" },
         ),
         Whole::Failed(e) => log::warn!("VM {vm_id}: its resumed guest was not made whole: {e}"),
+        Whole::NoEntropy(e) => log::warn!(
+            "VM {vm_id}: its resumed guest was not made whole: cannot read this host's /dev/urandom: {e}"
+        ),
     }
 }

@@ -369,7 +369,9 @@ impl Suspension<'_> {
                 counts.made_whole.inc("done");
                 counts.guest_after_resume.observe(*after);
             }
-            guests::Whole::Failed(_) => counts.made_whole.inc("failed"),
+            guests::Whole::Failed(_) | guests::Whole::NoEntropy(_) => {
+                counts.made_whole.inc("failed");
+            }
         }
     }
 
