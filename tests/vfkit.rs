@@ -70,7 +70,7 @@ impl Host {
                     ..ImageOptions::default()
                 },
             )),
-            seed: Arc::new(NoCloudSeed),
+            seed: Arc::new(NoCloudSeed::default()),
             host_keys: Arc::new(LocalHostKeys),
             host: Fakes::new().seams().host,
         };

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::read::{Part, absolute, no_comma, program};
@@ -138,12 +139,14 @@ pub(super) fn host_networks(raw: &Part<'_>) -> Result<HashMap<String, String>, C
 /// How guests boot: the network, hypervisor, jail and limits sections,
 /// each as built, shared with the backend that uses them.
 pub(super) fn guest_boot(
-    hypervisor: HypervisorSettings,
+    hypervisor: (HypervisorSettings, Option<PathBuf>),
     network: Network,
     confinement: Confinement,
     limits: &Part<'_>,
 ) -> Result<GuestBoot, ConfigError> {
+    let (hypervisor, guest_agent) = hypervisor;
     Ok(GuestBoot {
+        guest_agent,
         underlay: network.underlay,
         guest_dns: network.guest_dns,
         host_networks: network.host_networks,
@@ -152,6 +155,19 @@ pub(super) fn guest_boot(
         confinement: Arc::new(confinement),
         limits: Arc::new(guest_limits(limits)?),
     })
+}
+
+/// `--guest-agent`: off, a path, or (empty) `eitri-guest` beside this
+/// agent's own binary when it is there.
+pub(super) fn guest_agent(raw: &Part<'_>) -> Option<PathBuf> {
+    match raw.get(Key::GuestAgent).trim() {
+        "off" => None,
+        "" => std::env::current_exe()
+            .ok()
+            .and_then(|me| Some(me.parent()?.join("eitri-guest")))
+            .filter(|beside| beside.is_file()),
+        path => Some(absolute(path.to_owned())),
+    }
 }
 
 pub(super) fn hypervisor(raw: &Part<'_>) -> Result<HypervisorSettings, ConfigError> {

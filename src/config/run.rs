@@ -43,6 +43,7 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
     let reconcile = &raw.section(Section::Reconcile);
     let reporting = &raw.section(Section::Reporting);
     let hypervisor = hypervisor(&raw.section(Section::Hypervisor))?;
+    let guest_agent = super::guests::guest_agent(&raw.section(Section::Hypervisor));
     Ok(Config {
         wish: crate::state::claim::Wish {
             ids: jail_wish.ids,
@@ -85,7 +86,7 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
             shutdown_grace: reconcile.duration(Key::ShutdownGrace)?,
             engine: engine(reconcile, host_caps(limits, &hypervisor)?)?,
         },
-        guest: guest_boot(hypervisor, network, confinement, limits)?,
+        guest: guest_boot((hypervisor, guest_agent), network, confinement, limits)?,
         reporting: super::ReportingSettings {
             notify_fd: notify_fd(reporting)?,
             metrics_file: reporting.optional_path(Key::MetricsFile),

@@ -186,6 +186,8 @@ settings! {
             "directory for hypervisor API sockets (kept short: socket paths are limited to 108 bytes)";
         StopGrace => "stop-grace", "EITRI_STOP_GRACE", "30s",
             "how long a guest is given to power off after the power button before its hypervisor is told to stop";
+        GuestAgent => "guest-agent", "EITRI_GUEST_AGENT", "",
+            "the guest agent every new VM's seed carries, installed and started by cloud-init (a static eitri-guest): empty, eitri-guest beside this agent's binary when it is there; off: none";
         GuestHugepages => "guest-hugepages", "EITRI_GUEST_HUGEPAGES", "no",
             "yes: back each new guest's memory with 2 MiB huge pages from the host's reserved pool (sysctl vm.nr_hugepages), so a resumed guest faults its memory in 2 MiB at a time, not 4 KiB, and a wake answers sooner; guests then take their memory from the pool only, which --max-mem-mb auto counts instead (cloud-hypervisor only)";
     ]

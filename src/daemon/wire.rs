@@ -80,7 +80,7 @@ pub fn run(mut config: Config, signals: Signals) -> Result<(), DaemonError> {
     let seams = Seams {
         provisioner,
         images: Arc::clone(&images) as Arc<dyn crate::reconcile::seams::Images>,
-        seed: Arc::new(NoCloudSeed),
+        seed: Arc::new(seed_maker(&config, &mut notes)),
         host_keys: Arc::new(crate::hostkey::LocalHostKeys),
         host,
     };
@@ -319,6 +319,36 @@ fn source_of(config: &Config) -> Box<dyn Source> {
                     Box::new(source)
                 }
             }
+        }
+    }
+}
+
+/// The seeds of new VMs: carrying the guest agent `--guest-agent` names
+/// (or finds beside the agent), else none; one that cannot be read is a
+/// note for the operator, and seeds go without it.
+fn seed_maker(config: &Config, notes: &mut Vec<String>) -> NoCloudSeed {
+    let Some(path) = &config.guest.guest_agent else {
+        log::info!(
+            "no guest agent is delivered to new VMs (--guest-agent off, or no eitri-guest beside this agent)"
+        );
+        return NoCloudSeed::default();
+    };
+    match NoCloudSeed::delivering(path) {
+        Ok(seed) => {
+            log::info!(
+                "new VMs' seeds carry the guest agent {} (cloud-init installs and starts it)",
+                crate::quote::path(path)
+            );
+            seed
+        }
+        Err(e) => {
+            let why = format!(
+                "the guest agent {} cannot be delivered ({e}): new VMs get none; fix --guest-agent or set it off",
+                crate::quote::path(path)
+            );
+            log::warn!("{why}");
+            notes.push(why);
+            NoCloudSeed::default()
         }
     }
 }

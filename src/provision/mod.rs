@@ -360,6 +360,9 @@ pub struct GuestBoot {
     pub hypervisor: Arc<HypervisorSettings>,
     pub confinement: Arc<Confinement>,
     pub limits: Arc<GuestLimits>,
+    /// `--guest-agent`, resolved: the static `eitri-guest` each new VM's
+    /// seed carries; `None`: none (off, or none beside the agent).
+    pub guest_agent: Option<std::path::PathBuf>,
 }
 
 /// The hypervisor section: what runs a guest, how it boots, and how long

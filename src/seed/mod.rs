@@ -14,6 +14,12 @@
 //!   cloud-config; merging the two into one multipart user-data would have
 //!   meant re-encoding the tenant's bytes. (A tenant can still opt out with
 //!   `vendor_data: {enabled: false}`: their explicit choice.)
+//! - the guest agent, when the host delivers one (`--guest-agent`): in
+//!   vendor-data too, as a `write_files` entry (the static binary, base64:
+//!   ~0.9 MB on the seed) and its systemd unit, enabled and started by
+//!   `runcmd`. The tenant's user-data can turn vendor-data off, and with it
+//!   the guest agent; an image without systemd gets the file and no
+//!   service.
 //! - `network-config` (v2): each NIC matched by its deterministic MAC, DHCP
 //!   with the MAC as client id; no address is baked in. The site NIC takes no
 //!   routes, so the default route stays on the underlay.
@@ -55,15 +61,58 @@ pub struct SeedParams {
     pub network_mac: String,
 }
 
-/// Builds NoCloud seed images on the local disk.
-pub struct NoCloudSeed;
+/// Builds NoCloud seed images on the local disk, each carrying the guest
+/// agent when the host delivers one.
+#[derive(Default)]
+pub struct NoCloudSeed {
+    guest_agent: Option<GuestAgent>,
+}
+
+/// The guest agent a seed carries: the binary, as vendor-data holds it.
+struct GuestAgent {
+    base64: String,
+}
+
+/// The most a guest agent may weigh: the static build is ~0.7 MB.
+const MAX_GUEST_AGENT: u64 = 8 << 20;
+
+/// Where the guest agent goes in a guest, and its unit.
+const GUEST_AGENT_PATH: &str = "/usr/local/lib/eitri/eitri-guest";
+const GUEST_AGENT_UNIT: &str = "/etc/systemd/system/eitri-guest.service";
 
 impl NoCloudSeed {
+    /// Seeds that carry the guest agent at `path` (read once, here).
+    pub fn delivering(path: &Path) -> std::io::Result<NoCloudSeed> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)?
+            .take(MAX_GUEST_AGENT + 1)
+            .read_to_end(&mut bytes)?;
+        if bytes.len() as u64 > MAX_GUEST_AGENT {
+            return Err(std::io::Error::other(format!(
+                "{} is over {} MiB: not the guest agent (make static builds it, ~0.7 MB)",
+                path.display(),
+                MAX_GUEST_AGENT >> 20
+            )));
+        }
+        if !bytes.starts_with(b"\x7fELF") {
+            return Err(std::io::Error::other(format!(
+                "{} is not an ELF binary: not the guest agent",
+                path.display()
+            )));
+        }
+        Ok(NoCloudSeed {
+            guest_agent: Some(GuestAgent {
+                base64: crate::base64::encode(&bytes),
+            }),
+        })
+    }
+
     /// Builds the seed image for `params` at `out`, atomically.
     pub fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending> {
         check(params)?;
         let meta = meta_data(params);
-        let vendor = vendor_data(params);
+        let vendor = vendor_data(params, self.guest_agent.as_ref());
         let network = network_config(params);
         let files = [
             iso::File {
@@ -124,7 +173,7 @@ fn meta_data(p: &SeedParams) -> String {
     pretty(&Value::Object(m))
 }
 
-fn vendor_data(p: &SeedParams) -> String {
+fn vendor_data(p: &SeedParams, agent: Option<&GuestAgent>) -> String {
     let mut c = Map::new();
     // Host keys the agent made (and the control plane certified) must
     // survive cloud-init's first boot.
@@ -143,17 +192,44 @@ fn vendor_data(p: &SeedParams) -> String {
         }
         c.insert("ssh_keys".into(), Value::Object(keys));
     }
+    let mut files = Vec::new();
     if !p.ssh_user_ca_keys.is_empty() {
+        files.extend([
+            json!({"path": "/etc/ssh/eitri_user_ca_keys", "permissions": "0644", "content": p.ssh_user_ca_keys}),
+            json!({"path": "/etc/ssh/sshd_config.d/60-eitri-user-ca.conf", "permissions": "0644",
+                   "content": "TrustedUserCAKeys /etc/ssh/eitri_user_ca_keys\n"}),
+        ]);
+    }
+    if let Some(agent) = agent {
+        files.extend([
+            json!({"path": GUEST_AGENT_PATH, "permissions": "0755", "encoding": "b64",
+                   "content": agent.base64}),
+            json!({"path": GUEST_AGENT_UNIT, "permissions": "0644", "content": guest_agent_unit()}),
+        ]);
         c.insert(
-            "write_files".into(),
+            "runcmd".into(),
             json!([
-                {"path": "/etc/ssh/eitri_user_ca_keys", "permissions": "0644", "content": p.ssh_user_ca_keys},
-                {"path": "/etc/ssh/sshd_config.d/60-eitri-user-ca.conf", "permissions": "0644",
-                 "content": "TrustedUserCAKeys /etc/ssh/eitri_user_ca_keys\n"}
+                ["systemctl", "daemon-reload"],
+                ["systemctl", "enable", "--now", "eitri-guest.service"]
             ]),
         );
     }
+    if !files.is_empty() {
+        c.insert("write_files".into(), Value::Array(files));
+    }
     format!("#cloud-config\n{}", pretty(&Value::Object(c)))
+}
+
+/// The guest agent's unit, as vendor-data installs it (the same as
+/// `contrib/guest/eitri-guest.service` but for where the binary is).
+fn guest_agent_unit() -> String {
+    format!(
+        "[Unit]\nDescription=eitri guest agent (answers the host over vsock)\n\
+         DefaultDependencies=no\nAfter=local-fs.target\nBefore=sysinit.target\n\
+         Conflicts=shutdown.target\nBefore=shutdown.target\n\n\
+         [Service]\nExecStart={GUEST_AGENT_PATH}\nRestart=always\nRestartSec=1\n\n\
+         [Install]\nWantedBy=sysinit.target\n"
+    )
 }
 
 fn network_config(p: &SeedParams) -> String {
@@ -220,8 +296,52 @@ mod tests {
     }
 
     #[test]
+    fn vendor_data_carries_the_guest_agent_and_starts_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let binary = dir.path().join("eitri-guest");
+        std::fs::write(&binary, b"\x7fELF the guest agent").expect("write");
+        let seed = NoCloudSeed::delivering(&binary).expect("read");
+
+        let text = vendor_data(&params(), seed.guest_agent.as_ref());
+
+        let v: Value = serde_json::from_str(&text["#cloud-config\n".len()..]).expect("json");
+        let files = v["write_files"].as_array().expect("files");
+        let agent = files
+            .iter()
+            .find(|f| f["path"] == GUEST_AGENT_PATH)
+            .expect("the agent");
+        let carried = crate::base64::decode(agent["content"].as_str().expect("b64")).expect("b64");
+        assert_eq!(carried, b"\x7fELF the guest agent");
+        assert!(files.iter().any(|f| f["path"] == GUEST_AGENT_UNIT));
+        assert_eq!(
+            v["runcmd"][1],
+            json!(["systemctl", "enable", "--now", "eitri-guest.service"])
+        );
+    }
+
+    #[test]
+    fn a_file_that_is_no_binary_is_not_delivered() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let script = dir.path().join("eitri-guest");
+        std::fs::write(&script, b"#!/bin/sh\nrm -rf /\n").expect("write");
+
+        assert!(NoCloudSeed::delivering(&script).is_err());
+    }
+
+    #[test]
+    fn without_a_guest_agent_vendor_data_runs_nothing() {
+        let text = vendor_data(&params(), None);
+
+        let v: Value = serde_json::from_str(&text["#cloud-config\n".len()..]).expect("json");
+        assert!(
+            v.get("runcmd").is_none() && v.get("write_files").is_none(),
+            "{v}"
+        );
+    }
+
+    #[test]
     fn vendor_data_keeps_host_keys() {
-        let text = vendor_data(&params());
+        let text = vendor_data(&params(), None);
 
         assert!(text.starts_with("#cloud-config\n"));
         let v: Value = serde_json::from_str(&text["#cloud-config\n".len()..]).expect("json");

@@ -26,7 +26,7 @@ fn params() -> SeedParams {
 
 fn built(dir: &Path) -> std::path::PathBuf {
     let iso = dir.join("seed.iso");
-    NoCloudSeed
+    NoCloudSeed::default()
         .build(&iso, &params())
         .expect("seed built")
         .sync()
@@ -205,7 +205,7 @@ fn a_hostname_with_a_newline_is_refused_and_nothing_written() {
     let dir = tempfile::tempdir().expect("tempdir");
     let iso = dir.path().join("seed.iso");
 
-    let err = NoCloudSeed
+    let err = NoCloudSeed::default()
         .build(
             &iso,
             &SeedParams {
@@ -227,7 +227,7 @@ fn a_large_user_data_spans_sectors_intact() {
         .map(|i| char::from(b'a' + (i % 26) as u8))
         .collect();
 
-    NoCloudSeed
+    NoCloudSeed::default()
         .build(
             &iso,
             &SeedParams {

@@ -32,7 +32,7 @@ pub fn seams(store: &Arc<Store>, backend: Arc<CloudHypervisor>, images: &Path) -
                 ..ImageOptions::default()
             },
         )),
-        seed: Arc::new(NoCloudSeed),
+        seed: Arc::new(NoCloudSeed::default()),
         host_keys: Arc::new(LocalHostKeys),
         host: eitri_agent::testkit::Fakes::new().seams().host,
     }

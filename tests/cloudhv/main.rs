@@ -208,7 +208,7 @@ impl Host {
                     ..ImageOptions::default()
                 },
             )),
-            seed: Arc::new(NoCloudSeed),
+            seed: Arc::new(NoCloudSeed::default()),
             host_keys: Arc::new(LocalHostKeys),
             host: self.fakes.seams().host,
         };
