@@ -759,3 +759,94 @@ fn a_guest_probed_over_tcp_sleeps_after_its_idle_time() {
     timing("its idle time", Duration::from_secs(IDLE_S));
     assert_eq!(row["power_state"], "suspended", "{row}");
 }
+
+/// The static guest agent `make static` builds, for the agent to deliver;
+/// `None` (the check skips, saying so) when it is not built.
+fn static_guest_agent() -> Option<std::path::PathBuf> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("target/x86_64-unknown-linux-musl/release/eitri-guest");
+    if path.is_file() {
+        Some(path)
+    } else {
+        println!(
+            "SKIPPED: no static eitri-guest at {} (make static builds it)",
+            path.display()
+        );
+        None
+    }
+}
+
+/// Asks vm `id`'s guest agent for its status, within `patience`: the
+/// answer, or the last error.
+fn guest_status(lab: &Lab, id: &str) -> Result<eitri_agent::guest::Status, String> {
+    use eitri_agent::pb::guest::{StatusAsk, request};
+    let pid = lab.hypervisor_pid(id) as u32;
+    let asked = eitri_agent::guest::ask(
+        &lab.guest_socket(id),
+        pid,
+        1,
+        request::Ask::Status(StatusAsk {}),
+        eitri_agent::deadline::Deadline::after(Duration::from_secs(2)),
+    )
+    .map_err(|e| e.to_string())?;
+    match asked.said {
+        eitri_agent::guest::Said::Status(s) => Ok(s),
+        other => Err(format!("{other:?}")),
+    }
+}
+
+#[test]
+fn the_delivered_guest_agent_answers_after_boot_and_reseeds_after_a_resume() {
+    let mut lab = lab!("the_delivered_guest_agent_answers_after_boot_and_reseeds_after_a_resume");
+    let Some(agent) = static_guest_agent() else {
+        return;
+    };
+    lab.start(&["--guest-agent", &agent.display().to_string()]);
+    let vm = lab.vm("ga-1");
+    let (report, _) = {
+        lab.desire(std::slice::from_ref(&vm));
+        lab.wait_report("ga-1", "running and ready", lab::BOOT, ready)
+    };
+    let to_sshd = lab::since_hypervisor_start(&report, "ga-1");
+    let started = std::time::Instant::now();
+    let mut last: String;
+    let status = loop {
+        match guest_status(&lab, "ga-1") {
+            Ok(s) if s.system.is_up() => break s,
+            Ok(s) => last = format!("{s:?}"),
+            Err(e) => last = e,
+        }
+        assert!(
+            started.elapsed() < SOON,
+            "the guest agent never said up: {last}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    timing("VMM start -> sshd answers", to_sshd);
+    timing(
+        "VMM start -> guest agent says up",
+        to_sshd + started.elapsed(),
+    );
+    assert!(!status.boot_id.is_empty(), "{status:?}");
+
+    lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);
+    lab.wait_row("ga-1", "suspended", SOON, |r| {
+        r["power_state"] == "suspended"
+    });
+    lab.desire(std::slice::from_ref(&vm));
+    lab.wait_row("ga-1", "running", SOON, |r| r["power_state"] == "running");
+
+    let log = lab.agent_log();
+    let answered = log
+        .lines()
+        .find(|l| l.contains("VM ga-1: its guest agent answered"))
+        .unwrap_or_else(|| panic!("no reseed after the resume: {log}"));
+    println!(
+        "timing: {}",
+        answered.split("VM ga-1: ").nth(1).unwrap_or_default()
+    );
+    assert!(
+        answered.contains("64 bytes of entropy credited and its generator reseeded"),
+        "{answered}"
+    );
+}

@@ -413,6 +413,13 @@ impl Lab {
     }
 
     /// The pid of the VM's hypervisor, as its pidfile says.
+    /// The VM's vsock socket, where its guest agent is reached.
+    pub fn guest_socket(&self, id: &str) -> PathBuf {
+        let vm = eitri_agent::model::Id::parse(id).expect("an id");
+        eitri_agent::state::Layout::new(&self.state())
+            .guest_socket(&self.dir.path().join("run"), &vm)
+    }
+
     pub fn hypervisor_pid(&self, id: &str) -> i32 {
         let pidfile = read(&self.state().join("vms").join(id).join("hypervisor.pid"));
         pidfile
