@@ -77,11 +77,7 @@ pub(super) fn make_whole(
         clock_slack_ms: CLOCK_SLACK_MS,
         renew_lease: false,
     });
-    let within = Deadline::after(ASK_WITHIN);
-    let deadline = match (deadline.instant(), within.instant()) {
-        (Some(a), Some(b)) if a < b => deadline,
-        _ => within,
-    };
+    let deadline = deadline.capped(ASK_WITHIN);
     match crate::guest::ask(&door.socket, door.vmm_pid, 1, ask, deadline) {
         Ok(asked) => match asked.said {
             Said::Reseeded(said) => Whole::Done {

@@ -108,11 +108,16 @@ impl Panics {
 /// the panic's line, printable, if it is in what was read. A file shorter
 /// than `*read` is a new one: read from its start.
 fn read_on(console: &std::path::Path, read: &mut u64) -> Option<String> {
-    let mut file = std::fs::File::open(console).ok()?;
-    let len = file.metadata().ok()?.len();
+    // Every running VM's pass asks: a console that did not grow costs a
+    // stat, not an open and a read.
+    let len = std::fs::metadata(console).ok()?.len();
+    if len == *read {
+        return None;
+    }
     if len < *read {
         *read = 0;
     }
+    let mut file = std::fs::File::open(console).ok()?;
     // A panic line straddling the last pass's end began before it.
     let from = read.saturating_sub(PANIC.len() as u64);
     file.seek(SeekFrom::Start(from)).ok()?;
