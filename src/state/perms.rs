@@ -60,7 +60,13 @@ fn walk(dir: &Path, depth: usize, changed: &mut usize) -> io::Result<()> {
     for entry in fs::read_dir(dir)? {
         let entry = entry?;
         let path = entry.path();
-        let meta = fs::symlink_metadata(&path)?;
+        // An entry renamed or removed since it was listed (another agent's
+        // atomic write on this state dir, which the lock then refuses) has
+        // nothing left to tighten.
+        let meta = match fs::symlink_metadata(&path) {
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            meta => meta?,
+        };
         if meta.is_dir() {
             let name = entry.file_name();
             // A VM's own directory, not one being deleted (`.deleting-…`).
@@ -79,7 +85,10 @@ fn walk(dir: &Path, depth: usize, changed: &mut usize) -> io::Result<()> {
             // its owner); drop everyone else's.
             let mode = meta.permissions().mode() & 0o7777;
             if mode & 0o077 != 0 {
-                set(&path, mode & 0o700, changed)?;
+                match set(&path, mode & 0o700, changed) {
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    done => done?,
+                }
             }
         }
     }
