@@ -238,12 +238,22 @@ fn gone_runs_root(name: &str) -> (eitri_agent::provision::jail::cgroup::Cgroups,
 #[test]
 fn a_gone_runs_cgroup_root_is_ended_with_its_processes_by_the_next_run() {
     // No process has a pid past the kernel's largest pid_max (2^22).
-    let (cgroups, dirs) = gone_runs_root(&format!("eitri-test-{}", (1u32 << 22) + 7));
+    let name = format!("eitri-test-{}", (1u32 << 22) + 7);
     let mut left = std::process::Command::new("sleep")
         .arg("600")
         .spawn()
         .expect("sleep");
-    std::fs::write(dirs[0].join("cgroup.procs"), left.id().to_string()).expect("move");
+    // Another test process's sweep may take the root away between its
+    // making and the move (it is a gone run's to every sweep): made again.
+    let mut made = None;
+    for _ in 0..10 {
+        let (cgroups, dirs) = gone_runs_root(&name);
+        if std::fs::write(dirs[0].join("cgroup.procs"), left.id().to_string()).is_ok() {
+            made = Some(cgroups);
+            break;
+        }
+    }
+    let cgroups = made.expect("the sleeper moved into the gone run's root");
 
     eitri_agent::testkit::sweep_stale_test_roots();
 
