@@ -23,8 +23,6 @@ pub const JOIN: [&str; 2] = [
 ];
 
 const RTM_NEWLINK: u16 = 16;
-const RTM_GETLINK: u16 = 18;
-const IFLA_STATS64: u16 = 23;
 pub(super) const NLMSG_ERROR: u16 = 2;
 const NLM_F_REQUEST: u16 = 0x1;
 pub(super) const NLM_F_ACK: u16 = 0x4;
@@ -159,48 +157,6 @@ fn neighbour(kind: u16, flags: u16, index: i32, ip: std::net::Ipv4Addr) -> Messa
     m.raw(&[0, 0]);
     m.attr(NDA_DST, &ip.octets());
     m
-}
-
-/// The frames `link` has received, read now from the kernel (its 64-bit
-/// `rx_packets`): for a tap, the frames its guest sent. One link's answer,
-/// not a dump of every link's, so it costs the same on a host of thousands.
-pub fn received_frames(link: &str) -> io::Result<u64> {
-    let index = ifindex(link)?;
-    let socket = Socket::open(libc::NETLINK_ROUTE)?;
-    let mut m = Message::new(RTM_GETLINK, 0, 1);
-    // struct ifinfomsg: family, padding, type, index, flags, change.
-    m.raw(&[0, 0, 0, 0]);
-    m.raw(&index.to_ne_bytes());
-    m.raw(&[0; 8]);
-    socket.send(&m.finish())?;
-    let mut buf = vec![0u8; 16 << 10];
-    let n = socket.receive(&mut buf)?;
-    let answer = &buf[..n];
-    let kind = answer.get(4..6).map(|b| u16::from_ne_bytes([b[0], b[1]]));
-    if kind == Some(NLMSG_ERROR) {
-        return Err(acknowledgement(answer, 1)
-            .and_then(Result::err)
-            .unwrap_or_else(|| io::Error::other("the kernel refused RTM_GETLINK")));
-    }
-    let mut attrs = answer.get(HEADER + 16..).unwrap_or_default();
-    while attrs.len() >= 4 {
-        let len = usize::from(u16::from_ne_bytes([attrs[0], attrs[1]]));
-        let kind = u16::from_ne_bytes([attrs[2], attrs[3]]) & !NLA_F_NESTED;
-        if len < 4 || len > attrs.len() {
-            break;
-        }
-        if kind == IFLA_STATS64
-            && let Some(first) = attrs.get(4..12)
-        {
-            let mut bytes = [0u8; 8];
-            bytes.copy_from_slice(first);
-            return Ok(u64::from_ne_bytes(bytes));
-        }
-        attrs = &attrs[len.next_multiple_of(4).min(attrs.len())..];
-    }
-    Err(io::Error::other(format!(
-        "the kernel said no counters for {link}"
-    )))
 }
 
 /// The request that sets a bridge port's isolation.
@@ -410,24 +366,6 @@ fn acknowledgement(mut datagram: &[u8], seq: u32) -> Option<io::Result<()>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_links_received_frames_are_read_as_they_grow() {
-        let before = received_frames("lo").expect("lo's counters");
-        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-        socket
-            .send_to(b"x", socket.local_addr().expect("addr"))
-            .expect("send");
-
-        let after = received_frames("lo").expect("lo's counters");
-
-        assert!(after > before, "{before} then {after}");
-    }
-
-    #[test]
-    fn a_link_that_is_not_there_is_an_error() {
-        assert!(received_frames("no-such-link0").is_err());
-    }
 
     #[test]
     fn a_nested_attribute_counts_what_it_holds() {

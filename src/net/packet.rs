@@ -74,6 +74,43 @@ const TO_GUEST_HEADS: [libc::sock_filter; 7] = {
     ]
 };
 
+/// A classic BPF program that passes (its first byte only: nothing reads
+/// it) each frame a tap's guest sent that is its own activity: not what
+/// the host sends to it, not ARP, not IPv6 neighbour or router discovery
+/// or multicast listener reports (ICMPv6 types 130 to 137 and 143), nor an
+/// IPv6 packet starting with hop-by-hop options (how MLD is sent). A guest
+/// answers those for its stack, not for a user: an idle guest refreshes
+/// the host's address a few seconds after every exchange, a probe's
+/// included.
+const GUEST_ACTIVITY: [libc::sock_filter; 14] = {
+    const fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+        libc::sock_filter { code, jt, jf, k }
+    }
+    const LDB_ABS: u16 = 0x30;
+    const LDH_ABS: u16 = 0x28;
+    const JEQ: u16 = 0x15;
+    const JGE: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+    const JGT: u16 = 0x25; // BPF_JMP | BPF_JGT | BPF_K
+    const RET: u16 = 0x06;
+    const PKTTYPE: u32 = 0xffff_f000 + 4;
+    [
+        op(LDB_ABS, 0, 0, PKTTYPE),                   // 0
+        op(JEQ, 10, 0, libc::PACKET_OUTGOING as u32), // 1: to the guest: drop (12)
+        op(LDH_ABS, 0, 0, 12),                        // 2: the ethertype
+        op(JEQ, 8, 0, 0x0806),                        // 3: ARP: drop
+        op(JEQ, 0, 8, 0x86dd),                        // 4: not IPv6: pass (13)
+        op(LDB_ABS, 0, 0, 14 + 6),                    // 5: its next header
+        op(JEQ, 5, 0, 0),                             // 6: hop-by-hop: drop
+        op(JEQ, 0, 5, 58),                            // 7: not ICMPv6: pass
+        op(LDB_ABS, 0, 0, 14 + 40),                   // 8: the ICMPv6 type
+        op(JEQ, 2, 0, 143),                           // 9: MLDv2 report: drop
+        op(JGE, 0, 2, 130),                           // 10: below 130: pass
+        op(JGT, 1, 0, 137),                           // 11: above 137: pass, else drop
+        op(RET, 0, 0, 0),                             // 12: drop
+        op(RET, 0, 0, 1),                             // 13: pass, one byte
+    ]
+};
+
 /// What a frame for a guest is, in words: "tcp from 192.0.2.9:40312 to
 /// port 8080", "udp from …", "arp from 10.0.0.1"; `None` for anything
 /// else, or a frame too short to say.
@@ -118,6 +155,43 @@ impl PacketSocket {
         // Heads of a wake's first frames only: 4 KiB holds dozens.
         nix::sys::socket::setsockopt(&socket.fd, nix::sys::socket::sockopt::RcvBuf, &4096)?;
         Ok(socket)
+    }
+
+    /// Opens a socket on the tap `iface` that counts the frames its guest
+    /// sends of its own accord (see [`GUEST_ACTIVITY`]); read with
+    /// [`PacketSocket::take_count`], never received from.
+    pub fn open_guest_activity(iface: &str) -> io::Result<PacketSocket> {
+        let socket = PacketSocket::open_with(iface, None, Some(&GUEST_ACTIVITY))?;
+        // Nothing is read: one frame queued, every later one counted as
+        // dropped, before the kernel copies it.
+        nix::sys::socket::setsockopt(&socket.fd, nix::sys::socket::sockopt::RcvBuf, &0)?;
+        Ok(socket)
+    }
+
+    /// The frames its filter passed since the last count (queued or
+    /// dropped alike), as the kernel counts them; counting starts over.
+    pub fn take_count(&self) -> io::Result<u64> {
+        let mut stats = libc::tpacket_stats {
+            tp_packets: 0,
+            tp_drops: 0,
+        };
+        let mut len = std::mem::size_of::<libc::tpacket_stats>() as libc::socklen_t;
+        // SAFETY: PACKET_STATISTICS fills a tpacket_stats of at most `len`
+        // bytes, both valid for the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_STATISTICS,
+                std::ptr::from_mut(&mut stats).cast(),
+                &mut len,
+            )
+        };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // The kernel's `tp_packets` already includes the drops.
+        Ok(u64::from(stats.tp_packets))
     }
 
     /// One frame into `buf` if one waits, without waiting.
@@ -252,7 +326,7 @@ pub fn arp_frame(
 }
 
 /// The interface's index in this process's network namespace.
-pub(super) fn ifindex(name: &str) -> io::Result<i32> {
+pub(crate) fn ifindex(name: &str) -> io::Result<i32> {
     let c = CString::new(name)
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "interface name has a NUL"))?;
     // SAFETY: `c` is a valid NUL-terminated string for the call.

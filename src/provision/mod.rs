@@ -209,16 +209,10 @@ pub trait Wake: Send + Sync {
     /// wake turned off, stopped, destroyed).
     fn stop_listening(&self, vm_id: &Id);
 
-    /// How many frames the VM's guest sent on its NICs, as the kernel
-    /// counts them; `None` when it has none. A reading may be up to a
-    /// moment old (one reading answers for every VM).
+    /// How many frames the VM's guest sent on its NICs of its own accord
+    /// (what its stack says for itself, ARP and the like, left out where
+    /// the backend can), read now; `None` when it has none.
     fn frames(&self, vm_id: &Id) -> Option<u64>;
-
-    /// As [`Wake::frames`], read now: to count what the guest sent within
-    /// an exchange of milliseconds.
-    fn frames_now(&self, vm_id: &Id) -> Option<u64> {
-        self.frames(vm_id)
-    }
 }
 
 /// What a listening VM's wake is seen by.

@@ -18,8 +18,8 @@ use eitri_agent::testkit::net::{
     Namespaces, client_frame, ip, lease, private_network, script, udhcpc,
 };
 
-const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0x00, 0x00, 0x00, 0x01];
-const VM_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 3, 9);
+pub(crate) const GUEST_MAC: [u8; 6] = [0x02, 0xe1, 0x00, 0x00, 0x00, 0x01];
+pub(crate) const VM_IP: Ipv4Addr = Ipv4Addr::new(100, 77, 3, 9);
 
 /// A namespace with a veth into it, the guest end carrying `guest_mac`.
 struct Wire {
@@ -128,7 +128,7 @@ fn another_mac_gets_nothing_from_this_vms_responder() {
 
 /// A veth pair in this test's own namespace: the responder on one end, a
 /// raw client with the lease's MAC on the other.
-fn private_pair() -> PacketSocket {
+pub(crate) fn private_pair() -> PacketSocket {
     private_network();
     ip(&[
         "link", "add", "etfh", "type", "veth", "peer", "name", "etfc",

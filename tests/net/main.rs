@@ -1,6 +1,7 @@
 //! The host network against real clients in network namespaces the tests
 //! make (DHCP, snooping, the underlay, published ports), one module each, in one test crate.
 
+mod activity;
 mod dhcp;
 mod publish;
 mod sleepers;

@@ -115,7 +115,7 @@ pub struct CloudHypervisor {
     unserved: Mutex<std::collections::HashSet<Id>>,
     /// The taps of sleeping VMs that wake on traffic (see [`wake`]).
     listening: wake::Held,
-    /// The last reading of every link's frame counters (see [`wake`]).
+    /// Each watched tap's count of its guest's own frames (see [`wake`]).
     counted: wake::Counted,
 }
 

@@ -191,36 +191,20 @@ impl Wake for CloudHypervisor {
         }
     }
 
-    /// Frames its guest sent: every conversation makes a guest answer,
-    /// while what the bridge floods to every port (the host's ARP for
-    /// another guest, its IPv6 router solicitations) would keep an idle
-    /// guest awake for ever.
+    /// Frames its guest sent of its own accord (see
+    /// [`PacketSocket::open_guest_activity`]): every conversation makes a
+    /// guest answer, while what the bridge floods to every port (the
+    /// host's ARP for another guest, its IPv6 router solicitations) would
+    /// keep an idle guest awake for ever, and so would what its stack says
+    /// for itself (its ARP for the host a few seconds after each exchange,
+    /// its neighbour discovery).
     fn frames(&self, vm_id: &Id) -> Option<u64> {
         let taps = self.taps(vm_id)?;
         let mut counted = self.counted.lock();
-        if counted
-            .as_ref()
-            .is_none_or(|(at, _)| at.elapsed() >= COUNTED_FOR)
-        {
-            *counted = Some((std::time::Instant::now(), link_frames()));
-        }
-        let all = &counted.as_ref()?.1;
+        counted.prune();
         let mut frames = None;
         for name in [taps.underlay, taps.site] {
-            if let Some(n) = all.get(&name) {
-                frames = Some(frames.unwrap_or(0u64).wrapping_add(*n));
-            }
-        }
-        frames
-    }
-
-    fn frames_now(&self, vm_id: &Id) -> Option<u64> {
-        let taps = self.taps(vm_id)?;
-        let mut frames = None;
-        for name in [taps.underlay, taps.site] {
-            if let Ok(n) = crate::net::netlink::received_frames(&name) {
-                // As the shared reading counts them (32 bits).
-                let n = n & u64::from(u32::MAX);
+            if let Some(n) = counted.count(&name) {
                 frames = Some(frames.unwrap_or(0u64).wrapping_add(n));
             }
         }
@@ -228,50 +212,72 @@ impl Wake for CloudHypervisor {
     }
 }
 
-/// How long one reading of every link's counters answers for: the idle
-/// watch asks of each VM in turn, once a second.
-const COUNTED_FOR: Duration = Duration::from_millis(500);
+/// How often the counters of taps gone (a VM stopped, destroyed, asleep)
+/// are closed.
+const PRUNE_EVERY: Duration = Duration::from_secs(10);
 
-/// Every link's counters, as one reading.
-pub(super) type Counted = parking_lot::Mutex<Option<(std::time::Instant, HashMap<String, u64>)>>;
+/// Each watched tap's count of its guest's own frames: a counter opened
+/// the first time its VM's idle is asked, and again whenever its tap was
+/// made again (a boot, a wake), so a count never spans two taps.
+#[derive(Default)]
+pub(super) struct Activity {
+    taps: HashMap<String, TapCount>,
+    pruned: Option<std::time::Instant>,
+}
 
-/// Frames each link of this network namespace received: on a tap, the
-/// frames its guest sent (the kernel's 32-bit counter: it wraps, which an
-/// idle watch, asking only whether it moved, does not mind). Asked of the kernel, by netlink
-/// under getifaddrs(3): /sys shows the namespace that mounted it.
-fn link_frames() -> HashMap<String, u64> {
-    use nix::libc;
-    let mut all = HashMap::new();
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` with a list freed by freeifaddrs,
-    // called once below.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return all;
-    }
-    let mut entry = list;
-    while !entry.is_null() {
-        // SAFETY: `entry` is a node of the list getifaddrs returned, valid
-        // until freeifaddrs. For an AF_PACKET entry, ifa_data points at the
-        // link's `struct rtnl_link_stats`, whose first two fields are its
-        // received and sent packets (u32 each).
-        unsafe {
-            let e = &*entry;
-            if !e.ifa_addr.is_null()
-                && i32::from((*e.ifa_addr).sa_family) == libc::AF_PACKET
-                && !e.ifa_data.is_null()
-                && !e.ifa_name.is_null()
-            {
-                let stats = e.ifa_data.cast::<u32>();
-                let frames = u64::from(stats.read_unaligned());
-                let name = std::ffi::CStr::from_ptr(e.ifa_name)
-                    .to_string_lossy()
-                    .into_owned();
-                all.insert(name, frames);
+/// One tap's counter, and what it counted so far.
+struct TapCount {
+    ifindex: i32,
+    counter: PacketSocket,
+    total: u64,
+}
+
+pub(super) type Counted = parking_lot::Mutex<Activity>;
+
+impl Activity {
+    /// What the tap `name`'s guest sent of its own accord since its
+    /// counter was opened; `None` while it has no tap.
+    fn count(&mut self, name: &str) -> Option<u64> {
+        let Ok(ifindex) = packet::ifindex(name) else {
+            self.taps.remove(name);
+            return None;
+        };
+        if self.taps.get(name).is_none_or(|t| t.ifindex != ifindex) {
+            match PacketSocket::open_guest_activity(name) {
+                Ok(counter) => {
+                    let fresh = TapCount {
+                        ifindex,
+                        counter,
+                        total: 0,
+                    };
+                    self.taps.insert(name.to_owned(), fresh);
+                }
+                Err(e) => {
+                    log::debug!("tap {name}: cannot count its guest's frames: {e}");
+                    self.taps.remove(name);
+                    return None;
+                }
             }
-            entry = e.ifa_next;
         }
+        let tap = self.taps.get_mut(name)?;
+        match tap.counter.take_count() {
+            Ok(n) => tap.total = tap.total.wrapping_add(n),
+            Err(e) => {
+                log::debug!("tap {name}: cannot read its guest's frame count: {e}");
+                self.taps.remove(name);
+                return None;
+            }
+        }
+        Some(tap.total)
     }
-    // SAFETY: `list` came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(list) };
-    all
+
+    /// Closes the counters of taps that are gone or were made again.
+    fn prune(&mut self) {
+        if self.pruned.is_some_and(|at| at.elapsed() < PRUNE_EVERY) {
+            return;
+        }
+        self.pruned = Some(std::time::Instant::now());
+        self.taps
+            .retain(|name, t| packet::ifindex(name).is_ok_and(|i| i == t.ifindex));
+    }
 }

@@ -24,9 +24,12 @@
 //!
 //! The same thread samples the frame counters of each running VM with an
 //! idle time, once a second, and pokes its worker once they have not
-//! moved for that long. The frames its guest sent count: every
-//! conversation makes a guest answer, while what the bridge floods to
-//! every port would keep it awake for ever. The frames it sent while the
+//! moved for that long. The frames its guest sent of its own accord
+//! count: every conversation makes a guest answer, while what the bridge
+//! floods to every port would keep it awake for ever, and so would what
+//! its stack says for itself (ARP, IPv6 neighbour discovery: the backend
+//! leaves those out, see [`Wake::frames`](crate::provision::Wake::frames)).
+//! The frames it sent while the
 //! agent's own readiness probe was open to it (a TCP or HTTP check: the
 //! guest's SYN-ACK, its answer) do not: they are the agent's traffic, and
 //! a probe every period would keep a guest awake for ever. The probe ends

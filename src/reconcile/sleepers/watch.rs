@@ -198,7 +198,7 @@ impl Watch {
     /// (a readiness probe): what the guest sends until it closes
     /// ([`Watch::own_closed`]) is not its own traffic.
     pub(super) fn own_opened(&self, vm_id: &Id) {
-        let frames = self.shared.prov.waker().and_then(|w| w.frames_now(vm_id));
+        let frames = self.shared.prov.waker().and_then(|w| w.frames(vm_id));
         if let Some(q) = self.shared.quiet.lock().get_mut(vm_id) {
             q.open = Some(frames);
         }
@@ -207,7 +207,7 @@ impl Watch {
     /// The exchange closed: the frames the guest sent while it was open
     /// are taken off what it sent.
     pub(super) fn own_closed(&self, vm_id: &Id) {
-        let frames = self.shared.prov.waker().and_then(|w| w.frames_now(vm_id));
+        let frames = self.shared.prov.waker().and_then(|w| w.frames(vm_id));
         if let Some(q) = self.shared.quiet.lock().get_mut(vm_id)
             && let Some(before) = q.open.take()
             && let (Some(before), Some(after)) = (before, frames)
