@@ -89,8 +89,10 @@ pub struct VmStatus {
     pub egress: String,
     /// The limits it runs with, as words; empty when the backend holds none.
     pub limits: String,
-    /// Its readiness probe's state and last result, as words; empty when
-    /// it has no probe or does not run.
+    /// Its readiness probe's state and last result, as words; without a
+    /// probe, what its guest agent says of its readiness (see
+    /// [`GUEST_AGENT_READY`], [`HYPERVISOR_ONLY`]); empty when it does not
+    /// run.
     pub readiness: String,
     /// Why the VM's entry in desired state was refused, while the host has
     /// the VM and runs it on as it was; empty otherwise.
@@ -101,10 +103,21 @@ pub struct VmStatus {
     pub asleep: bool,
     /// Its last wake, as words; empty when traffic never woke it.
     pub last_wake: String,
+    /// What its guest agent last said of the guest, as words; empty when
+    /// none answered.
+    pub guest: String,
 }
 
 /// How a row's `readiness` ends while its probe answers ("tcp 22 answered").
 pub const ANSWERED: &str = " answered";
+
+/// A row's `readiness` while its guest agent says the guest is up (it has
+/// no probe).
+pub const GUEST_AGENT_READY: &str = "guest agent answered";
+
+/// How a row's `readiness` begins when nothing but its hypervisor running
+/// makes it ready: no probe, and no guest agent that said its system is up.
+pub const HYPERVISOR_ONLY: &str = "the hypervisor runs; ";
 
 /// How a row's error begins while its readiness probe fails past its
 /// grace, or after it answered: the VM runs, and is not ready.

@@ -332,6 +332,7 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         published_ports: published_to_wire(&row.published),
         asleep: row.asleep,
         last_wake: row.last_wake.clone(),
+        guest: row.guest.clone(),
     }
 }
 
@@ -361,6 +362,7 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             published: published_ports(&row.published_ports)?,
             asleep: row.asleep,
             last_wake: row.last_wake.clone(),
+            guest: row.guest.clone(),
         }));
     }
     for q in &wire.quarantined {

@@ -406,8 +406,11 @@ pub struct VmStatus {
     #[prost(string, tag = "10")]
     pub limits: ::prost::alloc::string::String,
     /// Its readiness probe's state and last result, for people, e.g. "tcp 22
-    /// answered" or "tcp 22 failing for 12 s: connection refused"; empty when
-    /// its spec names no probe or its guest does not run.
+    /// answered" or "tcp 22 failing for 12 s: connection refused";
+    /// "guest agent answered" when its spec names none and its guest agent
+    /// says the guest's system is up; "the hypervisor runs; no probe, no
+    /// guest agent" when nothing tells more than that; empty when its guest
+    /// does not run.
     #[prost(string, tag = "11")]
     pub readiness: ::prost::alloc::string::String,
     /// Set when this VM's entry in the last snapshot was refused (an unknown
@@ -431,6 +434,12 @@ pub struct VmStatus {
     /// never woke it under this agent.
     #[prost(string, tag = "15")]
     pub last_wake: ::prost::alloc::string::String,
+    /// What its guest agent last said of the guest, for people, e.g. "system
+    /// up (systemd: running), up 3 min, 412 of 512 MiB available, load 0.02,
+    /// root 1.2 of 2.0 GiB free, eitri-guest 0.9.0"; the guest's own report,
+    /// unchecked beyond its bounds. Empty when no guest agent answered.
+    #[prost(string, tag = "16")]
+    pub guest: ::prost::alloc::string::String,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

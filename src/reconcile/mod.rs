@@ -205,6 +205,10 @@ impl Engine {
             }
         }
         let slots = CreateSlots::new(config.max_concurrent_creates);
+        let agent_wait = seams
+            .seed
+            .carries_guest_agent()
+            .then_some(probes::AGENT_WAIT);
         let stack = config.worker_stack_bytes;
         let (changed, changes) = bounded(1);
         let workers = Workers::new(stack, changed);
@@ -231,7 +235,7 @@ impl Engine {
                 counts: counts::Counts::default(),
             },
             create: Create::new(seams.images, seams.seed, seams.host_keys, slots),
-            probes: probes::Probes::default(),
+            probes: probes::Probes::new(agent_wait),
             panics: panics::Panics::default(),
             sleepers,
             watch: parking_lot::RwLock::new(None),

@@ -91,6 +91,7 @@ impl VmResult {
             published: Vec::new(),
             asleep: false,
             last_wake: String::new(),
+            guest: String::new(),
         });
     }
 

@@ -30,6 +30,12 @@ pub trait SeedBuilder: Send + Sync {
     /// The seed in place at `out`; durable once the returned
     /// [`Pending`](crate::state::atomic::Pending) is synced.
     fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending>;
+
+    /// Whether the seeds it builds install a guest agent: the guests of
+    /// such seeds are waited for until their agents answer.
+    fn carries_guest_agent(&self) -> bool {
+        false
+    }
 }
 
 /// Loads the host key stored at a path, creating and persisting one when
@@ -82,6 +88,10 @@ impl Images for ImageCache {
 impl SeedBuilder for NoCloudSeed {
     fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending> {
         NoCloudSeed::build(self, out, params)
+    }
+
+    fn carries_guest_agent(&self) -> bool {
+        NoCloudSeed::carries_guest_agent(self)
     }
 }
 

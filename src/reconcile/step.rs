@@ -172,7 +172,7 @@ impl Spine {
             .then(|| self.sleepers.own_exchange(vm_id));
         let restart = self
             .probes
-            .probe(ctx, pass.deadline, desired, saved.is_some(), pass.res);
+            .probe(ctx, pass.deadline, desired, saved.as_deref(), pass.res);
         drop(own);
         let restart = restart.or_else(|| self.panics.look(ctx, desired, pass.res));
         if let Some(why) = restart {
@@ -270,7 +270,8 @@ impl Spine {
         };
         if let Some(publisher) = pass.publisher.filter(|_| !pass.deadline.expired()) {
             let mut said = pass.res.clone();
-            self.probes.hold_for_probe(ctx, desired, &mut said);
+            let booted = rec.lifecycle.created_at();
+            self.probes.hold_for_probe(ctx, desired, booted, &mut said);
             let answering = self.probes.answering(&desired.spec.vm_id);
             Holding::of(ctx).say_what_it_is_held_to(desired, Ok(()), answering, &mut said);
             publisher.publish(said);

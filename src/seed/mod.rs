@@ -108,6 +108,11 @@ impl NoCloudSeed {
         })
     }
 
+    /// Whether its seeds install a guest agent.
+    pub fn carries_guest_agent(&self) -> bool {
+        self.guest_agent.is_some()
+    }
+
     /// Builds the seed image for `params` at `out`, atomically.
     pub fn build(&self, out: &Path, params: &SeedParams) -> Outcome<crate::state::atomic::Pending> {
         check(params)?;

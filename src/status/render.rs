@@ -267,10 +267,11 @@ impl ReportFile {
     }
 }
 
-/// Whether the VM's guest answers its readiness probe: `-` without one,
-/// `yes` once it answered and while it answers, `no` before and after.
+/// Whether the VM's guest answers its readiness probe (or, without one,
+/// its guest agent): `-` with neither, `yes` once it answered and while it
+/// answers, `no` before and after.
 fn ready_cell(row: &pb::VmStatus) -> &'static str {
-    if row.readiness.is_empty() {
+    if row.readiness.is_empty() || row.readiness.starts_with(crate::model::HYPERVISOR_ONLY) {
         "-"
     } else if row.readiness.ends_with(crate::model::ANSWERED)
         && !crate::model::is_unhealthy(&row.last_error)
@@ -333,6 +334,7 @@ fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
         ("limits", &row.limits),
         ("egress", &row.egress),
         ("readiness", &row.readiness),
+        ("guest", &row.guest),
     ] {
         if !value.is_empty() {
             fields.push((key, inline(value)));

@@ -371,3 +371,102 @@ fn the_vsock_directory_is_taken_back_once_the_vmm_bound_its_socket() {
     assert_eq!(names, ["guest.sock"]);
     assert!(status_of(&h, "vm-1").is_ok(), "the agent still reaches it");
 }
+
+// ── readiness by the guest agent ────────────────────────────────────────
+
+#[test]
+fn a_vm_with_no_probe_is_ready_once_its_guest_agent_says_its_system_is_up() {
+    let h = Host::new(&[("STANDIN_GUEST_UP_AFTER_MS", "1500")]).delivering_a_guest_agent();
+    let snap = h.vm("vm-1");
+    h.tick(&snap);
+    let early = h.row("vm-1");
+
+    let row = h.tick_until_row(&snap, "vm-1", |r| r.phase == Some(Phase::Ready));
+
+    assert_eq!(early.phase, Some(Phase::Creating), "{early:?}");
+    assert!(
+        early
+            .status_detail
+            .starts_with("waiting for the guest: its guest agent says the system is starting"),
+        "{early:?}"
+    );
+    assert_eq!(row.readiness, eitri_agent::model::GUEST_AGENT_READY);
+    assert!(
+        row.guest.starts_with("system up (systemd: running), up "),
+        "{row:?}"
+    );
+}
+
+#[test]
+fn a_vm_with_no_probe_and_no_guest_agent_is_ready_by_its_hypervisor_and_says_so() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]);
+
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Ready));
+    assert_eq!(
+        row.readiness,
+        "the hypervisor runs; no probe, no guest agent"
+    );
+    assert_eq!(row.guest, "");
+}
+
+#[test]
+fn a_delivered_guest_agent_is_waited_for_from_the_boot_and_then_done_without() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]).delivering_a_guest_agent();
+    let snap = h.vm("vm-1");
+    h.tick(&snap);
+    let waiting = h.row("vm-1");
+
+    h.fakes.advance_clock(Duration::from_secs(121));
+    h.tick(&snap);
+
+    assert_eq!(waiting.phase, Some(Phase::Creating), "{waiting:?}");
+    assert!(
+        waiting
+            .status_detail
+            .starts_with("waiting for the guest: no guest agent answers, 0 s of 120 s"),
+        "{waiting:?}"
+    );
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert_eq!(
+        row.readiness,
+        "the hypervisor runs; no probe, and no guest agent answered in 120 s"
+    );
+}
+
+#[test]
+fn a_restarted_agent_does_not_wait_again_for_a_guest_agent_its_boot_waited_out() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]).delivering_a_guest_agent();
+    let snap = h.vm("vm-1");
+    h.tick(&snap);
+    h.fakes.advance_clock(Duration::from_secs(121));
+    h.tick(&snap);
+
+    let h = h.restart().delivering_a_guest_agent();
+    h.tick(&snap);
+
+    assert_eq!(
+        h.row("vm-1").phase,
+        Some(Phase::Ready),
+        "{:?}",
+        h.row("vm-1")
+    );
+}
+
+#[test]
+fn a_guest_agent_answering_garbage_does_not_hold_its_vm_back() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "garbage")]).delivering_a_guest_agent();
+
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert!(
+        row.readiness
+            .starts_with("the hypervisor runs; no probe; its guest agent fails: "),
+        "{row:?}"
+    );
+}

@@ -65,6 +65,9 @@ struct Host {
     serial_marker: String,
     /// What the engine admits (0: no cap).
     caps: eitri_agent::reconcile::HostCaps,
+    /// New VMs' seeds install a guest agent, as the daemon's do with
+    /// `eitri-guest` beside it: the engine waits for it.
+    delivers_guest_agent: bool,
 }
 
 /// A tap prefix of this test process alone: parallel tests never touch
@@ -191,6 +194,7 @@ impl Host {
             cleanup: true,
             serial_marker: "booting".into(),
             caps: eitri_agent::reconcile::HostCaps::default(),
+            delivers_guest_agent: false,
         };
         host.engine = Some(host.make_engine());
         host
@@ -208,7 +212,13 @@ impl Host {
                     ..ImageOptions::default()
                 },
             )),
-            seed: Arc::new(NoCloudSeed::default()),
+            // Any ELF is a guest agent to the seed; the stand-in's guest
+            // is scripted, and never runs it.
+            seed: Arc::new(if self.delivers_guest_agent {
+                NoCloudSeed::delivering(Path::new("/bin/true")).expect("a seed carrying an ELF")
+            } else {
+                NoCloudSeed::default()
+            }),
             host_keys: Arc::new(LocalHostKeys),
             host: self.fakes.seams().host,
         };
@@ -239,6 +249,13 @@ impl Host {
         let mut host = Host::assemble(dir, cfg, fakes, base_url, base_sha);
         host.serial_marker = serial_marker;
         host
+    }
+
+    /// The same host, its new VMs' seeds carrying a guest agent.
+    fn delivering_a_guest_agent(mut self) -> Host {
+        self.delivers_guest_agent = true;
+        self.engine = Some(self.make_engine());
+        self
     }
 
     /// Gives the backend a host network (call in a private namespace).

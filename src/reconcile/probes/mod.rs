@@ -19,6 +19,10 @@
 //! by the usual ladder and started afresh), said in its row and counted:
 //! [`Probes::probe`] says when, and the spine has the boot verb do it.
 //!
+//! A VM whose spec names no probe is judged by its guest agent instead
+//! ([`agent`]): ready once the agent says its guest's system is up, or, with
+//! no agent, once its hypervisor runs, its row saying which.
+//!
 //! What the probes know is theirs ([`Probes`]); what the other steps of a
 //! pass may ask of it is whether the guest answered ([`Probes::answered`],
 //! [`Probes::answering`]).
@@ -30,8 +34,12 @@ use super::context::Context;
 use super::pass::VmResult;
 use crate::deadline::Deadline;
 use crate::model::{ANSWERED, Check, DesiredVm, Id, Phase, PowerState, Readiness, UNHEALTHY};
+use crate::state::Record;
 
+mod agent;
 mod ask;
+
+pub(crate) use agent::AGENT_WAIT;
 
 /// What the engine knows of one VM's probe, for its current hypervisor.
 #[derive(Clone, Debug)]
@@ -74,32 +82,45 @@ fn fresh(pid: Option<u32>, now: SystemTime) -> ProbeState {
     }
 }
 
-/// Every VM's probe state, keyed by VM.
-#[derive(Default)]
+/// Every VM's probe state, keyed by VM, and what its guest agent said
+/// where it has no probe.
 pub(crate) struct Probes {
     states: parking_lot::Mutex<HashMap<Id, ProbeState>>,
+    agents: agent::Agents,
 }
 
 impl Probes {
+    /// The probes of an engine whose new VMs' guest agents are waited for
+    /// `agent_wait` from their boot's start (`None`: none is delivered).
+    pub(crate) fn new(agent_wait: Option<Duration>) -> Probes {
+        Probes {
+            states: parking_lot::Mutex::default(),
+            agents: agent::Agents::new(agent_wait),
+        }
+    }
+
     /// Probes a running VM whose spec names a probe, when one is due, and
     /// says in its row what the probe says. A VM with no probe, or not
     /// running and ready by its lifecycle, is left as its pass reported it.
     /// Why the VM is to be booted again, when its probe has failed past
-    /// its `restart_after` and it `has_record` to boot from (its row then
-    /// says nothing of the probe: the boot says it).
+    /// its `restart_after` and it has a `record` to boot from (its row then
+    /// says nothing of the probe: the boot says it). One with no probe is
+    /// asked of its guest agent instead.
     pub(crate) fn probe(
         &self,
         ctx: &Context,
         deadline: Deadline,
         desired: &DesiredVm,
-        has_record: bool,
+        record: Option<&Record>,
         res: &mut VmResult,
     ) -> Option<String> {
         let vm_id = &desired.spec.vm_id;
         if !up(res) {
             self.states.lock().remove(vm_id);
+            self.agents.forget(vm_id);
             return None;
         }
+        let has_record = record.is_some();
         let now = ctx.host.now();
         let pid = ctx.backend.pid(vm_id);
         let Some(probe) = &desired.readiness else {
@@ -112,8 +133,12 @@ impl Probes {
                 };
                 all.insert(vm_id.clone(), seen);
             }
+            drop(all);
+            let booted = record.and_then(|r| r.lifecycle.created_at());
+            self.agents.look(ctx, deadline, vm_id, booted, res);
             return None;
         };
+        self.agents.forget(vm_id);
         let mut state = {
             let mut all = self.states.lock();
             let state = all.entry(vm_id.clone()).or_insert_with(|| fresh(pid, now));
@@ -171,8 +196,18 @@ impl Probes {
     /// publish before its pass probes it: with a probe in its spec it is
     /// not `ready` until its guest answers, and nothing of this hypervisor
     /// has answered yet.
-    pub(crate) fn hold_for_probe(&self, ctx: &Context, desired: &DesiredVm, res: &mut VmResult) {
+    /// With none, its guest agent's wait holds it back the same way.
+    pub(crate) fn hold_for_probe(
+        &self,
+        ctx: &Context,
+        desired: &DesiredVm,
+        booted: Option<SystemTime>,
+        res: &mut VmResult,
+    ) {
         let Some(probe) = &desired.readiness else {
+            if up(res) {
+                self.agents.hold(ctx, booted, res);
+            }
             return;
         };
         if up(res) {
@@ -182,15 +217,17 @@ impl Probes {
     }
 
     /// Whether the running VM's guest is up as its entry says: its
-    /// readiness probe answered its hypervisor, or it has none. A guest
-    /// still booting sends nothing for seconds, and is not idle.
+    /// readiness probe answered its hypervisor, or it has none and its
+    /// row is not held for its guest agent. A guest still booting sends
+    /// nothing for seconds, and is not idle.
     pub(crate) fn answered(&self, desired: &DesiredVm) -> bool {
-        desired.readiness.is_none()
-            || self
-                .states
-                .lock()
-                .get(&desired.spec.vm_id)
-                .is_some_and(|p| p.answered.is_some())
+        if desired.readiness.is_none() {
+            return !self.agents.waiting(&desired.spec.vm_id);
+        }
+        self.states
+            .lock()
+            .get(&desired.spec.vm_id)
+            .is_some_and(|p| p.answered.is_some())
     }
 
     /// Whether the VM's probe answers now, for the metrics file; `None`
@@ -206,6 +243,7 @@ impl Probes {
     /// The VM is gone: what its probe knew goes with it.
     pub(crate) fn forget(&self, vm_id: &Id) {
         self.states.lock().remove(vm_id);
+        self.agents.forget(vm_id);
     }
 }
 

@@ -1,0 +1,280 @@
+//! Readiness without a probe: what the guest agent says of its guest.
+//!
+//! A VM whose spec names no probe is asked for its guest's status over the
+//! guest agent's door (see [`crate::guest`]). Its row is `ready` with
+//! readiness [`GUEST_AGENT_READY`] once the agent says the guest's system
+//! is up (systemd running or degraded) to this hypervisor; until then:
+//!
+//! - where the seeds install a guest agent, the guest is waited for
+//!   ([`AGENT_WAIT`] from its boot's start): `creating`, "waiting for the
+//!   guest: its guest agent …";
+//! - past that, or where no agent was delivered, the hypervisor running is
+//!   all there is to go by: `ready`, with readiness [`HYPERVISOR_ONLY`]
+//!   and why ("no probe, no guest agent").
+//!
+//! The wait counts from the boot's start as its record has it, not from
+//! when this agent first saw the VM, so a restarted agent does not hold a
+//! guest without an agent back for another wait, and a resumed guest (long
+//! past its boot) is asked at once and never held.
+//!
+//! The guest agent is the tenant's code: each ask is bounded by
+//! [`ASK_WITHIN`] and the pass's deadline, an agent that answers badly is
+//! asked again only every [`REFRESH`] and never holds its VM back, and what
+//! it says is shown quoted in the row's `guest` field, never acted upon.
+//! Its exchange goes over vsock, not the VM's NICs, so it is no traffic of
+//! the guest for the idle rule.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
+
+use crate::deadline::Deadline;
+use crate::guest::{AskError, Said, Status};
+use crate::model::{GUEST_AGENT_READY, HYPERVISOR_ONLY, Id, Phase};
+use crate::pb::guest::{StatusAsk, request};
+use crate::reconcile::context::Context;
+use crate::reconcile::pass::VmResult;
+
+/// How long a delivered guest agent is waited for, from its boot's start:
+/// a Debian cloud image's agent (started by cloud-init's last stage) says
+/// its system is up 40 s into its first boot on a 2-core host.
+pub(crate) const AGENT_WAIT: Duration = Duration::from_secs(120);
+
+/// The longest one ask may take.
+const ASK_WITHIN: Duration = Duration::from_secs(1);
+
+/// How often a guest is asked once its agent said it is up, or once its
+/// agent answered badly or was waited out.
+const REFRESH: Duration = Duration::from_secs(30);
+
+/// What the last ask came to.
+#[derive(Clone, Debug)]
+enum Heard {
+    Status(Status),
+    /// Nothing listens on the agent's port (or no VMM door).
+    NoAgent,
+    /// It was reached, and its answer was not taken.
+    Bad(String),
+}
+
+/// What is known of one VM's guest agent, for its current hypervisor.
+#[derive(Clone, Debug)]
+struct Seen {
+    pid: Option<u32>,
+    next_at: SystemTime,
+    /// Its system said up to this hypervisor.
+    up: bool,
+    heard: Heard,
+    /// Its row was held `creating` for it at the last look.
+    waiting: bool,
+}
+
+/// Every running VM's guest agent, as the probes' step asks it.
+pub(super) struct Agents {
+    /// How long a boot waits for its agent: `None` where the seeds deliver
+    /// none (an agent the image carries is still asked, never waited for).
+    wait: Option<Duration>,
+    seen: parking_lot::Mutex<HashMap<Id, Seen>>,
+    ids: AtomicU64,
+}
+
+impl Agents {
+    pub(super) fn new(wait: Option<Duration>) -> Agents {
+        Agents {
+            wait,
+            seen: parking_lot::Mutex::default(),
+            ids: AtomicU64::new(1),
+        }
+    }
+
+    /// Asks the guest agent of a running VM with no probe, when due, and
+    /// says in its row what it said; `booted` is when its boot started
+    /// (its record's create attempt).
+    pub(super) fn look(
+        &self,
+        ctx: &Context,
+        deadline: Deadline,
+        vm_id: &Id,
+        booted: Option<SystemTime>,
+        res: &mut VmResult,
+    ) {
+        let now = ctx.host.now();
+        let pid = ctx.backend.pid(vm_id);
+        let mut seen = self
+            .seen
+            .lock()
+            .get(vm_id)
+            .filter(|s| s.pid == pid)
+            .cloned()
+            .unwrap_or(Seen {
+                pid,
+                next_at: now,
+                up: false,
+                heard: Heard::NoAgent,
+                waiting: false,
+            });
+        if now >= seen.next_at {
+            seen.heard = self.ask(ctx, vm_id, deadline);
+            if let Heard::Status(status) = &seen.heard {
+                seen.up |= status.system.is_up();
+            }
+            let settled =
+                seen.up || matches!(seen.heard, Heard::Bad(_)) || !self.waits(booted, now);
+            seen.next_at = now + if settled { REFRESH } else { Duration::ZERO };
+        }
+        // One that answers badly is the tenant's to fix: not waited for.
+        seen.waiting = !seen.up && !matches!(seen.heard, Heard::Bad(_)) && self.waits(booted, now);
+        self.say(&seen, booted, now, res);
+        self.seen.lock().insert(vm_id.clone(), seen);
+    }
+
+    /// Holds back the row of a VM whose hypervisor was just started, for a
+    /// publish before its pass asks its agent: a guest whose agent is
+    /// waited for is not ready yet.
+    pub(super) fn hold(&self, ctx: &Context, booted: Option<SystemTime>, res: &mut VmResult) {
+        let now = ctx.host.now();
+        if self.waits(booted, now) {
+            let fresh = Seen {
+                pid: None,
+                next_at: now,
+                up: false,
+                heard: Heard::NoAgent,
+                waiting: true,
+            };
+            self.say(&fresh, booted, now, res);
+        }
+    }
+
+    /// Whether the VM's row is held `creating` for its guest agent.
+    pub(super) fn waiting(&self, vm_id: &Id) -> bool {
+        self.seen.lock().get(vm_id).is_some_and(|s| s.waiting)
+    }
+
+    /// Its guest does not run: what was known of its agent goes.
+    pub(super) fn forget(&self, vm_id: &Id) {
+        self.seen.lock().remove(vm_id);
+    }
+
+    /// Whether a boot that started at `booted` is still within its wait.
+    fn waits(&self, booted: Option<SystemTime>, now: SystemTime) -> bool {
+        let Some(wait) = self.wait else {
+            return false;
+        };
+        booted.is_none_or(|at| now.duration_since(at).is_ok_and(|d| d < wait) || at > now)
+    }
+
+    fn ask(&self, ctx: &Context, vm_id: &Id, deadline: Deadline) -> Heard {
+        let Some(door) = ctx.backend.guest_doors().and_then(|d| d.guest_door(vm_id)) else {
+            return Heard::NoAgent;
+        };
+        let id = self.ids.fetch_add(1, Ordering::Relaxed);
+        let ask = request::Ask::Status(StatusAsk {});
+        match crate::guest::ask(
+            &door.socket,
+            door.vmm_pid,
+            id,
+            ask,
+            deadline.capped(ASK_WITHIN),
+        ) {
+            Ok(asked) => match asked.said {
+                Said::Status(status) => Heard::Status(status),
+                _ => Heard::Bad("answered a status request with another answer".into()),
+            },
+            Err(e) if !e.reached() => {
+                if let AskError::NotItsVmm { .. } = e {
+                    log::warn!("VM {vm_id}: {e}");
+                }
+                Heard::NoAgent
+            }
+            Err(e) => {
+                let why = e.to_string();
+                ctx.logs.warn(
+                    &format!("{vm_id}/guest-agent"),
+                    &format!("VM {vm_id}: its guest agent is not heeded: {why}"),
+                );
+                Heard::Bad(why)
+            }
+        }
+    }
+
+    /// The row as the agent has it.
+    fn say(&self, seen: &Seen, booted: Option<SystemTime>, now: SystemTime, res: &mut VmResult) {
+        let Some(row) = res.row.as_mut() else {
+            return;
+        };
+        if let Heard::Status(status) = &seen.heard {
+            row.guest = describe(status);
+        }
+        if seen.up {
+            row.readiness = GUEST_AGENT_READY.to_owned();
+            return;
+        }
+        let heard = match &seen.heard {
+            Heard::Status(status) => {
+                format!("its guest agent says the system is {}", status.system)
+            }
+            Heard::NoAgent => "no guest agent answers".to_owned(),
+            Heard::Bad(why) => format!("its guest agent fails: {why}"),
+        };
+        if seen.waiting {
+            let waited = booted
+                .and_then(|at| now.duration_since(at).ok())
+                .unwrap_or_default()
+                .as_secs();
+            row.phase = Some(Phase::Creating);
+            row.readiness = format!("guest agent: {heard}");
+            row.status_detail = format!(
+                "waiting for the guest: {heard}, {waited} s of {} s",
+                self.wait.unwrap_or_default().as_secs()
+            );
+            return;
+        }
+        row.readiness = match (&seen.heard, self.wait) {
+            (Heard::NoAgent, None) => format!("{HYPERVISOR_ONLY}no probe, no guest agent"),
+            (Heard::NoAgent, Some(wait)) => format!(
+                "{HYPERVISOR_ONLY}no probe, and no guest agent answered in {} s",
+                wait.as_secs()
+            ),
+            _ => format!("{HYPERVISOR_ONLY}no probe; {heard}"),
+        };
+    }
+}
+
+/// A guest's status, for people: the tenant's words quoted as they came.
+fn describe(s: &Status) -> String {
+    let mib = |kib: u64| kib / 1024;
+    let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    let mut words = format!("system {}", s.system);
+    if !s.system_detail.is_empty() {
+        words.push_str(&format!(" ({})", crate::quote::inline(&s.system_detail)));
+    }
+    words.push_str(&format!(
+        ", up {}",
+        crate::human::duration(Duration::from_millis(s.uptime_ms))
+    ));
+    if s.memory_total_kib > 0 {
+        words.push_str(&format!(
+            ", {} of {} MiB available",
+            mib(s.memory_available_kib),
+            mib(s.memory_total_kib)
+        ));
+    }
+    words.push_str(&format!(", load {:.2}", f64::from(s.load_milli) / 1000.0));
+    if s.root_total_bytes > 0 {
+        words.push_str(&format!(
+            ", root {:.1} of {:.1} GiB free",
+            gib(s.root_free_bytes),
+            gib(s.root_total_bytes)
+        ));
+    }
+    if !s.agent_version.is_empty() {
+        words.push_str(&format!(
+            ", eitri-guest {}",
+            crate::quote::inline(&s.agent_version)
+        ));
+    }
+    if !s.boot_id.is_empty() {
+        words.push_str(&format!(", boot {}", crate::quote::inline(&s.boot_id)));
+    }
+    words
+}
