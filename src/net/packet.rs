@@ -15,64 +15,59 @@ pub struct PacketSocket {
     mac: [u8; 6],
 }
 
+/// One classic BPF instruction.
+const fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
+    libc::sock_filter { code, jt, jf, k }
+}
+
+// The classic BPF opcodes the filters below use.
+const LDH_ABS: u16 = 0x28; // BPF_LD | BPF_H | BPF_ABS
+const LDB_ABS: u16 = 0x30; // BPF_LD | BPF_B | BPF_ABS
+const LDXB_MSH: u16 = 0xb1; // BPF_LDX | BPF_B | BPF_MSH: x = 4 * (p[k] & 0xf)
+const LDH_IND: u16 = 0x48; // BPF_LD | BPF_H | BPF_IND
+const JEQ: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+const JGT: u16 = 0x25; // BPF_JMP | BPF_JGT | BPF_K
+const JGE: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+const JSET: u16 = 0x45; // BPF_JMP | BPF_JSET | BPF_K
+const RET: u16 = 0x06; // BPF_RET | BPF_K
+/// SKF_AD_OFF + SKF_AD_PKTTYPE: where a load reads the frame's packet type.
+const PKTTYPE: u32 = 0xffff_f000 + 4;
+
 /// A classic BPF program that passes only IPv4 UDP frames from or to port
 /// 67 or 68 (DHCP), unfragmented, whatever the IP header's length: a
 /// guest flooding its tap with anything else wakes neither the responder
 /// nor the snooper (it took 2 CPU-seconds for 667k frames in 5 s when
 /// every frame came up to the thread to be looked at).
-const DHCP_ONLY: [libc::sock_filter; 15] = {
-    const fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
-        libc::sock_filter { code, jt, jf, k }
-    }
-    const LDH_ABS: u16 = 0x28; // BPF_LD | BPF_H | BPF_ABS
-    const LDB_ABS: u16 = 0x30; // BPF_LD | BPF_B | BPF_ABS
-    const LDXB_MSH: u16 = 0xb1; // BPF_LDX | BPF_B | BPF_MSH: x = 4 * (p[k] & 0xf)
-    const LDH_IND: u16 = 0x48; // BPF_LD | BPF_H | BPF_IND
-    const JEQ: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
-    const JSET: u16 = 0x45; // BPF_JMP | BPF_JSET | BPF_K
-    const RET: u16 = 0x06; // BPF_RET | BPF_K
-    [
-        op(LDH_ABS, 0, 0, 12),      // 0: the ethertype
-        op(JEQ, 0, 11, 0x0800),     // 1: IPv4, else drop (13)
-        op(LDB_ABS, 0, 0, 23),      // 2: the IP protocol
-        op(JEQ, 0, 9, 17),          // 3: UDP, else drop
-        op(LDH_ABS, 0, 0, 20),      // 4: flags and fragment offset
-        op(JSET, 7, 0, 0x1fff),     // 5: a later fragment: drop
-        op(LDXB_MSH, 0, 0, 14),     // 6: x = the IP header's length
-        op(LDH_IND, 0, 0, 14),      // 7: the source port
-        op(JEQ, 5, 0, 67),          // 8: 67: pass (jumps count from the next)
-        op(JEQ, 4, 0, 68),          // 9: 68: pass
-        op(LDH_IND, 0, 0, 16),      // 10: the destination port
-        op(JEQ, 2, 0, 67),          // 11: 67: pass
-        op(JEQ, 1, 0, 68),          // 12: 68: pass
-        op(RET, 0, 0, 0),           // 13: drop
-        op(RET, 0, 0, 0x0004_0000), // 14: pass, whole
-    ]
-};
+const DHCP_ONLY: [libc::sock_filter; 15] = [
+    op(LDH_ABS, 0, 0, 12),      // 0: the ethertype
+    op(JEQ, 0, 11, 0x0800),     // 1: IPv4, else drop (13)
+    op(LDB_ABS, 0, 0, 23),      // 2: the IP protocol
+    op(JEQ, 0, 9, 17),          // 3: UDP, else drop
+    op(LDH_ABS, 0, 0, 20),      // 4: flags and fragment offset
+    op(JSET, 7, 0, 0x1fff),     // 5: a later fragment: drop
+    op(LDXB_MSH, 0, 0, 14),     // 6: x = the IP header's length
+    op(LDH_IND, 0, 0, 14),      // 7: the source port
+    op(JEQ, 5, 0, 67),          // 8: 67: pass (jumps count from the next)
+    op(JEQ, 4, 0, 68),          // 9: 68: pass
+    op(LDH_IND, 0, 0, 16),      // 10: the destination port
+    op(JEQ, 2, 0, 67),          // 11: 67: pass
+    op(JEQ, 1, 0, 68),          // 12: 68: pass
+    op(RET, 0, 0, 0),           // 13: drop
+    op(RET, 0, 0, 0x0004_0000), // 14: pass, whole
+];
 
 /// A classic BPF program that passes the head (96 bytes: Ethernet, IPv4
 /// and the ports) of frames the interface sends, IPv4 or ARP, and nothing
 /// else: on a tap, what goes to the guest.
-const TO_GUEST_HEADS: [libc::sock_filter; 7] = {
-    const fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
-        libc::sock_filter { code, jt, jf, k }
-    }
-    const LDB_ABS: u16 = 0x30;
-    const LDH_ABS: u16 = 0x28;
-    const JEQ: u16 = 0x15;
-    const RET: u16 = 0x06;
-    // SKF_AD_OFF + SKF_AD_PKTTYPE: the frame's packet type.
-    const PKTTYPE: u32 = 0xffff_f000 + 4;
-    [
-        op(LDB_ABS, 0, 0, PKTTYPE),                  // 0
-        op(JEQ, 0, 4, libc::PACKET_OUTGOING as u32), // 1: else drop (6)
-        op(LDH_ABS, 0, 0, 12),                       // 2: the ethertype
-        op(JEQ, 1, 0, 0x0800),                       // 3: IPv4: pass (5)
-        op(JEQ, 0, 1, 0x0806),                       // 4: ARP: pass, else drop
-        op(RET, 0, 0, 96),                           // 5: pass its head
-        op(RET, 0, 0, 0),                            // 6: drop
-    ]
-};
+const TO_GUEST_HEADS: [libc::sock_filter; 7] = [
+    op(LDB_ABS, 0, 0, PKTTYPE),                  // 0
+    op(JEQ, 0, 4, libc::PACKET_OUTGOING as u32), // 1: else drop (6)
+    op(LDH_ABS, 0, 0, 12),                       // 2: the ethertype
+    op(JEQ, 1, 0, 0x0800),                       // 3: IPv4: pass (5)
+    op(JEQ, 0, 1, 0x0806),                       // 4: ARP: pass, else drop
+    op(RET, 0, 0, 96),                           // 5: pass its head
+    op(RET, 0, 0, 0),                            // 6: drop
+];
 
 /// A classic BPF program that passes (its first byte only: nothing reads
 /// it) each frame a tap's guest sent that is its own activity: not what
@@ -82,34 +77,22 @@ const TO_GUEST_HEADS: [libc::sock_filter; 7] = {
 /// answers those for its stack, not for a user: an idle guest refreshes
 /// the host's address a few seconds after every exchange, a probe's
 /// included.
-const GUEST_ACTIVITY: [libc::sock_filter; 14] = {
-    const fn op(code: u16, jt: u8, jf: u8, k: u32) -> libc::sock_filter {
-        libc::sock_filter { code, jt, jf, k }
-    }
-    const LDB_ABS: u16 = 0x30;
-    const LDH_ABS: u16 = 0x28;
-    const JEQ: u16 = 0x15;
-    const JGE: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
-    const JGT: u16 = 0x25; // BPF_JMP | BPF_JGT | BPF_K
-    const RET: u16 = 0x06;
-    const PKTTYPE: u32 = 0xffff_f000 + 4;
-    [
-        op(LDB_ABS, 0, 0, PKTTYPE),                   // 0
-        op(JEQ, 10, 0, libc::PACKET_OUTGOING as u32), // 1: to the guest: drop (12)
-        op(LDH_ABS, 0, 0, 12),                        // 2: the ethertype
-        op(JEQ, 8, 0, 0x0806),                        // 3: ARP: drop
-        op(JEQ, 0, 8, 0x86dd),                        // 4: not IPv6: pass (13)
-        op(LDB_ABS, 0, 0, 14 + 6),                    // 5: its next header
-        op(JEQ, 5, 0, 0),                             // 6: hop-by-hop: drop
-        op(JEQ, 0, 5, 58),                            // 7: not ICMPv6: pass
-        op(LDB_ABS, 0, 0, 14 + 40),                   // 8: the ICMPv6 type
-        op(JEQ, 2, 0, 143),                           // 9: MLDv2 report: drop
-        op(JGE, 0, 2, 130),                           // 10: below 130: pass
-        op(JGT, 1, 0, 137),                           // 11: above 137: pass, else drop
-        op(RET, 0, 0, 0),                             // 12: drop
-        op(RET, 0, 0, 1),                             // 13: pass, one byte
-    ]
-};
+const GUEST_ACTIVITY: [libc::sock_filter; 14] = [
+    op(LDB_ABS, 0, 0, PKTTYPE),                   // 0
+    op(JEQ, 10, 0, libc::PACKET_OUTGOING as u32), // 1: to the guest: drop (12)
+    op(LDH_ABS, 0, 0, 12),                        // 2: the ethertype
+    op(JEQ, 8, 0, 0x0806),                        // 3: ARP: drop
+    op(JEQ, 0, 8, 0x86dd),                        // 4: not IPv6: pass (13)
+    op(LDB_ABS, 0, 0, 14 + 6),                    // 5: its next header
+    op(JEQ, 5, 0, 0),                             // 6: hop-by-hop: drop
+    op(JEQ, 0, 5, 58),                            // 7: not ICMPv6: pass
+    op(LDB_ABS, 0, 0, 14 + 40),                   // 8: the ICMPv6 type
+    op(JEQ, 2, 0, 143),                           // 9: MLDv2 report: drop
+    op(JGE, 0, 2, 130),                           // 10: below 130: pass
+    op(JGT, 1, 0, 137),                           // 11: above 137: pass, else drop
+    op(RET, 0, 0, 0),                             // 12: drop
+    op(RET, 0, 0, 1),                             // 13: pass, one byte
+];
 
 /// What a frame for a guest is, in words: "tcp from 192.0.2.9:40312 to
 /// port 8080", "udp from …", "arp from 10.0.0.1"; `None` for anything
