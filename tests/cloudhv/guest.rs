@@ -470,3 +470,18 @@ fn a_guest_agent_answering_garbage_does_not_hold_its_vm_back() {
         "{row:?}"
     );
 }
+
+#[test]
+fn a_guest_agent_that_answers_late_is_waited_for_as_one_not_answering_yet() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "stall")]).delivering_a_guest_agent();
+
+    h.tick(&h.vm("vm-1"));
+
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
+    assert!(
+        row.status_detail
+            .starts_with("waiting for the guest: its guest agent is late: "),
+        "{row:?}"
+    );
+}
