@@ -184,11 +184,27 @@ pub fn ask(
     ask: request::Ask,
     deadline: Deadline,
 ) -> Result<Asked, AskError> {
+    ask_made(socket, vmm_pid, id, || ask, deadline)
+}
+
+/// As [`ask()`], the request made by `make` once the guest agent is
+/// reached, just before it is written: what it says of the host's clock
+/// is then no older than the write (a just-resumed guest took 60-300 ms
+/// to take the connection, and a clock stamped before it was set that far
+/// behind).
+pub fn ask_made(
+    socket: &Path,
+    vmm_pid: u32,
+    id: u64,
+    make: impl FnOnce() -> request::Ask,
+    deadline: Deadline,
+) -> Result<Asked, AskError> {
     use prost::Message;
     let started = Instant::now();
     let mut stream = connect(socket)?;
     check_peer(&stream, vmm_pid)?;
     handshake(&mut stream, deadline)?;
+    let ask = make();
     let asked = ask.clone();
     let request = Request {
         version: super::VERSION,

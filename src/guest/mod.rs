@@ -33,7 +33,7 @@ pub mod inside;
 pub mod said;
 pub mod serve;
 
-pub use ask::{AskError, Asked, ask};
+pub use ask::{AskError, Asked, ask, ask_made};
 pub use said::{Reseeded, Said, SaidError, Status, SystemState};
 
 /// The vsock port the guest agent listens on inside the guest.

@@ -68,17 +68,20 @@ pub(super) fn make_whole(
         Ok(bytes) => bytes,
         Err(e) => return Whole::NoEntropy(e),
     };
-    let host_unix_ns = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
-    let ask = request::Ask::Resumed(Resumed {
-        entropy,
-        host_unix_ns,
-        clock_slack_ms: CLOCK_SLACK_MS,
-        renew_lease: false,
-    });
+    // The host's clock is read once the guest agent is reached.
+    let ask = || {
+        let host_unix_ns = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+        request::Ask::Resumed(Resumed {
+            entropy,
+            host_unix_ns,
+            clock_slack_ms: CLOCK_SLACK_MS,
+            renew_lease: false,
+        })
+    };
     let deadline = deadline.capped(ASK_WITHIN);
-    match crate::guest::ask(&door.socket, door.vmm_pid, 1, ask, deadline) {
+    match crate::guest::ask_made(&door.socket, door.vmm_pid, 1, ask, deadline) {
         Ok(asked) => match asked.said {
             Said::Reseeded(said) => Whole::Done {
                 said,

@@ -87,9 +87,9 @@ const GUEST_AGENT_UNIT: &str = "/etc/systemd/system/eitri-guest-delivered.servic
 /// stage (bootcmd, each boot; it acts on the first alone): a transient unit
 /// that waits for write_files, moments later in the same stage, to put the
 /// binary there (made executable once whole), then runs it. Started from
-/// the last stage (runcmd) instead, the agent answered 40 s into a Debian
-/// guest's first boot on a 2-core host, 18 s after its sshd. Later boots
-/// start the installed unit.
+/// the last stage (runcmd) instead, it could answer nothing before
+/// cloud-init's last stage runs, after the guest's sshd has started. Later
+/// boots start the installed unit.
 const FIRST_BOOT_START: &str = "[ -e /etc/systemd/system/eitri-guest.service ] || \
 [ -e /usr/lib/systemd/system/eitri-guest.service ] || \
 [ -e /etc/systemd/system/sysinit.target.wants/eitri-guest-delivered.service ] || \

@@ -355,6 +355,64 @@ impl Lab {
         options: &[String],
         stdin: Option<&str>,
     ) -> Output {
+        let mut ssh = self.ssh_command(user, ip, command, options);
+        match stdin {
+            Some(input) => {
+                let mut child = ssh
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("ssh");
+                child
+                    .stdin
+                    .take()
+                    .expect("stdin")
+                    .write_all(input.as_bytes())
+                    .expect("write to ssh");
+                child.wait_with_output().expect("ssh")
+            }
+            None => ssh.stdin(Stdio::null()).output().expect("ssh"),
+        }
+    }
+
+    /// How far the guest's wall clock is off the host's, and half the
+    /// round trip it may be off by: over one ssh session already open,
+    /// the guest reads its clock the moment the host asks, so the round
+    /// trip is the channel's, not the connection's.
+    pub fn guest_clock_offset(&self, user: &str, ip: &str) -> (f64, f64) {
+        use std::io::{BufRead, BufReader};
+        let unix = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("after 1970")
+                .as_secs_f64()
+        };
+        let mut child = self
+            .ssh_command(user, ip, "echo ready; read go; date +%s.%N", &[])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("ssh");
+        let mut stdin = child.stdin.take().expect("stdin");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+        let ready = lines.next().and_then(Result::ok).unwrap_or_default();
+        assert_eq!(ready, "ready", "the guest's shell never started");
+        let before = unix();
+        stdin.write_all(b"go\n").expect("write to ssh");
+        let said = lines.next().and_then(Result::ok).unwrap_or_default();
+        let after = unix();
+        let _ = child.wait();
+        let guest: f64 = said
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{said:?}: {e}"));
+        (guest - (before + after) / 2.0, (after - before) / 2.0)
+    }
+
+    /// The ssh command that runs `command` as `user` on `ip`.
+    fn ssh_command(&self, user: &str, ip: &str, command: &str, options: &[String]) -> Command {
         let mut ssh = eitri_agent::testkit::tools::tool("ssh");
         ssh.arg("-i").arg(&self.key).args([
             "-o",
@@ -379,24 +437,7 @@ impl Lab {
             ssh.args(["-o", option]);
         }
         ssh.arg(format!("{user}@{ip}")).arg(command);
-        match stdin {
-            Some(input) => {
-                let mut child = ssh
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .expect("ssh");
-                child
-                    .stdin
-                    .take()
-                    .expect("stdin")
-                    .write_all(input.as_bytes())
-                    .expect("write to ssh");
-                child.wait_with_output().expect("ssh")
-            }
-            None => ssh.stdin(Stdio::null()).output().expect("ssh"),
-        }
+        ssh
     }
 
     /// `command`'s standard output in the guest, failing the test (with
