@@ -906,3 +906,196 @@ fn a_resumed_guests_clock_is_the_hosts_within_100_ms() {
         "the guest's clock is {offset:+.3} s off the host's (± {within:.3} s)"
     );
 }
+
+/// Waits until vm `id`'s guest agent says its system is up.
+fn guest_agent_up(lab: &Lab, id: &str) {
+    let started = Instant::now();
+    loop {
+        match guest_status(lab, id) {
+            Ok(s) if s.system.is_up() => return,
+            Ok(s) => assert!(started.elapsed() < SOON, "not up yet: {s:?}"),
+            Err(e) => assert!(started.elapsed() < SOON, "its guest agent: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// One request to vm `id`'s guest agent, answered within `patience`.
+fn ask_guest(
+    lab: &Lab,
+    id: &str,
+    ask: eitri_agent::pb::guest::request::Ask,
+    patience: Duration,
+) -> eitri_agent::guest::Said {
+    eitri_agent::guest::ask(
+        &lab.guest_socket(id),
+        lab.hypervisor_pid(id) as u32,
+        7,
+        ask,
+        eitri_agent::deadline::Deadline::after(patience),
+    )
+    .unwrap_or_else(|e| panic!("vm {id}'s guest agent: {e}"))
+    .said
+}
+
+/// A booted VM whose delivered guest agent is up; its address.
+fn booted_with_guest_agent(lab: &mut Lab, id: &str) -> Option<String> {
+    let agent = static_guest_agent()?;
+    lab.start(&["--guest-agent", &agent.display().to_string()]);
+    let (row, _) = lab.boot(&[lab.vm(id)], id);
+    guest_agent_up(lab, id);
+    Some(address(&row))
+}
+
+#[test]
+fn an_identity_applied_by_the_guest_agent_is_what_ssh_presents_under_strict_checking() {
+    use eitri_agent::pb::guest::{Identity, request};
+    let mut lab =
+        lab!("an_identity_applied_by_the_guest_agent_is_what_ssh_presents_under_strict_checking");
+    let ca = Ca::new(&lab, "host-ca");
+    let Some(ip) = booted_with_guest_agent(&mut lab, "id-1") else {
+        return;
+    };
+    let key = lab.dir.path().join("clone-7-host-key");
+    lab::run(
+        eitri_agent::testkit::tools::tool("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-C", "", "-f"])
+            .arg(&key),
+    );
+    let public = lab::read(&key.with_extension("pub")).trim().to_owned();
+    let identity = Identity {
+        hostname: "clone-7".into(),
+        ssh_host_key: lab::read(&key),
+        ssh_host_certificate: ca.sign(&public, "clone-7", true),
+        user: USER.into(),
+        authorized_keys: vec![lab.public_key()],
+    };
+
+    let started = Instant::now();
+    let said = ask_guest(&lab, "id-1", request::Ask::Identity(identity), SOON);
+    timing("identity applied and confirmed", started.elapsed());
+
+    let eitri_agent::guest::Said::Identity {
+        hostname,
+        sshd_reloaded,
+        authorized_keys,
+        ..
+    } = said
+    else {
+        panic!("{said:?}")
+    };
+    assert_eq!(
+        (hostname.as_str(), sshd_reloaded, authorized_keys),
+        ("clone-7", true, 1)
+    );
+    // Strictly: the new key alone is known, then the CA alone.
+    let strictly = |known_line: String, name: &str| {
+        let known = lab.dir.path().join(name);
+        std::fs::write(&known, known_line).expect("write");
+        lab.ssh_with(
+            USER,
+            &ip,
+            "hostname",
+            &[
+                format!("UserKnownHostsFile={}", known.display()),
+                "StrictHostKeyChecking=yes".into(),
+                "HostKeyAlias=clone-7".into(),
+            ],
+            None,
+        )
+    };
+    let by_key = strictly(format!("clone-7 {public}\n"), "known-key");
+    let by_ca = strictly(
+        format!("@cert-authority clone-7 {}\n", ca.public()),
+        "known-ca",
+    );
+    for out in [&by_key, &by_ca] {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "clone-7");
+    }
+}
+
+#[test]
+fn a_guest_frozen_around_a_copy_of_its_disk_is_thawed_and_thaws_itself_when_the_host_is_gone() {
+    use eitri_agent::pb::guest::{Freeze, Thaw, request};
+    let mut lab = lab!(
+        "a_guest_frozen_around_a_copy_of_its_disk_is_thawed_and_thaws_itself_when_the_host_is_gone"
+    );
+    let Some(ip) = booted_with_guest_agent(&mut lab, "fz-1") else {
+        return;
+    };
+    let disk = lab.state().join("vms").join("fz-1").join("disk.raw");
+    let copy = lab.dir.path().join("fz-1-copy.raw");
+    lab.guest(USER, &ip, "echo before > ~/mark && sync");
+
+    // Frozen: a write the guest starts waits, and its disk is still while
+    // it is copied.
+    let frozen = ask_guest(
+        &lab,
+        "fz-1",
+        request::Ask::Freeze(Freeze {
+            thaw_after_ms: 60_000,
+        }),
+        SOON,
+    );
+    let started = Instant::now();
+    let (first, second, thawed_at, written_at) = std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let out = lab.ssh(USER, &ip, "echo during > ~/mark2 && sync");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            Instant::now()
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        let first = eitri_agent::image::sha256_file(&disk).expect("hash the disk");
+        std::fs::copy(&disk, &copy).expect("copy the disk");
+        let second = eitri_agent::image::sha256_file(&disk).expect("hash the disk");
+        // Nothing of the guest's can land before the thaw is asked.
+        let thawed_at = Instant::now();
+        let thawed = ask_guest(&lab, "fz-1", request::Ask::Thaw(Thaw {}), SOON);
+        println!("timing: froze {frozen:?}, thawed {thawed:?}");
+        (first, second, thawed_at, writer.join().expect("the writer"))
+    });
+    timing(
+        "frozen, disk copied and hashed twice, thawed",
+        thawed_at - started,
+    );
+
+    assert!(written_at >= thawed_at, "a write landed while frozen");
+    assert_eq!(first, second, "the disk changed while frozen");
+    assert_eq!(
+        first,
+        eitri_agent::image::sha256_file(&copy).expect("hash the copy")
+    );
+    lab.guest(USER, &ip, "echo after > ~/mark3 && sync");
+
+    // Frozen by a host agent that dies: the guest thaws itself in time.
+    ask_guest(
+        &lab,
+        "fz-1",
+        request::Ask::Freeze(Freeze {
+            thaw_after_ms: 3_000,
+        }),
+        SOON,
+    );
+    let frozen_at = Instant::now();
+    lab.kill_agent();
+    let wrote = lab.ssh(USER, &ip, "timeout 20 sh -c 'echo alone > ~/mark4 && sync'");
+    timing(
+        "frozen, host agent killed -> a write lands",
+        frozen_at.elapsed(),
+    );
+    assert!(
+        wrote.status.success(),
+        "{}",
+        String::from_utf8_lossy(&wrote.stderr)
+    );
+    assert!(frozen_at.elapsed() >= Duration::from_secs(3));
+}

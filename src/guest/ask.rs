@@ -82,6 +82,9 @@ impl std::error::Error for AskError {}
 pub struct Asked {
     pub said: Said,
     pub took: Duration,
+    /// Of which the connect and the VMM's `OK`: until the guest agent
+    /// took the connection.
+    pub reached: Duration,
 }
 
 /// Connects without ever blocking on a full backlog: a unix connect to a
@@ -204,6 +207,7 @@ pub fn ask_made(
     let mut stream = connect(socket)?;
     check_peer(&stream, vmm_pid)?;
     handshake(&mut stream, deadline)?;
+    let reached = started.elapsed();
     let ask = make();
     let asked = ask.clone();
     let request = Request {
@@ -217,5 +221,6 @@ pub fn ask_made(
     Ok(Asked {
         said,
         took: started.elapsed(),
+        reached,
     })
 }

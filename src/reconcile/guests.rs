@@ -36,10 +36,15 @@ pub(super) enum Whole {
     NoDoor,
     /// No guest agent listens in the guest.
     NoAgent,
-    /// It did, `after` the guest ran.
+    /// It did, `after` the guest ran: the pass asked `asked` after it
+    /// ran, the guest agent took the connection `reached` after that, and
+    /// answered the request `answered` after that.
     Done {
         said: Reseeded,
         after: Duration,
+        asked: Duration,
+        reached: Duration,
+        answered: Duration,
     },
     Failed(AskError),
     /// The host's own random source could not be read (nothing was sent).
@@ -81,11 +86,15 @@ pub(super) fn make_whole(
         })
     };
     let deadline = deadline.capped(ASK_WITHIN);
+    let asking = ran.elapsed();
     match crate::guest::ask_made(&door.socket, door.vmm_pid, 1, ask, deadline) {
         Ok(asked) => match asked.said {
             Said::Reseeded(said) => Whole::Done {
                 said,
                 after: ran.elapsed(),
+                asked: asking,
+                reached: asked.reached,
+                answered: asked.took.saturating_sub(asked.reached),
             },
             other => Whole::Failed(AskError::Said(crate::guest::SaidError::OtherKind {
                 asked: "a reseed",
@@ -107,9 +116,18 @@ pub(super) fn say(vm_id: &Id, whole: &Whole) {
         Whole::NoAgent => log::debug!(
             "VM {vm_id}: no guest agent answers; its resumed guest keeps the entropy and clock of its snapshot"
         ),
-        Whole::Done { said, after } => log::info!(
-            "VM {vm_id}: its guest agent answered {:.1} ms after its guest ran: {} bytes of entropy credited{}, its clock {} ms off the host's{}",
-            after.as_secs_f64() * 1000.0,
+        Whole::Done {
+            said,
+            after,
+            asked,
+            reached,
+            answered,
+        } => log::info!(
+            "VM {vm_id}: its guest agent answered {:.1} ms after its guest ran (asked at {:.1} ms, its connection taken {:.1} ms later, answered {:.1} ms after that): {} bytes of entropy credited{}, its clock {} ms off the host's{}",
+            ms(*after),
+            ms(*asked),
+            ms(*reached),
+            ms(*answered),
             said.credited_bytes,
             if said.crng_reseeded {
                 " and its generator reseeded"
@@ -124,4 +142,9 @@ pub(super) fn say(vm_id: &Id, whole: &Whole) {
             "VM {vm_id}: its resumed guest was not made whole: cannot read this host's /dev/urandom: {e}"
         ),
     }
+}
+
+/// A duration in milliseconds, for the log.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }
