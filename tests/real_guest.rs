@@ -817,7 +817,11 @@ fn the_delivered_guest_agent_makes_a_vm_without_a_probe_ready_and_reseeds_it_aft
     assert_eq!(row["readiness"], "guest agent answered", "{row}");
     let guest = row["guest"].as_str().unwrap_or_default();
     if guest.starts_with("system degraded") {
-        let failed = lab.guest(USER, &address(&row), "systemctl --failed --no-legend");
+        let failed = lab.guest(
+            USER,
+            &address(&row),
+            "systemctl --failed --no-legend; grep -h -i -B2 -A8 'fail\\|error\\|traceback' /var/log/cloud-init.log | tail -30",
+        );
         println!("timing: its system is degraded; failed units: {failed}");
     }
     assert!(

@@ -317,20 +317,68 @@ fn host_key(pem: &str, certificate: &str) -> Result<(String, bool), String> {
     Ok((fingerprint, reload_sshd()))
 }
 
+/// How long a reloaded sshd is given to listen again.
+const SSHD_RELOAD: Duration = Duration::from_secs(5);
+
 /// Asks sshd to read its configuration and keys again (SIGHUP to the
-/// listener: new connections get the new key, open ones stay).
+/// listener: new connections get the new key, open ones stay), and waits
+/// until it listens again: sshd execs itself anew, closing its listening
+/// sockets for a moment, and a client the host told "applied" was refused
+/// in that moment on a real guest. Whether it listens again in time.
 fn reload_sshd() -> bool {
     let pid = ["/run/sshd.pid", "/var/run/sshd.pid"]
         .iter()
         .find_map(|p| fs::read_to_string(p).ok()?.trim().parse::<i32>().ok());
-    match pid {
-        Some(pid) if pid > 1 => nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGHUP,
-        )
-        .is_ok(),
-        _ => false,
+    let Some(pid) = pid.filter(|pid| *pid > 1) else {
+        return false;
+    };
+    let before = listening_sockets(22);
+    let signalled = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .is_ok();
+    if !signalled || before.is_empty() {
+        return signalled;
     }
+    // Listening again: on sockets of its own, none of the old ones.
+    let until = Instant::now() + SSHD_RELOAD;
+    while Instant::now() < until {
+        let now = listening_sockets(22);
+        if !now.is_empty() && now.is_disjoint(&before) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+/// The inodes of the sockets listening on TCP `port` (IPv4 and IPv6), as
+/// the kernel lists them.
+fn listening_sockets(port: u16) -> std::collections::HashSet<u64> {
+    let port = format!("{port:04X}");
+    let mut found = std::collections::HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            // sl, local address:port, remote, state, queues, …, inode (10th).
+            let (Some(local), Some(state), Some(inode)) =
+                (fields.get(1), fields.get(3), fields.get(9))
+            else {
+                continue;
+            };
+            if local.rsplit(':').next() == Some(port.as_str())
+                && *state == "0A"
+                && let Ok(inode) = inode.parse()
+            {
+                found.insert(inode);
+            }
+        }
+    }
+    found
 }
 
 /// Writes `user`'s authorized_keys, whole: the number of keys written.
@@ -566,6 +614,18 @@ impl Inside for Guest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listening_socket_is_found_by_its_port_and_gone_once_closed() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+
+        let open = listening_sockets(port);
+        drop(listener);
+
+        assert_eq!(open.len(), 1, "{open:?}");
+        assert!(listening_sockets(port).is_empty());
+    }
 
     #[test]
     fn hostnames_are_dns_labels() {
