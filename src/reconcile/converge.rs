@@ -129,7 +129,7 @@ fn boot(
         Ok(()) => {
             ctx.counts.boots.observe(booting.elapsed());
             ctx.note_address(&mut rec);
-            rec.booted(boot_id);
+            rec.booted(boot_id, ctx.host.now());
             ctx.save_best_effort(&rec);
             ctx.forget_logs(&rec.spec.vm_id);
             log::info!("VM {}: booted", rec.spec.vm_id);

@@ -270,7 +270,7 @@ impl Spine {
         };
         if let Some(publisher) = pass.publisher.filter(|_| !pass.deadline.expired()) {
             let mut said = pass.res.clone();
-            let booted = rec.lifecycle.created_at();
+            let booted = rec.lifecycle.boot_started();
             self.probes.hold_for_probe(ctx, desired, booted, &mut said);
             let answering = self.probes.answering(&desired.spec.vm_id);
             Holding::of(ctx).say_what_it_is_held_to(desired, Ok(()), answering, &mut said);

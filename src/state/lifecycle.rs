@@ -107,6 +107,11 @@ pub struct Lifecycle {
     /// suspended (and of older agents).
     #[serde(default, skip_serializing_if = "Suspension::is_none")]
     suspension: Suspension,
+    /// When its hypervisor was last started to boot the guest from its
+    /// disks after its create (a resume goes on with the boot it had);
+    /// absent until then, and in records of older agents.
+    #[serde(with = "unix_ms", default, skip_serializing_if = "Option::is_none")]
+    booted_at: Option<SystemTime>,
 }
 
 /// Where a VM's suspension stands (see the module's rules).
@@ -145,6 +150,12 @@ impl Lifecycle {
 
     pub fn created_at(&self) -> Option<SystemTime> {
         self.created_at
+    }
+
+    /// When its guest's boot started: its last boot from its disks, or
+    /// else its create attempt.
+    pub fn boot_started(&self) -> Option<SystemTime> {
+        self.booted_at.or(self.created_at)
     }
 
     pub fn last_error(&self) -> &str {
@@ -201,6 +212,7 @@ impl Lifecycle {
             quarantine_tombstoned: parts.quarantine_tombstoned,
             waiting_for_host: parts.waiting_for_host,
             suspension: parts.suspension,
+            booted_at: parts.booted_at,
         }
     }
 
@@ -220,6 +232,7 @@ impl Lifecycle {
             quarantine_tombstoned: self.quarantine_tombstoned,
             waiting_for_host: self.waiting_for_host,
             suspension: self.suspension,
+            booted_at: self.booted_at,
         }
     }
 }
@@ -239,6 +252,7 @@ pub struct LifecycleParts {
     pub quarantine_tombstoned: bool,
     pub waiting_for_host: bool,
     pub suspension: Suspension,
+    pub booted_at: Option<SystemTime>,
 }
 
 /// The first retry waits this long after a failed attempt; each next one
@@ -466,10 +480,16 @@ impl Record {
         self.lifecycle.waiting_for_host = false;
     }
 
-    /// A created VM's hypervisor was started (again); `boot_id` is the
-    /// host's now, which re-stamps a VM lost to a reboot. A boot from the
-    /// disks ends whatever suspension there was.
-    pub fn booted(&mut self, boot_id: String) {
+    /// A created VM's hypervisor was started (again) at `now` to boot its
+    /// guest from its disks; `boot_id` is the host's now, which re-stamps
+    /// a VM lost to a reboot. A boot from the disks ends whatever
+    /// suspension there was.
+    pub fn booted(&mut self, boot_id: String, now: SystemTime) {
+        self.lifecycle.booted_at = Some(now);
+        self.hypervisor_started(boot_id);
+    }
+
+    fn hypervisor_started(&mut self, boot_id: String) {
         self.lifecycle.boot_id = boot_id;
         self.lifecycle.stop_requested = false;
         self.lifecycle.last_error.clear();
@@ -509,7 +529,7 @@ impl Record {
     /// The guest runs again where it left off, on a VMM started on this
     /// host's `boot_id`.
     pub fn resumed(&mut self, boot_id: String) {
-        self.booted(boot_id);
+        self.hypervisor_started(boot_id);
     }
 
     /// A suspended VM is to be stopped: its saved state is discarded, and it

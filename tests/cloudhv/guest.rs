@@ -485,3 +485,26 @@ fn a_guest_agent_that_answers_late_is_waited_for_as_one_not_answering_yet() {
         "{row:?}"
     );
 }
+
+#[test]
+fn a_vm_booted_again_from_its_disks_waits_for_its_guest_agent_again() {
+    let h = Host::new(&[("STANDIN_GUEST_UP_AFTER_MS", "600000")]).delivering_a_guest_agent();
+    let running = super::suspend::wanting(&h, "vm-1", PowerState::Running);
+    h.tick(&running);
+    h.fakes.advance_clock(Duration::from_secs(121));
+    h.tick(&running);
+    let waited_out = h.row("vm-1");
+    h.tick(&super::suspend::wanting(&h, "vm-1", PowerState::Stopped));
+
+    h.tick(&running);
+
+    assert_eq!(waited_out.phase, Some(Phase::Ready), "{waited_out:?}");
+    let row = h.row("vm-1");
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
+    assert!(
+        row.status_detail.starts_with(
+            "waiting for the guest: its guest agent says the system is starting, 0 s of 120 s"
+        ),
+        "{row:?}"
+    );
+}

@@ -134,7 +134,7 @@ impl Probes {
                 all.insert(vm_id.clone(), seen);
             }
             drop(all);
-            let booted = record.and_then(|r| r.lifecycle.created_at());
+            let booted = record.and_then(|r| r.lifecycle.boot_started());
             self.agents.look(ctx, deadline, vm_id, booted, res);
             return None;
         };
