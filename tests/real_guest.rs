@@ -830,26 +830,29 @@ fn the_delivered_guest_agent_makes_a_vm_without_a_probe_ready_and_reseeds_it_aft
     );
     assert!(sshd, "ready by its guest agent before sshd answered: {row}");
 
-    lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);
-    lab.wait_row("ga-1", "suspended", SOON, |r| {
-        r["power_state"] == "suspended"
-    });
-    lab.desire(std::slice::from_ref(&vm));
-    lab.wait_row("ga-1", "running", SOON, |r| r["power_state"] == "running");
-
-    let log = lab.agent_log();
-    let answered = log
-        .lines()
-        .find(|l| l.contains("VM ga-1: its guest agent answered"))
-        .unwrap_or_else(|| panic!("no reseed after the resume: {log}"));
-    println!(
-        "timing: {}",
-        answered.split("VM ga-1: ").nth(1).unwrap_or_default()
-    );
+    let answered = suspended_and_resumed(&lab, &vm, "ga-1", Duration::ZERO);
+    println!("timing: {answered}");
     assert!(
         answered.contains("64 bytes of entropy credited and its generator reseeded"),
         "{answered}"
     );
+}
+
+/// Suspends vm `id` (wanted as `vm`), waits `nap`, resumes it: what the
+/// agent's log says of its guest agent's reseed after the resume.
+fn suspended_and_resumed(lab: &Lab, vm: &Value, id: &str, nap: Duration) -> String {
+    lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);
+    lab.wait_row(id, "suspended", SOON, |r| r["power_state"] == "suspended");
+    std::thread::sleep(nap);
+    lab.desire(std::slice::from_ref(vm));
+    lab.wait_row(id, "running", SOON, |r| r["power_state"] == "running");
+    let log = lab.agent_log();
+    let said = format!("VM {id}: ");
+    log.lines()
+        .find(|l| l.contains(&format!("{said}its guest agent answered")))
+        .and_then(|l| l.split(&said).nth(1))
+        .unwrap_or_else(|| panic!("no reseed after the resume: {log}"))
+        .to_owned()
 }
 
 /// How long the clock check's guest sleeps (`EITRI_TEST_NAP_S`, default
@@ -866,34 +869,13 @@ fn nap() -> Duration {
 #[test]
 fn a_resumed_guests_clock_is_the_hosts_within_100_ms() {
     let mut lab = lab!("a_resumed_guests_clock_is_the_hosts_within_100_ms");
-    let Some(agent) = static_guest_agent() else {
+    let Some(ip) = booted_with_guest_agent(&mut lab, "clk-1", &[]) else {
         return;
     };
-    lab.start(&["--guest-agent", &agent.display().to_string()]);
     let vm = lab.vm("clk-1");
-    let (row, _) = lab.boot(std::slice::from_ref(&vm), "clk-1");
-    let ip = address(&row);
-    // Its agent up (sshd is: the agent starts before it).
-    let started = std::time::Instant::now();
-    while guest_status(&lab, "clk-1").map_or(true, |s| !s.system.is_up()) {
-        assert!(started.elapsed() < SOON, "its guest agent never said up");
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);
-    lab.wait_row("clk-1", "suspended", SOON, |r| {
-        r["power_state"] == "suspended"
-    });
-
-    std::thread::sleep(nap());
-    lab.desire(std::slice::from_ref(&vm));
-    lab.wait_row("clk-1", "running", SOON, |r| r["power_state"] == "running");
+    let answered = suspended_and_resumed(&lab, &vm, "clk-1", nap());
     let (offset, within) = lab.guest_clock_offset(USER, &ip);
 
-    let log = lab.agent_log();
-    let answered = log
-        .lines()
-        .find(|l| l.contains("VM clk-1: its guest agent answered"))
-        .unwrap_or_else(|| panic!("no guest agent after the resume: {log}"));
     println!(
         "timing: after a {} s sleep, as the guest agent found it: {}",
         nap().as_secs(),
@@ -942,10 +924,14 @@ fn ask_guest(
     .said
 }
 
-/// A booted VM whose delivered guest agent is up; its address.
-fn booted_with_guest_agent(lab: &mut Lab, id: &str) -> Option<String> {
+/// A booted VM whose delivered guest agent is up, the agent started with
+/// `extra` flags too; its address.
+fn booted_with_guest_agent(lab: &mut Lab, id: &str, extra: &[&str]) -> Option<String> {
     let agent = static_guest_agent()?;
-    lab.start(&["--guest-agent", &agent.display().to_string()]);
+    let agent = agent.display().to_string();
+    let mut flags = vec!["--guest-agent", agent.as_str()];
+    flags.extend_from_slice(extra);
+    lab.start(&flags);
     let (row, _) = lab.boot(&[lab.vm(id)], id);
     guest_agent_up(lab, id);
     Some(address(&row))
@@ -957,7 +943,7 @@ fn an_identity_applied_by_the_guest_agent_is_what_ssh_presents_under_strict_chec
     let mut lab =
         lab!("an_identity_applied_by_the_guest_agent_is_what_ssh_presents_under_strict_checking");
     let ca = Ca::new(&lab, "host-ca");
-    let Some(ip) = booted_with_guest_agent(&mut lab, "id-1") else {
+    let Some(ip) = booted_with_guest_agent(&mut lab, "id-1", &[]) else {
         return;
     };
     let key = lab.dir.path().join("clone-7-host-key");
@@ -1029,7 +1015,7 @@ fn a_guest_frozen_around_a_copy_of_its_disk_is_thawed_and_thaws_itself_when_the_
     let mut lab = lab!(
         "a_guest_frozen_around_a_copy_of_its_disk_is_thawed_and_thaws_itself_when_the_host_is_gone"
     );
-    let Some(ip) = booted_with_guest_agent(&mut lab, "fz-1") else {
+    let Some(ip) = booted_with_guest_agent(&mut lab, "fz-1", &[]) else {
         return;
     };
     let disk = lab.state().join("vms").join("fz-1").join("disk.raw");
@@ -1111,35 +1097,12 @@ fn a_guest_restored_whole_before_it_runs_is_reseeded_too() {
     // the time of a reseed goes: against the on-demand restore's figure in
     // the_delivered_guest_agent_makes_…, what is left is not fault-in.
     let mut lab = lab!("a_guest_restored_whole_before_it_runs_is_reseeded_too");
-    let Some(agent) = static_guest_agent() else {
+    if booted_with_guest_agent(&mut lab, "cp-1", &["--userfaultfd-device", ""]).is_none() {
         return;
-    };
-    lab.start(&[
-        "--guest-agent",
-        &agent.display().to_string(),
-        "--userfaultfd-device",
-        "",
-    ]);
+    }
     let vm = lab.vm("cp-1");
-    lab.boot(std::slice::from_ref(&vm), "cp-1");
-    guest_agent_up(&lab, "cp-1");
-
-    lab.desire(&[with(vm.clone(), "power_state", json!("suspended"))]);
-    lab.wait_row("cp-1", "suspended", SOON, |r| {
-        r["power_state"] == "suspended"
-    });
-    lab.desire(std::slice::from_ref(&vm));
-    lab.wait_row("cp-1", "running", SOON, |r| r["power_state"] == "running");
-
-    let log = lab.agent_log();
-    let answered = log
-        .lines()
-        .find(|l| l.contains("VM cp-1: its guest agent answered"))
-        .unwrap_or_else(|| panic!("no reseed after the resume: {log}"));
-    println!(
-        "timing: restored by copy: {}",
-        answered.split("VM cp-1: ").nth(1).unwrap_or_default()
-    );
+    let answered = suspended_and_resumed(&lab, &vm, "cp-1", Duration::ZERO);
+    println!("timing: restored by copy: {answered}");
     assert!(
         answered.contains("64 bytes of entropy credited and its generator reseeded"),
         "{answered}"
