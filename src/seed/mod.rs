@@ -77,32 +77,50 @@ struct GuestAgent {
 const MAX_GUEST_AGENT: u64 = 8 << 20;
 
 /// Where the guest agent goes in a guest, and its unit: names of their own,
-/// so an agent the image carries (`contrib/guest`'s unit,
-/// `eitri-guest.service`) is never written over, and is the one that runs
-/// (see [`guest_agent_unit`]).
+/// so an agent the image carries (`contrib/guest`'s unit, one of
+/// [`IMAGE_UNITS`]) is never written over, and is the one that runs (see
+/// [`guest_agent_unit`]).
 const GUEST_AGENT_PATH: &str = "/usr/local/lib/eitri/eitri-guest";
+const DELIVERED_UNIT: &str = "eitri-guest-delivered.service";
 const GUEST_AGENT_UNIT: &str = "/etc/systemd/system/eitri-guest-delivered.service";
 
+/// Where an image's own guest agent's unit is.
+const IMAGE_UNITS: [&str; 2] = [
+    "/etc/systemd/system/eitri-guest.service",
+    "/usr/lib/systemd/system/eitri-guest.service",
+];
+
 /// The first boot's start of the delivered agent, from cloud-init's first
-/// stage (bootcmd, each boot; it acts on the first alone): a transient unit
-/// that waits for write_files, moments later in the same stage, to put the
-/// binary there (made executable once whole), then runs it. Started from
-/// the last stage (runcmd) instead, it could answer nothing before
-/// cloud-init's last stage runs, after the guest's sshd has started. Later
-/// boots start the installed unit.
-const FIRST_BOOT_START: &str = "[ -e /etc/systemd/system/eitri-guest.service ] || \
-[ -e /usr/lib/systemd/system/eitri-guest.service ] || \
-[ -e /etc/systemd/system/sysinit.target.wants/eitri-guest-delivered.service ] || \
-systemd-run --no-block --unit=eitri-guest-first-boot -p DefaultDependencies=no \
- -p Conflicts=shutdown.target -p Before=shutdown.target -p Restart=always -p RestartSec=1 \
- -p StartLimitIntervalSec=0 /bin/sh -c \
- 'until [ -x /usr/local/lib/eitri/eitri-guest ]; do sleep 0.1; done; exec /usr/local/lib/eitri/eitri-guest' || true";
+/// stage (bootcmd, each boot; it acts on the first alone, and not where
+/// the image has its own agent): a transient unit that waits for
+/// write_files, moments later in the same stage, to put the binary there
+/// (made executable once whole), then runs it. Started from the last
+/// stage (runcmd) instead, it could answer nothing before cloud-init's
+/// last stage runs, after the guest's sshd has started. Later boots start
+/// the installed unit.
+fn first_boot_start() -> String {
+    let image: String = IMAGE_UNITS
+        .iter()
+        .map(|u| format!("[ -e {u} ] || "))
+        .collect();
+    format!(
+        "{image}[ -e /etc/systemd/system/sysinit.target.wants/{DELIVERED_UNIT} ] || \
+         systemd-run --no-block --unit=eitri-guest-first-boot -p DefaultDependencies=no \
+         -p Conflicts=shutdown.target -p Before=shutdown.target -p Restart=always -p RestartSec=1 \
+         -p StartLimitIntervalSec=0 /bin/sh -c \
+         'until [ -x {GUEST_AGENT_PATH} ]; do sleep 0.1; done; exec {GUEST_AGENT_PATH}' || true"
+    )
+}
 
 /// The last stage's part: the unit enabled for later boots, and started
 /// now only where the first boot's start did not run.
-const ENABLE: &str = "systemctl daemon-reload; systemctl enable eitri-guest-delivered.service; \
-systemctl is-active --quiet eitri-guest-first-boot.service || \
-systemctl start --no-block eitri-guest-delivered.service";
+fn enable() -> String {
+    format!(
+        "systemctl daemon-reload; systemctl enable {DELIVERED_UNIT}; \
+         systemctl is-active --quiet eitri-guest-first-boot.service || \
+         systemctl start --no-block {DELIVERED_UNIT}"
+    )
+}
 
 impl NoCloudSeed {
     /// Seeds that carry the guest agent at `path` (read once, here).
@@ -235,8 +253,8 @@ fn vendor_data(p: &SeedParams, agent: Option<&GuestAgent>) -> String {
                    "content": agent.base64}),
             json!({"path": GUEST_AGENT_UNIT, "permissions": "0644", "content": guest_agent_unit()}),
         ]);
-        c.insert("bootcmd".into(), json!([["sh", "-c", FIRST_BOOT_START]]));
-        c.insert("runcmd".into(), json!([["sh", "-c", ENABLE]]));
+        c.insert("bootcmd".into(), json!([["sh", "-c", first_boot_start()]]));
+        c.insert("runcmd".into(), json!([["sh", "-c", enable()]]));
     }
     if !files.is_empty() {
         c.insert("write_files".into(), Value::Array(files));
@@ -249,12 +267,14 @@ fn vendor_data(p: &SeedParams, agent: Option<&GuestAgent>) -> String {
 /// image that carries its own agent's unit runs that one: this one does
 /// not start beside it (both would listen on the same port).
 fn guest_agent_unit() -> String {
+    let not_the_images: String = IMAGE_UNITS
+        .iter()
+        .map(|u| format!("ConditionPathExists=!{u}\n"))
+        .collect();
     format!(
         "[Unit]\nDescription=eitri guest agent (answers the host over vsock)\n\
          DefaultDependencies=no\nAfter=local-fs.target\nBefore=sysinit.target\n\
-         Conflicts=shutdown.target\nBefore=shutdown.target\n\
-         ConditionPathExists=!/etc/systemd/system/eitri-guest.service\n\
-         ConditionPathExists=!/usr/lib/systemd/system/eitri-guest.service\n\n\
+         Conflicts=shutdown.target\nBefore=shutdown.target\n{not_the_images}\n\
          [Service]\nExecStart={GUEST_AGENT_PATH}\nRestart=always\nRestartSec=1\n\n\
          [Install]\nWantedBy=sysinit.target\n"
     )
@@ -341,8 +361,8 @@ mod tests {
         let carried = crate::base64::decode(agent["content"].as_str().expect("b64")).expect("b64");
         assert_eq!(carried, b"\x7fELF the guest agent");
         assert!(files.iter().any(|f| f["path"] == GUEST_AGENT_UNIT));
-        assert_eq!(v["bootcmd"][0][2], json!(FIRST_BOOT_START));
-        assert_eq!(v["runcmd"][0][2], json!(ENABLE));
+        assert_eq!(v["bootcmd"][0][2], json!(first_boot_start()));
+        assert_eq!(v["runcmd"][0][2], json!(enable()));
     }
 
     #[test]

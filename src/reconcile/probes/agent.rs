@@ -39,8 +39,9 @@ use crate::reconcile::context::Context;
 use crate::reconcile::pass::VmResult;
 
 /// How long a delivered guest agent is waited for, from its boot's start:
-/// a Debian cloud image's agent (started by cloud-init's last stage) says
-/// its system is up 40 s into its first boot on a 2-core host.
+/// a Debian cloud image's agent said its system was up 40–49 s into its
+/// first boot on a 2-core host (systemd says `running` once cloud-init's
+/// last stage is done).
 pub(crate) const AGENT_WAIT: Duration = Duration::from_secs(120);
 
 /// The longest one ask may take: more than the 2 s `eitri-guest` gives
@@ -96,18 +97,18 @@ impl Agents {
     }
 
     /// Asks the guest agent of a running VM with no probe, when due, and
-    /// says in its row what it said; `booted` is when its boot started
-    /// (its record's create attempt).
+    /// says in its row what it said; `pid` is its hypervisor's, `booted`
+    /// when its boot started (see [`Lifecycle::boot_started`]).
+    ///
+    /// [`Lifecycle::boot_started`]: crate::state::lifecycle::Lifecycle::boot_started
     pub(super) fn look(
         &self,
         ctx: &Context,
         deadline: Deadline,
-        vm_id: &Id,
-        booted: Option<SystemTime>,
+        (vm_id, pid): (&Id, Option<u32>),
+        (booted, now): (Option<SystemTime>, SystemTime),
         res: &mut VmResult,
     ) {
-        let now = ctx.host.now();
-        let pid = ctx.backend.pid(vm_id);
         let mut seen = self
             .seen
             .lock()
@@ -190,7 +191,8 @@ impl Agents {
             },
             Err(e) if !e.reached() => {
                 if let AskError::NotItsVmm { .. } = e {
-                    log::warn!("VM {vm_id}: {e}");
+                    ctx.logs
+                        .warn(&format!("{vm_id}/guest-agent"), &format!("VM {vm_id}: {e}"));
                 }
                 Heard::NoAgent
             }
@@ -250,7 +252,9 @@ impl Agents {
     }
 }
 
-/// A guest's status, for people: the tenant's words quoted as they came.
+/// A guest's status, for people: the tenant's words as they came (bounded
+/// and free of control characters by [`crate::guest::said`]), escaped
+/// again for the row all the same.
 fn describe(s: &Status) -> String {
     let mib = |kib: u64| kib / 1024;
     let gib = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);

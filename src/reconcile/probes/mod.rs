@@ -135,7 +135,8 @@ impl Probes {
             }
             drop(all);
             let booted = record.and_then(|r| r.lifecycle.boot_started());
-            self.agents.look(ctx, deadline, vm_id, booted, res);
+            self.agents
+                .look(ctx, deadline, (vm_id, pid), (booted, now), res);
             return None;
         };
         self.agents.forget(vm_id);
