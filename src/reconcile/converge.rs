@@ -213,6 +213,12 @@ pub(crate) fn restart(ctx: &Context, desired: &DesiredVm, why: &str, pass: &mut 
         holds::take_next_boot_changes(ctx, desired, &mut rec);
         ctx.backend.boot(&rec.spec, deadline)
     });
+    if restarted.is_ok() {
+        // A boot from its disks, as any: what waits on its boot (its
+        // guest agent) counts from now.
+        rec.booted(ctx.host.boot_id(), ctx.host.now());
+        ctx.save_best_effort(&rec);
+    }
     if let Some(row) = pass.res.row.as_mut() {
         row.phase = Some(Phase::Creating);
         match restarted {

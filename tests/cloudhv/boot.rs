@@ -206,3 +206,30 @@ fn a_guest_whose_kernel_panicked_is_booted_again_when_its_spec_says_reboot() {
     assert_ne!(first, again);
     assert!(h.engine().counts().guest_panics.get("vm-1") >= 1);
 }
+
+#[test]
+fn a_guest_booted_again_after_its_panic_is_recorded_as_booted_then() {
+    let h = Host::new(&[("STANDIN_SERIAL_PANIC", "1")]);
+    let mut d = h.desired("vm-1");
+    d.on_panic = eitri_agent::model::OnPanic::Reboot;
+    let snap = snapshot(1, vec![present(d)]);
+    let boot_started = || {
+        h.store
+            .get(&id("vm-1"))
+            .expect("read")
+            .expect("a record")
+            .lifecycle
+            .boot_started()
+    };
+    h.tick(&snap);
+    let first = boot_started();
+    h.fakes.advance_clock(Duration::from_secs(60));
+
+    h.tick(&snap);
+
+    assert!(
+        boot_started() > first,
+        "{first:?} then {:?}",
+        boot_started()
+    );
+}
