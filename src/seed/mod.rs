@@ -90,8 +90,9 @@ const IMAGE_UNITS: [&str; 2] = [
     "/usr/lib/systemd/system/eitri-guest.service",
 ];
 
-/// The first boot's start of the delivered agent, from cloud-init's first
-/// stage (bootcmd, each boot; it acts on the first alone, and not where
+/// The first boot's start of the delivered agent, from the first of
+/// cloud-init's stages that runs modules (its network stage: bootcmd, each
+/// boot; it acts on the first alone, and not where
 /// the image has its own agent): a transient unit that waits for
 /// write_files, moments later in the same stage, to put the binary there
 /// (made executable once whole), then runs it. Started from the last
