@@ -135,6 +135,43 @@ pub fn prepare(
             disk_gb,
         });
     }
+    place(&src, base, dest, base_bytes, want, deadline)
+}
+
+/// Makes `dest` a copy of `src`, of its size (by reflink where the
+/// filesystem shares extents, else a sparse copy), replacing `dest`
+/// atomically: how a clone takes its template's memory. Not yet durable.
+pub fn copy(src: &Path, dest: &Path, deadline: Deadline) -> Result<Method, DiskError> {
+    let from = File::open(src).map_err(|source| DiskError::Io {
+        what: "open",
+        path: src.to_path_buf(),
+        source,
+    })?;
+    let bytes = from
+        .metadata()
+        .map_err(|source| DiskError::Io {
+            what: "stat",
+            path: src.to_path_buf(),
+            source,
+        })?
+        .len();
+    place(&from, src, dest, bytes, bytes, deadline)
+}
+
+/// `src` (at `base`, of `base_bytes`) cloned into a temp file beside
+/// `dest`, grown to `want` bytes and renamed over `dest`.
+fn place(
+    src: &File,
+    base: &Path,
+    dest: &Path,
+    base_bytes: u64,
+    want: u64,
+    deadline: Deadline,
+) -> Result<Method, DiskError> {
+    let io_err = |what, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| DiskError::Io { what, path, source }
+    };
     let dir = dest.parent().unwrap_or(Path::new("."));
     let temp = dir.join(format!(
         ".{}.tmp-{}-{}",
@@ -145,7 +182,7 @@ pub fn prepare(
     ));
     let result = (|| {
         let (out, method) =
-            clone_to(&src, base, &temp, base_bytes, deadline).map_err(|e| match e {
+            clone_to(src, base, &temp, base_bytes, deadline).map_err(|e| match e {
                 CopyError::Deadline => DiskError::Deadline,
                 CopyError::Io(source) => DiskError::Io {
                     what: "copy the base image into",

@@ -93,6 +93,7 @@ fn sibling_nevers() -> Vec<(&'static str, Vec<&'static str>)> {
             "reconcile/probes",
             "reconcile/holds",
             "reconcile/guests",
+            "reconcile/clones",
             "reconcile/panics",
             "reconcile/step",
         ])

@@ -959,6 +959,7 @@ fn an_identity_applied_by_the_guest_agent_is_what_ssh_presents_under_strict_chec
         ssh_host_certificate: ca.sign(&public, "clone-7", true),
         user: USER.into(),
         authorized_keys: vec![lab.public_key()],
+        ..Identity::default()
     };
 
     let started = Instant::now();

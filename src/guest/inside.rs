@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::pb::guest::{Identity, IdentityApplied, Reseeded, Resumed, Status, SystemState};
+use crate::pb::guest::{Identity, IdentityApplied, NicMac, Reseeded, Resumed, Status, SystemState};
 
 use super::serve::Inside;
 
@@ -210,6 +210,46 @@ fn renew_leases() -> bool {
     !links.is_empty() && run("networkctl", &args, Duration::from_secs(5)).is_ok()
 }
 
+/// The interface whose MAC is `mac`, by its name in `/sys/class/net`.
+fn interface_with(mac: crate::model::Mac) -> Option<String> {
+    fs::read_dir("/sys/class/net").ok()?.find_map(|entry| {
+        let name = entry.ok()?.file_name().into_string().ok()?;
+        let address = fs::read_to_string(format!("/sys/class/net/{name}/address")).ok()?;
+        (crate::model::Mac::parse(address.trim()) == Some(mac)).then_some(name)
+    })
+}
+
+/// Each interface whose MAC is a pair's `from` given its `to` (taken
+/// down for it where the driver cannot change it live): the MACs those
+/// interfaces have now.
+fn change_macs(nics: &[NicMac]) -> Result<Vec<String>, String> {
+    let mut now = Vec::new();
+    for nic in nics {
+        let parse = |text: &str| {
+            crate::model::Mac::parse(text).ok_or_else(|| format!("{text:?} is not a MAC"))
+        };
+        let (from, to) = (parse(&nic.from)?, parse(&nic.to)?);
+        let name = match (interface_with(from), interface_with(to)) {
+            (Some(name), _) => name,
+            // Done before: a request asked again after a lost answer.
+            (None, Some(name)) => name,
+            (None, None) => return Err(format!("no interface has the MAC {from}")),
+        };
+        let to = to.to_string();
+        let limit = Duration::from_secs(5);
+        if run("ip", &["link", "set", "dev", &name, "address", &to], limit).is_err() {
+            run("ip", &["link", "set", "dev", &name, "down"], limit)?;
+            let set = run("ip", &["link", "set", "dev", &name, "address", &to], limit);
+            run("ip", &["link", "set", "dev", &name, "up"], limit)?;
+            set?;
+        }
+        let address = fs::read_to_string(format!("/sys/class/net/{name}/address"))
+            .map_err(|e| format!("cannot read {name}'s MAC: {e}"))?;
+        now.push(address.trim().to_owned());
+    }
+    Ok(now)
+}
+
 /// A hostname of DNS labels (letters, digits, hyphens), 253 bytes at most.
 fn hostname_ok(name: &str) -> bool {
     !name.is_empty()
@@ -382,6 +422,40 @@ fn listening_sockets(port: u16) -> std::collections::HashSet<u64> {
 }
 
 /// Writes `user`'s authorized_keys, whole: the number of keys written.
+/// The guest's login user, for keys sent without one: the one account of
+/// a person (uid 1000 to 59999, as Debian and Fedora number them) whose
+/// home holds an `.ssh/authorized_keys`, as cloud-init leaves its
+/// default user. None, or more than one, is refused: the host names it.
+fn login_user() -> Result<String, String> {
+    let passwd =
+        fs::read_to_string("/etc/passwd").map_err(|e| format!("cannot read /etc/passwd: {e}"))?;
+    let users = login_users(&passwd, |home| {
+        Path::new(home).join(".ssh/authorized_keys").is_file()
+    });
+    match users.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => Err("no login user holds authorized keys in this guest: name the user".into()),
+        many => Err(format!(
+            "{} users hold authorized keys in this guest ({}): name the user",
+            many.len(),
+            many.join(", ")
+        )),
+    }
+}
+
+/// The accounts of people in `passwd` whose home `has_keys`.
+fn login_users(passwd: &str, has_keys: impl Fn(&str) -> bool) -> Vec<String> {
+    passwd
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            let uid: u32 = fields.get(2)?.parse().ok()?;
+            let home = fields.get(5)?;
+            ((1000..60000).contains(&uid) && has_keys(home)).then(|| fields[0].to_owned())
+        })
+        .collect()
+}
+
 fn authorized_keys(user: &str, keys: &[String]) -> Result<u32, String> {
     let account = nix::unistd::User::from_name(user)
         .map_err(|e| format!("cannot look up user {user:?}: {e}"))?
@@ -417,7 +491,9 @@ fn authorized_keys(user: &str, keys: &[String]) -> Result<u32, String> {
         })
         .map_err(|e| format!("cannot give {user} its .ssh: {e}"))?;
     let mut text = keys.join("\n");
-    text.push('\n');
+    if !text.is_empty() {
+        text.push('\n');
+    }
     write_in(
         &ssh,
         "authorized_keys",
@@ -554,7 +630,10 @@ impl Inside for Guest {
         }
         if !i.user.is_empty() {
             applied.authorized_keys = authorized_keys(&i.user, &i.authorized_keys)?;
+        } else if i.set_authorized_keys || !i.authorized_keys.is_empty() {
+            applied.authorized_keys = authorized_keys(&login_user()?, &i.authorized_keys)?;
         }
+        applied.macs = change_macs(&i.nics)?;
         Ok(applied)
     }
 
@@ -625,6 +704,18 @@ mod tests {
 
         assert_eq!(open.len(), 1, "{open:?}");
         assert!(listening_sockets(port).is_empty());
+    }
+
+    #[test]
+    fn the_login_user_is_a_persons_account_holding_keys() {
+        let passwd = "root:x:0:0:root:/root:/bin/bash\n\
+                      nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n\
+                      debian:x:1000:1000::/home/debian:/bin/bash\n\
+                      ops:x:1001:1001::/home/ops:/bin/bash\n";
+
+        let users = login_users(passwd, |home| home == "/home/debian" || home == "/root");
+
+        assert_eq!(users, ["debian"]);
     }
 
     #[test]

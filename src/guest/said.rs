@@ -12,6 +12,8 @@ use crate::pb::guest::{Answer, answer, request};
 const MAX_TEXT: usize = 256;
 /// The most mount points a freeze or thaw may report.
 const MAX_MOUNTS: usize = 64;
+/// The most NICs a guest is asked to give another MAC, and may answer.
+pub const MAX_NICS: usize = 8;
 
 /// What the guest said its system is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,6 +91,9 @@ pub enum Said {
         ssh_host_key_fingerprint: String,
         sshd_reloaded: bool,
         authorized_keys: u32,
+        /// The MACs its interfaces have now, of those it was asked to
+        /// change.
+        macs: Vec<crate::model::Mac>,
     },
     Frozen {
         mounts: Vec<String>,
@@ -122,6 +127,8 @@ pub enum SaidError {
         field: &'static str,
     },
     TooManyMounts(usize),
+    /// More MACs than a VM has NICs, or one that is no MAC.
+    BadMacs,
     /// The guest said it could not (its words, quoted).
     Refused(String),
 }
@@ -148,6 +155,10 @@ impl fmt::Display for SaidError {
             SaidError::TooManyMounts(n) => {
                 write!(f, "named {n} mounts, over the {MAX_MOUNTS} allowed")
             }
+            SaidError::BadMacs => write!(
+                f,
+                "answered more than {MAX_NICS} MACs, or something that is no MAC"
+            ),
             SaidError::Refused(words) => write!(f, "could not: {}", crate::quote::text(words)),
         }
     }
@@ -193,6 +204,16 @@ fn mounts(raw: Vec<String>) -> Result<Vec<String>, SaidError> {
         return Err(SaidError::TooManyMounts(raw.len()));
     }
     raw.into_iter().map(|m| text(m, "mount point")).collect()
+}
+
+/// The MACs a guest says its interfaces have, each one.
+fn macs(raw: &[String]) -> Result<Vec<crate::model::Mac>, SaidError> {
+    if raw.len() > MAX_NICS {
+        return Err(SaidError::BadMacs);
+    }
+    raw.iter()
+        .map(|m| crate::model::Mac::parse(m).ok_or(SaidError::BadMacs))
+        .collect()
 }
 
 /// Checks the bytes a guest answered request `id`, which asked `ask`.
@@ -249,6 +270,7 @@ pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidErro
             ssh_host_key_fingerprint: text(i.ssh_host_key_fingerprint, "host key fingerprint")?,
             sshd_reloaded: i.sshd_reloaded,
             authorized_keys: i.authorized_keys,
+            macs: macs(&i.macs)?,
         }),
         (request::Ask::Freeze(_), Some(answer::Said::Frozen(f))) => Ok(Said::Frozen {
             mounts: mounts(f.mounts)?,

@@ -75,6 +75,11 @@ fn answer(request: Request, inside: &dyn Inside, received: SystemTime) -> (Answe
                 ))
             }
         }
+        Some(request::Ask::Identity(i)) if i.nics.len() > super::said::MAX_NICS => Err(format!(
+            "an identity gives at most {} NICs another MAC, not {}",
+            super::said::MAX_NICS,
+            i.nics.len()
+        )),
         Some(request::Ask::Identity(i)) => inside.identity(&i).map(answer::Said::Identity),
         Some(request::Ask::Freeze(f)) => {
             let thaw_after = Duration::from_millis(u64::from(f.thaw_after_ms)).min(MAX_FREEZE);

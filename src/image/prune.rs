@@ -333,6 +333,7 @@ mod tests {
                 mem_mb: 128,
                 disk_gb: 1,
                 limits: crate::model::VmLimits::default(),
+                clone_of: None,
             }))
             .expect("record");
         let start = SystemTime::now() - Duration::from_secs(3600);

@@ -79,6 +79,11 @@ pub struct VmSpec {
     /// with); absent from records older than it: all zero, the host's.
     #[serde(default, skip_serializing_if = "VmLimits::is_hosts")]
     pub limits: VmLimits,
+    /// The template it is a clone of: its root disk and memory are copied
+    /// from that VM's snapshot at its create, instead of made from an
+    /// image and booted. Its image fields are empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone_of: Option<Id>,
 }
 
 #[cfg(test)]
@@ -99,6 +104,7 @@ impl VmSpec {
             mem_mb: 100,
             disk_gb: 1,
             limits: VmLimits::default(),
+            clone_of: None,
         }
     }
 }
@@ -287,6 +293,10 @@ pub struct DesiredVm {
     /// What is done when its guest's kernel panics. Not in [`VmSpec`]: it
     /// applies to a running VM.
     pub on_panic: OnPanic,
+    /// Its snapshot is what clones are made from: it is wanted suspended,
+    /// and never woken, while it is one. Not in [`VmSpec`]: it says what
+    /// others may do with the VM, not what the VM is.
+    pub template: bool,
 }
 
 /// What the agent does with a guest whose kernel panicked.

@@ -15,7 +15,7 @@ use super::tenant::{
 };
 use crate::model::is_hostname;
 use crate::model::{
-    Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report,
+    Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report, Sleep,
     Snapshot, SpecError, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm,
     WantedVolume,
 };
@@ -38,6 +38,7 @@ pub fn snapshot_from_wire(wire: &pb::Snapshot) -> Snapshot {
             Err(rejected) => snap.rejected_vms.push(rejected),
         }
     }
+    hold_clones_to_templates(&mut snap);
     let volume_counts = count_ids(wire.volumes.iter().map(|v| v.volume_id.as_str()));
     for raw in &wire.volumes {
         let count = volume_counts.get(raw.volume_id.as_str()).copied();
@@ -57,6 +58,40 @@ pub fn snapshot_to_wire(snap: &Snapshot) -> pb::Snapshot {
         volumes: snap.volumes.iter().map(volume_to_wire).collect(),
         ..pb::Snapshot::default()
     }
+}
+
+/// Every clone whose template is an entry of the snapshot held to it
+/// ([`clone_mismatch`]); one that breaks it is refused.
+fn hold_clones_to_templates(snap: &mut Snapshot) {
+    let by_id: HashMap<Id, WantedVm> = snap
+        .vms
+        .iter()
+        .map(|vm| (vm.id().clone(), vm.clone()))
+        .collect();
+    let (kept, refused): (Vec<_>, Vec<_>) = std::mem::take(&mut snap.vms)
+        .into_iter()
+        .map(|vm| {
+            let why = match &vm {
+                WantedVm::Present(d) => d
+                    .spec
+                    .clone_of
+                    .as_ref()
+                    .and_then(|t| by_id.get(t))
+                    .and_then(|t| clone_mismatch(d, t)),
+                WantedVm::Tombstoned(_) => None,
+            };
+            (vm, why)
+        })
+        .partition(|(_, why)| why.is_none());
+    snap.vms = kept.into_iter().map(|(vm, _)| vm).collect();
+    snap.rejected_vms
+        .extend(refused.into_iter().filter_map(|(vm, why)| {
+            Some(Rejected {
+                id: Some(vm.id().clone()),
+                raw_id: vm.id().to_string(),
+                error: why?,
+            })
+        }));
 }
 
 fn count_ids<'a>(ids: impl Iterator<Item = &'a str>) -> HashMap<&'a str, usize> {
@@ -172,11 +207,27 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
     };
     let vcpus = bounded("vcpus", raw.vcpus, u64::from(Limits::MAX_VCPUS))? as u32;
     let limits = vm_limits(raw, vcpus)?;
+    let clone_of = clone_of(&vm_id, raw)?;
+    if clone_of.is_some() && power == PowerState::Stopped {
+        return Err(SpecError::new(
+            "power_state",
+            "a clone starts from its template's running guest: ask for \"running\" or \"suspended\"",
+        ));
+    }
+    let sleep = sleep(raw.wake_on_traffic, raw.idle_suspend_after_s)?;
+    if raw.template {
+        template(raw, power, &sleep)?;
+    }
+    let (image_url, image_sha256) = match clone_of {
+        // A clone's disk is its template's: it names no image.
+        Some(_) => (String::new(), String::new()),
+        None => (image_url(&raw.image_url)?, sha256_hex(&raw.image_sha256)?),
+    };
     let spec = VmSpec {
         vm_id,
         name: hostname(&raw.name)?,
-        image_url: image_url(&raw.image_url)?,
-        image_sha256: sha256_hex(&raw.image_sha256)?,
+        image_url,
+        image_sha256,
         cloud_init: user_data(&raw.cloud_init)?,
         ssh_authorized_key: single_line("ssh_authorized_key", &raw.ssh_authorized_key)?,
         network: network_name(&raw.network)?,
@@ -185,6 +236,7 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         mem_mb: bounded("mem_mb", raw.mem_mb, Limits::MAX_MEM_MB)?,
         disk_gb: bounded("disk_gb", raw.disk_gb, Limits::MAX_DISK_GB)?,
         limits,
+        clone_of,
     };
     Ok(DesiredVm {
         spec,
@@ -195,9 +247,123 @@ fn desired_vm(vm_id: Id, raw: &pb::VmSpec) -> Result<DesiredVm, SpecError> {
         egress,
         readiness: raw.readiness.as_ref().map(readiness).transpose()?,
         published: published_ports(&raw.published_ports)?,
-        sleep: sleep(raw.wake_on_traffic, raw.idle_suspend_after_s)?,
+        sleep,
         on_panic: on_panic(&raw.on_panic)?,
+        template: raw.template,
     })
+}
+
+/// The template a clone names, checked against the entry's own fields:
+/// `None` for a VM that is no clone.
+fn clone_of(vm_id: &Id, raw: &pb::VmSpec) -> Result<Option<Id>, SpecError> {
+    if raw.clone_of.is_empty() {
+        return Ok(None);
+    }
+    let template =
+        Id::parse(&raw.clone_of).map_err(|e| SpecError::new("clone_of", e.to_string()))?;
+    if &template == vm_id {
+        return Err(SpecError::new(
+            "clone_of",
+            "a VM cannot be a clone of itself",
+        ));
+    }
+    let own = [
+        ("image_url", raw.image_url.is_empty()),
+        ("image_sha256", raw.image_sha256.is_empty()),
+        ("volume_ids", raw.volume_ids.is_empty()),
+    ];
+    if let Some((field, _)) = own.iter().find(|(_, empty)| !empty) {
+        return Err(SpecError::new(
+            field,
+            format!(
+                "a clone takes its disk from its template {template} and has no volumes: leave {field} empty"
+            ),
+        ));
+    }
+    Ok(Some(template))
+}
+
+/// What a template may not be: anything but suspended, woken by traffic
+/// (its disk and snapshot must stay as clones copy them), or the holder
+/// of a volume (each clone would copy a tenant's data).
+fn template(raw: &pb::VmSpec, power: PowerState, sleep: &Sleep) -> Result<(), SpecError> {
+    if power != PowerState::Suspended {
+        return Err(SpecError::new(
+            "template",
+            format!(
+                "a template is wanted \"suspended\" (its snapshot is what clones are made from), not {}",
+                quote::text(&raw.power_state)
+            ),
+        ));
+    }
+    if sleep.wake_on_traffic {
+        return Err(SpecError::new(
+            "template",
+            "a template is never woken: turn wake_on_traffic off",
+        ));
+    }
+    if !raw.volume_ids.is_empty() {
+        return Err(SpecError::new(
+            "template",
+            "a template carries no volumes (each clone would copy them): detach them",
+        ));
+    }
+    Ok(())
+}
+
+/// A clone whose template is in the same snapshot, held to it: the
+/// template is one, and the clone's shape is its. `None` when it keeps to
+/// it. A template absent from the snapshot is the engine's to judge: a
+/// clone already made needs it no more.
+pub fn clone_mismatch(clone: &DesiredVm, template: &WantedVm) -> Option<SpecError> {
+    let t = match template {
+        WantedVm::Present(t) => t,
+        WantedVm::Tombstoned(id) => {
+            return Some(SpecError::new(
+                "clone_of",
+                format!("its template {id} is tombstoned"),
+            ));
+        }
+    };
+    let (c, ts) = (&clone.spec, &t.spec);
+    if !t.template {
+        return Some(SpecError::new(
+            "clone_of",
+            format!(
+                "{} is not a template: mark it with template: true (and power_state \"suspended\")",
+                ts.vm_id
+            ),
+        ));
+    }
+    let shape = [
+        ("vcpus", u64::from(c.vcpus), u64::from(ts.vcpus)),
+        ("mem_mb", c.mem_mb, ts.mem_mb),
+        ("disk_gb", c.disk_gb, ts.disk_gb),
+    ];
+    if let Some((field, own, its)) = shape.iter().find(|(_, own, its)| own != its) {
+        return Some(SpecError::new(
+            field,
+            format!(
+                "{own}, where its template {} has {its}: a clone runs in its template's memory, on a copy of its disk; ask for {its}",
+                ts.vm_id
+            ),
+        ));
+    }
+    if c.network.is_empty() != ts.network.is_empty() {
+        return Some(SpecError::new(
+            "network",
+            format!(
+                "a clone has the NICs of its template {}, which has {}",
+                ts.vm_id,
+                if ts.network.is_empty() {
+                    "no second NIC: leave network empty".to_owned()
+                } else {
+                    "a second NIC: name a network".to_owned()
+                }
+            ),
+        ));
+    }
+    None
 }
 
 pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
@@ -244,6 +410,8 @@ pub fn vm_to_wire(vm: &WantedVm) -> pb::VmSpec {
                     crate::model::OnPanic::Stay => String::new(),
                     other => other.as_wire().to_owned(),
                 },
+                template: d.template,
+                clone_of: s.clone_of.as_ref().map(Id::to_string).unwrap_or_default(),
             }
         }
     }

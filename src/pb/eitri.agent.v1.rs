@@ -211,6 +211,23 @@ pub struct VmSpec {
     /// "reboot" boots it again from its disks.
     #[prost(string, tag = "28")]
     pub on_panic: ::prost::alloc::string::String,
+    /// Templates and clones. A template is a VM wanted "suspended" whose
+    /// snapshot new VMs are made from; it is never woken while it is one
+    /// (wake_on_traffic must be off) and carries no volumes. Removing the
+    /// flag (or the VM) ends it: clones already made keep running, each on
+    /// copies of its own.
+    #[prost(bool, tag = "29")]
+    pub template: bool,
+    /// The template this VM is a clone of (its vm_id): created by restoring
+    /// that snapshot, never by boot. vcpus, mem_mb and disk_gb are the
+    /// template's, it has a second NIC exactly when the template has one,
+    /// and image_url, image_sha256 and volume_ids are empty (its disk is a
+    /// copy of the template's). Before its row says ready, its guest agent
+    /// has made it a machine of its own: fresh entropy, its own hostname,
+    /// host key, authorized keys and MAC, its lease renewed. A clone whose
+    /// guest agent cannot do that is never ready (its create fails).
+    #[prost(string, tag = "30")]
+    pub clone_of: ::prost::alloc::string::String,
 }
 /// One port published to the world: host_port of the host forwarded to
 /// guest_port of the guest.

@@ -277,6 +277,24 @@ pub trait Suspend: Send + Sync {
     /// Removes whatever holds the VM's suspended guest; nothing there is
     /// success.
     fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Outcome;
+
+    /// Makes the new VM `spec`, a clone of the suspended `template`, a
+    /// root disk and a saved guest of its own: copies of the template's
+    /// as it was saved, for [`Suspend::resume`] to start. The template's
+    /// files are only read, and a template changed while they were copied
+    /// refuses the copy. How they were copied.
+    fn clone_saved(
+        &self,
+        _template: &Id,
+        spec: &VmSpec,
+        _deadline: Deadline,
+    ) -> Outcome<crate::disk::Method> {
+        Err(crate::error::Simple::permanent(format!(
+            "VM {}: this backend cannot clone a VM (it keeps a suspended guest in memory, not on disk)",
+            spec.vm_id
+        ))
+        .into())
+    }
 }
 
 /// Holding a tenant's own limits and egress rules on the host: a

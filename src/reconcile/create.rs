@@ -37,6 +37,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::admission::CreateSlots;
+use super::clones;
 use super::context::{Context, panicked};
 use super::lifecycle::{self, Attempts, State};
 use super::pass::{CREATE_STAGE, Narrator, Next, Pass, VmResult};
@@ -152,6 +153,23 @@ impl Create {
             Ok(HostKeyStage::AwaitingCertificate) => return Next::Done,
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
+        if let Some(template) = &d.spec.clone_of {
+            match clones::template(ctx, template) {
+                clones::Template::Ready => {}
+                clones::Template::NotYet(what) => {
+                    pass.res.report(
+                        &rec,
+                        Some(PowerState::Stopped),
+                        Phase::Creating,
+                        format!("waiting for {what}"),
+                    );
+                    return Next::Done;
+                }
+                clones::Template::Gone(why) => {
+                    return attempt.fail(rec, Simple::permanent(why).into(), pass.res);
+                }
+            }
+        }
         // Descriptors the agent would hold for it (its ports' sockets are
         // asked for as they are held): short, it waits as the host's to
         // fix, and no create of another VM runs out of them. Claimed for
@@ -212,6 +230,93 @@ impl Create {
         Next::Announce(rec, Some(crate::crash::at("create.booted-saved")))
     }
 
+    /// A clone's side effects, once its attempt is counted (see
+    /// [`clones`]): its seed made, and its disk and saved guest copied
+    /// from its template's, while the attempt is made durable; then its
+    /// template's guest restored as its own, and made its own by its
+    /// guest agent. Never booted.
+    #[allow(clippy::too_many_arguments)]
+    fn build_clone(
+        &self,
+        ctx: &Context,
+        d: &DesiredVm,
+        rec: &mut Record,
+        template: &Id,
+        host_key: HostKey,
+        attempt: NotYetDurable,
+        narrator: &Narrator,
+    ) -> Outcome {
+        let deadline = narrator.deadline();
+        let vm_id = &d.spec.vm_id;
+        let Some(suspender) = ctx.backend.suspender() else {
+            return Err(Simple::permanent(format!(
+                "VM {vm_id}: this host's hypervisor cannot save a guest, so it cannot clone one"
+            ))
+            .into());
+        };
+        narrator.say(&format!("copying its template {template}"));
+        let spec = &rec.spec;
+        let method = parking_lot::Mutex::new(None);
+        let copy = || {
+            let copied = timed("clone copy", || {
+                suspender.clone_saved(template, spec, deadline)
+            })?;
+            crate::crash::point("create.clone-copied");
+            *method.lock() = Some(copied);
+            Ok(Pending::none())
+        };
+        let own = clones::Own {
+            hostname: clones::hostname(d),
+            host_key_pem: host_key.private_pem.clone(),
+            host_key_public: host_key.public_line.clone(),
+            host_certificate: d.ssh_host_cert.clone(),
+            authorized_keys: Some(&d.spec.ssh_authorized_key)
+                .filter(|k| !k.is_empty())
+                .cloned()
+                .into_iter()
+                .collect(),
+            nics: clones::nics(&*ctx.backend, d, template),
+        };
+        let made = self.prepare(ctx, spec, copy, &seed_params(d, Some(host_key)), attempt)?;
+        if *method.lock() == Some(crate::disk::Method::SparseCopy) {
+            log::warn!(
+                "VM {vm_id}: its template's disk and memory were copied whole: the state dir's filesystem shares no extents (XFS or btrfs would reflink them in a moment)"
+            );
+        }
+        narrator.say(&format!("restoring its template {template}'s guest"));
+        let restoring = std::time::Instant::now();
+        start_syncing(ctx, vm_id, made, deadline, || {
+            timed("restore", || suspender.resume(spec, deadline, &|| Ok(())))
+        })?;
+        let ran = std::time::Instant::now();
+        crate::crash::point("create.clone-restored");
+        narrator.say("making it a machine of its own through its guest agent");
+        match timed("own", || {
+            clones::make_own(&*ctx.backend, vm_id, &own, ran, deadline)
+        }) {
+            Ok(said) => log::info!(
+                "VM {vm_id}: cloned from {template}, running {} ms after its copy was restored; {said}",
+                restoring.elapsed().as_millis()
+            ),
+            Err(why) => {
+                let say = |_: &str| {};
+                if let Err(stop) = ctx.backend.shutdown(vm_id, deadline, &say) {
+                    log::error!(
+                        "VM {vm_id}: cannot stop the hypervisor of a clone that is not its own: {}",
+                        chain(&*stop)
+                    );
+                }
+                return Err(Simple::transient(format!(
+                    "VM {vm_id}: its copy of {template} was not made a machine of its own: {why}; its hypervisor is stopped (a copy of its template never runs as this VM)"
+                ))
+                .into());
+            }
+        }
+        crate::crash::point("create.clone-own");
+        ctx.note_address(rec);
+        Ok(())
+    }
+
     /// Whether the VM waits for room on a filesystem that has no more of
     /// it than when its create last met it full (and not for long: see
     /// [`Waiting::full`]).
@@ -235,14 +340,16 @@ impl Create {
         rec: &mut Record,
         res: &mut VmResult,
     ) -> Outcome<HostKeyStage> {
-        if !d.host_cert_required {
+        // A clone always has a key of the agent's making: the one its
+        // template's guest made for itself is its template's.
+        if !d.host_cert_required && d.spec.clone_of.is_none() {
             return Ok(HostKeyStage::Go(None));
         }
         let key = timed("host key", || {
             self.host_keys
                 .load_or_create(&ctx.store.layout().host_key(&d.spec.vm_id))
         })?;
-        let awaiting = d.ssh_host_cert.is_empty();
+        let awaiting = d.host_cert_required && d.ssh_host_cert.is_empty();
         if rec.host_pubkey != key.public_line {
             rec.host_pubkey = key.public_line.clone();
             // Saved here only when the pass stops here to wait for the
@@ -285,6 +392,14 @@ impl Create {
         // deadline failure is refunded: waiting costs it no attempt.
         narrator.say("waiting for a create slot on this host");
         let slot = timed("create slot", || self.slots.acquire(deadline))?;
+        if let Some(template) = &d.spec.clone_of {
+            let host_key = host_key.ok_or_else(|| {
+                Simple::transient(format!("VM {}: a clone has no host key", d.spec.vm_id))
+            })?;
+            self.build_clone(ctx, d, rec, template, host_key, attempt, narrator)?;
+            drop(slot);
+            return Ok(true);
+        }
 
         narrator.say("downloading image");
         let progress: Progress = {
@@ -304,14 +419,14 @@ impl Create {
         })?;
         let boots = d.power != PowerState::Stopped;
         narrator.say("preparing root disk and seed");
-        let made = self.prepare(
-            ctx,
-            &rec.spec,
-            &base.path,
-            &seed_params(d, host_key),
-            attempt,
-            deadline,
-        )?;
+        let spec = &rec.spec;
+        let disk = || {
+            timed("root disk", || {
+                ctx.backend.prepare_root_disk(spec, &base.path, deadline)
+            })
+            .inspect(|_| crate::crash::point("create.disk-prepared"))
+        };
+        let made = self.prepare(ctx, spec, disk, &seed_params(d, host_key), attempt)?;
         // The root disk is made: the image may be pruned from here.
         drop(base);
 
@@ -343,19 +458,12 @@ impl Create {
         &self,
         ctx: &Context,
         spec: &crate::model::VmSpec,
-        base: &std::path::Path,
+        disk: impl FnOnce() -> Outcome<Pending> + Send,
         params: &SeedParams,
         attempt: NotYetDurable,
-        deadline: Deadline,
     ) -> Outcome<Pending> {
         let vm_id = &spec.vm_id;
         let _prepare = span("prepare");
-        let disk = || {
-            timed("root disk", || {
-                ctx.backend.prepare_root_disk(spec, base, deadline)
-            })
-            .inspect(|_| crate::crash::point("create.disk-prepared"))
-        };
         // The seed is the quickest to make: the share's names are synced
         // after it, on its thread.
         let seed = || -> Outcome<Pending> {
@@ -456,16 +564,30 @@ fn boot_syncing(
     deadline: Deadline,
     narrator: &Narrator,
 ) -> Outcome {
-    let vm_id = &spec.vm_id;
     narrator.say("booting");
     let booting = std::time::Instant::now();
-    let (synced, booted) = crate::threads::alongside(
+    start_syncing(ctx, &spec.vm_id, made, deadline, || {
+        timed("boot", || ctx.backend.boot(spec, deadline))
+    })?;
+    ctx.counts.boots.observe(booting.elapsed());
+    Ok(())
+}
+
+/// Starts the VM's hypervisor (`start`) while what its create made is
+/// synced; a sync that fails stops it (see [`boot_syncing`]).
+fn start_syncing(
+    ctx: &Context,
+    vm_id: &Id,
+    made: Pending,
+    deadline: Deadline,
+    start: impl FnOnce() -> Outcome + Send,
+) -> Outcome {
+    let (synced, started) = crate::threads::alongside(
         &format!("sync-{vm_id}"),
         || timed("sync made", || sync_made(vm_id, made)),
-        || timed("boot", || ctx.backend.boot(spec, deadline)),
+        start,
     );
-    booted?;
-    ctx.counts.boots.observe(booting.elapsed());
+    started?;
     let synced = synced
         .map_err(|why| panicked("syncing the root disk and seed", why))
         .and_then(|synced| synced);

@@ -26,6 +26,7 @@
 //! report it through [`Engine::report`] without dispatching anything.
 
 mod admission;
+mod clones;
 mod context;
 mod converge;
 pub mod counts;

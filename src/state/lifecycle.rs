@@ -625,6 +625,7 @@ mod tests {
             mem_mb: 64,
             disk_gb: 1,
             limits: crate::model::VmLimits::default(),
+            clone_of: None,
         })
     }
 

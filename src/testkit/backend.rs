@@ -157,6 +157,28 @@ impl Suspend for Fakes {
         self.saved.lock().remove(vm_id);
         Ok(())
     }
+
+    /// The template's usable saved state given to the clone too, as the
+    /// cloud-hypervisor backend copies it; the template's kept.
+    fn clone_saved(
+        &self,
+        template: &Id,
+        spec: &VmSpec,
+        deadline: Deadline,
+    ) -> Outcome<crate::disk::Method> {
+        self.record(Call::CloneSaved(spec.vm_id.clone(), template.clone()));
+        self.act(Op::Clone, spec.vm_id.as_str(), deadline)?;
+        let mut saved = self.saved.lock();
+        match saved.get(template).cloned() {
+            Some(SavedGuest::Usable(s)) => {
+                saved.insert(spec.vm_id.clone(), SavedGuest::Usable(s));
+                Ok(crate::disk::Method::Reflink)
+            }
+            _ => Err(
+                Simple::transient(format!("template {template} has no usable saved state")).into(),
+            ),
+        }
+    }
 }
 
 impl Holds for Fakes {

@@ -55,6 +55,7 @@ pub fn desired(vm: &str) -> DesiredVm {
             mem_mb: 256,
             disk_gb: 1,
             limits: crate::model::VmLimits::default(),
+            clone_of: None,
         },
         power: PowerState::Running,
         host_cert_required: false,
@@ -65,6 +66,7 @@ pub fn desired(vm: &str) -> DesiredVm {
         published: Vec::new(),
         sleep: crate::model::Sleep::default(),
         on_panic: crate::model::OnPanic::default(),
+        template: false,
     }
 }
 

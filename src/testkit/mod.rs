@@ -60,6 +60,7 @@ pub enum Op {
     /// A resume's guest set running, once its `spend` agreed.
     Run,
     Resumable,
+    Clone,
 }
 
 /// One call a fake received, in order across all seams.
@@ -80,6 +81,8 @@ pub enum Call {
     /// A resume whose `spend` refused: its guest never ran.
     ResumeRefused(Id),
     DiscardSuspension(Id),
+    /// A clone's copy of its template's saved guest: (clone, template).
+    CloneSaved(Id, Id),
     Suspension(Id),
     Running(Id),
     FailureReason(Id),

@@ -2,6 +2,7 @@
 //! keys, images, seeds), for the host (the metrics file), and on the wire
 //! (the conversion, the DHCP codec), one module each, in one test crate.
 
+mod clones;
 mod disk;
 mod fuzz_dhcp;
 mod hostkey;

@@ -51,6 +51,8 @@ fn full_vm(id: &str) -> pb::VmSpec {
         wake_on_traffic: true,
         idle_suspend_after_s: 300,
         on_panic: "reboot".into(),
+        template: false,
+        clone_of: String::new(),
     }
 }
 

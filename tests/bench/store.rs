@@ -30,6 +30,7 @@ fn record(n: usize) -> Result<Record, Box<dyn std::error::Error>> {
         mem_mb: 1024,
         disk_gb: 10,
         limits: Default::default(),
+        clone_of: None,
     });
     rec.created("1b4c6e3a-0000-4000-8000-000000000000".into(), true);
     rec.ip = "10.77.0.2".into();

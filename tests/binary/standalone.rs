@@ -123,6 +123,7 @@ fn images_prune_keeps_every_image_a_vm_names() {
                 mem_mb: 128,
                 disk_gb: 1,
                 limits: Default::default(),
+                clone_of: None,
             }))
             .expect("record");
         std::fs::write(store.layout().images().join(&used), b"used").expect("image");

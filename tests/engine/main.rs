@@ -6,6 +6,7 @@
 mod common;
 
 mod capabilities;
+mod clones;
 mod create;
 mod daemon;
 mod lifecycle;

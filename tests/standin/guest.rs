@@ -100,10 +100,16 @@ impl Inside for Scripted {
     }
 
     fn identity(&self, i: &Identity) -> Result<IdentityApplied, String> {
-        (self.say)(&format!("standin-guest identity hostname={}", i.hostname));
+        let macs: Vec<String> = i.nics.iter().map(|n| n.to.clone()).collect();
+        (self.say)(&format!(
+            "standin-guest identity hostname={} macs={}",
+            i.hostname,
+            macs.join(",")
+        ));
         Ok(IdentityApplied {
             hostname: i.hostname.clone(),
             authorized_keys: i.authorized_keys.len() as u32,
+            macs,
             ..IdentityApplied::default()
         })
     }

@@ -25,6 +25,7 @@ fn record(vm: &str, attempts: u32) -> Record {
         mem_mb: 512,
         disk_gb: 4,
         limits: Default::default(),
+        clone_of: None,
     });
     rec.lifecycle = Lifecycle::from_parts(LifecycleParts {
         create_attempts: attempts,

@@ -505,6 +505,15 @@ impl Suspend for CloudHypervisor {
     fn discard_suspension(&self, vm_id: &Id, _deadline: Deadline) -> Outcome {
         self.discard_saved(vm_id)
     }
+
+    fn clone_saved(
+        &self,
+        template: &Id,
+        spec: &VmSpec,
+        deadline: Deadline,
+    ) -> Outcome<crate::disk::Method> {
+        self.clone_vm(template, spec, deadline)
+    }
 }
 
 impl Holds for CloudHypervisor {

@@ -94,6 +94,45 @@ pub(super) fn difference(config: &Value, expected: &Expected) -> Option<String> 
     ))
 }
 
+/// `config` (a document that keeps to another VM's shape) made one of
+/// `expected`'s: every value the agent gives set to `expected`'s, every
+/// default and run-time value kept, every field the shape has no place
+/// for dropped. How a clone's configuration is written from its
+/// template's; the caller vets what comes out like any other.
+pub(super) fn conform(config: &Value, expected: &Expected) -> Value {
+    fit(&shape(expected), config)
+}
+
+/// `value` fitted to `rule` (see [`conform`]).
+fn fit(rule: &Rule, value: &Value) -> Value {
+    match rule {
+        Is(want) => want.clone(),
+        Default(_) | Filled => value.clone(),
+        Either(_) if value.is_null() => Value::Null,
+        Either(rule) => fit(rule, value),
+        Object(fields) => {
+            let mut out = serde_json::Map::new();
+            for (key, rule) in fields {
+                let fitted = fit(rule, value.get(*key).unwrap_or(&Value::Null));
+                if !fitted.is_null() {
+                    out.insert((*key).to_owned(), fitted);
+                }
+            }
+            Value::Object(out)
+        }
+        List(items) => {
+            let list = value.as_array().map(Vec::as_slice).unwrap_or_default();
+            Value::Array(
+                items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, rule)| fit(rule, list.get(i).unwrap_or(&Value::Null)))
+                    .collect(),
+            )
+        }
+    }
+}
+
 /// The whole document cloud-hypervisor writes for the agent's VM.
 fn shape(e: &Expected) -> Rule {
     let mut fields = vec![
@@ -501,6 +540,53 @@ mod tests {
     fn what_cloud_hypervisor_wrote_for_the_agents_vm_passes() {
         assert_eq!(difference(&written(), &expected()), None);
         assert_eq!(difference(&written_limited(), &limited()), None);
+    }
+
+    /// The VM of [`expected`] as a clone `web-2` of it, with limits.
+    fn its_clone() -> Expected {
+        let swap = |p: &PathBuf| PathBuf::from(p.to_string_lossy().replace("nap-1", "web-2"));
+        let e = limited();
+        Expected {
+            disks: e.disks.iter().map(swap).collect(),
+            serial: swap(&e.serial),
+            macs: vec![Mac::parse("26:aa:bb:cc:dd:ee").expect("mac")],
+            landlock_rule: e.landlock_rule.as_ref().map(swap),
+            guest_socket: swap(&e.guest_socket),
+            ..e
+        }
+    }
+
+    #[test]
+    fn a_template_conformed_to_its_clone_is_the_clones_whole() {
+        let clone = its_clone();
+
+        let config = conform(&written(), &clone);
+
+        assert_eq!(difference(&config, &clone), None);
+        assert_eq!(config["net"][0]["mac"], json!("26:aa:bb:cc:dd:ee"));
+        assert_eq!(
+            config["disks"][0]["path"],
+            json!("/tmp/.tmpwCiMiF/state/vms/web-2/disk.raw")
+        );
+        assert_eq!(config["net"][0]["fds"], json!([4]), "the VMM's own, kept");
+    }
+
+    #[test]
+    fn a_templates_limiters_are_dropped_for_a_clone_without_them() {
+        let config = conform(&written_limited(), &expected());
+
+        assert_eq!(difference(&config, &expected()), None);
+        assert!(config.get("rate_limit_groups").is_none(), "{config}");
+    }
+
+    #[test]
+    fn a_forged_default_in_a_template_is_still_refused_once_conformed() {
+        let mut forged = written();
+        forged["rng"]["src"] = json!("/etc/shadow");
+
+        let config = conform(&forged, &its_clone());
+
+        assert!(difference(&config, &its_clone()).is_some());
     }
 
     #[test]

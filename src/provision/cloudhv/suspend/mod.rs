@@ -81,6 +81,7 @@ use crate::error::{BoxFailure, Outcome};
 use crate::model::{Id, Saved};
 use crate::provision::SavedGuest;
 
+mod clone;
 mod restore;
 mod save;
 

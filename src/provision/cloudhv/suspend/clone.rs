@@ -1,0 +1,193 @@
+//! A clone's half: a new VM's root disk and saved guest made copies of its
+//! template's, so that the VM's resume ([`super::restore`]) starts it where
+//! the template was saved, as a VM of its own.
+//!
+//! In order:
+//! 1. The template's snapshot is checked as any resume checks it (its
+//!    manifest, its files' sizes, the identity of the disks it was taken
+//!    with), and its `config.json` held to the template's own VM (`vet`).
+//! 2. The root disk: the template's, as it was at its snapshot (a template
+//!    never runs while it is one), copied to the clone's by reflink where
+//!    the filesystem shares extents, else by a sparse copy.
+//! 3. Beside it, in the clone's `.snapshot-new/` (root's, 0600): the
+//!    template's `config.json` made the clone's (`vet::conform`: its disks,
+//!    serial file, MACs, limiters, vsock socket and Landlock rule) and
+//!    vetted as the clone's; `state.json` and `memory-ranges` copied the
+//!    same way as the disk. Copies, never links: the template's files are
+//!    only ever read, and a clone's VMM, which is lent its own snapshot,
+//!    never holds one of its template's.
+//! 4. The template checked again: a snapshot taken again, discarded, or a
+//!    disk written while it was copied (the template resumed meanwhile)
+//!    refuses the copy rather than hand the clone a torn one.
+//! 5. Every file synced, the clone's manifest written (its own disk's
+//!    identity), and the snapshot committed as a suspend commits one.
+//!
+//! So the template's files are needed only while a clone is being made:
+//! with the copies taken, a clone's VMM reads its own (on demand with
+//! userfaultfd, or whole), and the template may be removed whatever its
+//! clones do.
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use super::{DiskIdentity, FILES, FORMAT, FileEntry, MANIFEST, Manifest, SMALL_FILE_MAX, check};
+use super::{discard, failed};
+use crate::deadline::Deadline;
+use crate::disk::Method;
+use crate::error::Outcome;
+use crate::model::{Id, VmSpec};
+use crate::provision::cloudhv::{CloudHypervisor, vet};
+use crate::stages::timed;
+use crate::state::atomic::{sync_dir, write_atomic};
+
+impl CloudHypervisor {
+    /// Makes the clone `spec`'s root disk and saved guest copies of
+    /// `template`'s (the steps of the module): how they were copied.
+    pub(in crate::provision::cloudhv) fn clone_vm(
+        &self,
+        template: &Id,
+        spec: &VmSpec,
+        deadline: Deadline,
+    ) -> Outcome<Method> {
+        let vm_id = &spec.vm_id;
+        let fail = |why: String| failed(vm_id, "copy its template's snapshot", why);
+        let layout = self.store.layout();
+        let source = layout.snapshot(template);
+        let manifest = layout.snapshot_manifest(template);
+        let unusable = |why: super::Unusable| {
+            fail(format!(
+                "the snapshot of its template {template} cannot be used: {}",
+                crate::error::chain(&why)
+            ))
+        };
+        let before = check(&manifest, &source).map_err(unusable)?;
+        let config = read_config(&source.join("config.json")).map_err(|e| fail(e.to_string()))?;
+        // Its guest runs from its memory: the payload is not compared.
+        let theirs = vet::Expected {
+            payload: None,
+            ..self.snapshot_of(template).expected
+        };
+        if let Some(why) = vet::difference(&config, &theirs) {
+            return Err(fail(format!("its template's config.json: {why}")));
+        }
+        let taken = self.snapshot_of(vm_id);
+        let ours = vet::Expected {
+            payload: None,
+            ..taken.expected.clone()
+        };
+        let config = vet::conform(&config, &ours);
+        if let Some(why) = vet::difference(&config, &ours) {
+            return Err(fail(format!(
+                "its config.json made from its template's: {why}"
+            )));
+        }
+        crate::provision::supervise::vm_dir(&self.store, vm_id)?;
+        let disk = timed("clone disk", || {
+            crate::disk::prepare(
+                &layout.root_disk(template),
+                &layout.root_disk(vm_id),
+                spec.disk_gb,
+                deadline,
+            )
+        })?;
+        let incoming = layout.snapshot_incoming(vm_id);
+        let (copied, memory) = timed("clone memory", || {
+            copy_snapshot(&source, &incoming, &config, deadline)
+        })?;
+        match check(&manifest, &source) {
+            Ok(after) if after.taken_at_ms == before.taken_at_ms => {}
+            Ok(_) => {
+                return Err(fail(format!(
+                    "its template {template} was saved again while it was copied"
+                )));
+            }
+            Err(why) => return Err(unusable(why)),
+        }
+        timed("sync clone", || -> io::Result<()> {
+            fs::File::open(layout.root_disk(vm_id))?.sync_all()?;
+            let manifest = Manifest {
+                format: FORMAT,
+                taken_at_ms: before.taken_at_ms,
+                files: copied,
+                disks: taken
+                    .disks
+                    .iter()
+                    .map(|d| DiskIdentity::of(d))
+                    .collect::<io::Result<_>>()?,
+            };
+            let text = serde_json::to_vec_pretty(&manifest).map_err(io::Error::other)?;
+            write_atomic(&incoming.join(MANIFEST), &text)?;
+            let committed = layout.snapshot(vm_id);
+            discard(&committed, &layout.snapshot_discarded(vm_id))?;
+            fs::rename(&incoming, &committed)?;
+            sync_dir(&layout.vm_dir(vm_id))
+        })
+        .map_err(|e| fail(format!("cannot commit its copy: {e}")))?;
+        crate::crash::point("clone.snapshot-copied");
+        Ok(if disk == Method::Reflink && memory == Method::Reflink {
+            Method::Reflink
+        } else {
+            Method::SparseCopy
+        })
+    }
+}
+
+/// A sealed `config.json`, read whole (it is kilobytes; a larger one is
+/// not the agent's).
+fn read_config(path: &Path) -> io::Result<serde_json::Value> {
+    let meta = fs::symlink_metadata(path)?;
+    if !meta.is_file() || meta.len() > SMALL_FILE_MAX {
+        return Err(io::Error::other(format!(
+            "{} is not a config.json the agent sealed",
+            path.display()
+        )));
+    }
+    let text = fs::read(path)?;
+    serde_json::from_slice(&text)
+        .map_err(|e| io::Error::other(format!("its config.json is not JSON: {e}")))
+}
+
+/// `source`'s files into a fresh `incoming`: `config` as its
+/// configuration, the rest copied, each synced, the directory too: what
+/// it holds, for the manifest, and whether every copy was a reflink.
+fn copy_snapshot(
+    source: &Path,
+    incoming: &Path,
+    config: &serde_json::Value,
+    deadline: Deadline,
+) -> Outcome<(Vec<FileEntry>, Method)> {
+    let io = |e: io::Error| -> crate::error::BoxFailure {
+        crate::error::Simple::transient(format!("cannot copy a snapshot: {e}")).into()
+    };
+    if incoming.exists() {
+        fs::remove_dir_all(incoming).map_err(io)?;
+    }
+    crate::state::perms::make_dir(incoming).map_err(io)?;
+    let text = serde_json::to_vec(config).map_err(|e| io(io::Error::other(e)))?;
+    write_atomic(&incoming.join("config.json"), &text).map_err(io)?;
+    let mut files = vec![FileEntry {
+        name: "config.json".into(),
+        bytes: text.len() as u64,
+    }];
+    let mut method = Method::Reflink;
+    for name in FILES.iter().filter(|n| **n != "config.json") {
+        let from = source.join(name);
+        if !from.exists() {
+            continue;
+        }
+        let to = incoming.join(name);
+        if crate::disk::copy(&from, &to, deadline)? == Method::SparseCopy {
+            method = Method::SparseCopy;
+        }
+        let file = fs::File::open(&to).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        files.push(FileEntry {
+            name: (*name).to_owned(),
+            bytes: file.metadata().map_err(io)?.len(),
+        });
+    }
+    sync_dir(incoming).map_err(io)?;
+    files.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok((files, method))
+}

@@ -1,0 +1,124 @@
+//! Clones through the engine, against the fake backend: a clone is made
+//! from its template's saved guest and never booted, waits for a template
+//! on its way without spending its budget, fails for good when its
+//! template is gone, and is never ready while it is still its template's
+//! copy.
+
+use crate::common::Harness;
+use eitri_agent::model::{DesiredVm, Id, Phase, PowerState, Snapshot};
+use eitri_agent::testkit::{Call, desired, id, present, snapshot};
+
+const TEMPLATE: &str = "base";
+const CLONE: &str = "web-1";
+
+fn template(power: PowerState) -> DesiredVm {
+    let mut d = desired(TEMPLATE);
+    d.power = power;
+    d.template = power == PowerState::Suspended;
+    d
+}
+
+fn clone_of(template: &str) -> DesiredVm {
+    let mut d = desired(CLONE);
+    d.spec.clone_of = Some(Id::parse(template).expect("id"));
+    d.spec.image_url = String::new();
+    d.spec.image_sha256 = String::new();
+    d
+}
+
+fn wanted(vms: Vec<DesiredVm>) -> Snapshot {
+    snapshot(1, vms.into_iter().map(present).collect())
+}
+
+/// A harness whose template is created and suspended.
+fn with_template() -> Harness {
+    let h = Harness::new();
+    h.tick(&wanted(vec![template(PowerState::Running)]));
+    h.tick(&wanted(vec![template(PowerState::Suspended)]));
+    h
+}
+
+#[test]
+fn a_clone_is_made_from_its_templates_saved_guest_and_never_booted_from_an_image() {
+    let h = with_template();
+
+    h.tick(&wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]));
+
+    assert_eq!(
+        h.fakes.count(|c| *c == Call::CloneSaved(id(CLONE), id(TEMPLATE))),
+        1
+    );
+    assert_eq!(h.fakes.count(|c| *c == Call::Resume(id(CLONE))), 1);
+    assert_eq!(h.fakes.count(|c| *c == Call::Boot(id(CLONE))), 0);
+    assert_eq!(
+        h.fakes
+            .count(|c| matches!(c, Call::Resolve { url } if url.is_empty())),
+        0,
+        "a clone fetches no image"
+    );
+}
+
+#[test]
+fn a_clone_whose_template_is_not_yet_suspended_waits_without_spending_an_attempt() {
+    let h = Harness::new();
+    h.tick(&wanted(vec![template(PowerState::Running)]));
+
+    h.tick(&wanted(vec![template(PowerState::Running), clone_of(TEMPLATE)]));
+
+    let row = h.row(CLONE);
+    assert_eq!(row.phase, Some(Phase::Creating));
+    assert!(
+        row.last_error
+            .contains("waiting for its template base to be suspended"),
+        "{row:?}"
+    );
+    assert!(!h.has_record(CLONE) || h.record(CLONE).lifecycle.create_attempts() == 0);
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::CloneSaved(..))), 0);
+}
+
+#[test]
+fn a_clone_of_a_vm_this_host_does_not_have_fails_for_good_saying_so() {
+    let h = Harness::new();
+
+    h.tick(&wanted(vec![clone_of("nowhere")]));
+
+    let row = h.row(CLONE);
+    assert_eq!(row.phase, Some(Phase::Failed));
+    assert!(
+        row.last_error
+            .contains("its template nowhere is no VM of this host"),
+        "{row:?}"
+    );
+    assert!(h.record(CLONE).lifecycle.failure_permanent());
+}
+
+#[test]
+fn a_clone_its_guest_agent_cannot_make_its_own_is_never_ready_and_is_stopped() {
+    // The fake backend gives no guest agent's door.
+    let h = with_template();
+
+    h.tick(&wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]));
+
+    let row = h.row(CLONE);
+    assert_ne!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert!(
+        row.last_error.contains("was not made a machine of its own"),
+        "{row:?}"
+    );
+    assert_eq!(h.fakes.count(|c| *c == Call::Shutdown(id(CLONE))), 1);
+    assert!(!eitri_agent::provision::Lifecycle::running(
+        &*h.fakes,
+        &id(CLONE)
+    ));
+}
+
+#[test]
+fn the_template_keeps_its_saved_guest_when_cloned() {
+    let h = with_template();
+
+    h.tick(&wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]));
+
+    assert_eq!(h.row(TEMPLATE).power, Some(PowerState::Suspended));
+    assert!(h.record(TEMPLATE).lifecycle.suspension().saved().is_some());
+    assert_eq!(h.fakes.count(|c| *c == Call::Resume(id(TEMPLATE))), 0);
+}
