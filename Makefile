@@ -13,7 +13,7 @@
 CARGO    ?= cargo
 PROTOGEN := contrib/protogen
 GENERATED := src/pb/eitri.agent.v1.rs src/pb/eitri.guest.v1.rs
-BENCHES  := store engine storage boot create suspend wake probe intake net repair limits
+BENCHES  := store engine storage boot create suspend wake clone probe intake net repair limits
 
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent

@@ -92,6 +92,18 @@ pub const POINTS: &[(&str, &str)] = &[
         "a resumed VM whose snapshot is gone is recorded running",
     ),
     (
+        "create.clone-copied",
+        "a clone whose disk and snapshot were copied from its template but not restored is copied again, its template untouched",
+    ),
+    (
+        "create.clone-restored",
+        "a clone's VMM restored from the copy but not yet made its own is stopped, never adopted as created, and the clone made again",
+    ),
+    (
+        "create.clone-own",
+        "a clone made its own but not yet recorded created is made again from its template (a clone is never adopted before its record says made)",
+    ),
+    (
         "resume.guest-reseeded",
         "a resumed guest sent its entropy and clock but not yet recorded running is recorded running (and sent them again: fresh entropy twice is no harm)",
     ),

@@ -1109,3 +1109,6 @@ fn a_guest_restored_whole_before_it_runs_is_reseeded_too() {
         "{answered}"
     );
 }
+
+#[path = "real_guest/clones.rs"]
+mod clones;

@@ -38,25 +38,31 @@ fn run(program: &str, args: &[&str], limit: Duration) -> Result<String, String> 
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| format!("cannot run {program}: {e}"))?;
     let until = Instant::now() + limit;
     loop {
         match child.try_wait() {
             Ok(Some(status)) => {
-                let mut out = String::new();
+                use std::io::Read;
+                let (mut out, mut err) = (String::new(), String::new());
                 if let Some(mut stdout) = child.stdout.take() {
-                    use std::io::Read;
                     let _ = stdout.by_ref().take(4096).read_to_string(&mut out);
+                }
+                if let Some(mut stderr) = child.stderr.take() {
+                    let _ = stderr.by_ref().take(4096).read_to_string(&mut err);
                 }
                 return if status.success() {
                     Ok(out.trim().to_owned())
                 } else {
+                    // What it printed: its output where it has one (a
+                    // state it exits non-zero for), else its errors.
+                    let said = if out.trim().is_empty() { &err } else { &out };
                     Err(format!(
                         "{program} {}: {status} ({})",
                         args.join(" "),
-                        out.trim()
+                        said.trim()
                     ))
                 };
             }
@@ -193,21 +199,32 @@ fn clock(host_unix_ns: i64, slack_ms: u32, received: SystemTime) -> Result<(i64,
     Ok((offset_ms, true))
 }
 
-/// Renews every interface's lease through systemd-networkd, where it runs.
+/// Renews the lease of every Ethernet interface through systemd-networkd,
+/// where it runs (one at a time: a tunnel or an interface it does not
+/// manage fails a renewal named with it). Whether any was renewed.
 fn renew_leases() -> bool {
     if !Path::new("/run/systemd/netif").is_dir() {
         return false;
     }
+    let ethernet = |name: &String| {
+        // ARPHRD_ETHER.
+        fs::read_to_string(format!("/sys/class/net/{name}/type")).is_ok_and(|t| t.trim() == "1")
+    };
     let links: Vec<String> = fs::read_dir("/sys/class/net")
         .map(|d| {
             d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .filter(|n| n != "lo")
+                .filter(ethernet)
                 .collect()
         })
         .unwrap_or_default();
-    let mut args = vec!["renew"];
-    args.extend(links.iter().map(String::as_str));
-    !links.is_empty() && run("networkctl", &args, Duration::from_secs(5)).is_ok()
+    let mut renewed = false;
+    for link in &links {
+        match run("networkctl", &["renew", link], Duration::from_secs(5)) {
+            Ok(_) => renewed = true,
+            Err(e) => eprintln!("eitri-guest: {link}'s lease was not renewed: {e}"),
+        }
+    }
+    renewed
 }
 
 /// The interface whose MAC is `mac`, by its name in `/sys/class/net`.

@@ -313,17 +313,13 @@ fn template(raw: &pb::VmSpec, power: PowerState, sleep: &Sleep) -> Result<(), Sp
 
 /// A clone whose template is in the same snapshot, held to it: the
 /// template is one, and the clone's shape is its. `None` when it keeps to
-/// it. A template absent from the snapshot is the engine's to judge: a
-/// clone already made needs it no more.
+/// it. A template absent from the snapshot, or tombstoned, is the
+/// engine's to judge: a clone already made needs it no more.
 pub fn clone_mismatch(clone: &DesiredVm, template: &WantedVm) -> Option<SpecError> {
-    let t = match template {
-        WantedVm::Present(t) => t,
-        WantedVm::Tombstoned(id) => {
-            return Some(SpecError::new(
-                "clone_of",
-                format!("its template {id} is tombstoned"),
-            ));
-        }
+    // A template tombstoned is the engine's to judge too: its clones
+    // already made run on.
+    let WantedVm::Present(t) = template else {
+        return None;
     };
     let (c, ts) = (&clone.spec, &t.spec);
     if !t.template {

@@ -142,10 +142,12 @@ pub(super) fn make_own(
         deadline.capped(IDENTITY_WITHIN),
     )
     .map_err(|e| format!("its guest agent did not apply its identity: {e}"))?;
+    let identity_took = asked.took;
     let Said::Identity {
         hostname,
         ssh_host_key_fingerprint,
         macs,
+        sshd_reloaded,
         ..
     } = asked.said
     else {
@@ -163,8 +165,10 @@ pub(super) fn make_own(
     }
     match guests::make_whole(backend, vm_id, ran, deadline, true) {
         Whole::Done { said, after, .. } if said.crng_reseeded => Ok(format!(
-            "its guest agent made it its own in {:.1} ms: hostname {hostname}, host key {fingerprint}, {} MACs, {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}, its lease {}",
+            "its guest agent made it its own in {:.1} ms (its identity took {:.1} ms{}): hostname {hostname}, host key {fingerprint}, {} MACs, {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}, its lease {}",
             after.as_secs_f64() * 1000.0,
+            identity_took.as_secs_f64() * 1000.0,
+            if sshd_reloaded { ", sshd reloaded" } else { "" },
             macs.len(),
             said.credited_bytes,
             said.clock_offset_ms,

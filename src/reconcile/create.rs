@@ -122,17 +122,8 @@ impl Create {
         let vm_id = &d.spec.vm_id;
         let now = ctx.host.now();
         let mut rec = wanted_record(d, prior);
-        // A hypervisor of this VM already running, provably its own (left
-        // by a crash between its start and the record saying so, or a
-        // record deleted under it): the create happened; it is recorded as
-        // done, no attempt spent, no disk touched, never started twice. The
-        // backend says so; the engine never guesses.
-        if ctx.backend.adopt(vm_id) {
-            rec.created(ctx.host.boot_id(), true);
-            ctx.save_best_effort(&rec);
-            log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
-            ctx.report_recorded(pass.res, &rec, PowerState::Running);
-            return Next::Done;
+        if let Some(next) = adopted(ctx, d, &mut rec, pass) {
+            return next;
         }
         if !attempt_due(ctx, &mut rec, now) || self.still_full(ctx, vm_id, now) {
             ctx.report_recorded(pass.res, &rec, PowerState::Stopped);
@@ -488,6 +479,40 @@ impl Create {
         durable.map_err(|why| panicked("syncing the attempt's record", why))??;
         Ok(disk.and(seed))
     }
+}
+
+/// Step 0: a hypervisor of this VM already running, provably its own
+/// (left by a crash between its start and the record saying so, or a
+/// record deleted under it): the create happened; it is recorded as done,
+/// no attempt spent, no disk touched, never started twice. The backend
+/// says so; the engine never guesses. Except a clone's: until its create
+/// is recorded it may still be its template's copy, never made its own,
+/// so it is stopped and the clone made again. How the pass ends, when it
+/// ends here.
+fn adopted(ctx: &Context, d: &DesiredVm, rec: &mut Record, pass: &mut Pass<'_>) -> Option<Next> {
+    let vm_id = &d.spec.vm_id;
+    if !ctx.backend.adopt(vm_id) {
+        return None;
+    }
+    if d.spec.clone_of.is_none() {
+        rec.created(ctx.host.boot_id(), true);
+        ctx.save_best_effort(rec);
+        log::warn!("VM {vm_id}: its hypervisor was already running; adopted it as created");
+        ctx.report_recorded(pass.res, rec, PowerState::Running);
+        return Some(Next::Done);
+    }
+    log::warn!(
+        "VM {vm_id}: a hypervisor of this clone was running before its create was recorded; it may still be its template's copy, so it is stopped and the clone made again"
+    );
+    let stopped = ctx.backend.shutdown(vm_id, pass.deadline, &|_| {});
+    let e = stopped.err()?;
+    let why = format!(
+        "cannot stop a clone's hypervisor found running before its create was recorded: {}",
+        chain(&*e)
+    );
+    pass.res
+        .report(rec, Some(PowerState::Running), Phase::Failed, why);
+    Some(Next::Done)
 }
 
 /// Saves the attempt (step 4) and, for a VM about to boot, takes the

@@ -94,3 +94,19 @@ pub fn base_image(dir: &Path) -> Result<(String, String), Error> {
     let sha = eitri_agent::image::sha256_file(&base)?;
     Ok((format!("file://{}", base.display()), sha))
 }
+
+/// The base image a bench's VMs boot: a copy of `image` (a real guest's
+/// root filesystem) in `dir`, or a blank one; its `file://` URL and digest.
+pub fn image_or_base(image: Option<&Path>, dir: &Path) -> Result<(String, String), Error> {
+    match image {
+        Some(image) => {
+            let to = dir.join("guest.raw");
+            std::fs::copy(image, &to)?;
+            Ok((
+                format!("file://{}", to.display()),
+                eitri_agent::image::sha256_file(&to)?,
+            ))
+        }
+        None => base_image(dir),
+    }
+}

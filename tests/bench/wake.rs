@@ -217,22 +217,6 @@ fn wait_sshd(
     Ok(())
 }
 
-/// The image the VMs are created from, as the desired file names it: the
-/// real guest's, copied into `images`, or the stand-in's base image.
-fn image(guest: &Guest, images: &Path) -> Result<(String, String), Error> {
-    Ok(match &guest.image {
-        Some(image) => {
-            let to = images.join("guest.raw");
-            std::fs::copy(image, &to)?;
-            (
-                format!("file://{}", to.display()),
-                eitri_agent::image::sha256_file(&to)?,
-            )
-        }
-        None => agent::base_image(images)?,
-    })
-}
-
 /// The `n` VMs' entries: each woken on traffic, asleep after 1 s idle,
 /// its guest's port published on a host port of its own.
 fn wake_vms(daemon: &daemon::Daemon, n: usize, guest: &Guest) -> Vec<serde_json::Value> {
@@ -378,7 +362,7 @@ fn main() -> Result<(), Error> {
     let guest = guest(dir.path())?;
     let images = dir.path().join("images");
     std::fs::create_dir_all(&images)?;
-    let (url, sha) = image(&guest, &images)?;
+    let (url, sha) = agent::image_or_base(guest.image.as_deref(), &images)?;
     let _remote = eitri_agent::testkit::net::remote_host(&cleanup.netns, "etwake");
     let extra = agent_flags();
     let daemon = daemon::Daemon::start(

@@ -23,6 +23,10 @@
 //!     between the two for no longer than a suspend or a wake takes, while
 //!     frames sent to it wake it (guest networking is on, in the test's own
 //!     network namespace).
+//! 12. a template's snapshot and disk are never written once it is one
+//!     (their inodes, sizes and times are those it first converged with);
+//! 13. every running clone's guest was given its own identity after its
+//!     last restore (the stand-in logs the hostname it was given).
 
 // Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
 // cloud-hypervisor backend or its stand-in).
@@ -79,7 +83,18 @@ enum Want {
     Sleeping,
     /// Tombstoned: destroyed at once (the tombstone grace is zero).
     Gone,
+    /// The template clones are made from ([`TEMPLATE`]): suspended, and
+    /// marked so.
+    Template,
+    /// Running, a clone of [`TEMPLATE`].
+    Clone,
 }
+
+/// A file's path, inode, size, and modification and change times.
+type FileStamp = (String, u64, u64, i64, i64);
+
+/// The one template of the runs, whose clones are [`Want::Clone`].
+const TEMPLATE: &str = "vm-t";
 
 #[derive(Clone, Debug, Default, PartialEq)]
 struct Desired {
@@ -95,17 +110,20 @@ impl Desired {
             .iter()
             .map(|(id, want)| match want {
                 Want::Gone => format!(r#"{{"vm_id":"{id}","tombstoned":true}}"#),
+                Want::Clone => format!(
+                    r#"{{"vm_id":"{id}","name":"{id}","clone_of":"{TEMPLATE}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"running"}}"#
+                ),
                 _ => format!(
                     r#"{{"vm_id":"{id}","name":"{id}","image_url":"{base_url}","image_sha256":"{base_sha}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"{}"{}}}"#,
                     match want {
-                        Want::Running => "running",
-                        Want::Suspended | Want::Sleeping => "suspended",
+                        Want::Running | Want::Clone => "running",
+                        Want::Suspended | Want::Sleeping | Want::Template => "suspended",
                         Want::Stopped | Want::Gone => "stopped",
                     },
-                    if *want == Want::Sleeping {
-                        r#","wake_on_traffic":true,"idle_suspend_after_s":1"#
-                    } else {
-                        ""
+                    match want {
+                        Want::Sleeping => r#","wake_on_traffic":true,"idle_suspend_after_s":1"#,
+                        Want::Template => r#","template":true"#,
+                        _ => "",
                     }
                 ),
             })
@@ -139,6 +157,9 @@ struct Host {
     /// How long each sleeper seen passing between asleep and awake was
     /// seen so, once it had passed.
     passings: Vec<Duration>,
+    /// The template's snapshot files and disk as first converged (their
+    /// inode, size and times): never written after (invariant 12).
+    template_stamp: Option<Vec<FileStamp>>,
 }
 
 impl Host {
@@ -161,6 +182,7 @@ impl Host {
             started_ms: 0,
             volume_inodes: BTreeMap::new(),
             passings: Vec::new(),
+            template_stamp: None,
         }
     }
 
@@ -410,6 +432,81 @@ impl Host {
             .collect()
     }
 
+    /// What is wrong with the template (invariant 12): its files written
+    /// since it first converged.
+    fn template_problem(&self, d: &Desired) -> Option<String> {
+        let was = self.template_stamp.as_ref()?;
+        if d.vms.get(TEMPLATE) != Some(&Want::Template) {
+            return None;
+        }
+        let now = self.template_files();
+        (now != *was)
+            .then(|| format!("{TEMPLATE}: its snapshot or disk changed: {was:?} became {now:?}"))
+    }
+
+    /// The nonce of the snapshot `vm` holds now, if it holds one.
+    fn nonce_of(&self, vm: &str) -> Option<String> {
+        let state = self
+            .state()
+            .join("vms")
+            .join(vm)
+            .join("snapshot/state.json");
+        let text = std::fs::read(state).ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
+        v["nonce"].as_str().map(str::to_owned)
+    }
+
+    /// What is wrong with the clone `vm` with `live` VMMs (invariant 13):
+    /// a running clone whose guest was not given its own identity after
+    /// its last restore still has its template's.
+    fn clone_problems(&self, vm: &str, live: usize) -> Vec<String> {
+        if live == 0 {
+            return Vec::new();
+        }
+        let log = self.state().join("vms").join(vm).join("hypervisor.log");
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let since_restore = text
+            .rsplit("standin-restored nonce=")
+            .next()
+            .unwrap_or_default();
+        if text.contains("standin-restored nonce=")
+            && since_restore.contains(&format!("standin-guest identity hostname={vm} "))
+        {
+            Vec::new()
+        } else {
+            vec![format!(
+                "{vm}: a running clone whose guest was not given its own identity since its restore"
+            )]
+        }
+    }
+
+    /// The template's snapshot files and disk: each one's path, inode,
+    /// size and modification and change times.
+    fn template_files(&self) -> Vec<FileStamp> {
+        let dir = self.state().join("vms").join(TEMPLATE);
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir.join("snapshot"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        paths.push(dir.join("disk.raw"));
+        paths.sort();
+        paths
+            .into_iter()
+            .filter_map(|p| {
+                let m = std::fs::metadata(&p).ok()?;
+                Some((
+                    p.display().to_string(),
+                    m.ino(),
+                    m.len(),
+                    m.mtime_nsec() + m.mtime() * 1_000_000_000,
+                    m.ctime_nsec() + m.ctime() * 1_000_000_000,
+                ))
+            })
+            .collect()
+    }
+
     /// The VMs the state dir's VMM ids name (none while VMMs run unjailed).
     fn vmm_id_holders(&self) -> Vec<String> {
         std::fs::read(self.state().join("jail/ids.json"))
@@ -447,8 +544,10 @@ impl Host {
                 .join("snapshot/manifest.json")
                 .is_file();
             match want {
-                Want::Running if live != 1 => out.push(format!("{vm}: {live} live VMMs, want 1")),
-                Want::Stopped | Want::Gone | Want::Suspended if live != 0 => {
+                Want::Running | Want::Clone if live != 1 => {
+                    out.push(format!("{vm}: {live} live VMMs, want 1"))
+                }
+                Want::Stopped | Want::Gone | Want::Suspended | Want::Template if live != 0 => {
                     out.push(format!("{vm}: {live} live VMMs, want none"))
                 }
                 Want::Sleeping if live > 1 => out.push(format!(
@@ -457,7 +556,7 @@ impl Host {
                 _ => {}
             }
             match want {
-                Want::Suspended if !snapshot => {
+                Want::Suspended | Want::Template if !snapshot => {
                     out.push(format!("{vm}: suspended with no whole snapshot"))
                 }
                 Want::Sleeping if live == 0 && !snapshot => {
@@ -471,7 +570,14 @@ impl Host {
                 }
                 _ => {}
             }
-            let restores = self.restores(vm);
+            let mut restores = self.restores(vm);
+            if *want == Want::Clone {
+                out.extend(self.clone_problems(vm, live));
+                // Each clone made again restores a fresh copy of the
+                // template's snapshot, its nonce the template's.
+                let template = self.nonce_of(TEMPLATE);
+                restores.retain(|n| Some(n) != template.as_ref());
+            }
             let mut seen = BTreeSet::new();
             if let Some(twice) = restores.iter().find(|n| !seen.insert(*n)) {
                 out.push(format!("{vm}: snapshot {twice} restored twice"));
@@ -492,6 +598,7 @@ impl Host {
                 }
             }
         }
+        out.extend(self.template_problem(d));
         for vm in self.vmm_id_holders() {
             if !records.contains(&vm) && !vmms.contains_key(&vm) {
                 out.push(format!("{vm}: holds a VMM id with no record and no VMM"));
@@ -545,9 +652,13 @@ impl Host {
                     let says = row.map(|x| (x["power_state"].clone(), x["phase"].clone()));
                     let live = vmms.get(vm).map_or(0, Vec::len) > 0;
                     let good = match want {
-                        Want::Running => says == Some(("running".into(), "ready".into())) && live,
+                        Want::Running | Want::Clone => {
+                            says == Some(("running".into(), "ready".into())) && live
+                        }
                         Want::Stopped => says == Some(("stopped".into(), "ready".into())),
-                        Want::Suspended => says == Some(("suspended".into(), "ready".into())),
+                        Want::Suspended | Want::Template => {
+                            says == Some(("suspended".into(), "ready".into()))
+                        }
                         // It sleeps and wakes on its own: between the two
                         // its row narrates the pass on its way (its VMM
                         // stops before that pass ends).
@@ -608,6 +719,10 @@ impl Host {
             match (problems.is_empty(), converged) {
                 (true, None) => converged = Some(start.elapsed()),
                 (true, Some(at)) if start.elapsed() - at >= STEADY && passing_since.is_empty() => {
+                    if d.vms.get(TEMPLATE) == Some(&Want::Template) && self.template_stamp.is_none()
+                    {
+                        self.template_stamp = Some(self.template_files());
+                    }
                     for volume in d.volumes.keys() {
                         let path = self.state().join("volumes").join(volume);
                         if let Ok(meta) = std::fs::metadata(path) {
@@ -755,6 +870,10 @@ fn scenario(point: &str) -> (Desired, Desired) {
             three.clone(),
             vms(&[("vm-a", Gone), ("vm-b", Running), ("vm-c", Stopped)]),
         ),
+        "create.clone-copied" | "create.clone-restored" | "create.clone-own" => (
+            vms(&[(TEMPLATE, Template), ("vm-b", Running)]),
+            vms(&[(TEMPLATE, Template), ("vm-b", Running), ("vm-k", Clone)]),
+        ),
         "volume.created" => {
             let mut with = three.clone();
             with.volumes.insert("data-1".into(), 1);
@@ -852,6 +971,17 @@ fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
         };
         if let Some(want) = want {
             d.vms.insert(id.into(), want);
+        }
+    }
+    // One template, always there once made (a clone whose template is
+    // gone fails for good, as it must), and two clones of it.
+    d.vms.insert(TEMPLATE.into(), Want::Template);
+    for id in ["vm-k", "vm-l"] {
+        let r = rng.next_unit();
+        if r < 0.5 {
+            d.vms.insert(id.into(), Want::Clone);
+        } else if r < 0.7 {
+            d.vms.insert(id.into(), Want::Gone);
         }
     }
     if rng.next_unit() < 0.5 {

@@ -7,6 +7,7 @@
 #![cfg(target_os = "linux")]
 
 mod boot;
+mod clone;
 mod guest;
 mod hugepages;
 mod jail;

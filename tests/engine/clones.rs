@@ -42,10 +42,14 @@ fn with_template() -> Harness {
 fn a_clone_is_made_from_its_templates_saved_guest_and_never_booted_from_an_image() {
     let h = with_template();
 
-    h.tick(&wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]));
+    h.tick(&wanted(vec![
+        template(PowerState::Suspended),
+        clone_of(TEMPLATE),
+    ]));
 
     assert_eq!(
-        h.fakes.count(|c| *c == Call::CloneSaved(id(CLONE), id(TEMPLATE))),
+        h.fakes
+            .count(|c| *c == Call::CloneSaved(id(CLONE), id(TEMPLATE))),
         1
     );
     assert_eq!(h.fakes.count(|c| *c == Call::Resume(id(CLONE))), 1);
@@ -63,7 +67,10 @@ fn a_clone_whose_template_is_not_yet_suspended_waits_without_spending_an_attempt
     let h = Harness::new();
     h.tick(&wanted(vec![template(PowerState::Running)]));
 
-    h.tick(&wanted(vec![template(PowerState::Running), clone_of(TEMPLATE)]));
+    h.tick(&wanted(vec![
+        template(PowerState::Running),
+        clone_of(TEMPLATE),
+    ]));
 
     let row = h.row(CLONE);
     assert_eq!(row.phase, Some(Phase::Creating));
@@ -97,7 +104,10 @@ fn a_clone_its_guest_agent_cannot_make_its_own_is_never_ready_and_is_stopped() {
     // The fake backend gives no guest agent's door.
     let h = with_template();
 
-    h.tick(&wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]));
+    h.tick(&wanted(vec![
+        template(PowerState::Suspended),
+        clone_of(TEMPLATE),
+    ]));
 
     let row = h.row(CLONE);
     assert_ne!(row.phase, Some(Phase::Ready), "{row:?}");
@@ -116,9 +126,31 @@ fn a_clone_its_guest_agent_cannot_make_its_own_is_never_ready_and_is_stopped() {
 fn the_template_keeps_its_saved_guest_when_cloned() {
     let h = with_template();
 
-    h.tick(&wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]));
+    h.tick(&wanted(vec![
+        template(PowerState::Suspended),
+        clone_of(TEMPLATE),
+    ]));
 
     assert_eq!(h.row(TEMPLATE).power, Some(PowerState::Suspended));
     assert!(h.record(TEMPLATE).lifecycle.suspension().saved().is_some());
     assert_eq!(h.fakes.count(|c| *c == Call::Resume(id(TEMPLATE))), 0);
+}
+
+#[test]
+fn a_clone_of_a_template_gone_from_the_desired_state_fails_for_good_saying_so() {
+    let h = with_template();
+    // The template gone from the desired state: quarantined.
+    h.tick(&wanted(vec![]));
+    assert!(h.has_record(TEMPLATE), "quarantined, not yet destroyed");
+
+    h.tick(&wanted(vec![clone_of(TEMPLATE)]));
+
+    let row = h.row(CLONE);
+    assert_eq!(row.phase, Some(Phase::Failed), "{row:?}");
+    assert!(
+        row.last_error
+            .contains("its template base is gone from the desired state"),
+        "{row:?}"
+    );
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::CloneSaved(..))), 0);
 }

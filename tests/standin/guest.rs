@@ -106,11 +106,19 @@ impl Inside for Scripted {
             i.hostname,
             macs.join(",")
         ));
+        // The key sshd would present, as `eitri-guest` reports it.
+        let ssh_host_key_fingerprint = match i.ssh_host_key.as_str() {
+            "" => String::new(),
+            pem => eitri_agent::hostkey::parse(pem)
+                .and_then(|key| eitri_agent::hostkey::fingerprint(&key.public_line))
+                .ok_or("the host key is not an unencrypted OpenSSH ed25519 key")?,
+        };
         Ok(IdentityApplied {
             hostname: i.hostname.clone(),
             authorized_keys: i.authorized_keys.len() as u32,
+            ssh_host_key_fingerprint,
+            sshd_reloaded: !i.ssh_host_key.is_empty(),
             macs,
-            ..IdentityApplied::default()
         })
     }
 

@@ -31,8 +31,8 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-use super::{DiskIdentity, FILES, FORMAT, FileEntry, MANIFEST, Manifest, SMALL_FILE_MAX, check};
-use super::{discard, failed};
+use super::{DiskIdentity, FILES, FORMAT, FileEntry, Manifest, SMALL_FILE_MAX, check};
+use super::{commit, failed};
 use crate::deadline::Deadline;
 use crate::disk::Method;
 use crate::error::Outcome;
@@ -116,15 +116,15 @@ impl CloudHypervisor {
                     .map(|d| DiskIdentity::of(d))
                     .collect::<io::Result<_>>()?,
             };
-            let text = serde_json::to_vec_pretty(&manifest).map_err(io::Error::other)?;
-            write_atomic(&incoming.join(MANIFEST), &text)?;
-            let committed = layout.snapshot(vm_id);
-            discard(&committed, &layout.snapshot_discarded(vm_id))?;
-            fs::rename(&incoming, &committed)?;
-            sync_dir(&layout.vm_dir(vm_id))
+            commit(
+                &manifest,
+                &incoming,
+                &layout.snapshot(vm_id),
+                &layout.snapshot_discarded(vm_id),
+                &layout.vm_dir(vm_id),
+            )
         })
         .map_err(|e| fail(format!("cannot commit its copy: {e}")))?;
-        crate::crash::point("clone.snapshot-copied");
         Ok(if disk == Method::Reflink && memory == Method::Reflink {
             Method::Reflink
         } else {

@@ -386,6 +386,24 @@ pub(super) fn lend(snapshot: &Path, uid: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// Commits the snapshot whose files are in `incoming`: `manifest` written
+/// beside them, an older one at `committed` discarded (by way of
+/// `discarded`), `incoming` renamed to `committed`, and the VM's
+/// directory `vm_dir` synced.
+fn commit(
+    manifest: &Manifest,
+    incoming: &Path,
+    committed: &Path,
+    discarded: &Path,
+    vm_dir: &Path,
+) -> io::Result<()> {
+    let text = serde_json::to_vec_pretty(manifest).map_err(io::Error::other)?;
+    crate::state::atomic::write_atomic(&incoming.join(MANIFEST), &text)?;
+    discard(committed, discarded)?;
+    fs::rename(incoming, committed)?;
+    crate::state::atomic::sync_dir(vm_dir)
+}
+
 /// Removes `snapshot` by way of `discarded` (a leftover there first).
 fn discard(snapshot: &Path, discarded: &Path) -> io::Result<()> {
     if discarded.exists() {

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use super::{
-    API_TIMEOUT, DiskIdentity, FILES, FORMAT, FileEntry, MANIFEST, Manifest, REQUIRED,
-    RESTORE_IN_PROGRESS, SMALL_FILE_MAX, discard, empty_dir, failed, open_beneath, put,
+    API_TIMEOUT, DiskIdentity, FILES, FORMAT, FileEntry, Manifest, REQUIRED, RESTORE_IN_PROGRESS,
+    SMALL_FILE_MAX, commit, empty_dir, failed, open_beneath, put,
 };
 use crate::deadline::Deadline;
 use crate::error::Outcome;
@@ -21,7 +21,6 @@ use crate::provision::cloudhv::error::CloudHvError;
 use crate::provision::cloudhv::{CloudHypervisor, window};
 use crate::provision::supervise::{self, Guest};
 use crate::stages::timed;
-use crate::state::atomic::{sync_dir, write_atomic};
 
 /// Asks the VMM at `socket` to save its paused guest into `work`, within
 /// `bound`. A guest resumed moments ago whose VMM still reads the rest of
@@ -279,11 +278,7 @@ fn seal_and_commit(
             .map(|d| DiskIdentity::of(d))
             .collect::<io::Result<_>>()?,
     };
-    let text = serde_json::to_vec_pretty(&manifest).map_err(io::Error::other)?;
-    write_atomic(&incoming.join(MANIFEST), &text)?;
-    discard(committed, discarded)?;
-    fs::rename(incoming, committed)?;
-    sync_dir(vm_dir)?;
+    commit(&manifest, incoming, committed, discarded, vm_dir)?;
     Ok(Saved {
         taken_at_ms,
         bytes: allocated,

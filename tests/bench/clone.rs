@@ -1,0 +1,335 @@
+//! `make bench-clone`: VMs made from one template, through the agent
+//! binary run as an operator runs it (a desired file renamed into place,
+//! then SIGHUP; the agent's report polled from outside), in a private
+//! network namespace with guest networking on. Run as root.
+//!
+//! 1. A template: a VM booted from the image, then wanted suspended and
+//!    marked a template.
+//! 2. Beside it, in the same run, `COLD` cold boots of the same guest from
+//!    the same image, each timed from the desired file's rename to its row
+//!    saying running and ready: the yardstick.
+//! 3. `SINGLES` clones one at a time, each timed the same way, then
+//!    tombstoned.
+//! 4. A burst: `EITRI_BENCH_CLONES` clones (default 100) named in one
+//!    desired file; the wall time until every row says running and ready,
+//!    and what the clones' hypervisors hold of the host's memory then
+//!    (their resident memory, summed over their processes, per clone).
+//!
+//! With the stand-in by default; with `EITRI_REAL_CH`, `EITRI_REAL_KERNEL`
+//! and `EITRI_REAL_IMAGE` (`make e2e-real`'s parts) a real Debian guest,
+//! its guest agent the static `eitri-guest` (`make static`), the burst
+//! `EITRI_BENCH_CLONES` (default 20 then). The state dir is the temp
+//! dir's filesystem, or `EITRI_BENCH_DIR` (e.g. a loop-mounted XFS, where
+//! clones are reflinked). The last line: `bench=clone guest=…
+//! cold_boot_ms_p50 clone_ready_ms_p50 clone_ready_ms_p90 cold_over_clone
+//! burst=N burst_wall_ms clone_rss_mb …`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[path = "agent.rs"]
+mod agent;
+#[path = "daemon.rs"]
+mod daemon;
+#[path = "figures.rs"]
+mod figures;
+use figures::{ms, percentile};
+
+type Error = Box<dyn std::error::Error>;
+
+const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
+const TEMPLATE: &str = "tpl";
+const COLD: usize = 3;
+const SINGLES: usize = 10;
+/// A bound to give up on, not a measurement (per 100 VMs).
+const PATIENCE: Duration = Duration::from_secs(300);
+
+/// The guest the bench makes VMs of.
+struct Guest {
+    hypervisor: PathBuf,
+    kernel: PathBuf,
+    image: Option<PathBuf>,
+    cmdline: &'static str,
+    /// The agent's flags for it (the real guest's agent to deliver).
+    extra: Vec<String>,
+    mem_mb: u64,
+    what: &'static str,
+    burst: usize,
+}
+
+fn guest(dir: &Path) -> Result<Guest, Error> {
+    let real = |var: &str| std::env::var_os(var).map(PathBuf::from);
+    let burst = |default: usize| {
+        std::env::var("EITRI_BENCH_CLONES")
+            .ok()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(default)
+    };
+    if let (Some(hypervisor), Some(kernel), Some(image)) = (
+        real("EITRI_REAL_CH"),
+        real("EITRI_REAL_KERNEL"),
+        real("EITRI_REAL_IMAGE"),
+    ) {
+        let agent = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("target/x86_64-unknown-linux-musl/release/eitri-guest");
+        if !agent.is_file() {
+            return Err(format!("no {}: make static builds it", agent.display()).into());
+        }
+        return Ok(Guest {
+            hypervisor,
+            kernel,
+            image: Some(image),
+            cmdline: "console=ttyS0 root=/dev/vda rw",
+            extra: vec!["--guest-agent".into(), agent.display().to_string()],
+            mem_mb: 512,
+            what: "real",
+            burst: burst(20),
+        });
+    }
+    let hypervisor = dir.join("hv");
+    eitri_agent::testkit::standin_hypervisor(Path::new(STANDIN), &hypervisor, &[]);
+    let kernel = dir.join("vmlinux");
+    std::fs::write(&kernel, b"stand-in kernel")?;
+    Ok(Guest {
+        hypervisor,
+        kernel,
+        image: None,
+        cmdline: "console=ttyS0",
+        extra: Vec::new(),
+        mem_mb: 64,
+        what: "standin",
+        burst: burst(100),
+    })
+}
+
+/// What is torn down at the end, whatever way the bench ends.
+struct Cleanup {
+    cgroup_root: String,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
+    }
+}
+
+struct Bench {
+    daemon: daemon::Daemon,
+    guest: Guest,
+    template: serde_json::Value,
+}
+
+impl Bench {
+    /// A VM of the guest's size from the image (`daemon.vm` sets the rest).
+    fn vm(&self, name: &str) -> serde_json::Value {
+        let mut vm = self.daemon.vm(name);
+        vm["mem_mb"] = self.guest.mem_mb.into();
+        vm["disk_gb"] = 2.into();
+        vm
+    }
+
+    fn clone_of_template(&self, name: &str) -> serde_json::Value {
+        let mut vm = self.vm(name);
+        let entry = vm.as_object_mut().expect("an object");
+        entry.remove("image_url");
+        entry.remove("image_sha256");
+        entry.insert("clone_of".into(), TEMPLATE.into());
+        vm
+    }
+
+    /// The template: booted from the image, then wanted suspended and
+    /// marked a template.
+    fn make_template(&mut self) -> Result<(), Error> {
+        let booted = self.vm(TEMPLATE);
+        self.daemon.desire(std::slice::from_ref(&booted))?;
+        let ready = |id: &'static str| {
+            move |rows: &[serde_json::Value]| {
+                rows.iter().any(|r| {
+                    r["vm_id"] == id && r["power_state"] == "running" && r["phase"] == "ready"
+                })
+            }
+        };
+        self.daemon
+            .wait_rows("the template ready", PATIENCE, ready(TEMPLATE))?;
+        let mut template = booted;
+        template["power_state"] = "suspended".into();
+        template["template"] = true.into();
+        self.template = template;
+        self.daemon.desire(std::slice::from_ref(&self.template))?;
+        self.daemon
+            .wait_rows("the template saved", PATIENCE, |rows| {
+                rows.iter()
+                    .any(|r| r["vm_id"] == TEMPLATE && r["power_state"] == "suspended")
+            })?;
+        Ok(())
+    }
+
+    /// `others` wanted beside the template; the time until each of
+    /// `ready` says running and ready.
+    fn until_ready(
+        &self,
+        others: &[serde_json::Value],
+        ready: &[String],
+        patience: Duration,
+    ) -> Result<Duration, Error> {
+        let mut vms = vec![self.template.clone()];
+        vms.extend_from_slice(others);
+        let started = Instant::now();
+        self.daemon.desire(&vms)?;
+        self.daemon
+            .wait_rows("running and ready", patience, |rows| {
+                ready.iter().all(|id| {
+                    rows.iter().any(|r| {
+                        r["vm_id"] == id.as_str()
+                            && r["power_state"] == "running"
+                            && r["phase"] == "ready"
+                    })
+                })
+            })?;
+        Ok(started.elapsed())
+    }
+
+    /// `ids` tombstoned, and gone from the report.
+    fn remove(&self, ids: &[String]) -> Result<(), Error> {
+        let gone: Vec<serde_json::Value> = ids
+            .iter()
+            .map(|id| serde_json::json!({"vm_id": id, "tombstoned": true}))
+            .collect();
+        let mut vms = vec![self.template.clone()];
+        vms.extend(gone);
+        self.daemon.desire(&vms)?;
+        self.daemon
+            .wait_rows("tombstoned VMs gone", PATIENCE, |rows| {
+                !rows
+                    .iter()
+                    .any(|r| ids.iter().any(|id| r["vm_id"] == id.as_str()))
+            })?;
+        self.daemon.desire(std::slice::from_ref(&self.template))
+    }
+
+    /// The resident memory (MiB) of the hypervisors of `ids`, summed over
+    /// each one's processes, from the report's pids and /proc.
+    fn rss_mb(&self, ids: &[String]) -> Result<f64, Error> {
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.daemon.state().join("report.json"))?)?;
+        let mut kib = 0u64;
+        for id in ids {
+            let Some(pid) = report["details"][id]["pid"].as_u64() else {
+                return Err(format!("{id}: no pid in the report").into());
+            };
+            kib += tree_rss_kib(pid as u32);
+        }
+        Ok(kib as f64 / 1024.0)
+    }
+}
+
+/// The resident memory of `pid` and its descendants, in KiB.
+fn tree_rss_kib(pid: u32) -> u64 {
+    let own = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0);
+    let children: u64 = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .map(tree_rss_kib)
+        .sum();
+    own + children
+}
+
+fn main() -> Result<(), Error> {
+    eitri_agent::testkit::net::private_network();
+    let root = std::env::var_os("EITRI_BENCH_DIR").map(PathBuf::from);
+    let dir = match &root {
+        Some(root) => tempfile::tempdir_in(root)?,
+        None => tempfile::tempdir()?,
+    };
+    eitri_agent::testkit::remove_on_signal(dir.path());
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )?;
+    let tag = format!("{:04x}", std::process::id() & 0xffff);
+    let cleanup = Cleanup {
+        cgroup_root: format!("eitri-test-{}", std::process::id()),
+    };
+    let guest = guest(dir.path())?;
+    let images = dir.path().join("images");
+    std::fs::create_dir_all(&images)?;
+    let (url, sha) = agent::image_or_base(guest.image.as_deref(), &images)?;
+    let extra: Vec<&str> = guest.extra.iter().map(String::as_str).collect();
+    let daemon = daemon::Daemon::start(
+        &dir.path().join("agent"),
+        &daemon::Parts {
+            hypervisor: &guest.hypervisor,
+            kernel: &guest.kernel,
+            image: (&url, &sha),
+            images: &images,
+            cgroup_root: &cleanup.cgroup_root,
+            tap_prefix: &format!("ec{tag}"),
+            bridge: &format!("ebc{tag}"),
+            cmdline: guest.cmdline,
+            extra: &extra,
+            vmm_ids: daemon::vmm_ids(),
+            binary: None,
+        },
+        PATIENCE,
+    )?;
+    let mut bench = Bench {
+        daemon,
+        guest,
+        template: serde_json::Value::Null,
+    };
+    bench.make_template()?;
+
+    let mut cold = Vec::new();
+    for i in 0..COLD {
+        let id = format!("cold-{i}");
+        cold.push(bench.until_ready(&[bench.vm(&id)], std::slice::from_ref(&id), PATIENCE)?);
+        bench.remove(&[id])?;
+    }
+    let mut singles = Vec::new();
+    for i in 0..SINGLES {
+        let id = format!("one-{i}");
+        let took = bench.until_ready(
+            &[bench.clone_of_template(&id)],
+            std::slice::from_ref(&id),
+            PATIENCE,
+        )?;
+        singles.push(took);
+        bench.remove(&[id])?;
+    }
+    let n = bench.guest.burst;
+    let ids: Vec<String> = (0..n).map(|i| format!("burst-{i}")).collect();
+    let clones: Vec<serde_json::Value> = ids.iter().map(|id| bench.clone_of_template(id)).collect();
+    let patience = PATIENCE * u32::try_from(n.div_ceil(100)).unwrap_or(1);
+    let burst = bench.until_ready(&clones, &ids, patience)?;
+    let rss = bench.rss_mb(&ids)?;
+    let copied_whole = bench.daemon.log().matches("were copied whole").count();
+
+    let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
+    let (cold_p50, clone_p50) = (p(&cold, 0.5), p(&singles, 0.5));
+    println!(
+        "bench=clone guest={} state_dir={} cold_boots={COLD} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole}",
+        bench.guest.what,
+        root.map_or_else(|| "tmp".to_owned(), |r| r.display().to_string()),
+        p(&singles, 0.9),
+        cold_p50 / clone_p50.max(1.0),
+        ms(burst),
+        rss / n as f64,
+    );
+    drop(bench);
+    drop(cleanup);
+    Ok(())
+}

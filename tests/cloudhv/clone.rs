@@ -1,0 +1,235 @@
+//! Clones through the cloud-hypervisor backend and the stand-in: a clone
+//! restores a copy of its template's snapshot in a VMM of its own, is made
+//! its own by its guest agent, and its template's files are never written.
+
+use super::*;
+
+use eitri_agent::model::{DesiredVm, Id, Mac};
+
+const TEMPLATE: &str = "base";
+
+/// The template wanted suspended (and marked so), or running before it is.
+fn template(h: &Host, power: PowerState) -> DesiredVm {
+    let mut d = h.desired(TEMPLATE);
+    d.power = power;
+    d.template = power == PowerState::Suspended;
+    d
+}
+
+fn clone_of(h: &Host, vm: &str) -> DesiredVm {
+    let mut d = h.desired(vm);
+    d.spec.clone_of = Some(Id::parse(TEMPLATE).expect("id"));
+    d.spec.image_url = String::new();
+    d.spec.image_sha256 = String::new();
+    d
+}
+
+/// The template and `clones` wanted.
+fn wanted(h: &Host, clones: &[&str]) -> Snapshot {
+    let mut vms = vec![present(template(h, PowerState::Suspended))];
+    vms.extend(clones.iter().map(|c| present(clone_of(h, c))));
+    snapshot(1, vms)
+}
+
+/// `h` with its template booted and suspended.
+fn with_template(h: &Host) {
+    h.tick(&snapshot(
+        1,
+        vec![present(template(h, PowerState::Running))],
+    ));
+    h.tick(&wanted(h, &[]));
+    assert_eq!(h.row(TEMPLATE).power, Some(PowerState::Suspended));
+}
+
+/// The sha256 of each file of the template's snapshot and of its disk.
+fn template_files(h: &Host) -> Vec<(String, String)> {
+    let layout = h.store.layout();
+    let snapshot = layout.snapshot(&id(TEMPLATE));
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&snapshot)
+        .expect("the template's snapshot")
+        .map(|e| e.expect("entry").path())
+        .collect();
+    files.push(layout.root_disk(&id(TEMPLATE)));
+    files.sort();
+    files
+        .iter()
+        .map(|f| {
+            (
+                f.display().to_string(),
+                sha256_file(f).expect("hash a template file"),
+            )
+        })
+        .collect()
+}
+
+fn vmm_log(h: &Host, vm: &str) -> String {
+    std::fs::read_to_string(h.store.layout().hypervisor_log(&id(vm))).unwrap_or_default()
+}
+
+#[test]
+fn a_clone_is_restored_from_a_copy_of_its_templates_snapshot_in_a_vmm_of_its_own() {
+    let h = Host::new(&[]);
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1"]));
+
+    let row = h.row("web-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Ready)),
+        "{row:?}"
+    );
+    assert_eq!(vmms_of(&h, "web-1"), 1);
+    assert_eq!(vmms_of(&h, TEMPLATE), 0, "the template stays asleep");
+    let log = vmm_log(&h, "web-1");
+    assert!(
+        log.contains("standin-restored"),
+        "restored, not booted: {log}"
+    );
+    assert!(
+        log.contains("standin-guest identity hostname=web-1"),
+        "{log}"
+    );
+    assert!(log.contains("standin-guest reseeded bytes=64"), "{log}");
+}
+
+#[test]
+fn a_clones_hypervisor_is_told_its_own_disks_serial_and_vsock_socket() {
+    let h = Host::new(&[]);
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1"]));
+
+    let layout = h.store.layout();
+    let config = super::limits::vm_config(&h, "web-1");
+    let own = |p: PathBuf| serde_json::Value::from(p.display().to_string());
+    assert_eq!(
+        config["disks"][0]["path"],
+        own(layout.root_disk(&id("web-1")))
+    );
+    assert_eq!(
+        config["serial"]["file"],
+        own(layout.serial_log(&id("web-1")))
+    );
+    assert_eq!(
+        config["vsock"]["socket"],
+        own(h.backend.guest_socket(&id("web-1")))
+    );
+}
+
+#[test]
+fn the_templates_snapshot_and_disk_are_byte_identical_after_two_clones() {
+    let h = Host::new(&[]);
+    with_template(&h);
+    let before = template_files(&h);
+
+    h.tick(&wanted(&h, &["web-1", "web-2"]));
+
+    assert_eq!(h.row("web-2").phase, Some(Phase::Ready));
+    assert_eq!(template_files(&h), before);
+}
+
+#[test]
+fn each_clone_is_sent_entropy_of_its_own() {
+    let h = Host::new(&[]);
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1", "web-2"]));
+
+    let sent = |vm: &str| -> Vec<String> {
+        vmm_log(&h, vm)
+            .lines()
+            .filter_map(|l| l.split("standin-guest reseeded bytes=64 sha256=").nth(1))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (one, two) = (sent("web-1"), sent("web-2"));
+    assert_eq!((one.len(), two.len()), (1, 1));
+    assert_ne!(one, two);
+}
+
+#[test]
+fn a_clone_whose_guest_has_no_agent_is_never_ready_and_its_hypervisor_is_stopped() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]);
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1"]));
+
+    let row = h.row("web-1");
+    assert_ne!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert!(
+        row.last_error.contains("was not made a machine of its own"),
+        "{row:?}"
+    );
+    assert_eq!(vmms_of(&h, "web-1"), 0);
+}
+
+#[test]
+fn a_clone_destroyed_leaves_its_template_and_its_sibling_as_they_were() {
+    let h = Host::new(&[]);
+    with_template(&h);
+    h.tick(&wanted(&h, &["web-1", "web-2"]));
+    let before = template_files(&h);
+    let sibling = h.pid("web-2").expect("web-2 runs");
+
+    h.tick(&snapshot(
+        1,
+        vec![
+            present(template(&h, PowerState::Suspended)),
+            tombstoned("web-1"),
+            present(clone_of(&h, "web-2")),
+        ],
+    ));
+    h.tick(&snapshot(
+        1,
+        vec![
+            present(template(&h, PowerState::Suspended)),
+            present(clone_of(&h, "web-2")),
+        ],
+    ));
+
+    assert!(!h.store.layout().vm_dir(&id("web-1")).exists());
+    assert_eq!(template_files(&h), before);
+    assert_eq!(h.pid("web-2"), Some(sibling));
+    assert_eq!(h.row("web-2").phase, Some(Phase::Ready));
+}
+
+#[test]
+fn a_clone_on_a_network_is_given_its_own_mac_by_its_guest_agent() {
+    eitri_agent::testkit::net::private_network();
+    let mut h = Host::new(&[]);
+    h.connect();
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1"]));
+
+    let log = vmm_log(&h, "web-1");
+    let own = Mac::underlay(&id("web-1")).to_string();
+    assert!(
+        log.contains(&format!("standin-guest identity hostname=web-1 macs={own}")),
+        "{log}"
+    );
+    assert_eq!(h.row("web-1").phase, Some(Phase::Ready));
+}
+
+#[test]
+fn a_clone_runs_on_when_its_template_is_removed() {
+    let h = Host::new(&[]);
+    with_template(&h);
+    h.tick(&wanted(&h, &["web-1"]));
+    let running = h.pid("web-1").expect("web-1 runs");
+
+    let removed = snapshot(
+        1,
+        vec![tombstoned(TEMPLATE), present(clone_of(&h, "web-1"))],
+    );
+    h.tick(&removed);
+    h.tick(&removed);
+
+    assert!(
+        !h.store.layout().vm_dir(&id(TEMPLATE)).exists(),
+        "the template is destroyed"
+    );
+    assert_eq!(h.pid("web-1"), Some(running));
+    assert_eq!(h.row("web-1").phase, Some(Phase::Ready));
+}
