@@ -457,21 +457,21 @@ impl Host {
     }
 
     /// What is wrong with the clone `vm` with `live` VMMs (invariant 13):
-    /// a running clone whose guest was not given its own identity after
-    /// its last restore still has its template's.
+    /// a running clone whose guest was restored from its template's copy
+    /// and not given its own identity since still has its template's. (A
+    /// clone booted from its own disk, after its hypervisor died, takes
+    /// its identity from its own seed.) Read from its VMM's log, which
+    /// each start of a VMM of it begins anew.
     fn clone_problems(&self, vm: &str, live: usize) -> Vec<String> {
         if live == 0 {
             return Vec::new();
         }
         let log = self.state().join("vms").join(vm).join("hypervisor.log");
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        let since_restore = text
-            .rsplit("standin-restored nonce=")
-            .next()
-            .unwrap_or_default();
-        if text.contains("standin-restored nonce=")
-            && since_restore.contains(&format!("standin-guest identity hostname={vm} "))
-        {
+        let Some((_, since_restore)) = text.rsplit_once("standin-restored nonce=") else {
+            return Vec::new();
+        };
+        if since_restore.contains(&format!("standin-guest identity hostname={vm} ")) {
             Vec::new()
         } else {
             vec![format!(
