@@ -100,6 +100,13 @@ impl Daemon {
             "--tombstone-grace".into(),
             "1s".into(),
         ];
+        let mut args = args;
+        // A bench's own tick replaces the hour.
+        if parts.extra.contains(&"--tick")
+            && let Some(at) = args.iter().position(|a| a == "--tick")
+        {
+            args.drain(at..at + 2);
+        }
         let args: Vec<String> = args
             .into_iter()
             .chain(parts.extra.iter().map(|a| (*a).to_owned()))
