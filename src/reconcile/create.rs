@@ -225,7 +225,9 @@ impl Create {
     /// [`clones`]): its seed made, and its disk and saved guest copied
     /// from its template's, while the attempt is made durable; then its
     /// template's guest restored as its own, and made its own by its
-    /// guest agent. Never booted.
+    /// guest agent. Never booted. Its create slot, which bounds the disk
+    /// work of creates at once, is given back once the copies are made:
+    /// what is left is its guest's.
     #[allow(clippy::too_many_arguments)]
     fn build_clone(
         &self,
@@ -234,7 +236,7 @@ impl Create {
         rec: &mut Record,
         template: &Id,
         host_key: HostKey,
-        attempt: NotYetDurable,
+        (attempt, slot): (NotYetDurable, super::admission::SlotGuard<'_>),
         narrator: &Narrator,
     ) -> Outcome {
         let deadline = narrator.deadline();
@@ -269,6 +271,7 @@ impl Create {
             nics: clones::nics(&*ctx.backend, d, template),
         };
         let made = self.prepare(ctx, spec, copy, &seed_params(d, Some(host_key)), attempt)?;
+        drop(slot);
         if *method.lock() == Some(crate::disk::Method::SparseCopy) {
             log::warn!(
                 "VM {vm_id}: its template's disk and memory were copied whole: the state dir's filesystem shares no extents (XFS or btrfs would reflink them in a moment)"
@@ -286,7 +289,7 @@ impl Create {
             clones::make_own(&*ctx.backend, vm_id, &own, ran, deadline)
         }) {
             Ok(said) => log::info!(
-                "VM {vm_id}: cloned from {template}, running {} ms after its copy was restored; {said}",
+                "VM {vm_id}: cloned from {template}: restored and made its own {} ms after its restore began; {said}",
                 restoring.elapsed().as_millis()
             ),
             Err(why) => {
@@ -387,8 +390,7 @@ impl Create {
             let host_key = host_key.ok_or_else(|| {
                 Simple::transient(format!("VM {}: a clone has no host key", d.spec.vm_id))
             })?;
-            self.build_clone(ctx, d, rec, template, host_key, attempt, narrator)?;
-            drop(slot);
+            self.build_clone(ctx, d, rec, template, host_key, (attempt, slot), narrator)?;
             return Ok(true);
         }
 
