@@ -145,3 +145,25 @@ fn the_disk_is_private_to_the_agent() {
         0o600
     );
 }
+
+#[test]
+fn a_copy_is_its_sources_size_data_and_holes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = sparse_base(dir.path());
+    let dest = dir.path().join("memory-ranges");
+
+    disk::copy(&source, &dest, Deadline::NONE).expect("copied");
+
+    let meta = fs::metadata(&dest).expect("stat");
+    assert_eq!(meta.len(), 64 * MIB, "not grown");
+    assert!(meta.blocks() * 512 <= 4 * MIB, "holes stay holes");
+    assert_eq!(
+        read_at(&dest, 32 * MIB, MIB as usize),
+        vec![0xcd; MIB as usize]
+    );
+    assert!(
+        leftovers(dir.path()).is_empty(),
+        "{:?}",
+        leftovers(dir.path())
+    );
+}
