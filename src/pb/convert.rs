@@ -63,6 +63,10 @@ pub fn snapshot_to_wire(snap: &Snapshot) -> pb::Snapshot {
 /// Every clone whose template is an entry of the snapshot held to it
 /// ([`clone_mismatch`]); one that breaks it is refused.
 fn hold_clones_to_templates(snap: &mut Snapshot) {
+    let is_clone = |vm: &WantedVm| matches!(vm, WantedVm::Present(d) if d.spec.clone_of.is_some());
+    if !snap.vms.iter().any(is_clone) {
+        return;
+    }
     let by_id: HashMap<Id, WantedVm> = snap
         .vms
         .iter()
@@ -315,7 +319,7 @@ fn template(raw: &pb::VmSpec, power: PowerState, sleep: &Sleep) -> Result<(), Sp
 /// template is one, and the clone's shape is its. `None` when it keeps to
 /// it. A template absent from the snapshot, or tombstoned, is the
 /// engine's to judge: a clone already made needs it no more.
-pub fn clone_mismatch(clone: &DesiredVm, template: &WantedVm) -> Option<SpecError> {
+fn clone_mismatch(clone: &DesiredVm, template: &WantedVm) -> Option<SpecError> {
     // A template tombstoned is the engine's to judge too: its clones
     // already made run on.
     let WantedVm::Present(t) = template else {

@@ -31,15 +31,17 @@ use std::fs;
 use std::io;
 use std::path::Path;
 
-use super::{DiskIdentity, FILES, FORMAT, FileEntry, Manifest, SMALL_FILE_MAX, check};
-use super::{commit, failed};
+use super::{
+    DiskIdentity, FILES, FORMAT, FileEntry, Manifest, check, commit, failed, fresh_incoming,
+    vetted_config,
+};
 use crate::deadline::Deadline;
 use crate::disk::Method;
 use crate::error::Outcome;
 use crate::model::{Id, VmSpec};
 use crate::provision::cloudhv::{CloudHypervisor, vet};
 use crate::stages::timed;
-use crate::state::atomic::{sync_dir, write_atomic};
+use crate::state::atomic::write_then_rename;
 
 impl CloudHypervisor {
     /// Makes the clone `spec`'s root disk and saved guest copies of
@@ -62,15 +64,13 @@ impl CloudHypervisor {
             ))
         };
         let before = check(&manifest, &source).map_err(unusable)?;
-        let config = read_config(&source.join("config.json")).map_err(|e| fail(e.to_string()))?;
         // Its guest runs from its memory: the payload is not compared.
         let theirs = vet::Expected {
             payload: None,
             ..self.snapshot_of(template).expected
         };
-        if let Some(why) = vet::difference(&config, &theirs) {
-            return Err(fail(format!("its template's config.json: {why}")));
-        }
+        let config = vetted_config(&source.join("config.json"), &theirs)
+            .map_err(|e| fail(format!("its template's: {e}")))?;
         let taken = self.snapshot_of(vm_id);
         let ours = vet::Expected {
             payload: None,
@@ -133,24 +133,9 @@ impl CloudHypervisor {
     }
 }
 
-/// A sealed `config.json`, read whole (it is kilobytes; a larger one is
-/// not the agent's).
-fn read_config(path: &Path) -> io::Result<serde_json::Value> {
-    let meta = fs::symlink_metadata(path)?;
-    if !meta.is_file() || meta.len() > SMALL_FILE_MAX {
-        return Err(io::Error::other(format!(
-            "{} is not a config.json the agent sealed",
-            path.display()
-        )));
-    }
-    let text = fs::read(path)?;
-    serde_json::from_slice(&text)
-        .map_err(|e| io::Error::other(format!("its config.json is not JSON: {e}")))
-}
-
 /// `source`'s files into a fresh `incoming`: `config` as its
-/// configuration, the rest copied, each synced, the directory too: what
-/// it holds, for the manifest, and whether every copy was a reflink.
+/// configuration, the rest copied, each synced: what it holds, for the
+/// manifest, and whether every copy was a reflink.
 fn copy_snapshot(
     source: &Path,
     incoming: &Path,
@@ -160,12 +145,11 @@ fn copy_snapshot(
     let io = |e: io::Error| -> crate::error::BoxFailure {
         crate::error::Simple::transient(format!("cannot copy a snapshot: {e}")).into()
     };
-    if incoming.exists() {
-        fs::remove_dir_all(incoming).map_err(io)?;
-    }
-    crate::state::perms::make_dir(incoming).map_err(io)?;
+    fresh_incoming(incoming).map_err(io)?;
     let text = serde_json::to_vec(config).map_err(|e| io(io::Error::other(e)))?;
-    write_atomic(&incoming.join("config.json"), &text).map_err(io)?;
+    // Each file's bytes synced here; `incoming`'s names once, by the
+    // manifest's durable write beside them (`commit`).
+    write_then_rename(&incoming.join("config.json"), &text).map_err(io)?;
     let mut files = vec![FileEntry {
         name: "config.json".into(),
         bytes: text.len() as u64,
@@ -187,7 +171,6 @@ fn copy_snapshot(
             bytes: file.metadata().map_err(io)?.len(),
         });
     }
-    sync_dir(incoming).map_err(io)?;
     files.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((files, method))
 }

@@ -386,6 +386,35 @@ pub(super) fn lend(snapshot: &Path, uid: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// A snapshot's sealed `config.json` (root's, out of any VMM's sight),
+/// read whole (it is kilobytes; a larger one is not the agent's) and held
+/// to the VM `expected` says (see `vet`).
+fn vetted_config(path: &Path, expected: &super::vet::Expected) -> io::Result<serde_json::Value> {
+    let meta = fs::symlink_metadata(path)?;
+    if !meta.is_file() || meta.len() > SMALL_FILE_MAX {
+        return Err(io::Error::other(format!(
+            "{} is not a config.json the agent sealed",
+            path.display()
+        )));
+    }
+    let text = fs::read(path)?;
+    let config = serde_json::from_slice(&text)
+        .map_err(|e| io::Error::other(format!("its config.json is not JSON: {e}")))?;
+    match super::vet::difference(&config, expected) {
+        None => Ok(config),
+        Some(why) => Err(io::Error::other(format!("its config.json: {why}"))),
+    }
+}
+
+/// `incoming` made a new empty directory of the agent's, whatever a
+/// commit cut short left there.
+fn fresh_incoming(incoming: &Path) -> io::Result<()> {
+    if incoming.exists() {
+        fs::remove_dir_all(incoming)?;
+    }
+    crate::state::perms::make_dir(incoming)
+}
+
 /// Commits the snapshot whose files are in `incoming`: `manifest` written
 /// beside them, an older one at `committed` discarded (by way of
 /// `discarded`), `incoming` renamed to `committed`, and the VM's

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use super::{
     API_TIMEOUT, DiskIdentity, FILES, FORMAT, FileEntry, Manifest, REQUIRED, RESTORE_IN_PROGRESS,
-    SMALL_FILE_MAX, commit, empty_dir, failed, open_beneath, put,
+    SMALL_FILE_MAX, commit, empty_dir, failed, fresh_incoming, open_beneath, put, vetted_config,
 };
 use crate::deadline::Deadline;
 use crate::error::Outcome;
@@ -199,10 +199,7 @@ fn seal_and_commit(
         committed,
         discarded,
     } = paths;
-    if incoming.exists() {
-        fs::remove_dir_all(incoming)?;
-    }
-    crate::state::perms::make_dir(incoming)?;
+    fresh_incoming(incoming)?;
     let dir = window::open_dir(work)?;
     let mut files = Vec::new();
     let mut allocated = 0u64;
@@ -257,7 +254,7 @@ fn seal_and_commit(
             return Err(io::Error::other(format!("it has no {required}")));
         }
     }
-    vet_config(&incoming.join("config.json"), &taken.expected)?;
+    vetted_config(&incoming.join("config.json"), &taken.expected)?;
     files.sort_by(|a, b| a.name.cmp(&b.name));
     // What the paused guest wrote to its disks, on the disk before the
     // snapshot that counts on it: a power cut after the commit must not
@@ -284,21 +281,6 @@ fn seal_and_commit(
         bytes: allocated,
         in_memory: false,
     })
-}
-
-/// The snapshot's `config.json`, sealed (root's now, out of the VMM's
-/// sight), held to what the agent started the VM with (see `vet`).
-fn vet_config(
-    config: &Path,
-    expected: &crate::provision::cloudhv::vet::Expected,
-) -> io::Result<()> {
-    let text = fs::read(config)?;
-    let config: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| io::Error::other(format!("its config.json is not JSON: {e}")))?;
-    match crate::provision::cloudhv::vet::difference(&config, expected) {
-        None => Ok(()),
-        Some(why) => Err(io::Error::other(format!("its config.json: {why}"))),
-    }
 }
 
 /// Where a suspend moves its snapshot through (see the steps in [`super`]).
