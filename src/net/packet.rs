@@ -321,9 +321,9 @@ pub(crate) fn ifindex(name: &str) -> io::Result<i32> {
     }
 }
 
-/// The interface's MAC, from the kernel of this process's network
-/// namespace (SIOCGIFHWADDR; /sys may show another namespace).
-pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
+/// A socket to ask the kernel about interfaces with, and a request naming
+/// `name`.
+fn interface_request(name: &str) -> io::Result<(OwnedFd, libc::ifreq)> {
     if name.is_empty() || name.len() >= libc::IFNAMSIZ {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -342,12 +342,25 @@ pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
     for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
         *dst = src as libc::c_char;
     }
-    // SAFETY: SIOCGIFHWADDR reads the name from and writes the address into
-    // `req`, a valid ifreq for the duration of the call.
-    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFHWADDR as _, &mut req) };
+    Ok((fd, req))
+}
+
+/// `request` (an interface ioctl reading and writing `req`) on `fd`.
+fn interface_ioctl(fd: &OwnedFd, request: libc::Ioctl, req: &mut libc::ifreq) -> io::Result<()> {
+    // SAFETY: every request passed here reads the name from and writes at
+    // most an ifreq into `req`, valid for the duration of the call.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), request, req as *mut libc::ifreq) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
+    Ok(())
+}
+
+/// The interface's MAC, from the kernel of this process's network
+/// namespace (SIOCGIFHWADDR; /sys may show another namespace).
+pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
+    let (fd, mut req) = interface_request(name)?;
+    interface_ioctl(&fd, libc::SIOCGIFHWADDR as _, &mut req)?;
     // SAFETY: after SIOCGIFHWADDR succeeds the union holds ifru_hwaddr.
     let data = unsafe { req.ifr_ifru.ifru_hwaddr.sa_data };
     let mut mac = [0u8; 6];
@@ -355,6 +368,38 @@ pub fn interface_mac(name: &str) -> io::Result<[u8; 6]> {
         *dst = *src as u8;
     }
     Ok(mac)
+}
+
+/// Gives the Ethernet interface `name` the MAC `mac` (SIOCSIFHWADDR): the
+/// kernel's answer as it is (EBUSY where the driver cannot change it while
+/// the interface is up).
+pub fn set_interface_mac(name: &str, mac: [u8; 6]) -> io::Result<()> {
+    let (fd, mut req) = interface_request(name)?;
+    let mut address: libc::sockaddr = libc::sockaddr {
+        sa_family: libc::ARPHRD_ETHER,
+        sa_data: [0; 14],
+    };
+    for (dst, src) in address.sa_data.iter_mut().zip(mac) {
+        *dst = src as libc::c_char;
+    }
+    req.ifr_ifru.ifru_hwaddr = address;
+    interface_ioctl(&fd, libc::SIOCSIFHWADDR as _, &mut req)
+}
+
+/// Brings the interface `name` up or down (its IFF_UP flag), its other
+/// flags kept.
+pub fn set_interface_up(name: &str, up: bool) -> io::Result<()> {
+    let (fd, mut req) = interface_request(name)?;
+    interface_ioctl(&fd, libc::SIOCGIFFLAGS as _, &mut req)?;
+    // SAFETY: after SIOCGIFFLAGS succeeds the union holds ifru_flags.
+    let flags = unsafe { req.ifr_ifru.ifru_flags };
+    let up_flag = libc::IFF_UP as libc::c_short;
+    req.ifr_ifru.ifru_flags = if up {
+        flags | up_flag
+    } else {
+        flags & !up_flag
+    };
+    interface_ioctl(&fd, libc::SIOCSIFFLAGS as _, &mut req)
 }
 
 /// A packet socket bound to `iface`, receiving every protocol.

@@ -3,6 +3,7 @@
 
 mod activity;
 mod dhcp;
+mod interfaces;
 mod publish;
 mod sleepers;
 mod snoop;
