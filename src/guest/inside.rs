@@ -200,12 +200,8 @@ fn clock(host_unix_ns: i64, slack_ms: u32, received: SystemTime) -> Result<(i64,
 }
 
 /// Renews the lease of every Ethernet interface through systemd-networkd,
-/// where it runs (one at a time: a tunnel or an interface it does not
-/// manage fails a renewal named with it). Whether any was renewed.
+/// where it runs: whether any was renewed.
 fn renew_leases() -> bool {
-    if !Path::new("/run/systemd/netif").is_dir() {
-        return false;
-    }
     let ethernet = |name: &String| {
         // ARPHRD_ETHER.
         fs::read_to_string(format!("/sys/class/net/{name}/type")).is_ok_and(|t| t.trim() == "1")
@@ -217,8 +213,18 @@ fn renew_leases() -> bool {
                 .collect()
         })
         .unwrap_or_default();
+    renew_leases_of(&links)
+}
+
+/// Renews the leases of `links` through systemd-networkd, where it runs
+/// (one at a time: a tunnel or an interface it does not manage fails a
+/// renewal named with it). Whether any was renewed.
+fn renew_leases_of(links: &[String]) -> bool {
+    if !Path::new("/run/systemd/netif").is_dir() {
+        return false;
+    }
     let mut renewed = false;
-    for link in &links {
+    for link in links {
         match run("networkctl", &["renew", link], Duration::from_secs(5)) {
             Ok(_) => renewed = true,
             Err(e) => eprintln!("eitri-guest: {link}'s lease was not renewed: {e}"),
@@ -236,35 +242,100 @@ fn interface_with(mac: crate::model::Mac) -> Option<String> {
     })
 }
 
+/// An interface whose MAC was changed, and the IPv4 addresses it held
+/// before (its template's lease).
+struct Moved {
+    name: String,
+    before: Vec<std::net::Ipv4Addr>,
+}
+
 /// Each interface whose MAC is a pair's `from` given its `to` (taken
 /// down for it where the driver cannot change it live): the MACs those
-/// interfaces have now.
-fn change_macs(nics: &[NicMac]) -> Result<Vec<String>, String> {
+/// interfaces have now, and those changed now (one changed by an earlier
+/// ask, answered and lost, is not again).
+fn change_macs(nics: &[NicMac]) -> Result<(Vec<String>, Vec<Moved>), String> {
     let mut now = Vec::new();
+    let mut moved = Vec::new();
     for nic in nics {
         let parse = |text: &str| {
             crate::model::Mac::parse(text).ok_or_else(|| format!("{text:?} is not a MAC"))
         };
         let (from, to) = (parse(&nic.from)?, parse(&nic.to)?);
         let name = match (interface_with(from), interface_with(to)) {
-            (Some(name), _) => name,
+            (Some(name), _) => {
+                moved.push(Moved {
+                    name: name.clone(),
+                    before: ipv4_addresses(&name),
+                });
+                name
+            }
             // Done before: a request asked again after a lost answer.
             (None, Some(name)) => name,
             (None, None) => return Err(format!("no interface has the MAC {from}")),
         };
-        let to = to.to_string();
-        let limit = Duration::from_secs(5);
-        if run("ip", &["link", "set", "dev", &name, "address", &to], limit).is_err() {
-            run("ip", &["link", "set", "dev", &name, "down"], limit)?;
-            let set = run("ip", &["link", "set", "dev", &name, "address", &to], limit);
-            run("ip", &["link", "set", "dev", &name, "up"], limit)?;
-            set?;
+        // Live where the driver can (virtio-net can), else taken down for
+        // it and brought up again.
+        let set = || crate::net::packet::set_interface_mac(&name, to.octets());
+        if set().is_err() {
+            let fail = |what: &str, e: std::io::Error| format!("cannot {what} {name}: {e}");
+            crate::net::packet::set_interface_up(&name, false).map_err(|e| fail("take down", e))?;
+            let changed = set().map_err(|e| fail(&format!("give {to} to"), e));
+            crate::net::packet::set_interface_up(&name, true).map_err(|e| fail("bring up", e))?;
+            changed?;
         }
         let address = fs::read_to_string(format!("/sys/class/net/{name}/address"))
             .map_err(|e| format!("cannot read {name}'s MAC: {e}"))?;
         now.push(address.trim().to_owned());
     }
-    Ok(now)
+    Ok((now, moved))
+}
+
+/// The IPv4 addresses interface `name` holds now.
+fn ipv4_addresses(name: &str) -> Vec<std::net::Ipv4Addr> {
+    let Ok(all) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    all.filter(|a| a.interface_name == name)
+        .filter_map(|a| Some(a.address?.as_sockaddr_in()?.ip()))
+        .collect()
+}
+
+/// How long the interfaces a clone's identity moved are given to take
+/// their new MACs' leases, and after how long their DHCP client is asked
+/// to renew (systemd-networkd restarts its client when a MAC changes, so
+/// the nudge is for a client that does not).
+const NEW_LEASE: Duration = Duration::from_secs(3);
+const NUDGE_AFTER: Duration = Duration::from_secs(1);
+
+/// Waits until each moved interface holds an IPv4 address it did not
+/// hold before: whether all do within [`NEW_LEASE`]. Until they do, the
+/// guest answers nothing at its new address, and its row must not say
+/// ready on the strength of an identity half applied.
+fn await_new_leases(moved: &[Moved]) -> bool {
+    let started = Instant::now();
+    let mut nudged = false;
+    loop {
+        let waiting: Vec<&Moved> = moved
+            .iter()
+            .filter(|m| {
+                !ipv4_addresses(&m.name)
+                    .iter()
+                    .any(|a| !m.before.contains(a))
+            })
+            .collect();
+        if waiting.is_empty() {
+            return true;
+        }
+        if started.elapsed() >= NEW_LEASE {
+            return false;
+        }
+        if !nudged && started.elapsed() >= NUDGE_AFTER {
+            nudged = true;
+            let names: Vec<String> = waiting.iter().map(|m| m.name.clone()).collect();
+            renew_leases_of(&names);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// A hostname of DNS labels (letters, digits, hyphens), 253 bytes at most.
@@ -293,9 +364,15 @@ fn open_dir(path: &Path) -> Result<fs::File, String> {
 
 /// `text` written as `name` in `dir`, whole or not at all, with `mode`
 /// (and `owner`'s): a new file beside it, created where nothing is (a link
-/// a guest user planted there is removed, never followed), written, synced,
+/// a guest user planted there is removed, never followed), written,
 /// renamed over `name`. Every step by the directory's descriptor, so a
-/// user who owns the directory cannot send the write elsewhere.
+/// user who owns the directory cannot send the write elsewhere. Not
+/// synced: the caller syncs each filesystem it wrote to once, at the end
+/// ([`sync_filesystems`]), one flush instead of one per file. A crash
+/// before that may leave the old file or an empty new one (ext4 writes a
+/// replacing file's data before the rename that commits it; others need
+/// not); only a clone's identity writes here, and a clone booted again
+/// from its disk takes its identity from its own seed.
 fn write_in(
     dir: &fs::File,
     name: &str,
@@ -322,7 +399,6 @@ fn write_in(
     if let Some((uid, gid)) = owner {
         nix::unistd::fchown(&f, Some(uid), Some(gid)).map_err(|e| fail(&e))?;
     }
-    f.sync_all().map_err(|e| fail(&e))?;
     renameat(dir, tmp.as_str(), dir, name).map_err(|e| fail(&e))
 }
 
@@ -336,42 +412,196 @@ fn write_whole(path: &Path, text: &str, mode: u32) -> Result<(), String> {
 }
 
 const HOST_KEY: &str = "/etc/ssh/ssh_host_ed25519_key";
+const HOST_CERTIFICATE: &str = "/etc/ssh/ssh_host_ed25519_key-cert.pub";
+const SSHD_CONFIG: &str = "/etc/ssh/sshd_config";
+const SSHD_DROP_IN: &str = "/etc/ssh/sshd_config.d/10-eitri.conf";
 
-/// Installs a host key (and its certificate), names them in a drop-in of
-/// sshd's, and has sshd read them again: its fingerprint, and whether sshd
-/// was reloaded.
+/// The host key files of the other types: a clone's are its template's,
+/// the same in every sibling, so they are removed (the guest presents the
+/// one key the host made for it).
+const OTHER_HOST_KEYS: &[&str] = &[
+    "/etc/ssh/ssh_host_rsa_key",
+    "/etc/ssh/ssh_host_ecdsa_key",
+    "/etc/ssh/ssh_host_dsa_key",
+];
+
+/// Where OpenSSH 9.8 and later keep `sshd-session`. Their listener loads
+/// the host keys and hands them to each connection's session, so a key
+/// changed on disk is served only after a reload; before 9.8 each
+/// connection's re-executed sshd loads them from their files itself.
+const SSHD_SESSION: &[&str] = &[
+    "/usr/lib/openssh/sshd-session",
+    "/usr/libexec/openssh/sshd-session",
+    "/usr/libexec/sshd-session",
+    "/usr/lib/ssh/sshd-session",
+    "/usr/local/libexec/sshd-session",
+];
+
+/// Installs a host key (and its certificate) where sshd reads its ed25519
+/// key, removes the other types' keys, and has sshd serve it: its
+/// fingerprint, and whether sshd was reloaded for it.
+///
+/// A reload (sshd executing itself anew) is the slowest thing a clone's
+/// identity did, most of it the restored guest faulting its pages in one
+/// by one, so it is done only where a new connection would not otherwise
+/// get the new key: sshd's configuration does not name the key or the
+/// certificate (a drop-in is written that does), or the sshd is one that
+/// hands its connections the keys it loaded at start.
 fn host_key(pem: &str, certificate: &str) -> Result<(String, bool), String> {
     let key = crate::hostkey::parse(pem)
         .ok_or_else(|| "the host key is not an unencrypted OpenSSH ed25519 key".to_owned())?;
-    if certificate.contains('\n') && certificate.trim_end().contains('\n') {
+    let certificate = certificate.trim();
+    if certificate.contains('\n') {
         return Err("the host certificate is more than one line".into());
     }
+    let fingerprint = crate::hostkey::fingerprint(&key.public_line)
+        .ok_or_else(|| "the host key's public half does not parse".to_owned())?;
     write_whole(Path::new(HOST_KEY), pem, 0o600)?;
     write_whole(
         Path::new(&format!("{HOST_KEY}.pub")),
         &format!("{}\n", key.public_line),
         0o644,
     )?;
-    let mut conf = format!("HostKey {HOST_KEY}\n");
-    if !certificate.trim().is_empty() {
-        let cert = format!("{HOST_KEY}-cert.pub");
+    if certificate.is_empty() {
+        remove(HOST_CERTIFICATE)?;
+    } else {
         write_whole(
-            Path::new(&cert),
-            &format!("{}\n", certificate.trim()),
-            0o644,
-        )?;
-        conf.push_str(&format!("HostCertificate {cert}\n"));
-    }
-    if Path::new("/etc/ssh/sshd_config.d").is_dir() {
-        write_whole(
-            Path::new("/etc/ssh/sshd_config.d/10-eitri.conf"),
-            &conf,
+            Path::new(HOST_CERTIFICATE),
+            &format!("{certificate}\n"),
             0o644,
         )?;
     }
-    let fingerprint = crate::hostkey::fingerprint(&key.public_line)
-        .ok_or_else(|| "the host key's public half does not parse".to_owned())?;
-    Ok((fingerprint, reload_sshd()))
+    for other in OTHER_HOST_KEYS {
+        for suffix in ["", ".pub", "-cert.pub"] {
+            remove(&format!("{other}{suffix}"))?;
+        }
+    }
+    let mut reload = SSHD_SESSION.iter().any(|p| Path::new(p).exists());
+    if !sshd_names(SSHD_CONFIG).serve(!certificate.is_empty()) {
+        let mut conf = format!("HostKey {HOST_KEY}\n");
+        if !certificate.is_empty() {
+            conf.push_str(&format!("HostCertificate {HOST_CERTIFICATE}\n"));
+        }
+        write_whole(Path::new(SSHD_DROP_IN), &conf, 0o644)?;
+        reload = true;
+    }
+    Ok((fingerprint, reload && reload_sshd()))
+}
+
+/// `path` removed, if it is there.
+fn remove(path: &str) -> Result<(), String> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("cannot remove {path}: {e}")),
+    }
+}
+
+/// The host keys and certificates an sshd configuration names.
+#[derive(Debug, Default, PartialEq)]
+struct SshdNames {
+    host_keys: Vec<String>,
+    certificates: Vec<String>,
+}
+
+impl SshdNames {
+    /// Whether an sshd so configured serves the ed25519 key at its usual
+    /// path (and its certificate, where there is one).
+    fn serve(&self, certificate: bool) -> bool {
+        let key = self.host_keys.is_empty() || self.host_keys.iter().any(|k| k == HOST_KEY);
+        key && (!certificate || self.certificates.iter().any(|c| c == HOST_CERTIFICATE))
+    }
+}
+
+/// What the configuration `path` and the files it includes name as host
+/// keys and certificates (each may be given more than once; no key named
+/// means sshd's defaults, the ed25519 key among them). An `Include` is
+/// followed where its pattern is a file, or a directory's `*` or `*.conf`;
+/// a `Match` ends the global part, where neither may appear.
+fn sshd_names(path: &str) -> SshdNames {
+    let mut names = SshdNames::default();
+    sshd_names_into(Path::new(path), &mut names, 0);
+    names
+}
+
+/// Adds what `path` names to `names`: false once a `Match` was met.
+fn sshd_names_into(path: &Path, names: &mut SshdNames, depth: u32) -> bool {
+    let Ok(text) = fs::read_to_string(path) else {
+        return true;
+    };
+    for line in text.lines().map(str::trim) {
+        let (word, rest) = line
+            .split_once(|c: char| c.is_whitespace() || c == '=')
+            .unwrap_or((line, ""));
+        let value = rest
+            .trim_start_matches(|c: char| c.is_whitespace() || c == '=')
+            .trim();
+        match word.to_ascii_lowercase().as_str() {
+            "hostkey" => names.host_keys.push(value.to_owned()),
+            "hostcertificate" => names.certificates.push(value.to_owned()),
+            "match" => return false,
+            "include" if depth < 8 => {
+                for pattern in value.split_whitespace() {
+                    for file in included(pattern) {
+                        if !sshd_names_into(&file, names, depth + 1) {
+                            return false;
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    true
+}
+
+/// The files an `Include` pattern names, in sshd's (lexical) order: a
+/// relative pattern is under /etc/ssh.
+fn included(pattern: &str) -> Vec<PathBuf> {
+    let pattern = Path::new("/etc/ssh").join(pattern);
+    let (Some(dir), Some(name)) = (
+        pattern.parent(),
+        pattern.file_name().and_then(|n| n.to_str()),
+    ) else {
+        return Vec::new();
+    };
+    let suffix = match name {
+        "*" => "",
+        "*.conf" => ".conf",
+        _ if !name.contains(['*', '?', '[']) => return vec![pattern.clone()],
+        _ => return Vec::new(),
+    };
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .filter(|n| !n.starts_with('.') && n.ends_with(suffix))
+                .map(|n| dir.join(n))
+                .collect()
+        })
+        .unwrap_or_default();
+    files.sort();
+    files
+}
+
+/// Each filesystem holding one of `dirs` synced, once (syncfs).
+fn sync_filesystems(dirs: &[&Path]) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let mut synced = Vec::new();
+    for dir in dirs {
+        let file = open_dir(dir)?;
+        let device = file
+            .metadata()
+            .map_err(|e| format!("cannot stat {}: {e}", dir.display()))?
+            .dev();
+        if synced.contains(&device) {
+            continue;
+        }
+        nix::unistd::syncfs(&file)
+            .map_err(|e| format!("cannot sync the filesystem of {}: {e}", dir.display()))?;
+        synced.push(device);
+    }
+    Ok(())
 }
 
 /// How long a reloaded sshd is given to listen again.
@@ -438,7 +668,8 @@ fn listening_sockets(port: u16) -> std::collections::HashSet<u64> {
     found
 }
 
-/// Writes `user`'s authorized_keys, whole: the number of keys written.
+/// Writes `user`'s authorized_keys, whole: the number of keys written,
+/// and the user's home.
 /// The guest's login user, for keys sent without one: the one account of
 /// a person (uid 1000 to 59999, as Debian and Fedora number them) whose
 /// home holds an `.ssh/authorized_keys`, as cloud-init leaves its
@@ -473,7 +704,7 @@ fn login_users(passwd: &str, has_keys: impl Fn(&str) -> bool) -> Vec<String> {
         .collect()
 }
 
-fn authorized_keys(user: &str, keys: &[String]) -> Result<u32, String> {
+fn authorized_keys(user: &str, keys: &[String]) -> Result<(u32, PathBuf), String> {
     let account = nix::unistd::User::from_name(user)
         .map_err(|e| format!("cannot look up user {user:?}: {e}"))?
         .ok_or_else(|| format!("no user {user:?} in this guest"))?;
@@ -518,7 +749,8 @@ fn authorized_keys(user: &str, keys: &[String]) -> Result<u32, String> {
         0o600,
         Some((account.uid, account.gid)),
     )?;
-    u32::try_from(keys.len()).map_err(|_| "too many keys".into())
+    let written = u32::try_from(keys.len()).map_err(|_| "too many keys")?;
+    Ok((written, account.dir))
 }
 
 /// The block-device filesystems mounted read-write, deepest first (a
@@ -645,12 +877,25 @@ impl Inside for Guest {
             applied.ssh_host_key_fingerprint = fingerprint;
             applied.sshd_reloaded = reloaded;
         }
-        if !i.user.is_empty() {
-            applied.authorized_keys = authorized_keys(&i.user, &i.authorized_keys)?;
+        let user = if !i.user.is_empty() {
+            Some(i.user.clone())
         } else if i.set_authorized_keys || !i.authorized_keys.is_empty() {
-            applied.authorized_keys = authorized_keys(&login_user()?, &i.authorized_keys)?;
+            Some(login_user()?)
+        } else {
+            None
+        };
+        let mut home = None;
+        if let Some(user) = user {
+            let (written, dir) = authorized_keys(&user, &i.authorized_keys)?;
+            applied.authorized_keys = written;
+            home = Some(dir);
         }
-        applied.macs = change_macs(&i.nics)?;
+        let mut written = vec![Path::new("/etc")];
+        written.extend(home.as_deref());
+        sync_filesystems(&written)?;
+        let (macs, moved) = change_macs(&i.nics)?;
+        applied.macs = macs;
+        applied.readdressed = await_new_leases(&moved);
         Ok(applied)
     }
 
@@ -721,6 +966,60 @@ mod tests {
 
         assert_eq!(open.len(), 1, "{open:?}");
         assert!(listening_sockets(port).is_empty());
+    }
+
+    #[test]
+    fn sshd_with_no_host_key_named_serves_its_default_ed25519_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("sshd_config");
+        fs::write(&config, "#HostKey /etc/ssh/ssh_host_rsa_key\nPort 22\n").unwrap();
+
+        let named = sshd_names(config.to_str().unwrap());
+
+        assert!(named.serve(false));
+        assert!(!named.serve(true), "no HostCertificate is named");
+    }
+
+    #[test]
+    fn sshd_naming_only_other_host_keys_does_not_serve_the_ed25519_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("sshd_config");
+        fs::write(&config, "HostKey /etc/ssh/ssh_host_rsa_key\n").unwrap();
+
+        assert!(!sshd_names(config.to_str().unwrap()).serve(false));
+    }
+
+    #[test]
+    fn sshd_names_are_read_through_includes_until_a_match() {
+        let dir = tempfile::tempdir().unwrap();
+        let drop_ins = dir.path().join("d");
+        fs::create_dir(&drop_ins).unwrap();
+        fs::write(
+            drop_ins.join("50-cert.conf"),
+            format!("HostCertificate = {HOST_CERTIFICATE}\n"),
+        )
+        .unwrap();
+        fs::write(drop_ins.join("README"), "HostKey /not/a/conf\n").unwrap();
+        let config = dir.path().join("sshd_config");
+        fs::write(
+            &config,
+            format!(
+                "Include {}/*.conf\nhostkey {HOST_KEY}\nMatch User x\nHostKey /after/match\n",
+                drop_ins.display()
+            ),
+        )
+        .unwrap();
+
+        let named = sshd_names(config.to_str().unwrap());
+
+        assert_eq!(
+            named,
+            SshdNames {
+                host_keys: vec![HOST_KEY.to_owned()],
+                certificates: vec![HOST_CERTIFICATE.to_owned()],
+            }
+        );
+        assert!(named.serve(true));
     }
 
     #[test]

@@ -94,6 +94,8 @@ pub enum Said {
         /// The MACs its interfaces have now, of those it was asked to
         /// change.
         macs: Vec<crate::model::Mac>,
+        /// Each interface it moved to a new MAC took a new address.
+        readdressed: bool,
     },
     Frozen {
         mounts: Vec<String>,
@@ -271,6 +273,7 @@ pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidErro
             sshd_reloaded: i.sshd_reloaded,
             authorized_keys: i.authorized_keys,
             macs: macs(&i.macs)?,
+            readdressed: i.readdressed,
         }),
         (request::Ask::Freeze(_), Some(answer::Said::Frozen(f))) => Ok(Said::Frozen {
             mounts: mounts(f.mounts)?,

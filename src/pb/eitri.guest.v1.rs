@@ -47,6 +47,8 @@ pub struct Resumed {
     #[prost(uint32, tag = "3")]
     pub clock_slack_ms: u32,
     /// Renew the DHCP lease of every interface (its address may have moved).
+    /// The host no longer asks it: a clone's identity waits for the leases
+    /// of the interfaces it moves (IdentityApplied.readdressed).
     #[prost(bool, tag = "4")]
     pub renew_lease: bool,
 }
@@ -186,6 +188,10 @@ pub struct IdentityApplied {
     /// The MACs the guest's interfaces have now, of those asked for.
     #[prost(string, repeated, tag = "5")]
     pub macs: ::prost::alloc::vec::Vec<::prost::alloc::string::String>,
+    /// Every interface whose MAC this identity changed holds an IPv4 address
+    /// it did not hold before (its new MAC's lease), within 3 s.
+    #[prost(bool, tag = "6")]
+    pub readdressed: bool,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Frozen {

@@ -15,10 +15,10 @@
 //!    where the control plane gave one), its authorized keys written whole
 //!    (cleared when it has none: never its template's), and each NIC given
 //!    the clone's MAC. Until then the bridge's guard drops every frame the
-//!    guest sends from its template's MAC.
+//!    guest sends from its template's MAC; its guest agent waits for each
+//!    moved NIC's new lease (its new MAC has its own address).
 //! 2. **Reseed**: fresh entropy from the host credited and the generator
-//!    reseeded, the clock set, and its leases renewed (its new MAC has
-//!    its own address).
+//!    reseeded, and the clock set.
 //!
 //! Any failure stops its hypervisor and fails the attempt: a guest that is
 //! still its template's copy never runs on as this VM.
@@ -35,7 +35,8 @@ use crate::pb::guest::{Identity, NicMac, request};
 use crate::provision::{Lifecycle, SavedGuest};
 
 /// How long a clone's guest agent is given to apply its identity: an sshd
-/// reload is waited for (5 s at most in `eitri-guest`), and MACs changed.
+/// reload is waited for where one is needed (5 s at most in
+/// `eitri-guest`), and each moved NIC's new lease (3 s at most).
 const IDENTITY_WITHIN: Duration = Duration::from_secs(10);
 
 /// Where a clone's template stands.
@@ -148,6 +149,7 @@ pub(super) fn make_own(
         ssh_host_key_fingerprint,
         macs,
         sshd_reloaded,
+        readdressed,
         ..
     } = asked.said
     else {
@@ -163,21 +165,27 @@ pub(super) fn make_own(
             macs.iter().map(Mac::to_string).collect::<Vec<_>>()
         ));
     }
-    match guests::make_whole(backend, vm_id, ran, deadline, true) {
+    if !readdressed && !wanted_macs.is_empty() {
+        log::warn!(
+            "VM {vm_id}: its guest took no new address for its new MAC within 3 s: it may not answer at its own address until its DHCP client renews"
+        );
+    }
+    // Its leases were renewed by the identity, which waited for them.
+    match guests::make_whole(backend, vm_id, ran, deadline) {
         Whole::Done { said, after, .. } if said.crng_reseeded => Ok(format!(
-            "its guest agent made it its own in {:.1} ms (its identity took {:.1} ms{}): hostname {hostname}, host key {fingerprint}, {} MACs, {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}, its lease {}",
+            "its guest agent made it its own in {:.1} ms (its identity took {:.1} ms{}): hostname {hostname}, host key {fingerprint}, {} MACs{}, {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}",
             after.as_secs_f64() * 1000.0,
             identity_took.as_secs_f64() * 1000.0,
             if sshd_reloaded { ", sshd reloaded" } else { "" },
             macs.len(),
+            if readdressed {
+                " and their new leases"
+            } else {
+                ""
+            },
             said.credited_bytes,
             said.clock_offset_ms,
             if said.clock_set { " (set)" } else { "" },
-            if said.lease_renewed {
-                "renewed"
-            } else {
-                "not renewed"
-            },
         )),
         Whole::Done { .. } => Err("its guest agent did not reseed its generator".into()),
         Whole::NoDoor => Err("its hypervisor is gone".into()),

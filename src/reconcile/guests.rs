@@ -59,14 +59,12 @@ fn entropy() -> std::io::Result<Vec<u8>> {
 }
 
 /// Sends a resumed guest what it needs to stop being a copy; `ran` is when
-/// its guest began to run. With `renew_lease`, its interfaces' leases are
-/// renewed too (a clone's address is not its template's).
+/// its guest began to run.
 pub(super) fn make_whole(
     backend: &dyn Lifecycle,
     vm_id: &Id,
     ran: Instant,
     deadline: Deadline,
-    renew_lease: bool,
 ) -> Whole {
     let Some(door) = backend.guest_doors().and_then(|d| d.guest_door(vm_id)) else {
         return Whole::NoDoor;
@@ -84,7 +82,8 @@ pub(super) fn make_whole(
             entropy,
             host_unix_ns,
             clock_slack_ms: CLOCK_SLACK_MS,
-            renew_lease,
+            // A clone's new leases are its identity's to wait for.
+            renew_lease: false,
         })
     };
     let deadline = deadline.capped(ASK_WITHIN);

@@ -359,7 +359,7 @@ impl Suspension<'_> {
     /// began to run.
     fn made_whole(&self, vm_id: &Id, ran: Instant, pass: &Pass<'_>) {
         let counts = &self.ctx.counts;
-        let whole = guests::make_whole(&*self.ctx.backend, vm_id, ran, pass.deadline, false);
+        let whole = guests::make_whole(&*self.ctx.backend, vm_id, ran, pass.deadline);
         crate::crash::point("resume.guest-reseeded");
         guests::say(vm_id, &whole);
         match &whole {

@@ -118,6 +118,9 @@ impl Inside for Scripted {
             authorized_keys: i.authorized_keys.len() as u32,
             ssh_host_key_fingerprint,
             sshd_reloaded: !i.ssh_host_key.is_empty(),
+            // No interfaces here: each MAC asked for is taken, and with it
+            // a lease, as a guest's DHCP client takes one.
+            readdressed: !macs.is_empty(),
             macs,
         })
     }
