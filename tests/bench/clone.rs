@@ -5,11 +5,14 @@
 //!
 //! 1. A template: a VM booted from the image, then wanted suspended and
 //!    marked a template.
-//! 2. Beside it, in the same run, `COLD` cold boots of the same guest from
-//!    the same image, each timed from the desired file's rename to its row
-//!    saying running and ready: the yardstick.
+//! 2. Beside it, in the same run, `EITRI_BENCH_COLD` (default 3) cold
+//!    boots of the same guest from the same image, each timed from the
+//!    desired file's rename to its row saying running and ready: the
+//!    yardstick.
 //! 3. `SINGLES` clones one at a time, each timed the same way, then
-//!    tombstoned.
+//!    tombstoned. With the real guest, each also until an ssh login to
+//!    it passes strict host key checking against the key its row reports
+//!    (the clone's own, not its template's).
 //! 4. A burst: `EITRI_BENCH_CLONES` clones (default 100) named in one
 //!    desired file; the wall time until every row says running and ready,
 //!    and what the clones' hypervisors hold of the host's memory then
@@ -22,7 +25,7 @@
 //! dir's filesystem, or `EITRI_BENCH_DIR` (e.g. a loop-mounted XFS, where
 //! clones are reflinked). The last line: `bench=clone guest=…
 //! cold_boot_ms_p50 clone_ready_ms_p50 clone_ready_ms_p90 cold_over_clone
-//! burst=N burst_wall_ms clone_rss_mb …`.
+//! clone_ssh_ms_p50 burst=N burst_wall_ms clone_rss_mb …`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -39,6 +42,7 @@ type Error = Box<dyn std::error::Error>;
 
 const STANDIN: &str = env!("CARGO_BIN_EXE_eitri-standin-hypervisor");
 const TEMPLATE: &str = "tpl";
+/// Cold boots, unless `EITRI_BENCH_COLD` says how many.
 const COLD: usize = 3;
 const SINGLES: usize = 10;
 /// A bound to give up on, not a measurement (per 100 VMs).
@@ -55,6 +59,9 @@ struct Guest {
     mem_mb: u64,
     what: &'static str,
     burst: usize,
+    /// The real guest's login user, and a key for it (the clones'
+    /// authorized key): ssh is tried against real guests only.
+    login: Option<(&'static str, PathBuf)>,
 }
 
 fn guest(dir: &Path) -> Result<Guest, Error> {
@@ -91,6 +98,7 @@ fn guest(dir: &Path) -> Result<Guest, Error> {
             mem_mb: 512,
             what: "real",
             burst: burst(20),
+            login: Some(("debian", client_key(dir)?)),
         });
     }
     let hypervisor = dir.join("hv");
@@ -106,7 +114,21 @@ fn guest(dir: &Path) -> Result<Guest, Error> {
         mem_mb: 64,
         what: "standin",
         burst: burst(100),
+        login: None,
     })
+}
+
+/// A fresh ed25519 key for the bench's ssh logins: its private file.
+fn client_key(dir: &Path) -> Result<PathBuf, Error> {
+    let key = dir.join("client-key");
+    let made = std::process::Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C", "bench", "-f"])
+        .arg(&key)
+        .status()?;
+    if !made.success() {
+        return Err("ssh-keygen failed".into());
+    }
+    Ok(key)
 }
 
 /// What is torn down at the end, whatever way the bench ends.
@@ -141,7 +163,62 @@ impl Bench {
         entry.remove("image_url");
         entry.remove("image_sha256");
         entry.insert("clone_of".into(), TEMPLATE.into());
+        if let Some((_, key)) = &self.guest.login
+            && let Ok(public) = std::fs::read_to_string(key.with_extension("pub"))
+        {
+            entry.insert("ssh_authorized_key".into(), public.trim().into());
+        }
         vm
+    }
+
+    /// Logs in to `id` over ssh, its host key checked strictly against
+    /// the one its row reports, until that passes (at most `patience`).
+    fn strict_ssh(&self, id: &str, patience: Duration) -> Result<(), Error> {
+        let Some((user, key)) = &self.guest.login else {
+            return Ok(());
+        };
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.daemon.state().join("report.json"))?)?;
+        let rows = report["report"]["vms"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let row = rows
+            .iter()
+            .find(|r| r["vm_id"] == id)
+            .ok_or_else(|| format!("{id}: no row"))?;
+        let (ip, host_key) = (
+            row["ip"].as_str().unwrap_or_default(),
+            row["ssh_host_pubkey"].as_str().unwrap_or_default(),
+        );
+        let known = self.daemon.state().with_file_name(format!("known-{id}"));
+        std::fs::write(&known, format!("{id} {host_key}\n"))?;
+        let deadline = Instant::now() + patience;
+        loop {
+            let out = std::process::Command::new("ssh")
+                .args(["-F", "/dev/null", "-i"])
+                .arg(key)
+                .args(["-o", "BatchMode=yes", "-o", "ConnectTimeout=2"])
+                .arg("-o")
+                .arg(format!("UserKnownHostsFile={}", known.display()))
+                .args(["-o", "StrictHostKeyChecking=yes", "-o"])
+                .arg(format!("HostKeyAlias={id}"))
+                .arg(format!("{user}@{ip}"))
+                .arg("true")
+                .stdin(std::process::Stdio::null())
+                .output()?;
+            if out.status.success() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "{id}: no strict ssh login: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )
+                .into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The template: booted from the image, then wanted suspended and
@@ -301,20 +378,28 @@ fn main() -> Result<(), Error> {
     bench.make_template()?;
 
     let mut cold = Vec::new();
-    for i in 0..COLD {
+    let cold_boots = std::env::var("EITRI_BENCH_COLD")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(COLD);
+    for i in 0..cold_boots {
         let id = format!("cold-{i}");
         cold.push(bench.until_ready(&[bench.vm(&id)], std::slice::from_ref(&id), PATIENCE)?);
         bench.remove(&[id])?;
     }
     let mut singles = Vec::new();
+    let mut logins = Vec::new();
     for i in 0..SINGLES {
         let id = format!("one-{i}");
+        let started = Instant::now();
         let took = bench.until_ready(
             &[bench.clone_of_template(&id)],
             std::slice::from_ref(&id),
             PATIENCE,
         )?;
         singles.push(took);
+        bench.strict_ssh(&id, Duration::from_secs(30))?;
+        logins.push(started.elapsed());
         bench.remove(&[id])?;
     }
     let n = bench.guest.burst;
@@ -327,8 +412,10 @@ fn main() -> Result<(), Error> {
 
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
     let (cold_p50, clone_p50) = (p(&cold, 0.5), p(&singles, 0.5));
+    // The stand-in has no sshd: its figure is its ready one.
+    let ssh_p50 = p(&logins, 0.5);
     println!(
-        "bench=clone guest={} state_dir={} cold_boots={COLD} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole}",
+        "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole}",
         bench.guest.what,
         root.map_or_else(|| "tmp".to_owned(), |r| r.display().to_string()),
         p(&singles, 0.9),

@@ -1,6 +1,7 @@
 //! Templates and clones with a real guest: each clone of one template a
-//! machine of its own (its random numbers, host key, hostname, address
-//! and MAC), the template's files never written.
+//! machine of its own (its random numbers, host key and certificate,
+//! hostname, address and MAC), the template's files never written, and a
+//! clone destroyed leaving its template and siblings as they were.
 
 use super::*;
 
@@ -63,13 +64,43 @@ fn template_files(lab: &Lab) -> Vec<(String, String)> {
         .collect()
 }
 
+/// Each clone wanting a host certificate: waits for the host keys the
+/// agent reports and has `ca` certify each for its clone's id.
+fn certified(lab: &Lab, template: &Value, ids: &[&str], ca: &Ca) -> Vec<Value> {
+    let wanting: Vec<Value> = ids
+        .iter()
+        .map(|id| with(clone_entry(lab, id), "host_cert_required", json!(true)))
+        .collect();
+    let mut all = vec![template.clone()];
+    all.extend(wanting.iter().cloned());
+    lab.desire(&all);
+    wanting
+        .into_iter()
+        .zip(ids)
+        .map(|(vm, id)| {
+            let (row, _) = lab.wait_row(id, "its host key", SOON, |r| {
+                r["ssh_host_pubkey"].as_str().is_some_and(|k| !k.is_empty())
+            });
+            let public = row["ssh_host_pubkey"].as_str().unwrap_or_default();
+            with(vm, "ssh_host_cert", json!(ca.sign(public, id, true)))
+        })
+        .collect()
+}
+
 /// `command`'s output in the clone whose row is `row`, its host key
 /// checked strictly against the one the row reports.
 fn strictly(lab: &Lab, row: &Value, command: &str) -> String {
     let id = row["vm_id"].as_str().unwrap_or_default();
-    let known = lab.dir.path().join(format!("known-{id}"));
     let key = row["ssh_host_pubkey"].as_str().unwrap_or_default();
-    std::fs::write(&known, format!("{id} {key}\n")).expect("write known hosts");
+    trusting(lab, row, &format!("{id} {key}"), command)
+}
+
+/// `command`'s output in the clone whose row is `row`, its host key
+/// checked strictly against the one line `known` (its id's).
+fn trusting(lab: &Lab, row: &Value, known_line: &str, command: &str) -> String {
+    let id = row["vm_id"].as_str().unwrap_or_default();
+    let known = lab.dir.path().join(format!("known-{id}"));
+    std::fs::write(&known, format!("{known_line}\n")).expect("write known hosts");
     let out = lab.ssh_with(
         USER,
         &address(row),
@@ -96,12 +127,12 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
         return;
     };
     let before = template_files(&lab);
+    let ca = Ca::new(&lab, "host-ca");
+    let clones = certified(&lab, &template, &["cl-1", "cl-2"], &ca);
 
-    lab.desire(&[
-        template.clone(),
-        clone_entry(&lab, "cl-1"),
-        clone_entry(&lab, "cl-2"),
-    ]);
+    let mut all = vec![template.clone()];
+    all.extend(clones.iter().cloned());
+    lab.desire(&all);
     let (one, took) = lab.wait_row("cl-1", "running and ready", SOON, ready);
     timing("desired -> first clone ready", took);
     let (two, _) = lab.wait_row("cl-2", "running and ready", SOON, ready);
@@ -122,6 +153,57 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
         )
     };
     let (seen_1, seen_2) = (seen(&one), seen(&two));
+    // Each by its own certificate, the CA alone known.
+    let by_ca = |row: &Value| {
+        trusting(
+            &lab,
+            row,
+            &format!(
+                "@cert-authority {} {}",
+                row["vm_id"].as_str().unwrap_or_default(),
+                ca.public()
+            ),
+            "hostname",
+        )
+    };
+    let (ca_1, ca_2) = (by_ca(&one), by_ca(&two));
+    // Every key each presents, of any type: its own, none of its template's.
+    let scanned = |row: &Value| {
+        let out = lab::run(eitri_agent::testkit::tools::tool("ssh-keyscan").arg(address(row)));
+        let mut keys: Vec<String> = out
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(|l| l.split_whitespace().skip(1).collect::<Vec<_>>().join(" "))
+            .collect();
+        keys.sort();
+        keys
+    };
+    let own_key = |row: &Value| {
+        let reported = row["ssh_host_pubkey"].as_str().unwrap_or_default();
+        vec![
+            reported
+                .split_whitespace()
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" "),
+        ]
+    };
+    let (scanned_1, scanned_2) = (scanned(&one), scanned(&two));
+    // One destroyed: its sibling and its template untouched.
+    let mut without_one = vec![
+        template.clone(),
+        with(clones[0].clone(), "tombstoned", json!(true)),
+    ];
+    without_one.push(clones[1].clone());
+    lab.desire(&without_one);
+    lab.wait_report("cl-1", "destroyed", SOON * 2, |_| {
+        lab.report().is_some_and(|r| {
+            r["report"]["destroyed"]
+                .as_array()
+                .is_some_and(|d| d.contains(&json!("cl-1")))
+        })
+    });
+    let sibling_after = strictly(&lab, &two, "hostname");
     let log = lab.agent_log();
     for line in log.lines().filter(|l| l.contains(": cloned from ")) {
         println!("timing: {line}");
@@ -132,5 +214,14 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
     assert_ne!(seen_1.1, seen_2.1, "MACs");
     assert_ne!(seen_1.2, seen_2.2, "addresses");
     assert_ne!(seen_1.3, seen_2.3, "host keys");
+    assert_eq!(
+        (ca_1.as_str(), ca_2.as_str()),
+        ("cl-1", "cl-2"),
+        "by certificate"
+    );
+    assert_eq!(scanned_1, own_key(&one), "cl-1 presents only its own key");
+    assert_eq!(scanned_2, own_key(&two), "cl-2 presents only its own key");
+    assert!(!lab.state().join("vms").join("cl-1").exists());
+    assert_eq!(sibling_after, "cl-2", "its sibling after it was destroyed");
     assert_eq!(template_files(&lab), before, "the template's files changed");
 }
