@@ -53,6 +53,13 @@ mod tests {
     }
 
     #[test]
+    fn a_moment_in_utc_to_the_millisecond_reads_as_the_log_stamps_it() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_800_000_007_042);
+
+        assert_eq!(utc_millis(t), "2027-01-15T08:00:07.042Z");
+    }
+
+    #[test]
     fn a_moment_reads_in_the_local_time_of_its_offset() {
         let now = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
         let at = now + Duration::from_secs(23 * 3600 + 60);
@@ -165,6 +172,19 @@ impl std::fmt::Display for Utc {
             self.year, self.month, self.day, self.hour, self.minute
         )
     }
+}
+
+/// `t` in UTC to the millisecond, as the log stamps its lines:
+/// "2026-12-05T14:03:07.042Z" (sorts as text).
+pub fn utc_millis(t: SystemTime) -> String {
+    let u = Utc::from(t);
+    let ms = t
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_millis());
+    format!(
+        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{ms:03}Z",
+        u.year, u.month, u.day, u.hour, u.minute, u.second
+    )
 }
 
 /// A moment to come, as an operator reads it, in the host's local time:

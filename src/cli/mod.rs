@@ -4,6 +4,7 @@
 //! `main`'s, before anything here runs).
 
 mod epoch;
+mod events;
 mod images;
 mod keys;
 mod logs;
@@ -61,6 +62,12 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             follow,
             hypervisor,
         } => logs::run(&state_dir, &vm_id, lines, follow, hypervisor),
+        Command::Events {
+            state_dir,
+            vm_id,
+            lines,
+            follow,
+        } => events::run(&state_dir, vm_id.as_ref(), lines, follow),
         Command::ImagesPrune { state_dir } => images::prune(&state_dir),
         Command::ImagesList { state_dir } => images::list(&state_dir),
         Command::Release {

@@ -25,12 +25,12 @@ mod verbs;
 
 pub use usage::usage;
 use usage::{
-    check_usage, config_usage, epoch_usage, host_key_usage, images_usage, keygen_usage, logs_usage,
-    release_usage, run_usage, sign_usage, status_usage,
+    check_usage, config_usage, epoch_usage, events_usage, host_key_usage, images_usage,
+    keygen_usage, logs_usage, release_usage, run_usage, sign_usage, status_usage,
 };
 use verbs::{
-    parse_epoch, parse_images, parse_keygen, parse_logs, parse_release, parse_sign, parse_status,
-    show_config, state_dir_of,
+    parse_epoch, parse_events, parse_images, parse_keygen, parse_logs, parse_release, parse_sign,
+    parse_status, show_config, state_dir_of,
 };
 
 /// What the binary was asked to do.
@@ -52,6 +52,14 @@ pub enum Command {
         lines: usize,
         follow: bool,
         hypervisor: bool,
+    },
+    /// What happened to a VM (or to every VM), one line per event.
+    Events {
+        state_dir: PathBuf,
+        /// One VM's, or every VM's (`None`).
+        vm_id: Option<crate::model::Id>,
+        lines: usize,
+        follow: bool,
     },
     /// Delete cached images no VM record names.
     ImagesPrune {
@@ -287,6 +295,8 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "status" if help => Ok(Command::Help(status_usage())),
         "status" => parse_status(rest, env),
         "logs" if help => Ok(Command::Help(logs_usage())),
+        "events" if help => Ok(Command::Help(events_usage())),
+        "events" => parse_events(rest, env),
         "logs" => parse_logs(rest, env),
         "host-key" if help => Ok(Command::Help(host_key_usage())),
         "host-key" => {
@@ -714,6 +724,30 @@ mod tests {
                 follow: true,
                 hypervisor: false,
             }
+        );
+    }
+
+    #[test]
+    fn events_takes_a_vm_or_none_and_its_flags() {
+        let one = parse(&args(&["events", "vm-1", "--follow"]), &HashMap::new()).expect("valid");
+        let all = parse(&args(&["events", "--lines", "5"]), &HashMap::new()).expect("valid");
+
+        assert_eq!(
+            (one, all),
+            (
+                Command::Events {
+                    state_dir: "/var/lib/eitri".into(),
+                    vm_id: Some(crate::model::Id::parse("vm-1").expect("id")),
+                    lines: 20,
+                    follow: true,
+                },
+                Command::Events {
+                    state_dir: "/var/lib/eitri".into(),
+                    vm_id: None,
+                    lines: 5,
+                    follow: false,
+                }
+            )
         );
     }
 

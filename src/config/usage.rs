@@ -11,6 +11,7 @@ usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (
        eitri-agent check [--config FILE] [FLAGS]    whether this host has all run needs, one line each
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
+       eitri-agent events [VM] [--state-dir DIR] [--lines N] [--follow]   what happened to a VM (or every VM), one line each
        eitri-agent images list|prune [--state-dir DIR]   the cached images and their VMs, or delete those no VM uses
        eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
        eitri-agent epoch [--state-dir DIR] [--set N]   the epoch fence a stopped agent holds, or move it
@@ -139,6 +140,22 @@ pub(super) fn logs_usage() -> String {
             ("lines N", "how many of the last lines to print [50]"),
             ("follow", "keep printing what is added"),
             ("hypervisor", "the hypervisor's log instead of the console"),
+        ],
+    )
+}
+
+pub(super) fn events_usage() -> String {
+    verb_usage(
+        "events [VM] [--state-dir DIR] [--lines N] [--follow]\n\n\
+         What happened to VM, or to every VM of the state dir in time order:\n\
+         one line per event, its time (UTC), its type (Normal or Warning), its\n\
+         reason (Created, Cloned, Booted, Rebooted, HypervisorExited, Unhealthy,\n\
+         Suspended, Woken, Quarantined, Destroyed, ...; Other where none fits),\n\
+         the VM and what the agent said. Each VM keeps up to its last 32 KiB.\n\
+         Reads the state dir without its lock: works beside a running agent.",
+        &[
+            ("lines N", "how many of the last events to print [20]"),
+            ("follow", "keep printing events as they happen"),
         ],
     )
 }

@@ -143,19 +143,37 @@ pub(super) fn parse_logs(
         return Err(err(usage));
     };
     let flags = flag_values(args, &["state-dir", "lines"], &["follow", "hypervisor"])?;
-    let lines = match flags.get("lines") {
-        None => 50,
-        Some(n) => n
-            .parse()
-            .map_err(|_| err(format!("--lines: {n:?} is not a number of lines")))?,
-    };
     Ok(Command::Logs {
         state_dir: state_dir_of(&flags, env),
         vm_id,
-        lines,
+        lines: lines_of(&flags, 50)?,
         follow: flags.contains_key("follow"),
         hypervisor: flags.contains_key("hypervisor"),
     })
+}
+
+pub(super) fn parse_events(
+    args: &[String],
+    env: &HashMap<String, String>,
+) -> Result<Command, ConfigError> {
+    let (vm_id, args) = vm_arg(args)?;
+    let flags = flag_values(args, &["state-dir", "lines"], &["follow"])?;
+    Ok(Command::Events {
+        state_dir: state_dir_of(&flags, env),
+        vm_id,
+        lines: lines_of(&flags, 20)?,
+        follow: flags.contains_key("follow"),
+    })
+}
+
+/// `--lines N`, or `default`.
+fn lines_of(flags: &HashMap<String, &str>, default: usize) -> Result<usize, ConfigError> {
+    match flags.get("lines") {
+        None => Ok(default),
+        Some(n) => n
+            .parse()
+            .map_err(|_| err(format!("--lines: {n:?} is not a number of lines"))),
+    }
 }
 
 /// `--state-dir` of a command other than `run`, read as `run` reads it:

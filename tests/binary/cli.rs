@@ -20,8 +20,8 @@ fn help_lists_every_flag_of_run_by_section() {
 #[test]
 fn every_verbs_help_is_its_own() {
     for verb in [
-        "config", "check", "status", "logs", "images", "release", "epoch", "keygen", "sign",
-        "host-key",
+        "config", "check", "status", "logs", "events", "images", "release", "epoch", "keygen",
+        "sign", "host-key",
     ] {
         let out = eitri(&[verb, "--help"]);
 
@@ -86,6 +86,68 @@ fn logs_help_exits_0_with_its_flags_and_needs_no_vm() {
     assert!(
         text.contains("--lines") && text.contains("--follow") && text.contains("--hypervisor"),
         "{text}"
+    );
+}
+
+#[test]
+fn events_prints_every_vms_events_in_time_order_with_their_type_and_reason() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (vm, text) in [
+        (
+            "web-1",
+            "2026-12-06T10:00:01.000Z INFO  hypervisor started (pid 7)\n2026-12-06T10:00:05.000Z WARN  unhealthy: its probe (tcp 22) failed 3 times\n",
+        ),
+        (
+            "web-2",
+            "2026-12-06T10:00:03.000Z INFO  cloned from base: restored and made its own 480 ms after its restore began\n",
+        ),
+    ] {
+        let vm_dir = dir.path().join("vms").join(vm);
+        std::fs::create_dir_all(&vm_dir).expect("vm dir");
+        std::fs::write(vm_dir.join("events.log"), text).expect("events");
+    }
+    let state_dir = dir.path().display().to_string();
+
+    let all = eitri(&["events", "--state-dir", &state_dir]);
+    let one = eitri(&["events", "web-2", "--state-dir", &state_dir]);
+
+    let lines = |out: &std::process::Output| {
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| l.split_whitespace().take(4).collect::<Vec<_>>().join(" "))
+            .collect::<Vec<_>>()
+    };
+    assert!(all.status.success(), "{all:?}");
+    assert_eq!(
+        lines(&all),
+        [
+            "2026-12-06T10:00:01.000Z Normal Started web-1",
+            "2026-12-06T10:00:03.000Z Normal Cloned web-2",
+            "2026-12-06T10:00:05.000Z Warning Unhealthy web-1",
+        ]
+    );
+    assert_eq!(
+        lines(&one),
+        ["2026-12-06T10:00:03.000Z Normal Cloned web-2"]
+    );
+}
+
+#[test]
+fn events_of_a_vm_not_on_the_host_says_so() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("vms")).expect("vms");
+
+    let out = eitri(&[
+        "events",
+        "gone-1",
+        "--state-dir",
+        &dir.path().display().to_string(),
+    ]);
+
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("VM gone-1 is not on this host"),
+        "{out:?}"
     );
 }
 

@@ -135,7 +135,7 @@ fn a_hypervisor_that_died_counts_as_a_restart_in_status() {
     let detail = String::from_utf8_lossy(&detail.stdout);
     let events = detail.split("\n  events ").nth(1).unwrap_or_default();
     assert!(
-        events.contains("WARN  lost (") && events.contains("INFO  booted"),
+        events.contains("Warning  Lost") && events.contains("Normal   Started"),
         "{detail}"
     );
     let status = eitri(&["status", "--state-dir", &agent.state.display().to_string()]);
