@@ -413,11 +413,25 @@ impl Daemon {
         // Checked on the exchange thread; only the epoch may have moved.
         snap.epoch = desired.wire.epoch;
         self.logs.clear_prefix("rejected/");
-        for rejected in snap.rejected_vms.iter().chain(&snap.rejected_volumes) {
+        for rejected in &snap.rejected_vms {
+            // Said of the VM where its id is one, so that a VM of this
+            // host keeps it among its events ("spec rejected").
+            let said = match crate::model::Id::parse(&rejected.raw_id) {
+                Ok(id) => format!("VM {id}: spec rejected: {}", rejected.error),
+                Err(_) => format!(
+                    "refusing the entry {}: {}",
+                    crate::quote::text(&rejected.raw_id),
+                    rejected.error
+                ),
+            };
+            self.logs
+                .warn(&format!("rejected/{}", rejected.raw_id), &said);
+        }
+        for rejected in &snap.rejected_volumes {
             self.logs.warn(
                 &format!("rejected/{}", rejected.raw_id),
                 &format!(
-                    "refusing the entry {}: {}",
+                    "refusing the volume entry {}: {}",
                     crate::quote::text(&rejected.raw_id),
                     rejected.error
                 ),

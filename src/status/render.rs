@@ -229,15 +229,18 @@ impl ReportFile {
         fields.extend(quarantined.map(|q| quarantine_field(q, now)));
         let mut out = String::new();
         let _ = writeln!(out, "VM {}", inline(vm_id));
+        // Wide enough for every label and a space after it ("spec
+        // rejected" ran into its value at a fixed 11).
+        let width = fields.iter().map(|(k, _)| k.len() + 1).fold(11, usize::max);
         for (key, value) in fields {
-            let _ = writeln!(out, "  {key:<11}{value}");
+            let _ = writeln!(out, "  {key:<width$}{value}");
         }
-        let _ = writeln!(out, "  console    (last {} lines)", console.len());
+        let _ = writeln!(out, "  {:<width$}(last {} lines)", "console", console.len());
         for l in console {
             let _ = writeln!(out, "    {l}");
         }
         if !events.is_empty() {
-            let _ = writeln!(out, "  events     (last {}, UTC)", events.len());
+            let _ = writeln!(out, "  {:<width$}(last {}, UTC)", "events", events.len());
             for e in events {
                 let _ = writeln!(out, "    {e}");
             }
@@ -1037,6 +1040,33 @@ mod tests {
                  \x20 console    (last 0 lines)\n"
             )
         );
+    }
+
+    #[test]
+    fn a_rejected_specs_label_stands_apart_from_its_value() {
+        let file = ReportFile::new(
+            pb::HostInfo::default(),
+            "desired file /d.json".into(),
+            "ok".into(),
+            pb::Report {
+                vms: vec![pb::VmStatus {
+                    vm_id: "web-1".into(),
+                    power_state: "running".into(),
+                    phase: "ready".into(),
+                    spec_rejected: "invalid entry: vcpus: 0".into(),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+        );
+
+        let text = file.render_vm("web-1", &[], &[], at_now()).expect("web-1");
+
+        assert!(
+            text.contains("\n  spec rejected invalid entry: vcpus: 0; it runs on as it was\n"),
+            "{text}"
+        );
+        assert!(text.contains("\n  power         running"), "{text}");
     }
 
     #[test]
