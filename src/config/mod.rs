@@ -279,7 +279,12 @@ fn asks_help(args: &[String]) -> bool {
 /// Parses the arguments after the program name, with `env` for fallbacks.
 pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, ConfigError> {
     let Some((verb, rest)) = args.split_first() else {
-        return Ok(Command::Help(usage()));
+        // Nothing asked is a usage error (exit 2), not a success: a
+        // supervisor's run script that lost its `run` must not look fine.
+        return Err(err(format!(
+            "no command given (the daemon is `eitri-agent run`)\n\n{}",
+            usage()
+        )));
     };
     let help = asks_help(rest);
     match verb.as_str() {

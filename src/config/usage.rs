@@ -114,8 +114,11 @@ pub(super) fn verb_usage(synopsis: &str, flags: &[(&str, &str)]) -> String {
     let dir = Key::StateDir.setting();
     let mut out = format!("usage: eitri-agent {synopsis}\n\nFlags:\n");
     out.push_str(&flag_line(dir.flag, dir.help, dir.default, Some(dir.env)));
+    // A verb's own flags have no default, environment variable or file
+    // key to show: their line alone (a "[none]" under each read as if
+    // they were settings left empty).
     for (flag, help) in flags {
-        out.push_str(&flag_line(flag, help, "", None));
+        out.push_str(&format!("  --{flag:<24} {help}\n"));
     }
     out
 }

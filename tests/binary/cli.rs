@@ -152,6 +152,31 @@ fn events_of_a_vm_not_on_the_host_says_so() {
 }
 
 #[test]
+fn no_command_exits_2_naming_the_daemons() {
+    let out = eitri(&[]);
+
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("no command given (the daemon is `eitri-agent run`)"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_verbs_own_flags_show_no_default_line() {
+    let out = eitri(&["logs", "--help"]);
+
+    let text = String::from_utf8_lossy(&out.stdout);
+    // The state dir is a setting (its default shown); --follow is not.
+    assert_eq!(text.matches("[none]").count(), 0, "{text}");
+    assert!(
+        text.contains("  --follow                   keep printing what is added\n"),
+        "{text}"
+    );
+}
+
+#[test]
 fn version_prints_the_release() {
     let out = eitri(&["--version"]);
 
