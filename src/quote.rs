@@ -43,6 +43,46 @@ pub fn inline(s: &str) -> String {
     out
 }
 
+/// A line of a guest's console as [`inline`] shows it, its terminal
+/// sequences (colours, cursor moves: `ESC [ … final`, `ESC ] … BEL`, and
+/// any other `ESC x`) left out rather than escaped: a boot's coloured
+/// "[  OK  ]" read as `\u{1b}[0;32m  OK  \u{1b}[0m`, its words lost in the
+/// noise. Other control characters are escaped as `inline` escapes them.
+pub fn console(s: &str) -> String {
+    let mut plain = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != '\u{1b}' {
+            plain.push(c);
+            continue;
+        }
+        match chars.next() {
+            // CSI: parameters and intermediates, then one final byte.
+            Some('[') => {
+                for c in chars.by_ref() {
+                    if ('\u{40}'..='\u{7e}').contains(&c) {
+                        break;
+                    }
+                }
+            }
+            // OSC: up to BEL, or ESC \\.
+            Some(']') => {
+                while let Some(c) = chars.next() {
+                    if c == '\u{7}' {
+                        break;
+                    }
+                    if c == '\u{1b}' && chars.peek() == Some(&'\\') {
+                        chars.next();
+                        break;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    inline(&plain)
+}
+
 /// A URL with any credentials in it (`http://user:secret@host/`) replaced
 /// by `***`: for every place a URL from the wire or the command line is
 /// printed, logged or reported.
@@ -62,6 +102,13 @@ pub fn url(raw: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_console_line_loses_its_colours_and_keeps_its_words() {
+        let line = "[\u{1b}[0;32m  OK  \u{1b}[0m] Started \u{1b}]0;title\u{7}ssh.service\u{8}.";
+
+        assert_eq!(console(line), "[  OK  ] Started ssh.service\\u{8}.");
+    }
 
     #[test]
     fn credentials_in_a_url_are_hidden() {

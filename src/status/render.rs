@@ -413,7 +413,10 @@ fn process_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field>
     } else {
         dash(&detail.booted_as)
     };
-    let mut fields = vec![("boot id", boot_id)];
+    // The host's boot it was last booted in (a guest's own boot id is its
+    // guest agent's, in the `guest` line): labelled so it is not read as
+    // the guest's.
+    let mut fields = vec![("host boot", boot_id)];
     if detail.suspended_at_ms > 0 {
         fields.push((
             "snapshot",
@@ -890,7 +893,7 @@ mod tests {
                  \x20 phase      ready for 2 h\n\
                  \x20 error      -\n\
                  \x20 attempts   1 of 3\n\
-                 \x20 boot id    b00t\n\
+                 \x20 host boot  b00t\n\
                  \x20 hypervisor pid 4242, up 60 min\n\
                  \x20 restarts   1 (booted again unasked: its hypervisor died, or its probe failed)\n\
                  \x20 age        created 2 h ago\n\
@@ -941,7 +944,7 @@ mod tests {
                  \x20 phase      ready for 60 min\n\
                  \x20 error      -\n\
                  \x20 attempts   1 of 3\n\
-                 \x20 boot id    b00t\n\
+                 \x20 host boot  b00t\n\
                  \x20 snapshot   72 KiB on disk, taken 5 min ago\n\
                  \x20 hypervisor not running\n\
                  \x20 restarts   0\n\
@@ -972,7 +975,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("\n  boot id    not recorded yet (it was just booted)\n"),
+            text.contains("\n  host boot  not recorded yet (it was just booted)\n"),
             "{text}"
         );
     }
@@ -1019,7 +1022,7 @@ mod tests {
                  \x20 phase      failed for 10 min\n\
                  \x20 error      boot: the hypervisor exited: Error: KVM \\u{1b}[2J (first 10 min ago, last 5 s ago)\n\
                  \x20 attempts   3 of 3\n\
-                 \x20 boot id    -\n\
+                 \x20 host boot  -\n\
                  \x20 hypervisor not running\n\
                  \x20 restarts   0\n\
                  \x20 address    -\n\

@@ -53,7 +53,7 @@ fn status_of_a_vm_agrees_with_its_hypervisor_after_boot_suspend_and_resume() {
         format!("running for {up}"),
         "{booted}"
     );
-    assert_ne!(field(&booted, "boot id "), "-", "{booted}");
+    assert_ne!(field(&booted, "host boot "), "-", "{booted}");
     // Suspended: no hypervisor, a snapshot.
     assert!(
         field(&suspended, "power ").starts_with("suspended for "),
