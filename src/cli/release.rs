@@ -24,6 +24,23 @@ pub(super) fn run(
     }
     let store = match Store::open(state_dir) {
         Ok(store) => store,
+        // The generic advice ("or choose another --state-dir") is no
+        // answer here: it is this dir whose claim is to end.
+        Err(crate::state::StoreError::Locked { holders, .. }) => {
+            let by = if holders.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " (its lock is {})",
+                    crate::state::holders::describe(&holders)
+                )
+            };
+            eprintln!(
+                "eitri-agent: error: an agent runs on {}{by}: stop it first; release ends the claim of a state dir no agent runs on",
+                state_dir.display()
+            );
+            return ExitCode::FAILURE;
+        }
         Err(e) => return fail(&e),
     };
     let layout = store.layout();

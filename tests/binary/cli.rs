@@ -177,6 +177,24 @@ fn a_verbs_own_flags_show_no_default_line() {
 }
 
 #[test]
+fn release_beside_a_running_agent_says_to_stop_it_first() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let state = dir.path().join("state");
+    // Holding the state dir's lock as its agent does.
+    let _agent = eitri_agent::state::Store::open(&state).expect("the lock");
+
+    let out = eitri(&["release", "--state-dir", &state.display().to_string()]);
+
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains(": stop it first; release ends the claim"),
+        "{said}"
+    );
+    assert!(!said.contains("choose another --state-dir"), "{said}");
+}
+
+#[test]
 fn version_prints_the_release() {
     let out = eitri(&["--version"]);
 
