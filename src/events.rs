@@ -165,10 +165,17 @@ const REASONS: &[(&str, &str)] = &[
     ("its network", "Network"),
     ("its published ports", "Network"),
     ("cannot open its tap", "Network"),
+    ("the hypervisor shut down", "Shutdown"),
+    ("vfkit shut down", "Shutdown"),
 ];
 
 /// The reason of an event that says `what`.
 pub fn reason(what: &str) -> &'static str {
+    // "100.77.5.5 on its tap etr…": its NIC plugged, its address served.
+    let first = what.split(' ').next().unwrap_or_default();
+    if first.parse::<std::net::Ipv4Addr>().is_ok() && what.contains(" on its tap ") {
+        return "Plugged";
+    }
     REASONS
         .iter()
         .find(|(start, _)| what.starts_with(start))
@@ -369,6 +376,8 @@ mod tests {
                 "spec rejected: vcpus: 0 is not a count of vCPUs",
                 "SpecRejected",
             ),
+            ("100.77.20.16 on its tap ec4c291410", "Plugged"),
+            ("the hypervisor shut down when asked", "Shutdown"),
             ("something no rule knows", "Other"),
         ];
 

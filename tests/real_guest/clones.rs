@@ -204,6 +204,10 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
         })
     });
     let sibling_after = strictly(&lab, &two, "hostname");
+    let events = lab.events("cl-2");
+    for line in events.lines() {
+        println!("timing: events cl-2: {line}");
+    }
     let log = lab.agent_log();
     for line in log.lines().filter(|l| l.contains(": cloned from ")) {
         println!("timing: {line}");
@@ -223,5 +227,11 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
     assert_eq!(scanned_2, own_key(&two), "cl-2 presents only its own key");
     assert!(!lab.state().join("vms").join("cl-1").exists());
     assert_eq!(sibling_after, "cl-2", "its sibling after it was destroyed");
+    assert!(
+        events
+            .lines()
+            .any(|l| l.contains("  Normal   Cloned ") && l.contains("cloned from tpl")),
+        "{events}"
+    );
     assert_eq!(template_files(&lab), before, "the template's files changed");
 }

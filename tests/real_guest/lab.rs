@@ -335,6 +335,16 @@ impl Lab {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// What happened to `id`, as `eitri-agent events` prints it.
+    pub fn events(&self, id: &str) -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+            .args(["events", id, "--state-dir"])
+            .arg(self.state())
+            .output()
+            .expect("eitri-agent events");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// What the agent logged so far.
     pub fn agent_log(&self) -> String {
         read(&self.log())
