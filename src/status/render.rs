@@ -634,19 +634,11 @@ mod tests {
 
     #[test]
     fn an_id_with_a_newline_and_an_escape_stays_on_its_row() {
-        let file = ReportFile::new(
-            pb::HostInfo::default(),
-            "desired file /d.json".into(),
-            "ok".into(),
-            pb::Report {
-                vms: vec![pb::VmStatus {
-                    vm_id: "evil\nvm-2 running ready\u{1b}[2J".into(),
-                    last_error: "vm_id: bad\r".into(),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            },
-        );
+        let file = of_one(pb::VmStatus {
+            vm_id: "evil\nvm-2 running ready\u{1b}[2J".into(),
+            last_error: "vm_id: bad\r".into(),
+            ..Default::default()
+        });
 
         let text = file.render(UNIX_EPOCH);
 
@@ -1045,23 +1037,28 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_rejected_specs_label_stands_apart_from_its_value() {
-        let file = ReportFile::new(
+    /// A report of one VM, `row`.
+    fn of_one(row: pb::VmStatus) -> ReportFile {
+        ReportFile::new(
             pb::HostInfo::default(),
             "desired file /d.json".into(),
             "ok".into(),
             pb::Report {
-                vms: vec![pb::VmStatus {
-                    vm_id: "web-1".into(),
-                    power_state: "running".into(),
-                    phase: "ready".into(),
-                    spec_rejected: "invalid entry: vcpus: 0".into(),
-                    ..Default::default()
-                }],
+                vms: vec![row],
                 ..Default::default()
             },
-        );
+        )
+    }
+
+    #[test]
+    fn a_rejected_specs_label_stands_apart_from_its_value() {
+        let file = of_one(pb::VmStatus {
+            vm_id: "web-1".into(),
+            power_state: "running".into(),
+            phase: "ready".into(),
+            spec_rejected: "invalid entry: vcpus: 0".into(),
+            ..Default::default()
+        });
 
         let text = file.render_vm("web-1", &[], &[], at_now()).expect("web-1");
 
