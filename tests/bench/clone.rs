@@ -13,7 +13,10 @@
 //!    tombstoned. With the real guest, each also until an ssh login to
 //!    it passes strict host key checking against the key its row reports
 //!    (the clone's own, not its template's).
-//! 4. A burst: `EITRI_BENCH_CLONES` clones (default 100) named in one
+//! 4. With the real guest, the last cold boot kept running as a
+//!    neighbour: its sshd connected to every 20 ms for 5 s idle, then
+//!    through the burst (p50, p99, the slowest, and how many failed).
+//! 5. A burst: `EITRI_BENCH_CLONES` clones (default 100) named in one
 //!    desired file; the wall time until every row says running and ready,
 //!    and what the clones' hypervisors hold of the host's memory then
 //!    (their resident memory, summed over their processes, per clone).
@@ -23,7 +26,8 @@
 //! its guest agent the static `eitri-guest` (`make static`), the burst
 //! `EITRI_BENCH_CLONES` (default 20 then). The state dir is the temp
 //! dir's filesystem, or `EITRI_BENCH_DIR` (e.g. a loop-mounted XFS, where
-//! clones are reflinked). The last line: `bench=clone guest=…
+//! clones are reflinked). `EITRI_BENCH_AGENT_ARGS` adds flags to the
+//! agent's (say, `--max-concurrent-creates 1`). The last line: `bench=clone guest=…
 //! cold_boot_ms_p50 clone_ready_ms_p50 clone_ready_ms_p90 cold_over_clone
 //! clone_ssh_ms_p50 burst=N burst_wall_ms clone_rss_mb …`.
 
@@ -146,6 +150,9 @@ struct Bench {
     daemon: daemon::Daemon,
     guest: Guest,
     template: serde_json::Value,
+    /// The last cold boot, kept running beside the clones (real guest
+    /// only): what a burst does to a running VM's latency is read off it.
+    neighbour: Option<serde_json::Value>,
 }
 
 impl Bench {
@@ -256,7 +263,7 @@ impl Bench {
         ready: &[String],
         patience: Duration,
     ) -> Result<Duration, Error> {
-        let mut vms = vec![self.template.clone()];
+        let mut vms = self.standing();
         vms.extend_from_slice(others);
         let started = Instant::now();
         self.daemon.desire(&vms)?;
@@ -279,7 +286,7 @@ impl Bench {
             .iter()
             .map(|id| serde_json::json!({"vm_id": id, "tombstoned": true}))
             .collect();
-        let mut vms = vec![self.template.clone()];
+        let mut vms = self.standing();
         vms.extend(gone);
         self.daemon.desire(&vms)?;
         self.daemon
@@ -288,7 +295,30 @@ impl Bench {
                     .iter()
                     .any(|r| ids.iter().any(|id| r["vm_id"] == id.as_str()))
             })?;
-        self.daemon.desire(std::slice::from_ref(&self.template))
+        self.daemon.desire(&self.standing())
+    }
+
+    /// What is always wanted: the template, and the neighbour once there.
+    fn standing(&self) -> Vec<serde_json::Value> {
+        let mut vms = vec![self.template.clone()];
+        vms.extend(self.neighbour.clone());
+        vms
+    }
+
+    /// The address of `id`, from its row.
+    fn address(&self, id: &str) -> Result<std::net::Ipv4Addr, Error> {
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.daemon.state().join("report.json"))?)?;
+        let rows = report["report"]["vms"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        let ip = rows
+            .iter()
+            .find(|r| r["vm_id"] == id)
+            .and_then(|r| r["ip"].as_str())
+            .ok_or_else(|| format!("{id}: no address in its row"))?;
+        Ok(ip.parse()?)
     }
 
     /// The resident memory (MiB) of the hypervisors of `ids`, summed over
@@ -304,6 +334,48 @@ impl Bench {
             kib += tree_rss_kib(pid as u32);
         }
         Ok(kib as f64 / 1024.0)
+    }
+}
+
+/// TCP connects to a running VM's sshd, one every 20 ms, each timed, on a
+/// thread of their own until stopped.
+struct Connects {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Connected>,
+}
+
+/// What the connects came to: each one's time, and how many failed
+/// (refused, or not in 2 s).
+#[derive(Default)]
+struct Connected {
+    took: Vec<Duration>,
+    failed: usize,
+}
+
+impl Connects {
+    fn start(ip: std::net::Ipv4Addr) -> Connects {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut seen = Connected::default();
+            let at = std::net::SocketAddr::from((ip, 22));
+            while !stopped.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                match std::net::TcpStream::connect_timeout(&at, Duration::from_secs(2)) {
+                    Ok(_) => seen.took.push(started.elapsed()),
+                    Err(_) => seen.failed += 1,
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            seen
+        });
+        Connects { stop, thread }
+    }
+
+    fn stop(self) -> Connected {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
     }
 }
 
@@ -352,7 +424,15 @@ fn main() -> Result<(), Error> {
     let images = dir.path().join("images");
     std::fs::create_dir_all(&images)?;
     let (url, sha) = agent::image_or_base(guest.image.as_deref(), &images)?;
-    let extra: Vec<&str> = guest.extra.iter().map(String::as_str).collect();
+    // The agent's own flags to try (say, another --max-concurrent-creates):
+    // EITRI_BENCH_AGENT_ARGS, split at spaces.
+    let tried = std::env::var("EITRI_BENCH_AGENT_ARGS").unwrap_or_default();
+    let extra: Vec<&str> = guest
+        .extra
+        .iter()
+        .map(String::as_str)
+        .chain(tried.split_whitespace())
+        .collect();
     let daemon = daemon::Daemon::start(
         &dir.path().join("agent"),
         &daemon::Parts {
@@ -374,6 +454,7 @@ fn main() -> Result<(), Error> {
         daemon,
         guest,
         template: serde_json::Value::Null,
+        neighbour: None,
     };
     bench.make_template()?;
 
@@ -385,8 +466,16 @@ fn main() -> Result<(), Error> {
     for i in 0..cold_boots {
         let id = format!("cold-{i}");
         cold.push(bench.until_ready(&[bench.vm(&id)], std::slice::from_ref(&id), PATIENCE)?);
-        bench.remove(&[id])?;
+        if i + 1 == cold_boots && bench.guest.login.is_some() {
+            bench.neighbour = Some(bench.vm(&id));
+        } else {
+            bench.remove(&[id])?;
+        }
     }
+    let neighbour = match &bench.neighbour {
+        Some(vm) => Some(bench.address(vm["vm_id"].as_str().unwrap_or_default())?),
+        None => None,
+    };
     let mut singles = Vec::new();
     let mut logins = Vec::new();
     for i in 0..SINGLES {
@@ -406,7 +495,15 @@ fn main() -> Result<(), Error> {
     let ids: Vec<String> = (0..n).map(|i| format!("burst-{i}")).collect();
     let clones: Vec<serde_json::Value> = ids.iter().map(|id| bench.clone_of_template(id)).collect();
     let patience = PATIENCE * u32::try_from(n.div_ceil(100)).unwrap_or(1);
+    // The neighbour's sshd connected to, idle, then through the burst.
+    let idle = neighbour.map(|ip| {
+        let probing = Connects::start(ip);
+        std::thread::sleep(Duration::from_secs(5));
+        probing.stop()
+    });
+    let probing = neighbour.map(Connects::start);
     let burst = bench.until_ready(&clones, &ids, patience)?;
+    let during = probing.map(Connects::stop);
     let rss = bench.rss_mb(&ids)?;
     let copied_whole = bench.daemon.log().matches("were copied whole").count();
 
@@ -414,14 +511,21 @@ fn main() -> Result<(), Error> {
     let (cold_p50, clone_p50) = (p(&cold, 0.5), p(&singles, 0.5));
     // The stand-in has no sshd: its figure is its ready one.
     let ssh_p50 = p(&logins, 0.5);
+    let (idle, during) = (idle.unwrap_or_default(), during.unwrap_or_default());
     println!(
-        "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole}",
+        "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole} neighbour_connect_ms_p50_idle={:.2} neighbour_connect_ms_p99_idle={:.2} neighbour_connect_ms_p50_burst={:.2} neighbour_connect_ms_p99_burst={:.2} neighbour_connect_ms_max_burst={:.2} neighbour_connects_failed_burst={}",
         bench.guest.what,
         root.map_or_else(|| "tmp".to_owned(), |r| r.display().to_string()),
         p(&singles, 0.9),
         cold_p50 / clone_p50.max(1.0),
         ms(burst),
         rss / n as f64,
+        p(&idle.took, 0.5),
+        p(&idle.took, 0.99),
+        p(&during.took, 0.5),
+        p(&during.took, 0.99),
+        p(&during.took, 1.0),
+        during.failed,
     );
     drop(bench);
     drop(cleanup);
