@@ -379,6 +379,21 @@ impl Connects {
     }
 }
 
+/// SYNs this network namespace has sent again (TcpExt TCPSynRetrans).
+fn syn_resent() -> u64 {
+    let text = std::fs::read_to_string("/proc/net/netstat").unwrap_or_default();
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (Some(names), Some(values)) = (lines.next(), lines.next()) else {
+        return 0;
+    };
+    names
+        .split_whitespace()
+        .zip(values.split_whitespace())
+        .find(|(name, _)| *name == "TCPSynRetrans")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// The resident memory of `pid` and its descendants, in KiB.
 fn tree_rss_kib(pid: u32) -> u64 {
     let own = std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -502,8 +517,11 @@ fn main() -> Result<(), Error> {
         probing.stop()
     });
     let probing = neighbour.map(Connects::start);
+    let resent_before = syn_resent();
     let burst = bench.until_ready(&clones, &ids, patience)?;
     let during = probing.map(Connects::stop);
+    // A slow connect is a SYN lost and sent again, or one waited on.
+    let resent = syn_resent().saturating_sub(resent_before);
     let rss = bench.rss_mb(&ids)?;
     let copied_whole = bench.daemon.log().matches("were copied whole").count();
 
@@ -513,7 +531,7 @@ fn main() -> Result<(), Error> {
     let ssh_p50 = p(&logins, 0.5);
     let (idle, during) = (idle.unwrap_or_default(), during.unwrap_or_default());
     println!(
-        "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole} neighbour_connect_ms_p50_idle={:.2} neighbour_connect_ms_p99_idle={:.2} neighbour_connect_ms_p50_burst={:.2} neighbour_connect_ms_p99_burst={:.2} neighbour_connect_ms_max_burst={:.2} neighbour_connects_failed_burst={}",
+        "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole} neighbour_connect_ms_p50_idle={:.2} neighbour_connect_ms_p99_idle={:.2} neighbour_connect_ms_p50_burst={:.2} neighbour_connect_ms_p99_burst={:.2} neighbour_connect_ms_max_burst={:.2} neighbour_connects_failed_burst={} syns_resent_burst={resent} neighbour_connects_over_500ms_burst={}",
         bench.guest.what,
         root.map_or_else(|| "tmp".to_owned(), |r| r.display().to_string()),
         p(&singles, 0.9),
@@ -526,6 +544,11 @@ fn main() -> Result<(), Error> {
         p(&during.took, 0.99),
         p(&during.took, 1.0),
         during.failed,
+        during
+            .took
+            .iter()
+            .filter(|t| **t > Duration::from_millis(500))
+            .count(),
     );
     drop(bench);
     drop(cleanup);
