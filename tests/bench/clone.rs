@@ -298,6 +298,22 @@ impl Bench {
         self.daemon.desire(&self.standing())
     }
 
+    /// `count` cold boots, each timed to ready; the last one kept running
+    /// as the neighbour where the guest is real, the others removed.
+    fn cold_boots(&mut self, count: usize) -> Result<Vec<Duration>, Error> {
+        let mut cold = Vec::new();
+        for i in 0..count {
+            let id = format!("cold-{i}");
+            cold.push(self.until_ready(&[self.vm(&id)], std::slice::from_ref(&id), PATIENCE)?);
+            if i + 1 == count && self.guest.login.is_some() {
+                self.neighbour = Some(self.vm(&id));
+            } else {
+                self.remove(&[id])?;
+            }
+        }
+        Ok(cold)
+    }
+
     /// What is always wanted: the template, and the neighbour once there.
     fn standing(&self) -> Vec<serde_json::Value> {
         let mut vms = vec![self.template.clone()];
@@ -335,6 +351,65 @@ impl Bench {
         }
         Ok(kib as f64 / 1024.0)
     }
+}
+
+/// `SINGLES` clones one at a time: each one's time to ready, and to a
+/// strict ssh login (its ready time with the stand-in, which has no sshd).
+fn singles(bench: &Bench) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
+    let mut ready = Vec::new();
+    let mut logins = Vec::new();
+    for i in 0..SINGLES {
+        let id = format!("one-{i}");
+        let started = Instant::now();
+        let took = bench.until_ready(
+            &[bench.clone_of_template(&id)],
+            std::slice::from_ref(&id),
+            PATIENCE,
+        )?;
+        ready.push(took);
+        bench.strict_ssh(&id, Duration::from_secs(30))?;
+        logins.push(started.elapsed());
+        bench.remove(&[id])?;
+    }
+    Ok((ready, logins))
+}
+
+/// What a burst came to.
+struct Burst {
+    wall: Duration,
+    /// The clones' hypervisors' resident memory, MiB in all.
+    rss: f64,
+    /// The neighbour's connects, idle and through the burst.
+    idle: Connected,
+    during: Connected,
+    /// SYNs sent again through the burst.
+    resent: u64,
+}
+
+/// `n` clones named in one desired file, until each is running and ready,
+/// the neighbour's sshd (if any) connected to, idle, then throughout.
+fn burst(bench: &Bench, n: usize, neighbour: Option<std::net::Ipv4Addr>) -> Result<Burst, Error> {
+    let ids: Vec<String> = (0..n).map(|i| format!("burst-{i}")).collect();
+    let clones: Vec<serde_json::Value> = ids.iter().map(|id| bench.clone_of_template(id)).collect();
+    let patience = PATIENCE * u32::try_from(n.div_ceil(100)).unwrap_or(1);
+    let idle = neighbour.map(|ip| {
+        let probing = Connects::start(ip);
+        std::thread::sleep(Duration::from_secs(5));
+        probing.stop()
+    });
+    let probing = neighbour.map(Connects::start);
+    let resent_before = syn_resent();
+    let wall = bench.until_ready(&clones, &ids, patience)?;
+    let during = probing.map(Connects::stop);
+    // A slow connect is a SYN lost and sent again, or one waited on.
+    let resent = syn_resent().saturating_sub(resent_before);
+    Ok(Burst {
+        wall,
+        rss: bench.rss_mb(&ids)?,
+        idle: idle.unwrap_or_default(),
+        during: during.unwrap_or_default(),
+        resent,
+    })
 }
 
 /// TCP connects to a running VM's sshd, one every 20 ms, each timed, on a
@@ -473,63 +548,29 @@ fn main() -> Result<(), Error> {
     };
     bench.make_template()?;
 
-    let mut cold = Vec::new();
     let cold_boots = std::env::var("EITRI_BENCH_COLD")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(COLD);
-    for i in 0..cold_boots {
-        let id = format!("cold-{i}");
-        cold.push(bench.until_ready(&[bench.vm(&id)], std::slice::from_ref(&id), PATIENCE)?);
-        if i + 1 == cold_boots && bench.guest.login.is_some() {
-            bench.neighbour = Some(bench.vm(&id));
-        } else {
-            bench.remove(&[id])?;
-        }
-    }
+    let cold = bench.cold_boots(cold_boots)?;
     let neighbour = match &bench.neighbour {
         Some(vm) => Some(bench.address(vm["vm_id"].as_str().unwrap_or_default())?),
         None => None,
     };
-    let mut singles = Vec::new();
-    let mut logins = Vec::new();
-    for i in 0..SINGLES {
-        let id = format!("one-{i}");
-        let started = Instant::now();
-        let took = bench.until_ready(
-            &[bench.clone_of_template(&id)],
-            std::slice::from_ref(&id),
-            PATIENCE,
-        )?;
-        singles.push(took);
-        bench.strict_ssh(&id, Duration::from_secs(30))?;
-        logins.push(started.elapsed());
-        bench.remove(&[id])?;
-    }
+    let (singles, logins) = singles(&bench)?;
     let n = bench.guest.burst;
-    let ids: Vec<String> = (0..n).map(|i| format!("burst-{i}")).collect();
-    let clones: Vec<serde_json::Value> = ids.iter().map(|id| bench.clone_of_template(id)).collect();
-    let patience = PATIENCE * u32::try_from(n.div_ceil(100)).unwrap_or(1);
-    // The neighbour's sshd connected to, idle, then through the burst.
-    let idle = neighbour.map(|ip| {
-        let probing = Connects::start(ip);
-        std::thread::sleep(Duration::from_secs(5));
-        probing.stop()
-    });
-    let probing = neighbour.map(Connects::start);
-    let resent_before = syn_resent();
-    let burst = bench.until_ready(&clones, &ids, patience)?;
-    let during = probing.map(Connects::stop);
-    // A slow connect is a SYN lost and sent again, or one waited on.
-    let resent = syn_resent().saturating_sub(resent_before);
-    let rss = bench.rss_mb(&ids)?;
+    let Burst {
+        wall: burst,
+        rss,
+        idle,
+        during,
+        resent,
+    } = burst(&bench, n, neighbour)?;
     let copied_whole = bench.daemon.log().matches("were copied whole").count();
 
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
     let (cold_p50, clone_p50) = (p(&cold, 0.5), p(&singles, 0.5));
-    // The stand-in has no sshd: its figure is its ready one.
     let ssh_p50 = p(&logins, 0.5);
-    let (idle, during) = (idle.unwrap_or_default(), during.unwrap_or_default());
     println!(
         "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole} neighbour_connect_ms_p50_idle={:.2} neighbour_connect_ms_p99_idle={:.2} neighbour_connect_ms_p50_burst={:.2} neighbour_connect_ms_p99_burst={:.2} neighbour_connect_ms_max_burst={:.2} neighbour_connects_failed_burst={} syns_resent_burst={resent} neighbour_connects_over_500ms_burst={}",
         bench.guest.what,
