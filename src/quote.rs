@@ -46,7 +46,7 @@ pub fn inline(s: &str) -> String {
 /// A line of a guest's console as [`inline`] shows it, its terminal
 /// sequences (colours, cursor moves: `ESC [ … final`, `ESC ] … BEL`, and
 /// any other `ESC x`) left out rather than escaped: a boot's coloured
-/// "[  OK  ]" read as `\u{1b}[0;32m  OK  \u{1b}[0m`, its words lost in the
+/// `[  OK  ]` read as `\u{1b}[0;32m  OK  \u{1b}[0m`, its words lost in the
 /// noise. Other control characters are escaped as `inline` escapes them.
 pub fn console(s: &str) -> String {
     let mut plain = String::with_capacity(s.len());
