@@ -2,6 +2,9 @@
 //! ioctls (what a clone's guest agent gives its NICs), on a veth pair in
 //! a network namespace the test unshares.
 
+// Linux only: it drives Linux-only parts (namespaces, ioctls on links).
+#![cfg(target_os = "linux")]
+
 use eitri_agent::net::packet::{interface_mac, set_interface_mac, set_interface_up};
 use eitri_agent::testkit::net::{ip, private_network};
 
