@@ -196,26 +196,6 @@ fn fail_boot(ctx: &Context, mut rec: Record, err: BoxFailure, res: &mut VmResult
     ctx.report_recorded(res, &rec, PowerState::Stopped);
 }
 
-/// A stop's narration in the log: each rung at info, and the count a wait
-/// says once a second ("…, 3 s of 30") at debug (a stop that waited out
-/// its guest's 30 s was 30 lines of the log, and of the VM's events).
-pub(crate) fn log_stop(vm_id: &crate::model::Id, what: &str) {
-    if counts_a_wait(what) {
-        log::debug!("VM {vm_id}: {what}");
-    } else {
-        log::info!("VM {vm_id}: {what}");
-    }
-}
-
-/// Whether a stop's narration is a wait's count ("…, 3 s of 30").
-fn counts_a_wait(what: &str) -> bool {
-    what.rsplit_once(", ").is_some_and(|(_, count)| {
-        let words: Vec<&str> = count.split(' ').collect();
-        matches!(words.as_slice(), [n, "s", "of", m]
-            if n.parse::<u64>().is_ok() && m.parse::<u64>().is_ok())
-    })
-}
-
 /// Boots again a running VM whose probe has failed past its
 /// `restart_after` (`why` says so): its hypervisor stopped by the usual
 /// ladder, a new one started as its record says (what it was created
@@ -228,7 +208,7 @@ pub(crate) fn restart(ctx: &Context, desired: &DesiredVm, why: &str, pass: &mut 
     };
     let mut rec = (*rec).clone();
     let deadline = pass.deadline;
-    let say = |what: &str| log_stop(vm_id, what);
+    let say = |what: &str| crate::provision::supervise::ladder::log_stop(vm_id, what);
     let restarted = ctx.backend.shutdown(vm_id, deadline, &say).and_then(|()| {
         holds::take_next_boot_changes(ctx, desired, &mut rec);
         ctx.backend.boot(&rec.spec, deadline)
@@ -248,21 +228,5 @@ pub(crate) fn restart(ctx: &Context, desired: &DesiredVm, why: &str, pass: &mut 
                 row.last_error = format!("{why}, which failed: {}", chain(&*e));
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::counts_a_wait;
-
-    #[test]
-    fn a_stops_count_of_its_wait_is_told_apart_from_its_rungs() {
-        assert!(counts_a_wait(
-            "stopping: waiting for the guest to power off, 3 s of 30"
-        ));
-        assert!(!counts_a_wait("stopping: pressing the power button"));
-        assert!(!counts_a_wait(
-            "stopping: asking its hypervisor to shut down"
-        ));
     }
 }

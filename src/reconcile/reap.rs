@@ -57,7 +57,7 @@ pub(crate) fn quarantine(
         entry.quarantined = Some(quarantined_entry(&rec, ctx.grace_for(&rec)));
         publisher.publish(entry);
     }
-    let say = |what: &str| super::converge::log_stop(&vm_id, what);
+    let say = |what: &str| crate::provision::supervise::ladder::log_stop(&vm_id, what);
     if let Err(e) = ctx.backend.shutdown(&vm_id, pass.deadline, &say) {
         let err: &dyn std::error::Error = &*e;
         log::warn!("VM {vm_id}: shutdown on quarantine failed: {}", chain(err));

@@ -177,6 +177,26 @@ pub fn wait_gone(vmm: &dyn Vmm, bound: Deadline) -> bool {
     true
 }
 
+/// A stop's narration in the log: each rung at info, and the count a wait
+/// says once a second ("…, 3 s of 30") at debug (a stop that waited out
+/// its guest's 30 s was 30 lines of the log, and of the VM's events).
+pub fn log_stop(vm_id: &Id, what: &str) {
+    if counts_a_wait(what) {
+        log::debug!("VM {vm_id}: {what}");
+    } else {
+        log::info!("VM {vm_id}: {what}");
+    }
+}
+
+/// Whether a stop's narration is a wait's count ("…, 3 s of 30").
+fn counts_a_wait(what: &str) -> bool {
+    what.rsplit_once(", ").is_some_and(|(_, count)| {
+        let words: Vec<&str> = count.split(' ').collect();
+        matches!(words.as_slice(), [n, "s", "of", m]
+            if n.parse::<u64>().is_ok() && m.parse::<u64>().is_ok())
+    })
+}
+
 /// Waits up to `allowed` (and the deadline) for `done`, telling `say`
 /// "stopping: {what}, N s of M" once a second; whether `done` came.
 fn wait_narrated(
@@ -211,6 +231,17 @@ fn wait_narrated(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stops_count_of_its_wait_is_told_apart_from_its_rungs() {
+        assert!(counts_a_wait(
+            "stopping: waiting for the guest to power off, 3 s of 30"
+        ));
+        assert!(!counts_a_wait("stopping: pressing the power button"));
+        assert!(!counts_a_wait(
+            "stopping: asking its hypervisor to shut down"
+        ));
+    }
     use std::cell::{Cell, RefCell};
     use std::io;
 
