@@ -219,10 +219,24 @@ pub(super) fn show_config(
         )),
         None => text.push_str("# (flag, else env, else default; no --config file)\n"),
     }
+    // Left to their defaults, the ids and cgroup root are the state dir's
+    // claim's, not the settings table's: shown as a start would take them.
+    let (state_dir, _) = raw.value(Key::StateDir);
+    let (claim, claimed) = crate::state::claim::foreseen(
+        std::path::Path::new(&state_dir),
+        state_dir == Key::StateDir.setting().default,
+    );
     for section in Section::ALL {
         text.push_str(&format!("\n[{}]\n", section.name()));
         for key in Key::ALL.iter().filter(|k| k.setting().section == *section) {
             let (value, origin) = raw.value(*key);
+            let (value, origin) = match (key, origin) {
+                (Key::VmmIds, read::Origin::Default) => {
+                    (format!("{}:{}", claim.first_id, claim.id_count), claimed)
+                }
+                (Key::CgroupRoot, read::Origin::Default) => (claim.cgroup_root.clone(), claimed),
+                _ => (value, origin.name()),
+            };
             let shown = if value.is_empty() {
                 "-".to_owned()
             } else {
@@ -232,7 +246,7 @@ pub(super) fn show_config(
                 "{:<28} {:<40} {}\n",
                 key.setting().flag,
                 shown,
-                origin.name()
+                origin
             ));
         }
     }

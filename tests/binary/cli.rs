@@ -194,6 +194,47 @@ fn release_beside_a_running_agent_says_to_stop_it_first() {
     assert!(!said.contains("choose another --state-dir"), "{said}");
 }
 
+/// `config`'s line for `flag`: its value and where it came from.
+fn config_line(state_dir: &std::path::Path, flag: &str) -> (String, String) {
+    let out = eitri(&["config", "--state-dir", &state_dir.display().to_string()]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(flag))
+        .unwrap_or_default()
+        .to_owned();
+    let mut words = line.split_whitespace().skip(1);
+    let value = words.next().unwrap_or_default().to_owned();
+    (value, words.collect::<Vec<_>>().join(" "))
+}
+
+#[test]
+fn config_shows_the_ids_and_cgroup_root_a_new_state_dir_would_claim() {
+    let dir = tempfile::tempdir().expect("tempdir");
+
+    let (ids, from) = config_line(dir.path(), "vmm-ids");
+    let (root, _) = config_line(dir.path(), "cgroup-root");
+
+    assert_ne!(ids, "1900000000:65536", "the default state dir's");
+    assert!(from.starts_with("derived"), "{from}");
+    assert!(root.starts_with("eitri-"), "{root}");
+}
+
+#[test]
+fn config_shows_a_state_dirs_recorded_claim() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("jail")).expect("jail");
+    let claim = serde_json::json!({"state_dir": dir.path(), "first_id": 1_900_131_072u32,
+        "id_count": 65_536, "cgroup_root": "eitri-2"});
+    std::fs::write(dir.path().join("jail/claim.json"), claim.to_string()).expect("claim");
+
+    assert_eq!(
+        config_line(dir.path(), "vmm-ids"),
+        ("1900131072:65536".to_owned(), "claim".to_owned())
+    );
+    assert_eq!(config_line(dir.path(), "cgroup-root").0, "eitri-2");
+}
+
 #[test]
 fn version_prints_the_release() {
     let out = eitri(&["--version"]);

@@ -433,6 +433,26 @@ pub fn settle(files: Files<'_>, wish: &Wish, reclaim: &dyn Reclaim) -> Result<Cl
     Ok(claim)
 }
 
+/// What a start on `state_dir` would claim of ids and cgroup root, as far
+/// as it can be told without taking the registry's lock, and why: its
+/// recorded claim; else the historic slot (the default state dir, or one
+/// an older agent used); else its path's slot, which a start moves past
+/// while another agent holds it. For `eitri-agent config`.
+pub fn foreseen(state_dir: &Path, default_state_dir: bool) -> (Claim, &'static str) {
+    let layout = super::Layout::new(state_dir);
+    let canonical = fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+    if let Ok(Some(claim)) = read_own(&layout.claim()) {
+        return (claim, "claim");
+    }
+    if default_state_dir || layout.vmm_ids().exists() {
+        return (Claim::slot(&canonical, 0), "default");
+    }
+    (
+        Claim::slot(&canonical, 1 + slot_of(&canonical)),
+        "derived (the state dir's slot; the next free one if another agent holds it)",
+    )
+}
+
 /// Ends the claim of `state_dir`: takes back what it left on the host,
 /// then removes its record, its claim file and its VMM id leases (the ids
 /// are free for other agents now), so a later start there claims anew.
