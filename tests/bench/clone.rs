@@ -184,16 +184,7 @@ impl Bench {
         let Some((user, key)) = &self.guest.login else {
             return Ok(());
         };
-        let report: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(self.daemon.state().join("report.json"))?)?;
-        let rows = report["report"]["vms"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        let row = rows
-            .iter()
-            .find(|r| r["vm_id"] == id)
-            .ok_or_else(|| format!("{id}: no row"))?;
+        let row = self.row(id)?;
         let (ip, host_key) = (
             row["ip"].as_str().unwrap_or_default(),
             row["ssh_host_pubkey"].as_str().unwrap_or_default(),
@@ -323,18 +314,21 @@ impl Bench {
 
     /// The address of `id`, from its row.
     fn address(&self, id: &str) -> Result<std::net::Ipv4Addr, Error> {
-        let report: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(self.daemon.state().join("report.json"))?)?;
-        let rows = report["report"]["vms"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default();
-        let ip = rows
-            .iter()
-            .find(|r| r["vm_id"] == id)
-            .and_then(|r| r["ip"].as_str())
+        let row = self.row(id)?;
+        let ip = row["ip"]
+            .as_str()
             .ok_or_else(|| format!("{id}: no address in its row"))?;
         Ok(ip.parse()?)
+    }
+
+    /// `id`'s row in the report the agent last wrote.
+    fn row(&self, id: &str) -> Result<serde_json::Value, Error> {
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.daemon.state().join("report.json"))?)?;
+        report["report"]["vms"]
+            .as_array()
+            .and_then(|rows| rows.iter().find(|r| r["vm_id"] == id).cloned())
+            .ok_or_else(|| format!("{id}: no row in the report").into())
     }
 
     /// The resident memory (MiB) of the hypervisors of `ids`, summed over
