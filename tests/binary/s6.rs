@@ -161,6 +161,17 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
         "{status}"
     );
     assert!(log.contains("starting") && log.contains("stopped"), "{log}");
+    // One time per line, the agent's ("2026-12-06T18:32:13.156Z INFO …").
+    assert!(
+        log.lines().all(|l| {
+            let mut words = l.split_whitespace();
+            words.next().is_some_and(|t| t.ends_with('Z'))
+                && words.next().is_some_and(|level| {
+                    ["ERROR", "WARN", "INFO", "DEBUG", "TRACE"].contains(&level)
+                })
+        }),
+        "{log}"
+    );
 }
 
 /// What the environment holds of `EITRI_*` after `command` reads the env
