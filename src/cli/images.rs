@@ -29,6 +29,25 @@ pub(super) fn prune(state_dir: &Path) -> ExitCode {
             for sha in &pruned.removed {
                 println!("removed {sha}");
             }
+            // What stays, and why: a VM that still has a record (one
+            // tombstoned keeps it until it is destroyed), or the last
+            // desired state (the agent would fetch it again).
+            let named = named_by_records(&layout).unwrap_or_default();
+            let kept = crate::image::cached(&layout.images()).unwrap_or_default();
+            let mut kept: Vec<String> = kept.into_iter().map(|i| i.name).collect();
+            kept.sort();
+            for sha in &kept {
+                match named.get(sha) {
+                    Some(vms) => println!(
+                        "kept {sha}: VM {} still has a record (a tombstoned VM keeps it until it is destroyed)",
+                        vms.join(", ")
+                    ),
+                    None if wanted.contains(sha) => println!(
+                        "kept {sha}: the last desired state names it (a tombstoned entry's too, until it is gone from there)"
+                    ),
+                    None => println!("kept {sha}"),
+                }
+            }
             println!(
                 "{} image(s) removed, {:.1} MiB freed",
                 pruned.removed.len(),
@@ -40,15 +59,12 @@ pub(super) fn prune(state_dir: &Path) -> ExitCode {
     }
 }
 
-pub(super) fn list(state_dir: &Path) -> ExitCode {
-    use std::collections::BTreeMap;
-    let layout = Layout::new(state_dir);
-    let records = match crate::state::read_records(&layout) {
-        Ok(records) => records,
-        Err(e) => return fail(&e),
-    };
-    let mut named: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for (vm_id, slot) in &records {
+/// The VMs whose records name each image, by its digest.
+fn named_by_records(
+    layout: &Layout,
+) -> Result<std::collections::BTreeMap<String, Vec<String>>, crate::state::StoreError> {
+    let mut named: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for (vm_id, slot) in &crate::state::read_records(layout)? {
         if let crate::state::RecordSlot::Readable(rec) = slot {
             named
                 .entry(rec.spec.image_sha256.clone())
@@ -56,6 +72,15 @@ pub(super) fn list(state_dir: &Path) -> ExitCode {
                 .push(vm_id.to_string());
         }
     }
+    Ok(named)
+}
+
+pub(super) fn list(state_dir: &Path) -> ExitCode {
+    let layout = Layout::new(state_dir);
+    let named = match named_by_records(&layout) {
+        Ok(named) => named,
+        Err(e) => return fail(&e),
+    };
     let dir = layout.images();
     let mut images = match crate::image::cached(&dir) {
         Ok(images) => images,

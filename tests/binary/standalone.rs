@@ -140,7 +140,12 @@ fn images_prune_keeps_every_image_a_vm_names() {
     assert!(out.status.success(), "{out:?}");
     assert!(dir.path().join("images").join(&used).exists());
     assert!(!dir.path().join("images").join(&unused).exists());
-    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("removed {unused}")));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains(&format!("removed {unused}")), "{said}");
+    assert!(
+        said.contains(&format!("kept {used}: VM vm-1 still has a record")),
+        "{said}"
+    );
 }
 
 #[test]
