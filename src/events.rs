@@ -165,17 +165,13 @@ const REASONS: &[(&str, &str)] = &[
     ("its network", "Network"),
     ("its published ports", "Network"),
     ("cannot open its tap", "Network"),
+    ("plugged", "Plugged"),
     ("the hypervisor shut down", "Shutdown"),
     ("vfkit shut down", "Shutdown"),
 ];
 
 /// The reason of an event that says `what`.
 pub fn reason(what: &str) -> &'static str {
-    // "100.77.5.5 on its tap etr…": its NIC plugged, its address served.
-    let first = what.split(' ').next().unwrap_or_default();
-    if first.parse::<std::net::Ipv4Addr>().is_ok() && what.contains(" on its tap ") {
-        return "Plugged";
-    }
     REASONS
         .iter()
         .find(|(start, _)| what.starts_with(start))
@@ -300,14 +296,17 @@ impl Follow {
     pub fn added(&mut self, layout: &Layout) -> Vec<Event> {
         let mut new = Vec::new();
         for vm in vms_with_events(layout, self.vm_id.as_ref()) {
-            let Ok(text) = std::fs::read_to_string(layout.events(&vm)) else {
-                continue;
-            };
+            let path = layout.events(&vm);
             let seen = self.files.entry(vm.clone()).or_default();
-            let len = text.len() as u64;
-            if len == seen.len {
+            // Read only a file whose length moved: every VM's file is
+            // looked at twice a second.
+            if std::fs::metadata(&path).map_or(true, |m| m.len() == seen.len) {
                 continue;
             }
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let len = text.len() as u64;
             let fresh: &str = if len > seen.len && text.is_char_boundary(seen.len as usize) {
                 &text[seen.len as usize..]
             } else {
@@ -376,7 +375,7 @@ mod tests {
                 "spec rejected: vcpus: 0 is not a count of vCPUs",
                 "SpecRejected",
             ),
-            ("100.77.20.16 on its tap ec4c291410", "Plugged"),
+            ("plugged: 100.77.20.16 on its tap ec4c291410", "Plugged"),
             ("the hypervisor shut down when asked", "Shutdown"),
             ("something no rule knows", "Other"),
         ];

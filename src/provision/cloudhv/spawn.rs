@@ -384,7 +384,7 @@ impl CloudHypervisor {
         let Some(names) = network.taps(vm_id) else {
             return Ok(());
         };
-        log::info!("VM {vm_id}: {ip} on its tap {}", names.underlay);
+        log::info!("VM {vm_id}: plugged: {ip} on its tap {}", names.underlay);
         if !spec.network.is_empty() {
             network.plug_named(vm_id, &spec.network, &names.site, Mac::second_nic(vm_id))?;
         }
