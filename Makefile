@@ -7,18 +7,19 @@
 #   make chaos        the crash-consistency proof at length (1,000 random kills)
 #   make soak         a host's long life in minutes: nothing the agent adds may grow (root)
 #   make e2e-real     a real Linux guest under the agent (builds what is missing; root)
+#   make compat       the real-hypervisor checks against each binary in EITRI_COMPAT_HYPERVISORS (root)
 #
 # Each benchmark's last line is `bench=NAME key=value ...`.
 
 CARGO    ?= cargo
 PROTOGEN := contrib/protogen
 GENERATED := src/pb/eitri.agent.v1.rs src/pb/eitri.guest.v1.rs
-BENCHES  := store engine storage boot create suspend wake clone probe intake net repair limits
+BENCHES  := store engine storage boot create suspend wake clone probe intake net repair limits usage
 
 MUSL     := x86_64-unknown-linux-musl
 STATIC   := target/$(MUSL)/release/eitri-agent
 
-.PHONY: soak e2e-real tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
+.PHONY: soak e2e-real compat tls-check bench-scale docs msrv-check release-check macos-check mac-check chaos all build static test fmt-check clippy programs-check proto proto-check unit-tests bench $(addprefix bench-,$(BENCHES))
 
 all: build
 
@@ -42,6 +43,9 @@ build:
 # header says which, and from what), then runs tests/real_guest.rs.
 e2e-real:
 	CARGO=$(CARGO) contrib/e2e-real
+
+compat:
+	CARGO=$(CARGO) contrib/compat
 
 # A fully static, stripped binary for hosts (needs: rustup target add $(MUSL)).
 static:

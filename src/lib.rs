@@ -26,6 +26,7 @@
 //! | 2 | [`net`] | the underlay: addresses, the port guard, DHCP, the second NIC's snooper |
 //! | 2 | [`guest`] | the guest agent's exchange over vsock: its framing, the host's questions, the checks every answer passes, and the guest's side (`eitri-guest`) |
 //! | 2 | [`image`], [`seed`], [`disk`], [`hostkey`] | the artifacts of a create: base images, the NoCloud seed, root disks, guest host keys |
+//! | 3 | [`usage`] | what each running VM uses (CPU, memory, disk, network), sampled on its own thread |
 //! | 3 | [`reconcile`] | the engine: `Engine::step` routes a snapshot to one worker thread per VM and collects their rows; a VM's pass is the spine's numbered steps (`reconcile/step.rs`), each verb a file of its own |
 //! | 4 | [`source`], [`config`], [`status`], [`console`] | desired state in, flags in, the report file and its rendering, a VM's console |
 //! | 5 | [`daemon`] | the main loop, and the one place the real parts are wired |
@@ -55,6 +56,7 @@
 //! | `serial-bound` | holds each VM's `serial.log` to `--serial-log-max-mb` | nothing |
 //! | `dhcp-<tap>`, `snoop-<tap>` | a guest's DHCP responder; the second NIC's snooper | the tap |
 //! | `learned-writer` | writes the second NICs' learned addresses, at most once a second | the disk |
+//! | `usage` | reads each running VM's CPU, memory and device counters every `--usage-interval` | each VMM's API, 0.5 s per VM at most |
 //! | `signals` | SIGTERM/SIGINT/SIGHUP as events for `main` | signals |
 //!
 //! # Threat model
@@ -112,4 +114,5 @@ pub mod status;
 pub mod testkit;
 pub mod threads;
 pub mod trust;
+pub mod usage;
 pub mod version;

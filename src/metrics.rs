@@ -181,6 +181,14 @@ impl Exposition {
         self.sample(name, &[], value as f64);
     }
 
+    /// A counter family (`name` ends in `_total`) of one or more series.
+    pub fn counters(&mut self, name: &str, help: &str, series: &[(&[(&str, &str)], f64)]) {
+        self.head(name, "counter", help);
+        for (pairs, v) in series {
+            self.sample(name, pairs, *v);
+        }
+    }
+
     /// A counter family with one label, a series per value.
     pub fn counter_vec(&mut self, name: &str, help: &str, label: &str, values: &CounterVec) {
         self.head(name, "counter", help);

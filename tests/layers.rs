@@ -55,6 +55,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("hostkey", 2),
     ("guest", 2),
     ("reconcile", 3),
+    ("usage", 3),
     ("source", 4),
     ("config", 4),
     ("status", 4),

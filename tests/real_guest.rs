@@ -1112,3 +1112,5 @@ fn a_guest_restored_whole_before_it_runs_is_reseeded_too() {
 
 #[path = "real_guest/clones.rs"]
 mod clones;
+#[path = "real_guest/usage.rs"]
+mod usage;

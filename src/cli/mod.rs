@@ -10,6 +10,7 @@ mod keys;
 mod logs;
 mod release;
 mod status;
+mod top;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -62,6 +63,12 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             follow,
             hypervisor,
         } => logs::run(&state_dir, &vm_id, lines, follow, hypervisor),
+        Command::Top {
+            state_dir,
+            once,
+            json,
+            every,
+        } => top::run(&state_dir, once, json, every),
         Command::Events {
             state_dir,
             vm_id,
@@ -97,6 +104,21 @@ pub fn dispatch(command: Command, signals: Option<Signals>) -> ExitCode {
             }
         }
     }
+}
+
+/// Prints `page` as the next of a redrawn view: over the last one on a
+/// terminal, after it (with no terminal codes) into a pipe or a file.
+fn redraw(page: &str) -> std::io::Result<()> {
+    use std::io::IsTerminal;
+    let mut out = std::io::stdout().lock();
+    if out.is_terminal() {
+        // Home and clear, then the page.
+        write!(out, "\x1b[H\x1b[2J")?;
+    } else {
+        writeln!(out)?;
+    }
+    write!(out, "{page}")?;
+    out.flush()
 }
 
 /// Prints an error with its whole source chain, one cause per line.

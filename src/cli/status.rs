@@ -64,18 +64,11 @@ fn show(
         }
     };
     if watch {
-        use std::io::IsTerminal;
-        if std::io::stdout().is_terminal() {
-            // Home and clear, then the page: a redraw, not a scroll.
-            print!("\x1b[H\x1b[2J");
-        } else {
-            // A pipe or a file gets the pages one after another, with no
-            // terminal codes in them.
-            println!();
-        }
+        let _ = super::redraw(&text);
+    } else {
+        print!("{text}");
+        let _ = std::io::stdout().flush();
     }
-    print!("{text}");
-    let _ = std::io::stdout().flush();
     Ok(tick)
 }
 

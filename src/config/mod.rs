@@ -26,11 +26,11 @@ mod verbs;
 pub use usage::usage;
 use usage::{
     check_usage, config_usage, epoch_usage, events_usage, host_key_usage, images_usage,
-    keygen_usage, logs_usage, release_usage, run_usage, sign_usage, status_usage,
+    keygen_usage, logs_usage, release_usage, run_usage, sign_usage, status_usage, top_usage,
 };
 use verbs::{
     parse_epoch, parse_events, parse_images, parse_keygen, parse_logs, parse_release, parse_sign,
-    parse_status, show_config, state_dir_of,
+    parse_status, parse_top, show_config, state_dir_of,
 };
 
 /// What the binary was asked to do.
@@ -52,6 +52,15 @@ pub enum Command {
         lines: usize,
         follow: bool,
         hypervisor: bool,
+    },
+    /// What each running VM uses, one row each, redrawn.
+    Top {
+        state_dir: PathBuf,
+        /// Once, not redrawn.
+        once: bool,
+        json: bool,
+        /// How often the rows are drawn again.
+        every: std::time::Duration,
     },
     /// What happened to a VM (or to every VM), one line per event.
     Events {
@@ -214,6 +223,9 @@ pub struct ReportingSettings {
     pub notify_fd: Option<i32>,
     /// `--metrics-file`: where the metrics go every tick; `None`: nowhere.
     pub metrics_file: Option<PathBuf>,
+    /// `--usage-interval`: how often what VMs use is sampled; `None`:
+    /// never.
+    pub usage_interval: Option<std::time::Duration>,
 }
 
 impl Config {
@@ -301,6 +313,8 @@ pub fn parse(args: &[String], env: &HashMap<String, String>) -> Result<Command, 
         "status" => parse_status(rest, env),
         "logs" if help => Ok(Command::Help(logs_usage())),
         "events" if help => Ok(Command::Help(events_usage())),
+        "top" if help => Ok(Command::Help(top_usage())),
+        "top" => parse_top(rest, env),
         "events" => parse_events(rest, env),
         "logs" => parse_logs(rest, env),
         "host-key" if help => Ok(Command::Help(host_key_usage())),

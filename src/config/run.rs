@@ -90,6 +90,8 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
         reporting: super::ReportingSettings {
             notify_fd: notify_fd(reporting)?,
             metrics_file: reporting.optional_path(Key::MetricsFile),
+            usage_interval: Some(reporting.duration(Key::UsageInterval)?)
+                .filter(|every| !every.is_zero()),
         },
     })
 }

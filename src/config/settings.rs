@@ -228,6 +228,8 @@ settings! {
             "write metrics in the Prometheus text format to this file every tick, for node_exporter's textfile collector (default: off)";
         NotifyFd => "notify-fd", "EITRI_NOTIFY_FD", "",
             "write one newline to this fd once the first report is written (s6 readiness)";
+        UsageInterval => "usage-interval", "EITRI_USAGE_INTERVAL", "10s",
+            "how often each running VM's CPU, memory, disk and network are sampled, for top, status and the metrics file (0: never)";
     ]
 }
 

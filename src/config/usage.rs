@@ -12,6 +12,7 @@ usage: eitri-agent run [--config FILE] [FLAGS]   converge this host and report (
        eitri-agent status [VM] [--state-dir DIR] [--json] [--watch]   the last report, or one VM in detail
        eitri-agent logs VM [--state-dir DIR] [--lines N] [--follow] [--hypervisor]   a VM's console (or its hypervisor's log)
        eitri-agent events [VM] [--state-dir DIR] [--lines N] [--follow]   what happened to a VM (or every VM), one line each
+       eitri-agent top [--state-dir DIR] [--once] [--json] [--every DURATION]   what each running VM uses, redrawn
        eitri-agent images list|prune [--state-dir DIR]   the cached images and their VMs, or delete those no VM uses
        eitri-agent release [--state-dir DIR] [--agents-dir DIR] [--force]   end a state dir's claim on the host
        eitri-agent epoch [--state-dir DIR] [--set N]   the epoch fence a stopped agent holds, or move it
@@ -159,6 +160,24 @@ pub(super) fn events_usage() -> String {
         &[
             ("lines N", "how many of the last events to print [20]"),
             ("follow", "keep printing events as they happen"),
+        ],
+    )
+}
+
+pub(super) fn top_usage() -> String {
+    verb_usage(
+        "top [--state-dir DIR] [--once] [--json] [--every DURATION]\n\n\
+         What each running VM uses, one row each, busiest CPU first: CPU (% of\n\
+         one core), its hypervisor's resident memory, disk reads and writes\n\
+         (bytes and requests a second) and network in and out (bytes a second,\n\
+         from the guest's side). The agent samples them every --usage-interval\n\
+         (10s unless set), each a rate over the last interval; a VM started since\n\
+         its last sample shows - until its second. Reads report.json without the\n\
+         state dir's lock: works beside a running agent.",
+        &[
+            ("once", "print the rows once, not redrawn"),
+            ("json", "the figures as JSON, by VM id (once)"),
+            ("every DURATION", "how often the rows are drawn again [2s]"),
         ],
     )
 }

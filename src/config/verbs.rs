@@ -166,6 +166,29 @@ pub(super) fn parse_events(
     })
 }
 
+pub(super) fn parse_top(
+    args: &[String],
+    env: &HashMap<String, String>,
+) -> Result<Command, ConfigError> {
+    let flags = flag_values(args, &["state-dir", "every"], &["once", "json"])?;
+    let every = match flags.get("every") {
+        None => std::time::Duration::from_secs(2),
+        Some(v) => super::parse_duration(v)
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                err(format!(
+                    "--every: {v:?} is not a duration above 0 (e.g. 2s)"
+                ))
+            })?,
+    };
+    Ok(Command::Top {
+        state_dir: state_dir_of(&flags, env),
+        once: flags.contains_key("once"),
+        json: flags.contains_key("json"),
+        every,
+    })
+}
+
 /// `--lines N`, or `default`.
 fn lines_of(flags: &HashMap<String, &str>, default: usize) -> Result<usize, ConfigError> {
     match flags.get("lines") {

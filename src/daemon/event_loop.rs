@@ -85,6 +85,9 @@ pub struct Parts {
     pub agents_dir: Option<std::path::PathBuf>,
     /// `--max-epoch-step`: how far one unsigned answer may raise the fence.
     pub max_epoch_step: u64,
+    /// What each running VM uses, sampled (`--usage-interval`); `None`:
+    /// not sampled.
+    pub usage: Option<crate::usage::Sampler>,
 }
 
 /// Why a snapshot's epoch may not move the fence (see `epoch_rule`).
@@ -184,6 +187,7 @@ pub struct Daemon {
     pub(super) agents_dir: String,
     /// When this agent started (Unix ms), for `status`.
     pub(super) started_at_ms: u64,
+    pub(super) usage: Option<crate::usage::Sampler>,
 }
 
 impl Daemon {
@@ -226,6 +230,7 @@ impl Daemon {
                 .unwrap_or_default(),
             details: details::Details::going_on_from(last_report),
             started_at_ms: details::unix_ms(SystemTime::now()),
+            usage: parts.usage,
         }
     }
 

@@ -25,6 +25,16 @@
 //! | `eitri_vm_limit{vm_id,limit}` | gauge | the limits a VM runs with: `cpu_max_millis`, `cpu_burst_ms`, `disk_mbps`, `disk_iops`, `net_mbps` (0: none) |
 //! | `eitri_vm_egress_ranges{vm_id,list}` | gauge | ranges in its own `deny` and `allow` lists held on the host |
 //! | `eitri_vm_probe_answering{vm_id}` | gauge | 1 while its readiness probe answers, 0 while it fails |
+//! | `eitri_vm_cpu_seconds_total{vm_id}` | counter | CPU time its VMM spent (its cgroup's count, where the host keeps one) |
+//! | `eitri_vm_memory_resident_bytes{vm_id}` | gauge | memory its VMM holds resident |
+//! | `eitri_vm_disk_read_bytes_total{vm_id}`, `eitri_vm_disk_written_bytes_total{vm_id}`, `eitri_vm_disk_reads_total{vm_id}`, `eitri_vm_disk_writes_total{vm_id}` | counter | its disks' traffic, as its VMM counts it |
+//! | `eitri_vm_network_received_bytes_total{vm_id}`, `eitri_vm_network_sent_bytes_total{vm_id}` | counter | its NICs' traffic from the guest's side, as its VMM counts it (its taps', when the VMM does not answer) |
+//!
+//! The usage families (`cpu`, `memory`, `disk`, `network`) hold a series
+//! for each VM running at the last sample (`--usage-interval`), eight per
+//! VM: as many as the host runs VMs, and none of a VM stopped. Their
+//! counters start again from 0 when a VM's hypervisor does (a repair, a
+//! resume), which Prometheus's `rate()` takes as a reset.
 //! | `eitri_boot_duration_seconds` | histogram | boot asked → hypervisor running |
 //! | `eitri_suspend_duration_seconds` | histogram | suspend asked → snapshot committed and VMM gone (its `_count`: suspends) |
 //! | `eitri_resume_duration_seconds` | histogram | resume asked → restored guest running (its `_count`: resumes) |
@@ -40,6 +50,7 @@
 //! | `eitri_quota_committed{resource}`, `eitri_quota_cap{resource}` | gauge | vcpus, memory_bytes, disk_bytes (cap 0 = none) |
 //! | `eitri_workers` | gauge | VM worker threads alive |
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -50,6 +61,18 @@ use crate::model::Report;
 use crate::pb;
 use crate::reconcile::Engine;
 use crate::reconcile::counts::Counts;
+use crate::usage::Usage;
+
+/// What the main loop keeps count of itself, for the file.
+pub struct Kept<'a> {
+    pub contact_failures: &'a crate::metrics::CounterVec,
+    pub epoch_refusals: &'a crate::metrics::CounterVec,
+    /// Each running VM's last usage sample, by id.
+    pub usage: &'a HashMap<String, Usage>,
+}
+
+/// One usage family: its name, help, and a VM's value.
+type UsageFamily = (&'static str, &'static str, fn(&Usage) -> Option<f64>);
 
 /// The file and what only the daemon knows.
 pub struct MetricsFile {
@@ -82,8 +105,7 @@ impl MetricsFile {
         engine: &Engine,
         report: &Report,
         epoch: u64,
-        contact_failures: &crate::metrics::CounterVec,
-        epoch_refusals: &crate::metrics::CounterVec,
+        kept: &Kept<'_>,
     ) -> String {
         let from = Sources {
             file: self,
@@ -92,8 +114,9 @@ impl MetricsFile {
             counts: engine.counts(),
             report,
             epoch,
-            contact_failures,
-            epoch_refusals,
+            contact_failures: kept.contact_failures,
+            epoch_refusals: kept.epoch_refusals,
+            usage: kept.usage,
         };
         let mut e = Exposition::new();
         for write in WRITERS {
@@ -119,11 +142,12 @@ struct Sources<'a> {
     epoch: u64,
     contact_failures: &'a crate::metrics::CounterVec,
     epoch_refusals: &'a crate::metrics::CounterVec,
+    usage: &'a HashMap<String, Usage>,
 }
 
 /// The file's family groups, in the order they are written.
 const WRITERS: &[fn(&Sources<'_>, &mut Exposition)] =
-    &[agent, vms, creates, per_vm, lifecycle, images, quota];
+    &[agent, vms, creates, per_vm, usage, lifecycle, images, quota];
 
 /// The agent itself: who, since when, its loop and its contacts.
 fn agent(from: &Sources<'_>, e: &mut Exposition) {
@@ -306,6 +330,62 @@ fn per_vm(from: &Sources<'_>, e: &mut Exposition) {
         "eitri_vm_probe_answering",
         "1 while a VM's readiness probe answers, 0 while it fails; absent without a probe.",
         &as_series(&probe_series),
+    );
+}
+
+/// What each running VM uses: the totals of its last sample.
+fn usage(from: &Sources<'_>, e: &mut Exposition) {
+    let mut vms: Vec<(&String, &Usage)> = from.usage.iter().collect();
+    vms.sort_by(|a, b| a.0.cmp(b.0));
+    let series = |value: fn(&Usage) -> Option<f64>| -> Vec<(Vec<(&str, &str)>, f64)> {
+        vms.iter()
+            .filter_map(|(vm, u)| Some((vec![("vm_id", vm.as_str())], value(u)?)))
+            .collect()
+    };
+    let counters: [UsageFamily; 7] = [
+        (
+            "eitri_vm_cpu_seconds_total",
+            "CPU time a VM's hypervisor spent, its vCPUs' included.",
+            |u| u.totals.cpu_ns.map(|n| n as f64 / 1e9),
+        ),
+        (
+            "eitri_vm_disk_read_bytes_total",
+            "Bytes a VM's guest read from its disks, as its VMM counts them.",
+            |u| u.totals.disk_read_bytes.map(|n| n as f64),
+        ),
+        (
+            "eitri_vm_disk_written_bytes_total",
+            "Bytes a VM's guest wrote to its disks, as its VMM counts them.",
+            |u| u.totals.disk_write_bytes.map(|n| n as f64),
+        ),
+        (
+            "eitri_vm_disk_reads_total",
+            "Read requests a VM's guest made of its disks.",
+            |u| u.totals.disk_read_ops.map(|n| n as f64),
+        ),
+        (
+            "eitri_vm_disk_writes_total",
+            "Write requests a VM's guest made of its disks.",
+            |u| u.totals.disk_write_ops.map(|n| n as f64),
+        ),
+        (
+            "eitri_vm_network_received_bytes_total",
+            "Bytes a VM's guest took in on its NICs.",
+            |u| u.totals.net_rx_bytes.map(|n| n as f64),
+        ),
+        (
+            "eitri_vm_network_sent_bytes_total",
+            "Bytes a VM's guest sent on its NICs.",
+            |u| u.totals.net_tx_bytes.map(|n| n as f64),
+        ),
+    ];
+    for (name, help, value) in counters {
+        e.counters(name, help, &as_series(&series(value)));
+    }
+    e.gauge(
+        "eitri_vm_memory_resident_bytes",
+        "Memory a VM's hypervisor holds resident: the guest's touched pages and its own.",
+        &as_series(&series(|u| u.resident_bytes.map(|n| n as f64))),
     );
 }
 

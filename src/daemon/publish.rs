@@ -53,9 +53,23 @@ impl Daemon {
     }
 
     pub(super) fn write_report(&mut self, report: pb::Report, tick: bool) {
-        let details = self
+        let mut details = self
             .details
             .update(&report, &self.store, &self.engine, tick);
+        if let Some(usage) = &self.usage {
+            usage.running(
+                report
+                    .vms
+                    .iter()
+                    .filter(|row| row.power_state == "running")
+                    .filter_map(|row| crate::model::Id::parse(&row.vm_id).ok())
+                    .collect(),
+            );
+            let mut figures = usage.figures();
+            for (vm, detail) in &mut details {
+                detail.usage = figures.remove(vm);
+            }
+        }
         let mut notes = self.notes.clone();
         if let Some(why) = &self.refused_epoch {
             notes.push(why.clone());
@@ -106,13 +120,21 @@ impl Daemon {
         let Some(m) = &self.metrics else {
             return;
         };
+        let usage = self
+            .usage
+            .as_ref()
+            .map(crate::usage::Sampler::figures)
+            .unwrap_or_default();
         let text = m.render(
             &self.host,
             &self.engine,
             report,
             self.store.epoch(),
-            self.link.failures(),
-            &self.epoch_refusals,
+            &super::metrics::Kept {
+                contact_failures: self.link.failures(),
+                epoch_refusals: &self.epoch_refusals,
+                usage: &usage,
+            },
         );
         match m.write(&text) {
             Ok(()) => {

@@ -84,6 +84,10 @@ pub fn run(mut config: Config, signals: Signals) -> Result<(), DaemonError> {
         host_keys: Arc::new(crate::hostkey::LocalHostKeys),
         host,
     };
+    let usage = config
+        .reporting
+        .usage_interval
+        .and_then(|every| crate::usage::Sampler::start(Arc::clone(&seams.provisioner), every));
     let engine = Arc::new(Engine::new(
         Arc::clone(&store),
         seams,
@@ -132,6 +136,7 @@ pub fn run(mut config: Config, signals: Signals) -> Result<(), DaemonError> {
             image_cache_max: image_cache_bytes(&config),
             agents_dir: Some(config.state.agents_dir.clone()),
             max_epoch_step: config.source.max_epoch_step,
+            usage,
             metrics: config
                 .reporting
                 .metrics_file

@@ -178,6 +178,67 @@ pub trait Lifecycle: Send + Sync {
     fn guest_doors(&self) -> Option<&dyn GuestDoors> {
         None
     }
+
+    /// What each running VM has used, where this backend can read it.
+    fn meters(&self) -> Option<&dyn Meters> {
+        None
+    }
+}
+
+/// What a running VM has used since its hypervisor started, read at one
+/// instant: running totals, each `None` where the backend could not read
+/// it this time. Rates are the reader's business (two readings of one
+/// process apart).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Reading {
+    /// Its hypervisor, and when that process started (clock ticks after
+    /// boot): totals of two readings compare only within one process.
+    pub pid: u32,
+    pub started: u64,
+    /// CPU time its VMM spent (nanoseconds).
+    pub cpu_ns: Option<u64>,
+    /// Memory its VMM holds resident (the guest's touched pages and the
+    /// VMM's own).
+    pub resident_bytes: Option<u64>,
+    /// Its disks, summed, as its VMM counts the guest's requests.
+    pub disk: Option<DiskCounts>,
+    /// Its NICs, summed, from the guest's side: `rx` what the guest took
+    /// in, `tx` what it sent.
+    pub net: Option<NetCounts>,
+    /// Who counted `net`.
+    pub net_from: NetSource,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskCounts {
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub read_ops: u64,
+    pub write_ops: u64,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NetCounts {
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+}
+
+/// Who counted a VM's network bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NetSource {
+    /// Its VMM (`vm.counters`).
+    #[default]
+    Vmm,
+    /// The host kernel, on its taps: the VMM did not answer.
+    Taps,
+}
+
+/// Reads what running VMs use (see [`Reading`]).
+pub trait Meters: Send + Sync {
+    /// The VM's totals now; `None` when no hypervisor of it runs. Bounded:
+    /// a VMM that does not answer costs at most a fraction of a second,
+    /// and its disk and NIC totals are then `None` (or the taps').
+    fn read(&self, vm_id: &Id) -> Option<Reading>;
 }
 
 /// Where each VM's guest agent is reached (see [`crate::guest`]).

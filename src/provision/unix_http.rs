@@ -62,7 +62,8 @@ pub fn request(
     );
     let mut out = head.into_bytes();
     out.extend_from_slice(body);
-    within(&stream, deadline)?;
+    // The connect's send timeout bounds the write: set to the time left.
+    stream.set_write_timeout(Some(left(deadline)?))?;
     stream.write_all(&out)?;
     let (status, len, mut rest) = read_head(&mut stream, deadline)?;
     if len > MAX_BODY {
@@ -128,11 +129,9 @@ fn left(deadline: Deadline) -> io::Result<Duration> {
     }
 }
 
-/// The stream's read and write timeouts set to the time left.
+/// The stream's read timeout set to the time left, before each read.
 fn within(stream: &UnixStream, deadline: Deadline) -> io::Result<()> {
-    let left = left(deadline)?;
-    stream.set_read_timeout(Some(left))?;
-    stream.set_write_timeout(Some(left))
+    stream.set_read_timeout(Some(left(deadline)?))
 }
 
 fn timeval(d: Duration) -> TimeVal {

@@ -124,6 +124,9 @@ pub struct VmDetail {
     /// When its last create began (Unix ms; 0: never).
     #[serde(default)]
     pub created_at_ms: u64,
+    /// What it uses, while it runs and the agent samples it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<crate::usage::Usage>,
 }
 
 impl ReportFile {

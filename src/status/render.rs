@@ -458,7 +458,47 @@ fn process_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field>
         )
     };
     fields.push(("address", format!("{}{site}", dash(&row.ip))));
+    if let Some(usage) = &detail.usage {
+        fields.push(("usage", usage_line(usage, ago)));
+    }
     fields
+}
+
+/// What a running VM uses, as `top` shows it, in one line.
+fn usage_line(u: &crate::usage::Usage, ago: Ago) -> String {
+    let rate =
+        |n: Option<u64>| n.map_or("-".to_owned(), |n| format!("{}/s", crate::human::bytes(n)));
+    let ops = |n: Option<u64>| n.map_or("-".to_owned(), |n| n.to_string());
+    let cpu = u
+        .cpu_millis
+        .map_or("-".to_owned(), |m| format!("{:.1}%", m as f64 / 10.0));
+    let memory = u.resident_bytes.map_or("-".to_owned(), crate::human::bytes);
+    let counted = if u.net_from == "taps" {
+        " (counted on its taps)"
+    } else {
+        ""
+    };
+    let when = if u.over_ms > 0 {
+        format!(
+            "over {} to {} ago",
+            crate::human::duration(Duration::from_millis(u.over_ms)),
+            ago.of(u.sampled_at_ms)
+        )
+    } else {
+        format!(
+            "sampled once, {} ago: rates come with the next",
+            ago.of(u.sampled_at_ms)
+        )
+    };
+    format!(
+        "CPU {cpu} of a core, {memory} resident; disk {} read ({} req/s), {} written ({} req/s); network {} in, {} out{counted}; {when}",
+        rate(u.disk_read_bps),
+        ops(u.disk_read_iops),
+        rate(u.disk_write_bps),
+        ops(u.disk_write_iops),
+        rate(u.net_rx_bps),
+        rate(u.net_tx_bps),
+    )
 }
 
 /// When a VM out of the desired state is destroyed.

@@ -58,6 +58,8 @@ struct Host {
     fakes: Arc<Fakes>,
     engine: Engine,
     metrics: MetricsFile,
+    /// The usage samples the file is written with.
+    usage: std::collections::HashMap<String, eitri_agent::usage::Usage>,
 }
 
 impl Host {
@@ -80,6 +82,7 @@ impl Host {
             fakes,
             engine,
             metrics,
+            usage: Default::default(),
         }
     }
 
@@ -102,8 +105,11 @@ impl Host {
             &self.engine,
             &self.engine.published(),
             snap.epoch,
-            &failures,
-            &CounterVec::default(),
+            &eitri_agent::daemon::metrics::Kept {
+                contact_failures: &failures,
+                epoch_refusals: &CounterVec::default(),
+                usage: &self.usage,
+            },
         )
     }
 }
@@ -144,6 +150,56 @@ fn the_metrics_file_parses_with_a_prometheus_parser() {
     assert_eq!(
         samples.get("eitri_quota_committed{resource=vcpus}"),
         Some(&2.0)
+    );
+}
+
+#[test]
+fn a_sampled_vm_has_its_usage_series_and_an_unsampled_one_none() {
+    let mut h = Host::new();
+    h.usage.insert(
+        "vm-1".into(),
+        eitri_agent::usage::Usage {
+            resident_bytes: Some(512 << 20),
+            totals: eitri_agent::usage::Totals {
+                cpu_ns: Some(2_500_000_000),
+                disk_write_bytes: Some(4096),
+                net_rx_bytes: Some(100),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    );
+
+    let samples = parse(&h.tick(&snapshot(
+        1,
+        vec![present(desired("vm-1")), present(desired("vm-2"))],
+    )));
+
+    assert_eq!(
+        samples.get("eitri_vm_cpu_seconds_total{vm_id=vm-1}"),
+        Some(&2.5)
+    );
+    assert_eq!(
+        samples.get("eitri_vm_memory_resident_bytes{vm_id=vm-1}"),
+        Some(&f64::from(512u32 << 20))
+    );
+    assert_eq!(
+        samples.get("eitri_vm_disk_written_bytes_total{vm_id=vm-1}"),
+        Some(&4096.0)
+    );
+    assert_eq!(
+        samples.get("eitri_vm_network_received_bytes_total{vm_id=vm-1}"),
+        Some(&100.0)
+    );
+    // A total the VMM did not give is no series, not a 0.
+    assert_eq!(
+        samples.get("eitri_vm_disk_read_bytes_total{vm_id=vm-1}"),
+        None
+    );
+    assert!(
+        !samples
+            .keys()
+            .any(|k| k.contains("vm_id=vm-2") && k.starts_with("eitri_vm_cpu"))
     );
 }
 

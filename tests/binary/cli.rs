@@ -20,8 +20,8 @@ fn help_lists_every_flag_of_run_by_section() {
 #[test]
 fn every_verbs_help_is_its_own() {
     for verb in [
-        "config", "check", "status", "logs", "events", "images", "release", "epoch", "keygen",
-        "sign", "host-key",
+        "config", "check", "status", "logs", "events", "top", "images", "release", "epoch",
+        "keygen", "sign", "host-key",
     ] {
         let out = eitri(&[verb, "--help"]);
 

@@ -202,8 +202,11 @@ fn a_killed_vmm_raises_its_lost_counter_by_one() {
             h.engine(),
             &h.engine().published(),
             1,
-            &eitri_agent::metrics::CounterVec::default(),
-            &eitri_agent::metrics::CounterVec::default(),
+            &eitri_agent::daemon::metrics::Kept {
+                contact_failures: &eitri_agent::metrics::CounterVec::default(),
+                epoch_refusals: &eitri_agent::metrics::CounterVec::default(),
+                usage: &Default::default(),
+            },
         );
         text.lines()
             .find_map(|l| l.strip_prefix("eitri_vm_lost_total{vm_id=\"vm-1\"} "))

@@ -19,6 +19,7 @@ mod process;
 mod publish;
 mod stop;
 mod suspend;
+mod usage;
 mod wake;
 
 // Helpers of these two that the other modules use too.
@@ -489,4 +490,5 @@ both!(
     boot::a_serial_probe_for_a_line_the_guest_never_prints_holds_ready_back_on,
     suspend::a_resumed_guest_that_printed_its_probes_line_before_is_ready_again_on,
     suspend::a_cold_boot_does_not_count_the_line_its_last_boot_printed_on,
+    usage::a_running_vms_reading_is_of_its_own_vmm_and_its_counts_on,
 );

@@ -122,6 +122,7 @@ fn agent_in(
             image_cache_max: None,
             agents_dir: None,
             max_epoch_step: 1 << 32,
+            usage: None,
         },
     );
     let generation = link.generation();
@@ -877,6 +878,7 @@ fn shutdown_stays_within_the_grace_with_a_pass_stuck() {
             image_cache_max: None,
             agents_dir: None,
             max_epoch_step: 1 << 32,
+            usage: None,
         },
     );
     let mut exchange = Exchange::new(

@@ -41,6 +41,10 @@
 //!   line, as a guest with a wrong root device prints it.
 //! - `STANDIN_BURN_CPUS=n`: n threads spinning for ever, as a guest whose
 //!   vCPUs never idle.
+//! - `STANDIN_DISK_READ=n`: a guest reading its first disk at n bytes a
+//!   second, counted in `vm.counters` (see `counters`), which it answers
+//!   as the real one does.
+//! - `STANDIN_COUNTERS_SILENT=1`: `vm.counters` is never answered.
 //! - `STANDIN_LOG_FLOOD=n`: n bytes a second into its own log file, for
 //!   ever, as a VMM its guest took over could write.
 //! - `STANDIN_CONNECT=ip:port`: try a TCP connection there at start and
@@ -82,6 +86,7 @@
 //!   real one does), is written into a snapshot's config and bound again
 //!   at its restore; the guest's boot id is kept in the snapshot.
 
+mod counters;
 mod guest;
 mod wire;
 
@@ -355,6 +360,16 @@ impl Config {
             .into_iter()
             .flatten()
             .filter_map(|n| n["id"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    fn disk_ids(&self) -> Vec<String> {
+        self.0["disks"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, d)| d["id"].as_str().map_or(format!("_disk{i}"), str::to_owned))
             .collect()
     }
 
@@ -1039,6 +1054,12 @@ fn serve_all(
         _ => "Running",
     };
     let config = Arc::new(restored.unwrap_or_else(|| Config::of(args)));
+    if let (Some(disk), Some(rate)) = (
+        config.disks().first().cloned(),
+        knob("STANDIN_DISK_READ").and_then(|v| v.parse::<u64>().ok()),
+    ) {
+        std::thread::spawn(move || counters::read_disk(&disk, rate));
+    }
     if let Some(disk) = config.disks().first() {
         use std::os::unix::fs::MetadataExt;
         let ino = std::fs::metadata(disk).map_or(0, |m| m.ino());
@@ -1148,6 +1169,9 @@ fn answer(
     state: &Mutex<String>,
     config: &Config,
 ) -> (u16, String, bool) {
+    if (method, path) == ("GET", "/api/v1/vm.counters") {
+        return counters::request(state, config);
+    }
     let ignore = knob("STANDIN_IGNORE_SHUTDOWN").is_some();
     let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
     match (method, path) {

@@ -15,6 +15,7 @@
 
 use std::net::Ipv4Addr;
 use std::os::fd::RawFd;
+use std::sync::atomic::Ordering;
 
 /// The tap's `virtio_net_hdr` (the agent opens it with IFF_VNET_HDR and
 /// no offloads, so the header is all zeros and the checksums whole).
@@ -35,6 +36,8 @@ pub fn answer(fd: RawFd, mac: [u8; 6], said: impl Fn(&str)) {
         let Some(frame) = buf.get(VNET_HDR..n) else {
             continue;
         };
+        crate::counters::NET_RX_BYTES.fetch_add(frame.len() as u64, Ordering::Relaxed);
+        crate::counters::NET_RX_FRAMES.fetch_add(1, Ordering::Relaxed);
         let reply = match ethertype(frame) {
             Some(0x0806) => arp_reply(frame, mac),
             Some(0x0800) => syn_ack(frame, mac, &said),
@@ -45,6 +48,8 @@ pub fn answer(fd: RawFd, mac: [u8; 6], said: impl Fn(&str)) {
             out.extend_from_slice(&reply);
             // SAFETY: `out` is valid for its length.
             let _ = unsafe { nix::libc::write(fd, out.as_ptr().cast(), out.len()) };
+            crate::counters::NET_TX_BYTES.fetch_add(reply.len() as u64, Ordering::Relaxed);
+            crate::counters::NET_TX_FRAMES.fetch_add(1, Ordering::Relaxed);
         }
     }
 }

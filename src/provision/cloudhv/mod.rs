@@ -29,6 +29,7 @@ mod api;
 pub mod argv;
 mod error;
 mod identity;
+mod meters;
 mod preflight;
 mod process;
 mod serial;
@@ -468,6 +469,10 @@ impl Lifecycle for CloudHypervisor {
     }
 
     fn guest_doors(&self) -> Option<&dyn super::GuestDoors> {
+        Some(self)
+    }
+
+    fn meters(&self) -> Option<&dyn super::Meters> {
         Some(self)
     }
 }

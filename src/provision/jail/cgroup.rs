@@ -41,6 +41,9 @@ struct Hierarchy {
     mount: PathBuf,
     unified: bool,
     controllers: Vec<Controller>,
+    /// A v1 hierarchy that mounts cpuacct too (`cpu,cpuacct`): it counts
+    /// the CPU time its cgroups use.
+    cpuacct: bool,
 }
 
 /// A VMM's limits.
@@ -108,6 +111,7 @@ impl Cgroups {
                         mount,
                         unified: true,
                         controllers,
+                        cpuacct: false,
                     });
                 }
                 Some("cgroup") => {
@@ -120,6 +124,7 @@ impl Cgroups {
                             mount,
                             unified: false,
                             controllers,
+                            cpuacct: options.split(',').any(|o| o == "cpuacct"),
                         });
                     }
                 }
@@ -163,6 +168,35 @@ impl Cgroups {
             .iter()
             .map(|h| h.mount.join(&self.root).join(vm_id.as_str()))
             .collect()
+    }
+
+    /// The CPU time the VM's cgroup has used (ns), where its cpu hierarchy
+    /// counts it: `cpu.stat` on the unified one, `cpuacct.usage` where v1
+    /// mounts cpuacct with cpu. `None` on a v1 host that mounts cpuacct
+    /// apart (the VM is not put in one there).
+    pub fn cpu_usage_ns(&self, vm_id: &Id) -> Option<u64> {
+        let h = self
+            .hierarchies
+            .iter()
+            .find(|h| h.controllers.contains(&Controller::Cpu))
+            .filter(|h| h.unified || h.cpuacct)?;
+        let dir = h.mount.join(&self.root).join(vm_id.as_str());
+        if h.unified {
+            let stat = fs::read_to_string(dir.join("cpu.stat")).ok()?;
+            let usec: u64 = stat
+                .lines()
+                .find_map(|l| l.strip_prefix("usage_usec "))?
+                .trim()
+                .parse()
+                .ok()?;
+            Some(usec.saturating_mul(1000))
+        } else {
+            fs::read_to_string(dir.join("cpuacct.usage"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        }
     }
 
     /// Makes the VM's cgroups (or finds them) and sets their limits.
@@ -471,6 +505,24 @@ mod tests {
             c.dirs(&Id::parse("web-1").expect("id")),
             [PathBuf::from("/sys/fs/cgroup/eitri/web-1")]
         );
+    }
+
+    #[test]
+    fn a_v1_cpu_hierarchy_counts_cpu_time_only_where_cpuacct_is_mounted_with_it() {
+        let joined = HYBRID.replace(
+            "/sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n",
+            "/sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n",
+        );
+        let counts = |mountinfo: &str| {
+            let c =
+                Cgroups::from_mountinfo("eitri", mountinfo, |_| "hugetlb\n".into()).expect("found");
+            c.hierarchies
+                .iter()
+                .find(|h| h.controllers.contains(&Controller::Cpu))
+                .map(|h| h.cpuacct)
+        };
+
+        assert_eq!((counts(HYBRID), counts(&joined)), (Some(false), Some(true)));
     }
 
     #[test]

@@ -5,6 +5,7 @@ use super::*;
 mod host;
 mod network;
 mod status;
+mod usage;
 
 /// What an agent that boots VMs needs beside its temp dir: the stand-in
 /// hypervisor and a kernel file, a KVM device of its own, a base image,
@@ -80,6 +81,11 @@ impl Drop for Booting {
     fn drop(&mut self) {
         eitri_agent::testkit::end_cgroup_root(&self.cgroup_root);
     }
+}
+
+/// `vm`'s detail in `report` (what `status VM` shows).
+fn detail_of(report: &serde_json::Value, vm: &str) -> serde_json::Value {
+    report["details"][vm].clone()
 }
 
 /// An agent over `dir` whose one desired VM, `vm`, is ready.

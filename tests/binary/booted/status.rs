@@ -81,11 +81,6 @@ fn status_of_a_vm_agrees_with_its_hypervisor_after_boot_suspend_and_resume() {
     );
 }
 
-/// `vm`'s detail in `report` (what `status VM` shows).
-fn detail_of(report: &serde_json::Value, vm: &str) -> serde_json::Value {
-    report["details"][vm].clone()
-}
-
 #[test]
 fn a_running_vms_durations_go_on_across_an_agent_restart() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -1,0 +1,142 @@
+//! What a real guest uses, as the agent samples it (`top`, `status VM`,
+//! the report's `usage`), against what the guest measured of itself: a
+//! busy loop's CPU time, a `dd`'s bytes written, the bytes a download
+//! brought in. Each is compared as totals across the activity (the
+//! agent's sample before it began against its first sample after it
+//! ended), so the comparison does not hang on where a sample's window
+//! falls.
+
+use std::process::Command;
+
+use super::*;
+
+/// How often the agent samples, here: often, so the samples around an
+/// activity are near it.
+const EVERY: &str = "1s";
+
+/// The VM's last sample in the report: its time and its totals.
+fn sample(lab: &Lab, id: &str) -> (u64, Value) {
+    let usage = &lab.details(id)["usage"];
+    (
+        usage["sampled_at_ms"].as_u64().unwrap_or(0),
+        usage["totals"].clone(),
+    )
+}
+
+/// Waits for a sample taken after `after_ms` (Unix ms); its totals.
+fn sample_after(lab: &Lab, id: &str, after_ms: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (at, totals) = sample(lab, id);
+        if at > after_ms && !totals.is_null() {
+            return totals;
+        }
+        assert!(Instant::now() < deadline, "no sample after {after_ms}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn now_ms() -> u64 {
+    eitri_agent::human::unix_ms(std::time::SystemTime::now())
+}
+
+/// The growth of `key` between two samples' totals.
+fn grew(before: &Value, after: &Value, key: &str) -> f64 {
+    after[key]
+        .as_u64()
+        .unwrap_or(0)
+        .saturating_sub(before[key].as_u64().unwrap_or(0)) as f64
+}
+
+fn within_a_fifth(agent: f64, guest: f64) -> bool {
+    guest > 0.0 && (agent - guest).abs() <= 0.2 * guest
+}
+
+/// Runs `command` in the guest between two of the agent's samples: the
+/// totals before and after, and what the command printed.
+fn around(
+    lab: &Lab,
+    id: &str,
+    ip: &str,
+    command: &str,
+    stdin: Option<&str>,
+) -> (Value, Value, String) {
+    let before = sample_after(lab, id, now_ms());
+    let out = lab.ssh_with(USER, ip, command, &[], stdin);
+    assert!(
+        out.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = sample_after(lab, id, now_ms());
+    (
+        before,
+        after,
+        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+    )
+}
+
+#[test]
+fn what_top_shows_of_a_guest_is_what_the_guest_measured_itself() {
+    let mut lab = lab!("what_top_shows_of_a_guest_is_what_the_guest_measured_itself");
+    lab.start(&["--usage-interval", EVERY]);
+    let (row, _) = lab.boot(&[lab.vm("use-1")], "use-1");
+    let ip = address(&row);
+
+    // A busy loop for 8 s: the guest's own count of its busy time (all
+    // but idle and iowait, in USER_HZ ticks of /proc/stat), before and
+    // after.
+    let busy = "awk '/^cpu / {print $2+$3+$4+$7+$8+$9}' /proc/stat";
+    let (cpu_before, cpu_after, ticks) = around(
+        &lab,
+        "use-1",
+        &ip,
+        &format!(
+            "a=$({busy}); timeout 8 sh -c 'while :; do :; done'; b=$({busy}); echo $((b - a)) $(getconf CLK_TCK)"
+        ),
+        None,
+    );
+    // 64 MiB written past the page cache, dd's own count of it.
+    let (disk_before, disk_after, written) = around(
+        &lab,
+        "use-1",
+        &ip,
+        "dd if=/dev/zero of=/var/tmp/usage.bin bs=1M count=64 oflag=direct conv=fsync 2>&1 | awk '/bytes/ {print $1}'; rm -f /var/tmp/usage.bin",
+        None,
+    );
+    // 32 MiB downloaded into the guest (sent down its ssh session), as the
+    // guest counted it.
+    let download = "x".repeat(32 << 20);
+    let (net_before, net_after, received) = around(&lab, "use-1", &ip, "wc -c", Some(&download));
+    let top = Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+        .args(["top", "--once", "--state-dir"])
+        .arg(lab.state())
+        .output()
+        .expect("eitri-agent top");
+    println!("{}", String::from_utf8_lossy(&top.stdout));
+    println!("{}", lab.events("use-1"));
+
+    let (ticks, hz) = ticks.split_once(' ').expect("ticks and the tick rate");
+    let guest_cpu_s = ticks.parse::<f64>().expect("ticks") / hz.parse::<f64>().expect("a rate");
+    let agent_cpu_s = grew(&cpu_before, &cpu_after, "cpu_ns") / 1e9;
+    let guest_written: f64 = written.parse().expect("dd's bytes");
+    let agent_written = grew(&disk_before, &disk_after, "disk_write_bytes");
+    let guest_received: f64 = received.parse().expect("wc's bytes");
+    let agent_received = grew(&net_before, &net_after, "net_rx_bytes");
+    println!(
+        "timing: cpu guest {guest_cpu_s:.2} s agent {agent_cpu_s:.2} s; disk written guest {guest_written:.0} agent {agent_written:.0}; received guest {guest_received:.0} agent {agent_received:.0}"
+    );
+    assert!(top.status.success() && String::from_utf8_lossy(&top.stdout).contains("use-1"));
+    assert!(
+        within_a_fifth(agent_cpu_s, guest_cpu_s),
+        "CPU: agent {agent_cpu_s} s, guest {guest_cpu_s} s"
+    );
+    assert!(
+        within_a_fifth(agent_written, guest_written),
+        "disk: agent {agent_written}, guest {guest_written}"
+    );
+    assert!(
+        within_a_fifth(agent_received, guest_received),
+        "network: agent {agent_received}, guest {guest_received}"
+    );
+}
