@@ -235,6 +235,7 @@ impl Config {
             guest: &self.guest,
             state_dir: &self.state.dir,
             image_root: self.images.fetch.file_root.as_deref(),
+            claim: Some((&self.state.agents_dir, &self.wish)),
         }
     }
 }

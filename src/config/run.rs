@@ -57,6 +57,8 @@ pub(super) fn build(raw: &Raw<'_>) -> Result<Config, ConfigError> {
                     bridge: u.bridge,
                     tap_prefix: u.tap_prefix,
                     table: u.table,
+                    // The claim's to fill, where the agent runs.
+                    netns: String::new(),
                 }),
         },
         state: super::StateSettings {

@@ -52,6 +52,9 @@ pub struct Host<'a> {
     pub guest: &'a GuestBoot,
     pub state_dir: &'a Path,
     pub image_root: Option<&'a Path>,
+    /// The registry of the host's agents (`--agents-dir`) and what this
+    /// one would claim there; `None`: not checked.
+    pub claim: Option<(&'a Path, &'a crate::state::claim::Wish)>,
 }
 
 /// Every check, in the order an operator fixes them.
@@ -66,7 +69,30 @@ pub fn check(host: &Host<'_>) -> Vec<Item> {
     items.extend(routing(host.guest));
     items.push(image_root(host.image_root));
     items.push(state_dir(host.state_dir));
+    if let Some((registry, wish)) = host.claim {
+        items.push(claim(host.state_dir, registry, wish));
+    }
     items
+}
+
+/// Whether the ids, cgroup root and guest network this agent would claim
+/// are clear of every other agent's on the host, as `run` will find them
+/// (`state::claim`), each setting to change named.
+fn claim(state_dir: &Path, registry: &Path, wish: &crate::state::claim::Wish) -> Item {
+    const WHAT: &str = "claim";
+    let files = crate::state::claim::Files {
+        state_dir,
+        registry,
+    };
+    match crate::state::claim::refusal(files, wish) {
+        Ok(None) => Item::new(
+            WHAT,
+            Verdict::Ok,
+            format!("clear of every other agent's in {}", registry.display()),
+        ),
+        Ok(Some(why)) => Item::new(WHAT, Verdict::Fail, why),
+        Err(e) => Item::new(WHAT, Verdict::Fail, e.to_string()),
+    }
 }
 
 /// The checks as a table, one line each.
@@ -118,7 +144,7 @@ fn min_version() -> u32 {
 
 #[cfg(target_os = "linux")]
 fn version_item(what: &'static str, found: &Path) -> Item {
-    use super::cloudhv::{MIN_VERSION, major_version, version_of};
+    use super::cloudhv::{FLOOR_NEED, MIN_VERSION, major_version, version_of};
     match version_of(found) {
         Ok(banner) => match major_version(&banner) {
             Some(major) if major >= MIN_VERSION => {
@@ -128,7 +154,7 @@ fn version_item(what: &'static str, found: &Path) -> Item {
                 what,
                 Verdict::Fail,
                 format!(
-                    "{} says {banner:?}: cloud-hypervisor v{MIN_VERSION} or later is needed",
+                    "{} says {banner:?}: cloud-hypervisor v{MIN_VERSION} or later is needed ({FLOOR_NEED})",
                     found.display()
                 ),
             ),

@@ -390,3 +390,71 @@ fn unknown_flag_exits_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--turbo"));
 }
+
+#[test]
+fn check_refuses_a_hypervisor_below_the_floor_naming_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let old = dir.path().join("cloud-hypervisor");
+    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v51.2.0'\n").expect("old");
+    std::fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+
+    let out = eitri(&[
+        "check",
+        "--desired",
+        "/d.json",
+        "--state-dir",
+        &dir.path().join("state").display().to_string(),
+        "--hypervisor",
+        &old.display().to_string(),
+        "--underlay-bridge=",
+    ]);
+
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{table}");
+    assert!(
+        table.lines().any(|l| l.starts_with("FAIL")
+            && l.contains("hypervisor")
+            && l.contains("v51.2.0")
+            && l.contains("v52 or later")),
+        "{table}"
+    );
+}
+
+#[test]
+fn check_fails_a_claim_another_agent_holds_naming_the_setting() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (theirs, registry) = (dir.path().join("theirs"), dir.path().join("agents"));
+    std::fs::create_dir_all(&theirs).expect("their state dir");
+    std::fs::create_dir_all(&registry).expect("registry");
+    std::fs::set_permissions(&registry, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let record = serde_json::json!({
+        "state_dir": theirs, "first_id": 300_000_000u32, "id_count": 65536,
+        "cgroup_root": "theirs",
+    });
+    std::fs::write(registry.join("theirs.json"), record.to_string()).expect("record");
+
+    let out = eitri(&[
+        "check",
+        "--desired",
+        "/d.json",
+        "--state-dir",
+        &dir.path().join("mine").display().to_string(),
+        "--agents-dir",
+        &registry.display().to_string(),
+        "--vmm-ids",
+        "300000000:65536",
+        "--underlay-bridge=",
+    ]);
+
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{table}");
+    assert!(
+        table.lines().any(|l| l.starts_with("FAIL")
+            && l.contains("claim")
+            && l.contains("--vmm-ids")
+            && l.contains(&theirs.display().to_string())),
+        "{table}"
+    );
+}

@@ -15,7 +15,7 @@ use crate::error::Outcome;
 use crate::provision::jail::paths::{self, Need};
 
 /// What [`MIN_VERSION`] brings.
-const RAW_DISKS_NEED: &str = "it passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it";
+pub(crate) const FLOOR_NEED: &str = "it hands each VMM the taps it opened for it inside the VMM's own network namespace, which v51 cannot use, and passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it";
 
 /// The first release that maps huge pages reserved (`reserve=on`):
 /// before it, a guest's pages are taken only as it touches them, and a
@@ -40,7 +40,7 @@ impl CloudHypervisor {
         }
         let (min, why) = match self.cfg.hypervisor.hugepages {
             true => (HUGEPAGES_MIN_VERSION, HUGEPAGES_NEED),
-            false => (MIN_VERSION, RAW_DISKS_NEED),
+            false => (MIN_VERSION, FLOOR_NEED),
         };
         match self.version().map(|line| (major_version(&line), line)) {
             Ok((Some(major), _)) if major >= min => {

@@ -89,6 +89,18 @@ pub struct Network {
     /// Its nft tables' name (ip and bridge), and its iptables chains': the
     /// claim's to name ([`table_of`]), whatever a [`Wish`] says.
     pub table: String,
+    /// The network namespace the agent runs in (`net:[inode]`): bridges,
+    /// taps, tables and routes are each namespace's own, so two agents in
+    /// different ones never meet there. Empty in records of agents older
+    /// than it, which are taken to share every namespace.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub netns: String,
+}
+
+/// The network namespace this process runs in, as the kernel names it
+/// (`net:[4026531840]`); empty where it cannot be read.
+pub fn this_netns() -> String {
+    fs::read_link("/proc/self/ns/net").map_or(String::new(), |p| p.display().to_string())
 }
 
 /// What the operator asked for, and what the state dir is.
@@ -170,33 +182,47 @@ impl Claim {
         let (Some(mine), Some(theirs_net)) = (&self.network, &other.network) else {
             return None;
         };
+        let apart = !mine.netns.is_empty()
+            && !theirs_net.netns.is_empty()
+            && mine.netns != theirs_net.netns;
+        if apart {
+            return None;
+        }
+        // Every network setting that meets the other agent's, so that one
+        // start names all there is to change.
+        let mut clashes = Vec::new();
         if mine.bridge == theirs_net.bridge {
-            return Some(format!(
-                "bridge {} is the guest network of the agent of {theirs}: two agents on one bridge would serve each other's guests; give --underlay-bridge another name (and --underlay-subnet another range), or --underlay-bridge= for none",
+            clashes.push(format!(
+                "bridge {} is its guest network (two agents on one bridge would serve each other's guests): give --underlay-bridge another name, or --underlay-bridge= for none",
                 mine.bridge
             ));
         }
         if mine.subnet.covers(&theirs_net.subnet) || theirs_net.subnet.covers(&mine.subnet) {
-            return Some(format!(
-                "underlay subnet {} overlaps {}, the agent of {theirs}'s: two bridges cannot route one range; give --underlay-subnet a range clear of it",
+            clashes.push(format!(
+                "underlay subnet {} overlaps its {} (two bridges cannot route one range): give --underlay-subnet a range clear of it",
                 mine.subnet, theirs_net.subnet
             ));
         }
         if mine.tap_prefix.starts_with(&theirs_net.tap_prefix)
             || theirs_net.tap_prefix.starts_with(&mine.tap_prefix)
         {
-            return Some(format!(
-                "tap prefix {:?} meets {:?}, the agent of {theirs}'s: their taps' names would collide; give --tap-prefix another",
+            clashes.push(format!(
+                "tap prefix {:?} meets its {:?} (their taps' names would collide): give --tap-prefix another",
                 mine.tap_prefix, theirs_net.tap_prefix
             ));
         }
         if mine.table == theirs_net.table {
-            return Some(format!(
-                "firewall tables {:?} are the agent of {theirs}'s: one agent's start would replace the other's; give --cgroup-root another name (the tables are named after it)",
+            clashes.push(format!(
+                "firewall tables {:?} are its (one agent's start would replace the other's): give --cgroup-root another name (the tables are named after it)",
                 mine.table
             ));
         }
-        None
+        (!clashes.is_empty()).then(|| {
+            format!(
+                "the agent of {theirs} (in this network namespace) holds what this one would take: {}",
+                clashes.join("; ")
+            )
+        })
     }
 }
 
@@ -382,44 +408,8 @@ pub fn settle(files: Files<'_>, wish: &Wish, reclaim: &dyn Reclaim) -> Result<Cl
     for (record, claim) in ended {
         end(&record, &claim, reclaim);
     }
-    let others: Vec<Claim> = live
-        .into_iter()
-        .map(|(_, claim)| claim)
-        .filter(|c| c.state_dir != state_dir)
-        .collect();
-    let shaped = |mut claim: Claim| {
-        claim.state_dir.clone_from(&state_dir);
-        if let Some((first, count)) = wish.ids {
-            claim.first_id = first;
-            claim.id_count = count;
-        }
-        if let Some(root) = &wish.cgroup_root {
-            claim.cgroup_root.clone_from(root);
-        }
-        claim.network = wish.network.clone().map(|n| Network {
-            table: table_of(&claim.cgroup_root),
-            ..n
-        });
-        claim
-    };
-    let first_conflict = |claim: &Claim| others.iter().find_map(|o| claim.conflict(o));
-    let claim = match recorded {
-        Some(claim) => shaped(claim),
-        None if wish.default_state_dir || files.leases().exists() => {
-            shaped(Claim::slot(&state_dir, 0))
-        }
-        None => {
-            // A new state dir: its path's slot, or the next one free.
-            let start = slot_of(&state_dir);
-            (0..SLOTS)
-                .map(|i| shaped(Claim::slot(&state_dir, 1 + (start + i) % SLOTS)))
-                .find(|c| first_conflict(c).is_none())
-                .unwrap_or_else(|| shaped(Claim::slot(&state_dir, 1 + start)))
-        }
-    };
-    if let Some(why) = first_conflict(&claim) {
-        return Err(ClaimError::Conflict(why));
-    }
+    let others = others_than(&state_dir, live);
+    let claim = chosen(&files, wish, &state_dir, recorded, &others)?;
     let text = serde_json::to_vec_pretty(&claim).map_err(|e| reg_err(io::Error::other(e)))?;
     let own_err = |source| ClaimError::Write {
         path: own.clone(),
@@ -431,6 +421,81 @@ pub fn settle(files: Files<'_>, wish: &Wish, reclaim: &dyn Reclaim) -> Result<Cl
     write_atomic(&own, &text).map_err(own_err)?;
     write_atomic(&registry.join(record_name(&state_dir)), &text).map_err(reg_err)?;
     Ok(claim)
+}
+
+/// Why a start on the state dir with `wish` would be refused by the
+/// claims the host's live agents hold now; `None` when it would not be.
+/// Read without any lock, and nothing written: for `check`, beside a
+/// running agent or not.
+pub fn refusal(files: Files<'_>, wish: &Wish) -> Result<Option<String>, ClaimError> {
+    let recorded = read_own(&files.own())?;
+    let state_dir = fs::canonicalize(files.state_dir).unwrap_or_else(|_| files.state_dir.into());
+    let live = match records(files.registry) {
+        Ok((live, _)) => live,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(files.registry_error(e)),
+    };
+    let others = others_than(&state_dir, live);
+    match chosen(&files, wish, &state_dir, recorded, &others) {
+        Ok(_) => Ok(None),
+        Err(ClaimError::Conflict(why)) => Ok(Some(why)),
+        Err(e) => Err(e),
+    }
+}
+
+/// The live agents' claims but `state_dir`'s own.
+fn others_than(state_dir: &Path, live: registry::Records) -> Vec<Claim> {
+    live.into_iter()
+        .map(|(_, claim)| claim)
+        .filter(|c| c.state_dir != state_dir)
+        .collect()
+}
+
+/// The claim a start takes beside `others`: its recorded one as `wish`
+/// reshapes it, else its slot; refused when it meets another's.
+fn chosen(
+    files: &Files<'_>,
+    wish: &Wish,
+    state_dir: &Path,
+    recorded: Option<Claim>,
+    others: &[Claim],
+) -> Result<Claim, ClaimError> {
+    let netns = this_netns();
+    let shaped = |mut claim: Claim| {
+        claim.state_dir = state_dir.to_path_buf();
+        if let Some((first, count)) = wish.ids {
+            claim.first_id = first;
+            claim.id_count = count;
+        }
+        if let Some(root) = &wish.cgroup_root {
+            claim.cgroup_root.clone_from(root);
+        }
+        claim.network = wish.network.clone().map(|n| Network {
+            table: table_of(&claim.cgroup_root),
+            netns: netns.clone(),
+            ..n
+        });
+        claim
+    };
+    let first_conflict = |claim: &Claim| others.iter().find_map(|o| claim.conflict(o));
+    let claim = match recorded {
+        Some(claim) => shaped(claim),
+        None if wish.default_state_dir || files.leases().exists() => {
+            shaped(Claim::slot(state_dir, 0))
+        }
+        None => {
+            // A new state dir: its path's slot, or the next one free.
+            let start = slot_of(state_dir);
+            (0..SLOTS)
+                .map(|i| shaped(Claim::slot(state_dir, 1 + (start + i) % SLOTS)))
+                .find(|c| first_conflict(c).is_none())
+                .unwrap_or_else(|| shaped(Claim::slot(state_dir, 1 + start)))
+        }
+    };
+    match first_conflict(&claim) {
+        Some(why) => Err(ClaimError::Conflict(why)),
+        None => Ok(claim),
+    }
 }
 
 /// What a start on `state_dir` would claim of ids and cgroup root, as far
@@ -632,9 +697,66 @@ mod tests {
                 },
                 tap_prefix: prefix.into(),
                 table: String::new(),
+                netns: String::new(),
             }),
             ..derived()
         }
+    }
+
+    #[test]
+    fn a_network_that_meets_anothers_is_refused_naming_every_setting_to_change() {
+        let host = Host::new();
+        let wish = networked("eitri0", [100, 77, 0, 0], "eitri");
+        host.settle("a", &wish).expect("a");
+
+        let err = host.settle("b", &wish).expect_err("refused");
+
+        let said = err.to_string();
+        for flag in ["--underlay-bridge", "--underlay-subnet", "--tap-prefix"] {
+            assert!(said.contains(flag), "{flag} not named: {said}");
+        }
+    }
+
+    #[test]
+    fn an_agent_in_another_network_namespace_may_take_the_same_network() {
+        let host = Host::new();
+        let wish = networked("eitri0", [100, 77, 0, 0], "eitri");
+        host.settle("a", &wish).expect("a");
+        // As if the agent of a ran in a namespace of its own.
+        for entry in fs::read_dir(host.registry()).expect("registry").flatten() {
+            let path = entry.path();
+            if path.extension().is_some_and(|x| x == "json") {
+                let text = fs::read_to_string(&path).expect("record");
+                let moved = text.replace(&this_netns(), "net:[1]");
+                assert_ne!(moved, text, "the record names its namespace");
+                fs::write(&path, moved).expect("record");
+            }
+        }
+
+        let b = host.settle("b", &wish).expect("b");
+
+        assert_eq!(b.network.map(|n| n.bridge).as_deref(), Some("eitri0"));
+    }
+
+    #[test]
+    fn the_refusal_check_tells_what_a_start_would_meet_and_writes_nothing() {
+        let host = Host::new();
+        let wish = networked("eitri0", [100, 77, 0, 0], "eitri");
+        host.settle("a", &wish).expect("a");
+        let state = host.dir.path().join("b");
+        let registry = host.registry();
+        let files = || Files {
+            state_dir: &state,
+            registry: &registry,
+        };
+
+        let said = refusal(files(), &wish).expect("read");
+        let clear = refusal(files(), &networked("eitri1", [100, 78, 0, 0], "tenb")).expect("read");
+
+        assert!(said.is_some_and(|why| why.contains("--underlay-bridge")));
+        assert_eq!(clear, None);
+        assert_eq!(host.records(), 1);
+        assert!(!state.exists());
     }
 
     #[test]
