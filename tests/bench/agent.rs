@@ -86,6 +86,19 @@ pub fn host_config(
     })
 }
 
+/// A bench's own directory: removed when it is dropped and on ^C or
+/// TERM, and reachable (0711) by the jailed VMMs that read their binary
+/// and kernel under it.
+pub fn bench_dir() -> Result<tempfile::TempDir, Error> {
+    let dir = tempfile::tempdir()?;
+    eitri_agent::testkit::remove_on_signal(dir.path());
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )?;
+    Ok(dir)
+}
+
 /// A base image under `dir` (1 MiB of one byte), as a `file://` URL and
 /// its digest.
 pub fn base_image(dir: &Path) -> Result<(String, String), Error> {

@@ -490,12 +490,7 @@ fn real_parts() -> Option<(PathBuf, PathBuf)> {
 /// from the rename of the desired file to the new VMM's API saying
 /// Running, each followed by a bare confined start of the same binary.
 fn real_figures(ch: PathBuf, guest: PathBuf) -> Result<String, Error> {
-    let dir = tempfile::tempdir()?;
-    eitri_agent::testkit::remove_on_signal(dir.path());
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o711),
-    )?;
+    let dir = agent::bench_dir()?;
     let images = dir.path().join("images");
     std::fs::create_dir_all(&images)?;
     let (url, sha) = agent::base_image(&images)?;

@@ -85,12 +85,7 @@ fn main() -> Result<(), Error> {
 
 /// CPUs a never-idle vCPU uses capped at `CAP_MILLIS`, and with no cap.
 fn cpu_rates() -> Result<(f64, f64), Error> {
-    let dir = tempfile::tempdir()?;
-    eitri_agent::testkit::remove_on_signal(dir.path());
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o711),
-    )?;
+    let dir = agent::bench_dir()?;
     let hypervisor = dir.path().join("burner");
     eitri_agent::testkit::standin_hypervisor(
         Path::new(STANDIN),

@@ -86,12 +86,7 @@ fn main() -> Result<(), Error> {
     // its own cost beside.
     let interval = std::env::var("EITRI_BENCH_USAGE_INTERVAL").unwrap_or_else(|_| "10s".to_owned());
     let sampled = interval != "0" && interval != "0s";
-    let dir = tempfile::tempdir()?;
-    eitri_agent::testkit::remove_on_signal(dir.path());
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o711),
-    )?;
+    let dir = agent::bench_dir()?;
     let tag = format!("{:04x}", std::process::id() & 0xffff);
     let cleanup = Cleanup {
         cgroup_root: format!("eitri-test-{}", std::process::id()),

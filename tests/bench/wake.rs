@@ -348,12 +348,7 @@ fn agent_flags() -> Vec<String> {
 
 fn main() -> Result<(), Error> {
     eitri_agent::testkit::net::private_network();
-    let dir = tempfile::tempdir()?;
-    eitri_agent::testkit::remove_on_signal(dir.path());
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o711),
-    )?;
+    let dir = agent::bench_dir()?;
     let tag = format!("{:04x}", std::process::id() & 0xffff);
     let cleanup = Cleanup {
         netns: format!("etwk{tag}"),
