@@ -1,10 +1,11 @@
 //! What a real guest uses, as the agent samples it (`top`, `status VM`,
 //! the report's `usage`), against what the guest measured of itself: a
-//! busy loop's CPU time, a `dd`'s bytes written, the bytes a download
-//! brought in. Each is compared as totals across the activity (the
-//! agent's sample before it began against its first sample after it
-//! ended), so the comparison does not hang on where a sample's window
-//! falls.
+//! busy loop's share of a core, a `dd`'s bytes written, the bytes a
+//! download brought in. The bytes are compared as totals across the
+//! activity (the agent's sample before it began against its first sample
+//! after it ended), so the comparison does not hang on where a sample's
+//! window falls; the CPU as a rate, from samples whose second lies inside
+//! the loop (the totals would count the ssh logins around it too).
 
 use std::process::Command;
 
@@ -83,19 +84,37 @@ fn what_top_shows_of_a_guest_is_what_the_guest_measured_itself() {
     let (row, _) = lab.boot(&[lab.vm("use-1")], "use-1");
     let ip = address(&row);
 
-    // A busy loop for 8 s: the guest's own count of its busy time (all
-    // but idle and iowait, in USER_HZ ticks of /proc/stat), before and
-    // after.
-    let busy = "awk '/^cpu / {print $2+$3+$4+$7+$8+$9}' /proc/stat";
-    let (cpu_before, cpu_after, ticks) = around(
-        &lab,
-        "use-1",
+    // A busy loop for 12 s, in the background; the guest's own share of
+    // its CPUs busy over it (all but idle and iowait of /proc/stat), in %
+    // of one core. The agent's CPU figure is a rate over its last second:
+    // three samples from inside the loop.
+    let script = r#"stat() { awk '/^cpu / {print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
+set -- $(stat); a=$1; s=$2
+timeout 12 sh -c 'while :; do :; done'
+set -- $(stat); echo $(( ($1 - a) * 100 * $(nproc) / ($2 - s) )) > /tmp/busy
+"#;
+    lab.guest(
+        USER,
         &ip,
-        &format!(
-            "a=$({busy}); timeout 8 sh -c 'while :; do :; done'; b=$({busy}); echo $((b - a)) $(getconf CLK_TCK)"
-        ),
-        None,
+        &format!("cat > /tmp/busy.sh <<'EOF'\n{script}EOF"),
     );
+    let busy = "nohup sh /tmp/busy.sh >/dev/null 2>&1 &";
+    lab.guest(USER, &ip, busy);
+    std::thread::sleep(Duration::from_secs(4));
+    let mut agent_cpu: Vec<f64> = (0..3)
+        .map(|_| {
+            sample_after(&lab, "use-1", now_ms());
+            lab.details("use-1")["usage"]["cpu_millis"]
+                .as_u64()
+                .map_or(0.0, |m| m as f64 / 10.0)
+        })
+        .collect();
+    agent_cpu.sort_by(f64::total_cmp);
+    std::thread::sleep(Duration::from_secs(8));
+    let guest_cpu: f64 = lab
+        .guest(USER, &ip, "cat /tmp/busy")
+        .parse()
+        .expect("the guest's busy %");
     // 64 MiB written past the page cache, dd's own count of it.
     let (disk_before, disk_after, written) = around(
         &lab,
@@ -116,20 +135,18 @@ fn what_top_shows_of_a_guest_is_what_the_guest_measured_itself() {
     println!("{}", String::from_utf8_lossy(&top.stdout));
     println!("{}", lab.events("use-1"));
 
-    let (ticks, hz) = ticks.split_once(' ').expect("ticks and the tick rate");
-    let guest_cpu_s = ticks.parse::<f64>().expect("ticks") / hz.parse::<f64>().expect("a rate");
-    let agent_cpu_s = grew(&cpu_before, &cpu_after, "cpu_ns") / 1e9;
+    let agent_cpu = agent_cpu[1];
     let guest_written: f64 = written.parse().expect("dd's bytes");
     let agent_written = grew(&disk_before, &disk_after, "disk_write_bytes");
     let guest_received: f64 = received.parse().expect("wc's bytes");
     let agent_received = grew(&net_before, &net_after, "net_rx_bytes");
     println!(
-        "timing: cpu guest {guest_cpu_s:.2} s agent {agent_cpu_s:.2} s; disk written guest {guest_written:.0} agent {agent_written:.0}; received guest {guest_received:.0} agent {agent_received:.0}"
+        "timing: cpu guest {guest_cpu:.0}% agent {agent_cpu:.1}% of a core; disk written guest {guest_written:.0} agent {agent_written:.0}; received guest {guest_received:.0} agent {agent_received:.0}"
     );
     assert!(top.status.success() && String::from_utf8_lossy(&top.stdout).contains("use-1"));
     assert!(
-        within_a_fifth(agent_cpu_s, guest_cpu_s),
-        "CPU: agent {agent_cpu_s} s, guest {guest_cpu_s} s"
+        within_a_fifth(agent_cpu, guest_cpu),
+        "CPU: agent {agent_cpu}%, guest {guest_cpu}%"
     );
     assert!(
         within_a_fifth(agent_written, guest_written),
