@@ -70,6 +70,11 @@ struct Host {
     /// New VMs' seeds install a guest agent, as the daemon's do with
     /// `eitri-guest` beside it: the engine waits for it.
     delivers_guest_agent: bool,
+    /// Whether `spec` lays down each VM's root disk (from the base image)
+    /// and seed first, as the engine's create does before a boot: a real
+    /// hypervisor reads each disk's first sector at start (v52 fails on
+    /// an empty one), the stand-in reads nothing.
+    lays_disks: bool,
 }
 
 /// A tap prefix of this test process alone: parallel tests never touch
@@ -135,6 +140,7 @@ impl Host {
         // The tiny guest (`mkguest.py`) prints its marker first thing.
         h.serial_marker =
             std::env::var("EITRI_TEST_GUEST_MARKER").unwrap_or_else(|_| "TINY-GUEST-UP".into());
+        h.lays_disks = true;
         h.backend = Arc::new(CloudHypervisor::new(Arc::clone(&h.store), h.cfg.clone()));
         h.backend.recover(&known(&h.store));
         h.engine = Some(h.make_engine());
@@ -197,6 +203,7 @@ impl Host {
             serial_marker: "booting".into(),
             caps: eitri_agent::reconcile::HostCaps::default(),
             delivers_guest_agent: false,
+            lays_disks: false,
         };
         host.engine = Some(host.make_engine());
         host
@@ -341,6 +348,17 @@ impl Host {
     fn spec(&self, vm: &str) -> eitri_agent::model::VmSpec {
         let mut spec = desired(vm).spec;
         spec.image_url = self.base_url.clone();
+        let disk = self.store.layout().root_disk(&id(vm));
+        if self.lays_disks
+            && !disk.exists()
+            && let Some(base) = self.base_url.strip_prefix("file://")
+        {
+            std::fs::create_dir_all(disk.parent().expect("a VM dir")).expect("the VM's dir");
+            std::fs::copy(base, &disk).expect("a root disk from the base image");
+            // And a seed of a seed's size, where the engine writes its ISO.
+            let seed = self.store.layout().seed(&id(vm));
+            std::fs::write(&seed, vec![0u8; 1 << 20]).expect("a seed");
+        }
         spec
     }
 }
