@@ -395,7 +395,7 @@ fn unknown_flag_exits_2() {
 fn check_refuses_a_hypervisor_below_the_floor_naming_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let old = dir.path().join("cloud-hypervisor");
-    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v51.2.0'\n").expect("old");
+    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v52.0.0'\n").expect("old");
     std::fs::set_permissions(&old, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .expect("chmod");
 
@@ -415,8 +415,8 @@ fn check_refuses_a_hypervisor_below_the_floor_naming_it() {
     assert!(
         table.lines().any(|l| l.starts_with("FAIL")
             && l.contains("hypervisor")
-            && l.contains("v51.2.0")
-            && l.contains("v52 or later")),
+            && l.contains("v52.0.0")
+            && l.contains("v53 or later")),
         "{table}"
     );
 }

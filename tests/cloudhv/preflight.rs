@@ -125,18 +125,18 @@ fn a_hypervisor_named_without_a_path_is_found_once_and_run_by_its_absolute_path(
 }
 
 #[test]
-fn preflight_refuses_a_hypervisor_older_than_v52_that_cannot_use_its_taps() {
+fn preflight_refuses_a_hypervisor_below_the_tested_floor_saying_why() {
     let h = Host::new(&[]);
     let old = h.dir.path().join("old-hv");
-    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v51.2.0'\n").expect("old");
+    std::fs::write(&old, "#!/bin/sh\necho 'cloud-hypervisor v52.0.0'\n").expect("old");
     std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let backend = CloudHypervisor::new(Arc::clone(&h.store), with_binary(&h.cfg, old));
 
     let err = backend.preflight(Deadline::NONE).expect_err("too old");
 
     assert!(err.is_host_condition() && !err.is_permanent());
-    assert!(err.to_string().contains("v52 or later"), "{err}");
-    assert!(err.to_string().contains("network namespace"), "{err}");
+    assert!(err.to_string().contains("v53 or later"), "{err}");
+    assert!(err.to_string().contains("make compat"), "{err}");
 }
 
 #[test]
@@ -154,7 +154,7 @@ fn a_hypervisor_replaced_by_an_older_one_is_refused_at_the_next_preflight() {
 
     let err = backend.preflight(Deadline::NONE).expect_err("too old now");
 
-    assert!(err.to_string().contains("v52 or later"), "{err}");
+    assert!(err.to_string().contains("v53 or later"), "{err}");
 }
 
 pub(crate) fn preflight_passes_on(h: Host) {

@@ -15,7 +15,7 @@ use crate::error::Outcome;
 use crate::provision::jail::paths::{self, Need};
 
 /// What [`MIN_VERSION`] brings.
-pub(crate) const FLOOR_NEED: &str = "it hands each VMM the taps it opened for it inside the VMM's own network namespace, which v51 cannot use, and passes every disk as image_type=raw,backing_files=off, so no guest can make its disk read as QCOW2 with a host file behind it";
+pub(crate) const FLOOR_NEED: &str = "v53 is the oldest release that passes every check of make compat: v52 resumed a guest busy when it was suspended into one that never answered again, and v51 cannot use the taps the agent hands each VMM inside its own network namespace";
 
 /// The first release that maps huge pages reserved (`reserve=on`):
 /// before it, a guest's pages are taken only as it touches them, and a
