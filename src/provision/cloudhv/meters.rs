@@ -71,26 +71,40 @@ impl CloudHypervisor {
     }
 
     /// What the host kernel counted on the VM's taps, turned to the
-    /// guest's side (what a tap sends goes in to the guest).
+    /// guest's side (what a tap sends goes in to the guest). Read from
+    /// `/proc/thread-self/net/dev`, which is this thread's network namespace's
+    /// (sysfs shows the one it was mounted in); only when the VMM did not
+    /// answer, so its length (a row per link) is paid rarely.
     fn tap_counts(&self, vm_id: &Id) -> Option<NetCounts> {
         let taps = self.taps(vm_id)?;
-        let mut total: Option<NetCounts> = None;
-        for tap in [&taps.underlay, &taps.site] {
-            let read = |name: &str| -> Option<u64> {
-                fs::read_to_string(format!("/sys/class/net/{tap}/statistics/{name}"))
-                    .ok()?
-                    .trim()
-                    .parse()
-                    .ok()
-            };
-            if let (Some(sent), Some(received)) = (read("tx_bytes"), read("rx_bytes")) {
-                let t = total.get_or_insert_with(NetCounts::default);
-                t.rx_bytes = t.rx_bytes.saturating_add(sent);
-                t.tx_bytes = t.tx_bytes.saturating_add(received);
-            }
-        }
-        total
+        let table = fs::read_to_string("/proc/thread-self/net/dev").ok()?;
+        tap_rows(&table, &[&taps.underlay, &taps.site])
     }
+}
+
+/// The named links' bytes in a `/proc/net/dev` table, summed and turned to
+/// the guest's side; `None` when none is there.
+pub(crate) fn tap_rows(table: &str, taps: &[&str]) -> Option<NetCounts> {
+    let mut total: Option<NetCounts> = None;
+    for line in table.lines() {
+        let Some((name, row)) = line.split_once(':') else {
+            continue;
+        };
+        if !taps.contains(&name.trim()) {
+            continue;
+        }
+        // Eight receive columns, then the transmit ones.
+        let fields: Vec<u64> = row
+            .split_whitespace()
+            .map_while(|f| f.parse().ok())
+            .collect();
+        if let (Some(&received), Some(&sent)) = (fields.first(), fields.get(8)) {
+            let t = total.get_or_insert_with(NetCounts::default);
+            t.rx_bytes = t.rx_bytes.saturating_add(sent);
+            t.tx_bytes = t.tx_bytes.saturating_add(received);
+        }
+    }
+    total
 }
 
 /// `vm.counters`' answer (a map of device to its counters), summed into
@@ -142,8 +156,12 @@ pub(crate) struct ProcStat {
 
 impl ProcStat {
     fn read(pid: i32) -> Option<ProcStat> {
-        let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        ProcStat::parse(&text, clock_ticks()?, page_size()?)
+        let mut buf = [0u8; 1024];
+        let text = super::process::read_small(
+            std::path::Path::new(&format!("/proc/{pid}/stat")),
+            &mut buf,
+        )?;
+        ProcStat::parse(text, clock_ticks()?, page_size()?)
     }
 
     /// From the text of a stat file, in a kernel's clock ticks per second
@@ -223,6 +241,26 @@ mod tests {
         let (disk, _) = parse_counters(body.as_bytes()).expect("a map of devices");
 
         assert_eq!(disk.map(|d| d.read_bytes), Some(u64::MAX));
+    }
+
+    #[test]
+    fn a_taps_counts_are_turned_to_the_guests_side() {
+        let table = "Inter-|   Receive                            |  Transmit\n \
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed\n \
+    lo:     100       1    0    0    0     0          0         0      100       1    0    0    0     0       0          0\n \
+ec1a2:    5000      10    0    0    0     0          0         0    70000      50    0    0    0     0       0          0\n";
+
+        let counts = tap_rows(table, &["ec1a2", "ec1a2s"]);
+
+        // The tap took 5000 bytes from its VMM (the guest sent them) and
+        // handed it 70000 (the guest took them in).
+        assert_eq!(
+            counts,
+            Some(NetCounts {
+                rx_bytes: 70000,
+                tx_bytes: 5000
+            })
+        );
     }
 
     #[test]

@@ -42,7 +42,8 @@ impl Tracked {
     }
 
     pub fn read(path: &Path) -> Option<Tracked> {
-        let text = fs::read_to_string(path).ok()?;
+        let mut buf = [0u8; 64];
+        let text = read_small(path, &mut buf)?;
         let mut parts = text.split_whitespace();
         Some(Tracked {
             pid: parts.next()?.parse().ok()?,
@@ -122,4 +123,26 @@ pub fn scan(arg: &[u8], prefix: bool) -> Vec<(Tracked, Vec<u8>)> {
         }
     }
     found
+}
+
+/// A small file's text, read into `buf` with one open and as few reads as
+/// it takes (no size query, no allocation): what is sampled often (a
+/// pidfile, a process's stat line) costs three system calls. `None` when
+/// it cannot be read, is not text, or does not fit.
+pub(crate) fn read_small<'a>(path: &Path, buf: &'a mut [u8]) -> Option<&'a str> {
+    use std::io::Read;
+    let mut file = fs::File::open(path).ok()?;
+    let mut have = 0;
+    loop {
+        match file.read(&mut buf[have..]) {
+            Ok(0) => break,
+            Ok(n) => have += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+        if have == buf.len() {
+            return None;
+        }
+    }
+    std::str::from_utf8(&buf[..have]).ok()
 }
