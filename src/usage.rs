@@ -132,8 +132,10 @@ fn figures(before: Option<&Taken>, now: &Taken) -> Usage {
 struct Shared {
     /// The VMs to sample: those the last report said run.
     running: Vec<Id>,
-    /// The last two readings' figures, by VM.
-    figures: HashMap<String, Usage>,
+    /// The last round's figures, by VM: replaced whole, so a reader
+    /// shares them rather than copying them (every report and every
+    /// metrics file reads them).
+    figures: Arc<HashMap<String, Usage>>,
     /// Set when `running` gained a VM: sampled at once, not at the next
     /// round, so its first rate comes one interval after it started.
     newcomers: bool,
@@ -194,8 +196,8 @@ impl Sampler {
     }
 
     /// The latest figures, by VM id.
-    pub fn figures(&self) -> HashMap<String, Usage> {
-        self.board.shared.lock().figures.clone()
+    pub fn figures(&self) -> Arc<HashMap<String, Usage>> {
+        Arc::clone(&self.board.shared.lock().figures)
     }
 }
 
@@ -250,10 +252,13 @@ fn sample(backend: &dyn Lifecycle, board: &Board, every: Duration, stop: &StopFl
             last.insert(id, now);
         }
         let mut s = board.shared.lock();
-        if round {
-            s.figures.clear();
-        }
-        s.figures.extend(found);
+        let mut figures = if round {
+            HashMap::with_capacity(found.len())
+        } else {
+            HashMap::clone(&s.figures)
+        };
+        figures.extend(found);
+        s.figures = Arc::new(figures);
     }
 }
 

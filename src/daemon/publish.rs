@@ -65,9 +65,9 @@ impl Daemon {
                     .filter_map(|row| crate::model::Id::parse(&row.vm_id).ok())
                     .collect(),
             );
-            let mut figures = usage.figures();
+            let figures = usage.figures();
             for (vm, detail) in &mut details {
-                detail.usage = figures.remove(vm);
+                detail.usage = figures.get(vm).cloned();
             }
         }
         let mut notes = self.notes.clone();
@@ -125,6 +125,7 @@ impl Daemon {
             .as_ref()
             .map(crate::usage::Sampler::figures)
             .unwrap_or_default();
+        let usage: &std::collections::HashMap<_, _> = &usage;
         let text = m.render(
             &self.host,
             &self.engine,
@@ -133,7 +134,7 @@ impl Daemon {
             &super::metrics::Kept {
                 contact_failures: self.link.failures(),
                 epoch_refusals: &self.epoch_refusals,
-                usage: &usage,
+                usage,
             },
         );
         match m.write(&text) {

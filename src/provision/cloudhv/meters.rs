@@ -15,7 +15,7 @@ use std::fs;
 use std::time::Duration;
 
 use super::CloudHypervisor;
-use super::process::Tracked;
+use super::process::{ProcStat, Tracked};
 use crate::model::Id;
 use crate::provision::{DiskCounts, Meters, NetCounts, NetSource, Reading};
 
@@ -40,11 +40,12 @@ impl Meters for CloudHypervisor {
             Some(net) => (Some(net), NetSource::Vmm),
             None => (self.tap_counts(vm_id), NetSource::Taps),
         };
+        let (cpu_ns, resident_bytes) = cpu_and_memory(&stat, clock_ticks(), page_size());
         Some(Reading {
             pid: u32::try_from(tracked.pid).ok()?,
             started: tracked.start,
-            cpu_ns: cgroup_cpu.or(stat.cpu_ns),
-            resident_bytes: stat.resident_bytes,
+            cpu_ns: cgroup_cpu.or(cpu_ns),
+            resident_bytes,
             disk,
             net,
             net_from,
@@ -143,43 +144,17 @@ struct Device {
     tx_bytes: Option<u64>,
 }
 
-/// What one read of `/proc/<pid>/stat` tells of a process.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct ProcStat {
-    pub state: char,
-    /// Clock ticks after boot (field 22).
-    pub start: u64,
-    /// User and system time, its threads' (the dead ones' too).
-    pub cpu_ns: Option<u64>,
-    pub resident_bytes: Option<u64>,
-}
-
-impl ProcStat {
-    fn read(pid: i32) -> Option<ProcStat> {
-        let mut buf = [0u8; 1024];
-        let text = super::process::read_small(
-            std::path::Path::new(&format!("/proc/{pid}/stat")),
-            &mut buf,
-        )?;
-        ProcStat::parse(text, clock_ticks()?, page_size()?)
-    }
-
-    /// From the text of a stat file, in a kernel's clock ticks per second
-    /// and page size.
-    pub(crate) fn parse(text: &str, hz: u64, page: u64) -> Option<ProcStat> {
-        // The command (field 2) may hold spaces and parentheses; the
-        // fields after its last ')' are plain, the state (field 3) first.
-        let rest = &text[text.rfind(')')? + 1..];
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
-        let ticks = field(14)?.checked_add(field(15)?)?;
-        Some(ProcStat {
-            state: fields.first()?.chars().next()?,
-            start: field(22)?,
-            cpu_ns: ticks.checked_mul(1_000_000_000).map(|n| n / hz),
-            resident_bytes: field(24).and_then(|pages| pages.checked_mul(page)),
-        })
-    }
+/// A stat line's CPU time and resident memory in nanoseconds and bytes,
+/// in a kernel's clock ticks per second and page size.
+fn cpu_and_memory(
+    stat: &ProcStat,
+    hz: Option<u64>,
+    page: Option<u64>,
+) -> (Option<u64>, Option<u64>) {
+    (
+        hz.and_then(|hz| stat.cpu_ticks.checked_mul(1_000_000_000).map(|n| n / hz)),
+        page.and_then(|page| stat.resident_pages.checked_mul(page)),
+    )
 }
 
 fn clock_ticks() -> Option<u64> {
@@ -274,16 +249,11 @@ ec1a2:    5000      10    0    0    0     0          0         0    70000      5
         // start 9000, rss 1024 pages.
         let text = "4242 (cloud hyp) er) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 8 0 9000 100000000 1024 18446744073709551615";
 
-        let stat = ProcStat::parse(text, 100, 4096).expect("a stat line");
+        let stat = ProcStat::parse(text).expect("a stat line");
+        let (cpu_ns, resident_bytes) = cpu_and_memory(&stat, Some(100), Some(4096));
 
-        assert_eq!(
-            stat,
-            ProcStat {
-                state: 'S',
-                start: 9000,
-                cpu_ns: Some(3_000_000_000),
-                resident_bytes: Some(4 * 1024 * 1024),
-            }
-        );
+        assert_eq!((stat.state, stat.start), ('S', 9000));
+        assert_eq!(cpu_ns, Some(3_000_000_000));
+        assert_eq!(resident_bytes, Some(4 * 1024 * 1024));
     }
 }

@@ -19,16 +19,48 @@ pub struct Tracked {
     pub start: u64,
 }
 
+/// What one read of `/proc/<pid>/stat` tells of a process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ProcStat {
+    pub state: char,
+    /// Clock ticks after boot (field 22).
+    pub start: u64,
+    /// User and system time in clock ticks, its threads' (the dead ones'
+    /// too).
+    pub cpu_ticks: u64,
+    /// Resident memory in pages.
+    pub resident_pages: u64,
+}
+
+impl ProcStat {
+    /// `pid`'s, read into a stack buffer: asked of every VM at every
+    /// usage sample.
+    pub(crate) fn read(pid: i32) -> Option<ProcStat> {
+        // A stat line is some 300 bytes; 52 fields of 20 digits at most.
+        let mut buf = [0u8; 4096];
+        let text = read_small(Path::new(&format!("/proc/{pid}/stat")), &mut buf)?;
+        ProcStat::parse(text)
+    }
+
+    /// From the text of a stat file.
+    pub(crate) fn parse(text: &str) -> Option<ProcStat> {
+        // The command (field 2) may hold spaces and parentheses; the
+        // fields after its last ')' are plain, the state (field 3) first.
+        let rest = &text[text.rfind(')')? + 1..];
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
+        Some(ProcStat {
+            state: fields.first()?.chars().next()?,
+            start: field(22)?,
+            cpu_ticks: field(14)?.checked_add(field(15)?)?,
+            resident_pages: field(24)?,
+        })
+    }
+}
+
 /// State letter and start time of `pid`, from `/proc/<pid>/stat`.
 pub fn stat(pid: i32) -> Option<(char, u64)> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses; the
-    // fields after the last ')' are plain.
-    let rest = &text[text.rfind(')')? + 1..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let state = fields.first()?.chars().next()?;
-    let start = fields.get(19)?.parse().ok()?;
-    Some((state, start))
+    ProcStat::read(pid).map(|s| (s.state, s.start))
 }
 
 impl Tracked {
