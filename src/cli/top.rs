@@ -42,15 +42,61 @@ pub(super) fn run(state_dir: &Path, once: bool, json: bool, every: Duration) -> 
     }
 }
 
-/// The running VMs, each with its figures (`None`: not sampled yet).
-fn running(file: &ReportFile) -> std::collections::BTreeMap<&str, Option<&Usage>> {
+/// One running VM in `top`: what the agent sampled of it (`None`: not
+/// sampled yet) and what its guest says of its own memory.
+#[derive(serde::Serialize)]
+struct Row<'a> {
+    #[serde(flatten)]
+    usage: Option<&'a Usage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    guest_memory: Option<GuestMemory>,
+}
+
+/// A guest's memory in bytes, as its guest agent said it.
+#[derive(serde::Serialize, Clone, Copy)]
+struct GuestMemory {
+    total_bytes: u64,
+    available_bytes: u64,
+}
+
+impl GuestMemory {
+    fn of(row: &crate::pb::VmStatus) -> Option<GuestMemory> {
+        (row.guest_memory_total_kib > 0).then(|| GuestMemory {
+            total_bytes: row.guest_memory_total_kib.saturating_mul(1024),
+            available_bytes: row
+                .guest_memory_available_kib
+                .min(row.guest_memory_total_kib)
+                .saturating_mul(1024),
+        })
+    }
+
+    /// "used/total" in MiB, as `free -m` would count them.
+    fn cell(self) -> String {
+        let mib = |bytes: u64| bytes >> 20;
+        format!(
+            "{}/{} MiB",
+            mib(self.total_bytes - self.available_bytes),
+            mib(self.total_bytes)
+        )
+    }
+}
+
+/// The running VMs by id.
+fn running(file: &ReportFile) -> std::collections::BTreeMap<&str, Row<'_>> {
     file.report
         .vms
         .iter()
         .filter(|row| row.power_state == "running")
         .map(|row| {
             let usage = file.details.get(&row.vm_id).and_then(|d| d.usage.as_ref());
-            (row.vm_id.as_str(), usage)
+            let guest_memory = GuestMemory::of(row);
+            (
+                row.vm_id.as_str(),
+                Row {
+                    usage,
+                    guest_memory,
+                },
+            )
         })
         .collect()
 }
@@ -58,21 +104,21 @@ fn running(file: &ReportFile) -> std::collections::BTreeMap<&str, Option<&Usage>
 /// The page: a line about the samples, then a row per running VM, the
 /// busiest CPU first.
 fn render(file: &ReportFile, now: SystemTime) -> String {
-    let mut rows: Vec<(&str, Option<&Usage>)> = running(file).into_iter().collect();
-    rows.sort_by_key(|(vm, u)| {
+    let mut rows: Vec<(&str, Row)> = running(file).into_iter().collect();
+    rows.sort_by_key(|(vm, r)| {
         (
-            std::cmp::Reverse(u.and_then(|u| u.cpu_millis).unwrap_or(0)),
+            std::cmp::Reverse(r.usage.and_then(|u| u.cpu_millis).unwrap_or(0)),
             *vm,
         )
     });
     let mut out = String::new();
     let newest = rows
         .iter()
-        .filter_map(|(_, u)| u.map(|u| u.sampled_at_ms))
+        .filter_map(|(_, r)| r.usage.map(|u| u.sampled_at_ms))
         .max();
     let over = rows
         .iter()
-        .filter_map(|(_, u)| u.map(|u| u.over_ms))
+        .filter_map(|(_, r)| r.usage.map(|u| u.over_ms))
         .find(|ms| *ms > 0);
     let _ = write!(out, "{} running", rows.len());
     match (newest, over) {
@@ -106,12 +152,21 @@ fn render(file: &ReportFile, now: SystemTime) -> String {
         .fold(2, usize::max);
     let _ = writeln!(
         out,
-        "{:<width$}  {:>6}  {:>10}  {:>10}  {:>10}  {:>7}  {:>7}  {:>10}  {:>10}",
-        "VM", "CPU%", "MEM", "READ/s", "WRITE/s", "R-IOPS", "W-IOPS", "NET-IN/s", "NET-OUT/s"
+        "{:<width$}  {:>6}  {:>10}  {:>14}  {:>10}  {:>10}  {:>7}  {:>7}  {:>10}  {:>10}",
+        "VM",
+        "CPU%",
+        "MEM",
+        "GUEST-MEM",
+        "READ/s",
+        "WRITE/s",
+        "R-IOPS",
+        "W-IOPS",
+        "NET-IN/s",
+        "NET-OUT/s"
     );
     let mut tapped = false;
-    for (vm, u) in rows {
-        let u = u.cloned().unwrap_or_default();
+    for (vm, row) in rows {
+        let u = row.usage.cloned().unwrap_or_default();
         tapped |= u.net_from == "taps" && u.net_rx_bps.is_some();
         let cpu = u
             .cpu_millis
@@ -123,9 +178,10 @@ fn render(file: &ReportFile, now: SystemTime) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<width$}  {cpu:>6}  {:>10}  {:>10}  {:>10}  {:>7}  {:>7}  {:>10}  {:>10}",
+            "{:<width$}  {cpu:>6}  {:>10}  {:>14}  {:>10}  {:>10}  {:>7}  {:>7}  {:>10}  {:>10}",
             crate::quote::inline(vm),
             u.resident_bytes.map_or("-".to_owned(), crate::human::bytes),
+            row.guest_memory.map_or("-".to_owned(), GuestMemory::cell),
             rate(u.disk_read_bps),
             rate(u.disk_write_bps),
             count(u.disk_read_iops),
@@ -143,4 +199,29 @@ fn render(file: &ReportFile, now: SystemTime) -> String {
 /// Bytes a second, in the unit they read best in.
 fn rate(n: Option<u64>) -> String {
     n.map_or("-".to_owned(), crate::human::bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guest_saying_more_available_than_it_has_shows_none_used() {
+        let row = crate::pb::VmStatus {
+            guest_memory_total_kib: 512 << 10,
+            guest_memory_available_kib: u64::MAX,
+            ..Default::default()
+        };
+
+        let memory = GuestMemory::of(&row).map(GuestMemory::cell);
+
+        assert_eq!(memory.as_deref(), Some("0/512 MiB"));
+    }
+
+    #[test]
+    fn a_guest_that_said_nothing_of_its_memory_has_no_figure() {
+        let row = crate::pb::VmStatus::default();
+
+        assert!(GuestMemory::of(&row).is_none());
+    }
 }

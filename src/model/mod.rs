@@ -20,8 +20,8 @@ pub use mac::Mac;
 pub use publish::{HostPort, PortRange, Publish, Transport, unpublishable};
 pub use quota::{Committed, Quota};
 pub use report::{
-    ANSWERED, GUEST_AGENT_READY, HYPERVISOR_ONLY, QuarantinedVm, Report, Rows, UNHEALTHY, VmStatus,
-    VolumeState, VolumeStatus, is_unhealthy,
+    ANSWERED, GUEST_AGENT_READY, GuestMemory, HYPERVISOR_ONLY, QuarantinedVm, Report, Rows,
+    UNHEALTHY, VmStatus, VolumeState, VolumeStatus, is_unhealthy,
 };
 pub use saved::Saved;
 pub use spec::{

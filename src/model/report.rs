@@ -106,6 +106,17 @@ pub struct VmStatus {
     /// What its guest agent last said of the guest, as words; empty when
     /// none answered.
     pub guest: String,
+    /// The guest's memory as its guest agent last said it; `None` when
+    /// none said it.
+    pub guest_memory: Option<GuestMemory>,
+}
+
+/// What a guest says of its own memory, in KiB: its word, not the host's
+/// measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuestMemory {
+    pub total_kib: u64,
+    pub available_kib: u64,
 }
 
 /// How a row's `readiness` ends while its probe answers ("tcp 22 answered").

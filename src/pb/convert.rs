@@ -15,9 +15,9 @@ use super::tenant::{
 };
 use crate::model::is_hostname;
 use crate::model::{
-    Cidr, DesiredVm, Egress, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected, Report, Sleep,
-    Snapshot, SpecError, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus, WantedVm,
-    WantedVolume,
+    Cidr, DesiredVm, Egress, GuestMemory, Id, Limits, Phase, PowerState, QuarantinedVm, Rejected,
+    Report, Sleep, Snapshot, SpecError, VmSpec, VmStatus, VolumeSpec, VolumeState, VolumeStatus,
+    WantedVm, WantedVolume,
 };
 use crate::pb;
 use crate::quote;
@@ -501,6 +501,8 @@ fn vm_status_to_wire(row: &VmStatus) -> pb::VmStatus {
         asleep: row.asleep,
         last_wake: row.last_wake.clone(),
         guest: row.guest.clone(),
+        guest_memory_total_kib: row.guest_memory.map_or(0, |m| m.total_kib),
+        guest_memory_available_kib: row.guest_memory.map_or(0, |m| m.available_kib),
     }
 }
 
@@ -531,6 +533,10 @@ pub fn report_from_wire(wire: &pb::Report) -> Result<Report, SpecError> {
             asleep: row.asleep,
             last_wake: row.last_wake.clone(),
             guest: row.guest.clone(),
+            guest_memory: (row.guest_memory_total_kib > 0).then_some(GuestMemory {
+                total_kib: row.guest_memory_total_kib,
+                available_kib: row.guest_memory_available_kib,
+            }),
         }));
     }
     for q in &wire.quarantined {

@@ -457,6 +457,14 @@ pub struct VmStatus {
     /// unchecked beyond its bounds. Empty when no guest agent answered.
     #[prost(string, tag = "16")]
     pub guest: ::prost::alloc::string::String,
+    /// The guest's memory as its guest agent last said it (MemTotal and
+    /// MemAvailable of its /proc/meminfo), in KiB; 0 when none said it. The
+    /// guest's own word, for people and dashboards: never a figure the host
+    /// acts on (the hypervisor's resident memory is what the host pays).
+    #[prost(uint64, tag = "17")]
+    pub guest_memory_total_kib: u64,
+    #[prost(uint64, tag = "18")]
+    pub guest_memory_available_kib: u64,
 }
 /// A VM awaiting destruction. Set by the agent.
 #[derive(serde::Serialize, serde::Deserialize)]

@@ -92,6 +92,7 @@ impl VmResult {
             asleep: false,
             last_wake: String::new(),
             guest: String::new(),
+            guest_memory: None,
         });
     }
 

@@ -161,6 +161,10 @@ fn report_round_trips_every_field() {
                 asleep: true,
                 last_wake: "woken 3 s ago by tcp from 192.0.2.9:40312 to port 30080".into(),
                 guest: "system up (systemd: running), up 3 min".into(),
+                guest_memory: Some(eitri_agent::model::GuestMemory {
+                    total_kib: 512 << 10,
+                    available_kib: 400 << 10,
+                }),
             }),
             Arc::new(VmStatus {
                 vm_id: "vm-2".into(),

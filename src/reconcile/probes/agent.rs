@@ -33,7 +33,7 @@ use std::time::{Duration, SystemTime};
 use crate::deadline::Deadline;
 use crate::guest::frame::FrameError;
 use crate::guest::{AskError, Said, Status};
-use crate::model::{GUEST_AGENT_READY, HYPERVISOR_ONLY, Id, Phase};
+use crate::model::{GUEST_AGENT_READY, GuestMemory, HYPERVISOR_ONLY, Id, Phase};
 use crate::pb::guest::{StatusAsk, request};
 use crate::reconcile::context::Context;
 use crate::reconcile::pass::VmResult;
@@ -215,6 +215,10 @@ impl Agents {
         };
         if let Heard::Status(status) = &seen.heard {
             row.guest = describe(status);
+            row.guest_memory = (status.memory_total_kib > 0).then_some(GuestMemory {
+                total_kib: status.memory_total_kib,
+                available_kib: status.memory_available_kib.min(status.memory_total_kib),
+            });
         }
         if seen.up {
             row.readiness = GUEST_AGENT_READY.to_owned();

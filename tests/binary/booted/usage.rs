@@ -30,14 +30,9 @@ fn top_shows_a_running_vms_disk_reads_as_its_vmm_counted_them() {
         .lines()
         .find(|l| l.starts_with("io-1 "))
         .unwrap_or_else(|| panic!("no row for io-1: {text}"));
-    // Columns stand two spaces apart: VM, CPU%, MEM, READ/s, ...
-    let columns: Vec<&str> = row
-        .split("  ")
-        .map(str::trim)
-        .filter(|c| !c.is_empty())
-        .collect();
+    let columns = columns(row);
     assert!(
-        columns.get(3).is_some_and(|c| c.ends_with(" MiB")),
+        columns.get(4).is_some_and(|c| c.ends_with(" MiB")),
         "4 MiB/s of reads shows in MiB: {row}"
     );
     let figures: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
@@ -47,6 +42,38 @@ fn top_shows_a_running_vms_disk_reads_as_its_vmm_counted_them() {
     // What the stand-in's guest reads, give or take its pacing and the
     // sample's window: the figure is its VMM's count, not a guess.
     assert!((2 << 20..8 << 20).contains(&read), "{read} B/s");
+}
+
+/// A row's cells: they stand two spaces apart (VM, CPU%, MEM, GUEST-MEM,
+/// READ/s, ...).
+fn columns(row: &str) -> Vec<&str> {
+    row.split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect()
+}
+
+#[test]
+fn top_shows_the_guests_memory_as_its_guest_agent_said_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (_boot, agent) = reading_vm(dir.path());
+    let state = agent.state.display().to_string();
+
+    let once = eitri(&["top", "--once", "--state-dir", &state]);
+    let json = eitri(&["top", "--json", "--state-dir", &state]);
+
+    // The stand-in's guest agent says 400 of 512 MiB are available.
+    let text = String::from_utf8_lossy(&once.stdout);
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("io-1 "))
+        .unwrap_or_else(|| panic!("no row for io-1: {text}"));
+    assert_eq!(columns(row).get(3), Some(&"112/512 MiB"), "{text}");
+    let figures: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(
+        figures["io-1"]["guest_memory"],
+        serde_json::json!({"total_bytes": 512u64 << 20, "available_bytes": 400u64 << 20})
+    );
 }
 
 #[test]
