@@ -16,6 +16,7 @@ mod readme;
 mod s6;
 mod signed;
 mod standalone;
+mod systemd;
 
 use std::io::Read;
 use std::os::fd::AsRawFd;

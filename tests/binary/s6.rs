@@ -1,6 +1,5 @@
 //! The static binary under a real s6-svscan, with the service dir shipped in
-//! contrib/s6: it becomes ready (s6-svwait -U), and a stop is clean; and
-//! the systemd unit's env dir read as s6-envdir reads it.
+//! contrib/s6: it becomes ready (s6-svwait -U), and a stop is clean.
 //!
 //! Needs `make static` (which `make test` runs first) and Debian's s6
 //! (which `.ci/run` installs); without either it fails, naming what is
@@ -172,51 +171,4 @@ fn static_binary_runs_under_s6_and_stops_cleanly() {
         }),
         "{log}"
     );
-}
-
-/// What the environment holds of `EITRI_*` after `command` reads the env
-/// dir, printed by `env`.
-fn eitri_env(command: &mut std::process::Command) -> Vec<String> {
-    let out = command
-        .env_clear()
-        .env("EITRI_PRESET", "from-before")
-        .output()
-        .expect("run");
-    assert!(out.status.success(), "{out:?}");
-    let mut vars: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.starts_with("EITRI_"))
-        .map(str::to_owned)
-        .collect();
-    vars.sort();
-    vars
-}
-
-#[test]
-fn the_systemd_units_env_dir_means_what_s6_envdir_means() {
-    require("s6-envdir");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let env = dir.path().join("env");
-    std::fs::create_dir(&env).expect("env dir");
-    std::fs::write(env.join("EITRI_KERNEL"), "/srv/eitri/vmlinux\nignored\n").expect("env");
-    std::fs::write(env.join("EITRI_PRESET"), "").expect("env");
-    let unit = std::fs::read_to_string(
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("contrib/systemd/eitri-agent.service"),
-    )
-    .expect("unit");
-    let exec = unit
-        .lines()
-        .find_map(|l| l.strip_prefix("ExecStart=/bin/sh -c '"))
-        .and_then(|l| l.strip_suffix('\''))
-        .expect("the unit's ExecStart");
-    // The unit's loop over this env dir, then `env` where the agent runs.
-    let looped = exec
-        .replace("/etc/eitri/env", &env.display().to_string())
-        .replace("exec eitri-agent run", "exec env");
-
-    let systemd = eitri_env(std::process::Command::new("/bin/sh").args(["-c", &looped]));
-    let s6 = eitri_env(tool("s6-envdir").arg(&env).arg("env"));
-
-    assert_eq!(systemd, vec!["EITRI_KERNEL=/srv/eitri/vmlinux".to_owned()]);
-    assert_eq!(systemd, s6);
 }

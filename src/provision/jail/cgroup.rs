@@ -387,20 +387,35 @@ pub fn kill_until_empty(dir: &Path, deadline: crate::deadline::Deadline) -> Resu
 }
 
 /// Enables `controllers` for the children of every cgroup from the unified
-/// mount down to the root (each level must offer them to the next).
+/// mount down to the root (each level must offer them to the next),
+/// writing only where one is not enabled yet: the levels above the root
+/// are the host's (under systemd, its slices and the unit it delegated to
+/// the agent), and a level that already offers them is not written to.
 fn enable(mount: &Path, root: &str, controllers: &[Controller]) -> io::Result<()> {
-    let line: Vec<String> = controllers
-        .iter()
-        .map(|c| format!("+{}", c.name()))
-        .collect();
     let mut dir = mount.to_path_buf();
-    fs::write(dir.join("cgroup.subtree_control"), line.join(" "))?;
+    offer(&dir, controllers)?;
     for part in root.split('/') {
         dir.push(part);
         fs::create_dir_all(&dir)?;
-        fs::write(dir.join("cgroup.subtree_control"), line.join(" "))?;
+        offer(&dir, controllers)?;
     }
     Ok(())
+}
+
+/// Enables for `dir`'s children each of `controllers` it does not enable
+/// yet.
+fn offer(dir: &Path, controllers: &[Controller]) -> io::Result<()> {
+    let file = dir.join("cgroup.subtree_control");
+    let enabled = fs::read_to_string(&file).unwrap_or_default();
+    let missing: Vec<String> = controllers
+        .iter()
+        .filter(|c| !enabled.split_whitespace().any(|e| e == c.name()))
+        .map(|c| format!("+{}", c.name()))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    fs::write(file, missing.join(" "))
 }
 
 /// The files that set `controller`'s limit, and their values.
@@ -523,6 +538,44 @@ mod tests {
         };
 
         assert_eq!((counts(HYBRID), counts(&joined)), (Some(false), Some(true)));
+    }
+
+    #[test]
+    fn a_level_that_already_offers_the_controllers_is_not_written() {
+        let mount = tempfile::tempdir().expect("tempdir");
+        let delegated = mount.path().join("system.slice/eitri-agent.service");
+        fs::create_dir_all(&delegated).expect("dirs");
+        for dir in [mount.path(), &mount.path().join("system.slice")] {
+            fs::write(dir.join("cgroup.subtree_control"), "cpu io memory pids\n").expect("file");
+        }
+        let all = [Controller::Memory, Controller::Pids, Controller::Cpu];
+
+        enable(mount.path(), "system.slice/eitri-agent.service/vms", &all).expect("enable");
+
+        let read = |dir: &Path| fs::read_to_string(dir.join("cgroup.subtree_control")).ok();
+        assert_eq!(
+            read(&mount.path().join("system.slice")).as_deref(),
+            Some("cpu io memory pids\n"),
+            "the host's own level is left as it was"
+        );
+        assert_eq!(
+            read(&delegated).as_deref(),
+            Some("+memory +pids +cpu"),
+            "the delegated level is given what it lacks"
+        );
+    }
+
+    #[test]
+    fn a_level_is_given_only_the_controllers_it_lacks() {
+        let mount = tempfile::tempdir().expect("tempdir");
+        fs::write(mount.path().join("cgroup.subtree_control"), "memory\n").expect("file");
+
+        offer(mount.path(), &[Controller::Memory, Controller::Pids]).expect("offer");
+
+        assert_eq!(
+            fs::read_to_string(mount.path().join("cgroup.subtree_control")).ok(),
+            Some("+pids".to_owned())
+        );
     }
 
     #[test]
