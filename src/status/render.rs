@@ -101,7 +101,7 @@ impl ReportFile {
                 [
                     inline(&v.vm_id),
                     dash(&v.power_state),
-                    dash(&v.phase),
+                    dash(shown_phase(v)),
                     ready_cell(v).to_owned(),
                     detail.map_or(0, |d| d.restarts).to_string(),
                     age,
@@ -166,7 +166,7 @@ impl ReportFile {
             } else if v.phase.is_empty() {
                 "unknown"
             } else {
-                &v.phase
+                shown_phase(v)
             };
             *phases.entry(condition).or_default() += 1;
         }
@@ -270,6 +270,16 @@ impl ReportFile {
     }
 }
 
+/// The row's phase for people. The wire's `ready` says the VM is as its
+/// spec asks; of a VM stopped or suspended as asked that reads, beside its
+/// power, as if its guest were ready, so the table says `settled` for it.
+fn shown_phase(row: &pb::VmStatus) -> &str {
+    match (row.phase.as_str(), row.power_state.as_str()) {
+        ("ready", "stopped" | "suspended") => "settled",
+        (phase, _) => phase,
+    }
+}
+
 /// Whether the VM's guest answers its readiness probe (or, without one,
 /// its guest agent): `-` with neither, `yes` once it answered and while it
 /// answers, `no` before and after.
@@ -329,7 +339,11 @@ fn state_fields(row: &pb::VmStatus, detail: &VmDetail, ago: Ago) -> Vec<Field> {
         ),
         (
             "phase",
-            format!("{} for {}", dash(&row.phase), ago.of(detail.phase_since_ms)),
+            format!(
+                "{} for {}",
+                dash(shown_phase(row)),
+                ago.of(detail.phase_since_ms)
+            ),
         ),
     ];
     for (key, value) in [
@@ -633,6 +647,43 @@ mod tests {
         assert!(
             header.contains("1 ready") && header.contains("1 unhealthy"),
             "{header}"
+        );
+    }
+
+    #[test]
+    fn a_vm_stopped_as_asked_reads_settled_not_ready() {
+        let row = |id: &str, power: &str| pb::VmStatus {
+            vm_id: id.into(),
+            power_state: power.into(),
+            phase: "ready".into(),
+            ..Default::default()
+        };
+        let file = ReportFile::new(
+            pb::HostInfo::default(),
+            "desired file /d.json".into(),
+            "ok".into(),
+            pb::Report {
+                vms: vec![row("vm-1", "running"), row("vm-2", "stopped")],
+                ..Default::default()
+            },
+        );
+
+        let header = file.header();
+        let table = file.render(at_now());
+
+        assert!(
+            header.contains("1 ready") && header.contains("1 settled"),
+            "{header}"
+        );
+        let stopped = table
+            .lines()
+            .find(|l| l.starts_with("vm-2 "))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(
+            stopped.contains(" stopped ")
+                && stopped.contains(" settled ")
+                && !stopped.contains("ready"),
+            "{stopped}"
         );
     }
 
@@ -973,7 +1024,7 @@ mod tests {
                 "VM nap-1\n\
                  \x20 spec       1 vcpus, 64 MB, 1 GB disk, image file:///srv/images/tiny.raw\n\
                  \x20 power      suspended for 5 min\n\
-                 \x20 phase      ready for 60 min\n\
+                 \x20 phase      settled for 60 min\n\
                  \x20 error      -\n\
                  \x20 attempts   1 of 3\n\
                  \x20 host boot  b00t\n\
