@@ -398,6 +398,32 @@ fn a_vm_with_no_probe_is_ready_once_its_guest_agent_says_its_system_is_up() {
 }
 
 #[test]
+fn a_probed_vm_shows_what_its_guest_agent_says_and_stays_ready_by_its_probe() {
+    let h = Host::new(&[]).delivering_a_guest_agent();
+    let snap = crate::boot::probed(
+        &h,
+        "vm-1",
+        eitri_agent::model::Check::Serial(h.serial_marker.clone()),
+    );
+
+    let row = h.tick_until_row(&snap, "vm-1", |r| {
+        r.phase == Some(Phase::Ready) && !r.guest.is_empty()
+    });
+
+    assert!(row.readiness.ends_with(" answered"), "{row:?}");
+    assert_ne!(row.readiness, eitri_agent::model::GUEST_AGENT_READY);
+    // The stand-in's guest says 400 of 512 MiB are available.
+    assert_eq!(
+        row.guest_memory,
+        Some(eitri_agent::model::GuestMemory {
+            total_kib: 512 << 10,
+            available_kib: 400 << 10
+        }),
+        "{row:?}"
+    );
+}
+
+#[test]
 fn a_vm_with_no_probe_and_no_guest_agent_is_ready_by_its_hypervisor_and_says_so() {
     let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]);
 

@@ -157,3 +157,44 @@ set -- $(stat); echo $(( ($1 - a) * 100 * $(nproc) / ($2 - s) )) > /tmp/busy
         "network: agent {agent_received}, guest {guest_received}"
     );
 }
+
+#[test]
+fn top_shows_the_memory_a_real_guest_says_it_has() {
+    let mut lab = lab!("top_shows_the_memory_a_real_guest_says_it_has");
+    let Some(ip) = booted_with_guest_agent(&mut lab, "mem-1", &["--usage-interval", EVERY]) else {
+        return;
+    };
+
+    // The agent asks the guest agent for its status at least every 30 s.
+    let (row, _) = lab.wait_row("mem-1", "the guest's memory", SOON, |row| {
+        row["guest_memory_total_kib"].as_u64() > Some(0)
+    });
+    let guest_total: u64 = lab
+        .guest(USER, &ip, "awk '/^MemTotal:/ {print $2}' /proc/meminfo")
+        .parse()
+        .expect("the guest's MemTotal");
+    let top = Command::new(env!("CARGO_BIN_EXE_eitri-agent"))
+        .args(["top", "--once", "--state-dir"])
+        .arg(lab.state())
+        .output()
+        .expect("eitri-agent top");
+    let page = String::from_utf8_lossy(&top.stdout).into_owned();
+    println!("{page}");
+
+    let reported = row["guest_memory_total_kib"].as_u64().unwrap_or(0);
+    let available = row["guest_memory_available_kib"].as_u64().unwrap_or(0);
+    println!(
+        "timing: guest MemTotal {guest_total} KiB, reported {reported} KiB, {available} KiB available"
+    );
+    assert_eq!(reported, guest_total, "{row}");
+    assert!(available > 0 && available < reported, "{row}");
+    let cell = page
+        .lines()
+        .find(|l| l.starts_with("mem-1 "))
+        .and_then(|l| l.split("  ").map(str::trim).find(|c| c.contains('/')))
+        .unwrap_or_else(|| panic!("no GUEST-MEM cell: {page}"));
+    assert!(
+        cell.ends_with(&format!("/{} MiB", guest_total / 1024)),
+        "{cell} against MemTotal {guest_total} KiB"
+    );
+}

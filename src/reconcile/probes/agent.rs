@@ -12,6 +12,10 @@
 //!   all there is to go by: `ready`, with readiness [`HYPERVISOR_ONLY`]
 //!   and why ("no probe, no guest agent").
 //!
+//! A VM with a probe is asked too, every [`REFRESH`], only for what its
+//! row shows of its guest (the `guest` words and its memory, which `top`
+//! shows): its readiness stays its probe's.
+//!
 //! The wait counts from the boot's start as its record has it, not from
 //! when this agent first saw the VM, so a restarted agent does not hold a
 //! guest without an agent back for another wait, and a resumed guest (long
@@ -76,6 +80,9 @@ struct Seen {
     heard: Heard,
     /// Its row was held `creating` for it at the last look.
     waiting: bool,
+    /// Asked only for what the row shows of the guest, the VM having a
+    /// probe: never asked about its readiness.
+    described: bool,
 }
 
 /// Every running VM's guest agent, as the probes' step asks it.
@@ -113,15 +120,9 @@ impl Agents {
             .seen
             .lock()
             .get(vm_id)
-            .filter(|s| s.pid == pid)
+            .filter(|s| s.pid == pid && !s.described)
             .cloned()
-            .unwrap_or(Seen {
-                pid,
-                next_at: now,
-                up: false,
-                heard: Heard::NoAgent,
-                waiting: false,
-            });
+            .unwrap_or_else(|| Seen::fresh(pid, now));
         if now >= seen.next_at {
             seen.heard = self.ask(ctx, vm_id, deadline);
             if let Heard::Status(status) = &seen.heard {
@@ -137,6 +138,37 @@ impl Agents {
         self.seen.lock().insert(vm_id.clone(), seen);
     }
 
+    /// Asks the guest agent of a running VM that has a probe, every
+    /// [`REFRESH`], for what its row shows of its guest (`guest`, its
+    /// memory); its readiness stays its probe's.
+    pub(super) fn describe(
+        &self,
+        ctx: &Context,
+        deadline: Deadline,
+        (vm_id, pid): (&Id, Option<u32>),
+        now: SystemTime,
+        res: &mut VmResult,
+    ) {
+        let mut seen = self
+            .seen
+            .lock()
+            .get(vm_id)
+            .filter(|s| s.pid == pid && s.described)
+            .cloned()
+            .unwrap_or_else(|| Seen {
+                described: true,
+                ..Seen::fresh(pid, now)
+            });
+        if now >= seen.next_at {
+            seen.heard = self.ask(ctx, vm_id, deadline);
+            seen.next_at = now + REFRESH;
+        }
+        if let (Heard::Status(status), Some(row)) = (&seen.heard, res.row.as_mut()) {
+            shown(status, row);
+        }
+        self.seen.lock().insert(vm_id.clone(), seen);
+    }
+
     /// Holds back the row of a VM whose hypervisor was just started, for a
     /// publish before its pass asks its agent: a guest whose agent is
     /// waited for is not ready yet.
@@ -144,11 +176,8 @@ impl Agents {
         let now = ctx.host.now();
         if self.waits(booted, now) {
             let fresh = Seen {
-                pid: None,
-                next_at: now,
-                up: false,
-                heard: Heard::NoAgent,
                 waiting: true,
+                ..Seen::fresh(None, now)
             };
             self.say(&fresh, booted, now, res);
         }
@@ -214,11 +243,7 @@ impl Agents {
             return;
         };
         if let Heard::Status(status) = &seen.heard {
-            row.guest = describe(status);
-            row.guest_memory = (status.memory_total_kib > 0).then_some(GuestMemory {
-                total_kib: status.memory_total_kib,
-                available_kib: status.memory_available_kib.min(status.memory_total_kib),
-            });
+            shown(status, row);
         }
         if seen.up {
             row.readiness = GUEST_AGENT_READY.to_owned();
@@ -254,6 +279,30 @@ impl Agents {
             _ => format!("{HYPERVISOR_ONLY}no probe; {heard}"),
         };
     }
+}
+
+impl Seen {
+    /// Nothing asked yet of this hypervisor's guest agent: due now.
+    fn fresh(pid: Option<u32>, now: SystemTime) -> Seen {
+        Seen {
+            pid,
+            next_at: now,
+            up: false,
+            heard: Heard::NoAgent,
+            waiting: false,
+            described: false,
+        }
+    }
+}
+
+/// What the row shows of the guest from its agent's status: its words,
+/// and its memory as it says it (available held to its total).
+fn shown(status: &Status, row: &mut crate::model::VmStatus) {
+    row.guest = describe(status);
+    row.guest_memory = (status.memory_total_kib > 0).then_some(GuestMemory {
+        total_kib: status.memory_total_kib,
+        available_kib: status.memory_available_kib.min(status.memory_total_kib),
+    });
 }
 
 /// A guest's status, for people: the tenant's words as they came (bounded

@@ -139,7 +139,6 @@ impl Probes {
                 .look(ctx, deadline, (vm_id, pid), (booted, now), res);
             return None;
         };
-        self.agents.forget(vm_id);
         let mut state = {
             let mut all = self.states.lock();
             let state = all.entry(vm_id.clone()).or_insert_with(|| fresh(pid, now));
@@ -190,6 +189,7 @@ impl Probes {
             return Some(why);
         }
         say(res, probe, &state, now);
+        self.agents.describe(ctx, deadline, (vm_id, pid), now, res);
         None
     }
 
