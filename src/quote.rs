@@ -47,7 +47,10 @@ pub fn inline(s: &str) -> String {
 /// sequences (colours, cursor moves: `ESC [ … final`, `ESC ] … BEL`, and
 /// any other `ESC x`) left out rather than escaped: a boot's coloured
 /// `[  OK  ]` read as `\u{1b}[0;32m  OK  \u{1b}[0m`, its words lost in the
-/// noise. Other control characters are escaped as `inline` escapes them.
+/// noise. A carriage return is read as a terminal reads it: the line's end
+/// of a serial console's CRLF is dropped, and what a line wrote over
+/// itself (a progress count) shows its last state. Other control
+/// characters are escaped as `inline` escapes them.
 pub fn console(s: &str) -> String {
     let mut plain = String::with_capacity(s.len());
     let mut chars = s.chars().peekable();
@@ -80,7 +83,11 @@ pub fn console(s: &str) -> String {
             _ => {}
         }
     }
-    inline(&plain)
+    let shown = plain
+        .rsplit('\r')
+        .find(|part| !part.is_empty())
+        .unwrap_or_default();
+    inline(shown)
 }
 
 /// A URL with any credentials in it (`http://user:secret@host/`) replaced
@@ -108,6 +115,19 @@ mod tests {
         let line = "[\u{1b}[0;32m  OK  \u{1b}[0m] Started \u{1b}]0;title\u{7}ssh.service\u{8}.";
 
         assert_eq!(console(line), "[  OK  ] Started ssh.service\\u{8}.");
+    }
+
+    #[test]
+    fn a_console_lines_crlf_end_is_no_character_of_it() {
+        assert_eq!(
+            console("[  OK  ] Reached target getty.\r"),
+            "[  OK  ] Reached target getty."
+        );
+    }
+
+    #[test]
+    fn a_console_line_written_over_itself_shows_its_last_state() {
+        assert_eq!(console("fsck 10%\rfsck 60%\rfsck 100%\r"), "fsck 100%");
     }
 
     #[test]

@@ -77,6 +77,12 @@ impl CloudHypervisor {
             }
             (None, None) => return Err(CloudHvError::NoBootFile.into()),
         }
+        // A piece of confinement the host lacks and the operator did not
+        // allow going without: no VMM can start, so no create begins (its
+        // taps would be plugged and unplugged at every tick for nothing).
+        for piece in crate::provision::Piece::ALL {
+            self.confined.uses(piece).map_err(CloudHvError::from)?;
+        }
         self.check_reach()
     }
 

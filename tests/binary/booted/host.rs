@@ -277,3 +277,34 @@ fn five_vms_ports_under_a_low_open_file_limit_leave_a_bystander_booting() {
         agent.log_text()
     );
 }
+
+#[test]
+fn a_host_that_cannot_confine_a_vmm_begins_no_create() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let boot = Booting::new(dir.path());
+    // The VMM ids' map unreadable: no VMM can be given a user of its own.
+    let jail = dir.path().join("state/jail");
+    std::fs::create_dir_all(&jail).expect("jail dir");
+    std::fs::write(jail.join("ids.json"), "not a map").expect("ids");
+    desired(
+        dir.path(),
+        &format!(r#"{{"vms":[{}]}}"#, boot.vm_json("jail-1", "")),
+    );
+
+    let agent = boot.start(dir.path(), &[]);
+    let waiting = agent.wait_report("jail-1 waiting for the host", |r| {
+        row_of(r, "jail-1")["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("--allow-without jail"))
+    });
+    // Ten ticks more.
+    std::thread::sleep(Duration::from_secs(1));
+
+    assert_eq!(row_of(&waiting, "jail-1")["phase"], "creating", "{waiting}");
+    assert_eq!(detail_of(&waiting, "jail-1")["attempts"], 0, "{waiting}");
+    let log = agent.log_text();
+    assert!(
+        !log.contains("create attempt took"),
+        "no create began: {log}"
+    );
+}
