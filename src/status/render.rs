@@ -620,27 +620,36 @@ mod tests {
     use crate::pb;
     use crate::status::VmDetail;
 
-    #[test]
-    fn the_header_counts_an_unhealthy_vm_as_unhealthy_not_ready() {
-        let row = |id: &str, last_error: &str| pb::VmStatus {
+    /// A host whose report holds only `vms`, each in phase `ready`.
+    fn ready_rows(vms: &[(&str, &str, &str)]) -> ReportFile {
+        let row = |&(id, power, last_error): &(&str, &str, &str)| pb::VmStatus {
             vm_id: id.into(),
-            power_state: "running".into(),
+            power_state: power.into(),
             phase: "ready".into(),
             last_error: last_error.into(),
             ..Default::default()
         };
-        let file = ReportFile::new(
+        ReportFile::new(
             pb::HostInfo::default(),
             "desired file /d.json".into(),
             "ok".into(),
             pb::Report {
-                vms: vec![
-                    row("vm-1", ""),
-                    row("vm-2", "unhealthy: failing for 4 s: tcp 22 refused"),
-                ],
+                vms: vms.iter().map(row).collect(),
                 ..Default::default()
             },
-        );
+        )
+    }
+
+    #[test]
+    fn the_header_counts_an_unhealthy_vm_as_unhealthy_not_ready() {
+        let file = ready_rows(&[
+            ("vm-1", "running", ""),
+            (
+                "vm-2",
+                "running",
+                "unhealthy: failing for 4 s: tcp 22 refused",
+            ),
+        ]);
 
         let header = file.header();
 
@@ -652,21 +661,7 @@ mod tests {
 
     #[test]
     fn a_vm_stopped_as_asked_reads_settled_not_ready() {
-        let row = |id: &str, power: &str| pb::VmStatus {
-            vm_id: id.into(),
-            power_state: power.into(),
-            phase: "ready".into(),
-            ..Default::default()
-        };
-        let file = ReportFile::new(
-            pb::HostInfo::default(),
-            "desired file /d.json".into(),
-            "ok".into(),
-            pb::Report {
-                vms: vec![row("vm-1", "running"), row("vm-2", "stopped")],
-                ..Default::default()
-            },
-        );
+        let file = ready_rows(&[("vm-1", "running", ""), ("vm-2", "stopped", "")]);
 
         let header = file.header();
         let table = file.render(at_now());

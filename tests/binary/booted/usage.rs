@@ -19,29 +19,35 @@ fn reading_vm(dir: &Path) -> (Booting, Agent) {
 fn top_shows_a_running_vms_disk_reads_as_its_vmm_counted_them() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_boot, agent) = reading_vm(dir.path());
-    let state = agent.state.display().to_string();
 
-    let once = eitri(&["top", "--once", "--state-dir", &state]);
-    let json = eitri(&["top", "--json", "--state-dir", &state]);
+    let (row, figures) = top_of_io_1(&agent);
 
-    let text = String::from_utf8_lossy(&once.stdout);
-    assert!(once.status.success(), "{once:?}");
-    let row = text
-        .lines()
-        .find(|l| l.starts_with("io-1 "))
-        .unwrap_or_else(|| panic!("no row for io-1: {text}"));
-    let columns = columns(row);
     assert!(
-        columns.get(4).is_some_and(|c| c.ends_with(" MiB")),
+        columns(&row).get(4).is_some_and(|c| c.ends_with(" MiB")),
         "4 MiB/s of reads shows in MiB: {row}"
     );
-    let figures: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
     let read = figures["io-1"]["disk_read_bps"]
         .as_u64()
         .expect("a read rate");
     // What the stand-in's guest reads, give or take its pacing and the
     // sample's window: the figure is its VMM's count, not a guess.
     assert!((2 << 20..8 << 20).contains(&read), "{read} B/s");
+}
+
+/// `top --once`'s row of io-1, and `top --json`'s figures.
+fn top_of_io_1(agent: &Agent) -> (String, serde_json::Value) {
+    let state = agent.state.display().to_string();
+    let once = eitri(&["top", "--once", "--state-dir", &state]);
+    let json = eitri(&["top", "--json", "--state-dir", &state]);
+    assert!(once.status.success(), "{once:?}");
+    let text = String::from_utf8_lossy(&once.stdout);
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("io-1 "))
+        .unwrap_or_else(|| panic!("no row for io-1: {text}"))
+        .to_owned();
+    let figures = serde_json::from_slice(&json.stdout).expect("JSON");
+    (row, figures)
 }
 
 /// A row's cells: they stand two spaces apart (VM, CPU%, MEM, GUEST-MEM,
@@ -57,19 +63,11 @@ fn columns(row: &str) -> Vec<&str> {
 fn top_shows_the_guests_memory_as_its_guest_agent_said_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (_boot, agent) = reading_vm(dir.path());
-    let state = agent.state.display().to_string();
 
-    let once = eitri(&["top", "--once", "--state-dir", &state]);
-    let json = eitri(&["top", "--json", "--state-dir", &state]);
+    let (row, figures) = top_of_io_1(&agent);
 
     // The stand-in's guest agent says 400 of 512 MiB are available.
-    let text = String::from_utf8_lossy(&once.stdout);
-    let row = text
-        .lines()
-        .find(|l| l.starts_with("io-1 "))
-        .unwrap_or_else(|| panic!("no row for io-1: {text}"));
-    assert_eq!(columns(row).get(3), Some(&"112/512 MiB"), "{text}");
-    let figures: serde_json::Value = serde_json::from_slice(&json.stdout).expect("JSON");
+    assert_eq!(columns(&row).get(3), Some(&"112/512 MiB"), "{row}");
     assert_eq!(
         figures["io-1"]["guest_memory"],
         serde_json::json!({"total_bytes": 512u64 << 20, "available_bytes": 400u64 << 20})
