@@ -87,10 +87,12 @@ impl ReportFile {
             .vms
             .iter()
             .map(|v| {
+                let rejected = (!v.spec_rejected.is_empty())
+                    .then(|| format!("spec rejected: {}", v.spec_rejected));
                 let note = [v.status_detail.as_str(), v.last_error.as_str()]
-                    .iter()
+                    .into_iter()
+                    .chain(rejected.as_deref())
                     .filter(|s| !s.is_empty())
-                    .copied()
                     .collect::<Vec<_>>()
                     .join("; ");
                 let detail = self.details.get(&v.vm_id);
@@ -1099,6 +1101,28 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("\n  power         running"), "{text}");
+    }
+
+    #[test]
+    fn a_rejected_spec_is_in_its_rows_detail() {
+        let file = of_one(pb::VmStatus {
+            vm_id: "web-1".into(),
+            power_state: "running".into(),
+            phase: "ready".into(),
+            spec_rejected: "invalid entry: vcpus: 0".into(),
+            ..Default::default()
+        });
+
+        let table = file.render(at_now());
+
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("web-1 "))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(
+            row.ends_with("spec rejected: invalid entry: vcpus: 0"),
+            "{row}"
+        );
     }
 
     #[test]
