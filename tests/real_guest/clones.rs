@@ -11,27 +11,18 @@ const TEMPLATE: &str = "tpl";
 /// reseeded by its kernel just before it is wanted suspended as a
 /// template; its entry, or `None` (skipped) without the static guest
 /// agent. The reseed is the test's worst case: until the kernel's next
-/// one, two copies of the template's guest would read the same random
-/// bytes but for the agent's reseed. Linux reseeds on its own once its
-/// seed is older than half its uptime, up to 60 s once it has been up
-/// 120 s, counted in its own time, which jumps by as long as it was
-/// saved when it is restored here: so the template is reseeded past 120 s
-/// of uptime, and the clones' reads fall within the 60 s that follow.
+/// one (at least 13 s of its time away, where the clones' reads fall),
+/// two copies of the template's guest would read the same random bytes
+/// but for the agent's reseed.
 fn template_saved(lab: &mut Lab) -> Option<Value> {
     let agent = static_guest_agent()?.display().to_string();
     lab.start(&["--guest-agent", &agent]);
     let booted = with(lab.vm(TEMPLATE), "cloud_init", json!(ROOT_LOGIN));
     let (row, _) = lab.boot(std::slice::from_ref(&booted), TEMPLATE);
     guest_agent_up(lab, TEMPLATE);
-    let ip = address(&row);
-    let uptime: f64 = lab
-        .guest("root", &ip, "cut -d' ' -f1 /proc/uptime")
-        .parse()
-        .expect("the template's uptime");
-    std::thread::sleep(Duration::from_secs_f64((121.0 - uptime).max(0.0)));
     // RNDRESEEDCRNG, as root.
     let reseed = "python3 -c \"import fcntl; fcntl.ioctl(open('/dev/urandom', 'w'), 0x5207)\"";
-    lab.guest("root", &ip, reseed);
+    lab.guest("root", &address(&row), reseed);
     let template = with(
         with(booted, "power_state", json!("suspended")),
         "template",
