@@ -75,7 +75,7 @@ impl GuestMemory {
         let mib = |bytes: u64| bytes >> 20;
         format!(
             "{}/{} MiB",
-            mib(self.total_bytes - self.available_bytes),
+            mib(self.total_bytes.saturating_sub(self.available_bytes)),
             mib(self.total_bytes)
         )
     }
