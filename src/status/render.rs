@@ -1084,15 +1084,20 @@ mod tests {
         )
     }
 
-    #[test]
-    fn a_rejected_specs_label_stands_apart_from_its_value() {
-        let file = of_one(pb::VmStatus {
+    /// A running VM whose last entry was refused.
+    fn rejected_web_1() -> ReportFile {
+        of_one(pb::VmStatus {
             vm_id: "web-1".into(),
             power_state: "running".into(),
             phase: "ready".into(),
             spec_rejected: "invalid entry: vcpus: 0".into(),
             ..Default::default()
-        });
+        })
+    }
+
+    #[test]
+    fn a_rejected_specs_label_stands_apart_from_its_value() {
+        let file = rejected_web_1();
 
         let text = file.render_vm("web-1", &[], &[], at_now()).expect("web-1");
 
@@ -1105,13 +1110,7 @@ mod tests {
 
     #[test]
     fn a_rejected_spec_is_in_its_rows_detail() {
-        let file = of_one(pb::VmStatus {
-            vm_id: "web-1".into(),
-            power_state: "running".into(),
-            phase: "ready".into(),
-            spec_rejected: "invalid entry: vcpus: 0".into(),
-            ..Default::default()
-        });
+        let file = rejected_web_1();
 
         let table = file.render(at_now());
 

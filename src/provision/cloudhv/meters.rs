@@ -158,15 +158,16 @@ fn cpu_and_memory(
 }
 
 fn clock_ticks() -> Option<u64> {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .and_then(|n| u64::try_from(n).ok())
-        .filter(|n| *n > 0)
+    positive(nix::unistd::SysconfVar::CLK_TCK)
 }
 
 fn page_size() -> Option<u64> {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+    positive(nix::unistd::SysconfVar::PAGE_SIZE)
+}
+
+/// A `sysconf` value the kernel gives as a positive number.
+fn positive(name: nix::unistd::SysconfVar) -> Option<u64> {
+    nix::unistd::sysconf(name)
         .ok()
         .flatten()
         .and_then(|n| u64::try_from(n).ok())
