@@ -6,8 +6,9 @@
 //!
 //! Before an attempt is counted, the template must be a VM of this host
 //! that is suspended with a usable snapshot; a template on its way there
-//! (being created, booting, suspending) is waited for without spending
-//! the clone's budget, and one that is gone fails the clone for good.
+//! (wanted but not yet recorded, being created, booting, suspending) is
+//! waited for without spending the clone's budget, and one that is gone
+//! fails the clone for good.
 //!
 //! After the restore, in order, each answer checked against what was
 //! asked (a guest agent that says it did something else has not done it):
@@ -49,10 +50,16 @@ pub(super) enum Template {
     Gone(String),
 }
 
-/// Where `template` stands, for a clone of it.
-pub(super) fn template(ctx: &Context, template: &Id) -> Template {
+/// Where `template` stands, for a clone of it; `wanted`: the clone's
+/// snapshot wants it, as a template.
+pub(super) fn template(ctx: &Context, template: &Id, wanted: bool) -> Template {
     let rec = match ctx.store.get(template) {
         Ok(Some(rec)) => rec,
+        // Wanted in the same delivery, its worker has not yet saved its
+        // first record: each VM's pass runs on its own thread.
+        Ok(None) if wanted => {
+            return Template::NotYet(format!("its template {template} to be created"));
+        }
         Ok(None) => {
             return Template::Gone(format!(
                 "its template {template} is no VM of this host: add it to the desired state (template: true, power_state \"suspended\"), or clone another"

@@ -145,7 +145,7 @@ impl Create {
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
         if let Some(template) = &d.spec.clone_of {
-            match clones::template(ctx, template) {
+            match clones::template(ctx, template, pass.template_wanted) {
                 clones::Template::Ready => {}
                 clones::Template::NotYet(what) => {
                     pass.res.report(

@@ -656,7 +656,7 @@ impl Engine {
     ) -> Option<VmResult> {
         match (slot, assignment) {
             (Some(slot), _) => Some(self.spine.ctx.observed(vm_id, slot)),
-            (None, Assignment::Desired(_)) => Some(VmResult::queued(vm_id)),
+            (None, Assignment::Desired { .. }) => Some(VmResult::queued(vm_id)),
             (None, Assignment::Reap { .. }) => None,
         }
     }
@@ -699,10 +699,30 @@ fn assignments<'a>(
     claimed: &HashSet<&Id>,
 ) -> HashMap<&'a Id, Assignment> {
     let mut out = HashMap::with_capacity(snap.vms.len() + records.len());
+    let templates: HashSet<&Id> = snap
+        .vms
+        .iter()
+        .filter_map(|w| match w {
+            WantedVm::Present(d) if d.template => Some(&d.spec.vm_id),
+            _ => None,
+        })
+        .collect();
     for wanted in &snap.vms {
         match wanted {
             WantedVm::Present(d) => {
-                out.insert(&d.spec.vm_id, Assignment::Desired(Arc::clone(d)));
+                let template_wanted = d
+                    .spec
+                    .clone_of
+                    .as_ref()
+                    .is_some_and(|t| templates.contains(t));
+                let vm = Arc::clone(d);
+                out.insert(
+                    &d.spec.vm_id,
+                    Assignment::Desired {
+                        vm,
+                        template_wanted,
+                    },
+                );
             }
             WantedVm::Tombstoned(id) if records.contains_key(id) => {
                 out.insert(id, Assignment::Reap { tombstoned: true });

@@ -17,12 +17,16 @@ use crate::state::Record;
 /// delivered it.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Assignment {
-    Desired(Arc<DesiredVm>),
+    Desired {
+        vm: Arc<DesiredVm>,
+        /// For a clone: the same snapshot wants its template, as one. A
+        /// template with no record yet is then on its way (its own worker
+        /// is making it), not gone.
+        template_wanted: bool,
+    },
     /// Absent from desired state (vanished) or tombstoned: reap it. The two
     /// differ in grace period, so the flag stays explicit.
-    Reap {
-        tombstoned: bool,
-    },
+    Reap { tombstoned: bool },
 }
 
 /// One VM's contribution to the host report: at most one row, or one
@@ -121,6 +125,9 @@ pub(crate) struct Pass<'a> {
     pub deadline: Deadline,
     pub res: &'a mut VmResult,
     pub publisher: Option<&'a Publisher>,
+    /// What its assignment says of a clone's template (see
+    /// [`Assignment::Desired`]).
+    pub template_wanted: bool,
 }
 
 impl Pass<'_> {

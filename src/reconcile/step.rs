@@ -111,14 +111,22 @@ impl Spine {
                 .unwrap_or_default(),
             ..VmResult::default()
         };
+        let template_wanted = matches!(
+            assignment,
+            Assignment::Desired {
+                template_wanted: true,
+                ..
+            }
+        );
         let mut pass = Pass {
             deadline,
             res: &mut res,
             publisher,
+            template_wanted,
         };
         let rec = rec.map(|r| (*r).clone());
         match (assignment, rec) {
-            (Assignment::Desired(desired), rec) => self.drive(desired, rec, &mut pass),
+            (Assignment::Desired { vm, .. }, rec) => self.drive(vm, rec, &mut pass),
             (Assignment::Reap { tombstoned }, Some(rec)) => {
                 let gone = Wanted::Gone {
                     tombstoned: *tombstoned,

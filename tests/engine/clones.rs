@@ -4,9 +4,11 @@
 //! template is gone, and is never ready while it is still its template's
 //! copy.
 
-use crate::common::Harness;
-use eitri_agent::model::{DesiredVm, Id, Phase, PowerState, Snapshot};
-use eitri_agent::testkit::{Call, desired, id, present, snapshot};
+use std::time::Instant;
+
+use crate::common::{Harness, SETTLE};
+use eitri_agent::model::{DesiredVm, Id, Phase, PowerState, Snapshot, VmStatus};
+use eitri_agent::testkit::{Call, Op, desired, id, present, snapshot};
 
 const TEMPLATE: &str = "base";
 const CLONE: &str = "web-1";
@@ -81,6 +83,46 @@ fn a_clone_whose_template_is_not_yet_suspended_waits_without_spending_an_attempt
     );
     assert!(!h.has_record(CLONE) || h.record(CLONE).lifecycle.create_attempts() == 0);
     assert_eq!(h.fakes.count(|c| matches!(c, Call::CloneSaved(..))), 0);
+}
+
+/// The clone's row once its pass has said something of it, while other
+/// passes may still run.
+fn said(h: &Harness) -> Option<VmStatus> {
+    let until = Instant::now() + SETTLE;
+    while Instant::now() < until {
+        if let Some(row) = h.try_row(CLONE)
+            && !row.last_error.is_empty()
+        {
+            return Some(row);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    None
+}
+
+#[test]
+fn a_clone_wanted_with_its_template_waits_for_the_template_to_be_made() {
+    let h = Harness::new();
+    // The template's create held before its first record is saved.
+    let gate = h.fakes.block(Op::Preflight, "");
+    let both = wanted(vec![template(PowerState::Suspended), clone_of(TEMPLATE)]);
+
+    h.engine.step(&both);
+    assert!(gate.wait_entered(1, SETTLE));
+    let row = said(&h);
+    gate.release();
+
+    let row = row.expect("the clone's pass said nothing");
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
+    assert!(
+        row.last_error
+            .contains("waiting for its template base to be created"),
+        "{row:?}"
+    );
+    h.idle();
+    h.tick_until(&both, CLONE, |_| {
+        h.fakes.count(|c| matches!(c, Call::CloneSaved(..))) == 1
+    });
 }
 
 #[test]

@@ -78,7 +78,7 @@ mod tests {
     fn reaps(mailbox: &mut Mailbox) -> Option<bool> {
         match mailbox.take() {
             Some(Assignment::Reap { tombstoned }) => Some(tombstoned),
-            Some(Assignment::Desired(_)) => panic!("a desired assignment was never delivered"),
+            Some(Assignment::Desired { .. }) => panic!("a desired assignment was never delivered"),
             None => None,
         }
     }
