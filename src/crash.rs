@@ -104,6 +104,22 @@ pub const POINTS: &[(&str, &str)] = &[
         "a clone made its own but not yet recorded created is made again from its template (a clone is never adopted before its record says made)",
     ),
     (
+        "template.intent-saved",
+        "a running template whose save is recorded under way, its guest not yet paused, runs on and is saved again",
+    ),
+    (
+        "template.paused",
+        "a running template's guest paused for its save, nothing written, is resumed at its next pass and saved again",
+    ),
+    (
+        "template.snapshot-written",
+        "a running template's guest paused with its snapshot written, its disk not yet copied, is resumed and saved again whole",
+    ),
+    (
+        "template.committed",
+        "a running template's save committed and its guest resumed, its record not yet updated, keeps its whole save",
+    ),
+    (
         "resume.guest-reseeded",
         "a resumed guest sent its entropy and clock but not yet recorded running is recorded running (and sent them again: fresh entropy twice is no harm)",
     ),

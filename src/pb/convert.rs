@@ -287,15 +287,17 @@ fn clone_of(vm_id: &Id, raw: &pb::VmSpec) -> Result<Option<Id>, SpecError> {
     Ok(Some(template))
 }
 
-/// What a template may not be: anything but suspended, woken by traffic
-/// (its disk and snapshot must stay as clones copy them), or the holder
-/// of a volume (each clone would copy a tenant's data).
+/// What a template may not be: stopped (a guest that does not run has
+/// nothing to save), woken by traffic (its disk and snapshot must stay as
+/// clones copy them), or the holder of a volume (each clone would copy a
+/// tenant's data). Suspended, clones are made from its snapshot; running,
+/// from the save the agent makes of it once it is ready.
 fn template(raw: &pb::VmSpec, power: PowerState, sleep: &Sleep) -> Result<(), SpecError> {
-    if power != PowerState::Suspended {
+    if power == PowerState::Stopped {
         return Err(SpecError::new(
             "template",
             format!(
-                "a template is wanted \"suspended\" (its snapshot is what clones are made from), not {}",
+                "a template is wanted \"suspended\" or \"running\" (its saved guest is what clones are made from), not {}",
                 quote::text(&raw.power_state)
             ),
         ));

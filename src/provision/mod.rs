@@ -339,11 +339,12 @@ pub trait Suspend: Send + Sync {
     /// success.
     fn discard_suspension(&self, vm_id: &Id, deadline: Deadline) -> Outcome;
 
-    /// Makes the new VM `spec`, a clone of the suspended `template`, a
-    /// root disk and a saved guest of its own: copies of the template's
-    /// as it was saved, for [`Suspend::resume`] to start. The template's
-    /// files are only read, and a template changed while they were copied
-    /// refuses the copy. How they were copied.
+    /// Makes the new VM `spec`, a clone of `template` (suspended, or
+    /// running and saved by [`Suspend::save_template`]), a root disk and a
+    /// saved guest of its own: copies of the template's as it was saved,
+    /// for [`Suspend::resume`] to start. The template's files are only
+    /// read, and a template saved again while they were copied refuses
+    /// the copy. How they were copied.
     fn clone_saved(
         &self,
         _template: &Id,
@@ -355,6 +356,34 @@ pub trait Suspend: Send + Sync {
             spec.vm_id
         ))
         .into())
+    }
+
+    /// Saves a running VM's guest as a template without stopping it: its
+    /// guest paused, its memory and a copy of its root disk committed
+    /// where [`Suspend::clone_saved`] finds them, and resumed (an error
+    /// resumes it too). How long its guest was paused.
+    fn save_template(&self, vm_id: &Id, _deadline: Deadline) -> Outcome<std::time::Duration> {
+        Err(crate::error::Simple::permanent(format!(
+            "VM {vm_id}: this backend cannot save a running VM as a template: want it suspended"
+        ))
+        .into())
+    }
+
+    /// The running VM's template as found now (a committed save, checked
+    /// against the disk copy it was taken with); `None` when it has none.
+    fn template_saved(&self, _vm_id: &Id) -> Option<SavedGuest> {
+        None
+    }
+
+    /// Removes the VM's template; nothing there is success.
+    fn discard_template(&self, _vm_id: &Id) -> Outcome {
+        Ok(())
+    }
+
+    /// Resumes the VM's guest where its VMM says it is paused (a
+    /// template's save cut short); a guest that runs is left as it is.
+    fn unpause(&self, _vm_id: &Id, _deadline: Deadline) -> Outcome {
+        Ok(())
     }
 }
 

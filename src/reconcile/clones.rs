@@ -5,7 +5,8 @@
 //! is ready.
 //!
 //! Before an attempt is counted, the template must be a VM of this host
-//! that is suspended with a usable snapshot; a template on its way there
+//! that is suspended with a usable snapshot, or running with a usable save
+//! (`templates`); a template on its way there
 //! (wanted but not yet recorded, being created, booting, suspending) is
 //! waited for without spending the clone's budget, and one that is gone
 //! fails the clone for good.
@@ -72,8 +73,18 @@ pub(super) fn template(ctx: &Context, template: &Id, wanted: bool) -> Template {
             ));
         }
     };
+    let suspender = ctx.backend.suspender();
     match lifecycle::state(&rec, ctx.budget()) {
         State::Suspended => {}
+        // A running template: its clones are made from its save.
+        State::Up => {
+            return match suspender.and_then(|s| s.template_saved(template)) {
+                Some(SavedGuest::Usable(_)) => Template::Ready,
+                _ => Template::NotYet(format!(
+                    "its template {template} to be saved (suspended, or running as a template once it is ready)"
+                )),
+            };
+        }
         State::Quarantined { .. } => {
             return Template::Gone(format!(
                 "its template {template} is gone from the desired state (quarantined)"
@@ -91,7 +102,7 @@ pub(super) fn template(ctx: &Context, template: &Id, wanted: bool) -> Template {
             ));
         }
     }
-    match ctx.backend.suspender().and_then(|s| s.suspension(template)) {
+    match suspender.and_then(|s| s.suspension(template)) {
         Some(SavedGuest::Usable(_)) => Template::Ready,
         Some(SavedGuest::Unusable(why)) => Template::NotYet(format!(
             "its template {template} to be saved again (its snapshot cannot be used: {why})"

@@ -43,6 +43,7 @@ pub mod seams;
 mod sleepers;
 mod step;
 mod suspension;
+mod templates;
 pub mod volumes;
 mod workers;
 
@@ -239,6 +240,7 @@ impl Engine {
             probes: probes::Probes::new(agent_wait),
             panics: panics::Panics::default(),
             sleepers,
+            templates: templates::Templates::default(),
             watch: parking_lot::RwLock::new(None),
         };
         spine.ctx.backend.watch_exits(Arc::new(move |vm_id: &Id| {

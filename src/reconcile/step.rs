@@ -17,7 +17,9 @@
 //! 6. **Holds published.** Its published ports held as its entry says,
 //!    once it has a record.
 //! 7. **Probes after.** Its readiness probe asked, when one is due; a
-//!    guest failing past its `restart_after` is booted again.
+//!    guest failing past its `restart_after` is booted again. A running
+//!    template, ready, has its guest saved for its clones (`templates`;
+//!    a guest such a save left paused is resumed at step 1).
 //! 8. **Say.** Its row says what it is held to, what is served, and what
 //!    is published.
 //!
@@ -43,6 +45,7 @@ use super::pass::{
 use super::probes::Probes;
 use super::sleepers::Sleepers;
 use super::suspension::{self, Suspension};
+use super::templates::Templates;
 use super::{converge, reap};
 use crate::deadline::Deadline;
 use crate::model::{DesiredVm, Id, PowerState};
@@ -76,6 +79,7 @@ pub(crate) struct Spine {
     pub probes: Probes,
     pub panics: Panics,
     pub sleepers: Sleepers,
+    pub templates: Templates,
     pub watch: parking_lot::RwLock<Option<StageWatch>>,
 }
 
@@ -143,8 +147,9 @@ impl Spine {
         let ctx = &self.ctx;
         let vm_id = &desired.spec.vm_id;
         let holding = Holding::of(ctx);
-        // 1. (recorded)
-        let mut rec = rec.map(|rec| holds::note_egress(ctx, desired, rec));
+        // 1. (recorded), and a guest a template's save left paused resumed.
+        let rec = rec.map(|rec| holds::note_egress(ctx, desired, rec));
+        let mut rec = self.templates.unpause_left(ctx, rec, pass.deadline);
         // 2.
         let answered = self.probes.answered(desired);
         let wanted = self
@@ -183,8 +188,11 @@ impl Spine {
             .probe(ctx, pass.deadline, desired, saved.as_deref(), pass.res);
         drop(own);
         let restart = restart.or_else(|| self.panics.look(ctx, desired, pass.res));
-        if let Some(why) = restart {
-            converge::restart(ctx, desired, &why, pass);
+        // 7. (templates) A running template, ready, saved: not in a pass
+        // that boots it again.
+        match restart {
+            Some(why) => converge::restart(ctx, desired, &why, pass),
+            None => self.templates.keep(ctx, desired, pass),
         }
         // 8.
         holding.say_unserved(vm_id, pass.res);

@@ -27,6 +27,11 @@
 //!   vms/<vm_id>/snapshot/manifest.json         the agent's account of it: its files, the disks it was taken with
 //!   vms/<vm_id>/.snapshot-new                  a snapshot being committed, its files moved in from snapshot.tmp
 //!   vms/<vm_id>/.snapshot-discarded            a snapshot on its way out
+//!   vms/<vm_id>/template                       a running template's save, committed as a snapshot is
+//!   vms/<vm_id>/template/manifest.json         its account, naming template.raw as its disk
+//!   vms/<vm_id>/.template-new                  a running template's save being committed
+//!   vms/<vm_id>/.template-discarded            a running template's save on its way out
+//!   vms/<vm_id>/template.raw                   a running template's root disk as it was saved
 //!   vms/<vm_id>/efi-vars                       vfkit: the guest's EFI variable store
 //!   images/                                    0700
 //!   images/<sha256>                            a verified base image
@@ -239,6 +244,30 @@ impl Layout {
         self.vm_dir(vm_id).join(".snapshot-discarded")
     }
 
+    /// A running template's committed snapshot, which clones are made
+    /// from, committed as [`Layout::snapshot`] is (by way of
+    /// [`Layout::template_incoming`] and [`Layout::template_discarded`]).
+    pub fn template(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("template")
+    }
+
+    pub fn template_manifest(&self, vm_id: &Id) -> PathBuf {
+        self.template(vm_id).join("manifest.json")
+    }
+
+    pub fn template_incoming(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join(".template-new")
+    }
+
+    pub fn template_discarded(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join(".template-discarded")
+    }
+
+    /// A running template's root disk as it was when its guest was saved.
+    pub fn template_disk(&self, vm_id: &Id) -> PathBuf {
+        self.vm_dir(vm_id).join("template.raw")
+    }
+
     pub fn efi_vars(&self, vm_id: &Id) -> PathBuf {
         self.vm_dir(vm_id).join("efi-vars")
     }
@@ -391,6 +420,11 @@ mod tests {
             layout.snapshot_manifest(&vm),
             layout.snapshot_incoming(&vm),
             layout.snapshot_discarded(&vm),
+            layout.template(&vm),
+            layout.template_manifest(&vm),
+            layout.template_incoming(&vm),
+            layout.template_discarded(&vm),
+            layout.template_disk(&vm),
             layout.efi_vars(&vm),
             layout.host_signing_key(),
             layout.images(),

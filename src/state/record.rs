@@ -40,6 +40,10 @@ pub struct Record {
     /// until it is idle, then sleeps again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub woken: bool,
+    /// Its guest is being saved as its template (a running template):
+    /// it may be paused, and a pass that finds this resumes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub templating: bool,
 }
 
 impl Record {
@@ -55,6 +59,7 @@ impl Record {
             published: Vec::new(),
             asleep: false,
             woken: false,
+            templating: false,
         }
     }
 }

@@ -92,6 +92,16 @@ impl Lifecycle for Fakes {
     }
 }
 
+impl Fakes {
+    /// The fake clock, in ms since the epoch.
+    fn now_ms(&self) -> u64 {
+        self.now
+            .lock()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64)
+    }
+}
+
 impl Suspend for Fakes {
     /// Saves 64 MiB "taken" now and stops the VM's hypervisor, as the
     /// cloud-hypervisor backend does.
@@ -99,13 +109,8 @@ impl Suspend for Fakes {
         self.record(Call::Suspend(vm_id.clone()));
         say("suspending: saving the guest's state");
         self.act(Op::Suspend, vm_id.as_str(), deadline)?;
-        let taken_at_ms = self
-            .now
-            .lock()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         let saved = Saved {
-            taken_at_ms,
+            taken_at_ms: self.now_ms(),
             bytes: 64 << 20,
             in_memory: false,
         };
@@ -169,7 +174,11 @@ impl Suspend for Fakes {
         self.record(Call::CloneSaved(spec.vm_id.clone(), template.clone()));
         self.act(Op::Clone, spec.vm_id.as_str(), deadline)?;
         let mut saved = self.saved.lock();
-        match saved.get(template).cloned() {
+        let theirs = saved
+            .get(template)
+            .or(self.templates.lock().get(template))
+            .cloned();
+        match theirs {
             Some(SavedGuest::Usable(s)) => {
                 saved.insert(spec.vm_id.clone(), SavedGuest::Usable(s));
                 Ok(crate::disk::Method::Reflink)
@@ -178,6 +187,41 @@ impl Suspend for Fakes {
                 Simple::transient(format!("template {template} has no usable saved state")).into(),
             ),
         }
+    }
+
+    /// Saves 64 MiB "taken" now as the running VM's template; its guest
+    /// "paused" 1 ms.
+    fn save_template(&self, vm_id: &Id, deadline: Deadline) -> Outcome<std::time::Duration> {
+        self.record(Call::SaveTemplate(vm_id.clone()));
+        self.act(Op::SaveTemplate, vm_id.as_str(), deadline)?;
+        if !self.running.lock().contains(vm_id) {
+            return Err(Simple::transient("its hypervisor is not running").into());
+        }
+        let saved = Saved {
+            taken_at_ms: self.now_ms(),
+            bytes: 64 << 20,
+            in_memory: false,
+        };
+        self.templates
+            .lock()
+            .insert(vm_id.clone(), SavedGuest::Usable(saved));
+        Ok(std::time::Duration::from_millis(1))
+    }
+
+    fn template_saved(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.templates.lock().get(vm_id).cloned()
+    }
+
+    fn discard_template(&self, vm_id: &Id) -> Outcome {
+        if self.templates.lock().remove(vm_id).is_some() {
+            self.record(Call::DiscardTemplate(vm_id.clone()));
+        }
+        Ok(())
+    }
+
+    fn unpause(&self, vm_id: &Id, _deadline: Deadline) -> Outcome {
+        self.record(Call::Unpause(vm_id.clone()));
+        Ok(())
     }
 }
 

@@ -61,6 +61,7 @@ pub enum Op {
     Run,
     Resumable,
     Clone,
+    SaveTemplate,
 }
 
 /// One call a fake received, in order across all seams.
@@ -83,6 +84,11 @@ pub enum Call {
     DiscardSuspension(Id),
     /// A clone's copy of its template's saved guest: (clone, template).
     CloneSaved(Id, Id),
+    /// A running VM's guest saved as its template.
+    SaveTemplate(Id),
+    DiscardTemplate(Id),
+    /// A guest resumed where it was left paused.
+    Unpause(Id),
     Suspension(Id),
     Running(Id),
     FailureReason(Id),
@@ -198,6 +204,8 @@ pub struct Fakes {
     /// What holds each suspended VM's guest: a suspend puts it here, a
     /// resume takes it (and runs the VM), a discard removes it.
     saved: Mutex<HashMap<Id, SavedGuest>>,
+    /// Running VMs' guests saved as templates.
+    templates: Mutex<HashMap<Id, SavedGuest>>,
     addresses: Mutex<HashMap<Id, Addresses>>,
     reasons: Mutex<HashMap<Id, String>>,
     progress: Mutex<HashMap<String, Vec<ProgressStep>>>,
@@ -232,6 +240,7 @@ impl Fakes {
             rules: Mutex::new(HashMap::new()),
             running: Mutex::new(HashSet::new()),
             saved: Mutex::new(HashMap::new()),
+            templates: Mutex::new(HashMap::new()),
             addresses: Mutex::new(HashMap::new()),
             reasons: Mutex::new(HashMap::new()),
             progress: Mutex::new(HashMap::new()),

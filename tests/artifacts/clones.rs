@@ -150,16 +150,27 @@ fn a_clone_wanted_stopped_is_refused() {
 }
 
 #[test]
-fn a_template_wanted_running_is_refused_saying_it_is_suspended() {
+fn a_template_wanted_stopped_is_refused_saying_what_it_may_be() {
     let mut base = template("base");
-    base.power_state = "running".into();
+    base.power_state = "stopped".into();
 
     let why = refusal(vec![base], "base");
 
     assert!(
-        why.contains("invalid template: a template is wanted \"suspended\""),
+        why.contains("invalid template: a template is wanted \"suspended\" or \"running\""),
         "{why}"
     );
+}
+
+#[test]
+fn a_template_wanted_running_and_its_clone_pass() {
+    let mut base = template("base");
+    base.power_state = "running".into();
+
+    let snap = snapshot(vec![base, clone("web-1", "base")]);
+
+    assert!(snap.rejected_vms.is_empty(), "{:?}", snap.rejected_vms);
+    assert_eq!(snap.vms.len(), 2);
 }
 
 #[test]

@@ -26,7 +26,10 @@
 //! 12. a template's snapshot and disk are never written once it is one
 //!     (their inodes, sizes and times are those it first converged with);
 //! 13. every running clone's guest was given its own identity after its
-//!     last restore (the stand-in logs the hostname it was given).
+//!     last restore (the stand-in logs the hostname it was given);
+//! 14. every VM wanted running runs (its VMM does not say its guest is
+//!     paused), a running template has a whole save, and a VM that is no
+//!     longer one keeps no save of it.
 
 // Linux only: it drives Linux-only parts (namespaces, taps, /proc, the
 // cloud-hypervisor backend or its stand-in).
@@ -88,6 +91,9 @@ enum Want {
     Template,
     /// Running, a clone of [`TEMPLATE`].
     Clone,
+    /// Running, and marked a template: saved once ready, and never left
+    /// paused by its save.
+    LiveTemplate,
 }
 
 /// A file's path, inode, size, and modification and change times.
@@ -116,13 +122,13 @@ impl Desired {
                 _ => format!(
                     r#"{{"vm_id":"{id}","name":"{id}","image_url":"{base_url}","image_sha256":"{base_sha}","vcpus":1,"mem_mb":64,"disk_gb":1,"power_state":"{}"{}}}"#,
                     match want {
-                        Want::Running | Want::Clone => "running",
+                        Want::Running | Want::Clone | Want::LiveTemplate => "running",
                         Want::Suspended | Want::Sleeping | Want::Template => "suspended",
                         Want::Stopped | Want::Gone => "stopped",
                     },
                     match want {
                         Want::Sleeping => r#","wake_on_traffic":true,"idle_suspend_after_s":1"#,
-                        Want::Template => r#","template":true"#,
+                        Want::Template | Want::LiveTemplate => r#","template":true"#,
                         _ => "",
                     }
                 ),
@@ -410,6 +416,47 @@ impl Host {
         out
     }
 
+    /// What is wrong with `vm`, wanted `want` with `live` VMMs, of
+    /// invariant 14: a guest wanted running that is paused, a running
+    /// template with no whole save, or a save left of one that is no
+    /// longer a running template.
+    fn running_template_problem(&self, vm: &str, want: Want, live: usize) -> Option<String> {
+        let vm_dir = self.state().join("vms").join(vm);
+        let running = matches!(want, Want::Running | Want::Clone | Want::LiveTemplate);
+        if running && live == 1 && self.paused(vm) {
+            return Some(format!("{vm}: its guest is paused, want it running"));
+        }
+        match want {
+            Want::LiveTemplate if !vm_dir.join("template/manifest.json").is_file() => {
+                Some(format!("{vm}: a running template with no whole save"))
+            }
+            Want::LiveTemplate => None,
+            _ if vm_dir.join("template").exists() || vm_dir.join("template.raw").exists() => {
+                Some(format!("{vm}: {want:?} with a template's save left"))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether `vm`'s VMM says its guest is paused.
+    fn paused(&self, vm: &str) -> bool {
+        let Ok(vm_id) = eitri_agent::model::Id::parse(vm) else {
+            return false;
+        };
+        let socket =
+            eitri_agent::state::Layout::new(&self.state()).api_socket(&self.run_dir(), &vm_id);
+        eitri_agent::provision::unix_http::request(
+            &socket,
+            "GET",
+            "/api/v1/vm.info",
+            None,
+            Duration::from_secs(2),
+        )
+        .ok()
+        .and_then(|(_, body)| serde_json::from_slice::<serde_json::Value>(&body).ok())
+        .is_some_and(|v| v["state"] == "Paused")
+    }
+
     fn started_on(&self, vm: &str, pid: i32) -> u64 {
         let log = self.state().join("vms").join(vm).join("hypervisor.log");
         let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -544,7 +591,7 @@ impl Host {
                 .join("snapshot/manifest.json")
                 .is_file();
             match want {
-                Want::Running | Want::Clone if live != 1 => {
+                Want::Running | Want::Clone | Want::LiveTemplate if live != 1 => {
                     out.push(format!("{vm}: {live} live VMMs, want 1"))
                 }
                 Want::Stopped | Want::Gone | Want::Suspended | Want::Template if live != 0 => {
@@ -570,6 +617,7 @@ impl Host {
                 }
                 _ => {}
             }
+            out.extend(self.running_template_problem(vm, *want, live));
             let mut restores = self.restores(vm);
             if *want == Want::Clone {
                 out.extend(self.clone_problems(vm, live));
@@ -652,7 +700,7 @@ impl Host {
                     let says = row.map(|x| (x["power_state"].clone(), x["phase"].clone()));
                     let live = vmms.get(vm).map_or(0, Vec::len) > 0;
                     let good = match want {
-                        Want::Running | Want::Clone => {
+                        Want::Running | Want::Clone | Want::LiveTemplate => {
                             says == Some(("running".into(), "ready".into())) && live
                         }
                         Want::Stopped => says == Some(("stopped".into(), "ready".into())),
@@ -870,6 +918,13 @@ fn scenario(point: &str) -> (Desired, Desired) {
             three.clone(),
             vms(&[("vm-a", Gone), ("vm-b", Running), ("vm-c", Stopped)]),
         ),
+        "template.intent-saved"
+        | "template.paused"
+        | "template.snapshot-written"
+        | "template.committed" => (
+            vms(&[("vm-b", Running), ("vm-r", Running)]),
+            vms(&[("vm-b", Running), ("vm-r", LiveTemplate)]),
+        ),
         "create.clone-copied" | "create.clone-restored" | "create.clone-own" => (
             vms(&[(TEMPLATE, Template), ("vm-b", Running)]),
             vms(&[(TEMPLATE, Template), ("vm-b", Running), ("vm-k", Clone)]),
@@ -974,8 +1029,15 @@ fn random_desired(rng: &mut XorShift, volume_gb: &mut u64) -> Desired {
         }
     }
     // One template, always there once made (a clone whose template is
-    // gone fails for good, as it must), and two clones of it.
+    // gone fails for good, as it must), and two clones of it; and a VM
+    // running, a template or not.
     d.vms.insert(TEMPLATE.into(), Want::Template);
+    let live = if rng.next_unit() < 0.6 {
+        Want::LiveTemplate
+    } else {
+        Want::Running
+    };
+    d.vms.insert("vm-r".into(), live);
     for id in ["vm-k", "vm-l"] {
         let r = rng.next_unit();
         if r < 0.5 {

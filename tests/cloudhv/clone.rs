@@ -233,3 +233,117 @@ fn a_clone_runs_on_when_its_template_is_removed() {
     assert_eq!(h.pid("web-1"), Some(running));
     assert_eq!(h.row("web-1").phase, Some(Phase::Ready));
 }
+
+/// The template wanted running, marked so: clones are made from the save
+/// the agent makes of it.
+fn running_template(h: &Host) -> DesiredVm {
+    let mut d = h.desired(TEMPLATE);
+    d.template = true;
+    d
+}
+
+/// `h` with its running template ready and saved.
+fn with_running_template(h: &Host) -> u32 {
+    let alone = snapshot(1, vec![present(running_template(h))]);
+    h.tick_until_row(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    h.tick(&alone);
+    h.engine()
+        .hypervisor_pid(&id(TEMPLATE))
+        .expect("the template's VMM")
+}
+
+#[test]
+fn a_running_template_is_saved_with_a_copy_of_its_disk_and_runs_on_in_its_own_vmm() {
+    let h = Host::new(&[]);
+    let alone = snapshot(1, vec![present(running_template(&h))]);
+    h.tick_until_row(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    let pid = h.engine().hypervisor_pid(&id(TEMPLATE));
+
+    h.tick(&alone);
+
+    let layout = h.store.layout();
+    assert!(layout.template_manifest(&id(TEMPLATE)).is_file());
+    assert_eq!(
+        sha256_file(&layout.template_disk(&id(TEMPLATE))).expect("its copy"),
+        sha256_file(&layout.root_disk(&id(TEMPLATE))).expect("its disk"),
+    );
+    assert_eq!(
+        h.engine().hypervisor_pid(&id(TEMPLATE)),
+        pid,
+        "never stopped"
+    );
+    assert_eq!(
+        super::suspend::vm_state(&h, TEMPLATE).as_deref(),
+        Some("Running")
+    );
+    assert!(
+        !layout.snapshot(&id(TEMPLATE)).exists(),
+        "no suspension of it"
+    );
+}
+
+#[test]
+fn a_clone_of_a_running_template_is_restored_from_its_save_while_it_runs() {
+    let h = Host::new(&[]);
+    let pid = with_running_template(&h);
+
+    h.tick(&snapshot(
+        1,
+        vec![
+            present(running_template(&h)),
+            present(clone_of(&h, "web-1")),
+        ],
+    ));
+
+    let row = h.row("web-1");
+    assert_eq!(
+        (row.power, row.phase),
+        (Some(PowerState::Running), Some(Phase::Ready)),
+        "{row:?}"
+    );
+    assert!(vmm_log(&h, "web-1").contains("standin-restored"));
+    assert_eq!(h.engine().hypervisor_pid(&id(TEMPLATE)), Some(pid));
+    assert_eq!(
+        super::suspend::vm_state(&h, TEMPLATE).as_deref(),
+        Some("Running")
+    );
+}
+
+#[test]
+fn a_guest_left_paused_by_a_templates_save_cut_short_runs_again_at_its_next_pass() {
+    let h = Host::new(&[]);
+    with_running_template(&h);
+    // As a crash between its pause and its resume leaves it.
+    let mut rec = (*h.store.get(&id(TEMPLATE)).expect("read").expect("there")).clone();
+    rec.templating = true;
+    h.store.save(&rec).expect("save");
+    eitri_agent::provision::unix_http::request(
+        &h.backend.socket_path(&id(TEMPLATE)),
+        "PUT",
+        "/api/v1/vm.pause",
+        None,
+        Duration::from_secs(2),
+    )
+    .expect("pause");
+
+    h.tick(&snapshot(1, vec![present(running_template(&h))]));
+
+    assert_eq!(
+        super::suspend::vm_state(&h, TEMPLATE).as_deref(),
+        Some("Running")
+    );
+    let rec = h.store.get(&id(TEMPLATE)).expect("read").expect("there");
+    assert!(!rec.templating);
+}
+
+#[test]
+fn a_template_no_longer_running_as_one_has_its_save_and_disk_copy_removed() {
+    let h = Host::new(&[]);
+    with_running_template(&h);
+
+    h.tick(&snapshot(1, vec![present(h.desired(TEMPLATE))]));
+
+    let layout = h.store.layout();
+    assert!(!layout.template(&id(TEMPLATE)).exists());
+    assert!(!layout.template_disk(&id(TEMPLATE)).exists());
+}

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use crate::common::{Harness, SETTLE};
 use eitri_agent::model::{DesiredVm, Id, Phase, PowerState, Snapshot, VmStatus};
+use eitri_agent::provision::Suspend;
 use eitri_agent::testkit::{Call, Op, desired, id, present, snapshot};
 
 const TEMPLATE: &str = "base";
@@ -17,6 +18,13 @@ fn template(power: PowerState) -> DesiredVm {
     let mut d = desired(TEMPLATE);
     d.power = power;
     d.template = power == PowerState::Suspended;
+    d
+}
+
+/// The template wanted running: its clones are made from its save.
+fn running_template() -> DesiredVm {
+    let mut d = desired(TEMPLATE);
+    d.template = true;
     d
 }
 
@@ -65,7 +73,7 @@ fn a_clone_is_made_from_its_templates_saved_guest_and_never_booted_from_an_image
 }
 
 #[test]
-fn a_clone_whose_template_is_not_yet_suspended_waits_without_spending_an_attempt() {
+fn a_clone_whose_template_is_not_yet_saved_waits_without_spending_an_attempt() {
     let h = Harness::new();
     h.tick(&wanted(vec![template(PowerState::Running)]));
 
@@ -78,7 +86,7 @@ fn a_clone_whose_template_is_not_yet_suspended_waits_without_spending_an_attempt
     assert_eq!(row.phase, Some(Phase::Creating));
     assert!(
         row.last_error
-            .contains("waiting for its template base to be suspended"),
+            .contains("waiting for its template base to be saved"),
         "{row:?}"
     );
     assert!(!h.has_record(CLONE) || h.record(CLONE).lifecycle.create_attempts() == 0);
@@ -195,4 +203,109 @@ fn a_clone_of_a_template_gone_from_the_desired_state_fails_for_good_saying_so() 
         "{row:?}"
     );
     assert_eq!(h.fakes.count(|c| matches!(c, Call::CloneSaved(..))), 0);
+}
+
+#[test]
+fn a_running_template_is_saved_once_it_is_ready_and_runs_on() {
+    let h = Harness::new();
+    let wanted_running = wanted(vec![running_template()]);
+
+    h.tick_until(&wanted_running, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    h.tick(&wanted_running);
+    h.tick(&wanted_running);
+
+    assert_eq!(h.fakes.count(|c| *c == Call::SaveTemplate(id(TEMPLATE))), 1);
+    assert_eq!(h.fakes.count(|c| *c == Call::Suspend(id(TEMPLATE))), 0);
+    assert_eq!(h.row(TEMPLATE).power, Some(PowerState::Running));
+    assert!(!h.record(TEMPLATE).templating, "its save is recorded done");
+}
+
+#[test]
+fn a_clone_of_a_running_template_is_made_from_its_save() {
+    let h = Harness::new();
+    let alone = wanted(vec![running_template()]);
+    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    h.tick(&alone);
+
+    h.tick(&wanted(vec![running_template(), clone_of(TEMPLATE)]));
+
+    assert_eq!(
+        h.fakes
+            .count(|c| *c == Call::CloneSaved(id(CLONE), id(TEMPLATE))),
+        1
+    );
+    assert_eq!(h.fakes.count(|c| *c == Call::Resume(id(CLONE))), 1);
+    assert_eq!(h.row(TEMPLATE).power, Some(PowerState::Running));
+}
+
+#[test]
+fn a_clone_of_a_running_template_not_yet_saved_waits_for_the_save() {
+    let h = Harness::new();
+    h.fakes.fail(Op::SaveTemplate, TEMPLATE, "the disk is full");
+    let both = wanted(vec![running_template(), clone_of(TEMPLATE)]);
+
+    h.tick_until(&both, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    h.tick(&both);
+
+    let row = h.row(CLONE);
+    assert_eq!(row.phase, Some(Phase::Creating), "{row:?}");
+    assert!(
+        row.last_error
+            .contains("waiting for its template base to be saved"),
+        "{row:?}"
+    );
+    assert_eq!(h.fakes.count(|c| matches!(c, Call::CloneSaved(..))), 0);
+}
+
+#[test]
+fn a_failed_template_save_is_not_tried_again_at_every_pass() {
+    let h = Harness::new();
+    h.fakes.fail(Op::SaveTemplate, TEMPLATE, "the disk is full");
+    let alone = wanted(vec![running_template()]);
+    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+
+    for _ in 0..3 {
+        h.tick(&alone);
+    }
+
+    assert_eq!(
+        h.fakes.count(|c| *c == Call::SaveTemplate(id(TEMPLATE))),
+        1,
+        "each try pauses its guest"
+    );
+    assert_eq!(h.row(TEMPLATE).phase, Some(Phase::Ready));
+}
+
+#[test]
+fn a_guest_a_templates_save_left_paused_is_resumed_at_its_next_pass() {
+    let h = Harness::new();
+    let alone = wanted(vec![running_template()]);
+    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    // As a crash between its pause and its resume leaves it.
+    let mut rec = h.record(TEMPLATE);
+    rec.templating = true;
+    h.store.save(&rec).expect("saved");
+    let h = h.restart();
+
+    h.tick(&alone);
+
+    assert_eq!(h.fakes.count(|c| *c == Call::Unpause(id(TEMPLATE))), 1);
+    assert!(!h.record(TEMPLATE).templating);
+}
+
+#[test]
+fn a_vm_no_longer_a_running_template_has_its_save_removed() {
+    let h = Harness::new();
+    let alone = wanted(vec![running_template()]);
+    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    h.tick(&alone);
+    assert!(h.fakes.template_saved(&id(TEMPLATE)).is_some());
+
+    h.tick(&wanted(vec![desired(TEMPLATE)]));
+
+    assert_eq!(
+        h.fakes.count(|c| *c == Call::DiscardTemplate(id(TEMPLATE))),
+        1
+    );
+    assert!(h.fakes.template_saved(&id(TEMPLATE)).is_none());
 }

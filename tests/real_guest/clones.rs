@@ -235,3 +235,54 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
     );
     assert_eq!(template_files(&lab), before, "the template's files changed");
 }
+
+#[test]
+fn a_running_template_pays_a_measured_pause_and_its_clone_logs_in_while_it_runs() {
+    let mut lab =
+        lab!("a_running_template_pays_a_measured_pause_and_its_clone_logs_in_while_it_runs");
+    let Some(agent) = static_guest_agent() else {
+        return;
+    };
+    lab.start(&["--guest-agent", &agent.display().to_string()]);
+    let template = with(lab.vm(TEMPLATE), "template", json!(true));
+    let (row, _) = lab.boot(std::slice::from_ref(&template), TEMPLATE);
+    let pid = lab.hypervisor_pid(TEMPLATE);
+    let saved = lab
+        .state()
+        .join("vms")
+        .join(TEMPLATE)
+        .join("template/manifest.json");
+    lab.wait_report(TEMPLATE, "saved as a template", SOON, |_| saved.is_file());
+    let clone = clone_entry(&lab, "cl-r");
+
+    lab.desire(&[template.clone(), clone]);
+    let (one, took) = lab.wait_row("cl-r", "running and ready", SOON, ready);
+    timing("desired -> clone of a running template ready", took);
+
+    let log = lab.agent_log();
+    let pause = log
+        .lines()
+        .find(|l| l.contains("saved as a template: its guest paused"))
+        .unwrap_or_default()
+        .to_owned();
+    println!("timing: {pause}");
+    assert!(!pause.is_empty(), "the pause is logged: {log}");
+    assert_eq!(strictly(&lab, &one, "hostname"), "cl-r");
+    assert_eq!(
+        lab.hypervisor_pid(TEMPLATE),
+        pid,
+        "the template never stopped"
+    );
+    let template_row = crate::lab::row_of(&lab.report().expect("a report"), TEMPLATE);
+    assert_eq!(template_row["power_state"], "running", "{template_row}");
+    assert_eq!(
+        lab.guest(USER, &address(&row), "hostname"),
+        TEMPLATE,
+        "the template answers as itself after its pause"
+    );
+    assert!(
+        lab.events(TEMPLATE).contains("  Normal   Templated "),
+        "{}",
+        lab.events(TEMPLATE)
+    );
+}

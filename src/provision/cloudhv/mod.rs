@@ -526,6 +526,22 @@ impl Suspend for CloudHypervisor {
     ) -> Outcome<crate::disk::Method> {
         self.clone_vm(template, spec, deadline)
     }
+
+    fn save_template(&self, vm_id: &Id, deadline: Deadline) -> Outcome<Duration> {
+        self.save_as_template(&self.snapshot_of(vm_id), vm_id, deadline)
+    }
+
+    fn template_saved(&self, vm_id: &Id) -> Option<SavedGuest> {
+        self.template_guest(vm_id)
+    }
+
+    fn discard_template(&self, vm_id: &Id) -> Outcome {
+        self.drop_template(vm_id)
+    }
+
+    fn unpause(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
+        self.unpause_guest(vm_id, deadline)
+    }
 }
 
 impl Holds for CloudHypervisor {

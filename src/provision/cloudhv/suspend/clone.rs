@@ -6,9 +6,11 @@
 //! 1. The template's snapshot is checked as any resume checks it (its
 //!    manifest, its files' sizes, the identity of the disks it was taken
 //!    with), and its `config.json` held to the template's own VM (`vet`).
-//! 2. The root disk: the template's, as it was at its snapshot (a template
-//!    never runs while it is one), copied to the clone's by reflink where
-//!    the filesystem shares extents, else by a sparse copy.
+//! 2. The root disk: the template's, as it was at its snapshot (a
+//!    suspended template's own, which does not run while it is one; a
+//!    running template's copy taken with its snapshot: see `template`),
+//!    copied to the clone's by reflink where the filesystem shares
+//!    extents, else by a sparse copy.
 //! 3. Beside it, in the clone's `.snapshot-new/` (root's, 0600): the
 //!    template's `config.json` made the clone's (`vet::conform`: its disks,
 //!    serial file, MACs, limiters, vsock socket and Landlock rule) and
@@ -55,8 +57,22 @@ impl CloudHypervisor {
         let vm_id = &spec.vm_id;
         let fail = |why: String| failed(vm_id, "copy its template's snapshot", why);
         let layout = self.store.layout();
-        let source = layout.snapshot(template);
-        let manifest = layout.snapshot_manifest(template);
+        // Suspended, its snapshot; running, the one it was saved as.
+        let (source, manifest, root) = if layout.snapshot(template).exists() {
+            let manifest = layout.snapshot_manifest(template);
+            (
+                layout.snapshot(template),
+                manifest,
+                layout.root_disk(template),
+            )
+        } else {
+            let manifest = layout.template_manifest(template);
+            (
+                layout.template(template),
+                manifest,
+                layout.template_disk(template),
+            )
+        };
         let unusable = |why: super::Unusable| {
             fail(format!(
                 "the snapshot of its template {template} cannot be used: {}",
@@ -84,12 +100,7 @@ impl CloudHypervisor {
         }
         crate::provision::supervise::vm_dir(&self.store, vm_id)?;
         let disk = timed("clone disk", || {
-            crate::disk::prepare(
-                &layout.root_disk(template),
-                &layout.root_disk(vm_id),
-                spec.disk_gb,
-                deadline,
-            )
+            crate::disk::prepare(&root, &layout.root_disk(vm_id), spec.disk_gb, deadline)
         })?;
         let incoming = layout.snapshot_incoming(vm_id);
         let (copied, memory) = timed("clone memory", || {

@@ -84,6 +84,7 @@ use crate::provision::SavedGuest;
 mod clone;
 mod restore;
 mod save;
+mod template;
 
 pub(super) use save::Taken;
 
@@ -171,14 +172,13 @@ impl CloudHypervisor {
     /// The VM's committed snapshot, as found now (see the module's why).
     pub(super) fn saved_guest(&self, vm_id: &Id) -> Option<SavedGuest> {
         let layout = self.store.layout();
-        let snapshot = layout.snapshot(vm_id);
-        if !snapshot.exists() {
-            return None;
-        }
-        Some(match check(&layout.snapshot_manifest(vm_id), &snapshot) {
-            Ok(saved) => SavedGuest::Usable(saved),
-            Err(why) => SavedGuest::Unusable(crate::error::chain(&why)),
-        })
+        found(&layout.snapshot(vm_id), &layout.snapshot_manifest(vm_id))
+    }
+
+    /// The running template's committed snapshot, as found now.
+    pub(super) fn template_guest(&self, vm_id: &Id) -> Option<SavedGuest> {
+        let layout = self.store.layout();
+        found(&layout.template(vm_id), &layout.template_manifest(vm_id))
     }
 
     /// Removes the VM's snapshot, whole or not: renamed aside first, so a
@@ -188,6 +188,17 @@ impl CloudHypervisor {
         discard(&layout.snapshot(vm_id), &layout.snapshot_discarded(vm_id))
             .map_err(|e| failed(vm_id, "discard its snapshot", e))
     }
+}
+
+/// The snapshot committed at `snapshot`, as its `manifest` finds it.
+fn found(snapshot: &Path, manifest: &Path) -> Option<SavedGuest> {
+    if !snapshot.exists() {
+        return None;
+    }
+    Some(match check(manifest, snapshot) {
+        Ok(saved) => SavedGuest::Usable(saved),
+        Err(why) => SavedGuest::Unusable(crate::error::chain(&why)),
+    })
 }
 
 /// The error of a suspend or resume step `doing`.

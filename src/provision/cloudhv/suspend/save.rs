@@ -104,7 +104,6 @@ impl CloudHypervisor {
     ) -> Outcome<Saved> {
         let layout = self.store.layout();
         let socket = self.socket_path(vm_id);
-        let work = layout.snapshot_work(vm_id);
         timed("pause", || {
             put(
                 &socket,
@@ -114,6 +113,31 @@ impl CloudHypervisor {
             )
         })
         .map_err(|e| failed(vm_id, "pause its guest", e))?;
+        let work = self.write_snapshot(taken, vm_id, deadline, say)?;
+        crate::crash::point("suspend.snapshot-written");
+        let paths = SnapshotPaths {
+            incoming: layout.snapshot_incoming(vm_id),
+            committed: layout.snapshot(vm_id),
+            discarded: layout.snapshot_discarded(vm_id),
+        };
+        let taken_at_ms = unix_ms(SystemTime::now());
+        timed("commit", || {
+            seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
+        })
+        .map_err(|e| failed(vm_id, "commit its snapshot", e))
+    }
+
+    /// Writes the paused guest's snapshot into its `snapshot.tmp/`, made
+    /// empty first and lent to its VMM while it writes: that directory.
+    pub(super) fn write_snapshot(
+        &self,
+        taken: &Taken,
+        vm_id: &Id,
+        deadline: Deadline,
+        say: Say<'_>,
+    ) -> Outcome<PathBuf> {
+        let socket = self.socket_path(vm_id);
+        let work = self.store.layout().snapshot_work(vm_id);
         if !work.is_dir() {
             return Err(failed(
                 vm_id,
@@ -135,17 +159,7 @@ impl CloudHypervisor {
             })
         })
         .map_err(|e| failed(vm_id, "save its guest", e))?;
-        crate::crash::point("suspend.snapshot-written");
-        let paths = SnapshotPaths {
-            incoming: layout.snapshot_incoming(vm_id),
-            committed: layout.snapshot(vm_id),
-            discarded: layout.snapshot_discarded(vm_id),
-        };
-        let taken_at_ms = unix_ms(SystemTime::now());
-        timed("commit", || {
-            seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
-        })
-        .map_err(|e| failed(vm_id, "commit its snapshot", e))
+        Ok(work)
     }
 
     /// Runs `call` with the VM's snapshot directory `work` open to its
@@ -187,7 +201,7 @@ impl CloudHypervisor {
 /// the manifest written, and committed to `committed` (an older snapshot
 /// there discarded first, through `discarded`). What the snapshot holds of
 /// the disk.
-fn seal_and_commit(
+pub(super) fn seal_and_commit(
     work: &Path,
     paths: &SnapshotPaths,
     vm_dir: &Path,
@@ -284,8 +298,8 @@ fn seal_and_commit(
 }
 
 /// Where a suspend moves its snapshot through (see the steps in [`super`]).
-struct SnapshotPaths {
-    incoming: PathBuf,
-    committed: PathBuf,
-    discarded: PathBuf,
+pub(super) struct SnapshotPaths {
+    pub incoming: PathBuf,
+    pub committed: PathBuf,
+    pub discarded: PathBuf,
 }
