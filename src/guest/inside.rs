@@ -22,7 +22,7 @@ mod sshd;
 
 use files::{authorized_keys, login_user, sync_filesystems, write_whole};
 use network::{await_new_leases, change_macs, renew_leases};
-use sshd::host_key;
+use sshd::{host_key, reload_sshd};
 
 /// The real guest. One per process: it holds what is frozen.
 #[derive(Default)]
@@ -339,10 +339,11 @@ impl Inside for Guest {
             )?;
             applied.hostname = i.hostname.clone();
         }
+        let mut reload = false;
         if !i.ssh_host_key.is_empty() {
-            let (fingerprint, reloaded) = host_key(&i.ssh_host_key, &i.ssh_host_certificate)?;
+            let (fingerprint, needed) = host_key(&i.ssh_host_key, &i.ssh_host_certificate)?;
             applied.ssh_host_key_fingerprint = fingerprint;
-            applied.sshd_reloaded = reloaded;
+            reload = needed;
         }
         let user = if !i.user.is_empty() {
             Some(i.user.clone())
@@ -362,7 +363,17 @@ impl Inside for Guest {
         sync_filesystems(&written)?;
         let (macs, moved) = change_macs(&i.nics)?;
         applied.macs = macs;
-        applied.readdressed = await_new_leases(&moved);
+        // The two waits side by side: sshd listening again with the new
+        // key (the slowest step, its new process faulting its pages in),
+        // and each moved NIC's new lease. Both are done before the answer,
+        // so no one is told the clone is its own while either is not.
+        let (reloaded, readdressed) = std::thread::scope(|s| {
+            let leases = s.spawn(|| await_new_leases(&moved));
+            let reloaded = reload && reload_sshd();
+            (reloaded, leases.join().unwrap_or(false))
+        });
+        applied.sshd_reloaded = reloaded;
+        applied.readdressed = readdressed;
         Ok(applied)
     }
 

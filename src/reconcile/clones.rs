@@ -13,14 +13,16 @@
 //!
 //! After the restore, in order, each answer checked against what was
 //! asked (a guest agent that says it did something else has not done it):
-//! 1. **Identity**: its hostname, its own ssh host key (and certificate,
+//! 1. **Reseed**: fresh entropy from the host credited and the generator
+//!    reseeded, and the clock set: first, since what the identity starts
+//!    (sshd again, a DHCP client) draws from the generator.
+//! 2. **Identity**: its hostname, its own ssh host key (and certificate,
 //!    where the control plane gave one), its authorized keys written whole
 //!    (cleared when it has none: never its template's), and each NIC given
 //!    the clone's MAC. Until then the bridge's guard drops every frame the
 //!    guest sends from its template's MAC; its guest agent waits for each
-//!    moved NIC's new lease (its new MAC has its own address).
-//! 2. **Reseed**: fresh entropy from the host credited and the generator
-//!    reseeded, and the clock set.
+//!    moved NIC's new lease (its new MAC has its own address), and for
+//!    sshd to listen again with its new key, side by side.
 //!
 //! Any failure stops its hypervisor and fails the attempt: a guest that is
 //! still its template's copy never runs on as this VM.
@@ -133,6 +135,57 @@ pub(super) fn make_own(
     ran: Instant,
     deadline: Deadline,
 ) -> Result<String, String> {
+    // Its generator first: what the identity starts (sshd again, a DHCP
+    // client) draws from it.
+    let reseeded = match guests::make_whole(backend, vm_id, ran, deadline) {
+        Whole::Done { said, .. } if said.crng_reseeded => said,
+        Whole::Done { .. } => return Err("its guest agent did not reseed its generator".into()),
+        Whole::NoDoor => return Err("its hypervisor is gone".into()),
+        Whole::NoAgent => return Err("no guest agent answers the reseed".into()),
+        Whole::Failed(e) => return Err(format!("its guest agent failed the reseed: {e}")),
+        Whole::NoEntropy(e) => return Err(format!("cannot read this host's /dev/urandom: {e}")),
+    };
+    let applied = identity(backend, vm_id, own, deadline)?;
+    Ok(format!(
+        "its guest agent made it its own in {:.1} ms ({} bytes of entropy credited and its generator reseeded, its clock {} ms off{}; then its identity, in {:.1} ms{}): hostname {}, host key {}, {} MACs{}",
+        ran.elapsed().as_secs_f64() * 1000.0,
+        reseeded.credited_bytes,
+        reseeded.clock_offset_ms,
+        if reseeded.clock_set { " (set)" } else { "" },
+        applied.took.as_secs_f64() * 1000.0,
+        if applied.sshd_reloaded {
+            ", sshd reloaded"
+        } else {
+            ""
+        },
+        applied.hostname,
+        applied.fingerprint,
+        applied.macs,
+        if applied.readdressed {
+            " and their new leases"
+        } else {
+            ""
+        },
+    ))
+}
+
+/// What a clone's guest agent said it did of its identity, checked.
+struct Applied {
+    took: Duration,
+    hostname: String,
+    fingerprint: String,
+    macs: usize,
+    sshd_reloaded: bool,
+    readdressed: bool,
+}
+
+/// Step 2 of the module, each answer checked against what was asked.
+fn identity(
+    backend: &dyn Lifecycle,
+    vm_id: &Id,
+    own: &Own,
+    deadline: Deadline,
+) -> Result<Applied, String> {
     let door = backend
         .guest_doors()
         .and_then(|d| d.guest_door(vm_id))
@@ -161,7 +214,6 @@ pub(super) fn make_own(
         deadline.capped(IDENTITY_WITHIN),
     )
     .map_err(|e| format!("its guest agent did not apply its identity: {e}"))?;
-    let identity_took = asked.took;
     let Said::Identity {
         hostname,
         ssh_host_key_fingerprint,
@@ -188,29 +240,14 @@ pub(super) fn make_own(
             "VM {vm_id}: its guest took no new address for its new MAC within 3 s: it may not answer at its own address until its DHCP client renews"
         );
     }
-    // Its leases were renewed by the identity, which waited for them.
-    match guests::make_whole(backend, vm_id, ran, deadline) {
-        Whole::Done { said, after, .. } if said.crng_reseeded => Ok(format!(
-            "its guest agent made it its own in {:.1} ms (its identity took {:.1} ms{}): hostname {hostname}, host key {fingerprint}, {} MACs{}, {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}",
-            after.as_secs_f64() * 1000.0,
-            identity_took.as_secs_f64() * 1000.0,
-            if sshd_reloaded { ", sshd reloaded" } else { "" },
-            macs.len(),
-            if readdressed {
-                " and their new leases"
-            } else {
-                ""
-            },
-            said.credited_bytes,
-            said.clock_offset_ms,
-            if said.clock_set { " (set)" } else { "" },
-        )),
-        Whole::Done { .. } => Err("its guest agent did not reseed its generator".into()),
-        Whole::NoDoor => Err("its hypervisor is gone".into()),
-        Whole::NoAgent => Err("no guest agent answers the reseed".into()),
-        Whole::Failed(e) => Err(format!("its guest agent failed the reseed: {e}")),
-        Whole::NoEntropy(e) => Err(format!("cannot read this host's /dev/urandom: {e}")),
-    }
+    Ok(Applied {
+        took: asked.took,
+        hostname,
+        fingerprint,
+        macs: macs.len(),
+        sshd_reloaded,
+        readdressed,
+    })
 }
 
 /// The hostname a clone is given: its spec's name, else its id made one.

@@ -35,8 +35,9 @@ const SSHD_SESSION: &[&str] = &[
 ];
 
 /// Installs a host key (and its certificate) where sshd reads its ed25519
-/// key, removes the other types' keys, and has sshd serve it: its
-/// fingerprint, and whether sshd was reloaded for it.
+/// key, removes the other types' keys, and has sshd's configuration serve
+/// it: its fingerprint, and whether sshd must be reloaded for a new
+/// connection to get it ([`reload_sshd`], the caller's to do).
 ///
 /// A reload (sshd executing itself anew) is the slowest thing a clone's
 /// identity did, most of it the restored guest faulting its pages in one
@@ -82,7 +83,7 @@ pub(super) fn host_key(pem: &str, certificate: &str) -> Result<(String, bool), S
         write_whole(Path::new(SSHD_DROP_IN), &conf, 0o644)?;
         reload = true;
     }
-    Ok((fingerprint, reload && reload_sshd()))
+    Ok((fingerprint, reload))
 }
 
 /// `path` removed, if it is there.
@@ -189,7 +190,7 @@ const SSHD_RELOAD: Duration = Duration::from_secs(5);
 /// until it listens again: sshd execs itself anew, closing its listening
 /// sockets for a moment, and a client the host told "applied" was refused
 /// in that moment on a real guest. Whether it listens again in time.
-fn reload_sshd() -> bool {
+pub(super) fn reload_sshd() -> bool {
     let pid = ["/run/sshd.pid", "/var/run/sshd.pid"]
         .iter()
         .find_map(|p| fs::read_to_string(p).ok()?.trim().parse::<i32>().ok());
