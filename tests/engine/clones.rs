@@ -28,6 +28,15 @@ fn running_template() -> DesiredVm {
     d
 }
 
+/// A harness whose running template is ready and saved.
+fn with_running_template() -> Harness {
+    let h = Harness::new();
+    let alone = wanted(vec![running_template()]);
+    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    h.tick(&alone);
+    h
+}
+
 fn clone_of(template: &str) -> DesiredVm {
     let mut d = desired(CLONE);
     d.spec.clone_of = Some(Id::parse(template).expect("id"));
@@ -222,10 +231,7 @@ fn a_running_template_is_saved_once_it_is_ready_and_runs_on() {
 
 #[test]
 fn a_clone_of_a_running_template_is_made_from_its_save() {
-    let h = Harness::new();
-    let alone = wanted(vec![running_template()]);
-    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
-    h.tick(&alone);
+    let h = with_running_template();
 
     h.tick(&wanted(vec![running_template(), clone_of(TEMPLATE)]));
 
@@ -295,10 +301,7 @@ fn a_guest_a_templates_save_left_paused_is_resumed_at_its_next_pass() {
 
 #[test]
 fn a_vm_no_longer_a_running_template_has_its_save_removed() {
-    let h = Harness::new();
-    let alone = wanted(vec![running_template()]);
-    h.tick_until(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
-    h.tick(&alone);
+    let h = with_running_template();
     assert!(h.fakes.template_saved(&id(TEMPLATE)).is_some());
 
     h.tick(&wanted(vec![desired(TEMPLATE)]));

@@ -103,16 +103,7 @@ impl CloudHypervisor {
         say: Say<'_>,
     ) -> Outcome<Saved> {
         let layout = self.store.layout();
-        let socket = self.socket_path(vm_id);
-        timed("pause", || {
-            put(
-                &socket,
-                "/api/v1/vm.pause",
-                None,
-                deadline.capped(API_TIMEOUT),
-            )
-        })
-        .map_err(|e| failed(vm_id, "pause its guest", e))?;
+        self.pause_guest(vm_id, deadline)?;
         let work = self.write_snapshot(taken, vm_id, deadline, say)?;
         crate::crash::point("suspend.snapshot-written");
         let paths = SnapshotPaths {
@@ -125,6 +116,20 @@ impl CloudHypervisor {
             seal_and_commit(&work, &paths, &layout.vm_dir(vm_id), taken, taken_at_ms)
         })
         .map_err(|e| failed(vm_id, "commit its snapshot", e))
+    }
+
+    /// Pauses the VM's guest (`vm.pause`).
+    pub(super) fn pause_guest(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
+        let socket = self.socket_path(vm_id);
+        timed("pause", || {
+            put(
+                &socket,
+                "/api/v1/vm.pause",
+                None,
+                deadline.capped(API_TIMEOUT),
+            )
+        })
+        .map_err(|e| failed(vm_id, "pause its guest", e))
     }
 
     /// Writes the paused guest's snapshot into its `snapshot.tmp/`, made

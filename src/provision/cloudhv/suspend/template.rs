@@ -57,15 +57,7 @@ impl CloudHypervisor {
         let layout = self.store.layout();
         let socket = self.socket_path(vm_id);
         let paused_at = Instant::now();
-        timed("pause", || {
-            put(
-                &socket,
-                "/api/v1/vm.pause",
-                None,
-                deadline.capped(API_TIMEOUT),
-            )
-        })
-        .map_err(|e| failed(vm_id, "pause its guest", e))?;
+        self.pause_guest(vm_id, deadline)?;
         crate::crash::point("template.paused");
         let written = self.write_snapshot(taken, vm_id, deadline, &|_| {});
         let copied = written.and_then(|work| {
