@@ -219,6 +219,7 @@ impl Spine {
                     self.panics.forget(&vm_id);
                     self.sleepers.forget(&vm_id);
                     self.create.forget(&vm_id);
+                    self.templates.forget(&vm_id);
                     Next::Done
                 }
             };

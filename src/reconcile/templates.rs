@@ -37,6 +37,11 @@ pub(crate) struct Templates {
 }
 
 impl Templates {
+    /// Forgets a destroyed VM.
+    pub(super) fn forget(&self, vm_id: &Id) {
+        self.failed.lock().remove(vm_id);
+    }
+
     /// A guest left paused by a save cut short (its record says one was
     /// under way) resumed: `rec` as it is then.
     pub(super) fn unpause_left(
