@@ -347,3 +347,42 @@ fn a_template_no_longer_running_as_one_has_its_save_and_disk_copy_removed() {
     assert!(!layout.template(&id(TEMPLATE)).exists());
     assert!(!layout.template_disk(&id(TEMPLATE)).exists());
 }
+
+/// The clone's CPU weight, from whichever hierarchy has it.
+fn cpu_weight(h: &Host, vm: &str) -> Option<String> {
+    super::limits::cgroup_file(h, vm, "cpu.shares")
+        .or_else(|| super::limits::cgroup_file(h, vm, "cpu.weight"))
+        .map(|w| w.trim().to_owned())
+}
+
+#[test]
+fn a_clone_has_the_least_cpu_weight_until_its_guest_agent_is_done_with_it() {
+    // No guest agent answers: its making waits, then gives up.
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]);
+    with_template(&h);
+
+    let while_made = std::thread::scope(|s| {
+        let watch = s.spawn(|| {
+            let until = std::time::Instant::now() + Duration::from_secs(20);
+            while std::time::Instant::now() < until {
+                if let Some(weight) = cpu_weight(&h, "web-1") {
+                    return Some(weight);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            None
+        });
+        h.tick(&wanted(&h, &["web-1"]));
+        watch.join().expect("the watch")
+    });
+
+    assert!(
+        matches!(while_made.as_deref(), Some("2" | "1")),
+        "{while_made:?}"
+    );
+    assert!(
+        matches!(cpu_weight(&h, "web-1").as_deref(), Some("1024" | "100")),
+        "its own weight after: {:?}",
+        cpu_weight(&h, "web-1")
+    );
+}
