@@ -86,14 +86,6 @@ pub trait Suspend: Send + Sync {
         Ok(())
     }
 
-    /// Paces a clone while it is made: `true`, its VMM (started next) has
-    /// the least CPU weight the host gives, so a burst of clones takes
-    /// what the running VMs leave rather than their share; `false`, its
-    /// VMM has its own weight again.
-    fn pace(&self, _spec: &VmSpec, _paced: bool) -> Outcome {
-        Ok(())
-    }
-
     /// Resumes the VM's guest where its VMM says it is paused (a
     /// template's save cut short); a guest that runs is left as it is.
     fn unpause(&self, _vm_id: &Id, _deadline: Deadline) -> Outcome {

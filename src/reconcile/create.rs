@@ -278,25 +278,16 @@ impl Create {
             );
         }
         narrator.say(&format!("restoring its template {template}'s guest"));
-        // Paced while it is made: a burst of clones takes what the running
-        // VMs leave of the host's CPU, not their share.
-        pace(suspender, spec, true);
         let restoring = std::time::Instant::now();
-        let restored = start_syncing(ctx, vm_id, made, deadline, || {
+        start_syncing(ctx, vm_id, made, deadline, || {
             timed("restore", || suspender.resume(spec, deadline, &|| Ok(())))
-        });
-        if restored.is_err() {
-            pace(suspender, spec, false);
-        }
-        restored?;
+        })?;
         let ran = std::time::Instant::now();
         crate::crash::point("create.clone-restored");
         narrator.say("making it a machine of its own through its guest agent");
-        let made_own = timed("own", || {
+        match timed("own", || {
             clones::make_own(&*ctx.backend, vm_id, &own, ran, deadline)
-        });
-        pace(suspender, spec, false);
-        match made_own {
+        }) {
             Ok(said) => log::info!(
                 "VM {vm_id}: cloned from {template}: restored and made its own {} ms after its restore began; {said}",
                 restoring.elapsed().as_millis()
@@ -611,17 +602,6 @@ fn boot_syncing(
 }
 
 /// Starts the VM's hypervisor (`start`) while what its create made is
-/// Paces the clone `spec` or stops pacing it ([`Suspend::pace`]): a
-/// failure is logged, and costs the clone or its neighbours some CPU, no
-/// more.
-///
-/// [`Suspend::pace`]: crate::provision::Suspend::pace
-fn pace(suspender: &dyn crate::provision::Suspend, spec: &crate::model::VmSpec, paced: bool) {
-    if let Err(e) = suspender.pace(spec, paced) {
-        log::warn!("{}", chain(&*e));
-    }
-}
-
 /// synced; a sync that fails stops it (see [`boot_syncing`]).
 fn start_syncing(
     ctx: &Context,

@@ -223,11 +223,6 @@ impl Suspend for Fakes {
         self.record(Call::Unpause(vm_id.clone()));
         Ok(())
     }
-
-    fn pace(&self, spec: &VmSpec, paced: bool) -> Outcome {
-        self.record(Call::Pace(spec.vm_id.clone(), paced));
-        Ok(())
-    }
 }
 
 impl Holds for Fakes {

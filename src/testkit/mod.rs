@@ -89,8 +89,6 @@ pub enum Call {
     DiscardTemplate(Id),
     /// A guest resumed where it was left paused.
     Unpause(Id),
-    /// A clone paced while it is made (`true`), or no longer.
-    Pace(Id, bool),
     Suspension(Id),
     Running(Id),
     FailureReason(Id),

@@ -312,32 +312,3 @@ fn a_vm_no_longer_a_running_template_has_its_save_removed() {
     );
     assert!(h.fakes.template_saved(&id(TEMPLATE)).is_none());
 }
-
-#[test]
-fn a_clone_is_paced_from_its_restore_until_it_is_made_its_own() {
-    let h = with_template();
-
-    h.tick(&wanted(vec![
-        template(PowerState::Suspended),
-        clone_of(TEMPLATE),
-    ]));
-
-    let calls: Vec<Call> = h
-        .fakes
-        .actions()
-        .into_iter()
-        .filter(|c| {
-            matches!(c, Call::Pace(v, _) | Call::Resume(v) | Call::Shutdown(v) if *v == id(CLONE))
-        })
-        .collect();
-    assert_eq!(
-        calls,
-        [
-            Call::Pace(id(CLONE), true),
-            Call::Resume(id(CLONE)),
-            Call::Pace(id(CLONE), false),
-            // The fake gives no guest agent: it is not its own, and stopped.
-            Call::Shutdown(id(CLONE)),
-        ]
-    );
-}

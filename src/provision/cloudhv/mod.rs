@@ -121,9 +121,6 @@ pub struct CloudHypervisor {
     /// Adopted VMs whose network could not be served: tried again at
     /// each of their passes ([`Holds::network_served`]).
     unserved: Mutex<std::collections::HashSet<Id>>,
-    /// Clones being made: their VMMs start with the least CPU weight
-    /// ([`Suspend::pace`]).
-    paced: Mutex<std::collections::HashSet<Id>>,
     /// The taps of sleeping VMs that wake on traffic (see [`wake`]).
     listening: wake::Held,
     /// Each watched tap's count of its guest's own frames (see [`wake`]).
@@ -181,7 +178,6 @@ impl CloudHypervisor {
             netns,
             _serial: serial,
             unserved: Mutex::new(std::collections::HashSet::new()),
-            paced: Mutex::new(std::collections::HashSet::new()),
             listening: Mutex::default(),
             counted: Mutex::default(),
         }
@@ -545,24 +541,6 @@ impl Suspend for CloudHypervisor {
 
     fn unpause(&self, vm_id: &Id, deadline: Deadline) -> Outcome {
         self.unpause_guest(vm_id, deadline)
-    }
-
-    /// Paced, the VM's next VMM starts with the least CPU weight; no
-    /// longer, its VMM's cgroup gets its own weight back (1 per vCPU).
-    fn pace(&self, spec: &VmSpec, paced: bool) -> Outcome {
-        if paced {
-            self.paced.lock().insert(spec.vm_id.clone());
-            return Ok(());
-        }
-        self.paced.lock().remove(&spec.vm_id);
-        let limits = spec.limits.in_force(spec.vcpus, &self.cfg.limits.defaults);
-        self.confined.unpace(spec, &limits).map_err(|e| {
-            crate::error::Simple::transient(format!(
-                "VM {}: cannot give its VMM its own CPU weight: {e}",
-                spec.vm_id
-            ))
-            .into()
-        })
     }
 }
 

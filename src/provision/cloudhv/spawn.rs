@@ -99,7 +99,6 @@ impl CloudHypervisor {
             sees,
             mountpoint: self.cfg.hypervisor.run_dir.join("vmm-root"),
             lend: &lend,
-            paced: self.paced.lock().contains(vm_id),
         };
         let prepared =
             timed("jail", || self.confined.prepare(&plan)).map_err(CloudHvError::from)?;

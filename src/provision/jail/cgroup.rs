@@ -53,9 +53,6 @@ pub struct Limits {
     pub pids: u64,
     /// Relative cpu weight: 1 per vCPU.
     pub vcpus: u32,
-    /// The least CPU weight instead: a clone being made, which takes what
-    /// the running VMs leave (see `Suspend::pace`).
-    pub paced: bool,
     /// Hard cap: CPU time in µs per [`CPU_PERIOD_US`]; `None`, no cap.
     pub cpu_quota_us: Option<u64>,
     /// CPU time in µs per period it may spend above the cap from what it
@@ -218,26 +215,6 @@ impl Cgroups {
                     }
                     fs::write(path, value)?;
                 }
-            }
-        }
-        Ok(())
-    }
-
-    /// Writes the VM's CPU weight alone, as `limits` say it (paced or its
-    /// own), where its cgroup is.
-    pub fn weigh(&self, vm_id: &Id, limits: Limits) -> io::Result<()> {
-        for h in &self.hierarchies {
-            if !h.controllers.contains(&Controller::Cpu) {
-                continue;
-            }
-            let dir = h.mount.join(&self.root).join(vm_id.as_str());
-            if dir.is_dir() {
-                let file = if h.unified {
-                    "cpu.weight"
-                } else {
-                    "cpu.shares"
-                };
-                fs::write(dir.join(file), weight(h.unified, limits))?;
             }
         }
         Ok(())
@@ -443,6 +420,7 @@ fn offer(dir: &Path, controllers: &[Controller]) -> io::Result<()> {
 
 /// The files that set `controller`'s limit, and their values.
 fn settings(controller: Controller, unified: bool, l: Limits) -> Vec<(&'static str, String)> {
+    let vcpus = u64::from(l.vcpus.max(1));
     match (controller, unified) {
         (Controller::Memory, true) => vec![("memory.max", l.memory_bytes.to_string())],
         (Controller::Memory, false) => vec![("memory.limit_in_bytes", l.memory_bytes.to_string())],
@@ -452,14 +430,14 @@ fn settings(controller: Controller, unified: bool, l: Limits) -> Vec<(&'static s
                 "{} {CPU_PERIOD_US}",
                 l.cpu_quota_us.map_or("max".into(), |q| q.to_string())
             );
-            let mut files = vec![("cpu.weight", weight(true, l))];
+            let mut files = vec![("cpu.weight", (100 * vcpus).min(10_000).to_string())];
             files.extend(capped(BURST_V2, ("cpu.max", quota), l.cpu_burst_us));
             files
         }
         (Controller::Cpu, false) => {
             let quota = l.cpu_quota_us.map_or("-1".into(), |q| q.to_string());
             let mut files = vec![
-                ("cpu.shares", weight(false, l)),
+                ("cpu.shares", (1024 * vcpus).to_string()),
                 ("cpu.cfs_period_us", CPU_PERIOD_US.to_string()),
             ];
             files.extend(capped(
@@ -469,18 +447,6 @@ fn settings(controller: Controller, unified: bool, l: Limits) -> Vec<(&'static s
             ));
             files
         }
-    }
-}
-
-/// The VMM's CPU weight: 100 (v2) or 1024 (v1) per vCPU, or the least
-/// the kernel takes where it is paced.
-fn weight(unified: bool, l: Limits) -> String {
-    let vcpus = u64::from(l.vcpus.max(1));
-    match (unified, l.paced) {
-        (true, true) => "1".into(),
-        (false, true) => "2".into(),
-        (true, false) => (100 * vcpus).min(10_000).to_string(),
-        (false, false) => (1024 * vcpus).to_string(),
     }
 }
 
@@ -629,7 +595,6 @@ mod tests {
             memory_bytes: 512 << 20,
             pids: 68,
             vcpus: 1,
-            paced: false,
             cpu_quota_us: None,
             cpu_burst_us: 0,
         };
@@ -647,7 +612,6 @@ mod tests {
             memory_bytes: 512 << 20,
             pids: 68,
             vcpus: 2,
-            paced: false,
             cpu_quota_us: Some(150_000),
             cpu_burst_us: 20_000,
         };
@@ -675,23 +639,5 @@ mod tests {
             settings(Controller::Memory, false, l),
             [("memory.limit_in_bytes", (512u64 << 20).to_string())]
         );
-    }
-
-    #[test]
-    fn a_paced_vmm_gets_the_least_cpu_weight_each_version_takes() {
-        let l = Limits {
-            memory_bytes: 512 << 20,
-            pids: 68,
-            vcpus: 2,
-            paced: true,
-            cpu_quota_us: None,
-            cpu_burst_us: 0,
-        };
-
-        let v2 = settings(Controller::Cpu, true, l);
-        let v1 = settings(Controller::Cpu, false, l);
-
-        assert!(v2.contains(&("cpu.weight", "1".into())), "{v2:?}");
-        assert!(v1.contains(&("cpu.shares", "2".into())), "{v1:?}");
     }
 }

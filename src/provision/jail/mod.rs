@@ -149,7 +149,6 @@ pub fn cgroup_limits(spec: &VmSpec, limits: &VmLimits) -> Limits {
         memory_bytes: (spec.mem_mb << 20).saturating_add(VMM_OVERHEAD_BYTES),
         pids: max_threads(spec.vcpus),
         vcpus: spec.vcpus,
-        paced: false,
         cpu_quota_us: (limits.cpu_max_millis != 0).then(|| per_period(limits.cpu_max_millis)),
         cpu_burst_us: u64::from(limits.cpu_burst_ms) * 1000,
     }

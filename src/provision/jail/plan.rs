@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use super::fork::Jail;
 use super::view::{View, Visible};
-use super::{Confined, JailError, VmmIds, acl, cgroup, cgroup_limits, give, jail_for, lack};
+use super::{Confined, JailError, VmmIds, acl, cgroup_limits, give, jail_for, lack};
 use crate::model::{Id, VmLimits, VmSpec};
 use crate::provision::Piece;
 use crate::stages::timed;
@@ -35,8 +35,6 @@ pub struct Plan<'a> {
     /// (a directory it writes into, a snapshot it reads), given the VMM's
     /// user id, or `None` when VMMs run unjailed.
     pub lend: &'a dyn Fn(Option<u32>) -> io::Result<()>,
-    /// Given the least CPU weight (a clone being made).
-    pub paced: bool,
 }
 
 /// What the host made ready for the VMM, to hand to the fork.
@@ -58,11 +56,7 @@ impl Confined {
         let jail = self.jail_of(plan)?;
         let cgroups = match timed("cgroups", || self.cgroups())? {
             Some(cgroups) => timed("cgroup", || {
-                let limits = cgroup::Limits {
-                    paced: plan.paced,
-                    ..cgroup_limits(plan.spec, plan.limits)
-                };
-                cgroups.prepare(vm_id, limits)?;
+                cgroups.prepare(vm_id, cgroup_limits(plan.spec, plan.limits))?;
                 cgroups.entry_files(vm_id)
             })
             .map_err(|source| JailError::Cgroup {
@@ -72,14 +66,6 @@ impl Confined {
             None => Vec::new(),
         };
         Ok(Prepared { jail, cgroups })
-    }
-
-    /// Gives the VM's VMM its own CPU weight again, after a pace.
-    pub fn unpace(&self, spec: &VmSpec, limits: &VmLimits) -> io::Result<()> {
-        match self.cgroups() {
-            Ok(Some(cgroups)) => cgroups.weigh(&spec.vm_id, cgroup_limits(spec, limits)),
-            _ => Ok(()),
-        }
     }
 
     fn jail_of(&self, plan: &Plan<'_>) -> Result<Option<Jail>, JailError> {
@@ -198,7 +184,6 @@ mod tests {
             sees: Vec::new(),
             mountpoint: PathBuf::from("/nonexistent/vmm-root"),
             lend,
-            paced: false,
         }
     }
 
