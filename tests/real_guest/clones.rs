@@ -257,7 +257,10 @@ fn a_running_template_pays_a_measured_pause_and_its_clone_logs_in_while_it_runs(
         .join(TEMPLATE)
         .join("template/manifest.json");
     lab.wait_report(TEMPLATE, "saved as a template", SOON, |_| saved.is_file());
-    let clone = clone_entry(&lab, "cl-r");
+    // Ready when its sshd answers, as an operator would have it: a guest
+    // saved moments after its own boot is still starting its system.
+    let readiness = lab.vm("cl-r")["readiness"].clone();
+    let clone = with(clone_entry(&lab, "cl-r"), "readiness", readiness);
 
     lab.desire(&[template.clone(), clone]);
     let (one, took) = lab.wait_row("cl-r", "running and ready", SOON, ready);
