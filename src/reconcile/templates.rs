@@ -13,7 +13,7 @@
 //!
 //! [`Suspend::save_template`]: crate::provision::Suspend::save_template
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -30,16 +30,19 @@ use crate::state::Record;
 const RETRY_AFTER: Duration = Duration::from_secs(60);
 
 /// What the running templates keep across passes: when each last failed
-/// to be saved.
+/// to be saved, and the VMs known to hold no save (looked at once in this
+/// agent's life, or emptied since), whose passes need not look again.
 #[derive(Default)]
 pub(crate) struct Templates {
     failed: Mutex<HashMap<Id, Instant>>,
+    unsaved: Mutex<HashSet<Id>>,
 }
 
 impl Templates {
     /// Forgets a destroyed VM.
     pub(super) fn forget(&self, vm_id: &Id) {
         self.failed.lock().remove(vm_id);
+        self.unsaved.lock().remove(vm_id);
     }
 
     /// A guest left paused by a save cut short (its record says one was
@@ -82,18 +85,20 @@ impl Templates {
         };
         if !(d.template && d.power == PowerState::Running) {
             self.failed.lock().remove(vm_id);
-            if suspender.template_saved(vm_id).is_some() {
-                match suspender.discard_template(vm_id) {
-                    Ok(()) => log::info!(
-                        "VM {vm_id}: no longer a running template: its saved template removed"
-                    ),
-                    Err(e) => {
-                        ctx.log_failure(vm_id, "its saved template cannot be removed", &chain(&*e))
-                    }
-                }
+            if self.unsaved.lock().contains(vm_id) {
+                return;
             }
+            if suspender.template_saved(vm_id).is_some() {
+                if let Err(e) = suspender.discard_template(vm_id) {
+                    ctx.log_failure(vm_id, "its saved template cannot be removed", &chain(&*e));
+                    return;
+                }
+                log::info!("VM {vm_id}: no longer a running template: its saved template removed");
+            }
+            self.unsaved.lock().insert(vm_id.clone());
             return;
         }
+        self.unsaved.lock().remove(vm_id);
         let ready = pass
             .res
             .row

@@ -124,7 +124,7 @@ impl CloudHypervisor {
         let bound = deadline.capped(API_TIMEOUT);
         let timeout = bound.remaining().unwrap_or(API_TIMEOUT);
         let (code, body) =
-            crate::provision::unix_http::request(&socket, "GET", "/api/v1/vm.info", None, timeout)
+            crate::provision::cloudhv::api::call(&socket, "GET", "/api/v1/vm.info", timeout)
                 .map_err(|e| failed(vm_id, "ask its VMM whether its guest runs", e))?;
         let state = serde_json::from_slice::<serde_json::Value>(&body)
             .ok()
