@@ -12,7 +12,9 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::pb::guest::{Identity, IdentityApplied, Reseeded, Resumed, Status, SystemState};
+use crate::pb::guest::{
+    Identity, IdentityApplied, Reseeded, Resumed, Status, StepTook, SystemState,
+};
 
 use super::serve::Inside;
 
@@ -326,6 +328,7 @@ impl Inside for Guest {
 
     fn identity(&self, i: &Identity) -> Result<IdentityApplied, String> {
         let mut applied = IdentityApplied::default();
+        let mut steps = Steps::new();
         if !i.hostname.is_empty() {
             if !hostname_ok(&i.hostname) {
                 return Err(format!("{:?} is not a hostname", i.hostname));
@@ -338,13 +341,18 @@ impl Inside for Guest {
                 0o644,
             )?;
             applied.hostname = i.hostname.clone();
+            steps.done("hostname");
         }
         let mut reload = false;
         if !i.ssh_host_key.is_empty() {
             let (fingerprint, needed) = host_key(&i.ssh_host_key, &i.ssh_host_certificate)?;
             applied.ssh_host_key_fingerprint = fingerprint;
             reload = needed;
+            steps.done("host key");
         }
+        // Who may log in, before its MACs: the clone answers nothing at
+        // its new address until they change (its guard drops the
+        // template's), and must never answer there to its template's keys.
         let user = if !i.user.is_empty() {
             Some(i.user.clone())
         } else if i.set_authorized_keys || !i.authorized_keys.is_empty() {
@@ -357,23 +365,34 @@ impl Inside for Guest {
             let (written, dir) = authorized_keys(&user, &i.authorized_keys)?;
             applied.authorized_keys = written;
             home = Some(dir);
+            steps.done("authorized keys");
         }
-        let mut written = vec![Path::new("/etc")];
-        written.extend(home.as_deref());
-        sync_filesystems(&written)?;
         let (macs, moved) = change_macs(&i.nics)?;
         applied.macs = macs;
-        // The two waits side by side: sshd listening again with the new
-        // key (the slowest step, its new process faulting its pages in),
-        // and each moved NIC's new lease. Both are done before the answer,
-        // so no one is told the clone is its own while either is not.
-        let (reloaded, readdressed) = std::thread::scope(|s| {
+        steps.done("MACs");
+        // Its DHCP client fetches the new leases while what was written is
+        // synced. Both waits are done before the answer (each moved NIC's
+        // new lease, and sshd listening again with the new key where it
+        // must be reloaded), so no one is told the clone is its own while
+        // either is not.
+        let waited = std::thread::scope(|s| -> Result<(bool, bool), String> {
             let leases = s.spawn(|| await_new_leases(&moved));
+            let mut written = vec![Path::new("/etc")];
+            written.extend(home.as_deref());
+            sync_filesystems(&written)?;
+            steps.done("sync");
             let reloaded = reload && reload_sshd();
-            (reloaded, leases.join().unwrap_or(false))
+            Ok((reloaded, leases.join().unwrap_or(false)))
+        });
+        let (reloaded, readdressed) = waited?;
+        steps.done(if reload {
+            "sshd reload and leases"
+        } else {
+            "leases"
         });
         applied.sshd_reloaded = reloaded;
         applied.readdressed = readdressed;
+        applied.steps = steps.took;
         Ok(applied)
     }
 
@@ -427,6 +446,32 @@ impl Inside for Guest {
             return;
         }
         let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_POWER_OFF);
+    }
+}
+
+/// Each step of a request, timed from the end of the one before.
+struct Steps {
+    since: Instant,
+    took: Vec<StepTook>,
+}
+
+impl Steps {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            took: Vec::new(),
+        }
+    }
+
+    /// `step` ended now.
+    fn done(&mut self, step: &str) {
+        let now = Instant::now();
+        let micros = now.duration_since(self.since).as_micros();
+        self.took.push(StepTook {
+            step: step.to_owned(),
+            micros: u32::try_from(micros).unwrap_or(u32::MAX),
+        });
+        self.since = now;
     }
 }
 

@@ -14,6 +14,9 @@ const MAX_TEXT: usize = 256;
 const MAX_MOUNTS: usize = 64;
 /// The most NICs a guest is asked to give another MAC, and may answer.
 pub const MAX_NICS: usize = 8;
+/// How many of an answer's timed steps are read, and how long a name.
+const MAX_STEPS: usize = 16;
+const MAX_STEP_NAME: usize = 32;
 
 /// What the guest said its system is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +99,9 @@ pub enum Said {
         macs: Vec<crate::model::Mac>,
         /// Each interface it moved to a new MAC took a new address.
         readdressed: bool,
+        /// How long each step took in the guest, as it says: for the
+        /// log only (see [`steps`]).
+        steps: Vec<(String, std::time::Duration)>,
     },
     Frozen {
         mounts: Vec<String>,
@@ -208,6 +214,28 @@ fn mounts(raw: Vec<String>) -> Result<Vec<String>, SaidError> {
     raw.into_iter().map(|m| text(m, "mount point")).collect()
 }
 
+/// The steps a guest says it took, for a log line: the first
+/// [`MAX_STEPS`], each named in a few plain words (one that is not is
+/// left out). Nothing is decided on them, so what a guest says wrongly
+/// here fails nothing.
+fn steps(raw: Vec<crate::pb::guest::StepTook>) -> Vec<(String, std::time::Duration)> {
+    raw.into_iter()
+        .take(MAX_STEPS)
+        .filter(|s| {
+            s.step.len() <= MAX_STEP_NAME
+                && s.step
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == ' ')
+        })
+        .map(|s| {
+            (
+                s.step,
+                std::time::Duration::from_micros(u64::from(s.micros)),
+            )
+        })
+        .collect()
+}
+
 /// The MACs a guest says its interfaces have, each one.
 fn macs(raw: &[String]) -> Result<Vec<crate::model::Mac>, SaidError> {
     if raw.len() > MAX_NICS {
@@ -274,6 +302,7 @@ pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidErro
             authorized_keys: i.authorized_keys,
             macs: macs(&i.macs)?,
             readdressed: i.readdressed,
+            steps: steps(i.steps),
         }),
         (request::Ask::Freeze(_), Some(answer::Said::Frozen(f))) => Ok(Said::Frozen {
             mounts: mounts(f.mounts)?,
@@ -320,6 +349,70 @@ mod tests {
             panic!("{said:?}")
         };
         assert_eq!((s.boot_id.as_str(), s.system), ("b1", SystemState::Up));
+    }
+
+    #[test]
+    fn an_identitys_steps_are_read_and_a_badly_named_one_left_out() {
+        let step = |name: &str, micros| crate::pb::guest::StepTook {
+            step: name.into(),
+            micros,
+        };
+        let answer = Answer {
+            version: super::super::VERSION,
+            id: 7,
+            said: Some(answer::Said::Identity(crate::pb::guest::IdentityApplied {
+                hostname: "web-1".into(),
+                steps: vec![
+                    step("host key", 2_500),
+                    step("sync\n\x1b[2J", 1),
+                    step(&"x".repeat(MAX_STEP_NAME + 1), 1),
+                    step("leases", 40_000),
+                ],
+                ..Default::default()
+            })),
+        };
+        let ask = request::Ask::Identity(crate::pb::guest::Identity::default());
+
+        let said = check(&encoded(&answer), 7, &ask);
+
+        let Ok(Said::Identity { steps, .. }) = said else {
+            panic!("{said:?}")
+        };
+        assert_eq!(
+            steps,
+            vec![
+                (
+                    "host key".to_owned(),
+                    std::time::Duration::from_micros(2_500)
+                ),
+                ("leases".to_owned(), std::time::Duration::from_millis(40)),
+            ]
+        );
+    }
+
+    #[test]
+    fn an_identity_says_no_more_steps_than_are_read() {
+        let answer = Answer {
+            version: super::super::VERSION,
+            id: 7,
+            said: Some(answer::Said::Identity(crate::pb::guest::IdentityApplied {
+                steps: (0..1000)
+                    .map(|_| crate::pb::guest::StepTook {
+                        step: "sync".into(),
+                        micros: 1,
+                    })
+                    .collect(),
+                ..Default::default()
+            })),
+        };
+        let ask = request::Ask::Identity(crate::pb::guest::Identity::default());
+
+        let said = check(&encoded(&answer), 7, &ask);
+
+        let Ok(Said::Identity { steps, .. }) = said else {
+            panic!("{said:?}")
+        };
+        assert_eq!(steps.len(), MAX_STEPS);
     }
 
     #[test]

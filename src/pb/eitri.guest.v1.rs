@@ -101,7 +101,7 @@ pub struct Freeze {
 pub struct Thaw {}
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PowerOff {}
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Answer {
     #[prost(uint32, tag = "1")]
     pub version: u32,
@@ -112,7 +112,7 @@ pub struct Answer {
 }
 /// Nested message and enum types in `Answer`.
 pub mod answer {
-    #[derive(Clone, PartialEq, Eq, Hash, ::prost::Oneof)]
+    #[derive(Clone, PartialEq, ::prost::Oneof)]
     pub enum Said {
         #[prost(message, tag = "10")]
         Status(super::Status),
@@ -173,7 +173,7 @@ pub struct Reseeded {
     #[prost(bool, tag = "5")]
     pub lease_renewed: bool,
 }
-#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct IdentityApplied {
     #[prost(string, tag = "1")]
     pub hostname: ::prost::alloc::string::String,
@@ -192,6 +192,18 @@ pub struct IdentityApplied {
     /// it did not hold before (its new MAC's lease), within 3 s.
     #[prost(bool, tag = "6")]
     pub readdressed: bool,
+    /// How long each of its steps took in the guest, in order: where a
+    /// clone's identity spends its time, for the host's log.
+    #[prost(message, repeated, tag = "7")]
+    pub steps: ::prost::alloc::vec::Vec<StepTook>,
+}
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct StepTook {
+    /// Its name, a word or two ("host key", "sync").
+    #[prost(string, tag = "1")]
+    pub step: ::prost::alloc::string::String,
+    #[prost(uint32, tag = "2")]
+    pub micros: u32,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Frozen {

@@ -137,8 +137,13 @@ pub(super) fn make_own(
 ) -> Result<String, String> {
     // Its generator first: what the identity starts (sshd again, a DHCP
     // client) draws from it.
-    let reseeded = match guests::make_whole(backend, vm_id, ran, deadline) {
-        Whole::Done { said, .. } if said.crng_reseeded => said,
+    let (reseeded, reached, answered) = match guests::make_whole(backend, vm_id, ran, deadline) {
+        Whole::Done {
+            said,
+            reached,
+            answered,
+            ..
+        } if said.crng_reseeded => (said, reached, answered),
         Whole::Done { .. } => return Err("its guest agent did not reseed its generator".into()),
         Whole::NoDoor => return Err("its hypervisor is gone".into()),
         Whole::NoAgent => return Err("no guest agent answers the reseed".into()),
@@ -147,8 +152,10 @@ pub(super) fn make_own(
     };
     let applied = identity(backend, vm_id, own, deadline)?;
     Ok(format!(
-        "its guest agent made it its own in {:.1} ms ({} bytes of entropy credited and its generator reseeded, its clock {} ms off{}; then its identity, in {:.1} ms{}): hostname {}, host key {}, {} MACs{}",
+        "its guest agent made it its own in {:.1} ms (reached in {:.1} ms, answered {:.1} ms later: {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}; then its identity, in {:.1} ms{}): hostname {}, host key {}, {} MACs{}",
         ran.elapsed().as_secs_f64() * 1000.0,
+        reached.as_secs_f64() * 1000.0,
+        answered.as_secs_f64() * 1000.0,
         reseeded.credited_bytes,
         reseeded.clock_offset_ms,
         if reseeded.clock_set { " (set)" } else { "" },
@@ -220,6 +227,7 @@ fn identity(
         macs,
         sshd_reloaded,
         readdressed,
+        steps,
         ..
     } = asked.said
     else {
@@ -235,6 +243,15 @@ fn identity(
             macs.iter().map(Mac::to_string).collect::<Vec<_>>()
         ));
     }
+    log::debug!(
+        "VM {vm_id}: its identity reached its guest agent in {:.1} ms; its steps there, as it says: {}",
+        asked.reached.as_secs_f64() * 1000.0,
+        steps
+            .iter()
+            .map(|(step, took)| format!("{step} {:.1} ms", took.as_secs_f64() * 1000.0))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     if !readdressed && !wanted_macs.is_empty() {
         log::warn!(
             "VM {vm_id}: its guest took no new address for its new MAC within 3 s: it may not answer at its own address until its DHCP client renews"

@@ -27,7 +27,8 @@
 //! `EITRI_BENCH_CLONES` (default 20 then). The state dir is the temp
 //! dir's filesystem, or `EITRI_BENCH_DIR` (e.g. a loop-mounted XFS, where
 //! clones are reflinked). `EITRI_BENCH_AGENT_ARGS` adds flags to the
-//! agent's (say, `--max-concurrent-creates 1`). The last line: `bench=clone guest=…
+//! agent's (say, `--max-concurrent-creates 1`); `EITRI_BENCH_LOG` names
+//! a file to keep the agent's log in. The last line: `bench=clone guest=…
 //! cold_boot_ms_p50 clone_ready_ms_p50 clone_ready_ms_p90 cold_over_clone
 //! clone_ssh_ms_p50 burst=N burst_wall_ms clone_rss_mb …`.
 
@@ -560,7 +561,12 @@ fn main() -> Result<(), Error> {
         during,
         resent,
     } = burst(&bench, n, neighbour)?;
-    let copied_whole = bench.daemon.log().matches("were copied whole").count();
+    let log = bench.daemon.log();
+    let copied_whole = log.matches("were copied whole").count();
+    // The agent's log kept, to read where each clone's time went.
+    if let Some(keep) = std::env::var_os("EITRI_BENCH_LOG") {
+        std::fs::write(keep, &log)?;
+    }
 
     let p = |v: &[Duration], q: f64| percentile(v.iter().copied().map(ms).collect(), q);
     let (cold_p50, clone_p50) = (p(&cold, 0.5), p(&singles, 0.5));

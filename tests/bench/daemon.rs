@@ -125,7 +125,10 @@ impl Daemon {
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             // Where each create's time went is said at debug.
-            .env("EITRI_LOG", "info,eitri_agent::reconcile::step=debug")
+            .env(
+                "EITRI_LOG",
+                "info,eitri_agent::reconcile::step=debug,eitri_agent::reconcile::clones=debug",
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

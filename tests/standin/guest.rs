@@ -122,6 +122,7 @@ impl Inside for Scripted {
             // a lease, as a guest's DHCP client takes one.
             readdressed: !macs.is_empty(),
             macs,
+            steps: Vec::new(),
         })
     }
 
