@@ -25,9 +25,10 @@
 //!    identity), and the snapshot committed as a suspend commits one.
 //!
 //! So the template's files are needed only while a clone is being made:
-//! with the copies taken, a clone's VMM reads its own (on demand with
-//! userfaultfd, or whole), and the template may be removed whatever its
-//! clones do.
+//! with the copies taken, a clone's VMM reads its own, whole, before its
+//! guest runs (the manifest names the template, and `restore` reads a
+//! clone's memory whole: see why there), and the template may be removed
+//! whatever its clones do.
 
 use std::fs;
 use std::io;
@@ -126,6 +127,7 @@ impl CloudHypervisor {
                     .iter()
                     .map(|d| DiskIdentity::of(d))
                     .collect::<io::Result<_>>()?,
+                clone_of: Some(template.to_string()),
             };
             commit(
                 &manifest,

@@ -92,7 +92,9 @@ pub(super) use save::Taken;
 const FORMAT: u32 = 1;
 /// What cloud-hypervisor writes into a snapshot, and nothing else may be
 /// there: `memory-ranges` only when the guest has memory to save.
-const FILES: [&str; 3] = ["config.json", "state.json", "memory-ranges"];
+const FILES: [&str; 3] = ["config.json", "state.json", MEMORY];
+/// The guest's memory, the one large file of a snapshot.
+const MEMORY: &str = "memory-ranges";
 const REQUIRED: [&str; 2] = ["config.json", "state.json"];
 const MANIFEST: &str = "manifest.json";
 /// A snapshot's configuration and device state are kilobytes; a VMM its
@@ -114,6 +116,10 @@ struct Manifest {
     taken_at_ms: u64,
     files: Vec<FileEntry>,
     disks: Vec<DiskIdentity>,
+    /// The template a clone's copy was taken from (see [`clone`]): its
+    /// restore reads the memory whole ([`CloudHypervisor::resume_vm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    clone_of: Option<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,6 +257,11 @@ fn open_beneath(dir: &File, name: &str) -> io::Result<File> {
 /// Whether the committed snapshot at `snapshot` is usable: what it holds
 /// of the disk, or why it is not.
 fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, Unusable> {
+    checked(manifest, snapshot).map(|(saved, _)| saved)
+}
+
+/// [`check`], with the manifest it read.
+fn checked(manifest: &Path, snapshot: &Path) -> Result<(Saved, Manifest), Unusable> {
     let meta = fs::symlink_metadata(manifest).map_err(Unusable::NoManifest)?;
     if !meta.is_file() || meta.len() > MANIFEST_MAX {
         return Err(Unusable::NotOurs);
@@ -285,11 +296,12 @@ fn check(manifest: &Path, snapshot: &Path) -> Result<Saved, Unusable> {
             return Err(Unusable::OtherDisks(why));
         }
     }
-    Ok(Saved {
+    let saved = Saved {
         taken_at_ms: manifest.taken_at_ms,
         bytes: allocated,
         in_memory: false,
-    })
+    };
+    Ok((saved, manifest))
 }
 
 /// Why a committed snapshot cannot be restored.

@@ -2,7 +2,7 @@
 //! where it stands, or the snapshot restored into a new one held paused,
 //! vetted, and run once the engine's record of it has landed.
 
-use super::{API_TIMEOUT, check, failed, put};
+use super::{API_TIMEOUT, checked, failed, put};
 use crate::deadline::Deadline;
 use crate::error::Outcome;
 use crate::model::{Id, VmSpec};
@@ -34,16 +34,32 @@ impl CloudHypervisor {
         }
         let layout = self.store.layout();
         let snapshot = layout.snapshot(vm_id);
-        if let Err(why) = timed("check", || {
-            check(&layout.snapshot_manifest(vm_id), &snapshot)
+        let manifest = match timed("check", || {
+            checked(&layout.snapshot_manifest(vm_id), &snapshot)
         }) {
-            return Err(failed(
-                vm_id,
-                "restore its snapshot",
-                crate::error::chain(&why),
-            ));
-        }
-        let memory = self.memory_restore();
+            Ok((_, manifest)) => manifest,
+            Err(why) => {
+                return Err(failed(
+                    vm_id,
+                    "restore its snapshot",
+                    crate::error::chain(&why),
+                ));
+            }
+        };
+        // A clone's first restore reads its memory whole: what its guest
+        // agent does to make it its own touches much of it at once, and
+        // faulted in a page at a time (with cloud-hypervisor's background
+        // prefault spinning a core beside it) that took twice as long
+        // (`make bench-clone`; README, Templates and clones).
+        let memory = match &manifest.clone_of {
+            Some(template) => {
+                log::debug!(
+                    "VM {vm_id}: restoring its copy of {template} with its memory read whole"
+                );
+                MemoryRestore::Copy
+            }
+            None => self.memory_restore(),
+        };
         let launch = Launch::Restore {
             snapshot: &snapshot,
             memory,

@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use super::{
-    API_TIMEOUT, DiskIdentity, FILES, FORMAT, FileEntry, Manifest, REQUIRED, RESTORE_IN_PROGRESS,
-    SMALL_FILE_MAX, commit, empty_dir, failed, fresh_incoming, open_beneath, put, vetted_config,
+    API_TIMEOUT, DiskIdentity, FILES, FORMAT, FileEntry, MEMORY, Manifest, REQUIRED,
+    RESTORE_IN_PROGRESS, SMALL_FILE_MAX, commit, empty_dir, failed, fresh_incoming, open_beneath,
+    put, vetted_config,
 };
 use crate::deadline::Deadline;
 use crate::error::Outcome;
@@ -238,7 +239,7 @@ pub(super) fn seal_and_commit(
                 "its {name} is not a regular file of one link"
             )));
         }
-        let bound = if name == "memory-ranges" {
+        let bound = if name == MEMORY {
             taken.memory_bytes
         } else {
             SMALL_FILE_MAX
@@ -293,6 +294,7 @@ pub(super) fn seal_and_commit(
             .iter()
             .map(|d| DiskIdentity::of(d))
             .collect::<io::Result<_>>()?,
+        clone_of: None,
     };
     commit(&manifest, incoming, committed, discarded, vm_dir)?;
     Ok(Saved {
