@@ -42,8 +42,9 @@
 //!    guest said before); the snapshot is lent to the VM's user (read-only
 //!    in its view); a new VMM is started in the VM's jail and cgroups, on
 //!    its own taps, told to restore it (its memory faulted in on demand
-//!    where the host's userfaultfd device is given, else read whole first)
-//!    with its guest paused, and awaited until its API says Paused; its
+//!    where the host's userfaultfd device is given, else read whole first;
+//!    a clone's copy always read whole: see `restore`) with its guest
+//!    paused, and awaited until its API says Paused; its
 //!    account of the VM is checked (`vet`).
 //! 3. `spend` is asked: the engine saves the resume's intent while the
 //!    steps above run, and this is where it waits for that save. Refused,
