@@ -28,7 +28,8 @@
 //! dir's filesystem, or `EITRI_BENCH_DIR` (e.g. a loop-mounted XFS, where
 //! clones are reflinked). `EITRI_BENCH_AGENT_ARGS` adds flags to the
 //! agent's (say, `--max-concurrent-creates 1`); `EITRI_BENCH_LOG` names
-//! a file to keep the agent's log in. The last line: `bench=clone guest=…
+//! a file to keep the agent's log in (and, beside it with the extension
+//! `serial`, the first lone clone's console). The last line: `bench=clone guest=…
 //! cold_boot_ms_p50 clone_ready_ms_p50 clone_ready_ms_p90 cold_over_clone
 //! clone_ssh_ms_p50 burst=N burst_wall_ms clone_rss_mb …`.
 
@@ -364,6 +365,19 @@ fn singles(bench: &Bench) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
         ready.push(took);
         bench.strict_ssh(&id, Duration::from_secs(30))?;
         logins.push(started.elapsed());
+        // The first one's console kept beside the agent's log: what its
+        // guest said once restored.
+        if i == 0
+            && let Some(keep) = std::env::var_os("EITRI_BENCH_LOG")
+        {
+            let serial = bench
+                .daemon
+                .state()
+                .join("vms")
+                .join(&id)
+                .join("serial.log");
+            std::fs::copy(serial, PathBuf::from(keep).with_extension("serial"))?;
+        }
         bench.remove(&[id])?;
     }
     Ok((ready, logins))
