@@ -21,7 +21,6 @@ use super::serve::Inside;
 mod files;
 mod network;
 mod sshd;
-mod systemd;
 
 use files::{authorized_keys, login_user, sync_filesystems, write_whole};
 use network::{await_new_leases, change_macs, renew_leases};
@@ -99,19 +98,13 @@ fn system_state() -> (SystemState, String) {
             "no systemd: the guest agent runs".into(),
         );
     }
-    // PID 1 asked itself; else `systemctl is-system-running`, which exits
-    // non-zero for any state but running, and still prints the state.
-    let asked = systemd::system_state(Path::new(systemd::PRIVATE), Duration::from_secs(2));
-    let (from, said) = match asked {
-        Ok(state) => ("systemd", state),
-        Err(_) => match run("systemctl", &["is-system-running"], Duration::from_secs(2)) {
-            Ok(words) => ("systemctl", words),
-            Err(e) => (
-                "systemctl",
-                e.rsplit_once('(')
-                    .map_or(e.clone(), |(_, w)| w.trim_end_matches(')').to_owned()),
-            ),
-        },
+    // `is-system-running` exits non-zero for any state but running, and
+    // still prints the state.
+    let said = match run("systemctl", &["is-system-running"], Duration::from_secs(2)) {
+        Ok(words) => words,
+        Err(e) => e
+            .rsplit_once('(')
+            .map_or(e.clone(), |(_, w)| w.trim_end_matches(')').to_owned()),
     };
     let state = match said.as_str() {
         "running" => SystemState::SystemUp,
@@ -120,7 +113,7 @@ fn system_state() -> (SystemState, String) {
         "stopping" => SystemState::SystemStopping,
         _ => SystemState::SystemUnknown,
     };
-    (state, format!("{from}: {said}"))
+    (state, format!("systemd: {said}"))
 }
 
 /// The first number after `key:` in /proc/meminfo, in KiB.
