@@ -370,12 +370,8 @@ fn singles(bench: &Bench) -> Result<(Vec<Duration>, Vec<Duration>), Error> {
         if i == 0
             && let Some(keep) = std::env::var_os("EITRI_BENCH_LOG")
         {
-            let serial = bench
-                .daemon
-                .state()
-                .join("vms")
-                .join(&id)
-                .join("serial.log");
+            let serial = eitri_agent::state::Layout::new(&bench.daemon.state())
+                .serial_log(&eitri_agent::model::Id::parse(&id)?);
             std::fs::copy(serial, PathBuf::from(keep).with_extension("serial"))?;
         }
         bench.remove(&[id])?;

@@ -93,13 +93,6 @@ fn a_clone_is_restored_from_a_copy_of_its_templates_snapshot_in_a_vmm_of_its_own
     assert!(log.contains("standin-guest reseeded bytes=64"), "{log}");
 }
 
-/// The command line of `vm`'s VMM.
-fn vmm_cmdline(h: &Host, vm: &str) -> String {
-    let pid = h.pid(vm).expect("a VMM");
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).expect("its cmdline");
-    String::from_utf8_lossy(&cmdline).into_owned()
-}
-
 #[test]
 fn a_clone_reads_its_memory_whole_on_a_host_that_resumes_on_demand() {
     let h = Host::new(&[]);
@@ -110,8 +103,8 @@ fn a_clone_reads_its_memory_whole_on_a_host_that_resumes_on_demand() {
     template_up.vms[0] = present(template(&h, PowerState::Running));
     h.tick(&template_up);
 
-    let clone = vmm_cmdline(&h, "web-1");
-    let resumed = vmm_cmdline(&h, TEMPLATE);
+    let clone = super::limits::vmm_args(&h, "web-1").join(" ");
+    let resumed = super::limits::vmm_args(&h, TEMPLATE).join(" ");
     assert!(clone.contains("memory_restore_mode=copy"), "{clone}");
     assert!(
         resumed.contains("memory_restore_mode=ondemand"),
