@@ -528,7 +528,10 @@ impl Host {
     }
 
     /// The template's snapshot files and disk: each one's path, inode,
-    /// size and modification and change times.
+    /// size and modification and change times; its memory's change time
+    /// left out (each clone links it and is lent a read of it, which
+    /// moves it), its modification time kept (root's file, 0600: no VMM
+    /// may write it, nor set that time).
     fn template_files(&self) -> Vec<FileStamp> {
         let dir = self.state().join("vms").join(TEMPLATE);
         let mut paths: Vec<PathBuf> = std::fs::read_dir(dir.join("snapshot"))
@@ -543,12 +546,17 @@ impl Host {
             .into_iter()
             .filter_map(|p| {
                 let m = std::fs::metadata(&p).ok()?;
+                let changed = if p.ends_with("memory-ranges") {
+                    0
+                } else {
+                    m.ctime_nsec() + m.ctime() * 1_000_000_000
+                };
                 Some((
                     p.display().to_string(),
                     m.ino(),
                     m.len(),
                     m.mtime_nsec() + m.mtime() * 1_000_000_000,
-                    m.ctime_nsec() + m.ctime() * 1_000_000_000,
+                    changed,
                 ))
             })
             .collect()

@@ -366,3 +366,47 @@ fn a_template_no_longer_running_as_one_has_its_save_and_disk_copy_removed() {
     assert!(!layout.template(&id(TEMPLATE)).exists());
     assert!(!layout.template_disk(&id(TEMPLATE)).exists());
 }
+
+/// The template's memory file, and a clone's, opened.
+fn memory_of(h: &Host, vm: &str) -> std::fs::File {
+    let path = h.store.layout().snapshot(&id(vm)).join("memory-ranges");
+    std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn a_clones_memory_is_its_templates_file_root_s_and_read_by_no_one_after_its_restore() {
+    let h = Host::new(&[("STANDIN_RESTORE_FAIL", "1")]);
+    with_template(&h);
+
+    // Its restore fails: its copy of the snapshot stays to be looked at.
+    h.tick(&wanted(&h, &["web-1"]));
+
+    use std::os::unix::fs::MetadataExt;
+    let (theirs, ours) = (memory_of(&h, TEMPLATE), memory_of(&h, "web-1"));
+    let (theirs, ours_meta) = (
+        theirs.metadata().expect("stat"),
+        ours.metadata().expect("stat"),
+    );
+    assert_eq!(ours_meta.ino(), theirs.ino(), "one inode, one page cache");
+    assert_eq!((ours_meta.uid(), ours_meta.mode() & 0o777), (0, 0o600));
+    assert_eq!(
+        eitri_agent::provision::jail::acl::named_users(&ours).expect("acl"),
+        Vec::<u32>::new(),
+        "the read lent for its restore is taken back"
+    );
+}
+
+#[test]
+fn a_read_of_a_snapshots_memory_left_by_a_crash_is_taken_back_at_start() {
+    let h = Host::new(&[]);
+    with_template(&h);
+    let memory = memory_of(&h, TEMPLATE);
+    eitri_agent::provision::jail::acl::grant_user_read(&memory, 1_900_000_123).expect("lend");
+
+    h.backend.recover(&known(&h.store));
+
+    assert_eq!(
+        eitri_agent::provision::jail::acl::named_users(&memory).expect("acl"),
+        Vec::<u32>::new()
+    );
+}

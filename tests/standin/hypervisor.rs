@@ -988,6 +988,18 @@ fn restore(args: &Args, url: &str, log: &Log) -> Result<Config, String> {
     let state = std::fs::read(dir.join("state.json")).map_err(|e| format!("state.json: {e}"))?;
     let state = serde_json::from_slice::<serde_json::Value>(&state).unwrap_or_default();
     let nonce = state["nonce"].as_str().unwrap_or_default().to_owned();
+    // Its memory opened read-only and read, as cloud-hypervisor's restore
+    // does: a VMM's user that may not read it fails here.
+    match File::open(dir.join("memory-ranges")) {
+        Ok(mut memory) => {
+            let mut page = [0u8; 4096];
+            memory
+                .read(&mut page)
+                .map_err(|e| format!("memory-ranges: {e}"))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(format!("memory-ranges: {e}")),
+    }
     // The guest goes on with the boot it had.
     if let Some(boot) = state["boot_id"].as_str() {
         let _ = BOOT_ID.set(boot.to_owned());

@@ -439,14 +439,20 @@ impl Lifecycle for CloudHypervisor {
     ///    then every recorded VM's published ports are held again (see
     ///    [`CloudHypervisor::hold_recorded_ports`]).
     /// 2. Then the live VMMs are adopted, or stopped as orphans (see
-    ///    [`CloudHypervisor::adopt`]).
+    ///    [`CloudHypervisor::adopt`]), and every read of a snapshot's
+    ///    memory lent for a restore taken back (`suspend::take_back_all`).
     /// 3. Then what no VM holds any more is given back: cgroups of no
     ///    known VM, and the leases of VMs with no record and no VMM (see
     ///    [`CloudHypervisor::release_unrecorded`]).
     fn recover(&self, known: &[Id]) -> Vec<String> {
         self.remove_leaked_taps();
         self.hold_recorded_ports();
-        let notes = self.adopt(known);
+        let mut notes = self.adopt(known);
+        // After the VMMs whose restore was cut short are stopped.
+        for taken in suspend::take_back_all(&self.store.layout().vms()) {
+            log::warn!("{taken}: lent for a restore a crash cut short");
+            notes.push(taken);
+        }
         // After the orphans are stopped: their cgroups are empty now.
         if let Ok(cgroups) = &self.confined.cgroups {
             cgroups.remove_unknown(known);

@@ -1,5 +1,7 @@
 //! Letting the jailed hypervisors' group open /dev/kvm (and, for a VMM that
-//! resumes, /dev/userfaultfd).
+//! resumes, /dev/userfaultfd), and one VMM's user read a file it does not
+//! own (a clone's link to its template's memory: see
+//! `cloudhv::suspend::clone`).
 //!
 //! Every VMM runs as its own user, with one shared supplementary group that
 //! may open the KVM device. A host whose /dev/kvm already belongs to that
@@ -12,6 +14,7 @@
 
 use std::ffi::CString;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -28,6 +31,7 @@ const MASK: u16 = 0x10;
 const OTHER: u16 = 0x20;
 const NO_ID: u32 = u32::MAX;
 const RW: u16 = 0o6;
+const READ: u16 = 0o4;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
@@ -119,7 +123,46 @@ pub fn may(path: &Path, uid: u32, groups: &[u32], want: u16) -> io::Result<bool>
 /// other entry's rights.
 pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
     let mode = std::fs::metadata(path)?.mode();
-    let mut entries = read(path)?.unwrap_or_else(|| {
+    let entries = granted(read(path)?, mode, GROUP, gid, RW);
+    write(path, &entries)
+}
+
+/// Grants user `uid` read on the open file `file` by an ACL entry,
+/// changing no other entry's rights; by its descriptor, so that what is
+/// granted is the file the caller opened, whatever its name points at now.
+pub fn grant_user_read(file: &std::fs::File, uid: u32) -> io::Result<()> {
+    let mode = file.metadata()?.mode();
+    let entries = granted(read_fd(file)?, mode, USER, uid, READ);
+    write_fd(file, &entries)
+}
+
+/// Takes user `uid`'s entry off the open file `file`'s ACL (see
+/// [`revoke_group`]): whether there was one.
+pub fn revoke_user(file: &std::fs::File, uid: u32) -> io::Result<bool> {
+    let Some(entries) = read_fd(file)? else {
+        return Ok(false);
+    };
+    match revoked(entries, USER, uid) {
+        Some(entries) => write_fd(file, &entries).map(|()| true),
+        None => Ok(false),
+    }
+}
+
+/// The users the open file `file`'s ACL names (none when it has none).
+pub fn named_users(file: &std::fs::File) -> io::Result<Vec<u32>> {
+    Ok(read_fd(file)?
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e.tag == USER)
+        .map(|e| e.id)
+        .collect())
+}
+
+/// `entries` (or, for a file with none, the entries its `mode` makes)
+/// with `perm` granted to the named `tag` `id`, and the mask grown to
+/// cover it.
+fn granted(entries: Option<Vec<Entry>>, mode: u32, tag: u16, id: u32, perm: u16) -> Vec<Entry> {
+    let mut entries = entries.unwrap_or_else(|| {
         vec![
             Entry {
                 tag: USER_OBJ,
@@ -138,13 +181,9 @@ pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
             },
         ]
     });
-    match entries.iter_mut().find(|e| e.tag == GROUP && e.id == gid) {
-        Some(e) => e.perm |= RW,
-        None => entries.push(Entry {
-            tag: GROUP,
-            perm: RW,
-            id: gid,
-        }),
+    match entries.iter_mut().find(|e| e.tag == tag && e.id == id) {
+        Some(e) => e.perm |= perm,
+        None => entries.push(Entry { tag, perm, id }),
     }
     // The mask bounds every named entry and the owning group: the union of
     // them, so no one loses what they had.
@@ -159,7 +198,7 @@ pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
         id: NO_ID,
     });
     entries.sort_by_key(|e| (e.tag, e.id));
-    write(path, &entries)
+    entries
 }
 
 /// Takes group `gid`'s entry off `path`'s ACL, recomputing the mask from
@@ -167,13 +206,22 @@ pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
 /// again (the kernel folds such an ACL back into the mode bits). Whether
 /// there was an entry to take.
 pub fn revoke_group(path: &Path, gid: u32) -> io::Result<bool> {
-    let Some(mut entries) = read(path)? else {
+    let Some(entries) = read(path)? else {
         return Ok(false);
     };
+    match revoked(entries, GROUP, gid) {
+        Some(entries) => write(path, &entries).map(|()| true),
+        None => Ok(false),
+    }
+}
+
+/// `entries` without the named `tag` `id`'s, the mask recomputed from
+/// those left (none once no named entry is left); `None` when it had none.
+fn revoked(mut entries: Vec<Entry>, tag: u16, id: u32) -> Option<Vec<Entry>> {
     let before = entries.len();
-    entries.retain(|e| !(e.tag == GROUP && e.id == gid));
+    entries.retain(|e| !(e.tag == tag && e.id == id));
     if entries.len() == before {
-        return Ok(false);
+        return None;
     }
     entries.retain(|e| e.tag != MASK);
     if entries.iter().any(|e| matches!(e.tag, USER | GROUP)) {
@@ -188,8 +236,7 @@ pub fn revoke_group(path: &Path, gid: u32) -> io::Result<bool> {
         });
     }
     entries.sort_by_key(|e| (e.tag, e.id));
-    write(path, &entries)?;
-    Ok(true)
+    Some(entries)
 }
 
 /// The groups `path`'s ACL names (none when it has no ACL).
@@ -213,19 +260,38 @@ fn c_path(path: &Path) -> io::Result<CString> {
 /// fail with "Result not representable" once it had 65).
 fn read(path: &Path) -> io::Result<Option<Vec<Entry>>> {
     let c = c_path(path)?;
-    let get = |buf: &mut [u8]| {
+    read_with(|buf| {
         // SAFETY: getxattr writes at most `buf.len()` bytes into `buf`; with
         // a length of 0 it writes nothing and says how many it would.
-        let n = unsafe {
+        unsafe {
             libc::getxattr(
                 c.as_ptr(),
                 XATTR.as_ptr().cast(),
                 buf.as_mut_ptr().cast(),
                 buf.len(),
             )
-        };
-        usize::try_from(n).map_err(|_| io::Error::last_os_error())
-    };
+        }
+    })
+}
+
+/// [`read`], of an open file.
+fn read_fd(file: &std::fs::File) -> io::Result<Option<Vec<Entry>>> {
+    read_with(|buf| {
+        // SAFETY: as in `read`, on a descriptor `file` holds open.
+        unsafe {
+            libc::fgetxattr(
+                file.as_raw_fd(),
+                XATTR.as_ptr().cast(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        }
+    })
+}
+
+/// The ACL that `get` (a getxattr of it into a buffer) reads.
+fn read_with(get: impl Fn(&mut [u8]) -> isize) -> io::Result<Option<Vec<Entry>>> {
+    let get = |buf: &mut [u8]| usize::try_from(get(buf)).map_err(|_| io::Error::last_os_error());
     let absent = |e: &io::Error| e.raw_os_error() == Some(libc::ENODATA);
     let bytes = loop {
         let size = match get(&mut []) {
@@ -261,24 +327,47 @@ fn read(path: &Path) -> io::Result<Option<Vec<Entry>>> {
 }
 
 fn write(path: &Path, entries: &[Entry]) -> io::Result<()> {
+    let c = c_path(path)?;
+    write_with(entries, |bytes| {
+        // SAFETY: setxattr reads `bytes.len()` bytes from `bytes`.
+        unsafe {
+            libc::setxattr(
+                c.as_ptr(),
+                XATTR.as_ptr().cast(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                0,
+            )
+        }
+    })
+}
+
+/// [`write`], to an open file.
+fn write_fd(file: &std::fs::File, entries: &[Entry]) -> io::Result<()> {
+    write_with(entries, |bytes| {
+        // SAFETY: as in `write`, on a descriptor `file` holds open.
+        unsafe {
+            libc::fsetxattr(
+                file.as_raw_fd(),
+                XATTR.as_ptr().cast(),
+                bytes.as_ptr().cast(),
+                bytes.len(),
+                0,
+            )
+        }
+    })
+}
+
+/// `entries` encoded as the kernel reads an ACL, given to `set` (a
+/// setxattr of it).
+fn write_with(entries: &[Entry], set: impl Fn(&[u8]) -> libc::c_int) -> io::Result<()> {
     let mut bytes = VERSION.to_le_bytes().to_vec();
     for e in entries {
         bytes.extend_from_slice(&e.tag.to_le_bytes());
         bytes.extend_from_slice(&e.perm.to_le_bytes());
         bytes.extend_from_slice(&e.id.to_le_bytes());
     }
-    let c = c_path(path)?;
-    // SAFETY: setxattr reads `bytes.len()` bytes from `bytes`.
-    let rc = unsafe {
-        libc::setxattr(
-            c.as_ptr(),
-            XATTR.as_ptr().cast(),
-            bytes.as_ptr().cast(),
-            bytes.len(),
-            0,
-        )
-    };
-    if rc == 0 {
+    if set(&bytes) == 0 {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
@@ -389,5 +478,33 @@ mod tests {
 
         assert!(!revoked);
         assert_eq!(read(&path).expect("read"), before);
+    }
+
+    #[test]
+    fn a_users_read_grant_lets_that_user_read_it_and_nothing_more() {
+        let (_dir, path) = private_file();
+        let file = std::fs::File::open(&path).expect("open");
+
+        grant_user_read(&file, GID).expect("grant");
+
+        assert!(may(&path, GID, &[], 0o4).expect("check"));
+        assert!(!may(&path, GID, &[], 0o2).expect("check"));
+        assert!(!may(&path, GID + 1, &[], 0o4).expect("check"));
+        assert_eq!(named_users(&file).expect("users"), [GID]);
+    }
+
+    #[test]
+    fn revoking_a_users_grant_gives_back_the_mode_it_had() {
+        let (_dir, path) = private_file();
+        let before = std::fs::metadata(&path).expect("stat").permissions().mode();
+        let file = std::fs::File::open(&path).expect("open");
+        grant_user_read(&file, GID).expect("grant");
+
+        let revoked = revoke_user(&file, GID).expect("revoke");
+
+        assert!(revoked);
+        assert_eq!(read(&path).expect("read"), None, "an ACL is left");
+        let after = std::fs::metadata(&path).expect("stat").permissions().mode();
+        assert_eq!(after, before);
     }
 }

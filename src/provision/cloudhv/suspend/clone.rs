@@ -14,10 +14,15 @@
 //! 3. Beside it, in the clone's `.snapshot-new/` (root's, 0600): the
 //!    template's `config.json` made the clone's (`vet::conform`: its disks,
 //!    serial file, MACs, limiters, vsock socket and Landlock rule) and
-//!    vetted as the clone's; `state.json` and `memory-ranges` copied the
-//!    same way as the disk. Copies, never links: the template's files are
-//!    only ever read, and a clone's VMM, which is lent its own snapshot,
-//!    never holds one of its template's.
+//!    vetted as the clone's; `state.json` copied the same way as the disk;
+//!    `memory-ranges` a hard link to the template's own. One inode, so one
+//!    page cache: a burst of clones reads the template's memory from the
+//!    disk once, not once a clone (a reflinked copy is a new inode, read
+//!    from the disk again), and the host caches it once. It stays root's
+//!    and 0600, written by no one: a clone's VMM is let read it by an ACL
+//!    entry for its own user while its restore opens it, taken back once
+//!    it has (`lend`, `take_back`). A template's memory not root's (one
+//!    lent to its own VMM, resuming) is copied instead.
 //! 4. The template checked again: a snapshot taken again, discarded, or a
 //!    disk written while it was copied (the template resumed meanwhile)
 //!    refuses the copy rather than hand the clone a torn one.
@@ -25,18 +30,19 @@
 //!    identity), and the snapshot committed as a suspend commits one.
 //!
 //! So the template's files are needed only while a clone is being made:
-//! with the copies taken, a clone's VMM reads its own, whole, before its
-//! guest runs (the manifest names the template, and `restore` reads a
-//! clone's memory whole: see why there), and the template may be removed
-//! whatever its clones do.
+//! with the copies and the link taken, a clone's VMM reads its own, whole,
+//! before its guest runs (the manifest names the template, and `restore`
+//! reads a clone's memory whole: see why there), and the template may be
+//! removed whatever its clones do (the link keeps the memory's inode until
+//! the clone's snapshot is discarded, after its restore).
 
 use std::fs;
 use std::io;
 use std::path::Path;
 
 use super::{
-    DiskIdentity, FILES, FORMAT, FileEntry, Manifest, check, commit, failed, fresh_incoming,
-    vetted_config,
+    DiskIdentity, FILES, FORMAT, FileEntry, MEMORY, Manifest, check, commit, failed,
+    fresh_incoming, vetted_config,
 };
 use crate::deadline::Deadline;
 use crate::disk::Method;
@@ -147,8 +153,9 @@ impl CloudHypervisor {
 }
 
 /// `source`'s files into a fresh `incoming`: `config` as its
-/// configuration, the rest copied, each synced: what it holds, for the
-/// manifest, and whether every copy was a reflink.
+/// configuration, the memory linked (see the module), the rest copied,
+/// each synced: what it holds, for the manifest, and whether every copy
+/// was a reflink.
 fn copy_snapshot(
     source: &Path,
     incoming: &Path,
@@ -174,7 +181,8 @@ fn copy_snapshot(
             continue;
         }
         let to = incoming.join(name);
-        if crate::disk::copy(&from, &to, deadline)? == Method::SparseCopy {
+        let linked = *name == MEMORY && link_root_owned(&from, &to).map_err(io)?;
+        if !linked && crate::disk::copy(&from, &to, deadline)? == Method::SparseCopy {
             method = Method::SparseCopy;
         }
         let file = fs::File::open(&to).map_err(io)?;
@@ -186,4 +194,16 @@ fn copy_snapshot(
     }
     files.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((files, method))
+}
+
+/// `to` made a hard link to `from` if `from` is root's, a regular file
+/// no one but root may write (sealed: see `save`): whether it was.
+fn link_root_owned(from: &Path, to: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::symlink_metadata(from)?;
+    if !meta.is_file() || meta.uid() != 0 || meta.mode() & 0o022 != 0 {
+        return Ok(false);
+    }
+    fs::hard_link(from, to)?;
+    Ok(true)
 }

@@ -40,7 +40,10 @@
 //! 2. Else the console is moved aside (a restoring VMM truncates the
 //!    serial file its snapshot names, and the operator keeps what the
 //!    guest said before); the snapshot is lent to the VM's user (read-only
-//!    in its view); a new VMM is started in the VM's jail and cgroups, on
+//!    in its view; its memory stays root's, read through an ACL entry for
+//!    that user, taken back once the VMM below has restored it, or at the
+//!    next agent's start after a crash: see `lend`); a new VMM is started
+//!    in the VM's jail and cgroups, on
 //!    its own taps, told to restore it (its memory faulted in on demand
 //!    where the host's userfaultfd device is given, else read whole first;
 //!    a clone's copy always read whole: see `restore`) with its guest
@@ -398,16 +401,74 @@ pub(super) fn fresh_work_dir(path: &Path) -> io::Result<()> {
 }
 
 /// The committed snapshot made readable by the VM's user `uid`, who
-/// restores it (read-only in its view: it can change nothing of it).
+/// restores it (read-only in its view: it can change nothing of it): its
+/// small files made `uid`'s, its memory left root's and read by `uid`
+/// through an ACL entry, taken back once its restore has opened it
+/// ([`take_back`]). A memory file is root's from its seal to its removal,
+/// whoever reads it: a clone's is a link to its template's (see `clone`),
+/// so no VMM ever owns a file another VM's restore reads.
 pub(super) fn lend(snapshot: &Path, uid: u32) -> io::Result<()> {
     let dir = window::open_dir(snapshot)?;
     std::os::unix::fs::fchown(&dir, Some(uid), Some(uid))?;
     for entry in fs::read_dir(snapshot)? {
         let name = entry?.file_name();
         let file = open_beneath(&dir, &name.to_string_lossy())?;
-        std::os::unix::fs::fchown(&file, Some(uid), Some(uid))?;
+        if name == MEMORY && file.metadata()?.uid() == 0 {
+            crate::provision::jail::acl::grant_user_read(&file, uid)?;
+        } else {
+            std::os::unix::fs::fchown(&file, Some(uid), Some(uid))?;
+        }
     }
     Ok(())
+}
+
+/// Takes back the read of `snapshot`'s memory that [`lend`] gave `uid`:
+/// once its VMM has restored it (or failed to), the file is open in it or
+/// not needed. Whether there was an entry to take.
+pub(super) fn take_back(snapshot: &Path, uid: u32) -> io::Result<bool> {
+    let dir = window::open_dir(snapshot)?;
+    match open_beneath(&dir, MEMORY) {
+        Ok(file) => crate::provision::jail::acl::revoke_user(&file, uid),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Takes back every read [`lend`] gave of a snapshot's memory (a crash
+/// between a lend and its take-back leaves one) under `vms`, the state
+/// dir's VMs: at the agent's start, once VMMs whose restore a crash cut
+/// short are stopped. A VMM that restored has its memory open, or read
+/// it whole. What was taken, for the log.
+pub(super) fn take_back_all(vms: &Path) -> Vec<String> {
+    let mut taken = Vec::new();
+    let Ok(entries) = fs::read_dir(vms) else {
+        return taken;
+    };
+    for vm_dir in entries.flatten().map(|e| e.path()) {
+        for kind in ["snapshot", "template"] {
+            let dir = vm_dir.join(kind);
+            let Ok(dir_fd) = window::open_dir(&dir) else {
+                continue;
+            };
+            let Ok(file) = open_beneath(&dir_fd, MEMORY) else {
+                continue;
+            };
+            let acl = crate::provision::jail::acl::named_users(&file).unwrap_or_default();
+            for uid in acl {
+                match crate::provision::jail::acl::revoke_user(&file, uid) {
+                    Ok(_) => taken.push(format!(
+                        "took back user {uid}'s read of {}",
+                        dir.join(MEMORY).display()
+                    )),
+                    Err(e) => log::warn!(
+                        "cannot take back user {uid}'s read of {}: {e}",
+                        dir.join(MEMORY).display()
+                    ),
+                }
+            }
+        }
+    }
+    taken
 }
 
 /// A snapshot's sealed `config.json` (root's, out of any VMM's sight),

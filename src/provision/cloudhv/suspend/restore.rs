@@ -64,9 +64,11 @@ impl CloudHypervisor {
             snapshot: &snapshot,
             memory,
         };
-        self.start_vmm(spec, launch, deadline, || {
+        let started = self.start_vmm(spec, launch, deadline, || {
             crate::crash::point("resume.restore-started");
-        })?;
+        });
+        self.take_back_memory(vm_id, &snapshot);
+        started?;
         self.vet_restored(vm_id)?;
         crate::crash::point("resume.restored");
         let Some(tracked) = self.find(vm_id) else {
@@ -95,6 +97,24 @@ impl CloudHypervisor {
         self.discard_saved(vm_id)?;
         crate::crash::point("resume.snapshot-discarded");
         Ok(())
+    }
+
+    /// Takes back the read of the snapshot's memory its VMM's user was
+    /// lent for its restore (see `lend`): restored, its VMM has the file
+    /// open or read it whole; failed, it needs nothing.
+    fn take_back_memory(&self, vm_id: &Id, snapshot: &std::path::Path) {
+        let Ok(Some(ids)) = self.confined.jail() else {
+            return;
+        };
+        let Some(uid) = ids.get(vm_id) else {
+            return;
+        };
+        if let Err(e) = super::take_back(snapshot, uid) {
+            log::warn!(
+                "VM {vm_id}: cannot take back its hypervisor's read of {}: {e} (taken back at the agent's next start)",
+                snapshot.display()
+            );
+        }
     }
 
     /// Runs the VM's paused guest (`vm.resume`).
