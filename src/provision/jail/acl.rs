@@ -33,6 +33,13 @@ const NO_ID: u32 = u32::MAX;
 const RW: u16 = 0o6;
 const READ: u16 = 0o4;
 
+/// Every change is a read of the whole ACL and a write of it back: two at
+/// once on one file (two clones lent their template's memory, two VMMs'
+/// groups given a device) would lose one's entry. The agent is the one
+/// writer of the entries it makes (one agent a host: its claim), so one
+/// lock in it orders them.
+static EDITING: parking_lot::Mutex<()> = parking_lot::const_mutex(());
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Entry {
     tag: u16,
@@ -122,6 +129,7 @@ pub fn may(path: &Path, uid: u32, groups: &[u32], want: u16) -> io::Result<bool>
 /// Grants group `gid` read and write on `path` by an ACL entry, changing no
 /// other entry's rights.
 pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
+    let _editing = EDITING.lock();
     let mode = std::fs::metadata(path)?.mode();
     let entries = granted(read(path)?, mode, GROUP, gid, RW);
     write(path, &entries)
@@ -131,6 +139,7 @@ pub fn grant_group(path: &Path, gid: u32) -> io::Result<()> {
 /// changing no other entry's rights; by its descriptor, so that what is
 /// granted is the file the caller opened, whatever its name points at now.
 pub fn grant_user_read(file: &std::fs::File, uid: u32) -> io::Result<()> {
+    let _editing = EDITING.lock();
     let mode = file.metadata()?.mode();
     let entries = granted(read_fd(file)?, mode, USER, uid, READ);
     write_fd(file, &entries)
@@ -139,6 +148,7 @@ pub fn grant_user_read(file: &std::fs::File, uid: u32) -> io::Result<()> {
 /// Takes user `uid`'s entry off the open file `file`'s ACL (see
 /// [`revoke_group`]): whether there was one.
 pub fn revoke_user(file: &std::fs::File, uid: u32) -> io::Result<bool> {
+    let _editing = EDITING.lock();
     let Some(entries) = read_fd(file)? else {
         return Ok(false);
     };
@@ -206,6 +216,7 @@ fn granted(entries: Option<Vec<Entry>>, mode: u32, tag: u16, id: u32, perm: u16)
 /// again (the kernel folds such an ACL back into the mode bits). Whether
 /// there was an entry to take.
 pub fn revoke_group(path: &Path, gid: u32) -> io::Result<bool> {
+    let _editing = EDITING.lock();
     let Some(entries) = read(path)? else {
         return Ok(false);
     };
@@ -506,5 +517,22 @@ mod tests {
         assert_eq!(read(&path).expect("read"), None, "an ACL is left");
         let after = std::fs::metadata(&path).expect("stat").permissions().mode();
         assert_eq!(after, before);
+    }
+
+    #[test]
+    fn users_lent_one_file_at_once_each_keep_their_entry() {
+        let (_dir, path) = private_file();
+        let file = std::fs::File::open(&path).expect("open");
+
+        std::thread::scope(|s| {
+            for n in 0..16 {
+                let file = &file;
+                s.spawn(move || grant_user_read(file, GID + n).expect("grant"));
+            }
+        });
+
+        let mut users = named_users(&file).expect("users");
+        users.sort_unstable();
+        assert_eq!(users, (0..16).map(|n| GID + n).collect::<Vec<_>>());
     }
 }
