@@ -116,6 +116,38 @@ fn system_state() -> (SystemState, String) {
     (state, format!("systemd: {said}"))
 }
 
+/// The guest's status now: systemd's state, its memory, load and root
+/// filesystem.
+fn status_now() -> Status {
+    let (system, system_detail) = system_state();
+    let meminfo_text = fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    // The counts are u32 on 32-bit guests.
+    #[allow(clippy::unnecessary_cast)]
+    let (total, free) = nix::sys::statvfs::statvfs("/")
+        .map(|s| {
+            let block = s.fragment_size() as u64;
+            (
+                s.blocks() as u64 * block,
+                s.blocks_available() as u64 * block,
+            )
+        })
+        .unwrap_or((0, 0));
+    Status {
+        boot_id: fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_default(),
+        uptime_ms: milli("/proc/uptime"),
+        system: system as i32,
+        system_detail,
+        memory_total_kib: meminfo(&meminfo_text, "MemTotal"),
+        memory_available_kib: meminfo(&meminfo_text, "MemAvailable"),
+        load_milli: u32::try_from(milli("/proc/loadavg")).unwrap_or(u32::MAX),
+        root_total_bytes: total,
+        root_free_bytes: free,
+        agent_version: env!("CARGO_PKG_VERSION").to_owned(),
+    }
+}
+
 /// The first number after `key:` in /proc/meminfo, in KiB.
 fn meminfo(text: &str, key: &str) -> u64 {
     text.lines()
@@ -283,33 +315,7 @@ fn lock(m: &Mutex<Freezing>) -> std::sync::MutexGuard<'_, Freezing> {
 
 impl Inside for Guest {
     fn status(&self) -> Status {
-        let (system, system_detail) = system_state();
-        let meminfo_text = fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        // The counts are u32 on 32-bit guests.
-        #[allow(clippy::unnecessary_cast)]
-        let (total, free) = nix::sys::statvfs::statvfs("/")
-            .map(|s| {
-                let block = s.fragment_size() as u64;
-                (
-                    s.blocks() as u64 * block,
-                    s.blocks_available() as u64 * block,
-                )
-            })
-            .unwrap_or((0, 0));
-        Status {
-            boot_id: fs::read_to_string("/proc/sys/kernel/random/boot_id")
-                .map(|s| s.trim().to_owned())
-                .unwrap_or_default(),
-            uptime_ms: milli("/proc/uptime"),
-            system: system as i32,
-            system_detail,
-            memory_total_kib: meminfo(&meminfo_text, "MemTotal"),
-            memory_available_kib: meminfo(&meminfo_text, "MemAvailable"),
-            load_milli: u32::try_from(milli("/proc/loadavg")).unwrap_or(u32::MAX),
-            root_total_bytes: total,
-            root_free_bytes: free,
-            agent_version: env!("CARGO_PKG_VERSION").to_owned(),
-        }
+        status_now()
     }
 
     fn resumed(&self, r: &Resumed, received: SystemTime) -> Result<Reseeded, String> {
@@ -377,12 +383,17 @@ impl Inside for Guest {
         // either is not.
         let waited = std::thread::scope(|s| -> Result<(bool, bool), String> {
             let leases = s.spawn(|| await_new_leases(&moved));
+            // Its status too, mostly in the waits of the two steps below,
+            // so that the host need not ask for it after.
+            let status = s.spawn(status_now);
             let mut written = vec![Path::new("/etc")];
             written.extend(home.as_deref());
             sync_filesystems(&written)?;
             steps.done("sync");
             let reloaded = reload && reload_sshd();
-            Ok((reloaded, leases.join().unwrap_or(false)))
+            let readdressed = leases.join().unwrap_or(false);
+            applied.status = status.join().ok();
+            Ok((reloaded, readdressed))
         });
         let (reloaded, readdressed) = waited?;
         steps.done(if reload {

@@ -102,6 +102,9 @@ pub enum Said {
         /// How long each step took in the guest, as it says: for the
         /// log only (see [`steps`]).
         steps: Vec<(String, std::time::Duration)>,
+        /// Its status, taken alongside the identity's last steps; `None`
+        /// from an agent that sends none.
+        status: Option<Status>,
     },
     Frozen {
         mounts: Vec<String>,
@@ -246,6 +249,22 @@ fn macs(raw: &[String]) -> Result<Vec<crate::model::Mac>, SaidError> {
         .collect()
 }
 
+/// A status as the guest said it, its words checked as any answer's.
+fn status(s: crate::pb::guest::Status) -> Result<Status, SaidError> {
+    Ok(Status {
+        boot_id: text(s.boot_id, "boot id")?,
+        uptime_ms: s.uptime_ms,
+        system: SystemState::of(s.system),
+        system_detail: text(s.system_detail, "system state")?,
+        memory_total_kib: s.memory_total_kib,
+        memory_available_kib: s.memory_available_kib,
+        load_milli: s.load_milli,
+        root_total_bytes: s.root_total_bytes,
+        root_free_bytes: s.root_free_bytes,
+        agent_version: text(s.agent_version, "agent version")?,
+    })
+}
+
 /// Checks the bytes a guest answered request `id`, which asked `ask`.
 pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidError> {
     use prost::Message;
@@ -274,18 +293,7 @@ pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidErro
             words.truncate(cut);
             Err(SaidError::Refused(words))
         }
-        (request::Ask::Status(_), Some(answer::Said::Status(s))) => Ok(Said::Status(Status {
-            boot_id: text(s.boot_id, "boot id")?,
-            uptime_ms: s.uptime_ms,
-            system: SystemState::of(s.system),
-            system_detail: text(s.system_detail, "system state")?,
-            memory_total_kib: s.memory_total_kib,
-            memory_available_kib: s.memory_available_kib,
-            load_milli: s.load_milli,
-            root_total_bytes: s.root_total_bytes,
-            root_free_bytes: s.root_free_bytes,
-            agent_version: text(s.agent_version, "agent version")?,
-        })),
+        (request::Ask::Status(_), Some(answer::Said::Status(s))) => Ok(Said::Status(status(s)?)),
         (request::Ask::Resumed(_), Some(answer::Said::Reseeded(r))) => {
             Ok(Said::Reseeded(Reseeded {
                 credited_bytes: r.credited_bytes,
@@ -303,6 +311,7 @@ pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidErro
             macs: macs(&i.macs)?,
             readdressed: i.readdressed,
             steps: steps(i.steps),
+            status: i.status.map(status).transpose()?,
         }),
         (request::Ask::Freeze(_), Some(answer::Said::Frozen(f))) => Ok(Said::Frozen {
             mounts: mounts(f.mounts)?,
@@ -388,6 +397,59 @@ mod tests {
                 ("leases".to_owned(), std::time::Duration::from_millis(40)),
             ]
         );
+    }
+
+    #[test]
+    fn an_identitys_status_is_read_as_a_status_answer_is() {
+        let answer = Answer {
+            version: super::super::VERSION,
+            id: 7,
+            said: Some(answer::Said::Identity(crate::pb::guest::IdentityApplied {
+                hostname: "web-1".into(),
+                status: Some(crate::pb::guest::Status {
+                    system: crate::pb::guest::SystemState::SystemUp as i32,
+                    system_detail: "systemd: running".into(),
+                    memory_total_kib: 512 << 10,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        };
+        let ask = request::Ask::Identity(crate::pb::guest::Identity::default());
+
+        let said = check(&encoded(&answer), 7, &ask);
+
+        let Ok(Said::Identity {
+            status: Some(status),
+            ..
+        }) = said
+        else {
+            panic!("{said:?}")
+        };
+        assert_eq!(status.system, SystemState::Up);
+        assert_eq!(status.system_detail, "systemd: running");
+        assert_eq!(status.memory_total_kib, 512 << 10);
+    }
+
+    #[test]
+    fn an_identity_whose_status_fails_the_checks_is_not_taken() {
+        let answer = Answer {
+            version: super::super::VERSION,
+            id: 7,
+            said: Some(answer::Said::Identity(crate::pb::guest::IdentityApplied {
+                hostname: "web-1".into(),
+                status: Some(crate::pb::guest::Status {
+                    system_detail: "x".repeat(MAX_TEXT + 1),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })),
+        };
+        let ask = request::Ask::Identity(crate::pb::guest::Identity::default());
+
+        let said = check(&encoded(&answer), 7, &ask);
+
+        assert!(said.is_err(), "{said:?}");
     }
 
     #[test]

@@ -196,6 +196,11 @@ pub struct IdentityApplied {
     /// clone's identity spends its time, for the host's log.
     #[prost(message, repeated, tag = "7")]
     pub steps: ::prost::alloc::vec::Vec<StepTook>,
+    /// The guest's status, taken while the identity's last steps ran (its
+    /// sync, its new leases, sshd's reload): the host need not ask for it
+    /// again before the clone's row may say ready. None from an older agent.
+    #[prost(message, optional, tag = "8")]
+    pub status: ::core::option::Option<Status>,
 }
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct StepTook {

@@ -125,16 +125,26 @@ pub(super) struct Own {
     pub nics: Vec<(Mac, Mac)>,
 }
 
+/// What a clone's guest agent said as it made the clone its own.
+pub(super) struct Made {
+    /// What it did, for the log.
+    pub said: String,
+    /// Its guest's status, taken alongside its identity's last steps: the
+    /// row's readiness goes by it in the same pass, as by a status asked
+    /// (see `probes::agent`). `None` from an agent that sends none.
+    pub status: Option<crate::guest::Status>,
+}
+
 /// Makes the clone `vm_id`'s restored guest (running since `ran`) a
-/// machine of its own (the steps of the module): what it said, for the
-/// log, or why it is not.
+/// machine of its own (the steps of the module): what it said, or why it
+/// is not.
 pub(super) fn make_own(
     backend: &dyn Lifecycle,
     vm_id: &Id,
     own: &Own,
     ran: Instant,
     deadline: Deadline,
-) -> Result<String, String> {
+) -> Result<Made, String> {
     // Its generator first: what the identity starts (sshd again, a DHCP
     // client) draws from it.
     let (reseeded, reached, answered) = match guests::make_whole(backend, vm_id, ran, deadline) {
@@ -150,8 +160,8 @@ pub(super) fn make_own(
         Whole::Failed(e) => return Err(format!("its guest agent failed the reseed: {e}")),
         Whole::NoEntropy(e) => return Err(format!("cannot read this host's /dev/urandom: {e}")),
     };
-    let applied = identity(backend, vm_id, own, deadline)?;
-    Ok(format!(
+    let mut applied = identity(backend, vm_id, own, deadline)?;
+    let said = format!(
         "its guest agent made it its own in {:.1} ms (reached in {:.1} ms, answered {:.1} ms later: {} bytes of entropy credited and its generator reseeded, its clock {} ms off{}; then its identity, in {:.1} ms{}): hostname {}, host key {}, {} MACs{}",
         ran.elapsed().as_secs_f64() * 1000.0,
         reached.as_secs_f64() * 1000.0,
@@ -173,7 +183,11 @@ pub(super) fn make_own(
         } else {
             ""
         },
-    ))
+    );
+    Ok(Made {
+        said,
+        status: applied.status.take(),
+    })
 }
 
 /// What a clone's guest agent said it did of its identity, checked.
@@ -184,6 +198,7 @@ struct Applied {
     macs: usize,
     sshd_reloaded: bool,
     readdressed: bool,
+    status: Option<crate::guest::Status>,
 }
 
 /// Step 2 of the module, each answer checked against what was asked.
@@ -228,6 +243,7 @@ fn identity(
         sshd_reloaded,
         readdressed,
         steps,
+        status,
         ..
     } = asked.said
     else {
@@ -264,6 +280,7 @@ fn identity(
         macs: macs.len(),
         sshd_reloaded,
         readdressed,
+        status,
     })
 }
 

@@ -209,10 +209,11 @@ impl Create {
             let names = NotYetDurable { unsynced, reserved };
             self.build(ctx, d, &mut rec, host_key, names, &narrator)
         });
-        let boots = match built {
-            Ok(boots) => boots,
+        let Built { boots, guest_said } = match built {
+            Ok(built) => built,
             Err(e) => return attempt.fail(rec, e, pass.res),
         };
+        pass.res.guest_said = guest_said;
         rec.created(ctx.host.boot_id(), boots);
         self.forget(vm_id);
         ctx.counts.lost.touch(vm_id.as_str());
@@ -239,7 +240,7 @@ impl Create {
         host_key: HostKey,
         attempt: NotYetDurable,
         narrator: &Narrator,
-    ) -> Outcome {
+    ) -> Outcome<Option<crate::guest::Status>> {
         let deadline = narrator.deadline();
         let vm_id = &d.spec.vm_id;
         let Some(suspender) = ctx.backend.suspender() else {
@@ -285,13 +286,17 @@ impl Create {
         let ran = std::time::Instant::now();
         crate::crash::point("create.clone-restored");
         narrator.say("making it a machine of its own through its guest agent");
-        match timed("own", || {
+        let status = match timed("own", || {
             clones::make_own(&*ctx.backend, vm_id, &own, ran, deadline)
         }) {
-            Ok(said) => log::info!(
-                "VM {vm_id}: cloned from {template}: restored and made its own {} ms after its restore began; {said}",
-                restoring.elapsed().as_millis()
-            ),
+            Ok(made) => {
+                log::info!(
+                    "VM {vm_id}: cloned from {template}: restored and made its own {} ms after its restore began; {}",
+                    restoring.elapsed().as_millis(),
+                    made.said
+                );
+                made.status
+            }
             Err(why) => {
                 let say = |_: &str| {};
                 if let Err(stop) = ctx.backend.shutdown(vm_id, deadline, &say) {
@@ -305,10 +310,10 @@ impl Create {
                 ))
                 .into());
             }
-        }
+        };
         crate::crash::point("create.clone-own");
         ctx.note_address(rec);
-        Ok(())
+        Ok(status)
     }
 
     /// Whether the VM waits for room on a filesystem that has no more of
@@ -368,7 +373,7 @@ impl Create {
 
     /// The attempt's side effects (step 5), once it is counted: a create
     /// slot, the image, the root disk and seed, and for a VM to run, its
-    /// volumes and its boot. Whether it booted.
+    /// volumes and its boot.
     fn build(
         &self,
         ctx: &Context,
@@ -377,7 +382,7 @@ impl Create {
         host_key: Option<HostKey>,
         attempt: NotYetDurable,
         narrator: &Narrator,
-    ) -> Outcome<bool> {
+    ) -> Outcome<Built> {
         let deadline = narrator.deadline();
         // Bounds how much create concurrency reaches the disk: N parallel
         // creates are N downloads and N multi-GB copies on one device, which
@@ -390,9 +395,13 @@ impl Create {
             let host_key = host_key.ok_or_else(|| {
                 Simple::transient(format!("VM {}: a clone has no host key", d.spec.vm_id))
             })?;
-            self.build_clone(ctx, d, rec, template, host_key, attempt, narrator)?;
+            let guest_said =
+                self.build_clone(ctx, d, rec, template, host_key, attempt, narrator)?;
             drop(slot);
-            return Ok(true);
+            return Ok(Built {
+                boots: true,
+                guest_said,
+            });
         }
 
         narrator.say("downloading image");
@@ -435,7 +444,10 @@ impl Create {
         // The heavy part is over; the record write that follows needs no
         // slot.
         drop(slot);
-        Ok(boots)
+        Ok(Built {
+            boots,
+            guest_said: None,
+        })
     }
 
     /// The root disk and the seed, made while the attempt's record and
@@ -860,6 +872,15 @@ pub(crate) fn download_detail(done: u64, total: Option<u64>) -> String {
 /// file: one key per line, each newline-terminated; empty for none.
 fn ca_lines(keys: &[String]) -> String {
     keys.iter().map(|k| format!("{k}\n")).collect()
+}
+
+/// What an attempt's side effects came to.
+struct Built {
+    /// Its guest runs: booted, or a clone restored.
+    boots: bool,
+    /// What its guest agent said of its guest on the way (a clone's
+    /// identity carries its status), for its row's readiness in this pass.
+    guest_said: Option<crate::guest::Status>,
 }
 
 #[cfg(test)]

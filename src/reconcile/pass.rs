@@ -39,6 +39,10 @@ pub(crate) struct VmResult {
     /// level-triggered: every row of a VM with a host key carries it, or the
     /// control plane would forget the guest's certificate for a tick.
     pub host_pubkey: String,
+    /// What the VM's guest agent said of its guest earlier in this pass
+    /// (a clone's identity carries its status): its probes step takes it
+    /// as an answer to the status it would ask (see `probes::agent`).
+    pub guest_said: Option<crate::guest::Status>,
 }
 
 impl VmResult {

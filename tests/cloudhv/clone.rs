@@ -410,3 +410,39 @@ fn a_read_of_a_snapshots_memory_left_by_a_crash_is_taken_back_at_start() {
         Vec::<u32>::new()
     );
 }
+
+#[test]
+fn a_clone_is_ready_by_the_status_its_identity_carried_with_no_status_asked() {
+    let h = Host::new(&[]);
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1"]));
+
+    let row = h.row("web-1");
+    assert_eq!(row.phase, Some(Phase::Ready), "{row:?}");
+    assert_eq!(
+        row.readiness,
+        eitri_agent::model::GUEST_AGENT_READY,
+        "{row:?}"
+    );
+    assert!(row.guest.starts_with("system up"), "{row:?}");
+    let log = vmm_log(&h, "web-1");
+    assert!(!log.contains("standin-guest status"), "asked again: {log}");
+}
+
+#[test]
+fn a_clone_whose_identity_says_its_system_is_starting_is_asked_again() {
+    let h = Host::new(&[("STANDIN_GUEST_UP_AFTER_MS", "600000")]);
+    with_template(&h);
+
+    h.tick(&wanted(&h, &["web-1"]));
+
+    let row = h.row("web-1");
+    assert_ne!(
+        row.readiness,
+        eitri_agent::model::GUEST_AGENT_READY,
+        "{row:?}"
+    );
+    let log = vmm_log(&h, "web-1");
+    assert!(log.contains("standin-guest status up=false"), "{log}");
+}

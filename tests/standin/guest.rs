@@ -41,6 +41,28 @@ pub struct Scripted {
 }
 
 impl Scripted {
+    /// Its status as `eitri-guest` takes it, said in no log line: up once
+    /// its `up_after` has passed.
+    fn state(&self) -> Status {
+        let up = self.started.elapsed() >= self.up_after;
+        Status {
+            boot_id: self.boot_id.clone(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            system: if up {
+                SystemState::SystemUp
+            } else {
+                SystemState::SystemStarting
+            } as i32,
+            system_detail: format!("systemd: {}", if up { "running" } else { "starting" }),
+            memory_total_kib: 512 << 10,
+            memory_available_kib: 400 << 10,
+            load_milli: 10,
+            root_total_bytes: 1 << 30,
+            root_free_bytes: 1 << 29,
+            agent_version: "standin".into(),
+        }
+    }
+
     pub fn new(
         boot_id: String,
         up_after: Duration,
@@ -58,24 +80,10 @@ impl Scripted {
 
 impl Inside for Scripted {
     fn status(&self) -> Status {
-        let up = self.started.elapsed() >= self.up_after;
+        let status = self.state();
+        let up = status.system == SystemState::SystemUp as i32;
         (self.say)(&format!("standin-guest status up={up}"));
-        Status {
-            boot_id: self.boot_id.clone(),
-            uptime_ms: self.started.elapsed().as_millis() as u64,
-            system: if up {
-                SystemState::SystemUp
-            } else {
-                SystemState::SystemStarting
-            } as i32,
-            system_detail: format!("systemd: {}", if up { "running" } else { "starting" }),
-            memory_total_kib: 512 << 10,
-            memory_available_kib: 400 << 10,
-            load_milli: 10,
-            root_total_bytes: 1 << 30,
-            root_free_bytes: 1 << 29,
-            agent_version: "standin".into(),
-        }
+        status
     }
 
     fn resumed(&self, r: &Resumed, received: SystemTime) -> Result<Reseeded, String> {
@@ -123,6 +131,7 @@ impl Inside for Scripted {
             readdressed: !macs.is_empty(),
             macs,
             steps: Vec::new(),
+            status: Some(self.state()),
         })
     }
 

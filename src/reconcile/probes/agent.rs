@@ -16,6 +16,11 @@
 //! row shows of its guest (the `guest` words and its memory, which `top`
 //! shows): its readiness stays its probe's.
 //!
+//! A status its agent gave unasked earlier in the same pass (a clone's
+//! identity carries one, taken alongside its last steps) counts as an
+//! answer to this hypervisor: a clone made its own and up is ready in the
+//! pass that made it, without a second exchange.
+//!
 //! The wait counts from the boot's start as its record has it, not from
 //! when this agent first saw the VM, so a restarted agent does not hold a
 //! guest without an agent back for another wait, and a resumed guest (long
@@ -123,6 +128,11 @@ impl Agents {
             .filter(|s| s.pid == pid && !s.described)
             .cloned()
             .unwrap_or_else(|| Seen::fresh(pid, now));
+        // What its agent said of its guest earlier in this pass (a clone's
+        // identity) is this hypervisor's answer, as if asked now.
+        if let Some(status) = res.guest_said.take() {
+            seen = Seen::told(pid, now, status);
+        }
         if now >= seen.next_at {
             seen.heard = self.ask(ctx, vm_id, deadline);
             if let Heard::Status(status) = &seen.heard {
@@ -159,6 +169,10 @@ impl Agents {
                 described: true,
                 ..Seen::fresh(pid, now)
             });
+        if let Some(status) = res.guest_said.take() {
+            seen.heard = Heard::Status(status);
+            seen.next_at = now + REFRESH;
+        }
         if now >= seen.next_at {
             seen.heard = self.ask(ctx, vm_id, deadline);
             seen.next_at = now + REFRESH;
@@ -174,6 +188,13 @@ impl Agents {
     /// waited for is not ready yet.
     pub(super) fn hold(&self, ctx: &Context, booted: Option<SystemTime>, res: &mut VmResult) {
         let now = ctx.host.now();
+        if let Some(status) = res.guest_said.clone() {
+            let told = Seen::told(None, now, status);
+            if told.up {
+                self.say(&told, booted, now, res);
+                return;
+            }
+        }
         if self.waits(booted, now) {
             let fresh = Seen {
                 waiting: true,
@@ -282,6 +303,18 @@ impl Agents {
 }
 
 impl Seen {
+    /// What `status`, told unasked by this hypervisor's guest agent, makes
+    /// known: up, and asked again at the next refresh; else due now.
+    fn told(pid: Option<u32>, now: SystemTime, status: Status) -> Seen {
+        let up = status.system.is_up();
+        Seen {
+            up,
+            next_at: if up { now + REFRESH } else { now },
+            heard: Heard::Status(status),
+            ..Seen::fresh(pid, now)
+        }
+    }
+
     /// Nothing asked yet of this hypervisor's guest agent: due now.
     fn fresh(pid: Option<u32>, now: SystemTime) -> Seen {
         Seen {
