@@ -399,25 +399,31 @@ mod tests {
         );
     }
 
-    #[test]
-    fn an_identitys_status_is_read_as_a_status_answer_is() {
+    /// What request 7, an identity, is answered with `status` beside it.
+    fn identity_with(status: crate::pb::guest::Status) -> Result<Said, SaidError> {
         let answer = Answer {
             version: super::super::VERSION,
             id: 7,
             said: Some(answer::Said::Identity(crate::pb::guest::IdentityApplied {
                 hostname: "web-1".into(),
-                status: Some(crate::pb::guest::Status {
-                    system: crate::pb::guest::SystemState::SystemUp as i32,
-                    system_detail: "systemd: running".into(),
-                    memory_total_kib: 512 << 10,
-                    ..Default::default()
-                }),
+                status: Some(status),
                 ..Default::default()
             })),
         };
         let ask = request::Ask::Identity(crate::pb::guest::Identity::default());
+        check(&encoded(&answer), 7, &ask)
+    }
 
-        let said = check(&encoded(&answer), 7, &ask);
+    #[test]
+    fn an_identitys_status_is_read_as_a_status_answer_is() {
+        let status = crate::pb::guest::Status {
+            system: crate::pb::guest::SystemState::SystemUp as i32,
+            system_detail: "systemd: running".into(),
+            memory_total_kib: 512 << 10,
+            ..Default::default()
+        };
+
+        let said = identity_with(status);
 
         let Ok(Said::Identity {
             status: Some(status),
@@ -433,21 +439,12 @@ mod tests {
 
     #[test]
     fn an_identity_whose_status_fails_the_checks_is_not_taken() {
-        let answer = Answer {
-            version: super::super::VERSION,
-            id: 7,
-            said: Some(answer::Said::Identity(crate::pb::guest::IdentityApplied {
-                hostname: "web-1".into(),
-                status: Some(crate::pb::guest::Status {
-                    system_detail: "x".repeat(MAX_TEXT + 1),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })),
+        let status = crate::pb::guest::Status {
+            system_detail: "x".repeat(MAX_TEXT + 1),
+            ..Default::default()
         };
-        let ask = request::Ask::Identity(crate::pb::guest::Identity::default());
 
-        let said = check(&encoded(&answer), 7, &ask);
+        let said = identity_with(status);
 
         assert!(said.is_err(), "{said:?}");
     }

@@ -22,7 +22,9 @@
 //!    the clone's MAC. Until then the bridge's guard drops every frame the
 //!    guest sends from its template's MAC; its guest agent waits for each
 //!    moved NIC's new lease (its new MAC has its own address), and for
-//!    sshd to listen again with its new key, side by side.
+//!    sshd to listen again with its new key, side by side, taking its
+//!    guest's status meanwhile: the clone's row is ready by it in the same
+//!    pass (see `probes::agent`), without a second exchange.
 //!
 //! Any failure stops its hypervisor and fails the attempt: a guest that is
 //! still its template's copy never runs on as this VM.

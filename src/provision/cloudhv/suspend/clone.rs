@@ -21,8 +21,8 @@
 //!    from the disk again), and the host caches it once. It stays root's
 //!    and 0600, written by no one: a clone's VMM is let read it by an ACL
 //!    entry for its own user while its restore opens it, taken back once
-//!    it has (`lend`, `take_back`). A template's memory not root's (one
-//!    lent to its own VMM, resuming) is copied instead.
+//!    it has (`lend`, `take_back`). A template's memory that is not root's
+//!    (lent whole to its VMM by an agent before this one) is copied instead.
 //! 4. The template checked again: a snapshot taken again, discarded, or a
 //!    disk written while it was copied (the template resumed meanwhile)
 //!    refuses the copy rather than hand the clone a torn one.
