@@ -353,7 +353,7 @@ fn write(path: &Path, entries: &[Entry]) -> io::Result<()> {
     })
 }
 
-/// [`write`], to an open file.
+/// [`write()`], to an open file.
 fn write_fd(file: &std::fs::File, entries: &[Entry]) -> io::Result<()> {
     write_with(entries, |bytes| {
         // SAFETY: as in `write`, on a descriptor `file` holds open.
