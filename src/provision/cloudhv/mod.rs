@@ -449,7 +449,7 @@ impl Lifecycle for CloudHypervisor {
         self.hold_recorded_ports();
         let mut notes = self.adopt(known);
         // After the VMMs whose restore was cut short are stopped.
-        for taken in suspend::take_back_all(&self.store.layout().vms()) {
+        for taken in suspend::take_back_all(self.store.layout()) {
             log::warn!("{taken}: lent for a restore a crash cut short");
             notes.push(taken);
         }

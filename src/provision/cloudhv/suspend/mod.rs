@@ -426,49 +426,58 @@ pub(super) fn lend(snapshot: &Path, uid: u32) -> io::Result<()> {
 /// once its VMM has restored it (or failed to), the file is open in it or
 /// not needed. Whether there was an entry to take.
 pub(super) fn take_back(snapshot: &Path, uid: u32) -> io::Result<bool> {
-    let dir = window::open_dir(snapshot)?;
-    match open_beneath(&dir, MEMORY) {
-        Ok(file) => crate::provision::jail::acl::revoke_user(&file, uid),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
+    match memory_of(snapshot)? {
+        Some(file) => crate::provision::jail::acl::revoke_user(&file, uid),
+        None => Ok(false),
     }
 }
 
 /// Takes back every read [`lend`] gave of a snapshot's memory (a crash
-/// between a lend and its take-back leaves one) under `vms`, the state
-/// dir's VMs: at the agent's start, once VMMs whose restore a crash cut
-/// short are stopped. A VMM that restored has its memory open, or read
-/// it whole. What was taken, for the log.
-pub(super) fn take_back_all(vms: &Path) -> Vec<String> {
+/// between a lend and its take-back leaves one): each VM's snapshot and
+/// template save in `layout`, at the agent's start, once VMMs whose
+/// restore a crash cut short are stopped. A VMM that restored has its
+/// memory open, or read it whole. What was taken, for the log.
+pub(super) fn take_back_all(layout: &crate::state::Layout) -> Vec<String> {
     let mut taken = Vec::new();
-    let Ok(entries) = fs::read_dir(vms) else {
+    let Ok(entries) = fs::read_dir(layout.vms()) else {
         return taken;
     };
-    for vm_dir in entries.flatten().map(|e| e.path()) {
-        for kind in ["snapshot", "template"] {
-            let dir = vm_dir.join(kind);
-            let Ok(dir_fd) = window::open_dir(&dir) else {
+    let vms = entries
+        .flatten()
+        .filter_map(|e| Id::parse(&e.file_name().to_string_lossy()).ok());
+    for vm_id in vms {
+        for snapshot in [layout.snapshot(&vm_id), layout.template(&vm_id)] {
+            let Ok(Some(file)) = memory_of(&snapshot) else {
                 continue;
             };
-            let Ok(file) = open_beneath(&dir_fd, MEMORY) else {
-                continue;
-            };
-            let acl = crate::provision::jail::acl::named_users(&file).unwrap_or_default();
-            for uid in acl {
+            let memory = snapshot.join(MEMORY);
+            let users = crate::provision::jail::acl::named_users(&file).unwrap_or_default();
+            for uid in users {
                 match crate::provision::jail::acl::revoke_user(&file, uid) {
                     Ok(_) => taken.push(format!(
                         "took back user {uid}'s read of {}",
-                        dir.join(MEMORY).display()
+                        memory.display()
                     )),
                     Err(e) => log::warn!(
                         "cannot take back user {uid}'s read of {}: {e}",
-                        dir.join(MEMORY).display()
+                        memory.display()
                     ),
                 }
             }
         }
     }
     taken
+}
+
+/// `snapshot`'s memory file, opened without following a link; `None`
+/// when it has none.
+fn memory_of(snapshot: &Path) -> io::Result<Option<File>> {
+    let dir = window::open_dir(snapshot)?;
+    match open_beneath(&dir, MEMORY) {
+        Ok(file) => Ok(Some(file)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// A snapshot's sealed `config.json` (root's, out of any VMM's sight),
