@@ -199,6 +199,34 @@ impl Daemon {
         }
     }
 
+    /// Waits (at most `patience`) until no VM of `ids` is in the report,
+    /// neither as a row nor as a quarantined entry: each one's VMM is
+    /// gone from the host, not only from its rows.
+    pub fn wait_gone(&self, ids: &[String], patience: Duration) -> Result<(), Error> {
+        let deadline = Instant::now() + patience;
+        loop {
+            let report = std::fs::read(self.state().join("report.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+            let named = |section: &str| {
+                report.as_ref().is_some_and(|r| {
+                    r["report"][section].as_array().is_some_and(|entries| {
+                        entries
+                            .iter()
+                            .any(|e| ids.iter().any(|id| e["vm_id"] == id.as_str()))
+                    })
+                })
+            };
+            if report.is_some() && !named("vms") && !named("quarantined") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{ids:?} never gone: {}", self.log_tail(20)).into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
