@@ -9,20 +9,22 @@ const TEMPLATE: &str = "tpl";
 
 /// The template, booted with the delivered guest agent up, its generator
 /// reseeded by its kernel just before it is wanted suspended as a
-/// template; its entry, or `None` (skipped) without the static guest
-/// agent. The reseed is the test's worst case: until the kernel's next
-/// one (at least 13 s of its time away, where the clones' reads fall),
-/// two copies of the template's guest would read the same random bytes
-/// but for the agent's reseed.
-fn template_saved(lab: &mut Lab) -> Option<Value> {
+/// template; its entry and its kernel's uptime at that reseed, or `None`
+/// (skipped) without the static guest agent. The reseed is the test's
+/// worst case: until the kernel's next one (see [`self_reseeded`]), two
+/// copies of the template's guest would read the same random bytes but
+/// for the agent's reseed.
+fn template_saved(lab: &mut Lab) -> Option<(Value, f64)> {
     let agent = static_guest_agent()?.display().to_string();
     lab.start(&["--guest-agent", &agent]);
     let booted = with(lab.vm(TEMPLATE), "cloud_init", json!(ROOT_LOGIN));
     let (row, _) = lab.boot(std::slice::from_ref(&booted), TEMPLATE);
     guest_agent_up(lab, TEMPLATE);
-    // RNDRESEEDCRNG, as root.
-    let reseed = "python3 -c \"import fcntl; fcntl.ioctl(open('/dev/urandom', 'w'), 0x5207)\"";
-    lab.guest("root", &address(&row), reseed);
+    // RNDRESEEDCRNG, as root, then the uptime it was done at.
+    let reseed = "python3 -c \"import fcntl; fcntl.ioctl(open('/dev/urandom', 'w'), 0x5207)\" \
+                  && cut -d' ' -f1 /proc/uptime";
+    let reseeded_at = lab.guest("root", &address(&row), reseed);
+    let reseeded_at = reseeded_at.trim().parse().expect("the template's uptime");
     let template = with(
         with(booted, "power_state", json!("suspended")),
         "template",
@@ -32,7 +34,27 @@ fn template_saved(lab: &mut Lab) -> Option<Value> {
     lab.wait_row(TEMPLATE, "suspended", SOON, |r| {
         r["power_state"] == "suspended"
     });
-    Some(template)
+    Some((template, reseeded_at))
+}
+
+/// How many reads of 32 random bytes each clone is asked for.
+const READS: usize = 256;
+
+/// Whether a guest kernel whose generator was last reseeded at uptime
+/// `reseeded` (seconds) has reseeded it by itself, from its own pool and
+/// the CPU's random instructions, by a read at uptime `read`: Linux 5.18
+/// and later do at a read once the seed is older than half the uptime
+/// (at least 1 s) in the first two minutes, and than 60 s after
+/// (`crng_has_old_seed`). A clone's guest clock runs on from its
+/// template's, through the time between the save and the restore, on
+/// a host whose guests read the host's TSC.
+fn self_reseeded(reseeded: f64, read: f64) -> bool {
+    let interval = if read < 120.0 {
+        (read / 2.0).max(1.0)
+    } else {
+        60.0
+    };
+    read - reseeded > interval
 }
 
 /// A clone of the template: its own name and the lab's key, the
@@ -127,7 +149,7 @@ fn trusting(lab: &Lab, row: &Value, known_line: &str, command: &str) -> String {
 #[test]
 fn two_clones_of_one_template_are_machines_of_their_own() {
     let mut lab = lab!("two_clones_of_one_template_are_machines_of_their_own");
-    let Some(template) = template_saved(&mut lab) else {
+    let Some((template, reseeded_at)) = template_saved(&mut lab) else {
         return;
     };
     let before = template_files(&lab);
@@ -140,10 +162,38 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
     let (one, took) = lab.wait_row("cl-1", "running and ready", SOON, ready);
     timing("desired -> first clone ready", took);
     let (two, _) = lab.wait_row("cl-2", "running and ready", SOON, ready);
-    // First thing, before anything else is asked of either guest.
-    let random = "head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'";
-    let (random_1, random_2) = (strictly(&lab, &one, random), strictly(&lab, &two, random));
-    println!("timing: the clones' first 32 random bytes: {random_1} and {random_2}");
+    // First thing, before anything else is asked of either guest: READS
+    // reads of 32 bytes in a row, and the uptime they ended at. Each read
+    // moves a guest's generator one key on, whatever it asks for; so two
+    // guests of one generator, one of them some reads ahead of the other
+    // (drawn by whatever else ran in it), share reads: the check below
+    // sees that where a check of the first read alone would not.
+    let random = format!(
+        "dd if=/dev/urandom bs=32 count={READS} iflag=fullblock status=none \
+         | od -An -tx1 -v -w32 | tr -d ' ' && cut -d' ' -f1 /proc/uptime"
+    );
+    let read = |row: &Value| {
+        let out = strictly(&lab, row, &random);
+        let mut lines: Vec<String> = out.lines().map(str::to_owned).collect();
+        let uptime = lines.pop().and_then(|u| u.trim().parse::<f64>().ok());
+        assert_eq!(lines.len(), READS, "{out}");
+        (lines, uptime.expect("an uptime"))
+    };
+    // Both at once: what each guest draws while the other is read would
+    // move one's reads along its stream.
+    let ((random_1, read_1), (random_2, read_2)) = std::thread::scope(|s| {
+        let first = s.spawn(|| read(&one));
+        let second = read(&two);
+        (first.join().expect("the first clone's read"), second)
+    });
+    let shared = random_1.iter().filter(|r| random_2.contains(r)).count();
+    println!(
+        "timing: the clones' first 32 random bytes: {} and {}, {shared} of their {READS} reads the same, read {:.1} s and {:.1} s of guest time after the template's reseed",
+        random_1[0],
+        random_2[0],
+        read_1 - reseeded_at,
+        read_2 - reseeded_at
+    );
     let mac = "cat /sys/class/net/*/address | grep -v 00:00:00:00:00:00";
     let seen = |row: &Value| {
         (
@@ -217,7 +267,17 @@ fn two_clones_of_one_template_are_machines_of_their_own() {
         println!("timing: {line}");
     }
 
-    assert_ne!(random_1, random_2, "the clones read the same random bytes");
+    // Read before their kernels reseeded by themselves: else bytes that
+    // differ would not show the agent's reseed.
+    assert!(
+        !self_reseeded(reseeded_at, read_1) && !self_reseeded(reseeded_at, read_2),
+        "the clones read at {read_1} s and {read_2} s of uptime, their kernels' reseed of {reseeded_at} s too old to show the agent's"
+    );
+    assert_ne!(
+        random_1[0], random_2[0],
+        "the clones' first 32 random bytes are the same"
+    );
+    assert_eq!(shared, 0, "the clones' generators are one");
     assert_eq!((seen_1.0.as_str(), seen_2.0.as_str()), ("cl-1", "cl-2"));
     assert_ne!(seen_1.1, seen_2.1, "MACs");
     assert_ne!(seen_1.2, seen_2.2, "addresses");
