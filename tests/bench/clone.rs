@@ -29,7 +29,12 @@
 //! clones are reflinked). `EITRI_BENCH_AGENT_ARGS` adds flags to the
 //! agent's (say, `--max-concurrent-creates 1`); `EITRI_BENCH_LOG` names
 //! a file to keep the agent's log in (and, beside it with the extension
-//! `serial`, the first lone clone's console). The last line: `bench=clone guest=…
+//! `serial`, the first lone clone's console). `EITRI_BENCH_HUGEPAGES=yes`
+//! backs the guests with 2 MiB huge pages (`--guest-hugepages yes`): the
+//! bench sets aside as many as the template, the neighbour, a lone clone
+//! and the burst need, touches each once, and gives them back at its end
+//! (see [`HugePages`]). The last line: `bench=clone guest=…
+//! memory=shared|hugepages shmem_thp page_reporting_order
 //! cold_boot_ms_p50 clone_ready_ms_p50 clone_ready_ms_p90 cold_over_clone
 //! clone_ssh_ms_p50 burst=N burst_wall_ms clone_rss_mb …`.
 
@@ -471,16 +476,18 @@ fn syn_resent() -> u64 {
         .unwrap_or(0)
 }
 
-/// The resident memory of `pid` and its descendants, in KiB.
+/// The resident memory of `pid` and its descendants, in KiB, the huge
+/// pages they map counted (resident memory leaves them out).
 fn tree_rss_kib(pid: u32) -> u64 {
-    let own = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let own = field("VmRSS:") + field("HugetlbPages:");
     let children: u64 = std::fs::read_dir(format!("/proc/{pid}/task"))
         .into_iter()
         .flatten()
@@ -494,6 +501,137 @@ fn tree_rss_kib(pid: u32) -> u64 {
         .map(tree_rss_kib)
         .sum();
     own + children
+}
+
+/// 2 MiB huge pages the bench set aside for its guests, given back when
+/// dropped.
+///
+/// Each is touched once here, before any guest has it. A host that is
+/// itself a VM may have handed its free memory back to its own
+/// hypervisor (virtio-balloon's free page reporting, 2 MiB blocks at a
+/// time on the host this was measured on), and a page first touched
+/// after that costs that hypervisor's fault too: 0.9 s against 0.09 s to
+/// fault 512 MiB of them in. The pool keeps the pages it holds, so the
+/// guests then fill memory that is the host's own, as on a host that is
+/// not a VM.
+struct HugePages {
+    before: u64,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+const HUGE_PAGE: usize = 2 << 20;
+
+impl HugePages {
+    /// `more` pages set aside beside the host's own, and each touched.
+    fn set_aside(more: u64) -> Result<HugePages, Error> {
+        let read =
+            || -> Result<u64, Error> { Ok(std::fs::read_to_string(NR_HUGEPAGES)?.trim().parse()?) };
+        let before = read()?;
+        std::fs::write(NR_HUGEPAGES, (before + more).to_string())?;
+        let pages = HugePages { before };
+        let now = read()?;
+        if now < before + more {
+            return Err(format!(
+                "{NR_HUGEPAGES}: {now} huge pages set aside, {} asked: the host has too little free memory",
+                before + more
+            )
+            .into());
+        }
+        pages.touch(free_huge_pages()?)?;
+        Ok(pages)
+    }
+
+    /// `count` of the pool's free pages touched once (mapped and written
+    /// at once, then given back to the pool).
+    fn touch(&self, count: u64) -> Result<(), Error> {
+        let len = count as usize * HUGE_PAGE;
+        use nix::libc;
+        // SAFETY: a fresh anonymous mapping the kernel places, written
+        // only inside its `len` bytes, and unmapped before return.
+        unsafe {
+            let at = libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB,
+                -1,
+                0,
+            );
+            if at == libc::MAP_FAILED {
+                return Err(format!(
+                    "cannot map {count} huge pages: {}",
+                    std::io::Error::last_os_error()
+                )
+                .into());
+            }
+            for page in 0..count as usize {
+                at.cast::<u8>().add(page * HUGE_PAGE).write_volatile(1);
+            }
+            libc::munmap(at, len);
+        }
+        Ok(())
+    }
+}
+
+/// How the guests' memory was backed, and the host settings that decide
+/// what filling it costs: the result line's `memory=… shmem_thp=…
+/// page_reporting_order=…`.
+fn memory(huge: bool) -> String {
+    format!(
+        "memory={} shmem_thp={} page_reporting_order={}",
+        if huge { "hugepages" } else { "shared" },
+        host_setting("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        host_setting("/sys/module/page_reporting/parameters/page_reporting_order"),
+    )
+}
+
+/// A host setting the figures depend on, as its file says it (the
+/// bracketed choice where it lists them), or `none`: whether shared
+/// memory may take huge pages, and the order of the free blocks a host
+/// that is a VM hands back to its own hypervisor (README, Benchmarks).
+fn host_setting(path: &str) -> String {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return "none".into();
+    };
+    let chosen = text
+        .split_once('[')
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map_or(text.trim(), |(choice, _)| choice);
+    chosen.to_owned()
+}
+
+/// The pool's free huge pages (`HugePages_Free` in /proc/meminfo).
+fn free_huge_pages() -> Result<u64, Error> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| "/proc/meminfo says no HugePages_Free".into())
+}
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.to_string());
+    }
+}
+
+/// The agent's flags: the guest's, then those to try (say, another
+/// `--max-concurrent-creates`: `EITRI_BENCH_AGENT_ARGS`, split at
+/// spaces), then `--guest-hugepages yes` with the pages set aside for it
+/// where `EITRI_BENCH_HUGEPAGES=yes`.
+fn agent_flags(guest: &Guest) -> Result<(Vec<String>, Option<HugePages>), Error> {
+    let mut flags = guest.extra.clone();
+    let tried = std::env::var("EITRI_BENCH_AGENT_ARGS").unwrap_or_default();
+    flags.extend(tried.split_whitespace().map(str::to_owned));
+    if std::env::var("EITRI_BENCH_HUGEPAGES").is_ok_and(|v| v == "yes") {
+        // The template, the neighbour, a lone clone and the burst, and
+        // one VM to spare.
+        let pages = HugePages::set_aside((guest.burst as u64 + 4) * guest.mem_mb / 2)?;
+        flags.extend(["--guest-hugepages".into(), "yes".into()]);
+        return Ok((flags, Some(pages)));
+    }
+    Ok((flags, None))
 }
 
 fn main() -> Result<(), Error> {
@@ -516,15 +654,8 @@ fn main() -> Result<(), Error> {
     let images = dir.path().join("images");
     std::fs::create_dir_all(&images)?;
     let (url, sha) = agent::image_or_base(guest.image.as_deref(), &images)?;
-    // The agent's own flags to try (say, another --max-concurrent-creates):
-    // EITRI_BENCH_AGENT_ARGS, split at spaces.
-    let tried = std::env::var("EITRI_BENCH_AGENT_ARGS").unwrap_or_default();
-    let extra: Vec<&str> = guest
-        .extra
-        .iter()
-        .map(String::as_str)
-        .chain(tried.split_whitespace())
-        .collect();
+    let (extra, pages) = agent_flags(&guest)?;
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let daemon = daemon::Daemon::start(
         &dir.path().join("agent"),
         &daemon::Parts {
@@ -579,9 +710,10 @@ fn main() -> Result<(), Error> {
     let (cold_p50, clone_p50) = (p(&cold, 0.5), p(&singles, 0.5));
     let ssh_p50 = p(&logins, 0.5);
     println!(
-        "bench=clone guest={} state_dir={} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole} neighbour_connect_ms_p50_idle={:.2} neighbour_connect_ms_p99_idle={:.2} neighbour_connect_ms_p50_burst={:.2} neighbour_connect_ms_p99_burst={:.2} neighbour_connect_ms_max_burst={:.2} neighbour_connects_failed_burst={} syns_resent_burst={resent} neighbour_connects_over_500ms_burst={}",
+        "bench=clone guest={} state_dir={} {} cold_boots={cold_boots} cold_boot_ms_p50={cold_p50:.1} clones_alone={SINGLES} clone_ready_ms_p50={clone_p50:.1} clone_ready_ms_p90={:.1} cold_over_clone={:.1} clone_ssh_ms_p50={ssh_p50:.1} burst={n} burst_wall_ms={:.1} clone_rss_mb={:.1} copied_whole={copied_whole} neighbour_connect_ms_p50_idle={:.2} neighbour_connect_ms_p99_idle={:.2} neighbour_connect_ms_p50_burst={:.2} neighbour_connect_ms_p99_burst={:.2} neighbour_connect_ms_max_burst={:.2} neighbour_connects_failed_burst={} syns_resent_burst={resent} neighbour_connects_over_500ms_burst={}",
         bench.guest.what,
         root.map_or_else(|| "tmp".to_owned(), |r| r.display().to_string()),
+        memory(pages.is_some()),
         p(&singles, 0.9),
         cold_p50 / clone_p50.max(1.0),
         ms(burst),
