@@ -289,8 +289,8 @@ impl Bench {
         let mut vms = self.standing();
         vms.extend(gone);
         self.daemon.desire(&vms)?;
-        self.daemon.wait_gone(ids, PATIENCE)?;
-        self.daemon.desire(&self.standing())
+        self.daemon
+            .wait_gone(ids, PATIENCE, || self.daemon.desire(&self.standing()))
     }
 
     /// `count` cold boots, each timed to ready; the last one kept running

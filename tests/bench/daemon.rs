@@ -201,9 +201,17 @@ impl Daemon {
 
     /// Waits (at most `patience`) until no VM of `ids` is in the report,
     /// neither as a row nor as a quarantined entry: each one's VMM is
-    /// gone from the host, not only from its rows.
-    pub fn wait_gone(&self, ids: &[String], patience: Duration) -> Result<(), Error> {
+    /// gone from the host, not only from its rows. A quarantined VM is
+    /// destroyed by the pass after its stop, so `nudge` (a SIGHUP, say)
+    /// is called each second it waits, for a daemon whose tick is long.
+    pub fn wait_gone(
+        &self,
+        ids: &[String],
+        patience: Duration,
+        nudge: impl Fn() -> Result<(), Error>,
+    ) -> Result<(), Error> {
         let deadline = Instant::now() + patience;
+        let mut nudge_at = Instant::now() + Duration::from_secs(1);
         loop {
             let report = std::fs::read(self.state().join("report.json"))
                 .ok()
@@ -222,6 +230,10 @@ impl Daemon {
             }
             if Instant::now() > deadline {
                 return Err(format!("{ids:?} never gone: {}", self.log_tail(20)).into());
+            }
+            if Instant::now() >= nudge_at {
+                nudge()?;
+                nudge_at = Instant::now() + Duration::from_secs(1);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
