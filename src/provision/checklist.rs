@@ -321,9 +321,12 @@ fn host_memory(guest: &GuestBoot, sys: &Path) -> Item {
     let order = std::fs::read_to_string(&order_file)
         .ok()
         .and_then(|o| o.trim().parse::<u32>().ok());
-    // Above x86-64's largest block (order 10): nothing is reported.
     let reported = match order {
+        // Above x86-64's largest block (order 10): nothing is reported.
         Some(order) if reporting && order <= 10 => order,
+        // A kernel that does not say reports from its pageblock order, a
+        // huge page's (2 MiB, order 9, on x86-64).
+        None if reporting => 9,
         _ => {
             return Item::new(
                 WHAT,
@@ -340,14 +343,22 @@ fn host_memory(guest: &GuestBoot, sys: &Path) -> Item {
         );
     }
     let block_kib = 4u64 << reported;
+    let (setting, or_stop) = match order {
+        Some(_) => (
+            format!("{}: {reported}", order_file.display()),
+            format!(
+                ", or echo 11 > {} stops the reporting (the host then keeps what it frees)",
+                order_file.display()
+            ),
+        ),
+        None => ("this kernel names no order".to_owned(), String::new()),
+    };
     Item::new(
         WHAT,
         Verdict::Warn,
         format!(
-            "handed back to the hypervisor under this host where it frees a block of {} or more (virtio-balloon free page reporting, {}: {reported}): a restore that fills guest memory from such a block waits for that hypervisor to fault it in again, each clone's restore slower and unevenly so (README, Templates and clones); guests on huge pages set aside keep them (--guest-hugepages), or echo 11 > {} stops the reporting (the host then keeps what it frees)",
+            "handed back to the hypervisor under this host where it frees a block of {} or more (virtio-balloon free page reporting, {setting}): a restore that fills guest memory from such a block waits for that hypervisor to fault it in again, each clone's restore slower and unevenly so (README, Templates and clones); guests on huge pages set aside keep them (--guest-hugepages){or_stop}",
             crate::human::bytes(block_kib * 1024),
-            order_file.display(),
-            order_file.display()
         ),
     )
 }
@@ -667,6 +678,17 @@ mod tests {
         let item = host_memory(&guest(&[]), sys.path());
 
         assert_eq!(item.verdict, Verdict::Ok, "{item:?}");
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn host_memory_reported_by_a_kernel_that_names_no_order_warns() {
+        let sys = balloon_sys("0110010100000000", "9");
+        std::fs::remove_dir_all(sys.path().join("module")).expect("no order");
+
+        let item = host_memory(&guest(&[]), sys.path());
+
+        assert_eq!(item.verdict, Verdict::Warn, "{item:?}");
     }
 
     #[cfg(target_os = "linux")]

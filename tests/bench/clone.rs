@@ -588,7 +588,8 @@ fn memory(huge: bool) -> String {
 /// A host setting the figures depend on, as its file says it (the
 /// bracketed choice where it lists them), or `none`: whether shared
 /// memory may take huge pages, and the order of the free blocks a host
-/// that is a VM hands back to its own hypervisor (README, Benchmarks).
+/// that is a VM hands back to its own hypervisor (README, Templates and
+/// clones).
 fn host_setting(path: &str) -> String {
     let Ok(text) = std::fs::read_to_string(path) else {
         return "none".into();
