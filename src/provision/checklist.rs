@@ -270,10 +270,9 @@ fn guest_memory(guest: &GuestBoot, setting: &Path) -> Item {
             "2 MiB huge pages set aside (--guest-hugepages)",
         );
     }
-    let chosen = std::fs::read_to_string(setting).ok().and_then(|text| {
-        let (_, rest) = text.split_once('[')?;
-        Some(rest.split_once(']')?.0.to_owned())
-    });
+    let chosen = std::fs::read_to_string(setting)
+        .ok()
+        .and_then(|text| chosen(&text).map(str::to_owned));
     match chosen.as_deref() {
         Some(word @ ("advise" | "always" | "within_size" | "force")) => Item::new(
             WHAT,
@@ -294,6 +293,13 @@ fn guest_memory(guest: &GuestBoot, setting: &Path) -> Item {
             ),
         ),
     }
+}
+
+/// The choice a kernel setting that lists its choices has made: the
+/// bracketed word (`always [advise] never` says `advise`).
+pub fn chosen(text: &str) -> Option<&str> {
+    let (_, rest) = text.split_once('[')?;
+    Some(rest.split_once(']')?.0)
 }
 
 /// virtio-balloon's feature bit for free page reporting.

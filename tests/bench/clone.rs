@@ -594,11 +594,9 @@ fn host_setting(path: &str) -> String {
     let Ok(text) = std::fs::read_to_string(path) else {
         return "none".into();
     };
-    let chosen = text
-        .split_once('[')
-        .and_then(|(_, rest)| rest.split_once(']'))
-        .map_or(text.trim(), |(choice, _)| choice);
-    chosen.to_owned()
+    eitri_agent::provision::checklist::chosen(&text)
+        .unwrap_or(text.trim())
+        .to_owned()
 }
 
 /// The pool's free huge pages (`HugePages_Free` in /proc/meminfo).
