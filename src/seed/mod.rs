@@ -394,6 +394,42 @@ mod tests {
     }
 
     #[test]
+    fn the_guest_agents_rendered_entry_sits_among_the_seeds_own_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let binary = dir.path().join("eitri-guest");
+        std::fs::write(&binary, b"\x7fELF the guest agent").expect("write");
+        let seed = NoCloudSeed::delivering(&binary).expect("read");
+        let p = SeedParams {
+            ssh_user_ca_keys: "ssh-ed25519 AAAA\" ca\n".into(),
+            ..params()
+        };
+
+        let text = vendor_data(&p, seed.guest_agent.as_ref());
+
+        let v: Value = serde_json::from_str(&text["#cloud-config\n".len()..]).expect("json");
+        let paths: Vec<&str> = v["write_files"]
+            .as_array()
+            .expect("files")
+            .iter()
+            .filter_map(|f| f["path"].as_str())
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                "/etc/ssh/eitri_user_ca_keys",
+                "/etc/ssh/sshd_config.d/60-eitri-user-ca.conf",
+                GUEST_AGENT_PATH,
+                GUEST_AGENT_UNIT
+            ]
+        );
+        assert_eq!(
+            v["write_files"][0]["content"],
+            json!("ssh-ed25519 AAAA\" ca\n")
+        );
+        assert_eq!(v["ssh_deletekeys"], json!(false));
+    }
+
+    #[test]
     fn a_file_that_is_no_binary_is_not_delivered() {
         let dir = tempfile::tempdir().expect("tempdir");
         let script = dir.path().join("eitri-guest");
