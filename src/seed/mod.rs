@@ -71,8 +71,8 @@ pub struct NoCloudSeed {
 
 /// The guest agent a seed carries: its `write_files` entry, the binary in
 /// base64, rendered as JSON once. Escaping its ~0.8 MB again for every seed
-/// was the most CPU any step of a create took (a tenth of a burst of 100
-/// stand-in clones, in `perf`).
+/// took about a tenth of the host's CPU through a burst of 100 stand-in
+/// clones (in `perf`).
 struct GuestAgent {
     entry: Box<RawValue>,
 }
