@@ -13,23 +13,34 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::pb::guest::{
-    Identity, IdentityApplied, Reseeded, Resumed, Status, StepTook, SystemState,
+    Identity, IdentityApplied, Quieted, Reseeded, Resumed, Status, StepTook, SystemState,
 };
 
 use super::serve::Inside;
 
 mod files;
 mod network;
+mod quiet;
 mod sshd;
 
 use files::{authorized_keys, login_user, sync_filesystems, write_whole};
 use network::{await_new_leases, change_macs, renew_leases};
 use sshd::{host_key, reload_sshd};
 
-/// The real guest. One per process: it holds what is frozen.
-#[derive(Default)]
+/// The real guest. One per process: it holds what is frozen, and the
+/// stall check it quieted for a save.
 pub struct Guest {
     frozen: std::sync::Arc<Mutex<Freezing>>,
+    quiet: quiet::Quiet,
+}
+
+impl Default for Guest {
+    fn default() -> Self {
+        Guest {
+            frozen: std::sync::Arc::default(),
+            quiet: quiet::Quiet::new(Path::new(quiet::SUPPRESS), quiet::Timing::GUEST),
+        }
+    }
 }
 
 /// The filesystems frozen now, and which freeze froze them (a later
@@ -319,6 +330,9 @@ impl Inside for Guest {
     }
 
     fn resumed(&self, r: &Resumed, received: SystemTime) -> Result<Reseeded, String> {
+        // It runs again: the stall check quieted for its save comes back
+        // once a grace period in flight then has ended.
+        self.quiet.resumed();
         // The clock first: the reseed's ioctls take no time worth counting,
         // but the lease renewal's program does.
         let (clock_offset_ms, clock_set) = clock(r.host_unix_ns, r.clock_slack_ms, received)?;
@@ -442,6 +456,10 @@ impl Inside for Guest {
 
     fn thaw(&self) -> Result<Vec<String>, String> {
         Ok(thaw_all(&mut lock(&self.frozen)))
+    }
+
+    fn saving(&self) -> Result<Quieted, String> {
+        self.quiet.saving()
     }
 
     fn power_off(&self) {

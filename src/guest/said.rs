@@ -114,6 +114,12 @@ pub enum Said {
         mounts: Vec<String>,
     },
     PoweringOff,
+    /// Ready to be saved: whether its kernel's stall check is quiet now,
+    /// and whether it was before it was asked.
+    Quieted {
+        stall_check_quiet: bool,
+        was_quiet: bool,
+    },
 }
 
 /// Why an answer was not taken.
@@ -186,6 +192,7 @@ pub fn asked_name(ask: &request::Ask) -> &'static str {
         request::Ask::Freeze(_) => "a freeze",
         request::Ask::Thaw(_) => "a thaw",
         request::Ask::PowerOff(_) => "a power off",
+        request::Ask::Saving(_) => "a save's warning",
     }
 }
 
@@ -198,6 +205,7 @@ fn said_name(said: Option<&answer::Said>) -> &'static str {
         Some(answer::Said::Frozen(_)) => "a freeze",
         Some(answer::Said::Thawed(_)) => "a thaw",
         Some(answer::Said::PoweringOff(_)) => "a power off",
+        Some(answer::Said::Quieted(_)) => "a save's warning",
         Some(answer::Said::Failure(_)) => "a failure",
     }
 }
@@ -321,6 +329,10 @@ pub fn check(bytes: &[u8], id: u64, ask: &request::Ask) -> Result<Said, SaidErro
             mounts: mounts(t.mounts)?,
         }),
         (request::Ask::PowerOff(_), Some(answer::Said::PoweringOff(_))) => Ok(Said::PoweringOff),
+        (request::Ask::Saving(_), Some(answer::Said::Quieted(q))) => Ok(Said::Quieted {
+            stall_check_quiet: q.stall_check_quiet,
+            was_quiet: q.was_quiet,
+        }),
         (_, said) => Err(other(&said)),
     }
 }

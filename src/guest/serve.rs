@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use crate::deadline::Deadline;
 use crate::pb::guest::{
-    Answer, Failure, Frozen, Identity, IdentityApplied, PoweringOff, Request, Reseeded, Resumed,
-    Status, Thawed, answer, request,
+    Answer, Failure, Frozen, Identity, IdentityApplied, PoweringOff, Quieted, Request, Reseeded,
+    Resumed, Status, Thawed, answer, request,
 };
 
 use super::frame::{self, Channel, FrameError};
@@ -34,6 +34,9 @@ pub trait Inside {
     /// `thaw_after` whatever happens next.
     fn freeze(&self, thaw_after: Duration) -> Result<Vec<String>, String>;
     fn thaw(&self) -> Result<Vec<String>, String>;
+    /// Readies the guest for a save: quiets what its resume would report
+    /// falsely, until it has run again (see `Saving` in the protocol).
+    fn saving(&self) -> Result<Quieted, String>;
     /// Powers the guest off; called once the answer is written.
     fn power_off(&self);
 }
@@ -94,6 +97,7 @@ fn answer(request: Request, inside: &dyn Inside, received: SystemTime) -> (Answe
             .thaw()
             .map(|mounts| answer::Said::Thawed(Thawed { mounts })),
         Some(request::Ask::PowerOff(_)) => Ok(answer::Said::PoweringOff(PoweringOff {})),
+        Some(request::Ask::Saving(_)) => inside.saving().map(answer::Said::Quieted),
     };
     let off = matches!(said, Ok(answer::Said::PoweringOff(_)));
     match said {
@@ -165,6 +169,10 @@ mod tests {
         fn thaw(&self) -> Result<Vec<String>, String> {
             self.done.set(self.done.get() + 1);
             Ok(vec![])
+        }
+        fn saving(&self) -> Result<Quieted, String> {
+            self.done.set(self.done.get() + 1);
+            Ok(Quieted::default())
         }
         fn power_off(&self) {
             self.done.set(self.done.get() + 1);

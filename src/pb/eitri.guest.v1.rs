@@ -6,7 +6,7 @@ pub struct Request {
     /// Echoed in the Answer: an answer to another question is no answer.
     #[prost(uint64, tag = "2")]
     pub id: u64,
-    #[prost(oneof = "request::Ask", tags = "10, 11, 12, 13, 14, 15")]
+    #[prost(oneof = "request::Ask", tags = "10, 11, 12, 13, 14, 15, 16")]
     pub ask: ::core::option::Option<request::Ask>,
 }
 /// Nested message and enum types in `Request`.
@@ -25,6 +25,8 @@ pub mod request {
         Thaw(super::Thaw),
         #[prost(message, tag = "15")]
         PowerOff(super::PowerOff),
+        #[prost(message, tag = "16")]
+        Saving(super::Saving),
     }
 }
 /// What the guest is: asked after a boot until the system is up, and by the
@@ -101,13 +103,24 @@ pub struct Freeze {
 pub struct Thaw {}
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PowerOff {}
+/// Sent just before the guest is paused to be saved (suspended, or saved as
+/// a template). A resume finds the guest's clock moved on by all the time it
+/// was saved, and its kernel takes a grace period that was in flight at the
+/// save for a stall: it prints a report of it, kilobytes, to the serial
+/// console, a VM exit a byte (64-94 us a byte measured on a nested host),
+/// while the resumed guest waits. So the guest quiets its kernel's RCU stall check
+/// (unless something else already did), and turns it back on itself: a
+/// second after it has run again (the next Resumed, or its clock seen to
+/// jump), or after 60 s when no save came.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Saving {}
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Answer {
     #[prost(uint32, tag = "1")]
     pub version: u32,
     #[prost(uint64, tag = "2")]
     pub id: u64,
-    #[prost(oneof = "answer::Said", tags = "10, 11, 12, 13, 14, 15, 20")]
+    #[prost(oneof = "answer::Said", tags = "10, 11, 12, 13, 14, 15, 16, 20")]
     pub said: ::core::option::Option<answer::Said>,
 }
 /// Nested message and enum types in `Answer`.
@@ -126,6 +139,8 @@ pub mod answer {
         Thawed(super::Thawed),
         #[prost(message, tag = "15")]
         PoweringOff(super::PoweringOff),
+        #[prost(message, tag = "16")]
+        Quieted(super::Quieted),
         #[prost(message, tag = "20")]
         Failure(super::Failure),
     }
@@ -225,6 +240,16 @@ pub struct Thawed {
 }
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct PoweringOff {}
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct Quieted {
+    /// Whether the kernel's RCU stall check is quiet now (false: the guest's
+    /// kernel has none it can quiet), and whether it was before this ask
+    /// (then the guest agent leaves it so).
+    #[prost(bool, tag = "1")]
+    pub stall_check_quiet: bool,
+    #[prost(bool, tag = "2")]
+    pub was_quiet: bool,
+}
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct Failure {
     /// What went wrong, in words for a person: quoted by the host, never

@@ -17,11 +17,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use crate::deadline::Deadline;
 use crate::guest::{AskError, Reseeded, Said};
 use crate::model::Id;
-use crate::pb::guest::{Resumed, request};
+use crate::pb::guest::{Resumed, Saving, request};
 use crate::provision::Lifecycle;
 
 /// The longest an exchange with a guest agent may take.
 pub(super) const ASK_WITHIN: Duration = Duration::from_secs(2);
+
+/// The longest a guest agent may take to ready its guest for a save (it
+/// writes one file): a slower one's guest is saved all the same.
+const SAVING_WITHIN: Duration = Duration::from_millis(500);
 
 /// Entropy sent at each resume: 512 bits, the kernel's pool's size.
 const ENTROPY: usize = 64;
@@ -107,6 +111,42 @@ pub(super) fn make_whole(
         },
         Err(e) if !e.reached() => Whole::NoAgent,
         Err(e) => Whole::Failed(e),
+    }
+}
+
+/// Tells a guest it is about to be paused and saved, so that its guest
+/// agent quiets what its resume would otherwise report falsely (see
+/// `Saving` in the protocol), and logs what came of it. Nothing of it
+/// holds the save back: a guest without an agent, or whose agent fails or
+/// stalls, is saved as it is, `SAVING_WITHIN` later at most.
+pub(super) fn warn_of_save(backend: &dyn Lifecycle, vm_id: &Id, deadline: Deadline) {
+    let Some(door) = backend.guest_doors().and_then(|d| d.guest_door(vm_id)) else {
+        return;
+    };
+    let ask = request::Ask::Saving(Saving {});
+    let deadline = deadline.capped(SAVING_WITHIN);
+    match crate::guest::ask(&door.socket, door.vmm_pid, 1, ask, deadline) {
+        Ok(asked) => match asked.said {
+            Said::Quieted {
+                stall_check_quiet,
+                was_quiet,
+            } => log::debug!(
+                "VM {vm_id}: its guest agent readied it for its save in {:.1} ms: its kernel's RCU stall check {}",
+                ms(asked.took),
+                match (stall_check_quiet, was_quiet) {
+                    (true, true) => "was quiet already",
+                    (true, false) => "quiet until it runs again",
+                    (false, _) => "is not there to quiet",
+                }
+            ),
+            other => log::warn!(
+                "VM {vm_id}: its guest agent answered a save's warning with something else ({other:?}); saved all the same"
+            ),
+        },
+        Err(e) if !e.reached() => {}
+        Err(e) => log::warn!(
+            "VM {vm_id}: its guest agent was not readied for its save ({e}); saved all the same, a resume may print a false RCU stall to its console"
+        ),
     }
 }
 

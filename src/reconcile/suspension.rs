@@ -228,6 +228,7 @@ impl Suspension<'_> {
         };
         let say = |what: &str| narrator.say(what);
         let started = Instant::now();
+        guests::warn_of_save(&*ctx.backend, &vm_id, pass.deadline);
         let suspended = timed(SUSPEND_STAGE, || s.suspend(&vm_id, pass.deadline, &say));
         match suspended {
             Ok(saved) => {
@@ -351,9 +352,6 @@ impl Suspension<'_> {
         }
     }
 
-    /// A guest running again: said (and recorded after) if it is wanted
-    /// running, else recorded and driven on to what is wanted now (a suspend
-    /// cut short while the wish changed).
     /// The resumed guest made to stop being a copy of its snapshot, by its
     /// guest agent where it has one (see [`guests`]); `ran` is when it
     /// began to run.
@@ -375,6 +373,9 @@ impl Suspension<'_> {
         }
     }
 
+    /// A guest running again: said (and recorded after) if it is wanted
+    /// running, else recorded and driven on to what is wanted now (a suspend
+    /// cut short while the wish changed).
     fn resumed_now(&self, mut rec: Record, pass: &mut Pass<'_>) -> Next {
         let (ctx, d) = (self.ctx, self.desired);
         rec.resumed(ctx.host.boot_id());

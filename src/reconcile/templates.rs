@@ -129,6 +129,7 @@ impl Templates {
             return;
         }
         crate::crash::point("template.intent-saved");
+        super::guests::warn_of_save(&*ctx.backend, vm_id, pass.deadline);
         match suspender.save_template(vm_id, pass.deadline) {
             Ok(paused) => {
                 self.failed.lock().remove(vm_id);
@@ -136,6 +137,11 @@ impl Templates {
                     "VM {vm_id}: saved as a template: its guest paused {:.1} ms",
                     paused.as_secs_f64() * 1000.0
                 );
+                // It runs on: told so, as after any resume, its guest
+                // agent turns back on what it quieted for the save.
+                let whole =
+                    super::guests::make_whole(&*ctx.backend, vm_id, Instant::now(), pass.deadline);
+                super::guests::say(vm_id, &whole);
             }
             Err(e) => {
                 self.failed.lock().insert(vm_id.clone(), Instant::now());

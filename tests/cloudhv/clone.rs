@@ -302,6 +302,33 @@ fn a_running_template_is_saved_with_a_copy_of_its_disk_and_runs_on_in_its_own_vm
 }
 
 #[test]
+fn a_running_templates_guest_is_warned_before_its_save_and_told_it_runs_on_after() {
+    let h = Host::new(&[]);
+    let alone = snapshot(1, vec![present(running_template(&h))]);
+    h.tick_until_row(&alone, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+
+    h.tick(&alone);
+
+    let log = vmm_log(&h, TEMPLATE);
+    let after_warning = log
+        .split_once("standin-guest saving")
+        .map(|(_, after)| after)
+        .unwrap_or_default();
+    let after_pause = after_warning
+        .split_once("standin-api PUT /api/v1/vm.pause")
+        .map(|(_, after)| after)
+        .unwrap_or_default();
+    let after_resume = after_pause
+        .split_once("standin-api PUT /api/v1/vm.resume")
+        .map(|(_, after)| after)
+        .unwrap_or_default();
+    assert!(
+        after_resume.contains("standin-guest reseeded bytes=64"),
+        "warned, paused, resumed, then told: {log}"
+    );
+}
+
+#[test]
 fn a_clone_of_a_running_template_is_restored_from_its_save_while_it_runs() {
     let h = Host::new(&[]);
     let pid = with_running_template(&h);

@@ -264,6 +264,42 @@ fn a_guest_agent_that_stalls_after_a_resume_leaves_the_vm_running() {
     assert_eq!(h.engine().counts().made_whole.get("failed"), 1);
 }
 
+/// Where `first` and then `then` are in `log`, if both are, in that order.
+fn in_order(log: &str, first: &str, then: &str) -> bool {
+    match (log.find(first), log.rfind(then)) {
+        (Some(a), Some(b)) => a < b,
+        _ => false,
+    }
+}
+
+#[test]
+fn a_guest_is_warned_by_its_guest_agent_before_it_is_paused_to_be_saved() {
+    let h = Host::new(&[]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let log = vmm_log(&h, "vm-1");
+    assert!(
+        in_order(
+            &log,
+            "standin-guest saving",
+            "standin-api PUT /api/v1/vm.pause"
+        ),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_guest_agent_that_stalls_when_warned_of_a_save_is_saved_all_the_same() {
+    let h = Host::new(&[("STANDIN_GUEST_AGENT", "stall")]);
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    assert_eq!(h.row("vm-1").power, Some(PowerState::Suspended));
+}
+
 /// One request of `ask` to vm-1's guest agent on `h`, answered.
 fn asked(h: &Host, ask: request::Ask) -> Said {
     let pid = h.pid("vm-1").expect("the VM's hypervisor runs") as u32;

@@ -353,3 +353,68 @@ fn a_running_template_pays_a_measured_pause_and_its_clone_logs_in_while_it_runs(
         lab.events(TEMPLATE)
     );
 }
+
+/// The guest kernel's switch for its RCU stall check.
+const STALL_SWITCH: &str = "/sys/module/rcupdate/parameters/rcu_cpu_stall_suppress";
+
+#[test]
+fn a_clone_of_a_template_saved_mid_grace_period_prints_no_stall_and_has_its_check_back() {
+    let mut lab =
+        lab!("a_clone_of_a_template_saved_mid_grace_period_prints_no_stall_and_has_its_check_back");
+    let Some(agent) = static_guest_agent() else {
+        return;
+    };
+    lab.start(&["--guest-agent", &agent.display().to_string()]);
+    let booted = with(lab.vm(TEMPLATE), "cloud_init", json!(ROOT_LOGIN));
+    let (row, _) = lab.boot(std::slice::from_ref(&booted), TEMPLATE);
+    guest_agent_up(&lab, TEMPLATE);
+    // Grace periods one after another (each network namespace dropped
+    // waits for some), so that one is in flight at the save; and a stall
+    // reported after 3 s rather than 21, so that the test need not wait
+    // long between the save and the clone.
+    let busy = format!(
+        "echo 3 > /sys/module/rcupdate/parameters/rcu_cpu_stall_timeout \
+         && (nohup sh -c 'while :; do unshare -n true; done' >/dev/null 2>&1 &) \
+         && sleep 1 && cat {STALL_SWITCH}"
+    );
+    assert_eq!(lab.guest("root", &address(&row), &busy), "0");
+    let template = with(
+        with(booted, "power_state", json!("suspended")),
+        "template",
+        json!(true),
+    );
+    lab.desire(std::slice::from_ref(&template));
+    lab.wait_row(TEMPLATE, "suspended", SOON, |r| {
+        r["power_state"] == "suspended"
+    });
+    // Three stall timeouts of the guest's clock, which runs on through
+    // them when the clone is restored.
+    std::thread::sleep(Duration::from_secs(10));
+
+    lab.desire(&[template.clone(), clone_entry(&lab, "cl-q")]);
+    let (clone, took) = lab.wait_row("cl-q", "running and ready", SOON, ready);
+    timing(
+        "desired -> clone of a template saved mid grace period ready",
+        took,
+    );
+    // Past the second its check stays quiet after it runs again.
+    std::thread::sleep(Duration::from_secs(3));
+
+    let console = lab.console("cl-q", 200);
+    let reached = lab
+        .agent_log()
+        .lines()
+        .find(|l| l.contains("VM cl-q: cloned from tpl"))
+        .unwrap_or_default()
+        .to_owned();
+    println!("timing: {reached}");
+    assert!(
+        !console.contains("stall"),
+        "its console reports a stall: {console}"
+    );
+    assert_eq!(
+        lab.guest("root", &address(&clone), &format!("cat {STALL_SWITCH}")),
+        "0",
+        "its stall check is back on"
+    );
+}

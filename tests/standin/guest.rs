@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use eitri_agent::deadline::Deadline;
 use eitri_agent::guest::serve::{Inside, serve_one};
 use eitri_agent::pb::guest::{
-    Answer, Identity, IdentityApplied, Reseeded, Resumed, Status, SystemState, answer,
+    Answer, Identity, IdentityApplied, Quieted, Reseeded, Resumed, Status, SystemState, answer,
 };
 
 /// A scripted guest: its boot (kept across a snapshot), when this VMM
@@ -148,6 +148,14 @@ impl Inside for Scripted {
         *self.frozen.lock().map_err(|e| e.to_string())? = false;
         (self.say)("standin-guest thawed");
         Ok(vec!["/".into()])
+    }
+
+    fn saving(&self) -> Result<Quieted, String> {
+        (self.say)("standin-guest saving");
+        Ok(Quieted {
+            stall_check_quiet: true,
+            was_quiet: false,
+        })
     }
 
     fn power_off(&self) {

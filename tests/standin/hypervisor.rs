@@ -1117,6 +1117,11 @@ fn serve(
             return;
         }
         let (code, reply, then_exit) = answer(&method, &path, &body, state, config);
+        // A guest's pauses and resumes, in order with what its guest agent
+        // was asked (the same log).
+        if code == 204 && matches!(path.as_str(), "/api/v1/vm.pause" | "/api/v1/vm.resume") {
+            log.line(&format!("standin-api {method} {path}"));
+        }
         let head = format!(
             "HTTP/1.1 {code} \r\nServer: Cloud Hypervisor API\r\nConnection: keep-alive\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             reply.len()
