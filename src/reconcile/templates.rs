@@ -88,11 +88,15 @@ impl Templates {
             if self.unsaved.lock().contains(vm_id) {
                 return;
             }
-            if suspender.template_saved(vm_id).is_some() {
-                if let Err(e) = suspender.discard_template(vm_id) {
-                    ctx.log_failure(vm_id, "its saved template cannot be removed", &chain(&*e));
-                    return;
-                }
+            // Removed whole or not, once in this agent's life: a save cut
+            // short by a crash after its disk copy and before its commit
+            // leaves the copy and no saved template that names it.
+            let saved = suspender.template_saved(vm_id).is_some();
+            if let Err(e) = suspender.discard_template(vm_id) {
+                ctx.log_failure(vm_id, "its saved template cannot be removed", &chain(&*e));
+                return;
+            }
+            if saved {
                 log::info!("VM {vm_id}: no longer a running template: its saved template removed");
             }
             self.unsaved.lock().insert(vm_id.clone());

@@ -302,6 +302,21 @@ fn a_running_template_is_saved_with_a_copy_of_its_disk_and_runs_on_in_its_own_vm
 }
 
 #[test]
+fn a_disk_copy_left_by_a_template_save_cut_short_is_removed_once_it_is_no_template() {
+    let h = Host::new(&[]);
+    let running = snapshot(1, vec![present(h.desired(TEMPLATE))]);
+    h.tick_until_row(&running, TEMPLATE, |r| r.phase == Some(Phase::Ready));
+    // What a crash after a save's disk copy and before its commit leaves.
+    let left = h.store.layout().template_disk(&id(TEMPLATE));
+    std::fs::write(&left, b"a copy whose save was never committed").expect("leave a copy");
+    let h = h.restart();
+
+    h.tick(&running);
+
+    assert!(!left.exists(), "{} is left", left.display());
+}
+
+#[test]
 fn a_running_templates_guest_is_warned_before_its_save_and_told_it_runs_on_after() {
     let h = Host::new(&[]);
     let alone = snapshot(1, vec![present(running_template(&h))]);

@@ -7,24 +7,17 @@ use super::*;
 
 const TEMPLATE: &str = "tpl";
 
-/// The template, booted with the delivered guest agent up, its generator
-/// reseeded by its kernel just before it is wanted suspended as a
-/// template; its entry and its kernel's uptime at that reseed, or `None`
-/// (skipped) without the static guest agent. The reseed is the test's
-/// worst case: until the kernel's next one (see [`self_reseeded`]), two
-/// copies of the template's guest would read the same random bytes but
-/// for the agent's reseed.
-fn template_saved(lab: &mut Lab) -> Option<(Value, f64)> {
+/// The template, booted with the delivered guest agent up, `before` run
+/// in it as root just before it is wanted suspended as a template; its
+/// entry and what `before` printed, or `None` (skipped) without the
+/// static guest agent.
+fn template_saved_after(lab: &mut Lab, before: &str) -> Option<(Value, String)> {
     let agent = static_guest_agent()?.display().to_string();
     lab.start(&["--guest-agent", &agent]);
     let booted = with(lab.vm(TEMPLATE), "cloud_init", json!(ROOT_LOGIN));
     let (row, _) = lab.boot(std::slice::from_ref(&booted), TEMPLATE);
     guest_agent_up(lab, TEMPLATE);
-    // RNDRESEEDCRNG, as root, then the uptime it was done at.
-    let reseed = "python3 -c \"import fcntl; fcntl.ioctl(open('/dev/urandom', 'w'), 0x5207)\" \
-                  && cut -d' ' -f1 /proc/uptime";
-    let reseeded_at = lab.guest("root", &address(&row), reseed);
-    let reseeded_at = reseeded_at.trim().parse().expect("the template's uptime");
+    let printed = lab.guest("root", &address(&row), before);
     let template = with(
         with(booted, "power_state", json!("suspended")),
         "template",
@@ -34,6 +27,20 @@ fn template_saved(lab: &mut Lab) -> Option<(Value, f64)> {
     lab.wait_row(TEMPLATE, "suspended", SOON, |r| {
         r["power_state"] == "suspended"
     });
+    Some((template, printed))
+}
+
+/// The template, its generator reseeded by its kernel just before it is
+/// wanted suspended as a template; its entry and its kernel's uptime at
+/// that reseed. The reseed is the test's worst case: until the kernel's
+/// next one (see [`self_reseeded`]), two copies of the template's guest
+/// would read the same random bytes but for the agent's reseed.
+fn template_saved(lab: &mut Lab) -> Option<(Value, f64)> {
+    // RNDRESEEDCRNG, as root, then the uptime it was done at.
+    let reseed = "python3 -c \"import fcntl; fcntl.ioctl(open('/dev/urandom', 'w'), 0x5207)\" \
+                  && cut -d' ' -f1 /proc/uptime";
+    let (template, reseeded_at) = template_saved_after(lab, reseed)?;
+    let reseeded_at = reseeded_at.trim().parse().expect("the template's uptime");
     Some((template, reseeded_at))
 }
 
@@ -361,13 +368,6 @@ const STALL_SWITCH: &str = "/sys/module/rcupdate/parameters/rcu_cpu_stall_suppre
 fn a_clone_of_a_template_saved_mid_grace_period_prints_no_stall_and_has_its_check_back() {
     let mut lab =
         lab!("a_clone_of_a_template_saved_mid_grace_period_prints_no_stall_and_has_its_check_back");
-    let Some(agent) = static_guest_agent() else {
-        return;
-    };
-    lab.start(&["--guest-agent", &agent.display().to_string()]);
-    let booted = with(lab.vm(TEMPLATE), "cloud_init", json!(ROOT_LOGIN));
-    let (row, _) = lab.boot(std::slice::from_ref(&booted), TEMPLATE);
-    guest_agent_up(&lab, TEMPLATE);
     // Grace periods one after another (each network namespace dropped
     // waits for some), so that one is in flight at the save; and a stall
     // reported after 3 s rather than 21, so that the test need not wait
@@ -377,16 +377,10 @@ fn a_clone_of_a_template_saved_mid_grace_period_prints_no_stall_and_has_its_chec
          && (nohup sh -c 'while :; do unshare -n true; done' >/dev/null 2>&1 &) \
          && sleep 1 && cat {STALL_SWITCH}"
     );
-    assert_eq!(lab.guest("root", &address(&row), &busy), "0");
-    let template = with(
-        with(booted, "power_state", json!("suspended")),
-        "template",
-        json!(true),
-    );
-    lab.desire(std::slice::from_ref(&template));
-    lab.wait_row(TEMPLATE, "suspended", SOON, |r| {
-        r["power_state"] == "suspended"
-    });
+    let Some((template, switch)) = template_saved_after(&mut lab, &busy) else {
+        return;
+    };
+    assert_eq!(switch, "0", "the template's stall check was on");
     // Three stall timeouts of the guest's clock, which runs on through
     // them when the clone is restored.
     std::thread::sleep(Duration::from_secs(10));
