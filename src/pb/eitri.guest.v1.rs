@@ -107,7 +107,7 @@ pub struct PowerOff {}
 /// a template). A resume finds the guest's clock moved on by all the time it
 /// was saved, and its kernel takes a grace period that was in flight at the
 /// save for a stall: it prints a report of it, kilobytes, to the serial
-/// console, a VM exit a byte (64-94 us a byte measured on a nested host),
+/// console, a VM exit a byte (57-84 us a byte measured on a nested host),
 /// while the resumed guest waits. So the guest quiets its kernel's RCU stall check
 /// (unless something else already did), and turns it back on itself: a
 /// second after it has run again (the next Resumed, or its clock seen to

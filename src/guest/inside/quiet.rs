@@ -5,7 +5,7 @@
 //! was saved: a grace period that was in flight at the save then looks
 //! stalled that long, and the kernel prints a report of it, kilobytes with
 //! stack dumps, to the console. On a serial console each byte is a VM exit
-//! (64-94 us a byte measured on a nested host), so a clone or a woken VM
+//! (57-84 us a byte measured on a nested host), so a clone or a woken VM
 //! spent a tenth of a second or more printing a stall that never was
 //! before its guest agent could answer. The check is turned off just before the
 //! save and back on once the guest has run again long enough for such a
