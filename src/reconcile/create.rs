@@ -40,7 +40,7 @@ use super::admission::CreateSlots;
 use super::clones;
 use super::context::{Context, panicked};
 use super::lifecycle::{self, Attempts, State};
-use super::pass::{CREATE_STAGE, Narrator, Next, Pass, VmResult};
+use super::pass::{Began, CREATE_STAGE, Narrator, Next, Pass, VmResult};
 use super::seams::{HostKey, HostKeys, ImageRequest, Images, Progress, SeedBuilder, SeedParams};
 use super::volumes;
 use crate::deadline::Deadline;
@@ -219,7 +219,7 @@ impl Create {
         ctx.counts.lost.touch(vm_id.as_str());
         pass.res
             .report(&rec, Some(PowerState::observed(boots)), Phase::Ready, "");
-        Next::Announce(rec, Some(crate::crash::at("create.booted-saved")))
+        Next::Announce(rec, Began::Created(crate::crash::at("create.booted-saved")))
     }
 
     /// A clone's side effects, once its attempt is counted (see

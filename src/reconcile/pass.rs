@@ -202,10 +202,21 @@ pub(crate) enum Next {
     /// first, as the pass will end it, then the record follows, then the
     /// crash point. Said first because the VMM runs whether or not the
     /// save lands, and a crash before it is adopted, never started twice.
-    Announce(Record, Option<crate::crash::Point>),
+    Announce(Record, Began),
     /// The VM is destroyed and its record deleted: what every concern
     /// kept of it goes.
     Destroyed(Id),
+}
+
+/// How the guest of an [`Next::Announce`] came to run.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Began {
+    /// Created: booted from its disks, or a clone restored and made its
+    /// own; the crash point is hit once its record is saved.
+    Created(crate::crash::Point),
+    /// Resumed where it left off: the boot it had goes on, and what its
+    /// guest agent says of it is asked for at once, never presumed.
+    Resumed,
 }
 
 /// How a pass ended.

@@ -39,8 +39,8 @@ use super::holds::{self, Holding};
 use super::lifecycle::{self, State};
 use super::panics::Panics;
 use super::pass::{
-    Assignment, CREATE_STAGE, Next, Pass, PassOutcome, Publisher, RESUME_STAGE, SUSPEND_STAGE,
-    VmResult,
+    Assignment, Began, CREATE_STAGE, Next, Pass, PassOutcome, Publisher, RESUME_STAGE,
+    SUSPEND_STAGE, VmResult,
 };
 use super::probes::Probes;
 use super::sleepers::Sleepers;
@@ -213,7 +213,7 @@ impl Spine {
                     Some(verb) => verb.suspend(rec, pass),
                     None => suspension::cannot(ctx, rec, pass),
                 },
-                Next::Announce(rec, point) => self.announce(wanted, rec, point, pass),
+                Next::Announce(rec, began) => self.announce(wanted, rec, began, pass),
                 Next::Destroyed(vm_id) => {
                     self.probes.forget(&vm_id);
                     self.panics.forget(&vm_id);
@@ -270,16 +270,11 @@ impl Spine {
     }
 
     /// [`Next::Announce`]: the row published as the pass will end it (with
-    /// a probe in its spec it is not ready before its guest answers, and
-    /// what it is held to is in it), then the record saved, then the crash
-    /// point; a VM wanted suspended is suspended next.
-    fn announce(
-        &self,
-        wanted: Wanted<'_>,
-        rec: Record,
-        point: Option<crate::crash::Point>,
-        pass: &mut Pass<'_>,
-    ) -> Next {
+    /// a probe in its spec it is not ready before its guest answers, a
+    /// resumed guest's agent asked first, and what it is held to is in
+    /// it), then the record saved, then a create's crash point; a VM
+    /// wanted suspended is suspended next.
+    fn announce(&self, wanted: Wanted<'_>, rec: Record, began: Began, pass: &mut Pass<'_>) -> Next {
         let ctx = &self.ctx;
         let Wanted::Vm(desired) = wanted else {
             ctx.save_best_effort(&rec);
@@ -288,13 +283,14 @@ impl Spine {
         if let Some(publisher) = pass.publisher.filter(|_| !pass.deadline.expired()) {
             let mut said = pass.res.clone();
             let booted = rec.lifecycle.boot_started();
-            self.probes.hold_for_probe(ctx, desired, booted, &mut said);
+            self.probes
+                .before_first_look(ctx, desired, (booted, began), pass.deadline, &mut said);
             let answering = self.probes.answering(&desired.spec.vm_id);
             Holding::of(ctx).say_what_it_is_held_to(desired, Ok(()), answering, &mut said);
             publisher.publish(said);
         }
         ctx.save_best_effort(&rec);
-        if let Some(point) = point {
+        if let Began::Created(point) = began {
             point.hit();
         }
         ctx.forget_logs(&rec.spec.vm_id);

@@ -57,7 +57,7 @@ use std::time::Instant;
 
 use super::context::Context;
 use super::guests;
-use super::pass::{Next, Pass, RESUME_STAGE, SUSPEND_STAGE};
+use super::pass::{Began, Next, Pass, RESUME_STAGE, SUSPEND_STAGE};
 use crate::error::{Simple, chain};
 use crate::model::{DesiredVm, Id, Phase, PowerState, Saved};
 use crate::provision::{SavedGuest, Suspend};
@@ -387,7 +387,7 @@ impl Suspension<'_> {
                 // Said once the guest runs, before the record follows: a
                 // crash before the save finds its VMM alive and finishes.
                 ctx.report_recorded(pass.res, &rec, PowerState::Running);
-                Next::Announce(rec, None)
+                Next::Announce(rec, Began::Resumed)
             }
             PowerState::Suspended | PowerState::Stopped => {
                 ctx.save_best_effort(&rec);

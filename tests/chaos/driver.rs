@@ -809,6 +809,17 @@ impl Host {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// Copies the agents' whole log to `EITRI_CHAOS_KEEP/<name>.log`, when
+    /// that names a directory: its tail seldom reaches back to the cause.
+    fn keep_log(&self, name: &str) {
+        if let Some(dir) = std::env::var_os("EITRI_CHAOS_KEEP") {
+            let to = PathBuf::from(dir).join(format!("{name}.log"));
+            if let Err(e) = std::fs::copy(self.dir.path().join("agent.log"), &to) {
+                eprintln!("chaos: cannot keep the log in {}: {e}", to.display());
+            }
+        }
+    }
+
     /// Stops the agent; what the whole run left wrong: temp files, and
     /// reads of `report.json` that did not parse.
     fn finish(&mut self) -> Vec<String> {
@@ -1112,6 +1123,7 @@ fn random_kills(n: usize, seed: u64, tally: &mut Tally) -> Vec<String> {
                     "kill {kill}: the agents' log then ends:\n{}",
                     host.log_tail(LOG_LINES)
                 ));
+                host.keep_log(&format!("kill-{kill}"));
             }
         }
     }

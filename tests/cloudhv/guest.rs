@@ -499,6 +499,89 @@ fn a_delivered_guest_agent_is_waited_for_from_the_boot_and_then_done_without() {
     );
 }
 
+/// Every row of `vm` the engine published while `act` ran, each once, in
+/// order: those said mid-pass included.
+fn rows_published_during(
+    h: &Host,
+    vm: &str,
+    act: impl FnOnce(),
+) -> Vec<eitri_agent::model::VmStatus> {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut seen: Vec<eitri_agent::model::VmStatus> = Vec::new();
+    std::thread::scope(|s| {
+        let watcher = s.spawn(|| {
+            let mut seen = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Acquire) {
+                let _ = h.engine().changes().recv_timeout(Duration::from_millis(5));
+                let row = h
+                    .engine()
+                    .published()
+                    .vms
+                    .into_iter()
+                    .find(|r| r.vm_id == vm);
+                if let Some(row) = row.map(std::sync::Arc::unwrap_or_clone)
+                    && seen.last() != Some(&row)
+                {
+                    seen.push(row);
+                }
+            }
+            seen
+        });
+        act();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        seen = watcher.join().expect("watcher");
+    });
+    seen
+}
+
+#[test]
+fn a_guest_resumed_soon_after_its_boot_is_not_said_to_wait_for_its_guest_agent() {
+    // Its status is answered late, so a row said before it was asked stands
+    // long enough to be seen.
+    let h = Host::new(&[("STANDIN_GUEST_STATUS_AFTER_MS", "300")]).delivering_a_guest_agent();
+    h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    h.tick(&wanting(&h, "vm-1", PowerState::Suspended));
+
+    let rows = rows_published_during(&h, "vm-1", || {
+        h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    });
+
+    let held: Vec<_> = rows
+        .iter()
+        .filter(|r| r.phase == Some(Phase::Creating))
+        .collect();
+    assert!(held.is_empty(), "{held:#?}");
+    let last = rows.last().expect("a row");
+    assert_eq!(
+        (last.power, last.phase, last.readiness.as_str()),
+        (
+            Some(PowerState::Running),
+            Some(Phase::Ready),
+            "guest agent answered"
+        )
+    );
+}
+
+#[test]
+fn a_guest_just_booted_is_said_to_wait_for_an_agent_not_yet_asked_not_one_that_does_not_answer() {
+    let h = Host::new(&[("STANDIN_GUEST_STATUS_AFTER_MS", "300")]).delivering_a_guest_agent();
+
+    let rows = rows_published_during(&h, "vm-1", || {
+        h.tick(&wanting(&h, "vm-1", PowerState::Running));
+    });
+
+    let waits: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.phase == Some(Phase::Creating) && r.power == Some(PowerState::Running))
+        .map(|r| r.status_detail.as_str())
+        .collect();
+    assert_eq!(
+        waits,
+        ["waiting for the guest: its guest agent is not asked yet, 0 s of 120 s"]
+    );
+    assert_eq!(rows.last().map(|r| r.phase), Some(Some(Phase::Ready)));
+}
+
 #[test]
 fn a_restarted_agent_does_not_wait_again_for_a_guest_agent_its_boot_waited_out() {
     let h = Host::new(&[("STANDIN_GUEST_AGENT", "none")]).delivering_a_guest_agent();

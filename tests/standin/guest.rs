@@ -15,7 +15,9 @@
 //! - `close`: half a frame, then closes.
 //!
 //! `STANDIN_GUEST_UP_AFTER_MS=n`: the guest's system says `starting` for
-//! its first n ms, then `running`. Each request served is logged
+//! its first n ms, then `running`. `STANDIN_GUEST_STATUS_AFTER_MS=n`: a
+//! status request is answered n ms after it came (a guest whose
+//! `systemctl` is slow). Each request served is logged
 //! (`standin-guest <what>`), a reseed with the digest of its entropy.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -36,6 +38,8 @@ pub struct Scripted {
     pub boot_id: String,
     pub started: Instant,
     pub up_after: Duration,
+    /// How long a status request waits before it is answered.
+    pub status_after: Duration,
     pub say: Arc<dyn Fn(&str) + Send + Sync>,
     frozen: Mutex<bool>,
 }
@@ -65,13 +69,14 @@ impl Scripted {
 
     pub fn new(
         boot_id: String,
-        up_after: Duration,
+        (up_after, status_after): (Duration, Duration),
         say: Arc<dyn Fn(&str) + Send + Sync>,
     ) -> Scripted {
         Scripted {
             boot_id,
             started: Instant::now(),
             up_after,
+            status_after,
             say,
             frozen: Mutex::new(false),
         }
@@ -80,6 +85,7 @@ impl Scripted {
 
 impl Inside for Scripted {
     fn status(&self) -> Status {
+        std::thread::sleep(self.status_after);
         let status = self.state();
         let up = status.system == SystemState::SystemUp as i32;
         (self.say)(&format!("standin-guest status up={up}"));

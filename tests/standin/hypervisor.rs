@@ -80,7 +80,8 @@
 //!   why`).
 //! - `STANDIN_GUEST_TCP=1`: the guest answers ARP and TCP SYNs on its first
 //!   NIC, and logs each SYN (see `wire`).
-//! - `STANDIN_GUEST_AGENT=…`, `STANDIN_GUEST_UP_AFTER_MS=n`: how the guest
+//! - `STANDIN_GUEST_AGENT=…`, `STANDIN_GUEST_UP_AFTER_MS=n`,
+//!   `STANDIN_GUEST_STATUS_AFTER_MS=n`: how the guest
 //!   agent behind `--vsock` answers (see `guest`). `--vsock
 //!   cid=…,socket=PATH` binds PATH (failing where a file is left, as the
 //!   real one does), is written into a snapshot's config and bound again
@@ -882,11 +883,17 @@ fn main() {
     };
     if let Some(socket) = vsock {
         let say = Arc::clone(&log);
-        let up_after = knob("STANDIN_GUEST_UP_AFTER_MS")
-            .and_then(|v| v.parse().ok())
-            .map_or(Duration::ZERO, Duration::from_millis);
+        let ms = |name| {
+            knob(name)
+                .and_then(|v| v.parse().ok())
+                .map_or(Duration::ZERO, Duration::from_millis)
+        };
+        let timing = (
+            ms("STANDIN_GUEST_UP_AFTER_MS"),
+            ms("STANDIN_GUEST_STATUS_AFTER_MS"),
+        );
         let scripted =
-            guest::Scripted::new(boot_id(), up_after, Arc::new(move |l: &str| say.line(l)));
+            guest::Scripted::new(boot_id(), timing, Arc::new(move |l: &str| say.line(l)));
         guest::listen(
             Path::new(&socket),
             Arc::new(scripted),

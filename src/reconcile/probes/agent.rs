@@ -26,6 +26,11 @@
 //! guest without an agent back for another wait, and a resumed guest (long
 //! past its boot) is asked at once and never held.
 //!
+//! A resumed guest goes on with the boot it had, whose agent may have said
+//! it up long before: it is asked before its row is first said, never
+//! presumed unanswered. A guest just booted, whose row is said before its
+//! agent is asked, is held as one whose agent is "not asked yet".
+//!
 //! The guest agent is the tenant's code: each ask is bounded by
 //! [`ASK_WITHIN`] and the pass's deadline; one that answers late is
 //! waited for as one that has not answered yet (a guest busy booting on a
@@ -65,6 +70,9 @@ const REFRESH: Duration = Duration::from_secs(30);
 /// What the last ask came to.
 #[derive(Clone, Debug)]
 enum Heard {
+    /// Nothing asked of this hypervisor's agent yet: a row said before
+    /// the pass's ask (its hypervisor just booted) presumes nothing.
+    NotAsked,
     Status(Status),
     /// Nothing listens on the agent's port (or no VMM door).
     NoAgent,
@@ -274,6 +282,7 @@ impl Agents {
             Heard::Status(status) => {
                 format!("its guest agent says the system is {}", status.system)
             }
+            Heard::NotAsked => "its guest agent is not asked yet".to_owned(),
             Heard::NoAgent => "no guest agent answers".to_owned(),
             Heard::Late(why) => format!("its guest agent is late: {why}"),
             Heard::Bad(why) => format!("its guest agent fails: {why}"),
@@ -321,7 +330,7 @@ impl Seen {
             pid,
             next_at: now,
             up: false,
-            heard: Heard::NoAgent,
+            heard: Heard::NotAsked,
             waiting: false,
             described: false,
         }

@@ -31,7 +31,7 @@ use std::collections::HashMap;
 use std::time::{Duration, SystemTime};
 
 use super::context::Context;
-use super::pass::VmResult;
+use super::pass::{Began, VmResult};
 use crate::deadline::Deadline;
 use crate::model::{ANSWERED, Check, DesiredVm, Id, Phase, PowerState, Readiness, UNHEALTHY};
 use crate::state::Record;
@@ -193,21 +193,33 @@ impl Probes {
         None
     }
 
-    /// Holds back the row of a VM whose hypervisor was just started, for a
-    /// publish before its pass probes it: with a probe in its spec it is
-    /// not `ready` until its guest answers, and nothing of this hypervisor
-    /// has answered yet.
-    /// With none, its guest agent's wait holds it back the same way.
-    pub(crate) fn hold_for_probe(
+    /// The row of a VM whose hypervisor was just started, for a publish
+    /// before its pass probes it: with a probe in its spec it is not
+    /// `ready` until its guest answers, and nothing of this hypervisor has
+    /// answered yet.
+    /// With none, a guest just created is held back for its guest agent
+    /// the same way (within its wait), and a resumed one's agent is asked
+    /// now: the boot it goes on with may be one whose agent said it up.
+    pub(crate) fn before_first_look(
         &self,
         ctx: &Context,
         desired: &DesiredVm,
-        booted: Option<SystemTime>,
+        (booted, began): (Option<SystemTime>, Began),
+        deadline: Deadline,
         res: &mut VmResult,
     ) {
         let Some(probe) = &desired.readiness else {
-            if up(res) {
-                self.agents.hold(ctx, booted, res);
+            if !up(res) {
+                return;
+            }
+            match began {
+                Began::Created(_) => self.agents.hold(ctx, booted, res),
+                Began::Resumed => {
+                    let vm_id = &desired.spec.vm_id;
+                    let at = (booted, ctx.host.now());
+                    let pid = ctx.backend.pid(vm_id);
+                    self.agents.look(ctx, deadline, (vm_id, pid), at, res);
+                }
             }
             return;
         };
