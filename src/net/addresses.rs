@@ -234,30 +234,42 @@ impl Addresses {
     }
 
     /// The VM's address from `lease` (with what it returns beside), once
-    /// no other VM holds one of its MACs.
+    /// no other VM holds one of its MACs. The MACs are claimed first, and
+    /// the lock on them is not held through the lease's write: a VM's
+    /// start asking for the address it holds does not wait on a burst of
+    /// other VMs' reserves (see `Leases`).
     fn take<T>(
         &self,
         vm_id: &Id,
         lease: impl FnOnce(&str) -> Result<(Ipv4Addr, T), LeaseError>,
     ) -> Result<(Ipv4Addr, T), AddressError> {
-        let mut macs = self.macs.lock();
         let mine = macs_of(vm_id);
-        for mac in mine {
-            if let Some(other) = macs.get(&mac)
-                && other != vm_id
-            {
-                return Err(AddressError::MacCollision {
-                    vm_id: vm_id.clone(),
-                    other: other.clone(),
-                    mac,
-                });
+        let claimed = {
+            let mut macs = self.macs.lock();
+            for mac in mine {
+                if let Some(other) = macs.get(&mac)
+                    && other != vm_id
+                {
+                    return Err(AddressError::MacCollision {
+                        vm_id: vm_id.clone(),
+                        other: other.clone(),
+                        mac,
+                    });
+                }
             }
-        }
-        let taken = lease(vm_id.as_str()).map_err(|e| from(e, self.subnet))?;
-        for mac in mine {
-            macs.insert(mac, vm_id.clone());
-        }
-        Ok(taken)
+            mine.into_iter()
+                .filter(|mac| macs.insert(*mac, vm_id.clone()).is_none())
+                .collect::<Vec<_>>()
+        };
+        lease(vm_id.as_str()).map_err(|e| {
+            // Claims this call made are given back: the VM holds no
+            // address by them.
+            let mut macs = self.macs.lock();
+            for mac in &claimed {
+                macs.remove(mac);
+            }
+            from(e, self.subnet)
+        })
     }
 
     /// The VMs holding an address.
@@ -265,12 +277,13 @@ impl Addresses {
         self.leases.vm_ids()
     }
 
-    /// Frees the VM's address (at destroy).
+    /// Frees the VM's address (at destroy). Its MACs are given back only
+    /// once the map no longer holds it.
     pub fn release(&self, vm_id: &Id) -> Result<(), AddressError> {
-        let mut macs = self.macs.lock();
         self.leases
             .release(vm_id.as_str())
             .map_err(|e| from(e, self.subnet))?;
+        let mut macs = self.macs.lock();
         for mac in macs_of(vm_id) {
             if macs.get(&mac) == Some(vm_id) {
                 macs.remove(&mac);

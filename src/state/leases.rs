@@ -11,6 +11,11 @@
 //!    books uses the slot: a crash before that forgets a slot nothing used.
 //! 4. An unreadable map hands out nothing: starting from an empty one could
 //!    give a live VM's slot to another.
+//! 5. Readers never wait on the disk. Changes are written one at a time
+//!    (`writing`), each as the whole next map, which readers see only once
+//!    its write has succeeded. A burst of creates queues its reserves'
+//!    fsyncs here; a VM asking for the slot it already holds (its tap's
+//!    name at its start, its VMM's user) does not queue behind them.
 
 use std::collections::{BTreeMap, HashSet};
 use std::hash::Hash;
@@ -47,7 +52,11 @@ pub struct Leases<V: Slot> {
     path: PathBuf,
     first: u32,
     size: u32,
+    /// The map as last written: what readers see.
     map: Mutex<BTreeMap<String, V>>,
+    /// Held through each change's write, so changes reach the file in the
+    /// order they reach `map` (step 5).
+    writing: Mutex<()>,
 }
 
 impl<V: Slot> Leases<V> {
@@ -67,6 +76,7 @@ impl<V: Slot> Leases<V> {
             first,
             size,
             map: Mutex::new(map),
+            writing: Mutex::new(()),
         })
     }
 
@@ -110,8 +120,12 @@ impl<V: Slot> Leases<V> {
         seed: &str,
         write: fn(&Path, &[u8]) -> std::io::Result<()>,
     ) -> Result<V, LeaseError> {
-        let mut map = self.map.lock();
-        if let Some(v) = map.get(key) {
+        if let Some(v) = self.get(key) {
+            return Ok(v);
+        }
+        let _writing = self.writing.lock();
+        let mut next = self.map.lock().clone();
+        if let Some(v) = next.get(key) {
             return Ok(*v);
         }
         if self.size == 0 {
@@ -119,32 +133,41 @@ impl<V: Slot> Leases<V> {
         }
         let digest = Sha256::digest(seed.as_bytes());
         let start = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % self.size;
-        let taken: HashSet<V> = map.values().copied().collect();
+        let taken: HashSet<V> = next.values().copied().collect();
         let slot = (0..self.size)
             .map(|i| V::from(self.first + (start + i) % self.size))
             .find(|v| !taken.contains(v))
             .ok_or(LeaseError::Full)?;
-        map.insert(key.to_owned(), slot);
-        if let Err(source) = self.save(&map, write) {
-            map.remove(key);
-            return Err(LeaseError::Save {
-                path: self.path.clone(),
-                source,
-            });
-        }
+        next.insert(key.to_owned(), slot);
+        self.commit(next, write)?;
         Ok(slot)
     }
 
     /// Frees the key's slot.
     pub fn release(&self, key: &str) -> Result<(), LeaseError> {
-        let mut map = self.map.lock();
-        if map.remove(key).is_some() {
-            self.save(&map, write_atomic)
-                .map_err(|source| LeaseError::Save {
-                    path: self.path.clone(),
-                    source,
-                })?;
+        if self.get(key).is_none() {
+            return Ok(());
         }
+        let _writing = self.writing.lock();
+        let mut next = self.map.lock().clone();
+        if next.remove(key).is_some() {
+            self.commit(next, write_atomic)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `next` and makes it what readers see; the caller holds
+    /// `writing`. A failed write leaves both as they were.
+    fn commit(
+        &self,
+        next: BTreeMap<String, V>,
+        write: fn(&Path, &[u8]) -> std::io::Result<()>,
+    ) -> Result<(), LeaseError> {
+        self.save(&next, write).map_err(|source| LeaseError::Save {
+            path: self.path.clone(),
+            source,
+        })?;
+        *self.map.lock() = next;
         Ok(())
     }
 
@@ -190,5 +213,76 @@ mod tests {
 
         assert_eq!(reserved, allocated);
         pending.sync().expect("sync");
+    }
+
+    /// One test at a time holds a write (`HELD` is the process's).
+    static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+    /// A write that waits, once it has begun, until the test lets it go on.
+    static HELD: parking_lot::Mutex<Option<(Sender, Receiver)>> = parking_lot::Mutex::new(None);
+    type Sender = std::sync::mpsc::Sender<()>;
+    type Receiver = std::sync::mpsc::Receiver<()>;
+
+    fn held_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        if let Some((begun, go_on)) = HELD.lock().as_ref() {
+            let _ = begun.send(());
+            let _ = go_on.recv_timeout(std::time::Duration::from_secs(10));
+        }
+        write_atomic(path, bytes)
+    }
+
+    /// `leases` with "vm-2"'s slot being taken on a thread whose write is
+    /// held; the returned sender lets it go on (and the guard is held
+    /// until the test ends).
+    fn with_a_write_held(
+        leases: std::sync::Arc<Leases<u32>>,
+    ) -> (
+        Sender,
+        std::thread::JoinHandle<Result<u32, LeaseError>>,
+        parking_lot::MutexGuard<'static, ()>,
+    ) {
+        let one = ONE_AT_A_TIME.lock();
+        let (begun_tx, begun) = std::sync::mpsc::channel();
+        let (go_on, go_on_rx) = std::sync::mpsc::channel();
+        *HELD.lock() = Some((begun_tx, go_on_rx));
+        let taking = std::thread::spawn(move || leases.take("vm-2", "vm-2", held_write));
+        begun
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the write began");
+        (go_on, taking, one)
+    }
+
+    #[test]
+    fn a_slot_held_is_read_while_another_keys_write_is_under_way() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let leases = std::sync::Arc::new(
+            Leases::<u32>::open(&dir.path().join("ids.json"), 100, 10).expect("open"),
+        );
+        let held = leases.allocate("vm-1", "vm-1").expect("allocate");
+        let (go_on, taking, _one) = with_a_write_held(leases.clone());
+
+        let (answer_tx, answer) = std::sync::mpsc::channel();
+        let reader = leases.clone();
+        std::thread::spawn(move || answer_tx.send(reader.allocate("vm-1", "vm-1").ok()));
+        let read = answer.recv_timeout(std::time::Duration::from_secs(5));
+        go_on.send(()).expect("the writer waits");
+        taking.join().expect("the writer ends").expect("vm-2 taken");
+
+        assert_eq!(read, Ok(Some(held)));
+    }
+
+    #[test]
+    fn a_slot_is_not_seen_before_its_map_is_written() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let leases = std::sync::Arc::new(
+            Leases::<u32>::open(&dir.path().join("ids.json"), 100, 10).expect("open"),
+        );
+        let (go_on, taking, _one) = with_a_write_held(leases.clone());
+
+        let during = leases.get("vm-2");
+        go_on.send(()).expect("the writer waits");
+        let taken = taking.join().expect("the writer ends").expect("vm-2 taken");
+
+        assert_eq!((during, leases.get("vm-2")), (None, Some(taken)));
     }
 }
