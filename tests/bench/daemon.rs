@@ -21,6 +21,20 @@ use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
 
 type Error = Box<dyn std::error::Error>;
 
+/// Of a `report.json`, its rows alone: the rest (each VM's details among
+/// it) is read past and never built. [`Daemon::wait_rows`] reads the file
+/// every 20 ms, on the host whose burst it times.
+#[derive(serde::Deserialize)]
+struct RowsOnly {
+    report: Rows,
+}
+
+#[derive(serde::Deserialize)]
+struct Rows {
+    #[serde(default)]
+    vms: Vec<serde_json::Value>,
+}
+
 /// What the daemon is given to boot its guests with.
 pub struct Parts<'a> {
     pub hypervisor: &'a Path,
@@ -186,8 +200,8 @@ impl Daemon {
         loop {
             let rows = std::fs::read(self.state().join("report.json"))
                 .ok()
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-                .and_then(|r| r["report"]["vms"].as_array().cloned())
+                .and_then(|b| serde_json::from_slice::<RowsOnly>(&b).ok())
+                .map(|r| r.report.vms)
                 .unwrap_or_default();
             if done(&rows) {
                 return Ok(());
