@@ -20,20 +20,6 @@ use crate::state::Store;
 /// of rows changing (a hundred VMs booting) is a few writes, not a hundred.
 pub(super) const MIN_WRITE_GAP: Duration = Duration::from_millis(10);
 
-/// A report's publishing takes at most this share of the main thread
-/// through a burst of changes: the gap after one is this many times what
-/// it took, when that is longer than [`MIN_WRITE_GAP`]. Each publishing
-/// serializes every row (2.3 ms at a hundred VMs on a 2-core host, in
-/// `make bench-clone`'s burst), so a fixed gap would let a host of
-/// thousands spend its main thread, and a core of a small host, writing
-/// reports while its VMs wait for CPU.
-const WRITE_SHARE: u32 = 10;
-
-/// The gap after a publishing that took `took` (see [`WRITE_SHARE`]).
-pub(super) fn write_gap(took: Duration) -> Duration {
-    MIN_WRITE_GAP.max(took.saturating_mul(WRITE_SHARE))
-}
-
 /// What the main loop is told from outside.
 #[derive(Debug, Clone)]
 pub enum Event {
@@ -192,9 +178,8 @@ pub struct Daemon {
     pub(super) epoch_refusals: crate::metrics::CounterVec,
     pub(super) max_epoch_step: u64,
     pub(super) logs: LogOnce,
-    /// When `report.json` may be written again for a change (see
-    /// [`write_gap`]), and whether a change waits.
-    pub(super) next_write: Option<Instant>,
+    /// When `report.json` was last written, and whether a change waits.
+    pub(super) written: Option<Instant>,
     pub(super) dirty: bool,
     pub(super) metrics: Option<metrics::MetricsFile>,
     pub(super) details: details::Details,
@@ -235,7 +220,7 @@ impl Daemon {
             epoch_refusals: crate::metrics::CounterVec::default(),
             max_epoch_step: parts.max_epoch_step,
             logs: LogOnce::new(),
-            next_write: None,
+            written: None,
             dirty: false,
             metrics: parts.metrics,
             image_cache_max: parts.image_cache_max,
@@ -335,13 +320,16 @@ impl Daemon {
         }
     }
 
-    /// When a waiting change may be written: at once, or once the gap
-    /// after the last write has passed.
+    /// When a waiting change may be written: at once, or once the last
+    /// write is [`MIN_WRITE_GAP`] old.
     fn write_due_at(&self) -> Option<Instant> {
         if !self.dirty {
             return None;
         }
-        Some(self.next_write.unwrap_or_else(Instant::now))
+        Some(match self.written {
+            Some(at) => at + MIN_WRITE_GAP,
+            None => Instant::now(),
+        })
     }
 
     /// Takes new desired state (see the module's step 1); whether it is new
@@ -591,24 +579,5 @@ impl Daemon {
             None => self.engine.observe(),
         };
         self.publish(&report, None, false);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_quick_publishing_is_followed_by_the_shortest_gap() {
-        let gap = write_gap(Duration::from_micros(300));
-
-        assert_eq!(gap, MIN_WRITE_GAP);
-    }
-
-    #[test]
-    fn a_slow_publishing_is_followed_by_ten_times_what_it_took() {
-        let gap = write_gap(Duration::from_millis(7));
-
-        assert_eq!(gap, Duration::from_millis(70));
     }
 }

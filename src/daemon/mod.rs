@@ -21,8 +21,7 @@
 //!      (or failure): it may be older than what that agent did.
 //!   3. A VM's row changed between steps (a pass ended, a crashed VM was
 //!      repaired): report it at once, at most every
-//!      [`MIN_WRITE_GAP`](event_loop::MIN_WRITE_GAP), or ten times as long
-//!      as the last publishing took, whichever is longer.
+//!      [`MIN_WRITE_GAP`](event_loop::MIN_WRITE_GAP).
 //!   4. Every report is published to the exchange and written to
 //!      `report.json` atomically; after the first, readiness is signalled.
 //! - `signals`: SIGTERM/SIGINT stop the loop (passes in flight get the

@@ -19,7 +19,6 @@ impl Daemon {
         reflects: Option<u64>,
         tick: bool,
     ) {
-        let started = Instant::now();
         let mut wire = convert::report_to_wire(report);
         if self.fenced.is_some() {
             wire.fence_violation = true;
@@ -29,7 +28,7 @@ impl Daemon {
         }
         self.link.publish(wire.clone(), reflects);
         self.write_report(wire, tick);
-        self.next_write = Some(Instant::now() + super::event_loop::write_gap(started.elapsed()));
+        self.written = Some(Instant::now());
         self.dirty = false;
     }
 
