@@ -13,9 +13,13 @@
 //!    give a live VM's slot to another.
 //! 5. Readers never wait on the disk. Changes are written one at a time
 //!    (`writing`), each as the whole next map, which readers see only once
-//!    its write has succeeded. A burst of creates queues its reserves'
-//!    fsyncs here; a VM asking for the slot it already holds (its tap's
-//!    name at its start, its VMM's user) does not queue behind them.
+//!    its write has succeeded. A VM asking for the slot it already holds
+//!    (its tap's name at its start, its VMM's user) does not queue.
+//! 6. Keys that ask while a write is under way are written together, by
+//!    the first of them to get the turn (`waiting`): a burst of N creates
+//!    costs a few writes and fsyncs of the map, not N one after another.
+//!    One whose slot did not make it into a write (the pool full, the
+//!    write failed) tries again on its own, so each learns its own fate.
 
 use std::collections::{BTreeMap, HashSet};
 use std::hash::Hash;
@@ -57,6 +61,8 @@ pub struct Leases<V: Slot> {
     /// Held through each change's write, so changes reach the file in the
     /// order they reach `map` (step 5).
     writing: Mutex<()>,
+    /// Keys (and seeds) waiting for a slot, for the next write (step 6).
+    waiting: Mutex<Vec<(String, String)>>,
 }
 
 impl<V: Slot> Leases<V> {
@@ -77,6 +83,7 @@ impl<V: Slot> Leases<V> {
             size,
             map: Mutex::new(map),
             writing: Mutex::new(()),
+            waiting: Mutex::new(Vec::new()),
         })
     }
 
@@ -101,7 +108,14 @@ impl<V: Slot> Leases<V> {
     /// The key's slot: the one it has, or a new one (first choice from
     /// `seed`), saved before it is returned.
     pub fn allocate(&self, key: &str, seed: &str) -> Result<V, LeaseError> {
-        self.take(key, seed, write_atomic)
+        let (slot, waited) = self.take(key, seed, write_then_rename)?;
+        if waited {
+            // Whichever write carried it, its name is made durable here.
+            Pending::renamed(&self.path)
+                .sync()
+                .map_err(|source| self.save_error(source))?;
+        }
+        Ok(slot)
     }
 
     /// As [`Leases::allocate`], the map's bytes durable and in place when
@@ -110,37 +124,59 @@ impl<V: Slot> Leases<V> {
     /// syncs them all at once. The pending sync is returned for a slot
     /// the key had too: an earlier reserve's may never have been made.
     pub fn reserve(&self, key: &str, seed: &str) -> Result<(V, Pending), LeaseError> {
-        let slot = self.take(key, seed, write_then_rename)?;
+        let (slot, _) = self.take(key, seed, write_then_rename)?;
         Ok((slot, Pending::renamed(&self.path)))
     }
 
+    /// The key's slot, and whether it had to wait for a write (step 6:
+    /// its own, or another key's that carried it).
     fn take(
         &self,
         key: &str,
         seed: &str,
         write: fn(&Path, &[u8]) -> std::io::Result<()>,
-    ) -> Result<V, LeaseError> {
+    ) -> Result<(V, bool), LeaseError> {
         if let Some(v) = self.get(key) {
-            return Ok(v);
+            return Ok((v, false));
         }
+        self.waiting.lock().push((key.to_owned(), seed.to_owned()));
         let _writing = self.writing.lock();
-        let mut next = self.map.lock().clone();
-        if let Some(v) = next.get(key) {
-            return Ok(*v);
+        if let Some(v) = self.get(key) {
+            // A write made while this one waited carried it.
+            return Ok((v, true));
         }
+        let mut asking = std::mem::take(&mut *self.waiting.lock());
+        if !asking.iter().any(|(k, _)| k == key) {
+            // Taken into a write that failed, or that found no slot for
+            // it: asked again, so that its own answer is its own.
+            asking.push((key.to_owned(), seed.to_owned()));
+        }
+        let mut next = self.map.lock().clone();
+        for (k, s) in &asking {
+            if !next.contains_key(k)
+                && let Some(slot) = self.free_slot(&next, s)
+            {
+                next.insert(k.clone(), slot);
+            }
+        }
+        let slot = next.get(key).copied();
+        if next.len() > self.map.lock().len() {
+            self.commit(next, write)?;
+        }
+        slot.map(|v| (v, true)).ok_or(LeaseError::Full)
+    }
+
+    /// The first free slot of `map` from `seed`'s first choice on.
+    fn free_slot(&self, map: &BTreeMap<String, V>, seed: &str) -> Option<V> {
         if self.size == 0 {
-            return Err(LeaseError::Full);
+            return None;
         }
         let digest = Sha256::digest(seed.as_bytes());
         let start = u32::from_be_bytes([digest[0], digest[1], digest[2], digest[3]]) % self.size;
-        let taken: HashSet<V> = next.values().copied().collect();
-        let slot = (0..self.size)
+        let taken: HashSet<V> = map.values().copied().collect();
+        (0..self.size)
             .map(|i| V::from(self.first + (start + i) % self.size))
             .find(|v| !taken.contains(v))
-            .ok_or(LeaseError::Full)?;
-        next.insert(key.to_owned(), slot);
-        self.commit(next, write)?;
-        Ok(slot)
     }
 
     /// Frees the key's slot.
@@ -163,12 +199,17 @@ impl<V: Slot> Leases<V> {
         next: BTreeMap<String, V>,
         write: fn(&Path, &[u8]) -> std::io::Result<()>,
     ) -> Result<(), LeaseError> {
-        self.save(&next, write).map_err(|source| LeaseError::Save {
-            path: self.path.clone(),
-            source,
-        })?;
+        self.save(&next, write)
+            .map_err(|source| self.save_error(source))?;
         *self.map.lock() = next;
         Ok(())
+    }
+
+    fn save_error(&self, source: std::io::Error) -> LeaseError {
+        LeaseError::Save {
+            path: self.path.clone(),
+            source,
+        }
     }
 
     fn save(
@@ -245,7 +286,11 @@ mod tests {
         let (begun_tx, begun) = std::sync::mpsc::channel();
         let (go_on, go_on_rx) = std::sync::mpsc::channel();
         *HELD.lock() = Some((begun_tx, go_on_rx));
-        let taking = std::thread::spawn(move || leases.take("vm-2", "vm-2", held_write));
+        let taking = std::thread::spawn(move || {
+            leases
+                .take("vm-2", "vm-2", held_write)
+                .map(|(slot, _)| slot)
+        });
         begun
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the write began");
@@ -284,5 +329,89 @@ mod tests {
         let taken = taking.join().expect("the writer ends").expect("vm-2 taken");
 
         assert_eq!((during, leases.get("vm-2")), (None, Some(taken)));
+    }
+
+    /// Writes made through `counted_write`.
+    static WRITES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    fn counted_write(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+        WRITES.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        write_atomic(path, bytes)
+    }
+
+    #[test]
+    fn keys_that_ask_during_a_write_are_written_together() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ids.json");
+        let leases = std::sync::Arc::new(Leases::<u32>::open(&path, 100, 10).expect("open"));
+        let (go_on, taking, _one) = with_a_write_held(leases.clone());
+        WRITES.store(0, std::sync::atomic::Ordering::SeqCst);
+        let askers: Vec<_> = ["vm-3", "vm-4", "vm-5"]
+            .into_iter()
+            .map(|key| {
+                let leases = leases.clone();
+                std::thread::spawn(move || leases.take(key, key, counted_write))
+            })
+            .collect();
+        let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while leases.waiting.lock().len() < 3 && std::time::Instant::now() < queued {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+
+        go_on.send(()).expect("the writer waits");
+        taking.join().expect("the writer ends").expect("vm-2 taken");
+        let slots: HashSet<u32> = askers
+            .into_iter()
+            .map(|a| a.join().expect("an asker ends").expect("a slot").0)
+            .collect();
+
+        let reread = Leases::<u32>::open(&path, 100, 10).expect("reopen");
+        let saved: HashSet<u32> = ["vm-3", "vm-4", "vm-5"]
+            .iter()
+            .filter_map(|k| reread.get(k))
+            .collect();
+        assert_eq!(
+            (
+                WRITES.load(std::sync::atomic::Ordering::SeqCst),
+                slots.len(),
+                saved
+            ),
+            (1, 3, slots)
+        );
+    }
+
+    #[test]
+    fn a_key_with_no_slot_left_is_told_so_while_the_others_are_saved() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("ids.json");
+        let leases = std::sync::Arc::new(Leases::<u32>::open(&path, 100, 2).expect("open"));
+        let (go_on, taking, _one) = with_a_write_held(leases.clone());
+        let askers: Vec<_> = ["vm-3", "vm-4"]
+            .into_iter()
+            .map(|key| {
+                let leases = leases.clone();
+                std::thread::spawn(move || leases.allocate(key, key).is_ok())
+            })
+            .collect();
+        let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while leases.waiting.lock().len() < 2 && std::time::Instant::now() < queued {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+
+        go_on.send(()).expect("the writer waits");
+        taking.join().expect("the writer ends").expect("vm-2 taken");
+        let answers: Vec<bool> = askers
+            .into_iter()
+            .map(|a| a.join().expect("an asker ends"))
+            .collect();
+
+        let reread = Leases::<u32>::open(&path, 100, 2).expect("reopen");
+        assert_eq!(
+            (
+                answers.iter().filter(|ok| **ok).count(),
+                reread.keys().len()
+            ),
+            (1, 2)
+        );
     }
 }
