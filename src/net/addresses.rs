@@ -355,6 +355,24 @@ mod tests {
     }
 
     #[test]
+    fn a_vm_refused_an_address_holds_none_of_its_macs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let a = Addresses::open(&dir.path().join("a.json"), small()).expect("open");
+        for n in 0..5 {
+            a.allocate(&id(&format!("vm-{n}"))).expect("room");
+        }
+
+        let full = a.reserve(&id("vm-5"));
+
+        let claimed: Vec<Mac> = macs_of(&id("vm-5"))
+            .into_iter()
+            .filter(|mac| a.macs.lock().contains_key(mac))
+            .collect();
+        assert!(matches!(full, Err(AddressError::Full { .. })));
+        assert_eq!(claimed, Vec::<Mac>::new());
+    }
+
+    #[test]
     fn an_address_survives_a_reopen() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("a.json");
