@@ -339,6 +339,27 @@ mod tests {
         write_atomic(path, bytes)
     }
 
+    /// Each key asking on a thread of its own (`ask`), returned once all
+    /// of them wait for the write under way.
+    fn ask_while_held<T: Send + 'static>(
+        leases: &std::sync::Arc<Leases<u32>>,
+        keys: &[&'static str],
+        ask: fn(&Leases<u32>, &'static str) -> T,
+    ) -> Vec<std::thread::JoinHandle<T>> {
+        let askers: Vec<_> = keys
+            .iter()
+            .map(|key| {
+                let (leases, key) = (leases.clone(), *key);
+                std::thread::spawn(move || ask(&leases, key))
+            })
+            .collect();
+        let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while leases.waiting.lock().len() < keys.len() && std::time::Instant::now() < queued {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        askers
+    }
+
     #[test]
     fn keys_that_ask_during_a_write_are_written_together() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -346,17 +367,9 @@ mod tests {
         let leases = std::sync::Arc::new(Leases::<u32>::open(&path, 100, 10).expect("open"));
         let (go_on, taking, _one) = with_a_write_held(leases.clone());
         WRITES.store(0, std::sync::atomic::Ordering::SeqCst);
-        let askers: Vec<_> = ["vm-3", "vm-4", "vm-5"]
-            .into_iter()
-            .map(|key| {
-                let leases = leases.clone();
-                std::thread::spawn(move || leases.take(key, key, counted_write))
-            })
-            .collect();
-        let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while leases.waiting.lock().len() < 3 && std::time::Instant::now() < queued {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        let askers = ask_while_held(&leases, &["vm-3", "vm-4", "vm-5"], |leases, key| {
+            leases.take(key, key, counted_write)
+        });
 
         go_on.send(()).expect("the writer waits");
         taking.join().expect("the writer ends").expect("vm-2 taken");
@@ -386,17 +399,9 @@ mod tests {
         let path = dir.path().join("ids.json");
         let leases = std::sync::Arc::new(Leases::<u32>::open(&path, 100, 2).expect("open"));
         let (go_on, taking, _one) = with_a_write_held(leases.clone());
-        let askers: Vec<_> = ["vm-3", "vm-4"]
-            .into_iter()
-            .map(|key| {
-                let leases = leases.clone();
-                std::thread::spawn(move || leases.allocate(key, key).is_ok())
-            })
-            .collect();
-        let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while leases.waiting.lock().len() < 2 && std::time::Instant::now() < queued {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        let askers = ask_while_held(&leases, &["vm-3", "vm-4"], |leases, key| {
+            leases.allocate(key, key).is_ok()
+        });
 
         go_on.send(()).expect("the writer waits");
         taking.join().expect("the writer ends").expect("vm-2 taken");
